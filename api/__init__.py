@@ -1,0 +1,1 @@
+"""The HTTP face of Agent-Reach: a thin FastAPI app over ``broker``."""

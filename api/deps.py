@@ -1,0 +1,98 @@
+"""Per-request plumbing: the trace id, the caller's key, and the body read within its limit."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from broker import queries
+from broker.errors import BadRequest, BodyTooLarge, Unauthenticated
+from broker.keys import Principal, secret_matches, split_token
+from broker.tracing import trace_id_from
+
+
+class TraceMiddleware:
+    """Gives every request a trace id (``request.state.trace_id``) and every response
+    ``X-Trace-Id``. Pure ASGI, so streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        trace_id = trace_id_from(headers.get("traceparent"), headers.get("x-trace-id"))
+        scope.setdefault("state", {})["trace_id"] = trace_id
+
+        async def send_with_trace(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Trace-Id"] = trace_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_trace)
+
+
+@dataclass
+class KeyCache:
+    """Keys found in Postgres, kept for ``ttl_s`` so a busy caller costs no query per request.
+    Revocation therefore takes effect within ``ttl_s``."""
+
+    ttl_s: float
+    _entries: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+
+    async def get(self, engine: AsyncEngine, key_id: str) -> dict[str, Any] | None:
+        now = time.monotonic()
+        hit = self._entries.get(key_id)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        row = await queries.get_key(engine, key_id)
+        if row is not None and self.ttl_s > 0:
+            if len(self._entries) > 10_000:  # bound memory against many distinct keys
+                self._entries.clear()
+            self._entries[key_id] = (now + self.ttl_s, row)
+        return row
+
+
+async def authenticate(request: Request) -> Principal:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
+    parts = split_token(token.strip())
+    if parts is None:
+        raise Unauthenticated("the API key is not valid")
+    key_id, secret = parts
+    state = request.app.state
+    row = await state.key_cache.get(state.engine, key_id)
+    if row is None or not secret_matches(secret, row["secret_hash"]):
+        raise Unauthenticated("the API key is not valid")
+    return Principal(
+        key_id=key_id,
+        tenant=row["tenant"],
+        capabilities=tuple(row["capabilities"]),
+        is_admin=row["is_admin"],
+    )
+
+
+async def read_json_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it passes ``limit`` (before it is all in memory)."""
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        raise BadRequest("send the envelope as application/json", code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the body is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"the body is larger than {limit} bytes")
+    return bytes(body)

@@ -1,0 +1,144 @@
+"""RFC 9457 problem+json for every error, with a stable ``code`` and the ``trace_id``.
+
+The HTTP status of each code is this one table; codes not listed fall back to their class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+import redis.exceptions
+import sqlalchemy.exc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from broker import errors
+
+STATUS_BY_CODE: dict[str, int] = {
+    "invalid_json": 400,
+    "json_too_deep": 400,
+    "number_out_of_range": 400,
+    "invalid_string": 400,
+    "invalid_cursor": 400,
+    "unauthenticated": 401,
+    "capability_not_allowed": 403,
+    "task_not_found": 404,
+    "conflict_retry": 409,
+    "body_too_large": 413,
+    "payload_too_large": 413,
+    "unsupported_media_type": 415,
+    "envelope_invalid": 422,
+    "idempotency_key_reused": 422,
+    "reply_mode_unsupported": 422,
+    "callback_unsupported": 422,
+    "invalid_parameter": 422,
+    "invalid_data": 422,
+    "queue_unavailable": 503,
+    "service_unavailable": 503,
+}
+
+STATUS_BY_CLASS: list[tuple[type[errors.ReachError], int]] = [
+    (errors.BodyTooLarge, 413),
+    (errors.InvalidEnvelope, 422),
+    (errors.BadRequest, 400),
+    (errors.Unauthenticated, 401),
+    (errors.Forbidden, 403),
+    (errors.NotFound, 404),
+    (errors.Unavailable, 503),
+]
+
+PROBLEM_JSON = "application/problem+json"
+
+
+def status_for(exc: errors.ReachError) -> int:
+    if exc.code in STATUS_BY_CODE:
+        return STATUS_BY_CODE[exc.code]
+    return next((s for cls, s in STATUS_BY_CLASS if isinstance(exc, cls)), 500)
+
+
+def problem(
+    request: Request,
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    body = {
+        "type": f"urn:reach:problem:{code}",
+        "title": HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+        "code": code,
+        "trace_id": getattr(request.state, "trace_id", None),
+        "instance": request.url.path,
+        **extra,
+    }
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
+
+
+async def _reach_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, errors.ReachError)
+    status = status_for(exc)
+    headers = {}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if status == 503:
+        headers["Retry-After"] = "1"
+    return problem(request, status, exc.code, exc.message, headers=headers, **exc.details)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return problem(request, exc.status_code, code, str(exc.detail), headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [
+        {"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()
+    ]
+    return problem(
+        request, 422, "invalid_parameter", "request parameters are invalid", errors=problems
+    )
+
+
+async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+    return problem(
+        request,
+        503,
+        "service_unavailable",
+        "a backing service cannot be reached",
+        headers={"Retry-After": "1"},
+    )
+
+
+async def _data_error(request: Request, exc: Exception) -> JSONResponse:
+    return problem(request, 422, "invalid_data", "the database refused a value in the request")
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    return problem(request, 500, "internal_error", "an unexpected error; see the server log")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(errors.ReachError, _reach_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    for cls in (
+        sqlalchemy.exc.OperationalError,
+        sqlalchemy.exc.InterfaceError,
+        sqlalchemy.exc.TimeoutError,
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        ConnectionError,
+    ):
+        app.add_exception_handler(cls, _unavailable)
+    app.add_exception_handler(sqlalchemy.exc.DataError, _data_error)
+    app.add_exception_handler(Exception, _internal)

@@ -1,0 +1,53 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from api.errors import problem
+
+router = APIRouter(tags=["health"])
+CHECK_TIMEOUT_S = 2.0
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up. Says nothing about its dependencies (see ``/readyz``)."""
+    return {"status": "ok"}
+
+
+async def _postgres(request: Request) -> None:
+    async with request.app.state.engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+
+
+async def _redis(request: Request) -> None:
+    await request.app.state.redis.ping()
+
+
+@router.get("/readyz", response_model=None)
+async def readyz(request: Request) -> dict[str, Any] | JSONResponse:
+    """Ready to take work: Postgres and Redis both answer."""
+    checks = {"postgres": _postgres, "redis": _redis}
+    results: dict[str, str] = {}
+    for name, check in checks.items():
+        try:
+            await asyncio.wait_for(check(request), CHECK_TIMEOUT_S)
+            results[name] = "ok"
+        except Exception as exc:
+            results[name] = f"unavailable: {type(exc).__name__}"
+    if all(v == "ok" for v in results.values()):
+        return {"status": "ready", "checks": results}
+    return problem(
+        request,
+        503,
+        "not_ready",
+        "a dependency is unavailable",
+        checks=results,
+        headers={"Retry-After": "1"},
+    )

@@ -1,0 +1,96 @@
+"""``reach``: the operator's command line.
+
+reach migrate                          apply the schema migrations
+reach keys create --tenant T --capabilities 'invoice.*,echo' [--admin] [--name N]
+reach keys revoke KEY_ID
+reach keys list [--tenant T]
+reach dev [--port 8000]                run the whole stack on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from broker import keys, migrate
+from broker.db.engines import sync_engine
+from broker.errors import ReachError
+from broker.settings import Settings
+
+
+def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    patterns = [p.strip() for p in args.capabilities.split(",") if p.strip()]
+    key_id, token = keys.create_key(
+        sync_engine(settings), args.tenant, patterns, is_admin=args.admin, name=args.name
+    )
+    print(f"key_id:  {key_id}\ntenant:  {args.tenant}\nallows:  {', '.join(patterns)}")
+    print(f"api key: {token}\n(shown once: it is stored only as a hash)")
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
+    if keys.revoke_key(sync_engine(settings), args.key_id):
+        print(f"revoked {args.key_id}")
+        return 0
+    print(f"no active key {args.key_id}", file=sys.stderr)
+    return 1
+
+
+def _keys_list(args: argparse.Namespace, settings: Settings) -> int:
+    for row in keys.list_keys(sync_engine(settings), args.tenant):
+        print(json.dumps(row, default=str))
+    return 0
+
+
+def _migrate(args: argparse.Namespace, settings: Settings) -> int:
+    migrate.upgrade(settings.database_url)
+    print("migrated to head")
+    return 0
+
+
+def _dev(args: argparse.Namespace, settings: Settings) -> int:
+    from broker.devstack import run_dev_stack
+
+    return run_dev_stack(port=args.port, flower_port=args.flower_port)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="reach", description="Agent-Reach operator commands")
+    sub = root.add_subparsers(dest="command", required=True)
+    sub.add_parser("migrate", help="apply the schema migrations").set_defaults(run=_migrate)
+
+    dev = sub.add_parser("dev", help="run API, worker, beat and Flower on this machine")
+    dev.add_argument("--port", type=int, default=8000)
+    dev.add_argument("--flower-port", type=int, default=5555)
+    dev.set_defaults(run=_dev)
+
+    key_cmds = sub.add_parser("keys", help="create, revoke and list API keys")
+    key_sub = key_cmds.add_subparsers(dest="keys_command", required=True)
+    create = key_sub.add_parser("create", help="create a key (printed once)")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--capabilities", required=True, help="comma-separated, e.g. 'invoice.*'")
+    create.add_argument("--admin", action="store_true")
+    create.add_argument("--name")
+    create.set_defaults(run=_keys_create)
+    revoke = key_sub.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(run=_keys_revoke)
+    listing = key_sub.add_parser("list", help="list keys (never their secrets)")
+    listing.add_argument("--tenant")
+    listing.set_defaults(run=_keys_list)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.run(args, Settings())
+    except ReachError as exc:
+        print(f"error ({exc.code}): {exc.message}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

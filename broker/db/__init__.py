@@ -1,0 +1,1 @@
+"""Persistence: the schema (``models``), engines, and the operations each side performs."""

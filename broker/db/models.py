@@ -1,0 +1,111 @@
+"""The schema. Alembic migrations (``migrations/``) are the only way it changes in a database;
+``tests/integration/test_migrations.py`` proves the two agree."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from broker.tasks import STATUSES
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TZ = DateTime(timezone=True)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    capability: Mapped[str] = mapped_column(String(128))
+    # The queue it was published to: the capability that serves the request.
+    queue: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[Any] = mapped_column(JSONB)
+    payload_digest: Mapped[str] = mapped_column(String(64))
+    payload_size: Mapped[int] = mapped_column(Integer)
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    error: Mapped[Any | None] = mapped_column(JSONB)
+    progress: Mapped[Any | None] = mapped_column(JSONB)
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    max_attempts: Mapped[int | None] = mapped_column(SmallInteger)
+    priority: Mapped[int | None] = mapped_column(SmallInteger)
+    trace_id: Mapped[str] = mapped_column(String(32))
+    session_id: Mapped[str | None] = mapped_column(String(128))
+    source: Mapped[str | None] = mapped_column(String(128))
+    meta: Mapped[Any] = mapped_column("metadata", JSONB, server_default=text("'{}'::jsonb"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    agent_id: Mapped[str | None] = mapped_column(String(128))
+    agent_version: Mapped[str | None] = mapped_column(String(64))
+    instance: Mapped[str | None] = mapped_column(String(255))
+    result_ttl_s: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(TZ)
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+    deadline_at: Mapped[datetime | None] = mapped_column(TZ)
+    expires_at: Mapped[datetime] = mapped_column(TZ)
+
+    __table_args__ = (
+        CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")", name="status"),
+        # Listing is by tenant, newest first (ids are time-ordered UUIDv7), optionally filtered.
+        Index("ix_tasks_tenant_id", "tenant", "id"),
+        Index("ix_tasks_tenant_capability_id", "tenant", "capability", "id"),
+        Index("ix_tasks_tenant_status_id", "tenant", "status", "id"),
+        Index("ix_tasks_expires_at", "expires_at"),
+        # The database decides idempotency, not a read-then-write.
+        Index(
+            "uq_tasks_idempotency",
+            "tenant",
+            "capability",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
+    )
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    capabilities: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    is_admin: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    name: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
+# Core handles for the hot paths, which use SQL expressions rather than ORM objects.
+tasks_table = cast(Table, Task.__table__)
+api_keys_table = cast(Table, ApiKey.__table__)

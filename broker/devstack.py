@@ -1,0 +1,150 @@
+"""``reach dev``: the whole stack on one machine, for trying it out.
+
+Uses ``REACH_DATABASE_URL``/``DATABASE_URL`` and ``REACH_REDIS_URL``/``REDIS_URL`` when set,
+the services on the standard local ports when they answer, and otherwise starts an embedded
+Postgres and Redis under ``.reach/``. Ctrl-C stops everything it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from broker import keys, localservices, migrate
+from broker.db.engines import sync_engine
+from broker.settings import Settings
+
+DATA_DIR = Path(".reach")
+CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize"
+SYSTEM_QUEUES = "reach.maintenance,reach.webhooks"
+DEMO_INVOICE = (
+    "ACME Trading Co.\\nInvoice No: INV-2024-0042\\nDate: 2024-03-15\\nTotal: CNY 1,024.00"
+)
+
+
+def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services]:
+    env = dict(os.environ)
+    services = localservices.ensure_services(
+        data_dir,
+        database_url=env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL"),
+        redis_url=env.get("REACH_REDIS_URL") or env.get("REDIS_URL"),
+    )
+    database_url = services.database_url
+    if not (env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL")):
+        database_url = localservices.create_database(database_url, "reach", exist_ok=True)
+    env.update(REACH_DATABASE_URL=database_url, REACH_REDIS_URL=services.redis_url)
+    return env, services
+
+
+def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str]]:
+    bin_dir = Path(sys.executable).parent
+    celery = [str(bin_dir / "celery"), "-A", "workers"]
+    return {
+        "api": [
+            str(bin_dir / "uvicorn"),
+            "api.app:create_app_from_env",
+            "--factory",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+        ],
+        "worker": [
+            *celery,
+            "worker",
+            "-Q",
+            f"{CAPABILITY_QUEUES},{SYSTEM_QUEUES}",
+            "-n",
+            "dev@%h",
+            "--concurrency",
+            "2",
+            "-l",
+            "INFO",
+        ],
+        "beat": [
+            *celery,
+            "beat",
+            "-l",
+            "INFO",
+            "--schedule",
+            str(data_dir / "celerybeat-schedule"),
+        ],
+        "flower": [*celery, "flower", f"--port={flower_port}", "--address=127.0.0.1"],
+    }
+
+
+def _wait_ready(url: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, proc in processes.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see its output above")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def _banner(port: int, flower_port: int, token: str, services: localservices.Services) -> str:
+    api = f"http://127.0.0.1:{port}"
+    where = f"embedded {', '.join(services.embedded)}" if services.embedded else "local services"
+    return f"""
+Agent-Reach is running ({where}).
+  API      {api}        docs {api}/docs
+  Flower   http://127.0.0.1:{flower_port}
+  API key  {token}
+
+Submit an invoice:
+  curl -s {api}/tasks -H "Authorization: Bearer {token}" -H 'Content-Type: application/json' \\
+    -d '{{"capability": "invoice.extract", "payload": {{"text": "{DEMO_INVOICE}"}}}}'
+Poll it (the task_id from above):
+  curl -s {api}/tasks/TASK_ID -H "Authorization: Bearer {token}"
+
+Ctrl-C stops everything.
+"""
+
+
+def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
+    DATA_DIR.mkdir(exist_ok=True)
+    env, services = _environment(DATA_DIR)
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        migrate.upgrade(env["REACH_DATABASE_URL"])
+        settings = Settings(
+            database_url=env["REACH_DATABASE_URL"], redis_url=env["REACH_REDIS_URL"]
+        )
+        _, token = keys.create_key(sync_engine(settings), "dev", ["*"], is_admin=True, name="dev")
+        for name, command in _commands(port, flower_port, DATA_DIR).items():
+            processes[name] = subprocess.Popen(command, env=env)
+        _wait_ready(f"http://127.0.0.1:{port}/readyz", processes, timeout_s=60)
+        print(_banner(port, flower_port, token, services), flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(p.poll() is None for p in processes.values()):
+            time.sleep(0.5)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop(processes)
+        services.stop()
+
+
+def _stop(processes: dict[str, subprocess.Popen[bytes]]) -> None:
+    for proc in processes.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in processes.values():
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

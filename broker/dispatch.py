@@ -1,0 +1,72 @@
+"""Publishing to Celery from the broker side: the API never imports ``workers``.
+
+Every capability's messages are one Celery task, ``reach.run``, carrying only the task id and
+the queue; the payload stays in Postgres, the source of truth.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from celery import Celery
+
+from broker.settings import Settings
+
+RUN_TASK = "reach.run"
+PURGE_TASK = "reach.purge_expired"
+MAINTENANCE_QUEUE = "reach.maintenance"
+WEBHOOKS_QUEUE = "reach.webhooks"
+
+# Above any task's hard time limit plus its longest queue wait: a Redis broker re-delivers an
+# unacked message after this long, even while it still runs (celery #5935).
+VISIBILITY_TIMEOUT_S = 6 * 3600
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """The Celery settings both the producer (API) and the workers use."""
+    return {
+        "broker_url": settings.celery_broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        # JSON only: never unpickle what came over the wire.
+        "accept_content": ["json"],
+        "task_serializer": "json",
+        "result_serializer": "json",
+        # Results live in Postgres, never in a Celery result backend.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # Ack after the handler returns, and requeue when the worker process dies; the claim
+        # from 'queued' in Postgres makes a redelivery harmless.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # A lost broker connection would otherwise let a late-acked task run twice (celery #6654).
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_routes": {PURGE_TASK: {"queue": MAINTENANCE_QUEUE}},
+        "task_default_queue": MAINTENANCE_QUEUE,
+        # Flower and `celery events` need these.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "broker_pool_limit": 20,
+    }
+
+
+class Dispatcher:
+    """Publishes task messages to the queue named after the capability."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.app = Celery("reach-producer", set_as_current=False)
+        self.app.conf.update(celery_config(settings))
+
+    def publish(self, task_id: uuid.UUID, queue: str, *, trace_id: str) -> None:
+        self.app.send_task(
+            RUN_TASK,
+            args=[str(task_id), queue],
+            task_id=str(task_id),
+            queue=queue,
+            headers={"trace_id": trace_id},
+        )
+
+    def close(self) -> None:
+        self.app.close()

@@ -1,0 +1,65 @@
+"""The envelope: what a caller sends to ``POST /tasks``. Unknown fields are rejected."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from broker.capabilities import is_valid_name
+from broker.errors import InvalidEnvelope
+
+ReplyMode = Literal["async", "sync", "stream"]
+_PRINTABLE = r"^[\x21-\x7e]+$"
+
+
+class Callback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=2048)
+    events: list[str] = Field(default_factory=lambda: ["task.succeeded", "task.failed"])
+
+
+class Envelope(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    capability: str = Field(max_length=128, examples=["invoice.extract"])
+    payload: dict[str, Any] = Field(examples=[{"text": "Invoice No: INV-1\nTotal: USD 10.00"}])
+    reply_mode: ReplyMode = "async"
+    deadline_ms: int | None = Field(None, gt=0, le=7 * 24 * 3600 * 1000)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=255, pattern=_PRINTABLE)
+    session_id: str | None = Field(None, min_length=1, max_length=128, pattern=_PRINTABLE)
+    callback: Callback | None = None
+    priority: int | None = Field(None, ge=0, le=9)
+    max_attempts: int | None = Field(None, ge=1, le=20)
+    source: str | None = Field(None, max_length=128)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    result_ttl_s: int | None = Field(
+        None, gt=0, description="How long the result is kept; capped by the server's maximum."
+    )
+
+    @field_validator("capability")
+    @classmethod
+    def _capability_name(cls, value: str) -> str:
+        if not is_valid_name(value):
+            raise ValueError(
+                "must be dotted lowercase segments ([a-z][a-z0-9_-]*), at most 8, "
+                "not under the reserved 'reach.' prefix"
+            )
+        return value
+
+
+def parse_envelope(data: Any) -> Envelope:
+    """Validate parsed JSON as an envelope, or raise InvalidEnvelope listing every problem.
+
+    The errors name the field and the rule, never echo the input (it may be large or secret).
+    """
+    if not isinstance(data, dict):
+        raise InvalidEnvelope("the body must be a JSON object")
+    try:
+        return Envelope.model_validate(data)
+    except ValidationError as exc:
+        errors = [
+            {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+            for err in exc.errors(include_input=False, include_url=False)
+        ]
+        raise InvalidEnvelope("the envelope is not valid", errors=errors) from None

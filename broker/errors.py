@@ -1,0 +1,70 @@
+"""The error tree of Agent-Reach. Every error carries a stable ``code``.
+
+    ReachError
+    ├── BadRequest            the request itself is malformed or violates a limit
+    │   ├── BodyTooLarge      the body exceeds the configured size
+    │   └── InvalidEnvelope   the envelope or payload fails validation
+    ├── Unauthenticated       missing, unknown or revoked API key
+    ├── Forbidden             the key may not do this (capability outside its patterns)
+    ├── NotFound              no such resource for this tenant (also: another tenant's)
+    ├── Unavailable           a dependency (Postgres, Redis, the queue) cannot be reached
+    └── AgentFailure          raised by agent code: the task fails with ``code``
+
+HTTP statuses for each code live in one table in ``api/errors.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ReachError(Exception):
+    code: str = "reach_error"
+
+    def __init__(self, message: str, *, code: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.details = details
+
+
+class BadRequest(ReachError):
+    code = "bad_request"
+
+
+class BodyTooLarge(BadRequest):
+    code = "body_too_large"
+
+
+class InvalidEnvelope(BadRequest):
+    code = "envelope_invalid"
+
+
+class Unauthenticated(ReachError):
+    code = "unauthenticated"
+
+
+class Forbidden(ReachError):
+    code = "forbidden"
+
+
+class NotFound(ReachError):
+    code = "not_found"
+
+
+class Unavailable(ReachError):
+    code = "service_unavailable"
+
+
+class AgentFailure(ReachError):
+    """Raised by an agent to fail its task with a chosen code.
+
+    ``retryable`` tells the caller whether submitting again may succeed.
+    """
+
+    code = "agent_error"
+
+    def __init__(self, message: str, *, code: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message, code=code)
+        self.retryable = retryable

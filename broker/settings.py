@@ -1,0 +1,60 @@
+"""Settings, read from the environment by the composition roots and passed in.
+
+Nothing here is read at import: ``Settings()`` is built by ``api.app.create_app``'s caller,
+the Celery app factory and the CLI.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MiB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REACH_", extra="ignore")
+
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/reach",
+        validation_alias=AliasChoices("REACH_DATABASE_URL", "DATABASE_URL"),
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("REACH_REDIS_URL", "REDIS_URL"),
+    )
+    # The Celery broker; Redis by default, RabbitMQ (amqp://) works too.
+    broker_url: str | None = None
+
+    # Modules whose import registers agents with ``@agent.capability``.
+    agents: Annotated[list[str], NoDecode] = ["workers.examples"]
+
+    result_ttl_s: int = Field(24 * 3600, gt=0)
+    max_result_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    max_payload_bytes: int = Field(1 * MiB, gt=0)
+    max_json_depth: int = Field(32, gt=0, le=500)
+    list_page_max: int = Field(100, gt=0)
+
+    janitor_interval_s: float = Field(60.0, gt=0)
+    janitor_batch: int = Field(1000, gt=0)
+
+    # How long a key lookup may be served from the API's memory; revocation takes this long.
+    key_cache_s: float = Field(5.0, ge=0)
+
+    @field_validator("agents", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @property
+    def celery_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The payload limit plus room for the rest of the envelope."""
+        return self.max_payload_bytes + 64 * 1024

@@ -1,0 +1,137 @@
+"""Accepting a task: write the row (idempotently), then publish its message.
+
+The row is committed before the message goes out, so a worker can never see a message
+whose row is not yet visible. If the publish fails, the row is removed again and the caller
+gets 503: nothing is accepted that is not on its way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import anyio
+from sqlalchemy import delete, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker import jsonbody
+from broker.db.models import tasks_table as tasks
+from broker.dispatch import Dispatcher
+from broker.envelope import Envelope
+from broker.errors import BadRequest, Unavailable
+from broker.keys import Principal
+from broker.settings import Settings
+from broker.tasks import QUEUED, new_task_id
+
+
+@dataclass(frozen=True)
+class Accepted:
+    row: dict[str, Any]
+    replayed: bool
+
+
+def _ttl_s(envelope: Envelope, settings: Settings) -> int:
+    return min(envelope.result_ttl_s or settings.result_ttl_s, settings.max_result_ttl_s)
+
+
+def _values(
+    principal: Principal, envelope: Envelope, queue: str, trace_id: str, settings: Settings
+) -> dict[str, Any]:
+    digest, size = jsonbody.digest(envelope.payload)
+    if size > settings.max_payload_bytes:
+        raise BadRequest(
+            f"payload is {size} bytes, the limit is {settings.max_payload_bytes}",
+            code="payload_too_large",
+        )
+    now = datetime.now(UTC)
+    ttl_s = _ttl_s(envelope, settings)
+    deadline_at = None
+    if envelope.deadline_ms is not None:
+        deadline_at = now + timedelta(milliseconds=envelope.deadline_ms)
+    return {
+        "id": new_task_id(),
+        "tenant": principal.tenant,
+        "capability": envelope.capability,
+        "queue": queue,
+        "status": QUEUED,
+        "payload": envelope.payload,
+        "payload_digest": digest,
+        "payload_size": size,
+        "max_attempts": envelope.max_attempts,
+        "priority": envelope.priority,
+        "trace_id": trace_id,
+        "session_id": envelope.session_id,
+        "source": envelope.source,
+        "metadata": envelope.metadata,
+        "idempotency_key": envelope.idempotency_key,
+        "result_ttl_s": ttl_s,
+        "created_at": now,
+        "deadline_at": deadline_at,
+        # A task that never runs is still gone after its TTL; finishing restarts the clock.
+        "expires_at": now + timedelta(seconds=ttl_s),
+    }
+
+
+async def submit(
+    engine: AsyncEngine,
+    dispatcher: Dispatcher,
+    principal: Principal,
+    envelope: Envelope,
+    *,
+    queue: str,
+    trace_id: str,
+    settings: Settings,
+) -> Accepted:
+    values = _values(principal, envelope, queue, trace_id, settings)
+    async with engine.begin() as conn:
+        inserted = (
+            await conn.execute(
+                insert(tasks)
+                .values(**values)
+                .on_conflict_do_nothing(
+                    index_elements=["tenant", "capability", "idempotency_key"],
+                    index_where=tasks.c.idempotency_key.is_not(None),
+                )
+                .returning(*tasks.c)
+            )
+        ).first()
+        if inserted is None:
+            return await _replay(conn, values)
+    row = dict(inserted._mapping)
+    try:
+        await anyio.to_thread.run_sync(
+            lambda: dispatcher.publish(row["id"], queue, trace_id=trace_id)
+        )
+    except Exception as exc:
+        await _withdraw(engine, row["id"])
+        raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
+    return Accepted(row=row, replayed=False)
+
+
+async def _replay(conn: Any, values: dict[str, Any]) -> Accepted:
+    """Same key seen before: the same payload gets the first task, another payload an error."""
+    existing = (
+        await conn.execute(
+            select(tasks).where(
+                tasks.c.tenant == values["tenant"],
+                tasks.c.capability == values["capability"],
+                tasks.c.idempotency_key == values["idempotency_key"],
+            )
+        )
+    ).first()
+    if existing is None:  # removed between our insert and this read (expired and purged)
+        raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
+    if existing.payload_digest != values["payload_digest"]:
+        raise BadRequest(
+            "this idempotency key was used with a different payload",
+            code="idempotency_key_reused",
+        )
+    return Accepted(row=dict(existing._mapping), replayed=True)
+
+
+async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(delete(tasks).where(tasks.c.id == task_id, tasks.c.status == QUEUED))

@@ -1,0 +1,21 @@
+"""Inside the venv: static checks first (fast failures), then the test suite."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+CHECKS = [
+    [str(BIN / "ruff"), "check", "."],
+    [str(BIN / "ruff"), "format", "--check", "."],
+    [str(BIN / "mypy"), "broker", "workers", "api"],
+    [str(BIN / "lint-imports")],
+]
+
+for check in CHECKS:
+    print(
+        "+", " ".join(Path(check[0]).name if i == 0 else a for i, a in enumerate(check)), flush=True
+    )
+    if subprocess.run(check).returncode != 0:
+        sys.exit(1)
+sys.exit(subprocess.run([sys.executable, "-m", "pytest", *sys.argv[1:]]).returncode)

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import Engine, func, select
+
+from api.app import create_app
+from broker import keys
+from broker.db.models import tasks_table
+from broker.settings import Settings
+from tests.integration.stack import CeleryProcess, ServedApp, start_worker
+
+TEST_QUEUES = "echo,invoice.extract,text.summarize,test.boom,test.not-json,test.context"
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
+    """One real Celery worker (prefork, 2 processes) for the capability queues and maintenance."""
+    process = start_worker(settings, f"{TEST_QUEUES},reach.maintenance", "agents", log_dir)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def api(settings: Settings) -> Iterator[ServedApp]:
+    with ServedApp(create_app(settings)) as served:
+        yield served
+
+
+KeyMaker = Callable[..., tuple[str, str]]
+
+
+@pytest.fixture
+def make_key(engine: Engine) -> KeyMaker:
+    """Create a key for a fresh tenant (or the one given); returns (tenant, token)."""
+
+    def make(patterns: list[str] | None = None, tenant: str | None = None) -> tuple[str, str]:
+        tenant = tenant or f"t-{secrets.token_hex(4)}"
+        _, token = keys.create_key(engine, tenant, patterns or ["*"])
+        return tenant, token
+
+    return make
+
+
+def client_for(api: ServedApp, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=api.url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def tenant(make_key: KeyMaker) -> tuple[str, str]:
+    return make_key()
+
+
+@pytest.fixture
+def client(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> Iterator[httpx.Client]:
+    """An HTTP client of a fresh tenant allowed everything, with the worker running."""
+    with client_for(api, tenant[1]) as http:
+        yield http
+
+
+def count_tasks(engine: Engine, tenant: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(func.count()).select_from(tasks_table).where(tasks_table.c.tenant == tenant)
+            ).scalar_one()
+        )

@@ -1,0 +1,148 @@
+"""Processes the integration tests run for real: Celery workers and beat as subprocesses,
+the API served by uvicorn on a loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from broker.settings import Settings
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def environment(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        REACH_DATABASE_URL=settings.database_url,
+        REACH_REDIS_URL=settings.redis_url,
+        REACH_AGENTS=",".join(settings.agents),
+        REACH_JANITOR_INTERVAL_S=str(settings.janitor_interval_s),
+        PYTHONPATH=str(ROOT),
+    )
+    if settings.broker_url:
+        env["REACH_BROKER_URL"] = settings.broker_url
+    else:
+        env.pop("REACH_BROKER_URL", None)
+    return env
+
+
+class CeleryProcess:
+    """``celery -A workers <args>`` with its output in a log file; started and waited for."""
+
+    def __init__(self, args: list[str], settings: Settings, log_path: Path) -> None:
+        self.args = args
+        self.settings = settings
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self, ready_marker: str, timeout_s: float = 60) -> CeleryProcess:
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [str(BIN / "celery"), "-A", "workers", *self.args],
+            env=environment(self.settings),
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        while ready_marker not in self.output():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"celery {self.args[0]} did not start:\n{self.output()}")
+            time.sleep(0.1)
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+
+
+def start_worker(settings: Settings, queues: str, name: str, log_dir: Path) -> CeleryProcess:
+    args = [
+        "worker",
+        "-Q",
+        queues,
+        "-n",
+        f"{name}@%h",
+        "-c",
+        "2",
+        "-l",
+        "INFO",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    return CeleryProcess(args, settings, log_dir / f"{name}.log").start(" ready.")
+
+
+def start_beat(settings: Settings, log_dir: Path) -> CeleryProcess:
+    args = ["beat", "-l", "INFO", "--schedule", str(log_dir / "beat-schedule")]
+    return CeleryProcess(args, settings, log_dir / "beat.log").start("beat: Starting")
+
+
+class ServedApp:
+    """The ASGI app on a real port, in a thread of this process."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServedApp:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the API did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def wait_for_task(
+    client: httpx.Client, task_id: str, statuses: set[str], timeout_s: float = 30
+) -> dict[str, object]:
+    """Poll until the task reaches one of ``statuses``; the timeout only bounds a hang."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        task: dict[str, object] = client.get(f"/tasks/{task_id}").json()
+        if task.get("status") in statuses:
+            return task
+        if time.monotonic() > deadline:
+            raise AssertionError(f"task {task_id} still {task.get('status')}: {task}")
+        time.sleep(0.05)

@@ -1,0 +1,144 @@
+"""The spine: submit over HTTP, a real worker runs the agent, poll the result from Postgres."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from tests.integration.stack import wait_for_task
+
+INVOICE = """ACME Trading Co., Ltd.
+INVOICE
+Invoice No: INV-2024-0042
+Date: 2024-03-15
+Widget 2 500.00
+Subtotal: 1,000.00
+Total: CNY 1,024.00
+"""
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+def test_invoice_is_extracted_by_a_worker_and_polled(client: httpx.Client) -> None:
+    # Given an invoice submitted in async mode
+    response = client.post(
+        "/tasks",
+        json={
+            "capability": "invoice.extract",
+            "payload": {"text": INVOICE},
+            "metadata": {"order": "7731"},
+        },
+    )
+    # Then it is accepted at once, queued, with a Location to poll
+    assert response.status_code == 202
+    task = response.json()
+    assert task["status"] == "queued"
+    assert response.headers["location"] == f"/tasks/{task['task_id']}"
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-trace-id"])
+    assert task["trace_id"] == response.headers["x-trace-id"]
+
+    # When the worker has run it, polling shows the fields parsed from the text
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "succeeded", done
+    assert done["result"] == {
+        "number": "INV-2024-0042",
+        "date": "2024-03-15",
+        "total": "1024.00",
+        "currency": "CNY",
+        "seller": "ACME Trading Co., Ltd.",
+    }
+    assert done["progress"] == {"percent": 100, "message": "parsed parties"}
+    assert done["attempts"] == 1
+    assert done["agent"]["agent_id"] == "invoice-extractor"
+    assert done["agent"]["instance"].startswith("agents@")
+    assert done["metadata"] == {"order": "7731"}
+    assert done["started_at"] and done["finished_at"] and done["expires_at"]
+    assert done["finished_at"] < done["expires_at"]
+
+
+def test_summarize_returns_the_informative_sentences(client: httpx.Client) -> None:
+    text = (
+        "Queues decouple callers from agents. Agents advertise capabilities. "
+        "The weather was nice. Capabilities route queues to agents."
+    )
+    task = client.post(
+        "/tasks",
+        json={"capability": "text.summarize", "payload": {"text": text, "max_sentences": 2}},
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "succeeded", done
+    assert done["result"]["sentence_count"] == 4
+    assert len(done["result"]["sentences"]) == 2
+    assert "The weather was nice." not in done["result"]["sentences"]
+
+
+def test_an_agent_failure_fails_the_task_with_its_code(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks",
+        json={
+            "capability": "echo",
+            "payload": {"fail": "invoice_unreadable", "message": "page 2 is blank"},
+        },
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "failed"
+    assert done["error"] == {
+        "code": "invoice_unreadable",
+        "message": "page 2 is blank",
+        "retryable": False,
+    }
+    assert done["result"] is None
+
+
+def test_an_unexpected_exception_fails_the_task_and_the_worker_keeps_serving(
+    client: httpx.Client,
+) -> None:
+    broken = client.post("/tasks", json={"capability": "test.boom", "payload": {}}).json()
+    done = wait_for_task(client, broken["task_id"], FINAL)
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "agent_error"
+    assert "RuntimeError: the agent broke" in done["error"]["message"]
+    # The worker survived: the next task runs
+    after = client.post("/tasks", json={"capability": "echo", "payload": {"n": 1}}).json()
+    assert wait_for_task(client, after["task_id"], FINAL)["result"] == {"n": 1}
+
+
+def test_a_result_that_is_not_json_fails_as_result_invalid(client: httpx.Client) -> None:
+    task = client.post("/tasks", json={"capability": "test.not-json", "payload": {}}).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "result_invalid"
+
+
+def test_a_payload_failing_the_agents_schema_fails_as_payload_invalid(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks", json={"capability": "invoice.extract", "payload": {"pdf": "x"}}
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "payload_invalid"
+    assert "text" in done["error"]["message"]
+
+
+def test_the_handler_sees_its_task_trace_attempt_and_deadline(client: httpx.Client) -> None:
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    response = client.post(
+        "/tasks",
+        json={
+            "capability": "test.context",
+            "payload": {},
+            "deadline_ms": 60_000,
+            "session_id": "sess_1",
+            "metadata": {"k": "v"},
+        },
+        headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"},
+    )
+    assert response.headers["x-trace-id"] == trace
+    done = wait_for_task(client, response.json()["task_id"], FINAL)
+    seen = done["result"]
+    assert seen["task_id"] == done["task_id"]
+    assert seen["trace_id"] == trace
+    assert seen["attempt"] == 1
+    assert 0 < seen["time_left_s"] <= 60
+    assert seen["session_id"] == "sess_1"
+    assert seen["metadata"] == {"k": "v"}

@@ -1,0 +1,245 @@
+"""broker.localservices against real Postgres and Redis: the local ones, or embedded ones."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import LiteralString
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+import redis
+import sqlalchemy
+
+from broker.localservices import (
+    LOCAL_POSTGRES_URL,
+    LOCAL_REDIS_URL,
+    Services,
+    create_database,
+    drop_database,
+    ensure_services,
+    free_redis_db,
+    libpq_url,
+    tcp_answers,
+    with_database,
+    with_redis_db,
+)
+
+LOCAL_SERVICES_RUN = tcp_answers("127.0.0.1", 5432) and tcp_answers("127.0.0.1", 6379)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    # The local services here; embedded ones on a machine without them.
+    found = ensure_services(tmp_path_factory.mktemp("services"))
+    yield found
+    found.stop()
+
+
+@pytest.fixture
+def new_name(services: Services) -> Iterator[Callable[[], str]]:
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(f"reach_test_{uuid.uuid4().hex[:16]}")
+        return made[-1]
+
+    yield make
+    for name in reversed(made):  # copies first: a template cannot go while a copy is made
+        drop_database(services.database_url, name)
+
+
+def query_one(url: str, statement: LiteralString, *params: object) -> object:
+    with psycopg.connect(libpq_url(url)) as conn:
+        row = conn.execute(statement, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def database_exists(admin_url: str, name: str) -> bool:
+    return bool(query_one(admin_url, "select count(*) from pg_database where datname = %s", name))
+
+
+def redis_port(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
+
+
+# --- URL rewriting ------------------------------------------------------------------------------
+
+
+def test_with_database_replaces_only_the_database_of_a_tcp_url() -> None:
+    given = "postgresql+psycopg://app:secret@db.example:6543/postgres?sslmode=require"
+    expect = "postgresql+psycopg://app:secret@db.example:6543/reach_7?sslmode=require"
+    assert with_database(given, "reach_7") == expect
+
+
+def test_with_database_keeps_the_socket_directory_of_a_socket_url() -> None:
+    given = "postgresql+psycopg://postgres@/postgres?host=/tmp/pg sock"
+    assert with_database(given, "other") == "postgresql+psycopg://postgres@/other?host=/tmp/pg sock"
+
+
+def test_with_database_keeps_an_empty_host() -> None:
+    assert with_database("postgresql:///postgres?host=/s", "x") == "postgresql:///x?host=/s"
+
+
+@pytest.mark.parametrize("name", ["", "1abc", 'x"; drop database postgres; --', "a b", "a" * 64])
+def test_with_database_rejects_unsafe_names(name: str) -> None:
+    with pytest.raises(ValueError, match="not a safe database name"):
+        with_database(LOCAL_POSTGRES_URL, name)
+
+
+def test_libpq_url_drops_the_sqlalchemy_driver() -> None:
+    given = "postgresql+psycopg://postgres@/postgres?host=/run/pg"
+    assert libpq_url(given) == "postgresql://postgres@/postgres?host=/run/pg"
+
+
+@pytest.mark.parametrize(
+    ("given", "db", "expect"),
+    [
+        ("redis://127.0.0.1:6379/0", 7, "redis://127.0.0.1:6379/7"),
+        ("redis://:pw@h:1", 3, "redis://:pw@h:1/3"),
+        ("rediss://h:1/2?db=2&ssl_cert_reqs=none", 5, "rediss://h:1/5?ssl_cert_reqs=none"),
+        ("unix:///tmp/redis.sock?db=1", 4, "unix:///tmp/redis.sock?db=4"),
+    ],
+)
+def test_with_redis_db_points_at_the_other_database(given: str, db: int, expect: str) -> None:
+    assert with_redis_db(given, db) == expect
+
+
+def test_with_redis_db_rejects_a_negative_index() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        with_redis_db(LOCAL_REDIS_URL, -1)
+
+
+# --- detection ----------------------------------------------------------------------------------
+
+
+def test_tcp_answers_tells_a_listening_port_from_a_closed_one() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert tcp_answers("127.0.0.1", port)
+    assert not tcp_answers("127.0.0.1", port)
+
+
+@pytest.mark.skipif(not LOCAL_SERVICES_RUN, reason="no Postgres/Redis on their usual ports")
+def test_ensure_services_uses_the_running_local_services(tmp_path: Path) -> None:
+    found = ensure_services(tmp_path)
+    try:
+        assert found.database_url == LOCAL_POSTGRES_URL
+        assert found.redis_url == LOCAL_REDIS_URL
+        assert found.embedded == []
+    finally:
+        found.stop()
+    assert tcp_answers("127.0.0.1", 6379), "stop() must leave external services alone"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ensure_services_uses_given_urls_as_they_are(tmp_path: Path) -> None:
+    given_db, given_redis = "postgresql+psycopg://u@nowhere:1/x", "redis://nowhere:1/0"
+    found = ensure_services(tmp_path, database_url=given_db, redis_url=given_redis)
+    assert (found.database_url, found.redis_url, found.embedded) == (given_db, given_redis, [])
+    found.stop()
+
+
+# --- databases ----------------------------------------------------------------------------------
+
+
+def test_create_database_copies_a_template_and_drop_removes_both(
+    services: Services, new_name: Callable[[], str]
+) -> None:
+    template_name, copy_name = new_name(), new_name()
+    template_url = create_database(services.database_url, template_name)
+    with psycopg.connect(libpq_url(template_url), autocommit=True) as conn:
+        conn.execute("create table marker (v int); insert into marker values (42)")
+
+    copy_url = create_database(services.database_url, copy_name, template=template_name)
+
+    assert copy_url == with_database(services.database_url, copy_name)
+    assert query_one(copy_url, "select v from marker") == 42
+    drop_database(services.database_url, copy_name)
+    drop_database(services.database_url, template_name)
+    assert not database_exists(services.database_url, copy_name)
+    assert not database_exists(services.database_url, template_name)
+
+
+def test_create_database_twice_needs_exist_ok(
+    services: Services, new_name: Callable[[], str]
+) -> None:
+    name = new_name()
+    url = create_database(services.database_url, name)
+
+    assert create_database(services.database_url, name, exist_ok=True) == url
+    with pytest.raises(psycopg.errors.DuplicateDatabase):
+        create_database(services.database_url, name)
+
+
+def test_drop_database_ignores_a_missing_database(services: Services) -> None:
+    drop_database(services.database_url, f"reach_missing_{uuid.uuid4().hex[:16]}")
+
+
+def test_drop_database_disconnects_open_sessions(
+    services: Services, new_name: Callable[[], str]
+) -> None:
+    name = new_name()
+    url = create_database(services.database_url, name)
+    with psycopg.connect(libpq_url(url)) as _held_open:
+        drop_database(services.database_url, name)
+    assert not database_exists(services.database_url, name)
+
+
+# --- redis --------------------------------------------------------------------------------------
+
+
+def test_free_redis_db_returns_an_empty_database(services: Services) -> None:
+    db = free_redis_db(services.redis_url)
+
+    assert 1 <= db <= 15
+    with redis.Redis.from_url(with_redis_db(services.redis_url, db)) as client:
+        assert client.dbsize() == 0
+
+
+# --- embedded -----------------------------------------------------------------------------------
+
+
+def test_embedded_services_start_answer_and_stop(tmp_path: Path) -> None:
+    found = ensure_services(tmp_path, prefer_local=False)
+    try:
+        assert found.embedded == ["postgres", "redis"]
+        assert found.database_url.startswith("postgresql+psycopg://")
+        assert query_one(found.database_url, "select 1") == 1
+        engine = sqlalchemy.create_engine(found.database_url)  # the form the app is given
+        with engine.connect() as conn:
+            assert conn.execute(sqlalchemy.text("select 1")).scalar_one() == 1
+        engine.dispose()
+        with redis.Redis.from_url(found.redis_url) as client:
+            assert client.ping()
+    finally:
+        found.stop()
+
+    assert not tcp_answers("127.0.0.1", redis_port(found.redis_url))
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(libpq_url(found.database_url), connect_timeout=2)
+    found.stop()  # idempotent
+
+
+def test_embedded_postgres_keeps_its_data_between_runs(tmp_path: Path) -> None:
+    skip_redis = {"redis_url": "redis://unused:1/0"}
+    first = ensure_services(tmp_path, prefer_local=False, **skip_redis)
+    try:
+        create_database(first.database_url, "kept")
+    finally:
+        first.stop()
+
+    second = ensure_services(tmp_path, prefer_local=False, **skip_redis)
+    try:
+        assert second.embedded == ["postgres"]
+        assert query_one(with_database(second.database_url, "kept"), "select 1") == 1
+    finally:
+        second.stop()

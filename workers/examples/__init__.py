@@ -1,0 +1,5 @@
+"""Example agents, loaded through ``REACH_AGENTS`` like any user's (the default value)."""
+
+from workers.examples import echo, invoice, summarize
+
+__all__ = ["echo", "invoice", "summarize"]
