@@ -128,7 +128,7 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
             processes[name] = subprocess.Popen(command, env=env)
         _wait_ready(f"http://127.0.0.1:{port}/readyz", processes, timeout_s=60)
         print(_banner(port, flower_port, token, services), flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        signal.signal(signal.SIGTERM, _interrupt)
         while all(p.poll() is None for p in processes.values()):
             time.sleep(0.5)
         return 1
@@ -137,6 +137,10 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
     finally:
         _stop(processes)
         services.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the stack the same way Ctrl-C does
 
 
 def _stop(processes: dict[str, subprocess.Popen[bytes]]) -> None:

@@ -1,0 +1,176 @@
+"""Every malformed request answers a 4xx problem+json with a stable code and writes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from sqlalchemy import Engine
+
+from tests.integration.conftest import count_tasks
+
+OK = {"capability": "echo", "payload": {"a": 1}}
+
+
+def nested(depth: int) -> str:
+    return '{"capability": "echo", "payload": {"x": ' + "[" * depth + "]" * depth + "}}"
+
+
+CASES: list[tuple[str, bytes | str, int, str]] = [
+    ("missing payload", json.dumps({"capability": "echo"}), 422, "envelope_invalid"),
+    ("missing capability", json.dumps({"payload": {}}), 422, "envelope_invalid"),
+    (
+        "payload not an object",
+        json.dumps({"capability": "echo", "payload": [1]}),
+        422,
+        "envelope_invalid",
+    ),
+    (
+        "bad capability name",
+        json.dumps({"capability": "Invoice..x", "payload": {}}),
+        422,
+        "envelope_invalid",
+    ),
+    (
+        "reserved capability",
+        json.dumps({"capability": "reach.webhooks", "payload": {}}),
+        422,
+        "envelope_invalid",
+    ),
+    ("unknown top-level field", json.dumps({**OK, "target": "x"}), 422, "envelope_invalid"),
+    ("deadline not positive", json.dumps({**OK, "deadline_ms": 0}), 422, "envelope_invalid"),
+    ("body is a list", "[1, 2]", 422, "envelope_invalid"),
+    ("not JSON", "{capability: echo", 400, "invalid_json"),
+    ("not UTF-8", b'{"capability": "echo", "payload": {"a": "\xff"}}', 400, "invalid_json"),
+    ("empty body", "", 400, "invalid_json"),
+    ("deep nesting, 40", nested(40), 400, "json_too_deep"),
+    ("deep nesting, 5000", nested(5000), 400, "json_too_deep"),
+    (
+        "NUL in a string",
+        '{"capability": "echo", "payload": {"a": "x\\u0000y"}}',
+        400,
+        "invalid_string",
+    ),
+    ("NUL in a key", '{"capability": "echo", "payload": {"a\\u0000": 1}}', 400, "invalid_string"),
+    (
+        "lone surrogate",
+        '{"capability": "echo", "payload": {"a": "\\ud800"}}',
+        400,
+        "invalid_string",
+    ),
+    (
+        "huge integer",
+        '{"capability": "echo", "payload": {"a": ' + "9" * 5000 + "}}",
+        400,
+        "number_out_of_range",
+    ),
+    (
+        "float overflow",
+        '{"capability": "echo", "payload": {"a": 1e999}}',
+        400,
+        "number_out_of_range",
+    ),
+    ("NaN", '{"capability": "echo", "payload": {"a": NaN}}', 400, "number_out_of_range"),
+    (
+        "sync not served yet",
+        json.dumps({**OK, "reply_mode": "sync"}),
+        422,
+        "reply_mode_unsupported",
+    ),
+    (
+        "callback not served yet",
+        json.dumps({**OK, "callback": {"url": "https://e.x/h"}}),
+        422,
+        "callback_unsupported",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_envelope_gets_its_code_and_writes_nothing(
+    client: httpx.Client,
+    engine: Engine,
+    tenant: tuple[str, str],
+    body: bytes | str,
+    status: int,
+    code: str,
+) -> None:
+    response = client.post("/tasks", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["code"] == code
+    assert problem["status"] == status
+    assert problem["trace_id"] == response.headers["x-trace-id"]
+    assert count_tasks(engine, tenant[0]) == 0
+
+
+def test_envelope_errors_name_the_fields(client: httpx.Client) -> None:
+    response = client.post("/tasks", json={"capability": "echo", "priority": 99, "extra": 1})
+    fields = {e["field"] for e in response.json()["errors"]}
+    assert fields == {"payload", "priority", "extra"}
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    # The test settings allow 64 KiB of payload (plus 64 KiB of envelope).
+    big = json.dumps({"capability": "echo", "payload": {"blob": "x" * 200_000}})
+    response = client.post("/tasks", content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["code"] == "body_too_large"
+    assert count_tasks(engine, tenant[0]) == 0
+
+
+def test_a_chunked_body_over_the_limit_is_413(client: httpx.Client) -> None:
+    def chunks():  # type: ignore[no-untyped-def]
+        yield b'{"capability": "echo", "payload": {"blob": "'
+        for _ in range(40):
+            yield b"x" * 8192
+        yield b'"}}'
+
+    response = client.post("/tasks", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["code"] == "body_too_large"
+
+
+def test_a_payload_over_its_limit_is_413(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    # Within the body limit, over the payload limit of 64 KiB.
+    response = client.post("/tasks", json={"capability": "echo", "payload": {"blob": "x" * 80_000}})
+    assert response.status_code == 413
+    assert response.json()["code"] == "payload_too_large"
+    assert count_tasks(engine, tenant[0]) == 0
+
+
+def test_a_form_body_is_415(client: httpx.Client) -> None:
+    response = client.post(
+        "/tasks",
+        content="capability=echo",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert response.status_code == 415
+    assert response.json()["code"] == "unsupported_media_type"
+
+
+def test_a_bad_list_parameter_is_422_not_500(client: httpx.Client) -> None:
+    for query in ("status=done", "limit=0", "limit=abc", "capability=Bad..Name"):
+        response = client.get(f"/tasks?{query}")
+        assert response.status_code == 422, query
+        assert response.json()["code"] == "invalid_parameter"
+    response = client.get("/tasks?cursor=%%%")
+    assert response.status_code == 400
+    assert response.json()["code"] == "invalid_cursor"
+
+
+def test_unknown_routes_and_methods_are_problems_too(client: httpx.Client) -> None:
+    missing = client.get("/nothing-here")
+    assert missing.status_code == 404
+    assert missing.json()["code"] == "route_not_found"
+    wrong = client.delete("/tasks")
+    assert wrong.status_code == 405
+    assert wrong.json()["code"] == "method_not_allowed"

@@ -1,0 +1,66 @@
+"""``reach keys`` and ``reach migrate`` as an operator runs them, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from broker.settings import Settings
+from tests.integration.stack import ServedApp, environment
+
+REACH = str(Path(sys.executable).parent / "reach")
+
+
+def reach(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [REACH, *args], env=environment(settings), capture_output=True, text=True, timeout=60
+    )
+
+
+def test_created_key_works_until_revoked(settings: Settings, api: ServedApp) -> None:
+    created = reach(
+        settings,
+        "keys",
+        "create",
+        "--tenant",
+        "cli-co",
+        "--capabilities",
+        "invoice.*, echo",
+        "--name",
+        "ci",
+    )
+    assert created.returncode == 0, created.stderr
+    token = re.search(r"api key: (\S+)", created.stdout)
+    key_id = re.search(r"key_id:\s+(\S+)", created.stdout)
+    assert token and key_id
+    headers = {"Authorization": f"Bearer {token.group(1)}"}
+
+    listed = [
+        json.loads(line)
+        for line in reach(settings, "keys", "list", "--tenant", "cli-co").stdout.splitlines()
+    ]
+    assert [k["key_id"] for k in listed] == [key_id.group(1)]
+    assert listed[0]["capabilities"] == ["invoice.*", "echo"]
+    assert token.group(1) not in json.dumps(listed)  # the secret is never shown again
+
+    assert httpx.get(f"{api.url}/tasks", headers=headers).status_code == 200
+    assert reach(settings, "keys", "revoke", key_id.group(1)).returncode == 0
+    assert httpx.get(f"{api.url}/tasks", headers=headers).status_code == 401
+    assert reach(settings, "keys", "revoke", key_id.group(1)).returncode == 1
+
+
+def test_a_bad_pattern_is_refused(settings: Settings) -> None:
+    result = reach(settings, "keys", "create", "--tenant", "x", "--capabilities", "Bad Pattern")
+    assert result.returncode == 2
+    assert "invalid_pattern" in result.stderr
+
+
+def test_migrate_is_idempotent(settings: Settings) -> None:
+    result = reach(settings, "migrate")
+    assert result.returncode == 0, result.stderr
+    assert "migrated to head" in result.stdout

@@ -1,0 +1,96 @@
+"""``reach dev`` (what ``scripts/dev.py`` runs): it brings the stack up, prints a key and a curl
+that works, and Ctrl-C stops everything it started."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from broker.settings import Settings
+from tests.integration.stack import environment, free_port
+
+REACH = str(Path(sys.executable).parent / "reach")
+
+
+def wait_for(predicate, what: str, timeout_s: float = 90):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
+    settings: Settings, tmp_path: Path
+) -> None:
+    port, flower_port = free_port(), free_port()
+    env = environment(settings)
+    env.update(DATABASE_URL=settings.database_url, REDIS_URL=settings.redis_url)
+    log = tmp_path / "dev.log"
+    with log.open("wb") as out:
+        dev = subprocess.Popen(
+            [REACH, "dev", "--port", str(port), "--flower-port", str(flower_port)],
+            env=env,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        banner = wait_for(
+            lambda: (
+                "Ctrl-C stops everything" in log.read_text(errors="replace")
+                and log.read_text(errors="replace")
+            ),
+            "the banner",
+        )
+        submit = re.search(r"^\s*(curl -s \S+/tasks -H .*?)\n(?=Poll)", banner, re.M | re.S)
+        poll = re.search(r"^\s*(curl -s \S+/tasks/TASK_ID .*)$", banner, re.M)
+        assert submit and poll, banner
+        accepted = subprocess.run(
+            ["bash", "-c", submit.group(1)], capture_output=True, text=True, timeout=30
+        )
+        task_id = json.loads(accepted.stdout)["task_id"]
+
+        def finished() -> dict[str, object] | None:
+            command = poll.group(1).replace("TASK_ID", task_id)
+            out = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+            task: dict[str, object] = json.loads(out.stdout)
+            return task if task["status"] in ("succeeded", "failed") else None
+
+        task = wait_for(finished, "the invoice task")
+        assert task["status"] == "succeeded", task
+        assert task["result"] == {
+            "number": "INV-2024-0042",
+            "date": "2024-03-15",
+            "total": "1024.00",
+            "currency": "CNY",
+            "seller": "ACME Trading Co.",
+        }
+        assert httpx.get(f"http://127.0.0.1:{port}/docs").status_code == 200
+        assert wait_for(lambda: _answers(f"http://127.0.0.1:{flower_port}/"), "flower")
+        children = psutil.Process(dev.pid).children(recursive=True)
+        assert len(children) >= 4  # api, worker (and its pool), beat, flower
+    finally:
+        dev.send_signal(signal.SIGINT)
+        code = dev.wait(timeout=60)
+    assert code == 0, log.read_text(errors="replace")[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert alive == []
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

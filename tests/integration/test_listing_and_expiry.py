@@ -1,0 +1,110 @@
+"""Listing a tenant's tasks, idempotent submits, and results that expire."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import Engine, select
+
+from broker.db.models import tasks_table
+from broker.settings import Settings
+from tests.integration.stack import CeleryProcess, start_beat, wait_for_task
+
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+def test_listing_pages_newest_first_and_filters(client: httpx.Client) -> None:
+    ids = [
+        client.post("/tasks", json={"capability": "echo", "payload": {"i": i}}).json()["task_id"]
+        for i in range(5)
+    ]
+    failing = client.post("/tasks", json={"capability": "echo", "payload": {"fail": "nope"}})
+    failing_id = failing.json()["task_id"]
+    for task_id in [*ids, failing_id]:
+        wait_for_task(client, task_id, FINAL)
+
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params = {"limit": 2, "capability": "echo", **({"cursor": cursor} if cursor else {})}
+        page = client.get("/tasks", params=params).json()
+        assert len(page["tasks"]) <= 2
+        seen += [t["task_id"] for t in page["tasks"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [failing_id, *reversed(ids)]
+
+    failed = client.get("/tasks", params={"status": "failed"}).json()["tasks"]
+    assert [t["task_id"] for t in failed] == [failing_id]
+    assert client.get("/tasks", params={"capability": "invoice.extract"}).json()["tasks"] == []
+
+
+def test_the_page_size_is_bounded(client: httpx.Client, settings: Settings) -> None:
+    response = client.get("/tasks", params={"limit": 10_000})
+    assert response.status_code == 200
+    assert len(response.json()["tasks"]) <= settings.list_page_max
+
+
+def test_the_same_idempotency_key_and_payload_returns_the_first_task(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    envelope = {"capability": "echo", "payload": {"order": 7731}, "idempotency_key": "o-7731"}
+    first = client.post("/tasks", json=envelope)
+    again = client.post(
+        "/tasks",
+        json={"capability": "echo", "payload": {"order": 7731}},
+        headers={"Idempotency-Key": "o-7731"},
+    )
+    assert first.status_code == again.status_code == 202
+    assert again.json()["task_id"] == first.json()["task_id"]
+    assert again.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+
+    reused = client.post("/tasks", json={**envelope, "payload": {"order": 1}})
+    assert reused.status_code == 422
+    assert reused.json()["code"] == "idempotency_key_reused"
+    with engine.connect() as conn:
+        rows = conn.execute(select(tasks_table.c.id).where(tasks_table.c.tenant == tenant[0])).all()
+    assert len(rows) == 1
+
+
+@pytest.fixture
+def beat(settings: Settings, log_dir: Path, worker: CeleryProcess) -> Iterator[CeleryProcess]:
+    process = start_beat(settings, log_dir)
+    yield process
+    process.stop()
+
+
+def test_an_expired_task_reads_as_404_and_the_janitor_deletes_it(
+    client: httpx.Client, engine: Engine, beat: CeleryProcess
+) -> None:
+    # Given a task kept for one second after it finished
+    task = client.post(
+        "/tasks", json={"capability": "echo", "payload": {}, "result_ttl_s": 1}
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "succeeded"
+    task_id = uuid.UUID(task["task_id"])
+
+    # When its time is up, it is gone for readers, and beat's janitor removes the row
+    deadline = time.monotonic() + 30
+    while client.get(f"/tasks/{task_id}").status_code != 404:
+        assert time.monotonic() < deadline, "the task never expired"
+        time.sleep(0.1)
+    assert client.get(f"/tasks/{task_id}").json()["code"] == "task_not_found"
+    assert task["task_id"] not in [t["task_id"] for t in client.get("/tasks").json()["tasks"]]
+
+    def row_exists() -> bool:
+        with engine.connect() as conn:
+            query = select(tasks_table.c.id).where(tasks_table.c.id == task_id)
+            return conn.execute(query).first() is not None
+
+    while row_exists():
+        assert time.monotonic() < deadline, f"janitor never ran:\n{beat.output()}"
+        time.sleep(0.2)
