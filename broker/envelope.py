@@ -20,7 +20,8 @@ class Callback(BaseModel):
 
 
 class Envelope(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: JSON types as sent; "45000" is not a number and true is not a priority.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     capability: str = Field(max_length=128, examples=["invoice.extract"])
     payload: dict[str, Any] = Field(examples=[{"text": "Invoice No: INV-1\nTotal: USD 10.00"}])
@@ -54,12 +55,15 @@ def parse_envelope(data: Any) -> Envelope:
     The errors name the field and the rule, never echo the input (it may be large or secret).
     """
     if not isinstance(data, dict):
-        raise InvalidEnvelope("the body must be a JSON object")
+        raise InvalidEnvelope(
+            "the body must be a JSON object",
+            errors=[{"field": "", "message": "must be a JSON object"}],
+        )
     try:
         return Envelope.model_validate(data)
     except ValidationError as exc:
         errors = [
-            {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+            {"field": ".".join(str(p) for p in err["loc"])[:200], "message": err["msg"]}
             for err in exc.errors(include_input=False, include_url=False)
         ]
         raise InvalidEnvelope("the envelope is not valid", errors=errors) from None

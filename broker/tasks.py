@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 QUEUED, RUNNING = "queued", "running"
@@ -38,15 +39,18 @@ def new_task_id() -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
+_CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+
+
 def parse_task_id(raw: str) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(raw)
-    except ValueError:
-        return None
+    """The id in its canonical 36-character form only (no braces, urn: or other digits)."""
+    return uuid.UUID(raw) if _CANONICAL_UUID.fullmatch(raw) else None
 
 
 def _iso(ts: datetime | None) -> str | None:
-    return ts.isoformat().replace("+00:00", "Z") if ts is not None else None
+    if ts is None:
+        return None
+    return ts.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def render(row: Mapping[str, Any]) -> dict[str, Any]:

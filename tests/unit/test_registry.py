@@ -1,0 +1,207 @@
+"""Unit tests for the agent SDK: registering capabilities and the handler's Context."""
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from jsonschema.exceptions import SchemaError
+
+from workers.sdk.context import Context
+from workers.sdk.registry import AgentRegistry
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"file_url": {"type": "string"}},
+    "required": ["file_url"],
+}
+
+
+def extract(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Pull fields out of an invoice."""
+    return {"ok": True}
+
+
+def other_extract(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"ok": False}
+
+
+# --- registering ---------------------------------------------------------------------------
+
+
+def test_given_a_decorated_handler_expect_its_spec_recorded() -> None:
+    registry = AgentRegistry()
+    returned = registry.capability(
+        "invoice.extract",
+        agent_id="invoice-bot",
+        version="1.2.0",
+        input_schema=SCHEMA,
+        timeout_s=30.0,
+        idempotent=True,
+        display_name="Invoice extractor",
+        languages=["en", "zh"],
+        cost="low",
+    )(extract)
+
+    spec = registry.get("invoice.extract")
+    assert returned is extract
+    assert spec is not None
+    assert spec.name == "invoice.extract"
+    assert spec.agent_id == "invoice-bot"
+    assert spec.version == "1.2.0"
+    assert spec.handler is extract
+    assert spec.input_schema == SCHEMA
+    assert spec.timeout_s == 30.0
+    assert spec.idempotent is True
+    assert spec.display_name == "Invoice extractor"
+    assert spec.card == {"languages": ["en", "zh"], "cost": "low"}
+
+
+def test_given_no_options_expect_the_defaults() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.render", agent_id="render-bot")(other_extract)
+    spec = registry.get("invoice.render")
+    assert spec is not None
+    assert spec.version == "0.1.0"
+    assert spec.idempotent is False
+    assert spec.timeout_s is None
+    assert spec.input_schema is None
+    assert spec.description is None
+    assert spec.card == {}
+
+
+def test_given_no_description_expect_the_handler_docstring() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.extract", agent_id="invoice-bot")(extract)
+    spec = registry.get("invoice.extract")
+    assert spec is not None
+    assert spec.description == "Pull fields out of an invoice."
+
+
+def test_given_several_capabilities_expect_iteration_over_all_of_them() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.extract", agent_id="a")(extract)
+    registry.capability("invoice.render", agent_id="b")(other_extract)
+    assert {spec.name for spec in registry} == {"invoice.extract", "invoice.render"}
+    assert registry.get("invoice.missing") is None
+
+
+def test_given_a_fresh_registry_expect_nothing_from_the_global_one() -> None:
+    assert list(AgentRegistry()) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["", "Invoice.Extract", "invoice..extract", "reach.janitor", "invoice.*", "a b"]
+)
+def test_given_an_invalid_name_expect_value_error_at_decoration_time(name: str) -> None:
+    registry = AgentRegistry()
+    with pytest.raises(ValueError, match="invalid capability name"):
+        registry.capability(name, agent_id="bot")
+    assert list(registry) == []
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "not-a-type"}, {"type": 5}, {"required": "file_url"}, {"minLength": -1}],
+)
+def test_given_an_invalid_json_schema_expect_schema_error_at_decoration_time(
+    schema: dict[str, Any],
+) -> None:
+    registry = AgentRegistry()
+    with pytest.raises(SchemaError):
+        registry.capability("invoice.extract", agent_id="bot", input_schema=schema)
+    assert registry.get("invoice.extract") is None
+
+
+def test_given_a_second_handler_for_the_same_name_expect_value_error() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.extract", agent_id="first")(extract)
+    with pytest.raises(ValueError, match="already served by first"):
+        registry.capability("invoice.extract", agent_id="second")(other_extract)
+    spec = registry.get("invoice.extract")
+    assert spec is not None
+    assert spec.handler is extract
+
+
+def test_given_the_same_handler_registered_again_expect_no_error() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.extract", agent_id="bot")(extract)
+    registry.capability("invoice.extract", agent_id="bot")(extract)
+    assert [spec.name for spec in registry] == ["invoice.extract"]
+
+
+# --- validator -----------------------------------------------------------------------------
+
+
+def test_given_an_input_schema_expect_a_validator_that_checks_payloads() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.extract", agent_id="bot", input_schema=SCHEMA)(extract)
+    spec = registry.get("invoice.extract")
+    assert spec is not None
+    validator = spec.validator()
+    assert validator is not None
+    assert validator.is_valid({"file_url": "s3://demo/1.pdf"})
+    assert not validator.is_valid({})
+    assert not validator.is_valid({"file_url": 7})
+    assert [e.validator for e in validator.iter_errors({})] == ["required"]
+
+
+def test_given_no_input_schema_expect_no_validator() -> None:
+    registry = AgentRegistry()
+    registry.capability("invoice.extract", agent_id="bot")(extract)
+    spec = registry.get("invoice.extract")
+    assert spec is not None
+    assert spec.validator() is None
+
+
+# --- Context -------------------------------------------------------------------------------
+
+
+def a_context(**overrides: Any) -> Context:
+    fields: dict[str, Any] = {
+        "task_id": uuid.uuid4(),
+        "capability": "invoice.extract",
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+        "attempt": 1,
+    }
+    fields.update(overrides)
+    return Context(**fields)
+
+
+def test_given_no_deadline_expect_time_left_none() -> None:
+    assert a_context().time_left_s() is None
+
+
+def test_given_a_future_deadline_expect_positive_time_left_up_to_the_deadline() -> None:
+    ctx = a_context(deadline_at=datetime.now(UTC) + timedelta(seconds=60))
+    left = ctx.time_left_s()
+    assert left is not None
+    assert 55 < left <= 60
+
+
+def test_given_a_past_deadline_expect_zero_time_left() -> None:
+    ctx = a_context(deadline_at=datetime.now(UTC) - timedelta(seconds=5))
+    assert ctx.time_left_s() == 0.0
+
+
+@pytest.mark.parametrize("percent", [-0.1, -1, 100.5, 101, float("nan"), float("inf")])
+def test_given_percent_outside_0_to_100_expect_value_error(percent: float) -> None:
+    reported: list[dict[str, Any]] = []
+    ctx = a_context(_progress_sink=reported.append)
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        ctx.progress(percent)
+    assert reported == []
+
+
+@pytest.mark.parametrize("percent", [0, 42.5, 100])
+def test_given_percent_in_range_expect_a_dict_passed_to_the_sink(percent: float) -> None:
+    reported: list[dict[str, Any]] = []
+    ctx = a_context(_progress_sink=reported.append)
+    ctx.progress(percent, "reading page 3")
+    assert reported == [{"percent": percent, "message": "reading page 3"}]
+
+
+def test_given_no_message_expect_message_none_in_the_report() -> None:
+    reported: list[dict[str, Any]] = []
+    a_context(_progress_sink=reported.append).progress(10)
+    assert reported == [{"percent": 10, "message": None}]

@@ -1,0 +1,97 @@
+"""Unit tests for settings read from the environment."""
+
+import pytest
+
+from broker.settings import Settings
+
+ENV_NAMES = (
+    "REACH_AGENTS",
+    "REACH_DATABASE_URL",
+    "DATABASE_URL",
+    "REACH_REDIS_URL",
+    "REDIS_URL",
+    "REACH_BROKER_URL",
+    "REACH_MAX_PAYLOAD_BYTES",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+# --- REACH_AGENTS --------------------------------------------------------------------------
+
+
+def test_given_no_agents_variable_expect_the_example_agents() -> None:
+    assert Settings().agents == ["workers.examples"]
+
+
+@pytest.mark.parametrize(
+    ("value", "modules"),
+    [
+        ("workers.examples", ["workers.examples"]),
+        ("workers.examples,tests.agents", ["workers.examples", "tests.agents"]),
+        (" a.b , c ,, d ,", ["a.b", "c", "d"]),
+        ("", []),
+        (" , ", []),
+    ],
+)
+def test_given_a_comma_list_of_agent_modules_expect_a_trimmed_list(
+    monkeypatch: pytest.MonkeyPatch, value: str, modules: list[str]
+) -> None:
+    monkeypatch.setenv("REACH_AGENTS", value)
+    assert Settings().agents == modules
+
+
+# --- database and broker URLs --------------------------------------------------------------
+
+
+def test_given_only_database_url_expect_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgresql+psycopg://plain@db/plain")
+    assert Settings().database_url == "postgresql+psycopg://plain@db/plain"
+
+
+def test_given_reach_database_url_and_database_url_expect_reach_to_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgresql+psycopg://plain@db/plain")
+    monkeypatch.setenv("REACH_DATABASE_URL", "postgresql+psycopg://reach@db/reach")
+    assert Settings().database_url == "postgresql+psycopg://reach@db/reach"
+
+
+def test_given_redis_url_alias_expect_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://cache:6379/2")
+    assert Settings().redis_url == "redis://cache:6379/2"
+
+
+def test_given_no_broker_url_expect_the_celery_broker_to_be_the_redis_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REACH_REDIS_URL", "redis://cache:6379/3")
+    settings = Settings()
+    assert settings.broker_url is None
+    assert settings.celery_broker_url == "redis://cache:6379/3"
+
+
+def test_given_a_broker_url_expect_it_used_for_celery(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REACH_BROKER_URL", "amqp://guest@rabbit:5672//")
+    assert Settings().celery_broker_url == "amqp://guest@rabbit:5672//"
+
+
+# --- size limits ---------------------------------------------------------------------------
+
+
+def test_given_default_limits_expect_the_body_limit_above_the_payload_limit() -> None:
+    settings = Settings()
+    assert settings.max_body_bytes > settings.max_payload_bytes
+
+
+def test_given_a_payload_limit_from_the_env_expect_the_body_limit_to_follow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REACH_MAX_PAYLOAD_BYTES", "1000")
+    settings = Settings()
+    assert settings.max_payload_bytes == 1000
+    assert settings.max_body_bytes > 1000
