@@ -10,7 +10,8 @@ from fastapi import FastAPI
 
 from api import errors
 from api.deps import KeyCache, TraceMiddleware
-from api.routes import health, tasks
+from api.routes import agents, health, tasks
+from broker.catalog import TimedCache
 from broker.db.engines import async_engine
 from broker.dispatch import Dispatcher
 from broker.settings import Settings
@@ -35,10 +36,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.redis = aioredis.from_url(settings.redis_url, socket_timeout=2)
     app.state.dispatcher = Dispatcher(settings)
     app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
+    app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
     errors.install(app)
     app.add_middleware(TraceMiddleware)
     app.include_router(health.router)
     app.include_router(tasks.router)
+    app.include_router(agents.router)
     return app
 
 

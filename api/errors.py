@@ -25,19 +25,24 @@ STATUS_BY_CODE: dict[str, int] = {
     "invalid_string": 400,
     "invalid_cursor": 400,
     "unauthenticated": 401,
+    "admin_required": 403,
     "capability_not_allowed": 403,
     "task_not_found": 404,
+    "agent_not_found": 404,
+    "instance_not_found": 404,
     "conflict_retry": 409,
     "body_too_large": 413,
     "payload_too_large": 413,
     "unsupported_media_type": 415,
     "envelope_invalid": 422,
+    "payload_invalid": 422,
     "idempotency_key_reused": 422,
     "reply_mode_unsupported": 422,
     "callback_unsupported": 422,
     "invalid_parameter": 422,
     "invalid_data": 422,
     "queue_unavailable": 503,
+    "no_agent_available": 503,
     "service_unavailable": 503,
 }
 
@@ -85,12 +90,13 @@ def problem(
 async def _reach_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, errors.ReachError)
     status = status_for(exc)
+    details = dict(exc.details)
     headers = {}
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    if status == 503:
-        headers["Retry-After"] = "1"
-    return problem(request, status, exc.code, exc.message, headers=headers, **exc.details)
+    if status in (429, 503):
+        headers["Retry-After"] = str(details.pop("retry_after_s", 1))
+    return problem(request, status, exc.code, exc.message, headers=headers, **details)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -68,5 +68,18 @@ class Dispatcher:
             headers={"trace_id": trace_id},
         )
 
+    def queue_depths(self, queues: list[str]) -> dict[str, int | None]:
+        """Messages waiting in each queue, as the broker counts them (None: no such queue)."""
+        depths: dict[str, int | None] = {}
+        with self.app.connection_for_read() as conn:
+            channel = conn.default_channel
+            for queue in queues:
+                try:
+                    depths[queue] = channel.queue_declare(queue, passive=True).message_count
+                except Exception:  # kombu raises a transport-specific "not found"
+                    depths[queue] = None
+                    channel = conn.channel()
+        return depths
+
     def close(self) -> None:
         self.app.close()

@@ -34,6 +34,9 @@ class Envelope(BaseModel):
     max_attempts: int | None = Field(None, ge=1, le=20)
     source: str | None = Field(None, max_length=128)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    queue_if_unavailable: bool = Field(
+        False, description="With no live agent, wait in the queue (bounded by the deadline)."
+    )
     result_ttl_s: int | None = Field(
         None, gt=0, description="How long the result is kept; capped by the server's maximum."
     )

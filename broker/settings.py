@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     janitor_interval_s: float = Field(60.0, gt=0)
     janitor_batch: int = Field(1000, gt=0)
 
+    # Overrides every card's lease TTL (tests and operators shorten it); None: the cards' own.
+    lease_ttl_s: float | None = Field(None, gt=0)
+    # How long the API trusts a card's input schema and the measured success rates it read.
+    card_cache_s: float = Field(5.0, ge=0)
+
     # How long a key lookup may be served from the API's memory; revocation takes this long.
     key_cache_s: float = Field(5.0, ge=0)
 

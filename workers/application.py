@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib
 
-from celery import Celery
+from celery import Celery, signals
 
 from broker import execution
 from broker.dispatch import PURGE_TASK, RUN_TASK, celery_config
 from broker.settings import Settings
+from workers.lease import lease_step
 from workers.runner import Runner
 from workers.sdk.registry import AgentRegistry, agent
 
@@ -27,6 +28,14 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     }
     load_agents(settings.agents)
     runner = Runner(settings, registry)
+    app.steps["consumer"].add(lease_step(settings, registry))
+
+    def drain_on_shutdown(**_: object) -> None:
+        keeper = getattr(app, "reach_lease_keeper", None)
+        if keeper is not None:
+            keeper.begin_drain(stop_consuming=False)
+
+    signals.worker_shutting_down.connect(drain_on_shutdown, weak=False)
 
     @app.task(name=RUN_TASK, bind=True)  # type: ignore[untyped-decorator]
     def run(self: object, task_id: str, queue: str) -> str:

@@ -11,9 +11,10 @@ import os
 import uuid
 from typing import Any
 
+import redis
 from sqlalchemy import Engine
 
-from broker import execution, jsonbody
+from broker import execution, jsonbody, leases
 from broker.db.engines import sync_engine
 from broker.errors import AgentFailure, BadRequest
 from broker.settings import Settings
@@ -33,15 +34,37 @@ class Runner:
         self.settings = settings
         self.registry = registry
         self._engine: Engine | None = None
-        self._engine_pid = 0
+        self._redis: redis.Redis | None = None
+        self._pid = 0
+
+    def _connect(self) -> None:
+        # One engine and client per process: a prefork child must not reuse its parent's
+        # connections.
+        if self._pid != os.getpid():
+            self._engine = sync_engine(self.settings)
+            self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
+            self._pid = os.getpid()
 
     @property
     def engine(self) -> Engine:
-        # One engine per process: a prefork child must not reuse its parent's connections.
-        if self._engine is None or self._engine_pid != os.getpid():
-            self._engine = sync_engine(self.settings)
-            self._engine_pid = os.getpid()
+        self._connect()
+        assert self._engine is not None
         return self._engine
+
+    @property
+    def redis(self) -> redis.Redis:
+        self._connect()
+        assert self._redis is not None
+        return self._redis
+
+    def _readiness_sink(self, instance: str, capability: str) -> Any:
+        def apply(ready: bool, for_s: float) -> None:
+            if ready:
+                leases.mark_ready(self.redis, instance, capability)
+            else:
+                leases.mark_not_ready(self.redis, instance, capability, for_s)
+
+        return apply
 
     def run(self, task_id: str, queue: str, *, instance: str) -> str:
         """Run the task; returns the status it ended in, or 'skipped' when it was not queued."""
@@ -66,6 +89,7 @@ class Runner:
             session_id=claimed.session_id,
             metadata=claimed.metadata,
             _progress_sink=lambda p: execution.report_progress(self.engine, tid, p),
+            _readiness_sink=self._readiness_sink(instance, spec.name),
         )
         outcome = self._call(spec, ctx, claimed.payload)
         if "error" in outcome:

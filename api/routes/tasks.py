@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from api.deps import authenticate, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from broker import jsonbody, queries
+from broker.admission import admit
 from broker.capabilities import any_pattern_allows, is_valid_name
 from broker.envelope import Envelope, parse_envelope
 from broker.errors import BadRequest, Forbidden, InvalidEnvelope, NotFound
@@ -70,12 +71,13 @@ async def submit_task(request: Request, caller: Caller) -> JSONResponse:
             f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
         )
     _not_yet(envelope)
+    queue = await admit(envelope, redis=state.redis, engine=state.engine, cache=state.catalog_cache)
     accepted = await submit(
         state.engine,
         state.dispatcher,
         caller,
         envelope,
-        queue=envelope.capability,
+        queue=queue,
         trace_id=request.state.trace_id,
         settings=state.settings,
     )

@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     Index,
     Integer,
     MetaData,
@@ -81,6 +82,8 @@ class Task(Base):
         Index("ix_tasks_tenant_capability_id", "tenant", "capability", "id"),
         Index("ix_tasks_tenant_status_id", "tenant", "status", "id"),
         Index("ix_tasks_expires_at", "expires_at"),
+        # The measured figures of GET /capabilities read the last minutes of finished tasks.
+        Index("ix_tasks_finished_at", "finished_at"),
         # The database decides idempotency, not a read-then-write.
         Index(
             "uq_tasks_idempotency",
@@ -106,6 +109,43 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(TZ)
 
 
+class AgentCard(Base):
+    """A card as its agent last advertised it. Kept after the agent is gone, so an operator
+    can see what vanished and when."""
+
+    __tablename__ = "agent_cards"
+
+    agent_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    capability: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # Written only by a worker whose card schema is at least as new as the stored one.
+    schema_version: Mapped[int] = mapped_column(SmallInteger)
+    card: Mapped[Any] = mapped_column(JSONB)
+    first_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (Index("ix_agent_cards_capability", "capability"),)
+
+
+class AgentInstance(Base):
+    """A worker instance that held a lease: its last known state, for the read side."""
+
+    __tablename__ = "agent_instances"
+
+    instance: Mapped[str] = mapped_column(String(255), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    # [{"agent_id", "version", "capability"}] it served.
+    cards: Mapped[Any] = mapped_column(JSONB)
+    lease_ttl_s: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[datetime] = mapped_column(TZ)
+    last_seen_at: Mapped[datetime] = mapped_column(TZ)
+    stopped_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
 # Core handles for the hot paths, which use SQL expressions rather than ORM objects.
 tasks_table = cast(Table, Task.__table__)
+agent_cards_table = cast(Table, AgentCard.__table__)
+agent_instances_table = cast(Table, AgentInstance.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 import httpx
+from sqlalchemy import Engine
 
+from tests.integration.conftest import count_tasks
 from tests.integration.stack import wait_for_task
 
 INVOICE = """ACME Trading Co., Ltd.
@@ -110,14 +112,16 @@ def test_a_result_that_is_not_json_fails_as_result_invalid(client: httpx.Client)
     assert done["error"]["code"] == "result_invalid"
 
 
-def test_a_payload_failing_the_agents_schema_fails_as_payload_invalid(client: httpx.Client) -> None:
-    task = client.post(
-        "/tasks", json={"capability": "invoice.extract", "payload": {"pdf": "x"}}
-    ).json()
-    done = wait_for_task(client, task["task_id"], FINAL)
-    assert done["status"] == "failed"
-    assert done["error"]["code"] == "payload_invalid"
-    assert "text" in done["error"]["message"]
+def test_a_payload_failing_the_agents_schema_is_refused_at_the_door(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    for payload, field in (({"pdf": "x"}, "payload"), ({"text": 7}, "payload/text")):
+        response = client.post("/tasks", json={"capability": "invoice.extract", "payload": payload})
+        assert response.status_code == 422
+        problem = response.json()
+        assert problem["code"] == "payload_invalid"
+        assert [e["field"] for e in problem["errors"]] == [field]
+    assert count_tasks(engine, tenant[0]) == 0
 
 
 def test_the_handler_sees_its_task_trace_attempt_and_deadline(client: httpx.Client) -> None:

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 ProgressSink = Callable[[dict[str, Any]], object]
+ReadinessSink = Callable[[bool, float], object]
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Context:
     session_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     _progress_sink: ProgressSink | None = field(default=None, repr=False)
+    _readiness_sink: ReadinessSink | None = field(default=None, repr=False)
 
     def time_left_s(self) -> float | None:
         """Seconds until the task's deadline, or None when it has none."""
@@ -34,3 +36,17 @@ class Context:
             raise ValueError("percent must be between 0 and 100")
         if self._progress_sink is not None:
             self._progress_sink({"percent": percent, "message": message})
+
+    def not_ready(self, for_s: float = 30.0) -> None:
+        """This agent cannot take more work for a while (say its model is rate-limited): its
+        worker stops taking this capability's tasks for ``for_s`` seconds, or until
+        ``ready()``, while it stays alive. Applied at the next lease renewal."""
+        if for_s <= 0:
+            raise ValueError("for_s must be positive")
+        if self._readiness_sink is not None:
+            self._readiness_sink(False, for_s)
+
+    def ready(self) -> None:
+        """Take this capability's tasks again."""
+        if self._readiness_sink is not None:
+            self._readiness_sink(True, 0.0)

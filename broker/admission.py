@@ -1,0 +1,74 @@
+"""Deciding, before anything is written, where a request goes and whether its payload fits.
+
+Route to the most specific live capability (see ``routing``); none live is 503
+``no_agent_available`` unless the envelope asks to wait in the queue. The payload is checked
+against the chosen card's input schema and size limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker import catalog, jsonbody, routing
+from broker.envelope import Envelope
+from broker.errors import BadRequest, InvalidEnvelope, Unavailable
+
+NO_AGENT_RETRY_AFTER_S = 5
+MAX_SCHEMA_ERRORS = 20
+
+
+async def admit(
+    envelope: Envelope, *, redis: Redis, engine: AsyncEngine, cache: catalog.TimedCache
+) -> str:
+    """The queue to publish to; raises when the request cannot be served as sent."""
+    rates = await catalog.success_rates(engine, cache)
+    route = await routing.resolve(redis, envelope.capability, success_rates=rates)
+    if route is None:
+        if envelope.queue_if_unavailable:
+            return envelope.capability
+        raise Unavailable(
+            f"no live agent serves {envelope.capability!r} or a capability it falls back to",
+            code="no_agent_available",
+            retry_after_s=NO_AGENT_RETRY_AFTER_S,
+        )
+    key = (route.card.agent_id, route.card.version, route.card.capability)
+    document = await catalog.card(engine, cache, key)
+    if document is not None:
+        check_payload(document, envelope.payload, cache)
+    return route.queue
+
+
+def check_payload(document: dict[str, Any], payload: Any, cache: catalog.TimedCache) -> None:
+    limit = (document.get("constraints") or {}).get("max_payload_bytes")
+    if limit is not None:
+        _, size = jsonbody.digest(payload)
+        if size > limit:
+            raise BadRequest(
+                f"payload is {size} bytes; {document['agent_id']} takes at most {limit}",
+                code="payload_too_large",
+            )
+    schema = document.get("input_schema")
+    if not schema:
+        return
+    key = ("validator", document["agent_id"], document["version"], document["capability"])
+    found, validator = cache.get(key)
+    if not found:
+        validator = cache.put(key, Draft202012Validator(schema))
+    problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
+    if problems:
+        errors = [
+            {
+                "field": "/".join(str(p) for p in ("payload", *e.absolute_path)),
+                "message": e.message[:300],
+            }
+            for e in problems[:MAX_SCHEMA_ERRORS]
+        ]
+        raise InvalidEnvelope(
+            f"the payload does not match the input schema of {document['agent_id']}",
+            code="payload_invalid",
+            errors=errors,
+        )

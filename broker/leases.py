@@ -1,0 +1,124 @@
+"""The worker side of the registry: advertise cards, hold and renew the lease, go offline."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from sqlalchemy import Engine, func
+from sqlalchemy.dialects.postgresql import insert
+
+from broker.db.models import agent_cards_table as cards
+from broker.db.models import agent_instances_table as instances
+from broker.registry import (
+    OFFLINE,
+    READY,
+    Lease,
+    drain_key,
+    lease_key,
+    live_key,
+    not_ready_key,
+)
+
+
+def advertise_cards(engine: Engine, documents: list[dict[str, Any]]) -> None:
+    """Upsert each card; a card of an older schema never overwrites a newer one."""
+    if not documents:
+        return
+    rows = [
+        {
+            "agent_id": d["agent_id"],
+            "version": d["version"],
+            "capability": d["capability"],
+            "schema_version": d["schema_version"],
+            "card": d,
+        }
+        for d in documents
+    ]
+    statement = insert(cards).values(rows)
+    statement = statement.on_conflict_do_update(
+        index_elements=["agent_id", "version", "capability"],
+        set_={
+            "card": statement.excluded.card,
+            "schema_version": statement.excluded.schema_version,
+            "last_seen_at": func.now(),
+        },
+        where=cards.c.schema_version <= statement.excluded.schema_version,
+    )
+    with engine.begin() as conn:
+        conn.execute(statement)
+
+
+def record_instance(engine: Engine, lease: Lease, state: str) -> None:
+    """The instance's last known state in Postgres, kept after its lease is gone."""
+    now = datetime.now(UTC)
+    values = {
+        "instance": lease.instance,
+        "hostname": lease.hostname,
+        "pid": lease.pid,
+        "state": state,
+        "cards": [
+            {"agent_id": c.agent_id, "version": c.version, "capability": c.capability}
+            for c in lease.cards
+        ],
+        "lease_ttl_s": lease.lease_ttl_s,
+        "started_at": datetime.fromtimestamp(lease.started_at, UTC),
+        "last_seen_at": now,
+        "stopped_at": now if state == OFFLINE else None,
+    }
+    statement = insert(instances).values(values)
+    statement = statement.on_conflict_do_update(
+        index_elements=["instance"],
+        set_={k: statement.excluded[k] for k in values if k != "instance"},
+    )
+    with engine.begin() as conn:
+        conn.execute(statement)
+
+
+def renew(client: redis.Redis, lease: Lease) -> None:
+    """Write the lease and index each ready capability until the lease expires, atomically."""
+    expires_at = lease.heartbeat_at + lease.lease_ttl_s
+    pipe = client.pipeline(transaction=True)
+    pipe.set(lease_key(lease.instance), lease.to_json(), px=int(lease.lease_ttl_s * 1000))
+    for card in lease.cards:
+        if lease.state == READY and card.ready:
+            pipe.zadd(live_key(card.capability), {lease.instance: expires_at})
+        else:
+            pipe.zrem(live_key(card.capability), lease.instance)
+        # Entries of leases long gone: readers skip them anyway; this keeps the set small.
+        pipe.zremrangebyscore(live_key(card.capability), "-inf", lease.heartbeat_at)
+    pipe.execute()
+
+
+def withdraw(client: redis.Redis, lease: Lease) -> None:
+    """Leave every live index at once (draining: no new work is routed here)."""
+    pipe = client.pipeline(transaction=True)
+    for card in lease.cards:
+        pipe.zrem(live_key(card.capability), lease.instance)
+    pipe.execute()
+
+
+def release(client: redis.Redis, lease: Lease) -> None:
+    withdraw(client, lease)
+    client.delete(lease_key(lease.instance), drain_key(lease.instance))
+
+
+def drain_requested(client: redis.Redis, instance: str) -> bool:
+    return bool(client.exists(drain_key(instance)))
+
+
+def not_ready_flags(client: redis.Redis, instance: str, capabilities: list[str]) -> set[str]:
+    """Capabilities an agent marked not ready through the SDK (flags with their own TTL)."""
+    if not capabilities:
+        return set()
+    values = client.mget([not_ready_key(instance, c) for c in capabilities])
+    return {c for c, v in zip(capabilities, values, strict=True) if v is not None}
+
+
+def mark_not_ready(client: redis.Redis, instance: str, capability: str, for_s: float) -> None:
+    client.set(not_ready_key(instance, capability), "1", px=max(1, int(for_s * 1000)))
+
+
+def mark_ready(client: redis.Redis, instance: str, capability: str) -> None:
+    client.delete(not_ready_key(instance, capability))

@@ -1,0 +1,189 @@
+"""The worker's lease: advertised at start, renewed every TTL/3 by a thread of its own (never
+from the task path, so an idle worker stays live), and given up on drain or shutdown.
+
+Each renewal also applies readiness: a capability whose readiness callable says no, or that an
+agent marked not ready through the SDK, is removed from routing and its queues stop being
+consumed until it is ready again; the worker itself stays up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import replace
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from broker import leases
+from broker.db.engines import sync_engine
+from broker.registry import (
+    DRAINING,
+    OFFLINE,
+    READY,
+    CardRef,
+    Lease,
+    card_queue,
+    drain_key,
+    now_s,
+)
+from broker.settings import Settings
+from workers.sdk.registry import AgentRegistry, CapabilitySpec
+
+log = logging.getLogger("reach.lease")
+
+
+class LeaseKeeper:
+    def __init__(self, consumer: Any, settings: Settings, registry: AgentRegistry) -> None:
+        self.consumer = consumer
+        self.instance: str = consumer.hostname
+        consumed = set(consumer.app.amqp.queues.consume_from or {})
+        self.specs = [s for s in registry if s.name in consumed]
+        ttl = settings.lease_ttl_s or min((s.lease_ttl_s for s in self.specs), default=30.0)
+        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        self.engine = sync_engine(settings, pool_size=1)
+        self.lease = Lease(
+            instance=self.instance,
+            state=READY,
+            heartbeat_at=now_s(),
+            started_at=now_s(),
+            lease_ttl_s=ttl,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            cards=tuple(self._card_ref(s) for s in self.specs),
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reach-lease", daemon=True)
+
+    @staticmethod
+    def _card_ref(spec: CapabilitySpec) -> CardRef:
+        return CardRef(
+            agent_id=spec.agent_id,
+            version=spec.version,
+            capability=spec.name,
+            weight=spec.weight,
+            cost_per_call=spec.cost_per_call,
+        )
+
+    def start(self) -> None:
+        if not self.specs:
+            return
+        leases.advertise_cards(self.engine, [s.card_document() for s in self.specs])
+        self.redis.delete(drain_key(self.instance))  # a restart is not still draining
+        for spec in self.specs:  # so routing can pick this card when several serve it
+            self.consumer.add_task_queue(card_queue(spec.name, spec.agent_id, spec.version))
+        self.renew()
+        leases.record_instance(self.engine, self.lease, READY)
+        self._thread.start()
+        log.info(
+            "lease held by %s for %s (ttl %.1fs)",
+            self.instance,
+            [s.name for s in self.specs],
+            self.lease.lease_ttl_s,
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease.renew_every_s):
+            try:
+                self.tick()
+            except Exception:  # a missed renewal is survivable; the next one may succeed
+                log.exception("lease renewal failed for %s", self.instance)
+
+    def tick(self) -> None:
+        if self.lease.state == READY and leases.drain_requested(self.redis, self.instance):
+            self.begin_drain()
+        if self.lease.state == DRAINING:
+            if self._holding() == 0:
+                self.go_offline()
+                self._stop.set()
+                return
+        else:
+            self._apply_readiness()
+        self.renew()
+        leases.record_instance(self.engine, self.lease, self.lease.state)
+
+    def renew(self) -> None:
+        self.lease = replace(self.lease, heartbeat_at=now_s(), active=self._holding())
+        leases.renew(self.redis, self.lease)
+
+    def _apply_readiness(self) -> None:
+        flagged = leases.not_ready_flags(self.redis, self.instance, [s.name for s in self.specs])
+        cards = []
+        for spec, card in zip(self.specs, self.lease.cards, strict=True):
+            ready = spec.name not in flagged and _ready(spec)
+            if ready != card.ready:
+                self._toggle_queues(spec, consume=ready)
+            cards.append(replace(card, ready=ready))
+        self.lease = replace(self.lease, cards=tuple(cards))
+
+    def _toggle_queues(self, spec: CapabilitySpec, *, consume: bool) -> None:
+        log.info("%s: %s %s", self.instance, "resuming" if consume else "pausing", spec.name)
+        for queue in (spec.name, card_queue(spec.name, spec.agent_id, spec.version)):
+            action = self.consumer.add_task_queue if consume else self.consumer.cancel_task_queue
+            # call_soon runs it on the consumer's own loop: its queues are not thread-safe.
+            self.consumer.call_soon(action, queue)
+
+    def begin_drain(self, *, stop_consuming: bool = True) -> None:
+        """Stop taking work: leave routing, stop consuming, finish what is held.
+        On warm shutdown Celery stops consuming itself (``stop_consuming=False``)."""
+        if self.lease.state in (DRAINING, OFFLINE) or not self.specs:
+            return
+        log.info("%s: draining", self.instance)
+        self.lease = replace(self.lease, state=DRAINING)
+        leases.withdraw(self.redis, self.lease)
+        for spec, card in zip(self.specs, self.lease.cards, strict=True):
+            if stop_consuming and card.ready:
+                self._toggle_queues(spec, consume=False)
+        self.renew()
+        leases.record_instance(self.engine, self.lease, DRAINING)
+
+    def go_offline(self) -> None:
+        if not self.specs or self.lease.state == OFFLINE:
+            return
+        self._stop.set()
+        self.lease = replace(self.lease, state=OFFLINE)
+        leases.release(self.redis, self.lease)
+        leases.record_instance(self.engine, self.lease, OFFLINE)
+        log.info("%s: offline", self.instance)
+
+    @staticmethod
+    def _holding() -> int:
+        from celery.worker import state
+
+        return len(state.active_requests) + len(state.reserved_requests)
+
+
+def _ready(spec: CapabilitySpec) -> bool:
+    if spec.readiness is None:
+        return True
+    try:
+        return bool(spec.readiness())
+    except Exception:
+        log.exception("readiness check of %s raised; treating it as not ready", spec.name)
+        return False
+
+
+def lease_step(settings: Settings, registry: AgentRegistry) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep holding the lease for as long as the consumer runs."""
+
+    class LeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, consumer: Any, **kwargs: Any) -> None:
+            super().__init__(consumer, **kwargs)
+            self.keeper: LeaseKeeper | None = None
+
+        def start(self, consumer: Any) -> None:
+            if self.keeper is None:
+                self.keeper = LeaseKeeper(consumer, settings, registry)
+                consumer.app.reach_lease_keeper = self.keeper
+                self.keeper.start()
+
+        def shutdown(self, consumer: Any) -> None:
+            if self.keeper is not None:
+                self.keeper.go_offline()
+
+    return LeaseStep
