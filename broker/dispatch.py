@@ -68,17 +68,21 @@ class Dispatcher:
             headers={"trace_id": trace_id},
         )
 
-    def queue_depths(self, queues: list[str]) -> dict[str, int | None]:
-        """Messages waiting in each queue, as the broker counts them (None: no such queue)."""
-        depths: dict[str, int | None] = {}
+    def queue_depths(self, queues: list[str]) -> dict[str, int]:
+        """Messages waiting in each queue, as the broker counts them.
+
+        A queue the broker does not know holds nothing: Redis deletes an empty queue's list,
+        so "not found" and "empty" are the same answer there."""
+        depths: dict[str, int] = {}
         with self.app.connection_for_read() as conn:
-            channel = conn.default_channel
+            channel = conn.channel()
             for queue in queues:
                 try:
                     depths[queue] = channel.queue_declare(queue, passive=True).message_count
                 except Exception:  # kombu raises a transport-specific "not found"
-                    depths[queue] = None
-                    channel = conn.channel()
+                    depths[queue] = 0
+                    channel = conn.channel()  # AMQP closes the channel on a failed declare
+            channel.close()
         return depths
 
     def close(self) -> None:

@@ -53,6 +53,11 @@ def card_queue(capability: str, agent_id: str, version: str) -> str:
     return f"{capability}@{agent_id}@{version}"
 
 
+def capability_of(queue: str) -> str:
+    """The capability a queue serves: itself, or the part before ``@`` of a card queue."""
+    return queue.partition("@")[0]
+
+
 @dataclass(frozen=True)
 class CardRef:
     """What a lease says about each card it serves: enough to route without Postgres."""

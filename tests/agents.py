@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from workers.sdk import Context, agent
@@ -28,3 +30,27 @@ def context(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
         "session_id": ctx.session_id,
         "metadata": ctx.metadata,
     }
+
+
+@agent.capability(
+    "test.pool",
+    agent_id="test-pool",
+    # Two workers of one test run as two versions of the agent, each with its own weight.
+    version=os.environ.get("REACH_TEST_POOL_VERSION", "1.0.0"),
+    weight=float(os.environ.get("REACH_TEST_POOL_WEIGHT", "1")),
+    input_schema={"type": "object", "properties": {"sleep_s": {"type": "number", "maximum": 30}}},
+)
+def pool(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Sleeps ``sleep_s`` (reporting progress), or pauses its capability with ``not_ready_s``."""
+    if "not_ready_s" in payload:
+        ctx.not_ready(for_s=payload["not_ready_s"])
+        return {"paused_for_s": payload["not_ready_s"]}
+    sleep_s = float(payload.get("sleep_s", 0))
+    ctx.progress(0, "started")
+    time.sleep(sleep_s)
+    return {"slept_s": sleep_s}
+
+
+@agent.capability("test.late", agent_id="test-late", version="0.0.1")
+def late(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"ran": True}

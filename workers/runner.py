@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from broker import execution, jsonbody, leases
 from broker.db.engines import sync_engine
 from broker.errors import AgentFailure, BadRequest
+from broker.registry import capability_of
 from broker.settings import Settings
 from workers.sdk.context import Context
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
@@ -69,7 +70,7 @@ class Runner:
     def run(self, task_id: str, queue: str, *, instance: str) -> str:
         """Run the task; returns the status it ended in, or 'skipped' when it was not queued."""
         tid = uuid.UUID(task_id)
-        spec = self.registry.get(queue)
+        spec = self.registry.get(capability_of(queue))
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
             execution.fail(self.engine, tid, error("capability_not_served", message))

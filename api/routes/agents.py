@@ -13,7 +13,7 @@ from api.schemas import ERROR_RESPONSES
 from broker import catalog, routing
 from broker.errors import Forbidden, NotFound
 from broker.keys import Principal
-from broker.registry import drain_key, now_s
+from broker.registry import card_queue, drain_key, now_s
 
 router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
@@ -60,7 +60,15 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
     known = await catalog.known_capabilities(state.engine)
     figures = await catalog.capability_figures(state.engine)
     now = now_s()
-    depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, sorted(known))
+    queues = {
+        capability: [
+            capability,
+            *(card_queue(capability, c["agent_id"], c["version"]) for c in served_by),
+        ]
+        for capability, served_by in known.items()
+    }
+    every_queue = [q for names in queues.values() for q in names]
+    depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, every_queue)
     result = []
     for capability, served_by in known.items():
         live = await routing.live_candidates(state.redis, capability, now)
@@ -69,7 +77,8 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
                 "capability": capability,
                 "cards": served_by,
                 "live_instances": len(live),
-                "queue_depth": depths.get(capability),
+                # The capability's queue plus its cards' queues.
+                "queue_depth": sum(depths[q] for q in queues[capability]),
                 "window_s": catalog.WINDOW_S,
                 "measured": figures.get(
                     capability,

@@ -3,6 +3,7 @@ the API served by uvicorn on a loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import psutil
 import uvicorn
 from fastapi import FastAPI
 
@@ -39,6 +41,8 @@ def environment(settings: Settings) -> dict[str, str]:
         REACH_JANITOR_INTERVAL_S=str(settings.janitor_interval_s),
         PYTHONPATH=str(ROOT),
     )
+    if settings.lease_ttl_s is not None:
+        env["REACH_LEASE_TTL_S"] = str(settings.lease_ttl_s)
     if settings.broker_url:
         env["REACH_BROKER_URL"] = settings.broker_url
     else:
@@ -49,10 +53,13 @@ def environment(settings: Settings) -> dict[str, str]:
 class CeleryProcess:
     """``celery -A workers <args>`` with its output in a log file; started and waited for."""
 
-    def __init__(self, args: list[str], settings: Settings, log_path: Path) -> None:
+    def __init__(
+        self, args: list[str], settings: Settings, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.args = args
         self.settings = settings
         self.log_path = log_path
+        self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -60,7 +67,7 @@ class CeleryProcess:
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             [str(BIN / "celery"), "-A", "workers", *self.args],
-            env=environment(self.settings),
+            env={**environment(self.settings), **self.env},
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -76,6 +83,20 @@ class CeleryProcess:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def kill_hard(self) -> None:
+        """kill -9 the worker and its pool processes, as a machine crash would."""
+        assert self.process is not None
+        family = [self.process.pid, *(c.pid for c in psutil.Process(self.pid).children(True))]
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait()
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(sig)
@@ -88,21 +109,17 @@ class CeleryProcess:
             self._log.close()
 
 
-def start_worker(settings: Settings, queues: str, name: str, log_dir: Path) -> CeleryProcess:
-    args = [
-        "worker",
-        "-Q",
-        queues,
-        "-n",
-        f"{name}@%h",
-        "-c",
-        "2",
-        "-l",
-        "INFO",
-        "--without-gossip",
-        "--without-mingle",
-    ]
-    return CeleryProcess(args, settings, log_dir / f"{name}.log").start(" ready.")
+def start_worker(
+    settings: Settings,
+    queues: str,
+    name: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    concurrency: int = 2,
+) -> CeleryProcess:
+    args = ["worker", "-Q", queues, "-n", f"{name}@%h", "-c", str(concurrency), "-l", "INFO"]
+    args += ["--without-gossip", "--without-mingle"]
+    return CeleryProcess(args, settings, log_dir / f"{name}.log", env).start(" ready.")
 
 
 def start_beat(settings: Settings, log_dir: Path) -> CeleryProcess:
