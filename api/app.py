@@ -14,6 +14,8 @@ from api.routes import agents, health, tasks
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
 from broker.dispatch import Dispatcher
+from broker.eventhub import EventHub
+from broker.events import EventLog
 from broker.settings import Settings
 
 
@@ -21,8 +23,10 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        await app.state.hub.close()
         await app.state.engine.dispose()
         await app.state.redis.aclose()
+        await app.state.redis.connection_pool.disconnect()
         app.state.dispatcher.close()
 
     app = FastAPI(
@@ -33,10 +37,17 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = async_engine(settings)
-    app.state.redis = aioredis.from_url(settings.redis_url, socket_timeout=2)
+    # Bounded and blocking: under a burst, requests wait their turn for a connection (up to
+    # 10 s) instead of failing once a fixed number are open.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=64, timeout=10, socket_timeout=5
+    )
+    app.state.redis = aioredis.Redis(connection_pool=pool)
     app.state.dispatcher = Dispatcher(settings)
     app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
     app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
+    app.state.hub = EventHub(app.state.redis)
+    app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)
     app.add_middleware(TraceMiddleware)
     app.include_router(health.router)

@@ -5,6 +5,7 @@ The HTTP status of each code is this one table; codes not listed fall back to th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
@@ -18,12 +19,15 @@ from starlette.exceptions import HTTPException
 
 from broker import errors
 
+log = logging.getLogger("reach.api")
+
 STATUS_BY_CODE: dict[str, int] = {
     "invalid_json": 400,
     "json_too_deep": 400,
     "number_out_of_range": 400,
     "invalid_string": 400,
     "invalid_cursor": 400,
+    "invalid_last_event_id": 400,
     "unauthenticated": 401,
     "admin_required": 403,
     "capability_not_allowed": 403,
@@ -37,7 +41,6 @@ STATUS_BY_CODE: dict[str, int] = {
     "envelope_invalid": 422,
     "payload_invalid": 422,
     "idempotency_key_reused": 422,
-    "reply_mode_unsupported": 422,
     "callback_unsupported": 422,
     "invalid_parameter": 422,
     "invalid_data": 422,
@@ -116,6 +119,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("503 on %s: %s: %s", request.url.path, type(exc).__name__, exc)
     return problem(
         request,
         503,
@@ -130,6 +134,7 @@ async def _data_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    log.error("500 on %s", request.url.path, exc_info=exc)
     return problem(request, 500, "internal_error", "an unexpected error; see the server log")
 
 

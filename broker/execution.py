@@ -27,6 +27,7 @@ class Claimed:
     deadline_at: datetime | None
     session_id: str | None
     metadata: dict[str, Any]
+    result_ttl_s: int
 
 
 def _expiry() -> Any:
@@ -57,6 +58,7 @@ def claim(
             tasks.c.deadline_at,
             tasks.c.session_id,
             tasks.c.metadata,
+            tasks.c.result_ttl_s,
         )
     )
     with engine.begin() as conn:
@@ -72,6 +74,7 @@ def claim(
         deadline_at=row.deadline_at,
         session_id=row.session_id,
         metadata=row.metadata,
+        result_ttl_s=row.result_ttl_s,
     )
 
 
@@ -85,11 +88,12 @@ def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]
     return result.rowcount == 1
 
 
-def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> bool:
+def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> dict[str, Any] | None:
+    """The finished row, or None when the task was no longer running (cancelled, say)."""
     return _finish(engine, task_id, status=SUCCEEDED, result=result)
 
 
-def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> bool:
+def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
     """Fail a running task, or a queued one that cannot be run (no such capability here)."""
     return _finish(engine, task_id, status=FAILED, error=error, from_status=(RUNNING, QUEUED))
 
@@ -101,14 +105,16 @@ def _finish(
     status: str,
     from_status: tuple[str, ...] = (RUNNING,),
     **outcome: Any,
-) -> bool:
+) -> dict[str, Any] | None:
     query = (
         update(tasks)
         .where(tasks.c.id == task_id, tasks.c.status.in_(from_status))
         .values(status=status, finished_at=func.now(), expires_at=_expiry(), **outcome)
+        .returning(*tasks.c)
     )
     with engine.begin() as conn:
-        return conn.execute(query).rowcount == 1
+        row = conn.execute(query).first()
+    return dict(row._mapping) if row is not None else None
 
 
 def purge_expired(engine: Engine, *, batch: int, max_batches: int = 100) -> int:

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     # How long the API trusts a card's input schema and the measured success rates it read.
     card_cache_s: float = Field(5.0, ge=0)
 
+    # reply_mode sync waits at most this long (and never past the task's deadline).
+    sync_max_wait_s: float = Field(30.0, gt=0, le=300)
+    # SSE: a ': ping' after this much silence; a client not reading for send_timeout is dropped.
+    sse_ping_s: float = Field(15.0, gt=0)
+    sse_send_timeout_s: float = Field(30.0, gt=0)
+
     # How long a key lookup may be served from the API's memory; revocation takes this long.
     key_cache_s: float = Field(5.0, ge=0)
 

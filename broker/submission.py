@@ -17,7 +17,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import jsonbody
+from broker import events, jsonbody
 from broker.db.models import tasks_table as tasks
 from broker.dispatch import Dispatcher
 from broker.envelope import Envelope
@@ -25,6 +25,9 @@ from broker.errors import BadRequest, Unavailable
 from broker.keys import Principal
 from broker.settings import Settings
 from broker.tasks import QUEUED, new_task_id
+
+# Events outlive the result a little, so a stream opened just before expiry still ends.
+EVENTS_SLACK_S = 3600
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ def _values(
 async def submit(
     engine: AsyncEngine,
     dispatcher: Dispatcher,
+    event_log: events.EventLog,
     principal: Principal,
     envelope: Envelope,
     *,
@@ -102,6 +106,14 @@ async def submit(
             return await _replay(conn, values)
     row = dict(inserted._mapping)
     try:
+        # The queued event goes first, so it precedes whatever the worker appends.
+        await event_log.append_async(
+            row["id"],
+            events.STATUS,
+            {"status": QUEUED},
+            trace_id=trace_id,
+            ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
+        )
         await anyio.to_thread.run_sync(
             lambda: dispatcher.publish(row["id"], queue, trace_id=trace_id)
         )

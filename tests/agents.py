@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from workers.sdk import Context, agent
@@ -54,3 +55,19 @@ def pool(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 @agent.capability("test.late", agent_id="test-late", version="0.0.1")
 def late(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     return {"ran": True}
+
+
+@agent.capability("test.gen", agent_id="test-gen", version="0.0.1", streaming=True)
+def generate(ctx: Context, payload: dict[str, Any]) -> Iterator[dict[str, int]]:
+    """A generator handler: each yielded item is an output event."""
+    for i in range(int(payload.get("n", 3))):
+        yield {"i": i}
+
+
+@agent.capability("test.flood", agent_id="test-flood", version="0.0.1", streaming=True)
+def flood(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
+    """Emits ``n`` outputs of ``size`` characters: enough to fill a socket that nobody reads."""
+    n, size = int(payload.get("n", 10)), int(payload.get("size", 1000))
+    for i in range(n):
+        ctx.emit({"i": i, "blob": "x" * size})
+    return {"chunks": n}

@@ -55,7 +55,6 @@ def settings(database_url: str, redis_url: str) -> Settings:
         broker_url=None,
         janitor_interval_s=0.5,
         lease_ttl_s=3,  # renewed every second: kill -9 shows as offline within 3 s
-        key_cache_s=0,
         max_payload_bytes=64 * 1024,
         agents=["workers.examples", "tests.agents"],
     )

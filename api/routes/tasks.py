@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
 
+from api import replies
 from api.deps import authenticate, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
+from api.sse import EventStreamResponse
 from broker import jsonbody, queries
 from broker.admission import admit
 from broker.capabilities import any_pattern_allows, is_valid_name
 from broker.envelope import Envelope, parse_envelope
 from broker.errors import BadRequest, Forbidden, InvalidEnvelope, NotFound
 from broker.keys import Principal
+from broker.settings import Settings
 from broker.submission import submit
 from broker.tasks import parse_task_id, render
 
@@ -35,11 +38,6 @@ def _merge_idempotency_header(data: Any, header: str | None) -> Any:
 
 
 def _not_yet(envelope: Envelope) -> None:
-    if envelope.reply_mode != "async":
-        raise InvalidEnvelope(
-            f"reply_mode {envelope.reply_mode!r} is not served yet; use 'async' and poll",
-            code="reply_mode_unsupported",
-        )
     if envelope.callback is not None:
         raise InvalidEnvelope(
             "callbacks are not served yet; poll the task", code="callback_unsupported"
@@ -58,8 +56,10 @@ def _not_yet(envelope: Envelope) -> None:
         }
     },
 )
-async def submit_task(request: Request, caller: Caller) -> JSONResponse:
-    """Submit an envelope. 202 with the task at once; poll ``Location`` for the outcome."""
+async def submit_task(request: Request, caller: Caller) -> Response:
+    """Submit an envelope. ``async``: 202 with the task at once, poll ``Location``.
+    ``sync``: 200 with the finished task if it finishes within the wait, else 202.
+    ``stream``: the task's events as ``text/event-stream``."""
     state = request.app.state
     raw = await read_json_body(request, state.settings.max_body_bytes)
     data = jsonbody.parse(raw, max_depth=state.settings.max_json_depth)
@@ -75,17 +75,64 @@ async def submit_task(request: Request, caller: Caller) -> JSONResponse:
     accepted = await submit(
         state.engine,
         state.dispatcher,
+        state.event_log,
         caller,
         envelope,
         queue=queue,
         trace_id=request.state.trace_id,
         settings=state.settings,
     )
-    task = render(accepted.row)
-    headers = {"Location": f"/tasks/{task['task_id']}"}
+    row = accepted.row
+    headers = {"Location": f"/tasks/{row['id']}"}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(task, status_code=202, headers=headers)
+    if envelope.reply_mode == "stream":
+        return replies.event_stream(request, caller.tenant, row["id"], headers=headers)
+    if envelope.reply_mode == "sync":
+        finished = await replies.wait_until_final(
+            request, caller.tenant, row["id"], _sync_wait_s(envelope, state.settings)
+        )
+        if finished is not None:
+            return JSONResponse(render(finished), status_code=200, headers=headers)
+        row = await queries.get_task(state.engine, caller.tenant, row["id"]) or row
+    return JSONResponse(render(row), status_code=202, headers=headers)
+
+
+def _sync_wait_s(envelope: Envelope, settings: Settings) -> float:
+    if envelope.deadline_ms is None:
+        return settings.sync_max_wait_s
+    return min(settings.sync_max_wait_s, envelope.deadline_ms / 1000)
+
+
+@router.get(
+    "/tasks/{task_id}/events",
+    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+    response_class=EventStreamResponse,
+)
+async def task_events(
+    task_id: str,
+    request: Request,
+    caller: Caller,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> EventStreamResponse:
+    """SSE: the task's events from the start, or after ``Last-Event-ID``; ends after the final
+    event. Opening it on a finished task replays the log."""
+    tid = parse_task_id(task_id)
+    row = (
+        None
+        if tid is None
+        else await queries.get_task(request.app.state.engine, caller.tenant, tid)
+    )
+    if tid is None or row is None:
+        raise NotFound("no such task", code="task_not_found")
+    after = 0
+    if last_event_id is not None:
+        if not last_event_id.strip().isdigit() or len(last_event_id.strip()) > 18:
+            raise BadRequest(
+                "Last-Event-ID must be an event id this stream sent", code="invalid_last_event_id"
+            )
+        after = int(last_event_id.strip())
+    return replies.event_stream(request, caller.tenant, tid, after=after)
 
 
 @router.get("/tasks/{task_id}", response_model=TaskResource, responses=ERROR_RESPONSES)

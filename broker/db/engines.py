@@ -14,11 +14,13 @@ def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
     )
 
 
-def async_engine(settings: Settings, *, pool_size: int = 10) -> AsyncEngine:
+def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
+    # No pre-ping: it costs a round trip per request. A connection lost with a Postgres
+    # restart fails once (503), and SQLAlchemy then invalidates the whole pool.
     return create_async_engine(
         settings.database_url,
         pool_size=pool_size,
-        max_overflow=10,
-        pool_pre_ping=True,
-        pool_timeout=5,  # a request waits at most this for a connection, then 503
+        max_overflow=20,
+        pool_timeout=10,  # a request waits at most this for a connection, then 503
+        pool_recycle=1800,
     )

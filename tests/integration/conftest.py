@@ -14,7 +14,9 @@ from broker.db.models import tasks_table
 from broker.settings import Settings
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker
 
-TEST_QUEUES = "echo,invoice.extract,text.summarize,test.boom,test.not-json,test.context"
+TEST_QUEUES = (
+    "echo,invoice.extract,text.summarize,test.boom,test.not-json,test.context,test.gen,test.flood"
+)
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +35,13 @@ def worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
 @pytest.fixture(scope="session")
 def api(settings: Settings) -> Iterator[ServedApp]:
     with ServedApp(create_app(settings)) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def uncached_api(settings: Settings) -> Iterator[ServedApp]:
+    """An API that looks keys up on every request, so a revocation shows at once."""
+    with ServedApp(create_app(settings.model_copy(update={"key_cache_s": 0}))) as served:
         yield served
 
 

@@ -72,12 +72,7 @@ CASES: list[tuple[str, bytes | str, int, str]] = [
         "number_out_of_range",
     ),
     ("NaN", '{"capability": "echo", "payload": {"a": NaN}}', 400, "number_out_of_range"),
-    (
-        "sync not served yet",
-        json.dumps({**OK, "reply_mode": "sync"}),
-        422,
-        "reply_mode_unsupported",
-    ),
+    ("reply mode unknown", json.dumps({**OK, "reply_mode": "later"}), 422, "envelope_invalid"),
     (
         "callback not served yet",
         json.dumps({**OK, "callback": {"url": "https://e.x/h"}}),

@@ -30,12 +30,12 @@ def test_a_wrong_secret_or_junk_key_is_401(api: ServedApp, make_key: KeyMaker) -
         assert response.json()["code"] == "unauthenticated"
 
 
-def test_a_revoked_key_is_401(api: ServedApp, make_key: KeyMaker, engine: Engine) -> None:
+def test_a_revoked_key_is_401(uncached_api: ServedApp, make_key: KeyMaker, engine: Engine) -> None:
     _, token = make_key()
-    with client_for(api, token) as http:
+    with client_for(uncached_api, token) as http:
         assert http.get("/tasks").status_code == 200
         assert keys.revoke_key(engine, token.split("_")[1])
-        # The test API caches keys for 0 s, so revocation is immediate here.
+        # This API caches keys for 0 s, so revocation is immediate here.
         assert http.get("/tasks").status_code == 401
 
 

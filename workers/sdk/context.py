@@ -10,6 +10,7 @@ from typing import Any
 
 ProgressSink = Callable[[dict[str, Any]], object]
 ReadinessSink = Callable[[bool, float], object]
+OutputSink = Callable[[Any], object]
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Context:
     metadata: dict[str, Any] = field(default_factory=dict)
     _progress_sink: ProgressSink | None = field(default=None, repr=False)
     _readiness_sink: ReadinessSink | None = field(default=None, repr=False)
+    _output_sink: OutputSink | None = field(default=None, repr=False)
 
     def time_left_s(self) -> float | None:
         """Seconds until the task's deadline, or None when it has none."""
@@ -31,11 +33,16 @@ class Context:
         return max(0.0, (self.deadline_at - datetime.now(UTC)).total_seconds())
 
     def progress(self, percent: float, message: str | None = None) -> None:
-        """Report how far along the task is; pollers see it on the task resource."""
+        """Report how far along the task is: pollers see it on the task, streams as an event."""
         if not 0 <= percent <= 100:
             raise ValueError("percent must be between 0 and 100")
         if self._progress_sink is not None:
             self._progress_sink({"percent": percent, "message": message})
+
+    def emit(self, chunk: Any) -> None:
+        """Send a partial output (any JSON value) to whoever streams this task."""
+        if self._output_sink is not None:
+            self._output_sink(chunk)
 
     def not_ready(self, for_s: float = 30.0) -> None:
         """This agent cannot take more work for a while (say its model is rate-limited): its

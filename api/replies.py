@@ -1,0 +1,96 @@
+"""The ways a caller gets the outcome without polling: waiting (sync) and streaming (SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from api.sse import EventStreamResponse
+from broker import queries
+from broker.eventhub import EventHub
+from broker.events import Event
+from broker.tasks import FINAL, render
+
+STORE_CHECK_S = 1.0
+
+
+def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> Any:
+    """When the log has nothing more but Postgres says the task is final (its log was lost),
+    the stream ends with the task as Postgres has it."""
+    engine = request.app.state.engine
+
+    async def final(last_seq: int) -> Event | None:
+        row = await queries.get_task(engine, tenant, task_id)
+        if row is None or row["status"] not in FINAL:
+            return None
+        return Event(
+            seq=last_seq + 1,
+            type=row["status"],
+            data=render(row),
+            trace_id=row["trace_id"],
+            at=time.time(),
+        )
+
+    return final
+
+
+def event_stream(
+    request: Request,
+    tenant: str,
+    task_id: uuid.UUID,
+    *,
+    after: int = 0,
+    status_code: int = 200,
+    headers: dict[str, str] | None = None,
+) -> EventStreamResponse:
+    settings = request.app.state.settings
+    hub: EventHub = request.app.state.hub
+    events = hub.events(
+        str(task_id),
+        after=after,
+        quiet_s=min(2.0, settings.sse_ping_s),
+        final_from_store=_final_from_store(request, tenant, task_id),
+    )
+    return EventStreamResponse(
+        events,
+        send_timeout_s=settings.sse_send_timeout_s,
+        ping_s=settings.sse_ping_s,
+        status_code=status_code,
+        headers=headers,
+    )
+
+
+async def wait_until_final(
+    request: Request, tenant: str, task_id: uuid.UUID, timeout_s: float
+) -> dict[str, Any] | None:
+    """The task once final, or None when ``timeout_s`` passes first.
+
+    Subscribes, then checks (so a completion during the start is not missed), and reads
+    Postgres whenever pub/sub has been quiet for a second.
+    """
+    hub: EventHub = request.app.state.hub
+    engine = request.app.state.engine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+
+    async def final_row() -> dict[str, Any] | None:
+        row = await queries.get_task(engine, tenant, task_id)
+        return row if row is not None and row["status"] in FINAL else None
+
+    async with hub.listen(str(task_id)) as live:
+        if any(e.final for e in await hub.read_log(str(task_id), 0)):
+            return await final_row()
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                event = await asyncio.wait_for(live.get(), min(remaining, STORE_CHECK_S))
+            except TimeoutError:
+                if (row := await final_row()) is not None:
+                    return row
+                continue
+            if event.final:
+                return await final_row()
+    return None

@@ -1,0 +1,92 @@
+"""Server-sent events as a plain ASGI response, so that every write has a deadline.
+
+A client that stops reading fills its socket buffer; the next write then waits, and after
+``send_timeout_s`` the stream is dropped instead of pinning memory. A client that disconnects
+ends the stream at once; the task itself is never affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from broker.events import Event
+
+log = logging.getLogger("reach.sse")
+PING = b": ping\n\n"
+HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx would otherwise buffer the stream
+    "Connection": "keep-alive",
+}
+
+
+class EventStreamResponse(Response):
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: AsyncIterator[Event | None],
+        *,
+        send_timeout_s: float,
+        ping_s: float,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(status_code=status_code, headers={**HEADERS, **(headers or {})})
+        # A stream has no length: drop the content-length: 0 that Response adds for no body.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.events = events
+        self.send_timeout_s = send_timeout_s
+        self.ping_s = ping_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        last_write = loop.time()
+
+        async def write(body: bytes, more: bool = True) -> None:
+            nonlocal last_write
+            message = {"type": "http.response.body", "body": body, "more_body": more}
+            await asyncio.wait_for(send(message), self.send_timeout_s)
+            last_write = loop.time()
+
+        async def stream() -> None:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for event in self.events:
+                if event is not None:
+                    await write(event.sse())
+                elif loop.time() - last_write >= self.ping_s:
+                    await write(PING)  # keeps proxies from cutting an idle stream
+            await write(b"", more=False)
+
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.create_task(stream())
+        watching = asyncio.create_task(disconnected())
+        try:
+            done, _ = await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if streaming in done and (exc := streaming.exception()) is not None:
+                if isinstance(exc, TimeoutError):
+                    log.info("dropped an SSE client that stopped reading")
+                else:
+                    raise exc
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # type: ignore[attr-defined]

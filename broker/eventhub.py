@@ -1,0 +1,141 @@
+"""Reading task events in the API: one pub/sub connection per process, fanned out to every
+stream and waiter of that process, with the log as the source of truth.
+
+A reader subscribes first and waits for Redis to confirm, then reads the log: an event is
+either in what it read or arrives on the channel afterwards. Pub/sub may still drop (a slow
+reader's queue overflowing, a reconnect), so every gap in ``seq`` and every quiet spell is
+filled from the log. Nothing is delivered twice: the reader skips what it already sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.events import Event, channel, log_key, parse_entries
+
+log = logging.getLogger("reach.events")
+QUEUE_MAX = 1024
+SUBSCRIBE_WAIT_S = 2.0
+# What a reader does when the log holds no final event but the task is final (its log was lost
+# with a Redis restart): the caller supplies that final event from Postgres.
+FinalFromStore = Callable[[int], Awaitable[Event | None]]
+
+
+class EventHub:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._pubsub = redis.pubsub()
+        self._queues: dict[str, set[asyncio.Queue[Event]]] = {}
+        self._confirmed: dict[str, asyncio.Event] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    @contextlib.asynccontextmanager
+    async def listen(self, task_id: str) -> AsyncIterator[asyncio.Queue[Event]]:
+        """Live events of one task, from the moment Redis confirms the subscription."""
+        name = channel(task_id)
+        queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=QUEUE_MAX)
+        async with self._lock:
+            first = name not in self._queues
+            self._queues.setdefault(name, set()).add(queue)
+            if first:
+                self._confirmed[name] = asyncio.Event()
+                await self._pubsub.subscribe(name)
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.create_task(self._read(), name="reach-event-hub")
+        with contextlib.suppress(TimeoutError):
+            # Unconfirmed after this wait, the log reads below still cover the gap.
+            await asyncio.wait_for(self._confirmed[name].wait(), SUBSCRIBE_WAIT_S)
+        try:
+            yield queue
+        finally:
+            async with self._lock:
+                listeners = self._queues.get(name, set())
+                listeners.discard(queue)
+                if not listeners:
+                    self._queues.pop(name, None)
+                    self._confirmed.pop(name, None)
+                    await self._pubsub.unsubscribe(name)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                if not self._pubsub.subscribed:
+                    await asyncio.sleep(0.05)
+                    continue
+                message = await self._pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event hub read failed; readers fall back to the log")
+                await asyncio.sleep(0.5)
+                continue
+            if message is not None:
+                self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        name = message["channel"]
+        name = name.decode() if isinstance(name, bytes) else name
+        if message["type"] == "subscribe":
+            if name in self._confirmed:
+                self._confirmed[name].set()
+            return
+        if message["type"] != "message":
+            return
+        event = Event.parse(message["data"])
+        for queue in self._queues.get(name, ()):
+            with contextlib.suppress(asyncio.QueueFull):  # the reader refills from the log
+                queue.put_nowait(event)
+
+    async def read_log(self, task_id: str, after: int) -> list[Event]:
+        return parse_entries(await self.redis.xrange(log_key(task_id), min=f"(0-{after}", max="+"))
+
+    async def events(
+        self,
+        task_id: str,
+        *,
+        after: int = 0,
+        quiet_s: float = 2.0,
+        final_from_store: FinalFromStore | None = None,
+    ) -> AsyncIterator[Event | None]:
+        """Every event after ``after``, in order, once each, ending with the final one.
+        Yields None after ``quiet_s`` without news (the caller may send a keep-alive)."""
+        last = after
+        async with self.listen(task_id) as queue:
+            backlog = await self.read_log(task_id, last)
+            while True:
+                for event in backlog:
+                    if event.seq <= last:
+                        continue
+                    last = event.seq
+                    yield event
+                    if event.final:
+                        return
+                backlog = []
+                try:
+                    event = await asyncio.wait_for(queue.get(), quiet_s)
+                except TimeoutError:
+                    backlog = await self.read_log(task_id, last)
+                    if not backlog and final_from_store is not None:
+                        substitute = await final_from_store(last)
+                        backlog = [substitute] if substitute is not None else []
+                    if not backlog:
+                        yield None
+                    continue
+                if event.seq == last + 1:
+                    backlog = [event]
+                elif event.seq > last + 1:  # something was dropped: the log has it
+                    backlog = await self.read_log(task_id, last)
