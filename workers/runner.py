@@ -11,6 +11,7 @@ import inspect
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -34,10 +35,15 @@ def error(code: str, message: str, *, retryable: bool = False) -> dict[str, Any]
     return {"code": code, "message": message[:MESSAGE_MAX], "retryable": retryable}
 
 
+FinalHook = Callable[[dict[str, Any]], None]
+
+
 class Runner:
     def __init__(self, settings: Settings, registry: AgentRegistry) -> None:
         self.settings = settings
         self.registry = registry
+        # Called with the task row each time this runner puts a task in a final state.
+        self.on_final: list[FinalHook] = []
         self._engine: Engine | None = None
         self._redis: redis.Redis | None = None
         self._events: events.EventLog | None = None
@@ -128,6 +134,11 @@ class Runner:
             trace_id=row["trace_id"],
             ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
         )
+        for hook in self.on_final:
+            try:
+                hook(row)
+            except Exception:  # the task is final either way; a hook must not undo that
+                log.exception("final hook %r failed for task %s", hook, row["id"])
 
     def _checked(self, value: Any) -> Any:
         """A value that will go out as JSON; agents get a TypeError/ValueError otherwise."""

@@ -27,7 +27,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
     """One real Celery worker (prefork, 2 processes) for the capability queues and maintenance."""
-    process = start_worker(settings, f"{TEST_QUEUES},reach.maintenance", "agents", log_dir)
+    process = start_worker(
+        settings, f"{TEST_QUEUES},reach.maintenance,reach.webhooks", "agents", log_dir
+    )
     yield process
     process.stop()
 
