@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import errors
 from api.deps import KeyCache, TraceMiddleware
-from api.routes import agents, health, tasks
+from api.routes import agents, callbacks, health, tasks, webhooks
+from broker.backpressure import QueueBound, TokenBucket
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
 from broker.dispatch import Dispatcher
@@ -47,12 +49,21 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
     app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
     app.state.hub = EventHub(app.state.redis)
+    app.state.rate_limit = TokenBucket(
+        app.state.redis, settings.rate_limit_per_s, settings.rate_limit_burst
+    )
+    app.state.queue_bound = QueueBound(
+        lambda queues: anyio.to_thread.run_sync(app.state.dispatcher.queue_depths, queues),
+        settings.max_queue_depth,
+    )
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)
     app.add_middleware(TraceMiddleware)
     app.include_router(health.router)
     app.include_router(tasks.router)
     app.include_router(agents.router)
+    app.include_router(webhooks.router)
+    app.include_router(callbacks.router)
     return app
 
 

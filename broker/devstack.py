@@ -23,6 +23,7 @@ from broker.settings import Settings
 DATA_DIR = Path(".reach")
 CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize"
 SYSTEM_QUEUES = "reach.maintenance,reach.webhooks"
+DEV_WEBHOOK_ALLOW = "127.0.0.0/8,::1,localhost"
 DEMO_INVOICE = (
     "ACME Trading Co.\\nInvoice No: INV-2024-0042\\nDate: 2024-03-15\\nTotal: CNY 1,024.00"
 )
@@ -39,6 +40,8 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
     if not (env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL")):
         database_url = localservices.create_database(database_url, "reach", exist_ok=True)
     env.update(REACH_DATABASE_URL=database_url, REACH_REDIS_URL=services.redis_url)
+    # Webhooks to a receiver on this machine: the deny table refuses loopback otherwise.
+    env.setdefault("REACH_WEBHOOK_ALLOW", DEV_WEBHOOK_ALLOW)
     return env, services
 
 
@@ -80,22 +83,38 @@ def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str
     }
 
 
-def _wait_ready(url: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+def _wait_ready(
+    api: str, token: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float
+) -> None:
+    """Until the API is ready and every example capability has a live agent, so the printed
+    curl works the moment it is shown."""
     deadline = time.monotonic() + timeout_s
+    wanted = set(CAPABILITY_QUEUES.split(","))
     while time.monotonic() < deadline:
         for name, proc in processes.items():
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}; see its output above")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if wanted <= _live_capabilities(api, token):
+            return
         time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+    raise RuntimeError(f"{api} not ready with live agents after {timeout_s:.0f} s")
 
 
-def _banner(port: int, flower_port: int, token: str, services: localservices.Services) -> str:
+def _live_capabilities(api: str, token: str) -> set[str]:
+    try:
+        response = httpx.get(
+            f"{api}/capabilities", timeout=2, headers={"Authorization": f"Bearer {token}"}
+        )
+        if response.status_code != 200:
+            return set()
+        return {c["capability"] for c in response.json()["capabilities"] if c["live_instances"]}
+    except httpx.HTTPError:
+        return set()
+
+
+def _banner(
+    port: int, flower_port: int, token: str, services: localservices.Services, allow: str
+) -> str:
     api = f"http://127.0.0.1:{port}"
     where = f"embedded {', '.join(services.embedded)}" if services.embedded else "local services"
     return f"""
@@ -103,6 +122,9 @@ Agent-Reach is running ({where}).
   API      {api}        docs {api}/docs
   Flower   http://127.0.0.1:{flower_port}
   API key  {token}
+  Webhooks REACH_WEBHOOK_ALLOW={allow or "(none)"}
+           the SSRF guard lets webhooks reach these (loopback by default in dev;
+           production allows none)
 
 Submit an invoice:
   curl -s {api}/tasks -H "Authorization: Bearer {token}" -H 'Content-Type: application/json' \\
@@ -115,20 +137,28 @@ Ctrl-C stops everything.
 
 
 def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
-    DATA_DIR.mkdir(exist_ok=True)
-    env, services = _environment(DATA_DIR)
+    # Ctrl-C and SIGTERM stop the stack from the first moment, even when started from a shell
+    # that made background jobs ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    data_dir = DATA_DIR.resolve()
+    data_dir.mkdir(exist_ok=True)
     processes: dict[str, subprocess.Popen[bytes]] = {}
+    services: localservices.Services | None = None
     try:
+        env, services = _environment(data_dir)
         migrate.upgrade(env["REACH_DATABASE_URL"])
         settings = Settings(
             database_url=env["REACH_DATABASE_URL"], redis_url=env["REACH_REDIS_URL"]
         )
         _, token = keys.create_key(sync_engine(settings), "dev", ["*"], is_admin=True, name="dev")
-        for name, command in _commands(port, flower_port, DATA_DIR).items():
-            processes[name] = subprocess.Popen(command, env=env)
-        _wait_ready(f"http://127.0.0.1:{port}/readyz", processes, timeout_s=60)
-        print(_banner(port, flower_port, token, services), flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)
+        for name, command in _commands(port, flower_port, data_dir).items():
+            # Their own process group: Ctrl-C reaches only this process, which then stops
+            # them in order (the worker finishes what it holds).
+            processes[name] = subprocess.Popen(command, env=env, process_group=0)
+        _wait_ready(f"http://127.0.0.1:{port}", token, processes, timeout_s=90)
+        allow = env["REACH_WEBHOOK_ALLOW"]
+        print(_banner(port, flower_port, token, services, allow), flush=True)
         while all(p.poll() is None for p in processes.values()):
             time.sleep(0.5)
         return 1
@@ -136,7 +166,8 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         return 0
     finally:
         _stop(processes)
-        services.stop()
+        if services is not None:
+            services.stop()
 
 
 def _interrupt(signum: int, frame: object) -> None:

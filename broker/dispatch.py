@@ -7,6 +7,7 @@ the queue; the payload stays in Postgres, the source of truth.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Any
 
 from celery import Celery
@@ -15,8 +16,14 @@ from broker.settings import Settings
 
 RUN_TASK = "reach.run"
 PURGE_TASK = "reach.purge_expired"
+REAP_TASK = "reach.reap_lost"
+SWEEP_TASK = "reach.sweep_queued"
 MAINTENANCE_QUEUE = "reach.maintenance"
 WEBHOOKS_QUEUE = "reach.webhooks"
+# Webhooks: fan a task event out to its endpoints, attempt one delivery, sweep lost ones.
+FANOUT_TASK = "reach.webhooks.fanout"
+DELIVER_TASK = "reach.webhooks.deliver"
+WEBHOOK_SWEEP_TASK = "reach.webhooks.sweep"
 
 # Above any task's hard time limit plus its longest queue wait: a Redis broker re-delivers an
 # unacked message after this long, even while it still runs (celery #5935).
@@ -43,13 +50,81 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         # A lost broker connection would otherwise let a late-acked task run twice (celery #6654).
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "task_routes": {PURGE_TASK: {"queue": MAINTENANCE_QUEUE}},
+        "task_routes": {
+            PURGE_TASK: {"queue": MAINTENANCE_QUEUE},
+            REAP_TASK: {"queue": MAINTENANCE_QUEUE},
+            SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
+            FANOUT_TASK: {"queue": WEBHOOKS_QUEUE},
+            DELIVER_TASK: {"queue": WEBHOOKS_QUEUE},
+            WEBHOOK_SWEEP_TASK: {"queue": WEBHOOKS_QUEUE},
+        },
         "task_default_queue": MAINTENANCE_QUEUE,
         # Flower and `celery events` need these.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "broker_pool_limit": 20,
     }
+
+
+def send_run(
+    app: Celery,
+    task_id: uuid.UUID,
+    queue: str,
+    *,
+    trace_id: str,
+    deadline_at: datetime | None = None,
+    countdown_s: float | None = None,
+) -> None:
+    """Publish the message that runs a task, from the API or from a worker (retries, sweeps).
+
+    The message expires with the task's deadline: a task not started by then is never run
+    (the sweeper then marks its row expired).
+    """
+    app.send_task(
+        RUN_TASK,
+        args=[str(task_id), queue],
+        task_id=str(task_id),
+        queue=queue,
+        headers={"trace_id": trace_id},
+        expires=deadline_at,
+        countdown=countdown_s,
+    )
+
+
+def send_announce(app: Celery, task_id: uuid.UUID | str, event_type: str) -> None:
+    """Ask the webhooks worker to deliver ``event_type`` (``task.succeeded``, ...) of a task
+    to every endpoint that wants it. Whoever moves a task to a final state sends this."""
+    app.send_task(FANOUT_TASK, args=[str(task_id), event_type], queue=WEBHOOKS_QUEUE)
+
+
+def send_deliver(
+    app: Celery, delivery_id: uuid.UUID | str, attempt: int, countdown_s: float | None = None
+) -> None:
+    """Attempt number ``attempt`` of a webhook delivery, after ``countdown_s``."""
+    app.send_task(
+        DELIVER_TASK,
+        args=[str(delivery_id), attempt],
+        queue=WEBHOOKS_QUEUE,
+        countdown=countdown_s or None,
+    )
+
+
+def queue_depths(app: Celery, queues: list[str]) -> dict[str, int]:
+    """Messages waiting in each queue, as the broker counts them.
+
+    A queue the broker does not know holds nothing: Redis deletes an empty queue's list,
+    so "not found" and "empty" are the same answer there."""
+    depths: dict[str, int] = {}
+    with app.connection_for_read() as conn:
+        channel = conn.channel()
+        for queue in queues:
+            try:
+                depths[queue] = channel.queue_declare(queue, passive=True).message_count
+            except Exception:  # kombu raises a transport-specific "not found"
+                depths[queue] = 0
+                channel = conn.channel()  # AMQP closes the channel on a failed declare
+        channel.close()
+    return depths
 
 
 class Dispatcher:
@@ -59,31 +134,36 @@ class Dispatcher:
         self.app = Celery("reach-producer", set_as_current=False)
         self.app.conf.update(celery_config(settings))
 
-    def publish(self, task_id: uuid.UUID, queue: str, *, trace_id: str) -> None:
-        self.app.send_task(
-            RUN_TASK,
-            args=[str(task_id), queue],
-            task_id=str(task_id),
-            queue=queue,
-            headers={"trace_id": trace_id},
+    def publish(
+        self,
+        task_id: uuid.UUID,
+        queue: str,
+        *,
+        trace_id: str,
+        deadline_at: datetime | None = None,
+        countdown_s: float | None = None,
+    ) -> None:
+        send_run(
+            self.app,
+            task_id,
+            queue,
+            trace_id=trace_id,
+            deadline_at=deadline_at,
+            countdown_s=countdown_s,
         )
 
-    def queue_depths(self, queues: list[str]) -> dict[str, int]:
-        """Messages waiting in each queue, as the broker counts them.
+    def announce(self, task_id: uuid.UUID, event_type: str) -> None:
+        send_announce(self.app, task_id, event_type)
 
-        A queue the broker does not know holds nothing: Redis deletes an empty queue's list,
-        so "not found" and "empty" are the same answer there."""
-        depths: dict[str, int] = {}
-        with self.app.connection_for_read() as conn:
-            channel = conn.channel()
-            for queue in queues:
-                try:
-                    depths[queue] = channel.queue_declare(queue, passive=True).message_count
-                except Exception:  # kombu raises a transport-specific "not found"
-                    depths[queue] = 0
-                    channel = conn.channel()  # AMQP closes the channel on a failed declare
-            channel.close()
-        return depths
+    def deliver(self, delivery_id: uuid.UUID, attempt: int) -> None:
+        send_deliver(self.app, delivery_id, attempt)
+
+    def revoke(self, task_id: uuid.UUID) -> None:
+        """Stop a running task's process (agents that declared themselves cancellable)."""
+        self.app.control.revoke(str(task_id), terminate=True, signal="SIGTERM")
+
+    def queue_depths(self, queues: list[str]) -> dict[str, int]:
+        return queue_depths(self.app, queues)
 
     def close(self) -> None:
         self.app.close()

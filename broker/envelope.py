@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from broker.capabilities import is_valid_name
 from broker.errors import InvalidEnvelope
+from broker.webhooks import check_events
 
 ReplyMode = Literal["async", "sync", "stream"]
 _PRINTABLE = r"^[\x21-\x7e]+$"
@@ -16,7 +17,14 @@ _PRINTABLE = r"^[\x21-\x7e]+$"
 class Callback(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(max_length=2048)
-    events: list[str] = Field(default_factory=lambda: ["task.succeeded", "task.failed"])
+    events: list[str] = Field(
+        default_factory=lambda: ["task.succeeded", "task.failed"], max_length=16
+    )
+
+    @field_validator("events")
+    @classmethod
+    def _known_events(cls, value: list[str]) -> list[str]:
+        return check_events(value)
 
 
 class Envelope(BaseModel):

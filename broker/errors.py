@@ -7,8 +7,10 @@
     ├── Unauthenticated       missing, unknown or revoked API key
     ├── Forbidden             the key may not do this (capability outside its patterns)
     ├── NotFound              no such resource for this tenant (also: another tenant's)
+    ├── Conflict              the resource is in a state that does not allow this
     ├── Unavailable           a dependency (Postgres, Redis, the queue) cannot be reached
     └── AgentFailure          raised by agent code: the task fails with ``code``
+        └── Retryable         ... unless attempts remain: then it runs again later
 
 HTTP statuses for each code live in one table in ``api/errors.py``.
 """
@@ -53,6 +55,10 @@ class NotFound(ReachError):
     code = "not_found"
 
 
+class Conflict(ReachError):
+    code = "conflict"
+
+
 class Unavailable(ReachError):
     code = "service_unavailable"
 
@@ -68,3 +74,16 @@ class AgentFailure(ReachError):
     def __init__(self, message: str, *, code: str | None = None, retryable: bool = False) -> None:
         super().__init__(message, code=code)
         self.retryable = retryable
+
+
+class Retryable(AgentFailure):
+    """Raised by an agent when trying again later may succeed (a rate limit, a flaky
+    dependency). ``delay_s`` overrides the back-off before the next attempt."""
+
+    code = "retryable_error"
+
+    def __init__(
+        self, message: str, *, code: str | None = None, delay_s: float | None = None
+    ) -> None:
+        super().__init__(message, code=code, retryable=True)
+        self.delay_s = delay_s

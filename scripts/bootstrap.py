@@ -26,15 +26,21 @@ def ensure_venv(extras: str) -> Path:
     if not venv_python().exists():
         print(f"creating {VENV} ...", flush=True)
         venv.create(VENV, with_pip=True)
-    stamp = VENV / f".installed-{extras}"
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if not stamp.exists() or stamp.read_text() != wanted:
-        print(f"installing agent-reach[{extras}] into {VENV} ...", flush=True)
-        pip = [str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        subprocess.run([*pip, "--upgrade", "pip", "setuptools>=77"], check=True)
-        subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
-        stamp.write_text(wanted)
+    # "dev" includes "embedded": either stamp, if current, covers a request for "embedded".
+    covering = [extras, "dev"] if extras == "embedded" else [extras]
+    if any(_stamp(name).exists() and _stamp(name).read_text() == wanted for name in covering):
+        return venv_python()
+    print(f"installing agent-reach[{extras}] into {VENV} ...", flush=True)
+    pip = [str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "setuptools>=77"], check=True)  # the build backend's floor
+    subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
+    _stamp(extras).write_text(wanted)
     return venv_python()
+
+
+def _stamp(extras: str) -> Path:
+    return VENV / f".installed-{extras}"
 
 
 def exec_in_venv(extras: str, argv: list[str]) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from workers.sdk import Context, agent
+import redis
+
+from workers.sdk import Context, Retryable, agent
 
 
 @agent.capability("test.boom", agent_id="test-boom", version="0.0.1")
@@ -71,3 +74,75 @@ def flood(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
     for i in range(n):
         ctx.emit({"i": i, "blob": "x" * size})
     return {"chunks": n}
+
+
+def _runs(ctx: Context) -> int:
+    """Counts every time a handler starts for this task, in Redis, so a test can tell how
+    often it really ran."""
+    client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
+    return int(client.incr(f"reach:test:runs:{ctx.task_id}"))
+
+
+@agent.capability("test.flaky", agent_id="test-flaky", version="0.0.1", max_attempts=5)
+def flaky(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
+    """Raises Retryable on its first ``fail_times`` attempts."""
+    if ctx.attempt <= int(payload.get("fail_times", 1)):
+        raise Retryable(f"not yet (attempt {ctx.attempt})", code="upstream_busy", delay_s=0.05)
+    return {"attempt": ctx.attempt}
+
+
+@agent.capability("test.flaky-io", agent_id="test-flaky-io", version="0.0.1", max_attempts=2)
+def flaky_io(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
+    """A transient infrastructure error every time."""
+    raise ConnectionError("upstream refused the connection")
+
+
+@agent.capability("test.sleepy", agent_id="test-sleepy", version="0.0.1", timeout_s=30)
+def sleepy(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Sleeps up to ``sleep_s``, checking ``ctx.cancelled`` (cooperative cancellation)."""
+    _runs(ctx)
+    end = time.monotonic() + float(payload.get("sleep_s", 1))
+    while time.monotonic() < end:
+        if ctx.cancelled:
+            return {"stopped": "cancelled"}
+        time.sleep(0.05)
+    return {"slept": True, "time_left_s": ctx.time_left_s()}
+
+
+@agent.capability("test.stubborn", agent_id="test-stubborn", version="0.0.1", cancellable=True)
+def stubborn(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
+    """Ignores cancellation; its card says it may be terminated."""
+    _runs(ctx)
+    time.sleep(float(payload.get("sleep_s", 30)))
+    return {"finished": True}
+
+
+@agent.capability("test.short-fuse", agent_id="test-short-fuse", version="0.0.1", timeout_s=0.5)
+def short_fuse(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
+    """Overruns its own 0.5 s timeout."""
+    time.sleep(5)
+    return {"finished": True}
+
+
+@agent.capability("test.slow-idem", agent_id="test-slow-idem", version="0.0.1", idempotent=True)
+def slow_idempotent(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
+    runs = _runs(ctx)
+    time.sleep(float(payload.get("sleep_s", 2)))
+    return {"runs": runs}
+
+
+@agent.capability("test.slow-once", agent_id="test-slow-once", version="0.0.1")
+def slow_once(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
+    runs = _runs(ctx)
+    time.sleep(float(payload.get("sleep_s", 2)))
+    return {"runs": runs}
+
+
+@agent.capability(
+    "test.poison", agent_id="test-poison", version="0.0.1", idempotent=True, max_attempts=2
+)
+def poison(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
+    """Kills the process running it, every time."""
+    _runs(ctx)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {"survived": True}

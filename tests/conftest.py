@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +22,14 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="session")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[localservices.Services]:
-    found = localservices.ensure_services(tmp_path_factory.mktemp("services"))
+def services() -> Iterator[localservices.Services]:
+    # Outside pytest's temp root: as root, pgserver runs Postgres as its own user and must be
+    # able to enter the data folder, which another pytest session would lock again (0700).
+    data_dir = Path(tempfile.mkdtemp(prefix="reach-services-"))
+    found = localservices.ensure_services(data_dir)
     yield found
     found.stop()
+    shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +61,16 @@ def settings(database_url: str, redis_url: str) -> Settings:
         broker_url=None,
         janitor_interval_s=0.5,
         lease_ttl_s=3,  # renewed every second: kill -9 shows as offline within 3 s
+        reaper_interval_s=1,
+        sweep_interval_s=1,
+        sweep_after_s=3,
         max_payload_bytes=64 * 1024,
         agents=["workers.examples", "tests.agents"],
+        # Webhooks reach the tests' receivers on 127.0.0.1 (only that address), on a
+        # schedule of five attempts compressed into about a second.
+        webhook_allow=["127.0.0.1"],
+        webhook_schedule_s=[0, 0.2, 0.2, 0.2, 0.2],
+        webhook_timeout_s=5,
     )
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.sdk import AgentFailure, Context, agent
+from workers.sdk import AgentFailure, Context, Retryable, agent
 
-__all__ = ["AgentFailure", "Context", "agent", "app"]
+__all__ = ["AgentFailure", "Context", "Retryable", "agent", "app"]
 
 _app: Any = None
 

@@ -3,15 +3,37 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
+import redis.exceptions
+import sqlalchemy.exc
 from celery import Celery, signals
 
 from broker import execution
-from broker.dispatch import PURGE_TASK, RUN_TASK, celery_config
+from broker.dispatch import (
+    PURGE_TASK,
+    REAP_TASK,
+    RUN_TASK,
+    SWEEP_TASK,
+    VISIBILITY_TIMEOUT_S,
+    celery_config,
+    send_run,
+)
 from broker.settings import Settings
 from workers.lease import lease_step
 from workers.runner import Runner
 from workers.sdk.registry import AgentRegistry, agent
+from workers.system import recovery
+from workers.system.webhooks import register as register_webhooks
+
+HARD_LIMIT_GRACE_S = 30
+INFRA_RETRY_S = 2
+INFRASTRUCTURE_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
 
 
 def load_agents(modules: list[str]) -> None:
@@ -20,15 +42,51 @@ def load_agents(modules: list[str]) -> None:
         importlib.import_module(module)
 
 
+def hard_time_limit_s(settings: Settings, registry: AgentRegistry) -> float:
+    """Celery's hard limit: the longest agent timeout plus a grace for the soft limit to act.
+
+    It must stay below the broker's redelivery (visibility) timeout, or a Redis broker would
+    hand a still-running task to a second worker; a worker refuses to start otherwise.
+    """
+    longest = max(
+        (s.timeout_s or settings.default_task_timeout_s for s in registry),
+        default=settings.default_task_timeout_s,
+    )
+    hard = longest + HARD_LIMIT_GRACE_S
+    if hard >= VISIBILITY_TIMEOUT_S:
+        raise RuntimeError(
+            f"an agent timeout of {longest:.0f}s needs a hard limit of {hard:.0f}s, not below "
+            f"the broker's visibility timeout of {VISIBILITY_TIMEOUT_S}s: shorten the timeout"
+        )
+    return hard
+
+
 def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Celery:
     app = Celery("workers", set_as_current=True)
     app.conf.update(celery_config(settings))
     app.conf.beat_schedule = {
         "purge-expired-tasks": {"task": PURGE_TASK, "schedule": settings.janitor_interval_s},
+        "reap-lost-tasks": {"task": REAP_TASK, "schedule": settings.reaper_interval_s},
+        "sweep-queued-tasks": {"task": SWEEP_TASK, "schedule": settings.sweep_interval_s},
     }
     load_agents(settings.agents)
+    app.conf.task_time_limit = hard_time_limit_s(settings, registry)
     runner = Runner(settings, registry)
-    app.steps["consumer"].add(lease_step(settings, registry))
+    webhooks = register_webhooks(app, settings, lambda: runner.engine)
+    runner.on_final.append(webhooks.on_final)
+    runner.on_progress.append(webhooks.on_progress)
+    runner.republish = lambda task_id, queue, trace_id, deadline_at, countdown_s: send_run(
+        app, task_id, queue, trace_id=trace_id, deadline_at=deadline_at, countdown_s=countdown_s
+    )
+    app.steps["consumer"].add(
+        lease_step(
+            settings,
+            registry,
+            on_orphans=lambda rows: recovery.recover_lost(
+                runner, rows, "its pool process died while running it"
+            ),
+        )
+    )
 
     def drain_on_shutdown(**_: object) -> None:
         keeper = getattr(app, "reach_lease_keeper", None)
@@ -38,12 +96,24 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     signals.worker_shutting_down.connect(drain_on_shutdown, weak=False)
 
     @app.task(name=RUN_TASK, bind=True)  # type: ignore[untyped-decorator]
-    def run(self: object, task_id: str, queue: str) -> str:
-        hostname = getattr(getattr(self, "request", None), "hostname", None) or "unknown"
-        return runner.run(task_id, queue, instance=hostname)
+    def run(self: Any, task_id: str, queue: str) -> str:
+        try:
+            return runner.run(task_id, queue, instance=self.request.hostname or "unknown")
+        except INFRASTRUCTURE_ERRORS as exc:
+            # Postgres or Redis is away: keep the message (a new one, later) instead of losing
+            # it. A task claimed before the outage is found by the orphan check.
+            raise self.retry(exc=exc, countdown=INFRA_RETRY_S, max_retries=None) from exc
 
     @app.task(name=PURGE_TASK)  # type: ignore[untyped-decorator]
     def purge_expired() -> int:
         return execution.purge_expired(runner.engine, batch=settings.janitor_batch)
+
+    @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
+    def reap_lost() -> dict[str, int]:
+        return recovery.reap(runner)
+
+    @app.task(name=SWEEP_TASK)  # type: ignore[untyped-decorator]
+    def sweep_queued() -> dict[str, int]:
+        return recovery.sweep(runner, app, older_than_s=settings.sweep_after_s)
 
     return app

@@ -12,13 +12,14 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import redis
 from celery import bootsteps
 
-from broker import leases
+from broker import execution, leases
 from broker.db.engines import sync_engine
 from broker.registry import (
     DRAINING,
@@ -34,11 +35,19 @@ from broker.settings import Settings
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
 
 log = logging.getLogger("reach.lease")
+OrphanHandler = Callable[[list[dict[str, Any]]], object]
 
 
 class LeaseKeeper:
-    def __init__(self, consumer: Any, settings: Settings, registry: AgentRegistry) -> None:
+    def __init__(
+        self,
+        consumer: Any,
+        settings: Settings,
+        registry: AgentRegistry,
+        on_orphans: OrphanHandler | None = None,
+    ) -> None:
         self.consumer = consumer
+        self.on_orphans = on_orphans
         self.instance: str = consumer.hostname
         consumed = set(consumer.app.amqp.queues.consume_from or {})
         self.specs = [s for s in registry if s.name in consumed]
@@ -104,6 +113,22 @@ class LeaseKeeper:
             self._apply_readiness()
         self.renew()
         leases.record_instance(self.engine, self.lease, self.lease.state)
+        self._find_orphans()
+
+    def _find_orphans(self) -> None:
+        """Tasks this instance claimed that none of its pool processes is running any more:
+        the process died (kill -9, OOM) while the worker lives on, so no lease expires."""
+        if self.on_orphans is None:
+            return
+        from celery.worker import state
+
+        running = execution.running_tasks(
+            self.engine, instance=self.instance, started_before_s=2 * self.lease.renew_every_s
+        )
+        held = {request.id for request in list(state.active_requests)}
+        orphans = [row for row in running if str(row["id"]) not in held]
+        if orphans:
+            self.on_orphans(orphans)
 
     def renew(self) -> None:
         self.lease = replace(self.lease, heartbeat_at=now_s(), active=self._holding())
@@ -166,7 +191,9 @@ def _ready(spec: CapabilitySpec) -> bool:
         return False
 
 
-def lease_step(settings: Settings, registry: AgentRegistry) -> type[bootsteps.StartStopStep]:
+def lease_step(
+    settings: Settings, registry: AgentRegistry, on_orphans: OrphanHandler | None = None
+) -> type[bootsteps.StartStopStep]:
     """A consumer bootstep holding the lease for as long as the consumer runs."""
 
     class LeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -178,7 +205,7 @@ def lease_step(settings: Settings, registry: AgentRegistry) -> type[bootsteps.St
 
         def start(self, consumer: Any) -> None:
             if self.keeper is None:
-                self.keeper = LeaseKeeper(consumer, settings, registry)
+                self.keeper = LeaseKeeper(consumer, settings, registry, on_orphans)
                 consumer.app.reach_lease_keeper = self.keeper
                 self.keeper.start()
 

@@ -12,20 +12,22 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
 from sqlalchemy import Engine
 
-from broker import events, execution, jsonbody, leases
+from broker import cancellation, events, execution, jsonbody, leases, retry
 from broker.db.engines import sync_engine
-from broker.errors import AgentFailure, BadRequest
+from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import EVENTS_SLACK_S
 from broker.tasks import render
 from workers.sdk.context import Context
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
+from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
 MESSAGE_MAX = 2000
@@ -36,6 +38,10 @@ def error(code: str, message: str, *, retryable: bool = False) -> dict[str, Any]
 
 
 FinalHook = Callable[[dict[str, Any]], None]
+# (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
+Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
+# Infrastructure errors an agent's own calls raise that are worth another attempt.
+TRANSIENT = (ConnectionError, TimeoutError)
 
 
 class Runner:
@@ -44,6 +50,9 @@ class Runner:
         self.registry = registry
         # Called with the task row each time this runner puts a task in a final state.
         self.on_final: list[FinalHook] = []
+        # Called with the task id each time a running task reports progress.
+        self.on_progress: list[Callable[[uuid.UUID], None]] = []
+        self.republish: Republish | None = None
         self._engine: Engine | None = None
         self._redis: redis.Redis | None = None
         self._events: events.EventLog | None = None
@@ -77,18 +86,22 @@ class Runner:
         return self._events
 
     def run(self, task_id: str, queue: str, *, instance: str) -> str:
-        """Run the task; returns the status it ended in, or 'skipped' when it was not queued."""
+        """Run the task; returns the status it ended in, 'retrying', or 'skipped' when it was
+        not queued any more (a redelivered message, a cancelled task)."""
         tid = uuid.UUID(task_id)
         spec = self.registry.get(capability_of(queue))
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
-            row = execution.fail(self.engine, tid, error("capability_not_served", message))
-            self._publish_final(row)
-            return "failed"
+            return self.finalize(
+                execution.fail(self.engine, tid, error("capability_not_served", message))
+            )
         claimed = execution.claim(
             self.engine, tid, agent_id=spec.agent_id, version=spec.version, instance=instance
         )
         if claimed is None:
+            overdue = execution.expire_overdue(self.engine, tid)
+            if overdue is not None:
+                return self.finalize(overdue)
             log.info("task %s not queued any more; skipped", task_id)
             return "skipped"
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
@@ -110,22 +123,61 @@ class Runner:
             _progress_sink=lambda p: self._progress(tid, p, publish),
             _readiness_sink=self._readiness_sink(instance, spec.name),
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
+            _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
         )
         outcome = self._call(spec, ctx, claimed.payload)
-        if "error" in outcome:
-            row = execution.fail(self.engine, tid, outcome["error"])
-        else:
-            row = execution.succeed(self.engine, tid, outcome["result"])
-        self._publish_final(row)
-        return str(row["status"]) if row is not None else "skipped"
+        if "result" in outcome:
+            return self.finalize(execution.succeed(self.engine, tid, outcome["result"]))
+        if outcome.get("expired"):
+            return self.finalize(execution.expire(self.engine, tid, outcome["error"]))
+        decision = retry.decide(
+            retryable=outcome["error"]["retryable"],
+            attempt=claimed.attempt,
+            limit=retry.attempt_limit(claimed.max_attempts, spec.max_attempts),
+            deadline_at=claimed.deadline_at,
+            now=datetime.now(UTC),
+            requested_delay_s=outcome.get("delay_s"),
+        )
+        if decision.retry and self._retry(claimed, outcome["error"], decision.delay_s, publish):
+            return "retrying"
+        return self.finalize(execution.fail(self.engine, tid, outcome["error"]))
+
+    def _retry(
+        self,
+        claimed: execution.Claimed,
+        err: dict[str, Any],
+        delay_s: float,
+        publish: Callable[[str, Any], None],
+    ) -> bool:
+        if self.republish is None or execution.requeue(self.engine, claimed.task_id, err) is None:
+            return False
+        publish(
+            events.STATUS,
+            {
+                "status": "queued",
+                "retry_in_s": round(delay_s, 3),
+                "attempt": claimed.attempt,
+                "error": err,
+            },
+        )
+        self.republish(
+            claimed.task_id, claimed.queue, claimed.trace_id, claimed.deadline_at, delay_s
+        )
+        return True
 
     def _progress(self, tid: uuid.UUID, progress: dict[str, Any], publish: Any) -> None:
         execution.report_progress(self.engine, tid, progress)
         publish(events.PROGRESS, progress)
+        for hook in self.on_progress:
+            try:
+                hook(tid)
+            except Exception:  # progress is advisory: a hook must not fail the agent
+                log.exception("progress hook %r failed for task %s", hook, tid)
 
-    def _publish_final(self, row: dict[str, Any] | None) -> None:
-        if row is None:  # moved to a final state by someone else, who published it
-            return
+    def finalize(self, row: dict[str, Any] | None) -> str:
+        """Announce a final state: its event, then the hooks. Returns the status."""
+        if row is None:  # moved to a final state by someone else (cancelled), who announced it
+            return "skipped"
         task = render(row)
         self.events.append(
             row["id"],
@@ -139,6 +191,7 @@ class Runner:
                 hook(row)
             except Exception:  # the task is final either way; a hook must not undo that
                 log.exception("final hook %r failed for task %s", hook, row["id"])
+        return str(row["status"])
 
     def _checked(self, value: Any) -> Any:
         """A value that will go out as JSON; agents get a TypeError/ValueError otherwise."""
@@ -156,6 +209,7 @@ class Runner:
         return apply
 
     def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any) -> dict[str, Any]:
+        """{"result": ...}, or {"error": ..., and "expired" or "delay_s" when they apply}."""
         validator = spec.validator()
         if validator is not None:
             problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
@@ -164,12 +218,22 @@ class Runner:
                     f"{'/'.join(map(str, p.path)) or '<root>'}: {p.message}" for p in problems[:10]
                 )
                 return {"error": error("payload_invalid", detail)}
+        limits = [t for t in (spec.timeout_s, ctx.time_left_s()) if t is not None]
         try:
-            result = spec.handler(ctx, payload)
-            if inspect.isgenerator(result):
-                result = _drain_generator(result, ctx)
+            with soft_limit(min(limits) if limits else None):
+                result = spec.handler(ctx, payload)
+                if inspect.isgenerator(result):
+                    result = _drain_generator(result, ctx)
+        except SoftTimeLimit:
+            return {"error": error("timeout", "the agent ran past its time limit"), "expired": True}
+        except Retryable as exc:
+            return {"error": error(exc.code, exc.message, retryable=True), "delay_s": exc.delay_s}
         except AgentFailure as exc:
             return {"error": error(exc.code, exc.message, retryable=exc.retryable)}
+        except TRANSIENT as exc:
+            return {
+                "error": error("transient_error", f"{type(exc).__name__}: {exc}", retryable=True)
+            }
         except Exception as exc:
             log.exception("agent %s failed on task %s", spec.agent_id, ctx.task_id)
             return {"error": error("agent_error", f"{type(exc).__name__}: {exc}")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -11,15 +12,17 @@ from api import replies
 from api.deps import authenticate, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.sse import EventStreamResponse
-from broker import jsonbody, queries
+from broker import cancellation, catalog, jsonbody, queries
 from broker.admission import admit
 from broker.capabilities import any_pattern_allows, is_valid_name
 from broker.envelope import Envelope, parse_envelope
-from broker.errors import BadRequest, Forbidden, InvalidEnvelope, NotFound
+from broker.errors import BadRequest, Conflict, Forbidden, NotFound
 from broker.keys import Principal
+from broker.registry import capability_of
 from broker.settings import Settings
-from broker.submission import submit
+from broker.submission import EVENTS_SLACK_S, submit
 from broker.tasks import parse_task_id, render
+from broker.webhooks.subscriptions import vet_callback
 
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
@@ -37,11 +40,11 @@ def _merge_idempotency_header(data: Any, header: str | None) -> Any:
     return {**data, "idempotency_key": header}
 
 
-def _not_yet(envelope: Envelope) -> None:
+async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> None:
     if envelope.callback is not None:
-        raise InvalidEnvelope(
-            "callbacks are not served yet; poll the task", code="callback_unsupported"
-        )
+        state = request.app.state
+        allow = state.settings.webhook_allow
+        await vet_callback(state.engine, tenant, envelope.callback.url, allow=allow)
 
 
 @router.post(
@@ -70,8 +73,10 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         raise Forbidden(
             f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
         )
-    _not_yet(envelope)
+    await _vet_callback(request, caller.tenant, envelope)
+    await state.rate_limit.take(caller.tenant)
     queue = await admit(envelope, redis=state.redis, engine=state.engine, cache=state.catalog_cache)
+    await state.queue_bound.check(queue)
     accepted = await submit(
         state.engine,
         state.dispatcher,
@@ -171,3 +176,37 @@ async def list_tasks(
         cursor=cursor,
     )
     return JSONResponse({"tasks": [render(r) for r in rows], "next_cursor": next_cursor})
+
+
+@router.post("/tasks/{task_id}/cancel", response_model=TaskResource, responses=ERROR_RESPONSES)
+async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
+    """Cancel a queued or running task: it ends ``cancelled``. A running agent is told through
+    its context, and stopped outright when its card says it is cancellable. 409 if final."""
+    state = request.app.state
+    tid = parse_task_id(task_id)
+    row = None if tid is None else await cancellation.cancel(state.engine, caller.tenant, tid)
+    if row is None:
+        current = None if tid is None else await queries.get_task(state.engine, caller.tenant, tid)
+        if current is None:
+            raise NotFound("no such task", code="task_not_found")
+        raise Conflict(f"the task is already {current['status']}", code="task_final")
+    await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
+    await _stop_if_cancellable(request, row)
+    await state.event_log.append_async(
+        row["id"],
+        row["status"],
+        render(row),
+        trace_id=row["trace_id"],
+        ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
+    )
+    return JSONResponse(render(row))
+
+
+async def _stop_if_cancellable(request: Request, row: dict[str, Any]) -> None:
+    if row["agent_id"] is None:
+        return  # never started
+    state = request.app.state
+    key = (row["agent_id"], row["agent_version"], capability_of(row["queue"]))
+    card = await catalog.card(state.engine, state.catalog_cache, key)
+    if card is not None and card.get("cancellable"):
+        await anyio.to_thread.run_sync(state.dispatcher.revoke, row["id"])

@@ -12,6 +12,7 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Float,
+    ForeignKey,
     Index,
     Integer,
     MetaData,
@@ -74,6 +75,8 @@ class Task(Base):
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
     deadline_at: Mapped[datetime | None] = mapped_column(TZ)
     expires_at: Mapped[datetime] = mapped_column(TZ)
+    # The envelope's callback, {"url", "events"}: where this task's own webhook goes.
+    callback: Mapped[Any | None] = mapped_column(JSONB)
 
     __table_args__ = (
         CheckConstraint("status IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")", name="status"),
@@ -144,8 +147,111 @@ class AgentInstance(Base):
     stopped_at: Mapped[datetime | None] = mapped_column(TZ)
 
 
+class Webhook(Base):
+    """A tenant's subscription. The secret is kept in clear: signing needs it."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    url: Mapped[str] = mapped_column(String(2048))
+    events: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    # Capability patterns ("invoice.*"); empty: every capability.
+    capabilities: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    description: Mapped[str | None] = mapped_column(String(256))
+    secret: Mapped[str] = mapped_column(Text)
+    previous_secret: Mapped[str | None] = mapped_column(Text)
+    previous_secret_expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    disabled_at: Mapped[datetime | None] = mapped_column(TZ)
+    disabled_reason: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (Index("ix_webhooks_tenant_id", "tenant", "id"),)
+
+
+class CallbackSecret(Base):
+    """The secret that signs a tenant's per-task callbacks."""
+
+    __tablename__ = "callback_secrets"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    secret: Mapped[str] = mapped_column(Text)
+    previous_secret: Mapped[str | None] = mapped_column(Text)
+    previous_secret_expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class WebhookDelivery(Base):
+    """One message to one endpoint: the same body and webhook-id on every attempt.
+
+    ``task_id`` has no foreign key: the delivery log outlives a short-lived task."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    # NULL: the task's own callback.
+    webhook_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("webhooks.id", ondelete="CASCADE")
+    )
+    task_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    event_type: Mapped[str] = mapped_column(String(32))
+    # One delivery per (task, event, endpoint) for final events, however often fanout runs.
+    dedupe_key: Mapped[str | None] = mapped_column(String(128), unique=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    body: Mapped[str] = mapped_column(Text)
+    trace_id: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # A retryable failure on this attempt makes the message dead.
+    final_attempt: Mapped[int] = mapped_column(Integer)
+    next_attempt_at: Mapped[datetime] = mapped_column(TZ)
+    # While an attempt is under way; past it, the attempt is taken as lost.
+    lease_until: Mapped[datetime | None] = mapped_column(TZ)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+    expires_at: Mapped[datetime] = mapped_column(TZ)
+
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('pending', 'sending', 'succeeded', 'failed', 'dead')", name="status"
+        ),
+        Index("ix_webhook_deliveries_webhook_id_id", "webhook_id", "id"),
+        Index("ix_webhook_deliveries_tenant_task_id", "tenant", "task_id"),
+        # The sweeper looks for due or stuck deliveries whose message was lost.
+        Index("ix_webhook_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_expires_at", "expires_at"),
+    )
+
+
+class WebhookAttempt(Base):
+    """One HTTP attempt of a delivery, as the sender saw it."""
+
+    __tablename__ = "webhook_attempts"
+
+    delivery_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True),
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"),
+        primary_key=True,
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(TZ)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    latency_ms: Mapped[int] = mapped_column(Integer)
+    # The address actually connected to, for the audit trail of the SSRF guard.
+    address: Mapped[str | None] = mapped_column(String(64))
+    response_excerpt: Mapped[str | None] = mapped_column(Text)
+
+
 # Core handles for the hot paths, which use SQL expressions rather than ORM objects.
 tasks_table = cast(Table, Task.__table__)
 agent_cards_table = cast(Table, AgentCard.__table__)
 agent_instances_table = cast(Table, AgentInstance.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)
+webhooks_table = cast(Table, Webhook.__table__)
+callback_secrets_table = cast(Table, CallbackSecret.__table__)
+webhook_deliveries_table = cast(Table, WebhookDelivery.__table__)
+webhook_attempts_table = cast(Table, WebhookAttempt.__table__)

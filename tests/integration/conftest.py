@@ -12,10 +12,24 @@ from api.app import create_app
 from broker import keys
 from broker.db.models import tasks_table
 from broker.settings import Settings
-from tests.integration.stack import CeleryProcess, ServedApp, start_worker
+from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
 
-TEST_QUEUES = (
-    "echo,invoice.extract,text.summarize,test.boom,test.not-json,test.context,test.gen,test.flood"
+TEST_QUEUES = ",".join(
+    [
+        "echo",
+        "invoice.extract",
+        "text.summarize",
+        "test.boom",
+        "test.not-json",
+        "test.context",
+        "test.gen",
+        "test.flood",
+        "test.flaky",
+        "test.flaky-io",
+        "test.sleepy",
+        "test.stubborn",
+        "test.short-fuse",
+    ]
 )
 
 
@@ -30,6 +44,16 @@ def worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
     process = start_worker(
         settings, f"{TEST_QUEUES},reach.maintenance,reach.webhooks", "agents", log_dir
     )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def system_beat(
+    settings: Settings, log_dir: Path, worker: CeleryProcess
+) -> Iterator[CeleryProcess]:
+    """Celery beat for the whole run: janitor, reaper and sweeper, run by the test worker."""
+    process = start_beat(settings, log_dir, name="system-beat")
     yield process
     process.stop()
 

@@ -33,20 +33,14 @@ def free_port() -> int:
 
 
 def environment(settings: Settings) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        REACH_DATABASE_URL=settings.database_url,
-        REACH_REDIS_URL=settings.redis_url,
-        REACH_AGENTS=",".join(settings.agents),
-        REACH_JANITOR_INTERVAL_S=str(settings.janitor_interval_s),
-        PYTHONPATH=str(ROOT),
-    )
-    if settings.lease_ttl_s is not None:
-        env["REACH_LEASE_TTL_S"] = str(settings.lease_ttl_s)
-    if settings.broker_url:
-        env["REACH_BROKER_URL"] = settings.broker_url
-    else:
-        env.pop("REACH_BROKER_URL", None)
+    """The process environment that gives a subprocess exactly these settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        env[f"REACH_{name.upper()}"] = text
+    env["PYTHONPATH"] = str(ROOT)
     return env
 
 
@@ -122,9 +116,9 @@ def start_worker(
     return CeleryProcess(args, settings, log_dir / f"{name}.log", env).start(" ready.")
 
 
-def start_beat(settings: Settings, log_dir: Path) -> CeleryProcess:
-    args = ["beat", "-l", "INFO", "--schedule", str(log_dir / "beat-schedule")]
-    return CeleryProcess(args, settings, log_dir / "beat.log").start("beat: Starting")
+def start_beat(settings: Settings, log_dir: Path, name: str = "beat") -> CeleryProcess:
+    args = ["beat", "-l", "INFO", "--schedule", str(log_dir / f"{name}-schedule")]
+    return CeleryProcess(args, settings, log_dir / f"{name}.log").start("beat: Starting")
 
 
 class ServedApp:

@@ -74,10 +74,16 @@ CASES: list[tuple[str, bytes | str, int, str]] = [
     ("NaN", '{"capability": "echo", "payload": {"a": NaN}}', 400, "number_out_of_range"),
     ("reply mode unknown", json.dumps({**OK, "reply_mode": "later"}), 422, "envelope_invalid"),
     (
-        "callback not served yet",
-        json.dumps({**OK, "callback": {"url": "https://e.x/h"}}),
+        "callback to the metadata address",
+        json.dumps({**OK, "callback": {"url": "http://169.254.169.254/latest/meta-data"}}),
         422,
-        "callback_unsupported",
+        "url_not_allowed",
+    ),
+    (
+        "callback event unknown",
+        json.dumps({**OK, "callback": {"url": "https://e.x/h", "events": ["task.done"]}}),
+        422,
+        "envelope_invalid",
     ),
 ]
 

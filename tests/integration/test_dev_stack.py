@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+import redis
 
+from broker import localservices
 from broker.settings import Settings
 from tests.integration.stack import environment, free_port
 
@@ -30,13 +34,41 @@ def wait_for(predicate, what: str, timeout_s: float = 90):  # type: ignore[no-un
     return found
 
 
+@pytest.fixture
+def own_database(services: localservices.Services) -> Iterator[str]:
+    name = f"reach_dev_{secrets.token_hex(4)}"
+    yield localservices.create_database(services.database_url, name)
+    localservices.drop_database(services.database_url, name)
+
+
+@pytest.fixture
+def own_redis(services: localservices.Services) -> Iterator[str]:
+    url = localservices.with_redis_db(
+        services.redis_url, localservices.free_redis_db(services.redis_url)
+    )
+    client = redis.Redis.from_url(url)
+    client.set("reach:test-run", "dev-stack")
+    yield url
+    client.flushdb()
+    client.close()
+
+
 @pytest.mark.timeout(240)
 def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
-    settings: Settings, tmp_path: Path
+    settings: Settings, tmp_path: Path, own_database: str, own_redis: str
 ) -> None:
     port, flower_port = free_port(), free_port()
     env = environment(settings)
-    env.update(DATABASE_URL=settings.database_url, REDIS_URL=settings.redis_url)
+    # Its own database and Redis db: no test worker may serve its tasks or hold its leases.
+    env.update(DATABASE_URL=own_database, REDIS_URL=own_redis)
+    for name in (
+        "REACH_DATABASE_URL",
+        "REACH_REDIS_URL",
+        "REACH_AGENTS",
+        "REACH_LEASE_TTL_S",
+        "REACH_WEBHOOK_ALLOW",
+    ):
+        env.pop(name, None)
     log = tmp_path / "dev.log"
     with log.open("wb") as out:
         dev = subprocess.Popen(
@@ -57,6 +89,8 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
         submit = re.search(r"^\s*(curl -s \S+/tasks -H .*?)\n(?=Poll)", banner, re.M | re.S)
         poll = re.search(r"^\s*(curl -s \S+/tasks/TASK_ID .*)$", banner, re.M)
         assert submit and poll, banner
+        # The dev stack lets webhooks reach loopback, and says so.
+        assert "REACH_WEBHOOK_ALLOW=127.0.0.0/8,::1,localhost" in banner
         accepted = subprocess.run(
             ["bash", "-c", submit.group(1)], capture_output=True, text=True, timeout=30
         )
@@ -70,6 +104,7 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
 
         task = wait_for(finished, "the invoice task")
         assert task["status"] == "succeeded", task
+        assert task["agent"]["instance"].startswith("dev@")
         assert task["result"] == {
             "number": "INV-2024-0042",
             "date": "2024-03-15",

@@ -25,6 +25,7 @@ class Context:
     _progress_sink: ProgressSink | None = field(default=None, repr=False)
     _readiness_sink: ReadinessSink | None = field(default=None, repr=False)
     _output_sink: OutputSink | None = field(default=None, repr=False)
+    _cancel_probe: Callable[[], bool] | None = field(default=None, repr=False)
 
     def time_left_s(self) -> float | None:
         """Seconds until the task's deadline, or None when it has none."""
@@ -38,6 +39,12 @@ class Context:
             raise ValueError("percent must be between 0 and 100")
         if self._progress_sink is not None:
             self._progress_sink({"percent": percent, "message": message})
+
+    @property
+    def cancelled(self) -> bool:
+        """The caller cancelled this task: stop as soon as it is safe. Whatever the handler
+        returns afterwards is discarded; the task stays ``cancelled``."""
+        return self._cancel_probe is not None and self._cancel_probe()
 
     def emit(self, chunk: Any) -> None:
         """Send a partial output (any JSON value) to whoever streams this task."""

@@ -10,6 +10,7 @@ from jsonschema import Draft202012Validator
 
 from broker.capabilities import is_valid_name
 from broker.registry import CARD_SCHEMA_VERSION, DEFAULT_LEASE_TTL_S
+from broker.retry import DEFAULT_MAX_ATTEMPTS
 
 if TYPE_CHECKING:
     from workers.sdk.context import Context
@@ -41,6 +42,7 @@ class CapabilitySpec:
     max_concurrency: int | None = None
     cost_per_call: float = 0.0
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
     readiness: Readiness | None = None
     card: dict[str, Any] = field(default_factory=dict)
 
@@ -71,6 +73,7 @@ class CapabilitySpec:
             "streaming": self.streaming,
             "cancellable": self.cancellable,
             "lease_ttl_s": self.lease_ttl_s,
+            "max_attempts": self.max_attempts,
             "extra": self.card,
         }
 
@@ -102,6 +105,7 @@ class AgentRegistry:
         max_concurrency: int | None = None,
         cost_per_call: float = 0.0,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         readiness: Readiness | None = None,
         **card: Any,
     ) -> Callable[[Handler], Handler]:
@@ -116,8 +120,8 @@ class AgentRegistry:
         for schema in (input_schema, output_schema):
             if schema is not None:
                 Draft202012Validator.check_schema(schema)
-        if weight < 0 or cost_per_call < 0 or lease_ttl_s <= 0:
-            raise ValueError("weight and cost_per_call must be >= 0, lease_ttl_s > 0")
+        if weight < 0 or cost_per_call < 0 or lease_ttl_s <= 0 or max_attempts < 1:
+            raise ValueError("weight, cost_per_call >= 0; lease_ttl_s > 0; max_attempts >= 1")
 
         def register(handler: Handler) -> Handler:
             existing = self._specs.get(name)
@@ -143,6 +147,7 @@ class AgentRegistry:
                 max_concurrency=max_concurrency,
                 cost_per_call=cost_per_call,
                 lease_ttl_s=lease_ttl_s,
+                max_attempts=max_attempts,
                 readiness=readiness,
                 card=card,
             )

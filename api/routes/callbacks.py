@@ -1,0 +1,63 @@
+"""Per-task callbacks: the secret that signs them, and a task's deliveries.
+
+A task's deliveries include its own callback and every subscription it matched.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from api.deps import authenticate
+from api.routes.webhooks import parse_id, send_again
+from api.schemas import ERROR_RESPONSES
+from broker import queries
+from broker.errors import NotFound
+from broker.keys import Principal
+from broker.webhooks import delivery_log, iso
+from broker.webhooks.subscriptions import rotate_callback_secret
+
+router = APIRouter(tags=["webhooks"])
+Caller = Annotated[Principal, Depends(authenticate)]
+TASK_DELIVERIES_MAX = 100
+
+
+@router.post("/callbacks/secret", status_code=201, responses=ERROR_RESPONSES)
+async def create_callback_secret(request: Request, caller: Caller) -> JSONResponse:
+    """Create (or rotate) the secret that signs this tenant's task callbacks; shown once.
+    After a rotation the previous secret keeps signing until ``previous_secret_expires_at``."""
+    state = request.app.state
+    secret, previous_expires_at = await rotate_callback_secret(
+        state.engine, caller.tenant, grace_s=state.settings.webhook_rotation_grace_s
+    )
+    body = {"secret": secret, "previous_secret_expires_at": iso(previous_expires_at)}
+    return JSONResponse(body, status_code=201)
+
+
+@router.get("/tasks/{task_id}/deliveries", responses=ERROR_RESPONSES)
+async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+    """Every delivery of the task's events (its callback and matching subscriptions), each
+    with its attempts. Kept after the task itself expires, for the delivery log's lifetime."""
+    state = request.app.state
+    tid = parse_id(task_id, "task")
+    rows, _ = await delivery_log.page(
+        state.engine, caller.tenant, delivery_log.of_task(tid), limit=TASK_DELIVERIES_MAX
+    )
+    if not rows and await queries.get_task(state.engine, caller.tenant, tid) is None:
+        raise NotFound("no such task", code="task_not_found")
+    return {"deliveries": rows}
+
+
+@router.post(
+    "/tasks/{task_id}/deliveries/{delivery_id}/redeliver",
+    status_code=202,
+    responses=ERROR_RESPONSES,
+)
+async def redeliver_for_task(
+    task_id: str, delivery_id: str, request: Request, caller: Caller
+) -> dict[str, Any]:
+    """Send a failed or dead delivery of this task once more (its callback's too)."""
+    scope = delivery_log.of_task(parse_id(task_id, "task"))
+    return await send_again(request, caller.tenant, parse_id(delivery_id, "delivery"), scope)

@@ -1,0 +1,156 @@
+"""``/webhooks``: a tenant's subscriptions, their delivery log, and redelivery.
+
+Every path is per tenant: another tenant's webhook or delivery is 404, like an unknown one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from api.deps import authenticate, read_json_body
+from api.schemas import ERROR_RESPONSES
+from broker import jsonbody
+from broker.errors import BadRequest, NotFound
+from broker.keys import Principal
+from broker.tasks import parse_task_id
+from broker.webhooks import delivery_log, subscriptions
+from broker.webhooks.ssrf import Guard, vet
+from broker.webhooks.subscriptions import WebhookSpec, render
+
+router = APIRouter(tags=["webhooks"])
+Caller = Annotated[Principal, Depends(authenticate)]
+SPEC_MAX_BYTES = 16 * 1024
+
+
+def parse_id(raw: str, what: str) -> uuid.UUID:
+    """A canonical UUID from the path, else 404 (an id we never issued does not exist)."""
+    parsed = parse_task_id(raw)
+    if parsed is None:
+        raise NotFound(f"no such {what}", code=f"{what}_not_found")
+    return parsed
+
+
+async def _webhook(request: Request, tenant: str, raw_id: str) -> dict[str, Any]:
+    found = await subscriptions.get(request.app.state.engine, tenant, parse_id(raw_id, "webhook"))
+    if found is None:
+        raise NotFound("no such webhook", code="webhook_not_found")
+    return found
+
+
+async def _spec(request: Request) -> WebhookSpec:
+    raw = await read_json_body(request, SPEC_MAX_BYTES)
+    data = jsonbody.parse(raw, max_depth=8)
+    try:
+        return WebhookSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = [
+            {"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]}
+            for e in exc.errors(include_input=False, include_url=False)
+        ]
+        raise BadRequest(
+            "the webhook is not valid", code="webhook_invalid", errors=errors
+        ) from None
+
+
+@router.post("/webhooks", status_code=201, responses=ERROR_RESPONSES)
+async def create_webhook(request: Request, caller: Caller) -> JSONResponse:
+    """Subscribe a URL to task events (``url``, ``events``, ``capabilities`` patterns,
+    ``description``). The answer holds the signing ``secret``: it is never shown again."""
+    state = request.app.state
+    spec = await _spec(request)
+    await vet(Guard(state.settings.webhook_allow), spec.url)
+    row, secret = await subscriptions.create(
+        state.engine, caller.tenant, spec, max_per_tenant=state.settings.webhook_max_per_tenant
+    )
+    headers = {"Location": f"/webhooks/{row['id']}"}
+    return JSONResponse({**render(row), "secret": secret}, status_code=201, headers=headers)
+
+
+@router.get("/webhooks", responses=ERROR_RESPONSES)
+async def list_webhooks(request: Request, caller: Caller) -> dict[str, Any]:
+    rows = await subscriptions.list_for(request.app.state.engine, caller.tenant)
+    return {"webhooks": [render(r) for r in rows]}
+
+
+@router.get("/webhooks/{webhook_id}", responses=ERROR_RESPONSES)
+async def get_webhook(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+    return render(await _webhook(request, caller.tenant, webhook_id))
+
+
+@router.delete("/webhooks/{webhook_id}", status_code=204, responses=ERROR_RESPONSES)
+async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> Response:
+    """Remove the subscription and its delivery log; attempts still due are dropped."""
+    wid = parse_id(webhook_id, "webhook")
+    if not await subscriptions.remove(request.app.state.engine, caller.tenant, wid):
+        raise NotFound("no such webhook", code="webhook_not_found")
+    return Response(status_code=204)
+
+
+@router.post("/webhooks/{webhook_id}/rotate-secret", responses=ERROR_RESPONSES)
+async def rotate_secret(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+    """A new secret, shown once; the old one keeps signing (alongside) for the grace period."""
+    state = request.app.state
+    rotated = await subscriptions.rotate(
+        state.engine,
+        caller.tenant,
+        parse_id(webhook_id, "webhook"),
+        grace_s=state.settings.webhook_rotation_grace_s,
+    )
+    if rotated is None:
+        raise NotFound("no such webhook", code="webhook_not_found")
+    row, secret = rotated
+    return {**render(row), "secret": secret}
+
+
+@router.get("/webhooks/{webhook_id}/deliveries", responses=ERROR_RESPONSES)
+async def webhook_deliveries(
+    webhook_id: str,
+    request: Request,
+    caller: Caller,
+    limit: Annotated[int, Query(ge=1)] = 50,
+    cursor: Annotated[str | None, Query(max_length=64)] = None,
+) -> dict[str, Any]:
+    """Its deliveries, newest first, each with every attempt: time, status code, error,
+    latency and the address connected to."""
+    state = request.app.state
+    webhook = await _webhook(request, caller.tenant, webhook_id)
+    rows, next_cursor = await delivery_log.page(
+        state.engine,
+        caller.tenant,
+        delivery_log.of_webhook(webhook["id"]),
+        limit=min(limit, state.settings.list_page_max),
+        cursor=cursor,
+    )
+    return {"deliveries": rows, "next_cursor": next_cursor}
+
+
+@router.post(
+    "/webhooks/{webhook_id}/deliveries/{delivery_id}/redeliver",
+    status_code=202,
+    responses=ERROR_RESPONSES,
+)
+async def redeliver(
+    webhook_id: str, delivery_id: str, request: Request, caller: Caller
+) -> dict[str, Any]:
+    """Send a failed or dead delivery once more, with the same webhook-id and body."""
+    webhook = await _webhook(request, caller.tenant, webhook_id)
+    scope = delivery_log.of_webhook(webhook["id"])
+    return await send_again(request, caller.tenant, parse_id(delivery_id, "delivery"), scope)
+
+
+async def send_again(
+    request: Request, tenant: str, delivery_id: uuid.UUID, scope: Any
+) -> dict[str, Any]:
+    """Redeliver within ``scope`` and answer with the delivery as it now stands."""
+    state = request.app.state
+    attempt = await delivery_log.redeliver(state.engine, tenant, delivery_id, scope)
+    # A publish lost here is not lost for good: the sweep republishes late deliveries.
+    await anyio.to_thread.run_sync(state.dispatcher.deliver, delivery_id, attempt)
+    rows, _ = await delivery_log.page(state.engine, tenant, delivery_log.only(delivery_id), limit=1)
+    return rows[0]

@@ -1,0 +1,274 @@
+"""A lean HTTP/1.1 load generator for the runs with many connections: the accept rate of
+``POST /tasks`` and SSE streams held open.
+
+httpx spends far more CPU per request than the server under test can afford to lose on a
+two-core machine, and its pool scans every connection on each request; this client writes a
+prepared request on a keep-alive connection and parses only the status line, the headers and
+the body's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.stats import latency_ms, rate
+
+HOST = "127.0.0.1"
+REQUEST_TIMEOUT_S = 30.0  # a request slower than this counts as a timeout: an error
+OPEN_AT_ONCE = 100  # connections or streams being opened concurrently
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def post(port: int, path: str, token: str, document: dict[str, Any]) -> bytes:
+    """A keep-alive ``POST`` with a JSON body, ready to be written as is."""
+    body = json.dumps(document).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    status = int(head[0].split(" ", 2)[1])
+    headers = {}
+    for line in head[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+async def read_response(reader: asyncio.StreamReader) -> Response:
+    status, headers = await read_head(reader)
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding", "").lower() == "chunked":
+        body = await _read_chunked(reader)
+    else:
+        body = await reader.read()
+    return Response(status, headers, body)
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = bytearray()
+    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readuntil(b"\r\n")  # the empty trailer
+    return bytes(body)
+
+
+class Connection:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> Connection:
+        self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
+        return self
+
+    async def request(self, raw: bytes) -> Response:
+        if self.writer is None or self.reader is None:
+            await self.open()
+        assert self.writer is not None and self.reader is not None
+        self.writer.write(raw)
+        response = await read_response(self.reader)
+        if response.headers.get("connection", "").lower() == "close":
+            await self.close()
+        return response
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+        self.reader = self.writer = None
+
+
+@dataclass
+class Tally:
+    statuses: Counter[int] = field(default_factory=Counter)
+    codes: Counter[str] = field(default_factory=Counter)  # the problem code of each non-2xx
+    timeouts: int = 0
+    connection_errors: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def record(self, response: Response, latency_s: float) -> None:
+        self.statuses[response.status] += 1
+        self.latencies.append(latency_s)
+        if response.status >= 300:
+            try:
+                self.codes[str(json.loads(response.body).get("code"))] += 1
+            except ValueError:
+                self.codes["<not json>"] += 1
+
+
+async def _open_all(count: int, opener: Callable[[], Any]) -> list[Any]:
+    gate = asyncio.Semaphore(OPEN_AT_ONCE)
+
+    async def one() -> Any:
+        async with gate:
+            return await opener()
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+async def accept_rate(
+    port: int, token: str, document: dict[str, Any], *, connections: int, requests: int
+) -> dict[str, Any]:
+    """``requests`` POSTs over ``connections`` keep-alive connections, each sending its next
+    request as soon as the last one is answered; connections are opened before the clock."""
+    raw = post(port, "/tasks", token, document)
+    pool = await _open_all(connections, lambda: Connection(port).open())
+    tally = Tally()
+    remaining = requests
+
+    async def drive(conn: Connection) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            sent = time.perf_counter()
+            try:
+                response = await asyncio.wait_for(conn.request(raw), REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                tally.timeouts += 1
+                await conn.close()
+                continue
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                tally.connection_errors += 1
+                await conn.close()
+                continue
+            tally.record(response, time.perf_counter() - sent)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(drive(conn) for conn in pool))
+    elapsed = time.perf_counter() - started
+    await asyncio.gather(*(conn.close() for conn in pool))
+    accepted = tally.statuses[202]
+    answered = sum(tally.statuses.values())
+    back_pressure = tally.statuses[503]
+    other_http = answered - accepted - back_pressure
+    return {
+        "connections": connections,
+        "requests": requests,
+        "elapsed_s": round(elapsed, 3),
+        "accepted": accepted,
+        "accepted_per_s": rate(accepted, elapsed),
+        "answered_per_s": rate(answered, elapsed),
+        "latency": latency_ms(tally.latencies) if tally.latencies else None,
+        "back_pressure_503": back_pressure,
+        "other_http_errors": other_http,
+        "timeouts": tally.timeouts,
+        "connection_errors": tally.connection_errors,
+        # Back-pressure (503) is an answer; a timeout, a dropped connection or another status
+        # is an error.
+        "errors": other_http + tally.timeouts + tally.connection_errors,
+        "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
+        "codes": dict(tally.codes),
+    }
+
+
+class HeldStream:
+    """An SSE response kept open and read to the end in the background."""
+
+    def __init__(self, port: int, raw: bytes) -> None:
+        self.port = port
+        self.raw = raw
+        self.status = 0
+        self.first_frame_s: float | None = None
+        self.ended = False
+        self._writer: asyncio.StreamWriter | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def open(self) -> HeldStream:
+        started = time.perf_counter()
+        try:
+            reader, self._writer = await asyncio.open_connection(HOST, self.port)
+            self._writer.write(self.raw)
+            self.status, _ = await asyncio.wait_for(read_head(reader), REQUEST_TIMEOUT_S)
+            if self.status == 200:
+                seen = b""
+                while b"\n\n" not in seen:  # the end of the first frame
+                    chunk = await asyncio.wait_for(reader.read(4096), REQUEST_TIMEOUT_S)
+                    if not chunk:
+                        raise ConnectionError("closed before the first event")
+                    seen += chunk
+                self.first_frame_s = time.perf_counter() - started
+                self._drain = asyncio.create_task(self._read_to_end(reader))
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+            self.ended = True
+        return self
+
+    async def _read_to_end(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(OSError):
+            while await reader.read(4096):
+                pass
+        self.ended = True
+
+    @property
+    def held(self) -> bool:
+        return self.first_frame_s is not None and not self.ended
+
+    async def close(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+
+
+async def hold_streams(
+    port: int,
+    token: str,
+    document: dict[str, Any],
+    *,
+    streams: int,
+    hold_s: float,
+    rss_bytes: Callable[[], int],
+    cpu_s: Callable[[], float],
+) -> dict[str, Any]:
+    """Open ``streams`` SSE responses (POST in stream mode), hold them ``hold_s`` while sampling
+    the API's memory, then close them."""
+    raw = post(port, "/tasks", token, document)
+    rss_before = rss_bytes()
+    opened = await _open_all(streams, lambda: HeldStream(port, raw).open())
+    peak = rss_bytes()
+    cpu_before, held_from = cpu_s(), time.perf_counter()
+    while (waited := time.perf_counter() - held_from) < hold_s:
+        await asyncio.sleep(min(0.5, hold_s - waited))
+        peak = max(peak, rss_bytes())
+    cpu_share = (cpu_s() - cpu_before) / (time.perf_counter() - held_from)
+    held = sum(s.held for s in opened)
+    await asyncio.gather(*(s.close() for s in opened))
+    firsts = [s.first_frame_s for s in opened if s.first_frame_s is not None]
+    return {
+        "streams": streams,
+        "opened": len(firsts),
+        "held_to_the_end": held,
+        "statuses": dict(Counter(str(s.status) for s in opened)),
+        "hold_s": hold_s,
+        "rss_before_mb": round(rss_before / 2**20, 1),
+        "rss_peak_mb": round(peak / 2**20, 1),
+        "rss_per_stream_kb": round((peak - rss_before) / 1024 / max(1, len(firsts)), 1),
+        "api_cpu_while_holding": round(cpu_share, 3),  # cores busy: 1.0 is one full core
+        "first_frame": latency_ms(firsts) if firsts else None,
+    }

@@ -1,0 +1,78 @@
+"""How much of everything one run does: the full run and the ``--quick`` one for CI."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Plan:
+    tasks: int  # N: the throughput figures
+    concurrency: int  # C: worker processes, the same for every system
+    publishes: int  # apply_async calls timed for the publish-rate figure
+    round_trips: int  # sequential round trips (Celery .get(), sync mode)
+    submitters: int  # concurrent HTTP submitters for the throughput figure
+    stream_trips: int  # sequential stream-mode POSTs (time to first event)
+    emit_tasks: int  # streamed text.summarize tasks, five outputs each
+    connections: tuple[int, ...]  # accept-rate runs, one per connection count
+    accept_requests: tuple[int, ...]  # POSTs sent in each of those runs
+    streams: int  # SSE streams held open at once
+    hold_s: float  # how long they are held
+    quiet_wait_s: float  # how long to wait for a quiet machine before starting
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def full(tasks: int = 2000, concurrency: int = 2) -> Plan:
+    connections = (64, 1000)
+    return Plan(
+        tasks=tasks,
+        concurrency=concurrency,
+        publishes=max(tasks, 1000),
+        round_trips=200,
+        submitters=64,
+        stream_trips=100,
+        emit_tasks=20,
+        connections=connections,
+        accept_requests=tuple(max(tasks, 3 * c) for c in connections),
+        streams=1000,
+        hold_s=10.0,
+        quiet_wait_s=300.0,
+    )
+
+
+def quick(tasks: int = 20, concurrency: int = 2) -> Plan:
+    return Plan(
+        tasks=tasks,
+        concurrency=concurrency,
+        publishes=100,
+        round_trips=10,
+        submitters=8,
+        stream_trips=5,
+        emit_tasks=2,
+        connections=(8, 50),
+        accept_requests=(40, 100),
+        streams=50,
+        hold_s=1.0,
+        quiet_wait_s=0.0,
+    )
+
+
+def from_args(args: argparse.Namespace) -> Plan:
+    preset = quick if args.quick else full
+    plan = preset(**{k: v for k, v in (("tasks", args.n), ("concurrency", args.concurrency)) if v})
+    overrides: dict[str, Any] = {}
+    if args.round_trips:
+        overrides["round_trips"] = args.round_trips
+    if args.streams:
+        overrides["streams"] = args.streams
+    if args.connections:
+        connections = tuple(int(c) for c in args.connections.split(","))
+        overrides["connections"] = connections
+        overrides["accept_requests"] = tuple(max(plan.tasks, 3 * c) for c in connections)
+    if args.quiet_wait is not None:
+        overrides["quiet_wait_s"] = args.quiet_wait
+    return replace(plan, **overrides)

@@ -1,0 +1,184 @@
+"""One run's figures as a table, each Agent-Reach figure against baseline A's counterpart, and
+the issue's targets checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+RSS_LIMIT_MB = 300
+
+
+@dataclass(frozen=True)
+class Row:
+    figure: str
+    unit: str
+    a: float | None
+    b: float | None
+    reach: float | str | None
+    vs_a: float | None  # Agent-Reach / A
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or not base:
+        return None
+    return round(value / base, 3)
+
+
+def row(figure: str, unit: str, a: float | None, b: float | None, reach: Any) -> Row:
+    number = reach if isinstance(reach, int | float) else None
+    return Row(figure, unit, a, b, reach, _ratio(number, a))
+
+
+def rows(result: dict[str, Any]) -> list[Row]:
+    a, b, r = result["baseline_a"], result["baseline_b"], result["reach"]
+    found = [
+        row(
+            "throughput, N tasks to a stored result",
+            "tasks/s",
+            a["throughput"]["tasks_per_s"],
+            b["throughput"]["tasks_per_s"],
+            r["throughput"]["tasks_per_s"],
+        )
+    ]
+    for q in ("p50", "p95", "p99"):
+        a_ms, b_ms = a["round_trip"][f"{q}_ms"], b["round_trip"][f"{q}_ms"]
+        reach_ms = r["sync_round_trip"][f"{q}_ms"]
+        found.append(row(f"round trip {q} (Celery .get() / sync mode)", "ms", a_ms, b_ms, reach_ms))
+    a_pub, b_pub = a["publish"]["calls_per_s"], b["publish"]["calls_per_s"]
+    for run in r["accept"]:
+        label = f"publish rate, 1 process / accept rate, {run['connections']} connections"
+        found.append(row(label, "/s", a_pub, b_pub, run["accepted_per_s"]))
+    for run in r["accept"]:
+        p99 = (run["latency"] or {}).get("p99_ms")
+        found.append(row(f"accept p99, {run['connections']} connections", "ms", None, None, p99))
+        errors = f"{run['errors']} (503: {run['back_pressure_503']})"
+        found.append(
+            row(f"accept errors, {run['connections']} connections", "", None, None, errors)
+        )
+    for q in ("p50", "p95"):
+        first = r["stream_first_event"][f"{q}_ms"]
+        a_ms = a["round_trip"][f"{q}_ms"]
+        found.append(row(f"stream mode, first event {q} (A: round trip)", "ms", a_ms, None, first))
+    for q in ("p50", "p95"):
+        emitted = r["emit_to_frame"][f"{q}_ms"]
+        found.append(row(f"emit to SSE frame {q}", "ms", None, None, emitted))
+    streams = r["streams"]
+    held = streams["held_to_the_end"]
+    found.append(row(f"SSE streams held, of {streams['streams']}", "", None, None, held))
+    found.append(row("API RSS with them open", "MB", None, None, streams["rss_peak_mb"]))
+    found.append(row("API RSS idle", "MB", None, None, r["api_rss_idle_mb"]))
+    return found
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float | None]:
+    a, b, r = result["baseline_a"], result["baseline_b"], result["reach"]
+    r_tp = r["throughput"]["tasks_per_s"]
+    found = {
+        "throughput_vs_a": _ratio(r_tp, a["throughput"]["tasks_per_s"]),
+        "throughput_vs_b": _ratio(r_tp, b["throughput"]["tasks_per_s"]),
+        "sync_p99_vs_b": _ratio(r["sync_round_trip"]["p99_ms"], b["round_trip"]["p99_ms"]),
+    }
+    for q in ("p50", "p95", "p99"):
+        found[f"sync_{q}_vs_a"] = _ratio(
+            r["sync_round_trip"][f"{q}_ms"], a["round_trip"][f"{q}_ms"]
+        )
+    for q in ("p50", "p95"):
+        found[f"stream_first_event_{q}_vs_a_round_trip"] = _ratio(
+            r["stream_first_event"][f"{q}_ms"], a["round_trip"][f"{q}_ms"]
+        )
+    for run in r["accept"]:
+        found[f"accept_{run['connections']}_vs_a_publish"] = _ratio(
+            run["accepted_per_s"], a["publish"]["calls_per_s"]
+        )
+    return found
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    found = ratios(result)
+    r = result["reach"]
+
+    def target(name: str, value: float | None, limit: float, at_least: bool) -> dict[str, Any]:
+        met = value is not None and (value >= limit if at_least else value <= limit)
+        return {"target": name, "value": value, "limit": limit, "met": met}
+
+    checks = [
+        target("end-to-end throughput >= 0.8x A", found["throughput_vs_a"], 0.8, True),
+        target("sync round trip p50 <= 2x A", found["sync_p50_vs_a"], 2.0, False),
+        target("throughput >= 5x B", found["throughput_vs_b"], 5.0, True),
+        target("sync round trip p99 <= 0.1x B's p99", found["sync_p99_vs_b"], 0.1, False),
+    ]
+    for run in r["accept"]:
+        checks.append(
+            target(
+                f"accept rate at {run['connections']} connections >= A's publish rate",
+                found[f"accept_{run['connections']}_vs_a_publish"],
+                1.0,
+                True,
+            )
+        )
+    widest = max(r["accept"], key=lambda run: run["connections"])
+    checks.append(
+        target(
+            f"0 errors at {widest['connections']} connections (503 allowed)",
+            widest["errors"],
+            0,
+            False,
+        )
+    )
+    streams = r["streams"]
+    checks.append(
+        target(
+            f"{streams['streams']} SSE streams held",
+            streams["held_to_the_end"],
+            streams["streams"],
+            True,
+        )
+    )
+    checks.append(
+        target(
+            f"API RSS with them < {RSS_LIMIT_MB} MB", streams["rss_peak_mb"], RSS_LIMIT_MB, False
+        )
+    )
+    return checks
+
+
+def _cell(value: float | str | None) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.3g}"
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["figure", "unit", "A: Celery+Redis", "B: Celery+DB", "Agent-Reach", "Reach / A"]
+    lines = [header]
+    for row in rows(result):
+        ratio = f"{row.vs_a:.2f}x" if row.vs_a is not None else "—"
+        lines.append([row.figure, row.unit, _cell(row.a), _cell(row.b), _cell(row.reach), ratio])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        cells = [
+            cell.ljust(width) if i < 2 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+        if n == 0:
+            out.append(
+                "|"
+                + "|".join(
+                    "-" * (w + 2) if i < 2 else "-" * (w + 1) + ":" for i, w in enumerate(widths)
+                )
+                + "|"
+            )
+    return "\n".join(out)
+
+
+def target_lines(result: dict[str, Any]) -> str:
+    out = []
+    for check in result["targets"]:
+        mark = "met   " if check["met"] else "MISSED"
+        out.append(f"  {mark}  {check['target']}: {check['value']} (limit {check['limit']})")
+    return "\n".join(out)

@@ -1,0 +1,83 @@
+"""Saying no early: a per-tenant token bucket (429) and a per-queue depth bound (503), both
+decided before anything is written, so a refused request consumes no idempotency key.
+
+The bucket lives in Redis and is updated by one Lua script, so every API process shares it and
+concurrent requests cannot both take the last token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+
+from broker.errors import ReachError, Unavailable
+
+_TAKE = """
+local rate, burst, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens, at = tonumber(state[1]) or burst, tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'at', now)
+redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+return tostring(wait)
+"""
+
+
+class RateLimited(ReachError):
+    code = "rate_limited"
+
+
+@dataclass
+class TokenBucket:
+    redis: Redis
+    rate_per_s: float
+    burst: int
+    _script: object = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._script = self.redis.register_script(_TAKE)
+
+    async def take(self, tenant: str) -> None:
+        """Take one token for ``tenant`` or raise RateLimited with the wait."""
+        wait = float(
+            await self._script(  # type: ignore[operator]
+                keys=[f"reach:rate:{tenant}"], args=[self.rate_per_s, self.burst, time.time()]
+            )
+        )
+        if wait > 0:
+            raise RateLimited(
+                f"more than {self.rate_per_s:g} tasks/s for this tenant",
+                retry_after_s=max(1, round(wait + 0.5)),
+            )
+
+
+Depths = Callable[[list[str]], Awaitable[dict[str, int]]]
+
+
+@dataclass
+class QueueBound:
+    """Refuses work for a queue already holding ``max_depth`` messages. Depths come from the
+    broker at most every ``refresh_s``, so a burst of submits costs one broker query."""
+
+    depths: Depths
+    max_depth: int
+    refresh_s: float = 1.0
+    _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    async def check(self, queue: str) -> None:
+        now = time.monotonic()
+        seen = self._seen.get(queue)
+        if seen is None or now - seen[0] > self.refresh_s:
+            depth = (await self.depths([queue]))[queue]
+            self._seen[queue] = seen = (now, depth)
+        if seen[1] >= self.max_depth:
+            raise Unavailable(
+                f"{queue!r} already holds {seen[1]} waiting tasks",
+                code="overloaded",
+                retry_after_s=5,
+            )

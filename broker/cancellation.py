@@ -1,0 +1,44 @@
+"""Cancelling a task: the row moves to ``cancelled`` at once (queued or running), and a flag in
+Redis tells a running agent through its context. Whatever the agent does afterwards cannot
+move the task: every later write is conditional on ``running``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import func, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker.db.models import tasks_table as tasks
+from broker.tasks import CANCELLED, QUEUED, RUNNING
+
+FLAG_TTL_S = 24 * 3600
+
+
+def flag_key(task_id: uuid.UUID | str) -> str:
+    return f"reach:cancel:{task_id}"
+
+
+async def cancel(engine: AsyncEngine, tenant: str, task_id: uuid.UUID) -> dict[str, Any] | None:
+    """The cancelled row, or None when the task is unknown, foreign, expired or already final."""
+    error = {"code": "cancelled", "message": "cancelled by the caller", "retryable": False}
+    query = (
+        update(tasks)
+        .where(
+            tasks.c.id == task_id,
+            tasks.c.tenant == tenant,
+            tasks.c.status.in_((QUEUED, RUNNING)),
+            tasks.c.expires_at > func.now(),
+        )
+        .values(
+            status=CANCELLED,
+            error=error,
+            finished_at=func.now(),
+            expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s),
+        )
+        .returning(*tasks.c)
+    )
+    async with engine.begin() as conn:
+        row = (await conn.execute(query)).first()
+    return dict(row._mapping) if row is not None else None

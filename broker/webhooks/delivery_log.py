@@ -1,0 +1,132 @@
+"""What the API shows of deliveries, and redelivery of a failed or dead one.
+
+Every read is scoped to the tenant: another tenant's delivery is "not found", the same as
+one that never existed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker.db.models import webhook_attempts_table as attempts_log
+from broker.db.models import webhook_deliveries_table as deliveries
+from broker.db.models import webhooks_table as webhooks
+from broker.errors import Conflict, NotFound
+from broker.queries import decode_cursor, encode_cursor
+from broker.webhooks import iso
+from broker.webhooks.deliveries import message_id
+from broker.webhooks.policy import DEAD, FAILED, PENDING
+
+
+def render(row: dict[str, Any], attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "delivery_id": str(row["id"]),
+        "message_id": message_id(row["id"]),
+        "webhook_id": str(row["webhook_id"]) if row["webhook_id"] else None,
+        "kind": "subscription" if row["webhook_id"] else "callback",
+        "task_id": str(row["task_id"]),
+        "event_type": row["event_type"],
+        "url": row["url"],
+        "status": row["status"],
+        "attempt_count": row["attempts"],
+        "next_attempt_at": iso(row["next_attempt_at"]) if row["status"] == PENDING else None,
+        "last_status_code": row["last_status_code"],
+        "last_error": row["last_error"],
+        "created_at": iso(row["created_at"]),
+        "finished_at": iso(row["finished_at"]),
+        "attempts": [
+            {
+                "attempt": a["attempt"],
+                "at": iso(a["at"]),
+                "status_code": a["status_code"],
+                "error": a["error"],
+                "latency_ms": a["latency_ms"],
+                "address": a["address"],
+                "response_excerpt": a["response_excerpt"],
+            }
+            for a in attempts
+        ],
+    }
+
+
+async def page(
+    engine: AsyncEngine,
+    tenant: str,
+    scope: ColumnElement[bool],
+    *,
+    limit: int,
+    cursor: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Deliveries matching ``scope``, newest first, each with its attempts."""
+    query = select(deliveries).where(deliveries.c.tenant == tenant, scope)
+    if cursor is not None:
+        query = query.where(deliveries.c.id < decode_cursor(cursor))
+    query = query.order_by(deliveries.c.id.desc()).limit(limit + 1)
+    async with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in await conn.execute(query)]
+        more = len(rows) > limit
+        rows = rows[:limit]
+        logged = await conn.execute(
+            select(attempts_log)
+            .where(attempts_log.c.delivery_id.in_([r["id"] for r in rows]))
+            .order_by(attempts_log.c.attempt)
+        )
+        by_delivery: dict[uuid.UUID, list[dict[str, Any]]] = {}
+        for a in logged:
+            by_delivery.setdefault(a.delivery_id, []).append(dict(a._mapping))
+    rendered = [render(r, by_delivery.get(r["id"], [])) for r in rows]
+    return rendered, encode_cursor(rows[-1]["id"]) if more else None
+
+
+def of_webhook(webhook_id: uuid.UUID) -> ColumnElement[bool]:
+    return deliveries.c.webhook_id == webhook_id
+
+
+def of_task(task_id: uuid.UUID) -> ColumnElement[bool]:
+    return deliveries.c.task_id == task_id
+
+
+def only(delivery_id: uuid.UUID) -> ColumnElement[bool]:
+    return deliveries.c.id == delivery_id
+
+
+async def redeliver(
+    engine: AsyncEngine, tenant: str, delivery_id: uuid.UUID, scope: ColumnElement[bool]
+) -> int:
+    """Make a failed or dead delivery due now for one more attempt (same webhook-id and
+    body); returns that attempt's number for the message that sends it."""
+    async with engine.begin() as conn:
+        found = (
+            await conn.execute(
+                select(deliveries.c.status, webhooks.c.disabled_at)
+                .select_from(deliveries.outerjoin(webhooks))
+                .where(deliveries.c.id == delivery_id, deliveries.c.tenant == tenant, scope)
+            )
+        ).first()
+        if found is None:
+            raise NotFound("no such delivery", code="delivery_not_found")
+        if found.disabled_at is not None:
+            raise Conflict("the webhook is disabled", code="webhook_disabled")
+        attempt = (
+            await conn.execute(
+                update(deliveries)
+                .where(deliveries.c.id == delivery_id, deliveries.c.status.in_((FAILED, DEAD)))
+                .values(
+                    status=PENDING,
+                    final_attempt=deliveries.c.attempts + 1,
+                    next_attempt_at=func.now(),
+                    finished_at=None,
+                )
+                .returning(deliveries.c.attempts + 1)
+            )
+        ).scalar()
+    if attempt is None:
+        raise Conflict(
+            f"only a failed or dead delivery can be sent again; this one is {found.status}",
+            code="delivery_not_redeliverable",
+        )
+    return int(attempt)

@@ -1,0 +1,114 @@
+"""From a task event to deliveries: one per endpoint that wants it, written before any send.
+
+Fanout runs at least once (a redelivered Celery message runs it again), so a final event
+makes at most one delivery per endpoint: the ``dedupe_key`` is unique. Progress events are
+not deduplicated: each report is its own message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, select
+from sqlalchemy.dialects.postgresql import insert
+
+from broker.capabilities import any_pattern_allows
+from broker.db.models import tasks_table as tasks
+from broker.db.models import webhook_deliveries_table as deliveries
+from broker.db.models import webhooks_table as webhooks
+from broker.settings import Settings
+from broker.tasks import new_task_id, render
+from broker.webhooks import PROGRESS, iso
+from broker.webhooks.policy import PENDING
+
+Target = tuple[uuid.UUID | None, str]  # (subscription id, or None for the callback; url)
+
+
+def body_of(event_type: str, task: dict[str, Any], at: datetime) -> str:
+    """The message body: ``{"type", "timestamp", "data": <the task resource>}``."""
+    message = {"type": event_type, "timestamp": iso(at), "data": render(task)}
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+
+
+def targets(conn: Connection, task: dict[str, Any], event_type: str) -> list[Target]:
+    """The task's callback when it asked for the event, then each matching subscription."""
+    found: list[Target] = []
+    callback = task.get("callback")
+    if callback and event_type in callback.get("events", []):
+        found.append((None, callback["url"]))
+    query = select(webhooks.c.id, webhooks.c.url, webhooks.c.capabilities).where(
+        webhooks.c.tenant == task["tenant"],
+        webhooks.c.disabled_at.is_(None),
+        webhooks.c.events.any_() == event_type,
+    )
+    for row in conn.execute(query.order_by(webhooks.c.id)):
+        if not row.capabilities or any_pattern_allows(row.capabilities, task["capability"]):
+            found.append((row.id, row.url))
+    return found
+
+
+def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
+    """Whether any endpoint wants this event of the task (saves a message per progress
+    report when nobody subscribed to progress)."""
+    with engine.connect() as conn:
+        row = conn.execute(select(tasks).where(tasks.c.id == task_id)).first()
+        return row is not None and bool(targets(conn, dict(row._mapping), event_type))
+
+
+def fanout(
+    engine: Engine, task_id: uuid.UUID, event_type: str, settings: Settings
+) -> list[uuid.UUID]:
+    """Write the event's deliveries; returns those not yet attempted (to publish)."""
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        row = conn.execute(select(tasks).where(tasks.c.id == task_id)).first()
+        if row is None:  # purged already: nothing left to tell
+            return []
+        task = dict(row._mapping)
+        found = targets(conn, task, event_type)
+        if not found:
+            return []
+        body = body_of(event_type, task, now)
+        values = [_delivery(task, event_type, t, body, now, settings) for t in found]
+        conn.execute(insert(deliveries).values(values).on_conflict_do_nothing())
+        waiting = select(deliveries.c.id).where(
+            deliveries.c.task_id == task_id,
+            deliveries.c.event_type == event_type,
+            deliveries.c.status == PENDING,
+            deliveries.c.attempts == 0,
+        )
+        return [r.id for r in conn.execute(waiting)]
+
+
+def _delivery(
+    task: dict[str, Any],
+    event_type: str,
+    target: Target,
+    body: str,
+    now: datetime,
+    settings: Settings,
+) -> dict[str, Any]:
+    webhook_id, url = target
+    dedupe = None
+    if event_type != PROGRESS:
+        dedupe = f"{task['id']}:{event_type}:{webhook_id or 'callback'}"
+    schedule = settings.webhook_schedule_s
+    return {
+        "id": new_task_id(),
+        "tenant": task["tenant"],
+        "webhook_id": webhook_id,
+        "task_id": task["id"],
+        "event_type": event_type,
+        "dedupe_key": dedupe,
+        "url": url,
+        "body": body,
+        "trace_id": task["trace_id"],
+        "status": PENDING,
+        "attempts": 0,
+        "final_attempt": len(schedule),
+        "next_attempt_at": now + timedelta(seconds=schedule[0]),
+        "expires_at": now + timedelta(seconds=settings.webhook_delivery_ttl_s),
+    }

@@ -1,0 +1,133 @@
+"""The SSRF guard: which webhook URLs we accept and which addresses we connect to.
+
+A URL must be http(s), without userinfo, with a plain host name or IP literal. Its host is
+resolved once; the addresses that pass the deny table (or the allow setting) are the only
+ones the sender may connect to, so a DNS answer that changes after the check never counts.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
+
+import anyio
+import httpx
+
+from broker.errors import BadRequest, Unavailable
+from broker.webhooks.addresses import effective, is_denied
+
+URL_MAX = 2048
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9])?"
+_HOSTNAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\.?")
+
+Resolver = Callable[[str, int], list[str]]
+
+
+class UrlNotAllowed(BadRequest):
+    code = "url_not_allowed"
+
+
+class HostUnresolved(Unavailable):
+    code = "host_unresolved"
+
+
+def system_resolver(host: str, port: int) -> list[str]:
+    """Every address the system resolver gives for ``host``, in its order, once each."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise HostUnresolved(f"{host} does not resolve: {exc}") from None
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked URL and the addresses it may be reached at."""
+
+    url: httpx.URL
+    host: str  # ASCII (IDNA) host name or IP literal, lowercase
+    port: int
+    addresses: tuple[str, ...]
+
+
+def parse_url(raw: str) -> httpx.URL:
+    """The URL if its form is acceptable, else UrlNotAllowed saying why."""
+    if len(raw) > URL_MAX or any(c.isspace() or ord(c) < 0x20 or c == "\\" for c in raw):
+        raise UrlNotAllowed("the URL is too long or holds spaces, control characters or '\\'")
+    try:
+        url = httpx.URL(raw)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise UrlNotAllowed(f"not a valid URL: {exc}") from None
+    if url.scheme not in ("http", "https"):
+        raise UrlNotAllowed("only http and https URLs are allowed")
+    if url.userinfo or "@" in url.netloc.decode("ascii", "replace"):
+        raise UrlNotAllowed("credentials in the URL are not allowed")
+    host = url.raw_host.decode("ascii").lower()
+    # No zone ids ('%'): an interface-scoped address is local by definition.
+    if not host or "%" in host or not (_is_ip(host) or _HOSTNAME.fullmatch(host)):
+        raise UrlNotAllowed("the URL needs a plain host name or IP address")
+    return url
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class Guard:
+    """Decides which URLs and addresses a webhook may reach.
+
+    ``allow`` entries are host names (matched exactly), IP addresses or networks; an allowed
+    address is judged by its embedded IPv4 form too, like a denied one."""
+
+    def __init__(self, allow: Iterable[str] = (), resolver: Resolver = system_resolver) -> None:
+        self.resolver = resolver
+        self.allowed_hosts: set[str] = set()
+        self.allowed_networks: list[IPv4Network | IPv6Network] = []
+        for entry in (e.strip().lower().rstrip(".") for e in allow):
+            try:
+                self.allowed_networks.append(ip_network(entry.strip("[]"), strict=False))
+            except ValueError:
+                self.allowed_hosts.add(entry)
+
+    def address_allowed(self, address: str) -> bool:
+        ip = ip_address(address.split("%", 1)[0])
+        for candidate in (ip, effective(ip)):
+            if any(candidate in network for network in self.allowed_networks):
+                return True
+        return not is_denied(ip)
+
+    def check(self, raw: str) -> Target:
+        """Parse, resolve once, and keep the addresses that may be reached.
+
+        UrlNotAllowed when the form is wrong or no address passes; HostUnresolved when the
+        name does not resolve (a delivery retries that, a registration refuses it)."""
+        url = parse_url(raw)
+        host = url.raw_host.decode("ascii").lower()
+        port = url.port or (443 if url.scheme == "https" else 80)
+        addresses = self.resolver(host, port)
+        if host.rstrip(".") in self.allowed_hosts:
+            return Target(url, host, port, tuple(addresses))
+        passed = tuple(a for a in addresses if self.address_allowed(a))
+        if not passed:
+            raise UrlNotAllowed(
+                f"{host} resolves only to addresses webhooks may not reach "
+                "(loopback, private, link-local, reserved ...)"
+            )
+        return Target(url, host, port, passed)
+
+
+async def vet(guard: Guard, raw: str) -> str:
+    """Check a URL a caller submits (registration or a task's callback): UrlNotAllowed when
+    its form or every address it resolves to is refused, or when it does not resolve."""
+    try:
+        await anyio.to_thread.run_sync(guard.check, raw)
+    except HostUnresolved as exc:
+        raise UrlNotAllowed(f"the URL's host cannot be checked: {exc.message}") from None
+    return raw

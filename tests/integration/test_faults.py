@@ -1,0 +1,183 @@
+"""Faults with real processes: workers killed at random under load, and Postgres going away.
+
+Each test prints its figures (accepted, finished, lost, duplicated) for the issue's note:
+run with ``-s`` to see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from api.app import create_app
+from broker import events, keys, localservices, migrate
+from broker.db.engines import sync_engine
+from broker.settings import Settings
+from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
+
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+async def submit_many(
+    api: ServedApp, token: str, envelopes: list[dict[str, object]], concurrency: int = 32
+) -> list[httpx.Response]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(
+        base_url=api.url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+    ) as http:
+
+        async def one(envelope: dict[str, object]) -> httpx.Response:
+            async with gate:
+                return await http.post("/tasks", json=envelope)
+
+        return await asyncio.gather(*(one(e) for e in envelopes))
+
+
+def final_statuses(http: httpx.Client, ids: list[str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for task_id in ids:
+        status = http.get(f"/tasks/{task_id}").json().get("status", "missing")
+        found[task_id] = status
+    return found
+
+
+def final_events(redis_url: str, task_id: str) -> int:
+    log = events.read_log_sync(redis.Redis.from_url(redis_url), task_id)
+    return sum(e.final for e in log)
+
+
+@pytest.mark.timeout(600)
+def test_1000_tasks_while_workers_are_killed_at_random(
+    api: ServedApp,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    system_beat: CeleryProcess,
+    make_key,
+    worker: CeleryProcess,  # type: ignore[no-untyped-def]
+) -> None:
+    rng = random.Random(7)
+    _, token = make_key()
+    workers = [start_worker(settings, "test.slow-idem", f"chaos-{i}", log_dir) for i in range(2)]
+    try:
+        envelopes = [
+            {"capability": "test.slow-idem", "payload": {"sleep_s": 0.02, "i": i}}
+            for i in range(1000)
+        ]
+        responses = asyncio.run(submit_many(api, token, envelopes))
+        accepted = [r.json()["task_id"] for r in responses if r.status_code == 202]
+        refused = [r.status_code for r in responses if r.status_code != 202]
+        kills = 0
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+            deadline = time.monotonic() + 300
+            while True:
+                statuses = final_statuses(http, accepted)
+                if all(s in FINAL for s in statuses.values()) or time.monotonic() > deadline:
+                    break
+                if kills < 5:
+                    victim = workers.pop(rng.randrange(len(workers)))
+                    victim.kill_hard()
+                    kills += 1
+                    workers.append(
+                        start_worker(settings, "test.slow-idem", f"chaos-{kills + 1}", log_dir)
+                    )
+                time.sleep(1.5)
+    finally:
+        for process in workers:
+            process.stop()
+    lost = [t for t, s in statuses.items() if s not in FINAL]
+    duplicated = [t for t in accepted if final_events(redis_url, t) > 1]
+    by_status = {s: sum(v == s for v in statuses.values()) for s in set(statuses.values())}
+    print(
+        f"\n1000 under kills: accepted={len(accepted)} refused={len(refused)} kills={kills}"
+        f" finished={by_status} lost={len(lost)} duplicated={len(duplicated)}"
+    )
+    assert refused == []
+    assert lost == []
+    assert duplicated == []
+    assert kills == 5
+
+
+@pytest.fixture
+def fragile_postgres() -> Iterator[tuple[str, Path]]:
+    """A Postgres of this test's own (embedded), which the test may stop and start."""
+    data_dir = Path(tempfile.mkdtemp(prefix="reach-fragile-"))
+    import pgserver
+
+    server = pgserver.get_server(data_dir / "pg", cleanup_mode="stop")
+    admin = server.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+    url = localservices.create_database(admin, f"reach_outage_{secrets.token_hex(3)}")
+    migrate.upgrade(url)
+    yield url, data_dir / "pg"
+    pgserver.get_server(data_dir / "pg", cleanup_mode="stop").cleanup()
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_postgres_stopped_and_started_under_load(
+    fragile_postgres: tuple[str, Path], settings: Settings, log_dir: Path
+) -> None:
+    import pgserver
+
+    url, pg_dir = fragile_postgres
+    outage_settings = settings.model_copy(update={"database_url": url})
+    _, token = keys.create_key(sync_engine(outage_settings), "outage", ["*"])
+    work = start_worker(
+        outage_settings, "echo,reach.maintenance", f"outage-{uuid.uuid4().hex[:4]}", log_dir
+    )
+    beat = start_beat(outage_settings, log_dir, name="outage-beat")
+    codes: list[int] = []
+    accepted: list[str] = []
+    try:
+        with (
+            ServedApp(create_app(outage_settings)) as api,
+            httpx.Client(
+                base_url=api.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+            ) as http,
+        ):
+
+            def burst(n: int) -> None:
+                for i in range(n):
+                    response = http.post("/tasks", json={"capability": "echo", "payload": {"i": i}})
+                    codes.append(response.status_code)
+                    if response.status_code == 202:
+                        accepted.append(response.json()["task_id"])
+
+            burst(20)
+            pgserver.get_server(pg_dir, cleanup_mode="stop").cleanup()  # Postgres goes away
+            outage_start = len(codes)
+            burst(20)
+            outage_codes = codes[outage_start:]
+            pgserver.get_server(pg_dir, cleanup_mode="stop")  # and comes back
+            time.sleep(1)
+            burst(20)
+            deadline = time.monotonic() + 120
+            while True:
+                statuses = final_statuses(http, accepted)
+                if all(s in FINAL for s in statuses.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+    finally:
+        beat.stop()
+        work.stop()
+    stuck = [t for t, s in statuses.items() if s not in FINAL]
+    print(
+        f"\npostgres outage: requests={len(codes)} accepted={len(accepted)}"
+        f" outage answers={sorted(set(outage_codes))} stuck={len(stuck)}"
+    )
+    assert 500 not in codes
+    assert set(outage_codes) <= {503}
+    assert set(codes) <= {202, 503}
+    assert stuck == []
+    assert len(accepted) >= 40

@@ -1,0 +1,430 @@
+"""Delivery guarantees with real processes: idempotency, retries, deadlines, cancellation,
+back-pressure, and nothing lost when workers die or the broker forgets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import Engine, insert, select
+
+from api.app import create_app
+from broker import jsonbody
+from broker.db.models import tasks_table
+from broker.settings import Settings
+from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
+
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+def runs(redis_url: str, task_id: str) -> int:
+    return int(redis.Redis.from_url(redis_url).get(f"reach:test:runs:{task_id}") or 0)
+
+
+def eventually(check, what: str, timeout_s: float = 30):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.1)
+    return found
+
+
+# -- idempotency ------------------------------------------------------------------------
+
+
+def test_100_concurrent_submits_with_one_key_make_one_task(
+    api: ServedApp, tenant: tuple[str, str], engine: Engine, worker: CeleryProcess
+) -> None:
+    async def submit_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=api.url,
+            timeout=60,
+            headers={"Authorization": f"Bearer {tenant[1]}", "Idempotency-Key": "order-1"},
+        ) as http:
+            return await asyncio.gather(
+                *(
+                    http.post("/tasks", json={"capability": "echo", "payload": {"o": 1}})
+                    for _ in range(100)
+                )
+            )
+
+    responses = asyncio.run(submit_all())
+    assert {r.status_code for r in responses} == {202}
+    assert len({r.json()["task_id"] for r in responses}) == 1
+    assert sum("idempotent-replayed" not in r.headers for r in responses) == 1
+    assert count_tasks(engine, tenant[0]) == 1
+
+
+# -- retries ----------------------------------------------------------------------------
+
+
+def test_a_retryable_failure_runs_again_until_it_succeeds(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks", json={"capability": "test.flaky", "payload": {"fail_times": 2}}
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "succeeded"
+    assert done["attempts"] == 3
+    assert done["result"] == {"attempt": 3}
+    assert done["error"] is None
+
+
+def test_retries_stop_at_the_envelopes_max_attempts(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks", json={"capability": "test.flaky", "max_attempts": 2, "payload": {"fail_times": 9}}
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "failed"
+    assert done["attempts"] == 2
+    assert done["error"]["code"] == "upstream_busy"
+    assert done["error"]["retryable"] is True
+
+
+def test_a_transient_error_is_retried_up_to_the_cards_limit(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks", json={"capability": "test.flaky-io", "max_attempts": 9, "payload": {}}
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "failed"
+    assert done["attempts"] == 2  # the card allows 2
+    assert done["error"]["code"] == "transient_error"
+
+
+def test_a_non_retryable_failure_fails_at_once(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks", json={"capability": "echo", "max_attempts": 5, "payload": {"fail": "bad_input"}}
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert (done["status"], done["attempts"]) == ("failed", 1)
+
+
+# -- deadlines --------------------------------------------------------------------------
+
+
+def test_a_task_not_started_before_its_deadline_expires_without_running(
+    client: httpx.Client, settings: Settings, log_dir: Path, system_beat: CeleryProcess
+) -> None:
+    response = client.post(
+        "/tasks",
+        json={
+            "capability": "test.late",
+            "payload": {},
+            "queue_if_unavailable": True,
+            "deadline_ms": 300,
+        },
+    )
+    task_id = response.json()["task_id"]
+    time.sleep(0.5)  # past its deadline while nobody serves the queue
+    late = start_worker(settings, "test.late", "late-deadline", log_dir)
+    try:
+        done = wait_for_task(client, task_id, FINAL)
+    finally:
+        late.stop()
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "deadline_exceeded"
+    assert done["started_at"] is None
+
+
+def test_a_handler_past_its_deadline_is_stopped_and_expired(client: httpx.Client) -> None:
+    task = client.post(
+        "/tasks",
+        json={"capability": "test.stubborn", "deadline_ms": 800, "payload": {"sleep_s": 10}},
+    ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "timeout"
+
+
+def test_a_handler_past_its_cards_timeout_is_expired(client: httpx.Client) -> None:
+    task = client.post("/tasks", json={"capability": "test.short-fuse", "payload": {}}).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert (done["status"], done["error"]["code"]) == ("expired", "timeout")
+
+
+def test_the_hard_limit_stays_below_the_redis_visibility_timeout() -> None:
+    from broker.dispatch import VISIBILITY_TIMEOUT_S
+    from workers.application import hard_time_limit_s
+    from workers.sdk.registry import AgentRegistry
+
+    registry = AgentRegistry()
+    registry.capability("slow.one", agent_id="slow", timeout_s=600)(lambda ctx, p: p)
+    assert hard_time_limit_s(Settings(), registry) < VISIBILITY_TIMEOUT_S
+    registry.capability("slow.two", agent_id="slower", timeout_s=VISIBILITY_TIMEOUT_S)(
+        lambda ctx, p: p
+    )
+    with pytest.raises(RuntimeError, match="visibility timeout"):
+        hard_time_limit_s(Settings(), registry)
+
+
+# -- cancellation -----------------------------------------------------------------------
+
+
+def test_cancelling_a_queued_task_means_it_never_runs(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    task_id = client.post(
+        "/tasks", json={"capability": "test.late", "payload": {}, "queue_if_unavailable": True}
+    ).json()["task_id"]
+    cancelled = client.post(f"/tasks/{task_id}/cancel")
+    assert cancelled.status_code == 200
+    assert cancelled.json()["status"] == "cancelled"
+    late = start_worker(settings, "test.late", "late-cancel", log_dir)
+    try:
+        eventually(
+            lambda: "skipped" in late.output() or "not queued" in late.output(),
+            "the worker to skip the cancelled task",
+        )
+    finally:
+        late.stop()
+    task = client.get(f"/tasks/{task_id}").json()
+    assert (task["status"], task["started_at"]) == ("cancelled", None)
+
+
+def test_a_running_task_is_told_and_ends_cancelled(client: httpx.Client, redis_url: str) -> None:
+    task_id = client.post(
+        "/tasks", json={"capability": "test.sleepy", "payload": {"sleep_s": 20}}
+    ).json()["task_id"]
+    eventually(lambda: client.get(f"/tasks/{task_id}").json()["status"] == "running", "running")
+    assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
+    events = client.get(f"/tasks/{task_id}/events").text
+    assert "event: cancelled" in events
+    time.sleep(0.5)  # the handler sees ctx.cancelled and returns; nothing may change the task
+    assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
+    assert runs(redis_url, task_id) == 1
+
+
+def test_a_cancellable_agent_is_stopped_and_the_worker_serves_on(
+    client: httpx.Client, worker: CeleryProcess
+) -> None:
+    task_id = client.post(
+        "/tasks", json={"capability": "test.stubborn", "payload": {"sleep_s": 30}}
+    ).json()["task_id"]
+    eventually(lambda: client.get(f"/tasks/{task_id}").json()["status"] == "running", "running")
+    assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
+    eventually(
+        lambda: "Terminating" in worker.output() or "terminate" in worker.output().lower(),
+        "the worker to terminate the agent's process",
+    )
+    after = client.post("/tasks", json={"capability": "echo", "payload": {"next": 1}}).json()
+    assert wait_for_task(client, after["task_id"], FINAL)["status"] == "succeeded"
+    assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
+
+
+def test_cancelling_a_final_task_is_409_and_a_foreign_one_404(
+    client: httpx.Client, api: ServedApp, make_key: KeyMaker
+) -> None:
+    task_id = client.post("/tasks", json={"capability": "echo", "payload": {}}).json()["task_id"]
+    wait_for_task(client, task_id, FINAL)
+    again = client.post(f"/tasks/{task_id}/cancel")
+    assert (again.status_code, again.json()["code"]) == (409, "task_final")
+    _, stranger = make_key()
+    with client_for(api, stranger) as http:
+        assert http.post(f"/tasks/{task_id}/cancel").status_code == 404
+
+
+# -- back-pressure ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def strict_api(settings: Settings, worker: CeleryProcess) -> Iterator[ServedApp]:
+    tight = settings.model_copy(
+        update={"rate_limit_per_s": 2, "rate_limit_burst": 3, "max_queue_depth": 3}
+    )
+    with ServedApp(create_app(tight)) as served:
+        yield served
+
+
+def test_a_tenant_over_its_rate_gets_429_and_others_do_not(
+    strict_api: ServedApp, make_key: KeyMaker, engine: Engine
+) -> None:
+    flooder, flood_key = make_key()
+    calm, calm_key = make_key()
+    with client_for(strict_api, flood_key) as http:
+        codes = [http.post("/tasks", json={"capability": "echo", "payload": {}}) for _ in range(10)]
+    limited = [r for r in codes if r.status_code == 429]
+    assert limited and limited[0].json()["code"] == "rate_limited"
+    assert int(limited[0].headers["retry-after"]) >= 1
+    assert count_tasks(engine, flooder) == sum(r.status_code == 202 for r in codes) <= 4
+    with client_for(strict_api, calm_key) as http:
+        assert http.post("/tasks", json={"capability": "echo", "payload": {}}).status_code == 202
+    assert count_tasks(engine, calm) == 1
+
+
+def test_a_full_queue_gets_503_overloaded_without_using_the_idempotency_key(
+    strict_api: ServedApp, make_key: KeyMaker, engine: Engine
+) -> None:
+    tenants = [make_key() for _ in range(5)]  # one request each: no rate limit in the way
+    answers = []
+    for _, key in tenants:
+        with client_for(strict_api, key) as http:
+            answers.append(
+                http.post(
+                    "/tasks",
+                    json={
+                        "capability": "test.nobody",
+                        "payload": {},
+                        "queue_if_unavailable": True,
+                        "idempotency_key": "k-1",
+                    },
+                )
+            )
+            time.sleep(1.1)  # the depth is read from the broker at most once a second
+    refused = [a for a in answers if a.status_code == 503]
+    assert refused and refused[0].json()["code"] == "overloaded"
+    assert "retry-after" in refused[0].headers
+    assert sum(a.status_code == 202 for a in answers) == 3
+    refused_tenant = tenants[answers.index(refused[0])][0]
+    assert count_tasks(engine, refused_tenant) == 0  # the key k-1 is still free for it
+
+
+# -- nothing lost -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def crash_worker(settings: Settings, log_dir: Path) -> Iterator[list[CeleryProcess]]:
+    """Workers for the slow and poison capabilities, started by the test, all stopped after."""
+    started: list[CeleryProcess] = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+def start_crash_worker(
+    settings: Settings, log_dir: Path, started: list[CeleryProcess], name: str
+) -> CeleryProcess:
+    process = start_worker(
+        settings,
+        "test.slow-idem,test.slow-once,test.poison,echo",
+        f"{name}-{uuid.uuid4().hex[:6]}",
+        log_dir,
+        concurrency=2,
+    )
+    started.append(process)
+    return process
+
+
+def test_kill_9_mid_task_reruns_an_idempotent_task_and_never_a_non_idempotent_one(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    crash_worker: list[CeleryProcess],
+    system_beat: CeleryProcess,
+) -> None:
+    doomed = start_crash_worker(settings, log_dir, crash_worker, "doomed")
+    idem = client.post(
+        "/tasks", json={"capability": "test.slow-idem", "payload": {"sleep_s": 3}}
+    ).json()["task_id"]
+    once = client.post(
+        "/tasks", json={"capability": "test.slow-once", "payload": {"sleep_s": 3}}
+    ).json()["task_id"]
+    eventually(lambda: runs(redis_url, idem) == 1 and runs(redis_url, once) == 1, "both started")
+    doomed.kill_hard()
+    start_crash_worker(settings, log_dir, crash_worker, "rescuer")
+
+    lost = wait_for_task(client, once, FINAL)
+    assert (lost["status"], lost["error"]["code"]) == ("failed", "worker_lost")
+    redone = wait_for_task(client, idem, FINAL)
+    assert redone["status"] == "succeeded"
+    assert redone["attempts"] == 2
+    assert runs(redis_url, idem) == 2  # ran again after the crash, completed once
+    assert runs(redis_url, once) == 1  # never twice
+
+
+def test_a_poison_task_fails_after_its_attempts_and_the_queue_keeps_flowing(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    crash_worker: list[CeleryProcess],
+    system_beat: CeleryProcess,
+) -> None:
+    start_crash_worker(settings, log_dir, crash_worker, "poisoned")
+    poison = client.post("/tasks", json={"capability": "test.poison", "payload": {}}).json()[
+        "task_id"
+    ]
+    others = [
+        client.post("/tasks", json={"capability": "echo", "payload": {"i": i}}).json()["task_id"]
+        for i in range(5)
+    ]
+    done = wait_for_task(client, poison, FINAL, timeout_s=60)
+    assert (done["status"], done["error"]["code"]) == ("failed", "worker_lost")
+    assert runs(redis_url, poison) == 2  # the card allows 2 attempts, then no more
+    assert {wait_for_task(client, t, FINAL)["status"] for t in others} == {"succeeded"}
+
+
+def test_a_task_accepted_but_never_published_is_swept_and_runs(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str], system_beat: CeleryProcess
+) -> None:
+    # Given a row the API committed before dying, without publishing its message
+    task_id = uuid.uuid4()
+    digest, size = jsonbody.digest({"swept": True})
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(tasks_table).values(
+                id=task_id,
+                tenant=tenant[0],
+                capability="echo",
+                queue="echo",
+                status="queued",
+                payload={"swept": True},
+                payload_digest=digest,
+                payload_size=size,
+                trace_id=uuid.uuid4().hex,
+                result_ttl_s=600,
+                created_at=now - timedelta(minutes=1),
+                expires_at=now + timedelta(minutes=10),
+            )
+        )
+    # Then the sweeper publishes it again and it runs
+    done = wait_for_task(client, str(task_id), FINAL)
+    assert (done["status"], done["result"]) == ("succeeded", {"swept": True})
+
+
+def test_queued_tasks_survive_the_broker_losing_everything(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    engine: Engine,
+    system_beat: CeleryProcess,
+) -> None:
+    # Given tasks waiting in a queue nobody consumes yet
+    ids = [
+        client.post(
+            "/tasks",
+            json={"capability": "test.late", "payload": {"i": i}, "queue_if_unavailable": True},
+        ).json()["task_id"]
+        for i in range(5)
+    ]
+    # When the broker forgets every message (what a Redis restart without persistence does)
+    client_redis = redis.Redis.from_url(redis_url)
+    assert client_redis.delete("test.late") == 1
+    late = start_worker(settings, "test.late", "after-loss", log_dir)
+    try:
+        # Then the sweeper publishes them again and every one finishes, once
+        finished = [wait_for_task(client, i, FINAL, timeout_s=60) for i in ids]
+    finally:
+        late.stop()
+    assert {t["status"] for t in finished} == {"succeeded"}
+    assert {t["attempts"] for t in finished} == {1}
+    with engine.connect() as conn:
+        statuses = (
+            conn.execute(
+                select(tasks_table.c.status).where(
+                    tasks_table.c.id.in_([uuid.UUID(i) for i in ids])
+                )
+            )
+            .scalars()
+            .all()
+        )
+    assert sorted(statuses) == ["succeeded"] * 5

@@ -1,0 +1,198 @@
+"""Webhook delivery end to end: the API, a real Celery worker on reach.webhooks, and a real
+HTTP receiver on 127.0.0.1 (allowed by the test settings). Signatures are checked with the
+``standardwebhooks`` reference verifier. The test schedule is five attempts in about 1 s."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+from broker.settings import Settings
+from tests.integration.receiver import Receiver, Reply, always
+from tests.integration.webhook_client import finished, register, submit, wait_deliveries
+
+
+def verify(secret: str, received: object) -> dict[str, object]:
+    body, headers = received.body, received.headers  # type: ignore[attr-defined]
+    payload: dict[str, object] = Webhook(secret).verify(body, headers)
+    return payload
+
+
+def test_given_a_webhook_when_a_task_succeeds_expect_a_signed_call_and_a_logged_delivery(
+    client: httpx.Client,
+) -> None:
+    with Receiver() as receiver:
+        webhook, secret = register(client, receiver.url, events=["task.succeeded"])
+        task = submit(client, payload={"n": 1})
+        [call] = receiver.wait_for(1)
+
+        event = verify(secret, call)
+        assert event["type"] == "task.succeeded"
+        assert event["data"]["task_id"] == task["task_id"]  # type: ignore[index]
+        assert event["data"]["result"] == {"n": 1}  # type: ignore[index]
+        assert call.headers["x-trace-id"] == task["trace_id"]
+        assert call.headers["traceparent"].split("-")[1] == task["trace_id"]
+        assert call.headers["content-type"] == "application/json"
+
+        path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+        [delivery] = wait_deliveries(client, path, finished("succeeded"))
+    assert delivery["message_id"] == call.headers["webhook-id"]
+    assert delivery["attempt_count"] == 1
+    [attempt] = delivery["attempts"]
+    assert attempt["status_code"] == 200 and attempt["error"] is None
+    assert attempt["latency_ms"] >= 0 and attempt["at"] and attempt["address"] == "127.0.0.1"
+    by_task = client.get(f"/tasks/{task['task_id']}/deliveries").json()["deliveries"]
+    assert [d["delivery_id"] for d in by_task] == [delivery["delivery_id"]]
+    # The secret was shown once, at creation; no read shows it again.
+    assert secret not in client.get(f"/webhooks/{webhook['webhook_id']}").text
+    assert secret not in client.get("/webhooks").text
+
+
+def test_given_a_delivered_call_when_its_body_is_tampered_with_expect_verification_fails(
+    client: httpx.Client,
+) -> None:
+    with Receiver() as receiver:
+        _, secret = register(client, receiver.url)
+        submit(client, payload={"amount": "10.00"})
+        [call] = receiver.wait_for(1)
+    verify(secret, call)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(secret).verify(call.body.replace(b"10.00", b"99.00"), call.headers)
+
+
+def test_given_a_receiver_down_for_three_attempts_expect_the_fourth_delivers_with_the_same_id(
+    client: httpx.Client,
+) -> None:
+    down_then_up = Receiver(lambda n: Reply(drop=True) if n <= 3 else Reply(200))
+    with down_then_up as receiver:
+        webhook, secret = register(client, receiver.url)
+        submit(client)
+        calls = receiver.wait_for(4)
+        path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+        [delivery] = wait_deliveries(client, path, finished("succeeded"))
+
+    assert len({c.headers["webhook-id"] for c in calls}) == 1
+    verify(secret, calls[3])
+    assert delivery["attempt_count"] == 4
+    assert [a["status_code"] for a in delivery["attempts"]] == [None, None, None, 200]
+    assert all(a["error"] for a in delivery["attempts"][:3])
+
+
+def test_given_a_receiver_that_always_fails_expect_the_message_dead_after_the_schedule(
+    client: httpx.Client, settings: Settings
+) -> None:
+    replies = {"status": 500}
+    with Receiver(lambda n: Reply(replies["status"])) as receiver:
+        webhook, _ = register(client, receiver.url)
+        submit(client)
+        path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+        [dead] = wait_deliveries(client, path, finished("dead"))
+
+        attempts = len(settings.webhook_schedule_s)
+        assert dead["attempt_count"] == attempts
+        assert [a["status_code"] for a in dead["attempts"]] == [500] * attempts
+        assert len(receiver.requests) == attempts
+        assert len({c.headers["webhook-id"] for c in receiver.requests}) == 1
+
+        # When the receiver is fixed, a dead message can be sent again: same id, one attempt.
+        replies["status"] = 200
+        again = client.post(f"{path}/{dead['delivery_id']}/redeliver")
+        assert again.status_code == 202, again.text
+        [delivered] = wait_deliveries(client, path, finished("succeeded"))
+    assert delivered["attempt_count"] == attempts + 1
+    assert receiver.requests[-1].headers["webhook-id"] == dead["message_id"]
+
+
+def test_given_410_gone_expect_the_subscription_disabled_and_no_more_deliveries(
+    client: httpx.Client,
+) -> None:
+    with Receiver(always(Reply(410))) as gone, Receiver() as control:
+        webhook, _ = register(client, gone.url)
+        watcher, _ = register(client, control.url)
+        submit(client)
+        path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+        [failed] = wait_deliveries(client, path, finished("failed"))
+        assert failed["attempt_count"] == 1 and failed["last_status_code"] == 410
+
+        shown = client.get(f"/webhooks/{webhook['webhook_id']}").json()
+        assert shown["status"] == "disabled" and "410" in shown["disabled_reason"]
+
+        # A later task reaches the control webhook (written in the same fanout) but not this.
+        later = submit(client)
+        control_path = f"/webhooks/{watcher['webhook_id']}/deliveries"
+        wait_deliveries(client, control_path, lambda ds: ds[0]["task_id"] == later["task_id"])
+        assert len(client.get(path).json()["deliveries"]) == 1
+        again = client.post(f"{path}/{failed['delivery_id']}/redeliver")
+    assert again.status_code == 409 and again.json()["code"] == "webhook_disabled"
+    assert len(gone.requests) == 1
+
+
+def test_given_a_redirect_to_a_canary_expect_it_not_followed(client: httpx.Client) -> None:
+    with Receiver() as canary:
+        redirect = Reply(302, {"Location": canary.url})
+        with Receiver(always(redirect)) as receiver:
+            webhook, _ = register(client, receiver.url)
+            submit(client)
+            path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+            [failed] = wait_deliveries(client, path, finished("failed"))
+        # The attempt is over (recorded), and nothing ever reached the canary.
+        assert canary.requests == []
+    assert failed["attempts"][0]["status_code"] == 302 and failed["attempt_count"] == 1
+
+
+def test_given_a_rotated_secret_expect_both_secrets_verify_during_the_grace_period(
+    client: httpx.Client,
+) -> None:
+    with Receiver() as receiver:
+        webhook, old = register(client, receiver.url)
+        rotated = client.post(f"/webhooks/{webhook['webhook_id']}/rotate-secret")
+        assert rotated.status_code == 200
+        new = rotated.json()["secret"]
+        assert new != old and rotated.json()["previous_secret_expires_at"]
+        submit(client)
+        [call] = receiver.wait_for(1)
+    assert len(call.headers["webhook-signature"].split(" ")) == 2
+    assert verify(old, call)["type"] == verify(new, call)["type"] == "task.succeeded"
+
+
+def test_given_a_failing_task_expect_task_failed_only_where_subscribed(
+    client: httpx.Client,
+) -> None:
+    with Receiver() as failures, Receiver() as invoices_only:
+        on_failure, secret = register(client, failures.url, events=["task.failed"])
+        filtered, _ = register(client, invoices_only.url, capabilities=["invoice.*"])
+        task = submit(client, payload={"fail": "bad_input"})
+        [call] = failures.wait_for(1)
+        path = f"/webhooks/{filtered['webhook_id']}/deliveries"
+        # Both subscriptions were judged in the one fanout that wrote the first delivery.
+        assert client.get(path).json()["deliveries"] == []
+    event = verify(secret, call)
+    assert event["type"] == "task.failed"
+    assert event["data"]["error"]["code"] == "bad_input"  # type: ignore[index]
+    assert event["data"]["task_id"] == task["task_id"]  # type: ignore[index]
+    assert on_failure["events"] == ["task.failed"]
+
+
+def test_given_a_progress_subscription_expect_each_report_and_nothing_for_others(
+    client: httpx.Client,
+) -> None:
+    from workers.examples.invoice_parser import FIELD_GROUPS
+
+    invoice = {"text": "ACME\nInvoice No: INV-1\nDate: 2024-03-15\nTotal: USD 10.00"}
+    with Receiver() as progress, Receiver() as finals:
+        watcher, secret = register(client, progress.url, events=["task.progress"])
+        final_only, _ = register(client, finals.url)  # the default: the four final events
+        task = submit(client, "invoice.extract", payload=invoice)
+        reports = progress.wait_for(len(FIELD_GROUPS))
+        [final] = finals.wait_for(1)
+        path = f"/webhooks/{final_only['webhook_id']}/deliveries"
+        final_log = wait_deliveries(client, path, finished("succeeded"))
+
+    events = [verify(secret, r) for r in reports]
+    assert {e["type"] for e in events} == {"task.progress"}
+    assert {e["data"]["task_id"] for e in events} == {task["task_id"]}  # type: ignore[index]
+    assert len({r.headers["webhook-id"] for r in reports}) == len(FIELD_GROUPS)
+    assert [d["event_type"] for d in final_log] == ["task.succeeded"]
+    assert final.headers["webhook-id"] == final_log[0]["message_id"]
+    assert watcher["events"] == ["task.progress"]

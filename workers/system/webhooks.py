@@ -1,0 +1,154 @@
+"""The webhook tasks on the ``reach.webhooks`` queue: fanout, one delivery attempt, the sweep.
+
+Postgres holds when each attempt is due (``next_attempt_at``). A short wait is a Celery
+countdown; a long one is left to the sweep, because a Redis broker hands an unacked
+countdown message out again after its visibility timeout and a worker holds every countdown
+message in memory until it is due. The sweep also finds messages that were lost; a duplicate
+finds its attempt already taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Engine
+
+from broker.dispatch import (
+    DELIVER_TASK,
+    FANOUT_TASK,
+    WEBHOOK_SWEEP_TASK,
+    send_announce,
+    send_deliver,
+)
+from broker.settings import Settings
+from broker.tasks import FINAL
+from broker.webhooks import PROGRESS, deliveries, event_for_status, fanout, policy, signing
+from broker.webhooks.ssrf import Guard
+from workers.system.sender import send
+
+log = logging.getLogger("reach.webhooks")
+SWEEP_BATCH = 500
+# The sweep republishes a pending delivery only when its message is this late.
+SWEEP_GRACE_S = 60.0
+# Waits up to this long are countdown messages; longer ones are published by the sweep.
+COUNTDOWN_MAX_S = SWEEP_GRACE_S
+PROGRESS_CACHE_S = 5.0
+PROGRESS_CACHE_MAX = 10_000
+
+
+class Webhooks:
+    """What the webhook tasks need: settings, the guard, a per-process engine, the app."""
+
+    def __init__(self, app: Celery, settings: Settings, engine: Callable[[], Engine]) -> None:
+        self.app = app
+        self.settings = settings
+        self.engine = engine
+        self.guard = Guard(settings.webhook_allow)
+        # task id -> (until, whether anyone wants its progress): one query per task, not per
+        # report; a subscription made meanwhile counts once the entry is stale.
+        self._wants_progress: dict[uuid.UUID, tuple[float, bool]] = {}
+
+    def on_final(self, row: dict[str, Any]) -> None:
+        """The runner's hook: announce a task's final state to its endpoints."""
+        if row["status"] in FINAL:
+            send_announce(self.app, row["id"], event_for_status(row["status"]))
+
+    def on_progress(self, task_id: uuid.UUID) -> None:
+        """The runner's progress hook: announce it only when some endpoint asked for it."""
+        now = time.monotonic()
+        known = self._wants_progress.get(task_id)
+        if known is None or known[0] < now:
+            if len(self._wants_progress) > PROGRESS_CACHE_MAX:
+                self._wants_progress.clear()
+            wants = fanout.wanted(self.engine(), task_id, PROGRESS)
+            known = self._wants_progress[task_id] = (now + PROGRESS_CACHE_S, wants)
+        if known[1]:
+            send_announce(self.app, task_id, PROGRESS)
+
+    def fanout(self, task_id: str, event_type: str) -> int:
+        waiting = fanout.fanout(self.engine(), uuid.UUID(task_id), event_type, self.settings)
+        first_s = self.settings.webhook_schedule_s[0]
+        if first_s <= COUNTDOWN_MAX_S:
+            for delivery_id in waiting:
+                send_deliver(self.app, delivery_id, 1, first_s)
+        return len(waiting)
+
+    def deliver(self, delivery_id: str, attempt: int) -> str:
+        """Attempt ``attempt`` of a delivery; returns the delivery's status after it."""
+        did = uuid.UUID(delivery_id)
+        lease_s = self.settings.webhook_timeout_s * 4 + 30  # past any attempt's longest run
+        claimed = deliveries.claim(self.engine(), did, attempt, lease_s=lease_s)
+        if claimed is None:
+            early_by = deliveries.due_in_s(self.engine(), did, attempt)
+            if early_by is None:
+                return "skipped"  # a duplicate, or an attempt already made
+            send_deliver(self.app, did, attempt, early_by)
+            return "early"
+        outcome = self._send(claimed)
+        verdict = policy.verdict(outcome)
+        retry_in_s = policy.next_delay_s(
+            self.settings.webhook_schedule_s,
+            attempt,
+            jitter=self.settings.webhook_jitter,
+            retry_after_s=outcome.retry_after_s,
+        )
+        status = deliveries.record(self.engine(), claimed, outcome, verdict, retry_in_s)
+        log.info("delivery %s attempt %d: %s (%s)", did, attempt, status, outcome.status_code)
+        if status == policy.PENDING and retry_in_s <= COUNTDOWN_MAX_S:
+            send_deliver(self.app, did, attempt + 1, retry_in_s)
+        return status
+
+    def _send(self, claimed: deliveries.Claimed) -> policy.Outcome:
+        if claimed.disabled:
+            return policy.Outcome(error="the subscription is disabled", transient=False)
+        if not claimed.secrets:
+            return policy.Outcome(error="no signing secret for this endpoint", transient=False)
+        message_id = deliveries.message_id(claimed.delivery_id)
+        headers = signing.headers(claimed.secrets, message_id, int(time.time()), claimed.body)
+        headers["X-Trace-Id"] = claimed.trace_id
+        headers["traceparent"] = f"00-{claimed.trace_id}-{secrets.token_hex(8)}-01"
+        return send(
+            self.guard,
+            claimed.url,
+            claimed.body,
+            headers,
+            timeout_s=self.settings.webhook_timeout_s,
+            max_bytes=self.settings.webhook_response_max_bytes,
+        )
+
+    def sweep(self) -> dict[str, int]:
+        """Publish deliveries whose message was lost; drop those past their retention."""
+        lost = deliveries.stranded(self.engine(), grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
+        for delivery_id, attempt in lost:
+            send_deliver(self.app, delivery_id, attempt)
+        purged = deliveries.purge_expired(self.engine(), batch=SWEEP_BATCH)
+        return {"republished": len(lost), "purged": purged}
+
+
+def register(app: Celery, settings: Settings, engine: Callable[[], Engine]) -> Webhooks:
+    """Register the webhook tasks and the sweep's beat entry; returns the hooks' owner."""
+    hooks = Webhooks(app, settings, engine)
+
+    @app.task(name=FANOUT_TASK)  # type: ignore[untyped-decorator]
+    def fanout_event(task_id: str, event_type: str) -> int:
+        return hooks.fanout(task_id, event_type)
+
+    @app.task(name=DELIVER_TASK)  # type: ignore[untyped-decorator]
+    def deliver(delivery_id: str, attempt: int) -> str:
+        return hooks.deliver(delivery_id, attempt)
+
+    @app.task(name=WEBHOOK_SWEEP_TASK)  # type: ignore[untyped-decorator]
+    def sweep() -> dict[str, int]:
+        return hooks.sweep()
+
+    app.conf.beat_schedule["sweep-webhooks"] = {
+        "task": WEBHOOK_SWEEP_TASK,
+        "schedule": settings.webhook_sweep_interval_s,
+    }
+    return hooks
