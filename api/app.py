@@ -11,7 +11,8 @@ from fastapi import FastAPI
 
 from api import errors
 from api.deps import KeyCache, TraceMiddleware
-from api.routes import agents, callbacks, health, tasks, webhooks
+from api.routes import agents, callbacks, health, metrics, tasks, webhooks
+from broker import logs
 from broker.backpressure import QueueBound, TokenBucket
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
@@ -31,6 +32,7 @@ def create_app(settings: Settings) -> FastAPI:
         await app.state.redis.connection_pool.disconnect()
         app.state.dispatcher.close()
 
+    logs.capture_context()
     app = FastAPI(
         title="Agent-Reach",
         version="0.1.0",
@@ -62,11 +64,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(tasks.router)
     app.include_router(agents.router)
+    app.include_router(metrics.router)
     app.include_router(webhooks.router)
     app.include_router(callbacks.router)
     return app
 
 
 def create_app_from_env() -> FastAPI:
-    """For ``uvicorn api.app:create_app_from_env --factory``: settings from the environment."""
+    """For ``uvicorn api.app:create_app_from_env --factory``: settings from the environment,
+    and structured logs (JSON unless in a terminal)."""
+    logs.configure()
     return create_app(Settings())

@@ -11,15 +11,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import queries
+from broker import logs, metrics, queries
 from broker.errors import BadRequest, BodyTooLarge, Unauthenticated
 from broker.keys import Principal, secret_matches, split_token
 from broker.tracing import trace_id_from
 
 
 class TraceMiddleware:
-    """Gives every request a trace id (``request.state.trace_id``) and every response
-    ``X-Trace-Id``. Pure ASGI, so streaming responses pass through untouched."""
+    """Gives every request a trace id (``request.state.trace_id``, and every log line of the
+    request) and every response ``X-Trace-Id``; counts requests and their latency by route.
+    Pure ASGI, so streaming responses pass through untouched."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -31,10 +32,16 @@ class TraceMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         trace_id = trace_id_from(headers.get("traceparent"), headers.get("x-trace-id"))
         scope.setdefault("state", {})["trace_id"] = trace_id
+        logs.bind(trace_id=trace_id)
+        started = time.perf_counter()
 
         async def send_with_trace(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message)["X-Trace-Id"] = trace_id
+                route = getattr(scope.get("route"), "path", "unmatched")
+                method = scope["method"]
+                metrics.http_requests.labels(method, route, str(message["status"])).inc()
+                metrics.http_duration.labels(method, route).observe(time.perf_counter() - started)
             await send(message)
 
         await self.app(scope, receive, send_with_trace)

@@ -15,7 +15,7 @@ from broker.eventhub import EventHub
 from broker.events import Event
 from broker.tasks import FINAL, render
 
-STORE_CHECK_S = 1.0
+STORE_CHECK_S = 2.0
 
 
 def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> Any:
@@ -46,6 +46,7 @@ def event_stream(
     after: int = 0,
     status_code: int = 200,
     headers: dict[str, str] | None = None,
+    started: float | None = None,
 ) -> EventStreamResponse:
     settings = request.app.state.settings
     hub: EventHub = request.app.state.hub
@@ -61,6 +62,7 @@ def event_stream(
         ping_s=settings.sse_ping_s,
         status_code=status_code,
         headers=headers,
+        started=started,
     )
 
 

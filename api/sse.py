@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from broker import metrics
 from broker.events import Event
 
 log = logging.getLogger("reach.sse")
@@ -37,6 +39,7 @@ class EventStreamResponse(Response):
         ping_s: float,
         status_code: int = 200,
         headers: dict[str, str] | None = None,
+        started: float | None = None,
     ) -> None:
         super().__init__(status_code=status_code, headers={**HEADERS, **(headers or {})})
         # A stream has no length: drop the content-length: 0 that Response adds for no body.
@@ -44,6 +47,7 @@ class EventStreamResponse(Response):
         self.events = events
         self.send_timeout_s = send_timeout_s
         self.ping_s = ping_s
+        self.started = started  # perf_counter() at the request, to time the first event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -66,6 +70,9 @@ class EventStreamResponse(Response):
             async for event in self.events:
                 if event is not None:
                     await write(event.sse())
+                    if self.started is not None:
+                        metrics.stream_first_event.observe(time.perf_counter() - self.started)
+                        self.started = None
                 elif loop.time() - last_write >= self.ping_s:
                     await write(PING)  # keeps proxies from cutting an idle stream
             await write(b"", more=False)

@@ -143,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = from_args(args)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # Also when started with SIGINT ignored (a background job of a script): Ctrl-C still stops.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log_dir = Path(tempfile.mkdtemp(prefix="reach-bench-"))
     try:
         result = measure(plan, log_dir)
-    except BaseException:
-        print(f"the run failed; the processes' logs are in {log_dir}", file=sys.stderr)
+    except BaseException as exc:
+        what = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+        print(f"the run {what}; the processes' logs are in {log_dir}", file=sys.stderr)
         raise
     if args.keep_logs:
         progress(f"logs kept in {log_dir}")

@@ -60,7 +60,14 @@ class Child:
             return []
 
     def stop(self, timeout_s: float = 20) -> None:
-        if self.alive():
+        if not self.alive():
+            # It ended before we asked: say how, or a figure may be read without its cause.
+            print(
+                f"bench: {self.name} had already exited with {self.process.returncode};"
+                f" see {self.log_path}",
+                file=sys.stderr,
+            )
+        else:
             self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=timeout_s)

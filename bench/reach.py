@@ -78,7 +78,7 @@ def measure(
     with running_stack(stores, children, plan.concurrency) as stack:
         figures: dict[str, Any] = {"api_rss_idle_mb": _rss_mb(stack.api)}
         progress(f"Agent-Reach: throughput ({plan.tasks} tasks, {plan.submitters} submitters)")
-        figures["throughput"] = asyncio.run(throughput(stack, plan.tasks, plan.submitters))
+        figures["throughput"] = throughput(stack, plan.tasks, plan.submitters)
         progress(f"Agent-Reach: sync round trip ({plan.round_trips} sequential)")
         figures["sync_round_trip"] = sync_round_trip(stack, plan.round_trips)
         progress(f"Agent-Reach: stream time to first event ({plan.stream_trips} sequential)")
@@ -161,42 +161,29 @@ def _rss_mb(child: Child) -> float:
     return round(psutil.Process(child.pid).memory_info().rss / 2**20, 1)
 
 
-async def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
-    """N echo tasks submitted over HTTP by concurrent submitters, then Postgres watched until
-    all of them are ``succeeded``."""
+def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
+    """N echo tasks submitted over HTTP on ``submitters`` concurrent connections, then
+    Postgres watched until all of them are ``succeeded``."""
     tenant = "bench-throughput"
     token = stack.key(tenant)
-    limits = httpx.Limits(max_connections=submitters, max_keepalive_connections=submitters)
-    statuses: dict[int, int] = {}
-    remaining = count
-
-    async def submit(http: httpx.AsyncClient) -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            envelope = {"capability": "echo", "payload": {"i": remaining}}
-            status = (await http.post("/tasks", json=envelope)).status_code
-            statuses[status] = statuses.get(status, 0) + 1
-
-    async with httpx.AsyncClient(
-        base_url=stack.url, headers=_auth(token), timeout=30, limits=limits
-    ) as http:
-        started = time.perf_counter()
-        await asyncio.gather(*(submit(http) for _ in range(submitters)))
-        submitted = time.perf_counter() - started
-    accepted = statuses.get(202, 0)
-    counts = await asyncio.to_thread(wait_final, stack.stores.libpq_url, tenant, accepted)
-    elapsed = time.perf_counter() - started
+    envelope = {"capability": "echo", "payload": {"i": 0}}
+    submitted = asyncio.run(
+        loadgen.accept_rate(stack.port, token, envelope, connections=submitters, requests=count)
+    )
+    waited_from = time.perf_counter()
+    counts = wait_final(stack.stores.libpq_url, tenant, submitted["accepted"])
+    elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
+    succeeded = counts.get("succeeded", 0)
     return {
         "tasks": count,
-        "accepted": accepted,
-        "submit_statuses": {str(k): v for k, v in sorted(statuses.items())},
-        "succeeded": counts.get("succeeded", 0),
+        "accepted": submitted["accepted"],
+        "submit_statuses": submitted["statuses"],
+        "succeeded": succeeded,
         "final_statuses": counts,
-        "submit_s": round(submitted, 3),
-        "submit_per_s": rate(accepted, submitted),
+        "submit_s": submitted["elapsed_s"],
+        "submit_per_s": submitted["accepted_per_s"],
         "elapsed_s": round(elapsed, 3),
-        "tasks_per_s": rate(counts.get("succeeded", 0), elapsed),
+        "tasks_per_s": rate(succeeded, elapsed),
     }
 
 
@@ -217,75 +204,89 @@ def wait_final(libpq_url: str, tenant: str, expected: int) -> dict[str, int]:
 
 
 def sync_round_trip(stack: Stack, count: int) -> dict[str, Any]:
-    samples: list[float] = []
-    with httpx.Client(
-        base_url=stack.url, headers=_auth(stack.key("bench-sync")), timeout=60
-    ) as http:
-        for i in range(count):
-            envelope = {"capability": "echo", "payload": {"i": i}, "reply_mode": "sync"}
-            sent = time.perf_counter()
-            response = http.post("/tasks", json=envelope)
-            samples.append(time.perf_counter() - sent)
-            task = response.json()
-            if response.status_code != 200 or task.get("result") != {"i": i}:
-                raise RuntimeError(f"sync echo answered {response.status_code}: {task}")
-    return latency_ms(samples)
+    """``reply_mode: sync`` one request after another on one keep-alive connection."""
+    token = stack.key("bench-sync")
+
+    async def run() -> list[float]:
+        samples: list[float] = []
+        conn = await loadgen.Connection(stack.port).open()
+        try:
+            for i in range(count):
+                envelope = {"capability": "echo", "payload": {"i": i}, "reply_mode": "sync"}
+                raw = loadgen.post(stack.port, "/tasks", token, envelope)
+                sent = time.perf_counter()
+                response = await conn.request(raw)
+                samples.append(time.perf_counter() - sent)
+                task = json.loads(response.body)
+                if response.status != 200 or task.get("result") != {"i": i}:
+                    raise RuntimeError(f"sync echo answered {response.status}: {task}")
+        finally:
+            await conn.close()
+        return samples
+
+    return latency_ms(asyncio.run(run()))
 
 
-def sse_frames(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    """SSE frames (``event`` and the parsed ``data``) as each one completes; comments skipped."""
-    frame: dict[str, Any] = {}
-    for line in lines:
-        if line == "":
-            if frame:
-                yield frame
-            frame = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(": ")
-            frame[name] = json.loads(value) if name == "data" else value
+async def _stream(port: int, raw: bytes) -> tuple[float, list[tuple[float, dict[str, Any]]]]:
+    """One stream-mode POST on a fresh connection (opened before the clock): seconds to the
+    first frame, and every frame to the final one with its arrival time."""
+    conn = await loadgen.Connection(port).open()
+    first_s = 0.0
+    frames: list[tuple[float, dict[str, Any]]] = []
+    try:
+        sent = time.perf_counter()
+        async for arrived_at, frame in conn.stream(raw):
+            if not frames:
+                first_s = time.perf_counter() - sent
+            frames.append((arrived_at, frame))
+            if frame.get("event") in FINAL:
+                break
+    finally:
+        await conn.close()
+    return first_s, frames
 
 
 def stream_first_event(stack: Stack, count: int) -> dict[str, Any]:
     """POST in stream mode: time to the first complete SSE frame; each stream is read to its
     final event before the next one starts."""
-    samples: list[float] = []
-    with httpx.Client(
-        base_url=stack.url, headers=_auth(stack.key("bench-stream")), timeout=60
-    ) as http:
+    token = stack.key("bench-stream")
+
+    async def run() -> list[float]:
+        samples = []
         for i in range(count):
             envelope = {"capability": "echo", "payload": {"i": i}, "reply_mode": "stream"}
-            sent = time.perf_counter()
-            with http.stream("POST", "/tasks", json=envelope) as response:
-                if response.status_code != 200:
-                    raise RuntimeError(f"stream mode answered {response.status_code}")
-                events = []
-                for frame in sse_frames(response.iter_lines()):
-                    if not events:
-                        samples.append(time.perf_counter() - sent)
-                    events.append(frame.get("event"))
-                    if frame.get("event") in FINAL:
-                        break
+            first_s, frames = await _stream(
+                stack.port, loadgen.post(stack.port, "/tasks", token, envelope)
+            )
+            events = [frame.get("event") for _, frame in frames]
             if events[-1:] != ["succeeded"]:
                 raise RuntimeError(f"stream {i} ended with {events}")
-    return latency_ms(samples, (50, 95))
+            samples.append(first_s)
+        return samples
+
+    return latency_ms(asyncio.run(run()), (50, 95))
 
 
 def emit_to_frame(stack: Stack, count: int) -> dict[str, Any]:
     """Each output event's ``at`` (when the worker appended it) to the moment its frame
     arrived here; one machine, one clock."""
-    samples: list[float] = []
+    token = stack.key("bench-emit")
     payload = {"text": TEXT, "max_sentences": 5, "delay_s": 0.02}
     envelope = {"capability": "text.summarize", "payload": payload, "reply_mode": "stream"}
-    with httpx.Client(
-        base_url=stack.url, headers=_auth(stack.key("bench-emit")), timeout=60
-    ) as http:
+    raw = loadgen.post(stack.port, "/tasks", token, envelope)
+
+    async def run() -> list[float]:
+        samples = []
         for _ in range(count):
-            with http.stream("POST", "/tasks", json=envelope) as response:
-                for frame in sse_frames(response.iter_lines()):
-                    if frame.get("event") == "output":
-                        samples.append(time.time() - frame["data"]["at"])
-                    if frame.get("event") in FINAL:
-                        break
+            _, frames = await _stream(stack.port, raw)
+            samples += [
+                arrived_at - frame["data"]["at"]
+                for arrived_at, frame in frames
+                if frame.get("event") == "output"
+            ]
+        return samples
+
+    samples = asyncio.run(run())
     if len(samples) != 5 * count:
         raise RuntimeError(f"expected {5 * count} output events, got {len(samples)}")
     return latency_ms(samples, (50, 95))

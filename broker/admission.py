@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import catalog, jsonbody, routing
+from broker import catalog, jsonbody, metrics, routing
 from broker.envelope import Envelope
 from broker.errors import BadRequest, InvalidEnvelope, Unavailable
 
@@ -30,6 +30,7 @@ async def admit(
     if route is None:
         if envelope.queue_if_unavailable:
             return envelope.capability
+        metrics.routing_failures.labels(envelope.capability).inc()
         raise Unavailable(
             f"no live agent serves {envelope.capability!r} or a capability it falls back to",
             code="no_agent_available",

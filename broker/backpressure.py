@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from broker import metrics
 from broker.errors import ReachError, Unavailable
 
 _TAKE = """
@@ -50,6 +51,7 @@ class TokenBucket:
             )
         )
         if wait > 0:
+            metrics.rejections.labels("rate_limited").inc()
             raise RateLimited(
                 f"more than {self.rate_per_s:g} tasks/s for this tenant",
                 retry_after_s=max(1, round(wait + 0.5)),
@@ -76,6 +78,7 @@ class QueueBound:
             depth = (await self.depths([queue]))[queue]
             self._seen[queue] = seen = (now, depth)
         if seen[1] >= self.max_depth:
+            metrics.rejections.labels("overloaded").inc()
             raise Unavailable(
                 f"{queue!r} already holds {seen[1]} waiting tasks",
                 code="overloaded",

@@ -22,6 +22,7 @@ from broker.events import Event, channel, log_key, parse_entries
 log = logging.getLogger("reach.events")
 QUEUE_MAX = 1024
 SUBSCRIBE_WAIT_S = 2.0
+STORE_EVERY = 3  # quiet spells between two looks at Postgres
 # What a reader does when the log holds no final event but the task is final (its log was lost
 # with a Redis restart): the caller supplies that final event from Postgres.
 FinalFromStore = Callable[[int], Awaitable[Event | None]]
@@ -114,6 +115,7 @@ class EventHub:
         """Every event after ``after``, in order, once each, ending with the final one.
         Yields None after ``quiet_s`` without news (the caller may send a keep-alive)."""
         last = after
+        quiet_spells = 0
         async with self.listen(task_id) as queue:
             backlog = await self.read_log(task_id, last)
             while True:
@@ -128,13 +130,17 @@ class EventHub:
                 try:
                     event = await asyncio.wait_for(queue.get(), quiet_s)
                 except TimeoutError:
+                    quiet_spells += 1
                     backlog = await self.read_log(task_id, last)
-                    if not backlog and final_from_store is not None:
+                    # Postgres is asked only after a longer silence: with many open streams a
+                    # query per stream every few seconds would crowd out real work.
+                    if not backlog and final_from_store and quiet_spells % STORE_EVERY == 0:
                         substitute = await final_from_store(last)
                         backlog = [substitute] if substitute is not None else []
                     if not backlog:
                         yield None
                     continue
+                quiet_spells = 0
                 if event.seq == last + 1:
                     backlog = [event]
                 elif event.seq > last + 1:  # something was dropped: the log has it

@@ -30,6 +30,7 @@ class Claimed:
     result_ttl_s: int
     queue: str
     max_attempts: int | None
+    tenant: str
 
 
 def _expiry() -> Any:
@@ -69,6 +70,7 @@ def claim(
             tasks.c.result_ttl_s,
             tasks.c.queue,
             tasks.c.max_attempts,
+            tasks.c.tenant,
         )
     )
     with engine.begin() as conn:
@@ -87,6 +89,7 @@ def claim(
         result_ttl_s=row.result_ttl_s,
         queue=row.queue,
         max_attempts=row.max_attempts,
+        tenant=row.tenant,
     )
 
 

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(400, gt=0)
     max_queue_depth: int = Field(10_000, gt=0)
 
+    # Each worker serves its metrics here (0: not at all); a busy port is logged and skipped.
+    worker_metrics_port: int = Field(9808, ge=0, le=65535)
+
     # How long a key lookup may be served from the API's memory; revocation takes this long.
     key_cache_s: float = Field(5.0, ge=0)
 

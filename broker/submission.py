@@ -17,7 +17,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import events, jsonbody
+from broker import events, jsonbody, metrics
 from broker.db.models import tasks_table as tasks
 from broker.dispatch import Dispatcher
 from broker.envelope import Envelope
@@ -140,10 +140,12 @@ async def _replay(conn: Any, values: dict[str, Any]) -> Accepted:
     if existing is None:  # removed between our insert and this read (expired and purged)
         raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
     if existing.payload_digest != values["payload_digest"]:
+        metrics.idempotency.labels("conflict").inc()
         raise BadRequest(
             "this idempotency key was used with a different payload",
             code="idempotency_key_reused",
         )
+    metrics.idempotency.labels("replayed").inc()
     return Accepted(row=dict(existing._mapping), replayed=True)
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from typing import Any
 
 import redis.exceptions
 import sqlalchemy.exc
 from celery import Celery, signals
+from prometheus_client import multiprocess, start_http_server
 
-from broker import execution
+from broker import execution, logs, metrics
 from broker.dispatch import (
     PURGE_TASK,
     REAP_TASK,
@@ -26,6 +29,7 @@ from workers.sdk.registry import AgentRegistry, agent
 from workers.system import recovery
 from workers.system.webhooks import register as register_webhooks
 
+log = logging.getLogger("reach.worker")
 HARD_LIMIT_GRACE_S = 30
 INFRA_RETRY_S = 2
 INFRASTRUCTURE_ERRORS = (
@@ -61,6 +65,27 @@ def hard_time_limit_s(settings: Settings, registry: AgentRegistry) -> float:
     return hard
 
 
+def _configure_logging(loglevel: str | int = "INFO", **_: object) -> None:
+    # Connected to Celery's setup_logging: Celery then leaves logging to us.
+    logs.configure(level=logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel)
+
+
+def serve_metrics(port: int) -> None:
+    """The worker's /metrics, merged over its pool processes, from its main process."""
+    if not port:
+        return
+    try:
+        start_http_server(port, registry=metrics.worker_registry())
+        log.info("worker metrics on :%d/metrics", port)
+    except OSError as exc:
+        log.warning("worker metrics not served: port %d: %s", port, exc)
+
+
+def _forget_process_metrics(pid: int | None = None, **_: object) -> None:
+    if pid is not None and "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
 def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Celery:
     app = Celery("workers", set_as_current=True)
     app.conf.update(celery_config(settings))
@@ -94,6 +119,11 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
             keeper.begin_drain(stop_consuming=False)
 
     signals.worker_shutting_down.connect(drain_on_shutdown, weak=False)
+    signals.setup_logging.connect(_configure_logging, weak=False)
+    signals.worker_ready.connect(
+        lambda **_: serve_metrics(settings.worker_metrics_port), weak=False
+    )
+    signals.worker_process_shutdown.connect(_forget_process_metrics, weak=False)
 
     @app.task(name=RUN_TASK, bind=True)  # type: ignore[untyped-decorator]
     def run(self: Any, task_id: str, queue: str) -> str:

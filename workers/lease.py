@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from broker import execution, leases
+from broker import execution, leases, metrics
 from broker.db.engines import sync_engine
 from broker.registry import (
     DRAINING,
@@ -99,6 +99,7 @@ class LeaseKeeper:
             try:
                 self.tick()
             except Exception:  # a missed renewal is survivable; the next one may succeed
+                metrics.heartbeat_failures.inc()
                 log.exception("lease renewal failed for %s", self.instance)
 
     def tick(self) -> None:

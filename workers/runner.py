@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from sqlalchemy import Engine
 
-from broker import cancellation, events, execution, jsonbody, leases, retry
+from broker import cancellation, events, execution, jsonbody, leases, logs, metrics, retry
 from broker.db.engines import sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.registry import capability_of
@@ -88,6 +88,10 @@ class Runner:
     def run(self, task_id: str, queue: str, *, instance: str) -> str:
         """Run the task; returns the status it ended in, 'retrying', or 'skipped' when it was
         not queued any more (a redelivered message, a cancelled task)."""
+        with logs.bound(task_id=task_id, capability=capability_of(queue), instance=instance):
+            return self._run(task_id, queue, instance=instance)
+
+    def _run(self, task_id: str, queue: str, *, instance: str) -> str:
         tid = uuid.UUID(task_id)
         spec = self.registry.get(capability_of(queue))
         if spec is None:
@@ -104,6 +108,8 @@ class Runner:
                 return self.finalize(overdue)
             log.info("task %s not queued any more; skipped", task_id)
             return "skipped"
+        logs.bind(trace_id=claimed.trace_id, tenant=claimed.tenant)
+        log.info("task claimed", extra={"attempt": claimed.attempt})
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
 
         def publish(event_type: str, data: Any) -> None:
@@ -151,6 +157,8 @@ class Runner:
     ) -> bool:
         if self.republish is None or execution.requeue(self.engine, claimed.task_id, err) is None:
             return False
+        metrics.task_retries.labels(capability_of(claimed.queue)).inc()
+        log.info("task will run again", extra={"delay_s": round(delay_s, 3), "code": err["code"]})
         publish(
             events.STATUS,
             {
@@ -178,6 +186,11 @@ class Runner:
         """Announce a final state: its event, then the hooks. Returns the status."""
         if row is None:  # moved to a final state by someone else (cancelled), who announced it
             return "skipped"
+        metrics.tasks_finished.labels(capability_of(row["queue"]), row["status"]).inc()
+        log.info(
+            "task finished",
+            extra={"status": row["status"], "code": (row["error"] or {}).get("code")},
+        )
         task = render(row)
         self.events.append(
             row["id"],
@@ -219,8 +232,14 @@ class Runner:
                 )
                 return {"error": error("payload_invalid", detail)}
         limits = [t for t in (spec.timeout_s, ctx.time_left_s()) if t is not None]
+        with metrics.task_run.labels(spec.name).time():
+            return self._invoke(spec, ctx, payload, min(limits) if limits else None)
+
+    def _invoke(
+        self, spec: CapabilitySpec, ctx: Context, payload: Any, limit_s: float | None
+    ) -> dict[str, Any]:
         try:
-            with soft_limit(min(limits) if limits else None):
+            with soft_limit(limit_s):
                 result = spec.handler(ctx, payload)
                 if inspect.isgenerator(result):
                     result = _drain_generator(result, ctx)

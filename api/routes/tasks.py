@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Annotated, Any, Literal
 
 import anyio
@@ -12,7 +14,7 @@ from api import replies
 from api.deps import authenticate, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.sse import EventStreamResponse
-from broker import cancellation, catalog, jsonbody, queries
+from broker import cancellation, catalog, jsonbody, metrics, queries
 from broker.admission import admit
 from broker.capabilities import any_pattern_allows, is_valid_name
 from broker.envelope import Envelope, parse_envelope
@@ -24,6 +26,7 @@ from broker.submission import EVENTS_SLACK_S, submit
 from broker.tasks import parse_task_id, render
 from broker.webhooks.subscriptions import vet_callback
 
+log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
 StatusFilter = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
@@ -63,6 +66,7 @@ async def submit_task(request: Request, caller: Caller) -> Response:
     """Submit an envelope. ``async``: 202 with the task at once, poll ``Location``.
     ``sync``: 200 with the finished task if it finishes within the wait, else 202.
     ``stream``: the task's events as ``text/event-stream``."""
+    started = time.perf_counter()
     state = request.app.state
     raw = await read_json_body(request, state.settings.max_body_bytes)
     data = jsonbody.parse(raw, max_depth=state.settings.max_json_depth)
@@ -87,16 +91,32 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         trace_id=request.state.trace_id,
         settings=state.settings,
     )
+    metrics.submit_duration.observe(time.perf_counter() - started)
     row = accepted.row
+    log.info(
+        "task accepted",
+        extra={
+            "task_id": str(row["id"]),
+            "capability": envelope.capability,
+            "queue": queue,
+            "tenant": caller.tenant,
+            "payload_digest": row["payload_digest"],
+            "payload_size": row["payload_size"],
+            "replayed": accepted.replayed,
+        },
+    )
     headers = {"Location": f"/tasks/{row['id']}"}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if envelope.reply_mode == "stream":
-        return replies.event_stream(request, caller.tenant, row["id"], headers=headers)
+        return replies.event_stream(
+            request, caller.tenant, row["id"], headers=headers, started=started
+        )
     if envelope.reply_mode == "sync":
         finished = await replies.wait_until_final(
             request, caller.tenant, row["id"], _sync_wait_s(envelope, state.settings)
         )
+        metrics.sync_round_trip.observe(time.perf_counter() - started)
         if finished is not None:
             return JSONResponse(render(finished), status_code=200, headers=headers)
         row = await queries.get_task(state.engine, caller.tenant, row["id"]) or row

@@ -8,19 +8,21 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from broker.settings import Settings
 
 
-def sync_engine(settings: Settings, *, pool_size: int = 2) -> Engine:
+def sync_engine(settings: Settings, *, pool_size: int = 1) -> Engine:
+    # A worker process runs one task at a time: one connection, and a little overflow for the
+    # moments its lease thread or event hooks need another.
     return create_engine(
         settings.database_url, pool_size=pool_size, max_overflow=2, pool_pre_ping=True
     )
 
 
-def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
+def async_engine(settings: Settings, *, pool_size: int = 10) -> AsyncEngine:
     # No pre-ping: it costs a round trip per request. A connection lost with a Postgres
     # restart fails once (503), and SQLAlchemy then invalidates the whole pool.
     return create_async_engine(
         settings.database_url,
         pool_size=pool_size,
-        max_overflow=20,
-        pool_timeout=10,  # a request waits at most this for a connection, then 503
+        max_overflow=15,
+        pool_timeout=15,  # a request waits at most this for a connection, then 503
         pool_recycle=1800,
     )

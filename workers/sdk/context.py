@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,13 @@ class Context:
             raise ValueError("percent must be between 0 and 100")
         if self._progress_sink is not None:
             self._progress_sink({"percent": percent, "message": message})
+
+    def trace_headers(self) -> dict[str, str]:
+        """Headers that carry this task's trace id into the HTTP calls the agent makes."""
+        return {
+            "traceparent": f"00-{self.trace_id}-{secrets.token_hex(8)}-01",
+            "X-Trace-Id": self.trace_id,
+        }
 
     @property
     def cancelled(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from broker import events, execution, leases, retry
+from broker import events, execution, leases, metrics, retry
 from broker.dispatch import queue_depths
 from broker.registry import capability_of, lease_key
 from workers.runner import Runner, error
@@ -45,9 +45,11 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                 )
                 runner.republish(row["id"], row["queue"], row["trace_id"], None, 0.0)
                 counts["requeued"] += 1
+                metrics.lost_tasks.labels("requeued").inc()
             continue
         if runner.finalize(execution.fail(runner.engine, row["id"], lost)) != "skipped":
             counts["failed"] += 1
+            metrics.lost_tasks.labels("failed").inc()
     if any(counts.values()):
         log.warning("recovered lost tasks (%s): %s", why, counts)
     return counts

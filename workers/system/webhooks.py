@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import redis.exceptions
+import sqlalchemy.exc
 from celery import Celery
 from sqlalchemy import Engine
 
@@ -39,6 +41,13 @@ SWEEP_GRACE_S = 60.0
 # Waits up to this long are countdown messages; longer ones are published by the sweep.
 COUNTDOWN_MAX_S = SWEEP_GRACE_S
 PROGRESS_CACHE_S = 5.0
+INFRA_RETRY_S = 2
+INFRASTRUCTURE_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
 PROGRESS_CACHE_MAX = 10_000
 
 
@@ -88,7 +97,8 @@ class Webhooks:
             early_by = deliveries.due_in_s(self.engine(), did, attempt)
             if early_by is None:
                 return "skipped"  # a duplicate, or an attempt already made
-            send_deliver(self.app, did, attempt, early_by)
+            if early_by <= COUNTDOWN_MAX_S:  # else the sweep publishes it when due
+                send_deliver(self.app, did, attempt, early_by)
             return "early"
         outcome = self._send(claimed)
         verdict = policy.verdict(outcome)
@@ -135,13 +145,21 @@ def register(app: Celery, settings: Settings, engine: Callable[[], Engine]) -> W
     """Register the webhook tasks and the sweep's beat entry; returns the hooks' owner."""
     hooks = Webhooks(app, settings, engine)
 
-    @app.task(name=FANOUT_TASK)  # type: ignore[untyped-decorator]
-    def fanout_event(task_id: str, event_type: str) -> int:
-        return hooks.fanout(task_id, event_type)
+    # With Postgres or Redis away, keep the message (a new one, later) instead of losing the
+    # event; the claim makes a repeated attempt harmless.
+    @app.task(name=FANOUT_TASK, bind=True)  # type: ignore[untyped-decorator]
+    def fanout_event(self: Any, task_id: str, event_type: str) -> int:
+        try:
+            return hooks.fanout(task_id, event_type)
+        except INFRASTRUCTURE_ERRORS as exc:
+            raise self.retry(exc=exc, countdown=INFRA_RETRY_S, max_retries=None) from exc
 
-    @app.task(name=DELIVER_TASK)  # type: ignore[untyped-decorator]
-    def deliver(delivery_id: str, attempt: int) -> str:
-        return hooks.deliver(delivery_id, attempt)
+    @app.task(name=DELIVER_TASK, bind=True)  # type: ignore[untyped-decorator]
+    def deliver(self: Any, delivery_id: str, attempt: int) -> str:
+        try:
+            return hooks.deliver(delivery_id, attempt)
+        except INFRASTRUCTURE_ERRORS as exc:
+            raise self.retry(exc=exc, countdown=INFRA_RETRY_S, max_retries=None) from exc
 
     @app.task(name=WEBHOOK_SWEEP_TASK)  # type: ignore[untyped-decorator]
     def sweep() -> dict[str, int]:

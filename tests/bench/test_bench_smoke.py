@@ -1,0 +1,83 @@
+"""The benchmark runs end to end at a tiny size and reports every figure. No timing is
+asserted: figures from a CI machine say nothing, but a benchmark that no longer runs does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Targets:" in done.stdout
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def assert_latency(summary: dict[str, Any], samples: int, quantiles: tuple[str, ...]) -> None:
+    assert summary["samples"] == samples
+    for q in quantiles:
+        assert positive(summary[f"{q}_ms"]), (q, summary)
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_measures_both_baselines(report: dict[str, Any]) -> None:
+    plan = report["meta"]["plan"]
+    for key in ("baseline_a", "baseline_b"):
+        figures = report[key]
+        assert figures["publish"]["calls"] == plan["publishes"]
+        assert positive(figures["publish"]["calls_per_s"])
+        assert figures["throughput"]["succeeded"] == plan["tasks"]
+        assert positive(figures["throughput"]["tasks_per_s"])
+        assert_latency(figures["round_trip"], plan["round_trips"], ("p50", "p95", "p99"))
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_measures_every_agent_reach_figure(report: dict[str, Any]) -> None:
+    plan, reach = report["meta"]["plan"], report["reach"]
+    throughput = reach["throughput"]
+    assert throughput["accepted"] == throughput["succeeded"] == plan["tasks"]
+    assert positive(throughput["tasks_per_s"])
+    assert_latency(reach["sync_round_trip"], plan["round_trips"], ("p50", "p95", "p99"))
+    assert_latency(reach["stream_first_event"], plan["stream_trips"], ("p50", "p95"))
+    assert_latency(reach["emit_to_frame"], 5 * plan["emit_tasks"], ("p50", "p95"))
+    assert [run["connections"] for run in reach["accept"]] == plan["connections"]
+    for run, requests in zip(reach["accept"], plan["accept_requests"], strict=True):
+        answered = sum(run["statuses"].values())
+        assert answered + run["timeouts"] + run["connection_errors"] == requests
+        assert positive(run["accepted_per_s"])
+        assert positive(run["latency"]["p99_ms"])
+    streams = reach["streams"]
+    assert streams["opened"] == plan["streams"]
+    assert isinstance(streams["held_to_the_end"], int)
+    assert positive(streams["rss_peak_mb"])
+    assert positive(reach["api_rss_idle_mb"])
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_reports_ratios_and_targets(report: dict[str, Any]) -> None:
+    assert report["ratios"]
+    assert all(positive(ratio) for ratio in report["ratios"].values()), report["ratios"]
+    assert report["targets"]
+    assert all(isinstance(check["met"], bool) for check in report["targets"])
+    assert report["meta"]["date"]

@@ -1,0 +1,162 @@
+"""One trace id end to end, structured logs without payloads, Prometheus metrics that move."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.logs import JsonFormatter
+from broker.settings import Settings
+from tests.integration.stack import (
+    CeleryProcess,
+    environment,
+    free_port,
+    start_worker,
+    wait_for_task,
+)
+
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_one_trace_id_from_request_to_worker_log_task_and_events(
+    client: httpx.Client, worker: CeleryProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "SECRET-PAYLOAD-7f3d"
+    with caplog.at_level(logging.INFO, logger="reach.api"):
+        response = client.post(
+            "/tasks",
+            json={"capability": "echo", "payload": {"note": secret}},
+            headers={"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"},
+        )
+    assert response.headers["x-trace-id"] == TRACE
+    task_id = response.json()["task_id"]
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["trace_id"] == TRACE
+
+    # The API's log line for this request carries the trace id, and the payload's digest only
+    accepted = [r for r in caplog.records if r.getMessage() == "task accepted"]
+    api_line = json.loads(JsonFormatter().format(accepted[-1]))
+    assert api_line["trace_id"] == TRACE
+    assert api_line["task_id"] == task_id
+    assert api_line["payload_size"] > 0
+    assert secret not in caplog.text
+
+    # Every event of the task carries it
+    events = client.get(f"/tasks/{task_id}/events").text
+    ids = set(re.findall(r'"trace_id":"([0-9a-f]{32})"', events))
+    assert ids == {TRACE}
+
+    # The worker's JSON log lines for this task carry it, with a stable event name
+    def worker_lines() -> list[dict[str, object]]:
+        return [line for line in json_lines(worker.output()) if line.get("task_id") == task_id]
+
+    deadline = time.monotonic() + 10
+    while {"task claimed", "task finished"} - {str(line["event"]) for line in worker_lines()}:
+        assert time.monotonic() < deadline, "the worker never logged the task"
+        time.sleep(0.1)
+    for line in worker_lines():
+        assert line["trace_id"] == TRACE
+        assert line["capability"] == "echo"
+        assert str(line["instance"]).startswith("agents@")
+    assert secret not in worker.output()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text format (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$"
+    for match in re.finditer(pattern, text, re.M):
+        found = match.group(1) or ""
+        if all(part in found.split(",") for part in wanted.split(",") if part):
+            return float(match.group(2))
+    return 0.0
+
+
+def test_api_metrics_expose_the_families_and_move(client: httpx.Client) -> None:
+    before = client.get("/metrics")
+    assert before.headers["content-type"].startswith("text/plain")
+    task = client.post("/tasks", json={"capability": "echo", "payload": {}}).json()
+    wait_for_task(client, task["task_id"], FINAL)
+    client.post("/tasks", json={"capability": "nobody.here", "payload": {}})
+    after = client.get("/metrics").text
+    for family in (
+        "reach_http_requests_total",
+        "reach_http_request_duration_seconds_bucket",
+        "reach_submit_duration_seconds_bucket",
+        "reach_routing_failures_total",
+        "reach_queue_depth",
+        "reach_queue_oldest_age_seconds",
+        "reach_registry_ready_instances",
+        "reach_registry_registered_instances",
+        "reach_rejections_total",
+        "reach_idempotency_total",
+    ):
+        assert family in after, family
+    posted = metric(after, "reach_http_requests_total", method="POST", route="/tasks", status="202")
+    assert posted > metric(
+        before.text, "reach_http_requests_total", method="POST", route="/tasks", status="202"
+    )
+    assert metric(after, "reach_routing_failures_total", capability="nobody.here") >= 1
+    assert metric(after, "reach_registry_ready_instances") >= 1
+
+
+def test_a_worker_serves_its_metrics_merged_over_its_pool(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    port = free_port()
+    late = start_worker(
+        settings.model_copy(update={"worker_metrics_port": port}), "test.late", "metrics", log_dir
+    )
+    try:
+        ids = [
+            client.post("/tasks", json={"capability": "test.late", "payload": {}}).json()["task_id"]
+            for _ in range(3)
+        ]
+        for task_id in ids:
+            wait_for_task(client, task_id, FINAL)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        late.stop()
+    assert (
+        metric(text, "reach_tasks_finished_total", capability="test.late", status="succeeded") == 3
+    )
+    assert metric(text, "reach_task_run_seconds_count", capability="test.late") == 3
+
+
+def test_celery_inspect_lists_the_capability_queues(
+    settings: Settings, worker: CeleryProcess
+) -> None:
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "celery"),
+            "-A",
+            "workers",
+            "inspect",
+            "active_queues",
+            "--json",
+            "--timeout",
+            "5",
+        ],
+        env=environment(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    ours = next(queues for name, queues in answers.items() if name.startswith("agents@"))
+    names = {q["name"] for q in ours}
+    assert {"echo", "invoice.extract", "text.summarize", "reach.maintenance"} <= names
