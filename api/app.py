@@ -10,9 +10,9 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import errors
-from api.deps import KeyCache, TraceMiddleware
+from api.deps import KeyCache, TraceMiddleware, TraceparentFromTraceId
 from api.routes import agents, callbacks, health, metrics, tasks, webhooks
-from broker import logs
+from broker import logs, otel
 from broker.backpressure import QueueBound, TokenBucket
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
@@ -60,7 +60,13 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)
-    app.add_middleware(TraceMiddleware)
+    app.add_middleware(TraceMiddleware, otel=settings.otel)
+    if settings.otel:
+        otel.instrument_api(app)
+        # The instrumentation wraps the whole middleware stack; the X-Trace-Id shim must wrap
+        # it in turn, so the span it starts continues our trace.
+        build_stack = app.build_middleware_stack
+        app.build_middleware_stack = lambda: TraceparentFromTraceId(build_stack())  # type: ignore[method-assign]
     app.include_router(health.router)
     app.include_router(tasks.router)
     app.include_router(agents.router)
@@ -74,4 +80,7 @@ def create_app_from_env() -> FastAPI:
     """For ``uvicorn api.app:create_app_from_env --factory``: settings from the environment,
     and structured logs (JSON unless in a terminal)."""
     logs.configure()
-    return create_app(Settings())
+    settings = Settings()
+    if settings.otel:
+        otel.setup_tracing("agent-reach-api")
+    return create_app(settings)

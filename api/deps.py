@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from broker import logs, metrics, queries
+from broker import logs, metrics, otel, queries
 from broker.errors import BadRequest, BodyTooLarge, Unauthenticated
 from broker.keys import Principal, secret_matches, split_token
 from broker.tracing import trace_id_from
@@ -22,8 +23,9 @@ class TraceMiddleware:
     request) and every response ``X-Trace-Id``; counts requests and their latency by route.
     Pure ASGI, so streaming responses pass through untouched."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, otel: bool = False) -> None:
         self.app = app
+        self.otel = otel
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -31,6 +33,8 @@ class TraceMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         trace_id = trace_id_from(headers.get("traceparent"), headers.get("x-trace-id"))
+        if self.otel and not (headers.get("traceparent") or headers.get("x-trace-id")):
+            trace_id = otel.current_trace_id() or trace_id  # the instrumentation's trace
         scope.setdefault("state", {})["trace_id"] = trace_id
         logs.bind(trace_id=trace_id)
         started = time.perf_counter()
@@ -45,6 +49,23 @@ class TraceMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_trace)
+
+
+class TraceparentFromTraceId:  # used with OpenTelemetry only
+    """Gives a request that carries only ``X-Trace-Id`` the matching ``traceparent``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {k.lower() for k, _ in scope["headers"]}
+            if b"traceparent" not in names and b"x-trace-id" in names:
+                given = dict(scope["headers"])[b"x-trace-id"].decode("latin-1")
+                trace_id = trace_id_from(None, given)
+                header = f"00-{trace_id}-{secrets.token_hex(8)}-01".encode()
+                scope = {**scope, "headers": [*scope["headers"], (b"traceparent", header)]}
+        await self.app(scope, receive, send)
 
 
 @dataclass

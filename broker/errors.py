@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis.exceptions
+import sqlalchemy.exc
+
 
 class ReachError(Exception):
     code: str = "reach_error"
@@ -87,3 +90,12 @@ class Retryable(AgentFailure):
     ) -> None:
         super().__init__(message, code=code, retryable=True)
         self.delay_s = delay_s
+
+
+# Postgres or Redis unreachable: worth trying the same thing again later.
+INFRASTRUCTURE_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)

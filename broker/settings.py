@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     # Each worker serves its metrics here (0: not at all); a busy port is logged and skipped.
     worker_metrics_port: int = Field(9808, ge=0, le=65535)
 
+    # OpenTelemetry (the `otel` extra): spans for FastAPI and Celery, our trace id as theirs.
+    otel: bool = False
+
     # How long a key lookup may be served from the API's memory; revocation takes this long.
     key_cache_s: float = Field(5.0, ge=0)
 

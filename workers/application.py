@@ -7,12 +7,10 @@ import logging
 import os
 from typing import Any
 
-import redis.exceptions
-import sqlalchemy.exc
 from celery import Celery, signals
 from prometheus_client import multiprocess, start_http_server
 
-from broker import execution, logs, metrics
+from broker import execution, logs, metrics, otel
 from broker.dispatch import (
     PURGE_TASK,
     REAP_TASK,
@@ -22,6 +20,7 @@ from broker.dispatch import (
     celery_config,
     send_run,
 )
+from broker.errors import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from workers.lease import lease_step
 from workers.runner import Runner
@@ -32,12 +31,6 @@ from workers.system.webhooks import register as register_webhooks
 log = logging.getLogger("reach.worker")
 HARD_LIMIT_GRACE_S = 30
 INFRA_RETRY_S = 2
-INFRASTRUCTURE_ERRORS = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-)
 
 
 def load_agents(modules: list[str]) -> None:
@@ -94,6 +87,9 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
         "reap-lost-tasks": {"task": REAP_TASK, "schedule": settings.reaper_interval_s},
         "sweep-queued-tasks": {"task": SWEEP_TASK, "schedule": settings.sweep_interval_s},
     }
+    if settings.otel:
+        otel.setup_tracing("agent-reach-worker")
+        otel.instrument_celery()
     load_agents(settings.agents)
     app.conf.task_time_limit = hard_time_limit_s(settings, registry)
     runner = Runner(settings, registry)

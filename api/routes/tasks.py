@@ -212,6 +212,7 @@ async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONRes
         raise Conflict(f"the task is already {current['status']}", code="task_final")
     await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
     await _stop_if_cancellable(request, row)
+    await anyio.to_thread.run_sync(state.dispatcher.announce, row["id"], "task.cancelled")
     await state.event_log.append_async(
         row["id"],
         row["status"],

@@ -17,6 +17,7 @@ from broker.logs import JsonFormatter
 from broker.settings import Settings
 from tests.integration.stack import (
     CeleryProcess,
+    ServedApp,
     environment,
     free_port,
     start_worker,
@@ -160,3 +161,72 @@ def test_celery_inspect_lists_the_capability_queues(
     ours = next(queues for name, queues in answers.items() if name.startswith("agents@"))
     names = {q["name"] for q in ours}
     assert {"echo", "invoice.extract", "text.summarize", "reach.maintenance"} <= names
+
+
+def test_one_trace_id_reaches_the_webhook_too(client: httpx.Client, worker: CeleryProcess) -> None:
+    from standardwebhooks import Webhook
+
+    from tests.integration.receiver import Receiver
+    from tests.integration.webhook_client import register
+
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    with Receiver() as receiver:
+        _, secret = register(client, receiver.url, events=["task.succeeded"])
+        response = client.post(
+            "/tasks",
+            json={"capability": "echo", "payload": {"t": 1}},
+            headers={"X-Trace-Id": trace},
+        )
+        [call] = receiver.wait_for(1)
+    event = Webhook(secret).verify(call.body, call.headers)
+    assert event["data"]["task_id"] == response.json()["task_id"]
+    assert event["data"]["trace_id"] == trace
+    assert call.headers["x-trace-id"] == trace
+    assert any(
+        line.get("trace_id") == trace and line.get("event") == "task finished"
+        for line in json_lines(worker.output())
+    )
+
+
+def test_cancelling_a_task_announces_task_cancelled(client: httpx.Client) -> None:
+    from standardwebhooks import Webhook
+
+    from tests.integration.receiver import Receiver
+    from tests.integration.webhook_client import register
+
+    with Receiver() as receiver:
+        _, secret = register(client, receiver.url, events=["task.cancelled"])
+        task = client.post(
+            "/tasks",
+            json={"capability": "test.nobody-serves", "payload": {}, "queue_if_unavailable": True},
+        ).json()
+        assert client.post(f"/tasks/{task['task_id']}/cancel").status_code == 200
+        [call] = receiver.wait_for(1)
+    event = Webhook(secret).verify(call.body, call.headers)
+    assert event["type"] == "task.cancelled"
+    assert event["data"]["task_id"] == task["task_id"]
+
+
+def test_with_opentelemetry_on_our_trace_id_is_the_spans_trace(
+    settings: Settings, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from api.app import create_app
+    from broker import otel
+
+    exporter = InMemorySpanExporter()
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        pytest.skip("a tracer provider was set earlier in this process")
+    otel.setup_tracing("reach-test", exporter=exporter)
+    app = create_app(settings.model_copy(update={"otel": True}))
+    headers = {"Authorization": f"Bearer {tenant[1]}"}
+    with ServedApp(app) as served, httpx.Client(base_url=served.url, headers=headers) as http:
+        made = http.get("/tasks")  # no trace header: the instrumentation's trace is ours
+        given = http.get("/tasks", headers={"X-Trace-Id": TRACE})  # ours becomes the span's
+    spans = exporter.get_finished_spans()
+    span_traces = {f"{s.context.trace_id:032x}" for s in spans}
+    assert made.headers["x-trace-id"] in span_traces
+    assert given.headers["x-trace-id"] == TRACE
+    assert TRACE in span_traces

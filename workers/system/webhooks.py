@@ -16,11 +16,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import redis.exceptions
-import sqlalchemy.exc
 from celery import Celery
 from sqlalchemy import Engine
 
+from broker import metrics
 from broker.dispatch import (
     DELIVER_TASK,
     FANOUT_TASK,
@@ -28,6 +27,7 @@ from broker.dispatch import (
     send_announce,
     send_deliver,
 )
+from broker.errors import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from broker.tasks import FINAL
 from broker.webhooks import PROGRESS, deliveries, event_for_status, fanout, policy, signing
@@ -42,12 +42,6 @@ SWEEP_GRACE_S = 60.0
 COUNTDOWN_MAX_S = SWEEP_GRACE_S
 PROGRESS_CACHE_S = 5.0
 INFRA_RETRY_S = 2
-INFRASTRUCTURE_ERRORS = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-)
 PROGRESS_CACHE_MAX = 10_000
 
 
@@ -109,6 +103,7 @@ class Webhooks:
             retry_after_s=outcome.retry_after_s,
         )
         status = deliveries.record(self.engine(), claimed, outcome, verdict, retry_in_s)
+        metrics.webhook_attempts.labels(status).inc()
         log.info("delivery %s attempt %d: %s (%s)", did, attempt, status, outcome.status_code)
         if status == policy.PENDING and retry_in_s <= COUNTDOWN_MAX_S:
             send_deliver(self.app, did, attempt + 1, retry_in_s)
