@@ -60,6 +60,11 @@ def admin(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
         yield http
 
 
+def live_instances(http: httpx.Client, capability: str = "test.pool") -> int:
+    found = http.get("/capabilities").json()["capabilities"]
+    return int(next(c for c in found if c["capability"] == capability)["live_instances"])
+
+
 def by_name(http: httpx.Client, prefix: str) -> str:
     instances = http.get("/agents/test-pool").json()["instances"]
     return next(
@@ -90,8 +95,7 @@ def test_two_instances_are_ready_and_kill_9_shows_suspect_then_offline(
     eventually(offline, "pool-a offline", timeout_s=15)
     assert "suspect" in seen
     # Its entry may still sit in the live index, but nothing lists an expired lease
-    live = admin.get("/capabilities").json()["capabilities"]
-    assert next(c for c in live if c["capability"] == "test.pool")["live_instances"] == 1
+    assert live_instances(admin) == 1
 
     # And pool-b keeps serving
     task = admin.post("/tasks", json={"capability": "test.pool", "payload": {}}).json()
@@ -168,11 +172,7 @@ def test_a_not_ready_instance_stops_consuming_while_the_other_serves(
             if i["instance"] == a
             for c in i.get("capabilities", [])
         ]
-        live = admin.get("/capabilities").json()["capabilities"]
-        return (
-            bool(cards)
-            and next(c for c in live if c["capability"] == "test.pool")["live_instances"] == 1
-        )
+        return bool(cards) and live_instances(admin) == 1
 
     eventually(a_not_ready, "pool-a out of routing")
     assert states(admin)[a.split("@")[0]] == "ready"  # alive, only this capability paused
@@ -187,14 +187,7 @@ def test_a_not_ready_instance_stops_consuming_while_the_other_serves(
     # And when it is ready again, it takes work again
     leases.mark_ready(client, a, "test.pool")
     eventually(
-        lambda: (
-            next(
-                c
-                for c in admin.get("/capabilities").json()["capabilities"]
-                if c["capability"] == "test.pool"
-            )["live_instances"]
-            == 2
-        ),
+        lambda: live_instances(admin) == 2,
         "pool-a back in routing",
     )
 
@@ -207,14 +200,7 @@ def test_an_agent_pauses_itself_through_the_sdk(
     ).json()
     paused = wait_for_task(admin, task["task_id"], FINAL)["agent"]["instance"]
     eventually(
-        lambda: (
-            next(
-                c
-                for c in admin.get("/capabilities").json()["capabilities"]
-                if c["capability"] == "test.pool"
-            )["live_instances"]
-            == 1
-        ),
+        lambda: live_instances(admin) == 1,
         "the paused instance out of routing",
     )
     ids = [

@@ -181,7 +181,11 @@ def test_create_database_twice_needs_exist_ok(
 
 
 def test_drop_database_ignores_a_missing_database(services: Services) -> None:
-    drop_database(services.database_url, f"reach_missing_{uuid.uuid4().hex[:16]}")
+    name = f"reach_missing_{uuid.uuid4().hex[:16]}"
+    drop_database(services.database_url, name)  # no error
+    with psycopg.connect(libpq_url(services.database_url)) as conn:
+        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+    assert found is None
 
 
 def test_drop_database_disconnects_open_sessions(
