@@ -10,10 +10,10 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import errors
-from api.deps import KeyCache, TraceMiddleware, TraceparentFromTraceId
+from api.deps import KeyCache, TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, tasks, webhooks
 from broker import logs, otel
-from broker.backpressure import QueueBound, TokenBucket
+from broker.backpressure import Depths, QueueBound, TokenBucket, redis_depths
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
 from broker.dispatch import Dispatcher
@@ -54,12 +54,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.rate_limit = TokenBucket(
         app.state.redis, settings.rate_limit_per_s, settings.rate_limit_burst
     )
-    app.state.queue_bound = QueueBound(
-        lambda queues: anyio.to_thread.run_sync(app.state.dispatcher.queue_depths, queues),
-        settings.max_queue_depth,
-    )
+    app.state.queue_bound = QueueBound(_queue_depths(app, settings), settings.max_queue_depth)
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)
+    app.add_middleware(WaitingLimit, limit=settings.max_requests_waiting)
     app.add_middleware(TraceMiddleware, otel=settings.otel)
     if settings.otel:
         otel.instrument_api(app)
@@ -74,6 +72,15 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(callbacks.router)
     return app
+
+
+def _queue_depths(app: FastAPI, settings: Settings) -> Depths:
+    broker = settings.celery_broker_url
+    if broker == settings.redis_url:
+        return redis_depths(app.state.redis)
+    if broker.startswith(("redis://", "rediss://")):
+        return redis_depths(aioredis.from_url(broker, socket_timeout=5))
+    return lambda queues: anyio.to_thread.run_sync(app.state.dispatcher.queue_depths, queues)
 
 
 def create_app_from_env() -> FastAPI:

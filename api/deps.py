@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,67 @@ class TraceparentFromTraceId:  # used with OpenTelemetry only
                 header = f"00-{trace_id}-{secrets.token_hex(8)}-01".encode()
                 scope = {**scope, "headers": [*scope["headers"], (b"traceparent", header)]}
         await self.app(scope, receive, send)
+
+
+class WaitingLimit:
+    """At most ``limit`` requests waiting for their answer; one more gets 503 ``overloaded`` at
+    once, before it touches Postgres, instead of queueing for a connection until it times out.
+    A stream counts only until its response starts. Health and metrics are never refused."""
+
+    EXEMPT = ("/healthz", "/readyz", "/metrics")
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.waiting = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        if self.waiting >= self.limit:
+            metrics.rejections.labels("overloaded").inc()
+            await _refuse(scope, send)
+            return
+        self.waiting += 1
+        answered = False
+
+        async def send_counted(message: Message) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.start" and not answered:
+                answered = True
+                self.waiting -= 1
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if not answered:
+                self.waiting -= 1
+
+
+async def _refuse(scope: Scope, send: Send) -> None:
+    trace_id = scope.get("state", {}).get("trace_id")
+    body = json.dumps(
+        {
+            "type": "urn:reach:problem:overloaded",
+            "title": "Service Unavailable",
+            "status": 503,
+            "detail": "too many requests in progress; retry shortly",
+            "code": "overloaded",
+            "trace_id": trace_id,
+            "instance": scope["path"],
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"retry-after", b"1"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if trace_id:
+        headers.append((b"x-trace-id", trace_id.encode()))
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass

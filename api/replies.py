@@ -69,30 +69,32 @@ def event_stream(
 async def wait_until_final(
     request: Request, tenant: str, task_id: uuid.UUID, timeout_s: float
 ) -> dict[str, Any] | None:
-    """The task once final, or None when ``timeout_s`` passes first.
+    """The task (as rendered) once final, or None when ``timeout_s`` passes first.
 
     Subscribes, then checks (so a completion during the start is not missed), and reads
-    Postgres whenever pub/sub has been quiet for a second.
+    Postgres whenever pub/sub has been quiet for a while. The final event carries the task as
+    the worker wrote it, so the usual path reads nothing more.
     """
     hub: EventHub = request.app.state.hub
     engine = request.app.state.engine
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
-    async def final_row() -> dict[str, Any] | None:
+    async def final_task() -> dict[str, Any] | None:
         row = await queries.get_task(engine, tenant, task_id)
-        return row if row is not None and row["status"] in FINAL else None
+        return render(row) if row is not None and row["status"] in FINAL else None
 
     async with hub.listen(str(task_id)) as live:
-        if any(e.final for e in await hub.read_log(str(task_id), 0)):
-            return await final_row()
+        final = [e for e in await hub.read_log(str(task_id), 0) if e.final]
+        if final:
+            return dict(final[-1].data)
         while (remaining := deadline - loop.time()) > 0:
             try:
                 event = await asyncio.wait_for(live.get(), min(remaining, STORE_CHECK_S))
             except TimeoutError:
-                if (row := await final_row()) is not None:
-                    return row
+                if (task := await final_task()) is not None:
+                    return task
                 continue
             if event.final:
-                return await final_row()
+                return dict(event.data)
     return None

@@ -39,7 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, help="tasks for the throughput figures (2000)")
     parser.add_argument("--concurrency", type=int, help="worker processes, every system (2)")
-    parser.add_argument("--quick", action="store_true", help="tiny run for CI: 20 tasks, ...")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny run for CI: 20 tasks, 10 round trips, 50 connections, 50 streams",
+    )
     parser.add_argument("--json", type=Path, help="where the JSON goes (bench/results/...)")
     parser.add_argument("--round-trips", type=int, help="sequential round trips (200)")
     parser.add_argument("--connections", help="accept-rate runs, comma-separated (64,1000)")
@@ -93,10 +97,14 @@ def _service_versions(stores: Stores) -> dict[str, Any]:
 
 
 def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
-    result: dict[str, Any] = {"meta": describe(plan), "foreign_cores": {}}
-    if plan.quiet_wait_s > 0:
-        progress(f"waiting up to {plan.quiet_wait_s:.0f}s for the machine to be quiet")
-    result["foreign_cores"]["before"] = machine.wait_quiet(plan.quiet_wait_s, QUIET_CORES)
+    result: dict[str, Any] = {"meta": describe(plan)}
+    meter = machine.Meter()
+
+    def wait_quiet(name: str) -> None:
+        if plan.quiet_wait_s > 0:
+            progress(f"waiting up to {plan.quiet_wait_s:.0f}s for a quiet machine")
+        meter.foreign[f"before_{name}"] = machine.wait_quiet(plan.quiet_wait_s, QUIET_CORES)
+
     with fresh_stores() as stores, Children(log_dir) as children:
         result["meta"]["services"] = _service_versions(stores)
         systems = {
@@ -105,18 +113,18 @@ def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
                 "A (Celery, Redis results)",
                 stores.redis_url,
                 stores.redis_url,
-                baseline.redis_results(stores.redis_url),
+                lambda: baseline.RedisResults(stores.redis_url),
             ),
             "baseline_b": baseline.Baseline(
                 "b",
                 "B (Celery, database results)",
                 stores.redis_url,
                 "db+" + stores.database_url,
-                baseline.database_results(stores.libpq_url),
+                lambda: baseline.DatabaseResults(stores.libpq_url),
             ),
         }
         for key, system in systems.items():
-            start = machine.snapshot()
+            wait_quiet(key)
             result[key] = baseline.measure(
                 system,
                 children,
@@ -125,11 +133,11 @@ def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
                 publishes=plan.publishes,
                 concurrency=plan.concurrency,
                 progress=progress,
+                meter=meter,
             )
-            result["foreign_cores"][key] = machine.foreign_cores(start, machine.snapshot())
-        start = machine.snapshot()
-        result["reach"] = reach.measure(stores, children, plan, progress)
-        result["foreign_cores"]["reach"] = machine.foreign_cores(start, machine.snapshot())
+        wait_quiet("reach")
+        result["reach"] = reach.measure(stores, children, plan, progress, meter)
+    result["foreign_cores"] = meter.foreign
     result["ratios"] = report.ratios(result)
     result["targets"] = report.targets(result)
     return result
@@ -168,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(result))
     print("\nTargets:")
     print(report.target_lines(result))
-    busy = ", ".join(f"{k} {v}" for k, v in result["foreign_cores"].items())
-    print(f"\nCPU used by other processes (cores): {busy}")
+    print(f"\nCores kept busy by other processes, per phase (of {meta['cpus']}):")
+    print(report.foreign_lines(result))
     print(f"JSON: {out}")
     return 0
 

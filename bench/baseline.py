@@ -11,19 +11,28 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 import redis
 from celery import Celery
 
 from bench import bareapp
+from bench.machine import Meter
 from bench.processes import Children, celery_worker, child_env
 from bench.stats import latency_ms, rate
 
 IDLE_QUEUE = "bench.idle"  # no worker consumes it: the publish-rate figure needs none
 WAIT_LIMIT_S = 600
 POLL_S = 0.01
+
+
+class ResultStore(Protocol):
+    """How the bench sees, without asking Celery, which of some task ids have a result."""
+
+    def done(self, ids: list[str]) -> set[str]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -34,39 +43,42 @@ class Baseline:
     title: str
     broker_url: str
     result_backend: str
-    # How the bench sees, without asking Celery, which of a set of task ids have a result.
-    stored: Callable[[list[str]], set[str]]
+    results: Callable[[], ResultStore]
 
 
-def redis_results(redis_url: str) -> Callable[[list[str]], set[str]]:
-    client = redis.Redis.from_url(redis_url)
+class RedisResults:
+    def __init__(self, redis_url: str) -> None:
+        self.client = redis.Redis.from_url(redis_url)
 
-    def stored(ids: list[str]) -> set[str]:
-        done: set[str] = set()
+    def done(self, ids: list[str]) -> set[str]:
+        found: set[str] = set()
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
-            values = client.mget([f"celery-task-meta-{i}" for i in chunk])
-            done.update(i for i, v in zip(chunk, values, strict=True) if _succeeded(v))
-        return done
+            values = self.client.mget([f"celery-task-meta-{i}" for i in chunk])
+            found.update(i for i, v in zip(chunk, values, strict=True) if _succeeded(v))
+        return found
 
-    return stored
+    def close(self) -> None:
+        self.client.close()
 
 
 def _succeeded(value: bytes | None) -> bool:
     return value is not None and json.loads(value).get("status") == "SUCCESS"
 
 
-def database_results(libpq_url: str) -> Callable[[list[str]], set[str]]:
-    def stored(ids: list[str]) -> set[str]:
-        with psycopg.connect(libpq_url, autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT task_id FROM celery_taskmeta WHERE status = 'SUCCESS'"
-                " AND task_id = ANY(%s)",
-                (ids,),
-            ).fetchall()
+class DatabaseResults:
+    def __init__(self, libpq_url: str) -> None:
+        self.conn = psycopg.connect(libpq_url, autocommit=True)
+
+    def done(self, ids: list[str]) -> set[str]:
+        rows = self.conn.execute(
+            "SELECT task_id FROM celery_taskmeta WHERE status = 'SUCCESS' AND task_id = ANY(%s)",
+            (ids,),
+        ).fetchall()
         return {r[0] for r in rows}
 
-    return stored
+    def close(self) -> None:
+        self.conn.close()
 
 
 def measure(
@@ -78,11 +90,14 @@ def measure(
     publishes: int,
     concurrency: int,
     progress: Callable[[str], None],
+    meter: Meter,
 ) -> dict[str, Any]:
     app = bareapp.create_app(baseline.broker_url, baseline.result_backend)
+    key = f"baseline_{baseline.key}"
     try:
         progress(f"{baseline.title}: publish rate ({publishes} apply_async calls)")
-        published = publish_rate(app, publishes)
+        with meter.phase(f"{key}.publish"):
+            published = publish_rate(app, publishes)
         env = child_env(
             BENCH_BROKER_URL=baseline.broker_url, BENCH_RESULT_BACKEND=baseline.result_backend
         )
@@ -91,13 +106,24 @@ def measure(
         )
         warm_up(app, worker_alive=worker.alive, rounds=4 * concurrency)
         progress(f"{baseline.title}: throughput ({tasks} tasks, concurrency {concurrency})")
-        through = throughput(app, tasks, baseline.stored)
+        with meter.phase(f"{key}.throughput"):
+            worker_cpu_s, client_cpu_s = worker.cpu_s(), time.process_time()
+            through = throughput(app, tasks, baseline.results)
+            through["worker_cpu_ms_per_task"] = _per_task_ms(worker.cpu_s() - worker_cpu_s, tasks)
+            through["client_cpu_ms_per_task"] = _per_task_ms(
+                time.process_time() - client_cpu_s, tasks
+            )
         progress(f"{baseline.title}: round trip ({round_trips} sequential calls)")
-        trips = round_trip(app, round_trips)
+        with meter.phase(f"{key}.round_trip"):
+            trips = round_trip(app, round_trips)
         children.stop(worker)
     finally:
         app.close()
     return {"publish": published, "throughput": through, "round_trip": trips}
+
+
+def _per_task_ms(cpu_s: float, tasks: int) -> float:
+    return round(cpu_s * 1000 / max(1, tasks), 3)
 
 
 def _noop(app: Celery) -> Any:
@@ -135,12 +161,16 @@ def warm_up(app: Celery, *, worker_alive: Callable[[], bool], rounds: int) -> No
         result.get(timeout=30)
 
 
-def throughput(app: Celery, count: int, stored: Callable[[list[str]], set[str]]) -> dict[str, Any]:
+def throughput(app: Celery, count: int, results: Callable[[], ResultStore]) -> dict[str, Any]:
     noop = _noop(app)
-    started = time.perf_counter()
-    pending = [noop.apply_async(({"i": i},)).id for i in range(count)]
-    published = time.perf_counter() - started
-    done = wait_stored(pending, stored)
+    store = results()  # connected before the clock starts
+    try:
+        started = time.perf_counter()
+        pending = [noop.apply_async(({"i": i},)).id for i in range(count)]
+        published = time.perf_counter() - started
+        done = wait_stored(pending, store)
+    finally:
+        store.close()
     elapsed = time.perf_counter() - started
     return {
         "tasks": count,
@@ -151,11 +181,11 @@ def throughput(app: Celery, count: int, stored: Callable[[list[str]], set[str]])
     }
 
 
-def wait_stored(ids: list[str], stored: Callable[[list[str]], set[str]]) -> int:
+def wait_stored(ids: list[str], store: ResultStore) -> int:
     pending = set(ids)
     deadline = time.monotonic() + WAIT_LIMIT_S
     while pending and time.monotonic() < deadline:
-        pending -= stored(list(pending))
+        pending -= store.done(list(pending))
         if pending:
             time.sleep(POLL_S)
     if pending:

@@ -8,8 +8,10 @@ services, and their work for this run cannot be told apart from their work for o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -64,3 +66,16 @@ def wait_quiet(max_wait_s: float, threshold_cores: float, window_s: float = 2.0)
         busy = foreign_cores(start, snapshot())
         if busy < threshold_cores or time.monotonic() >= deadline:
             return busy
+
+
+class Meter:
+    """Records, per named phase, the cores others kept busy while it ran."""
+
+    def __init__(self) -> None:
+        self.foreign: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = snapshot()
+        yield
+        self.foreign[name] = foreign_cores(start, snapshot())

@@ -59,6 +59,15 @@ class Child:
         except psutil.NoSuchProcess:
             return []
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the process and its live descendants."""
+        total = 0.0
+        for proc in self.family():
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+
     def stop(self, timeout_s: float = 20) -> None:
         if not self.alive():
             # It ended before we asked: say how, or a figure may be read without its cause.

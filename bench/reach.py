@@ -1,4 +1,4 @@
-"""Agent-Reach measured end to end: the real API (uvicorn, one process) and a real worker.
+"""Agent-Reach measured end to end, through the stack of ``bench.stack``.
 
 Figures: HTTP submit to ``succeeded`` in Postgres for N tasks; the sync round trip; time to
 the first SSE frame in stream mode; emit-to-frame latency of agent outputs; the accept rate of
@@ -11,39 +11,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import httpx
 import psutil
 import psycopg
-from celery import Celery
-from celery.utils.nodenames import host_format
 
-from bench import loadgen
+from bench import loadgen, streams
 from bench.environment import Stores
+from bench.machine import Meter
 from bench.plan import Plan
-from bench.processes import (
-    BIN,
-    Child,
-    Children,
-    celery_worker,
-    child_env,
-    free_port,
-    wait_until,
-)
+from bench.processes import Child, Children
+from bench.stack import Stack, purge, running_stack, stop_consuming
 from bench.stats import latency_ms, rate
-from broker import keys
-from broker.db.engines import sync_engine
-from broker.settings import Settings
 
-WORKER = "bench-reach"
-QUEUES = "echo,text.summarize"
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 WAIT_LIMIT_S = 600
-RATE_LIMIT_OFF = 10**9
 POLL_S = 0.01
 # Eight short sentences; the summarizer streams the five it keeps as output events.
 TEXT = " ".join(
@@ -51,110 +34,56 @@ TEXT = " ".join(
 )
 
 
-@dataclass
-class Stack:
-    api: Child
-    worker: Child
-    port: int
-    stores: Stores
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def key(self, tenant: str) -> str:
-        """A new API key (allowed everything) for a tenant of its own, one per figure, so each
-        figure counts only its own tasks."""
-        engine = sync_engine(Settings(database_url=self.stores.database_url), pool_size=1)
-        try:
-            return keys.create_key(engine, tenant, ["*"])[1]
-        finally:
-            engine.dispose()
-
-
 def measure(
-    stores: Stores, children: Children, plan: Plan, progress: Callable[[str], None]
+    stores: Stores,
+    children: Children,
+    plan: Plan,
+    progress: Callable[[str], None],
+    meter: Meter,
 ) -> dict[str, Any]:
     with running_stack(stores, children, plan.concurrency) as stack:
-        figures: dict[str, Any] = {"api_rss_idle_mb": _rss_mb(stack.api)}
-        progress(f"Agent-Reach: throughput ({plan.tasks} tasks, {plan.submitters} submitters)")
-        figures["throughput"] = throughput(stack, plan.tasks, plan.submitters)
-        progress(f"Agent-Reach: sync round trip ({plan.round_trips} sequential)")
-        figures["sync_round_trip"] = sync_round_trip(stack, plan.round_trips)
-        progress(f"Agent-Reach: stream time to first event ({plan.stream_trips} sequential)")
-        figures["stream_first_event"] = stream_first_event(stack, plan.stream_trips)
-        progress(f"Agent-Reach: emit-to-frame latency ({plan.emit_tasks} streamed tasks)")
-        figures["emit_to_frame"] = emit_to_frame(stack, plan.emit_tasks)
-        stop_consuming(stack, "echo")  # the queue only fills from here on
-        figures["accept"] = []
-        for connections, requests in zip(plan.connections, plan.accept_requests, strict=True):
-            progress(f"Agent-Reach: accept rate ({requests} POSTs on {connections} connections)")
-            figures["accept"].append(accept(stack, connections, requests))
-            purge(stack, "echo")  # each run starts from an empty queue, below the depth bound
-        progress(f"Agent-Reach: {plan.streams} SSE streams held {plan.hold_s:.0f}s")
-        figures["streams"] = hold_streams(stack, plan.streams, plan.hold_s)
-        return figures
+        figures: dict[str, Any] = {"api_rss_idle_mb": _rss_mb(stack.api), "accept": []}
 
+        def phase(key: str, message: str, run: Callable[[], Any]) -> Any:
+            progress(f"Agent-Reach: {message}")
+            with meter.phase(f"reach.{key}"):
+                return run()
 
-@contextmanager
-def running_stack(stores: Stores, children: Children, concurrency: int) -> Iterator[Stack]:
-    env = child_env(
-        REACH_DATABASE_URL=stores.database_url,
-        REACH_REDIS_URL=stores.redis_url,
-        # The per-tenant rate limit is a policy, not a capacity: lifted so that the figures
-        # show what the API can take. Everything else runs with its defaults.
-        REACH_RATE_LIMIT_PER_S=str(RATE_LIMIT_OFF),
-        REACH_RATE_LIMIT_BURST=str(RATE_LIMIT_OFF),
-    )
-    port = free_port()
-    api = children.start(
-        "api",
-        [
-            str(BIN / "uvicorn"),
-            "api.app:create_app_from_env",
-            "--factory",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ],
-        env,
-    )
-    worker = celery_worker(children, WORKER, "workers", QUEUES, concurrency, env)
-    stack = Stack(api=api, worker=worker, port=port, stores=stores)
-    wait_until(lambda: _healthy(stack.url), timeout_s=60, what="waiting for the API", child=api)
-    token = stack.key("bench-warmup")
-    with httpx.Client(base_url=stack.url, headers=_auth(token), timeout=30) as http:
-        wait_until(
-            lambda: _echo_sync(http) == 200,
-            timeout_s=60,
-            what="waiting for the worker to serve echo",
-            child=worker,
+        figures["throughput"] = phase(
+            "throughput",
+            f"throughput ({plan.tasks} tasks, {plan.submitters} submitters)",
+            lambda: throughput(stack, plan.tasks, plan.submitters),
         )
-        for i in range(4 * concurrency):  # every pool process connected before the clock
-            _echo_sync(http, i)
-    yield stack
-    children.stop(api)
-    children.stop(worker)
-
-
-def _auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _echo_sync(http: httpx.Client, i: int = 0) -> int:
-    envelope = {"capability": "echo", "payload": {"i": i}, "reply_mode": "sync"}
-    return http.post("/tasks", json=envelope).status_code
+        figures["sync_round_trip"] = phase(
+            "sync_round_trip",
+            f"sync round trip ({plan.round_trips} sequential)",
+            lambda: sync_round_trip(stack, plan.round_trips),
+        )
+        figures["stream_first_event"] = phase(
+            "stream_first_event",
+            f"stream time to first event ({plan.stream_trips} sequential)",
+            lambda: stream_first_event(stack, plan.stream_trips),
+        )
+        figures["emit_to_frame"] = phase(
+            "emit_to_frame",
+            f"emit-to-frame latency ({plan.emit_tasks} streamed tasks)",
+            lambda: emit_to_frame(stack, plan.emit_tasks),
+        )
+        stop_consuming(stack, "echo")  # the queue only fills from here on
+        for connections, requests in zip(plan.connections, plan.accept_requests, strict=True):
+            run = phase(
+                f"accept_{connections}",
+                f"accept rate ({requests} POSTs on {connections} connections)",
+                lambda c=connections, r=requests: accept(stack, c, r),
+            )
+            figures["accept"].append(run)
+            purge(stack, "echo")  # each run starts from an empty queue, below the depth bound
+        figures["streams"] = phase(
+            "streams",
+            f"{plan.streams} SSE streams held {plan.hold_s:.0f}s",
+            lambda: hold_streams(stack, plan.streams, plan.hold_s),
+        )
+        return figures
 
 
 def _rss_mb(child: Child) -> float:
@@ -167,12 +96,21 @@ def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
     tenant = "bench-throughput"
     token = stack.key(tenant)
     envelope = {"capability": "echo", "payload": {"i": 0}}
+    cpu_at_start = stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()
     submitted = asyncio.run(
         loadgen.accept_rate(stack.port, token, envelope, connections=submitters, requests=count)
     )
     waited_from = time.perf_counter()
     counts = wait_final(stack.stores.libpq_url, tenant, submitted["accepted"])
     elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
+    api_s, worker_s, client_s = (
+        now - then
+        for now, then in zip(
+            (stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()),
+            cpu_at_start,
+            strict=True,
+        )
+    )
     succeeded = counts.get("succeeded", 0)
     return {
         "tasks": count,
@@ -184,6 +122,10 @@ def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
         "submit_per_s": submitted["accepted_per_s"],
         "elapsed_s": round(elapsed, 3),
         "tasks_per_s": rate(succeeded, elapsed),
+        # CPU per task is what contention cannot inflate much: it shows where the work goes.
+        "api_cpu_ms_per_task": round(api_s * 1000 / max(1, count), 3),
+        "worker_cpu_ms_per_task": round(worker_s * 1000 / max(1, count), 3),
+        "client_cpu_ms_per_task": round(client_s * 1000 / max(1, count), 3),
     }
 
 
@@ -292,28 +234,6 @@ def emit_to_frame(stack: Stack, count: int) -> dict[str, Any]:
     return latency_ms(samples, (50, 95))
 
 
-def stop_consuming(stack: Stack, queue: str) -> None:
-    """The worker stays up and its lease live (so routing works as usual), but stops taking
-    ``queue``'s messages: accepted tasks stay queued."""
-    control = Celery("bench-control", broker=stack.stores.redis_url, set_as_current=False)
-    try:
-        node = host_format(f"{WORKER}@%h")
-        replies = control.control.cancel_consumer(queue, destination=[node], reply=True, timeout=5)
-        if not replies:
-            raise RuntimeError(f"{node} did not confirm it stopped consuming {queue}")
-    finally:
-        control.close()
-
-
-def purge(stack: Stack, queue: str) -> None:
-    control = Celery("bench-control", broker=stack.stores.redis_url, set_as_current=False)
-    try:
-        with control.connection_for_write() as conn:
-            conn.default_channel.queue_purge(queue)
-    finally:
-        control.close()
-
-
 def accept(stack: Stack, connections: int, requests: int) -> dict[str, Any]:
     token = stack.key(f"bench-accept-{connections}")
     envelope = {"capability": "echo", "payload": {"i": 0}}
@@ -322,7 +242,7 @@ def accept(stack: Stack, connections: int, requests: int) -> dict[str, Any]:
     )
 
 
-def hold_streams(stack: Stack, streams: int, hold_s: float) -> dict[str, Any]:
+def hold_streams(stack: Stack, count: int, hold_s: float) -> dict[str, Any]:
     token = stack.key("bench-streams")
     envelope = {"capability": "echo", "payload": {"i": 0}, "reply_mode": "stream"}
     api = psutil.Process(stack.api.pid)
@@ -332,11 +252,11 @@ def hold_streams(stack: Stack, streams: int, hold_s: float) -> dict[str, Any]:
         return float(times.user + times.system)
 
     return asyncio.run(
-        loadgen.hold_streams(
+        streams.hold_streams(
             stack.port,
             token,
             envelope,
-            streams=streams,
+            streams=count,
             hold_s=hold_s,
             rss_bytes=lambda: int(api.memory_info().rss),
             cpu_s=cpu_s,

@@ -41,6 +41,25 @@ def rows(result: dict[str, Any]) -> list[Row]:
             r["throughput"]["tasks_per_s"],
         )
     ]
+    a_tp, b_tp, r_tp = a["throughput"], b["throughput"], r["throughput"]
+    found.append(
+        row(
+            "CPU per task: worker processes",
+            "ms",
+            a_tp["worker_cpu_ms_per_task"],
+            b_tp["worker_cpu_ms_per_task"],
+            r_tp["worker_cpu_ms_per_task"],
+        )
+    )
+    found.append(
+        row(
+            "CPU per task: publisher / API process",
+            "ms",
+            a_tp["client_cpu_ms_per_task"],
+            b_tp["client_cpu_ms_per_task"],
+            r_tp["api_cpu_ms_per_task"],
+        )
+    )
     for q in ("p50", "p95", "p99"):
         a_ms, b_ms = a["round_trip"][f"{q}_ms"], b["round_trip"][f"{q}_ms"]
         reach_ms = r["sync_round_trip"][f"{q}_ms"]
@@ -182,3 +201,9 @@ def target_lines(result: dict[str, Any]) -> str:
         mark = "met   " if check["met"] else "MISSED"
         out.append(f"  {mark}  {check['target']}: {check['value']} (limit {check['limit']})")
     return "\n".join(out)
+
+
+def foreign_lines(result: dict[str, Any]) -> str:
+    """Others' CPU per phase, several to a line: a figure taken on a busy machine says so."""
+    cells = [f"{name} {cores:.2f}" for name, cores in result["foreign_cores"].items()]
+    return "\n".join("  " + ", ".join(cells[i : i + 4]) for i in range(0, len(cells), 4))

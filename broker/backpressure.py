@@ -7,6 +7,7 @@ concurrent requests cannot both take the last token.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,18 @@ class TokenBucket:
 Depths = Callable[[list[str]], Awaitable[dict[str, int]]]
 
 
+def redis_depths(client: Redis) -> Depths:
+    """Queue depths straight from a Redis broker: one LLEN per queue, no kombu connection."""
+
+    async def depths(queues: list[str]) -> dict[str, int]:
+        pipe = client.pipeline(transaction=False)
+        for queue in queues:
+            pipe.llen(queue)
+        return dict(zip(queues, [int(n) for n in await pipe.execute()], strict=True))
+
+    return depths
+
+
 @dataclass
 class QueueBound:
     """Refuses work for a queue already holding ``max_depth`` messages. Depths come from the
@@ -70,13 +83,10 @@ class QueueBound:
     max_depth: int
     refresh_s: float = 1.0
     _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     async def check(self, queue: str) -> None:
-        now = time.monotonic()
-        seen = self._seen.get(queue)
-        if seen is None or now - seen[0] > self.refresh_s:
-            depth = (await self.depths([queue]))[queue]
-            self._seen[queue] = seen = (now, depth)
+        seen = await self._depth(queue)
         if seen[1] >= self.max_depth:
             metrics.rejections.labels("overloaded").inc()
             raise Unavailable(
@@ -84,3 +94,19 @@ class QueueBound:
                 code="overloaded",
                 retry_after_s=5,
             )
+
+    async def _depth(self, queue: str) -> tuple[float, int]:
+        """The last depth read; one refresh in flight per queue, the others use what is known
+        (a burst of submits must not become a burst of broker queries)."""
+        seen = self._seen.get(queue)
+        if seen is not None and time.monotonic() - seen[0] <= self.refresh_s:
+            return seen
+        lock = self._locks.setdefault(queue, asyncio.Lock())
+        if seen is not None and lock.locked():
+            return seen
+        async with lock:
+            seen = self._seen.get(queue)
+            if seen is None or time.monotonic() - seen[0] > self.refresh_s:
+                depth = (await self.depths([queue]))[queue]
+                seen = self._seen[queue] = (time.monotonic(), depth)
+            return seen

@@ -17,12 +17,13 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.events import Event, channel, log_key, parse_entries
+from broker.events import Event, channel, log_key, parse_entries, seq_key
 
 log = logging.getLogger("reach.events")
 QUEUE_MAX = 1024
 SUBSCRIBE_WAIT_S = 2.0
-STORE_EVERY = 3  # quiet spells between two looks at Postgres
+STORE_EVERY = 3  # quiet spells between two looks at Postgres when the log is gone
+STORE_EVERY_WITH_LOG = 15
 # What a reader does when the log holds no final event but the task is final (its log was lost
 # with a Redis restart): the caller supplies that final event from Postgres.
 FinalFromStore = Callable[[int], Awaitable[Event | None]]
@@ -101,6 +102,15 @@ class EventHub:
             with contextlib.suppress(asyncio.QueueFull):  # the reader refills from the log
                 queue.put_nowait(event)
 
+    async def _ask_store(self, task_id: str, quiet_spells: int) -> bool:
+        """Whether to look in Postgres now: soon when the log is gone (lost with Redis), and
+        seldom while it exists (a worker may have died between its final write and event)."""
+        if quiet_spells % STORE_EVERY:
+            return False
+        return quiet_spells % STORE_EVERY_WITH_LOG == 0 or not await self.redis.exists(
+            seq_key(task_id)
+        )
+
     async def read_log(self, task_id: str, after: int) -> list[Event]:
         return parse_entries(await self.redis.xrange(log_key(task_id), min=f"(0-{after}", max="+"))
 
@@ -134,7 +144,11 @@ class EventHub:
                     backlog = await self.read_log(task_id, last)
                     # Postgres is asked only after a longer silence: with many open streams a
                     # query per stream every few seconds would crowd out real work.
-                    if not backlog and final_from_store and quiet_spells % STORE_EVERY == 0:
+                    if (
+                        not backlog
+                        and final_from_store
+                        and await self._ask_store(task_id, quiet_spells)
+                    ):
                         substitute = await final_from_store(last)
                         backlog = [substitute] if substitute is not None else []
                     if not backlog:

@@ -118,7 +118,7 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         )
         metrics.sync_round_trip.observe(time.perf_counter() - started)
         if finished is not None:
-            return JSONResponse(render(finished), status_code=200, headers=headers)
+            return JSONResponse(finished, status_code=200, headers=headers)
         row = await queries.get_task(state.engine, caller.tenant, row["id"]) or row
     return JSONResponse(render(row), status_code=202, headers=headers)
 

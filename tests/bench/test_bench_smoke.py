@@ -49,6 +49,7 @@ def test_quick_run_measures_both_baselines(report: dict[str, Any]) -> None:
         assert positive(figures["publish"]["calls_per_s"])
         assert figures["throughput"]["succeeded"] == plan["tasks"]
         assert positive(figures["throughput"]["tasks_per_s"])
+        assert positive(figures["throughput"]["worker_cpu_ms_per_task"])
         assert_latency(figures["round_trip"], plan["round_trips"], ("p50", "p95", "p99"))
 
 
@@ -58,6 +59,8 @@ def test_quick_run_measures_every_agent_reach_figure(report: dict[str, Any]) -> 
     throughput = reach["throughput"]
     assert throughput["accepted"] == throughput["succeeded"] == plan["tasks"]
     assert positive(throughput["tasks_per_s"])
+    assert positive(throughput["api_cpu_ms_per_task"])
+    assert positive(throughput["worker_cpu_ms_per_task"])
     assert_latency(reach["sync_round_trip"], plan["round_trips"], ("p50", "p95", "p99"))
     assert_latency(reach["stream_first_event"], plan["stream_trips"], ("p50", "p95"))
     assert_latency(reach["emit_to_frame"], 5 * plan["emit_tasks"], ("p50", "p95"))
@@ -80,4 +83,5 @@ def test_quick_run_reports_ratios_and_targets(report: dict[str, Any]) -> None:
     assert all(positive(ratio) for ratio in report["ratios"].values()), report["ratios"]
     assert report["targets"]
     assert all(isinstance(check["met"], bool) for check in report["targets"])
+    assert all(isinstance(cores, float) for cores in report["foreign_cores"].values())
     assert report["meta"]["date"]
