@@ -63,7 +63,7 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(400, gt=0)
     max_queue_depth: int = Field(10_000, gt=0)
     # Requests of one API process waiting for their answer; beyond it, 503 at once.
-    max_requests_waiting: int = Field(128, gt=0)
+    max_requests_waiting: int = Field(256, gt=0)
 
     # Each worker serves its metrics here (0: not at all); a busy port is logged and skipped.
     worker_metrics_port: int = Field(9808, ge=0, le=65535)

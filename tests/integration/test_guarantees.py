@@ -428,3 +428,32 @@ def test_queued_tasks_survive_the_broker_losing_everything(
             .all()
         )
     assert sorted(statuses) == ["succeeded"] * 5
+
+
+def test_requests_beyond_the_waiting_limit_get_503_at_once(
+    settings: Settings, tenant: tuple[str, str], engine: Engine, worker: CeleryProcess
+) -> None:
+    import threading
+
+    tight = create_app(settings.model_copy(update={"max_requests_waiting": 1}))
+    with ServedApp(tight) as api, client_for(api, tenant[1]) as http:
+        slow = threading.Thread(
+            target=lambda: http.post(
+                "/tasks",
+                json={
+                    "capability": "test.sleepy",
+                    "reply_mode": "sync",
+                    "payload": {"sleep_s": 2},
+                },
+            )
+        )
+        slow.start()
+        time.sleep(0.5)  # the sync request is now waiting for its answer
+        refused = http.post("/tasks", json={"capability": "echo", "payload": {}})
+        health = http.get("/healthz")
+        slow.join()
+    assert refused.status_code == 503
+    assert refused.json()["code"] == "overloaded"
+    assert refused.headers["retry-after"] == "1"
+    assert health.status_code == 200  # health is never refused
+    assert count_tasks(engine, tenant[0]) == 1  # only the slow one was written
