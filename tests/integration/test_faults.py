@@ -161,14 +161,28 @@ def fragile_postgres() -> Iterator[tuple[str, Path]]:
     shutil.rmtree(data_dir, ignore_errors=True)
 
 
+@pytest.fixture
+def own_redis(services: localservices.Services) -> Iterator[str]:
+    """A Redis db of this test's own: its `echo` queue must not be shared with the session's
+    worker, which would take its messages and find no such task in its own database."""
+    url = localservices.with_redis_db(
+        services.redis_url, localservices.free_redis_db(services.redis_url)
+    )
+    client = redis.Redis.from_url(url)
+    client.set("reach:test-run", "outage")
+    yield url
+    client.flushdb()
+    client.close()
+
+
 @pytest.mark.timeout(600)
 def test_postgres_stopped_and_started_under_load(
-    fragile_postgres: tuple[str, Path], settings: Settings, log_dir: Path
+    fragile_postgres: tuple[str, Path], settings: Settings, log_dir: Path, own_redis: str
 ) -> None:
     import pgserver
 
     url, pg_dir = fragile_postgres
-    outage_settings = settings.model_copy(update={"database_url": url})
+    outage_settings = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
     _, token = keys.create_key(sync_engine(outage_settings), "outage", ["*"])
     work = start_worker(
         outage_settings, "echo,reach.maintenance", f"outage-{uuid.uuid4().hex[:4]}", log_dir
