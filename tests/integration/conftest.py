@@ -6,10 +6,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from sqlalchemy import Engine, func, select
 
 from api.app import create_app
-from broker import keys
+from broker import keys, localservices
 from broker.db.models import tasks_table
 from broker.settings import Settings
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
@@ -69,6 +70,20 @@ def uncached_api(settings: Settings) -> Iterator[ServedApp]:
     """An API that looks keys up on every request, so a revocation shows at once."""
     with ServedApp(create_app(settings.model_copy(update={"key_cache_s": 0}))) as served:
         yield served
+
+
+@pytest.fixture
+def own_redis(services: localservices.Services) -> Iterator[str]:
+    """A Redis db of the test's own, for a stack whose queues must not be shared with the
+    session's worker (it would take their messages and find no such task in its database)."""
+    url = localservices.with_redis_db(
+        services.redis_url, localservices.free_redis_db(services.redis_url)
+    )
+    client = redis.Redis.from_url(url)
+    client.set("reach:test-run", "own")
+    yield url
+    client.flushdb()
+    client.close()
 
 
 KeyMaker = Callable[..., tuple[str, str]]

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import redis
 
 from broker import localservices
 from broker.settings import Settings
@@ -39,18 +38,6 @@ def own_database(services: localservices.Services) -> Iterator[str]:
     name = f"reach_dev_{secrets.token_hex(4)}"
     yield localservices.create_database(services.database_url, name)
     localservices.drop_database(services.database_url, name)
-
-
-@pytest.fixture
-def own_redis(services: localservices.Services) -> Iterator[str]:
-    url = localservices.with_redis_db(
-        services.redis_url, localservices.free_redis_db(services.redis_url)
-    )
-    client = redis.Redis.from_url(url)
-    client.set("reach:test-run", "dev-stack")
-    yield url
-    client.flushdb()
-    client.close()
 
 
 @pytest.mark.timeout(240)

@@ -161,20 +161,6 @@ def fragile_postgres() -> Iterator[tuple[str, Path]]:
     shutil.rmtree(data_dir, ignore_errors=True)
 
 
-@pytest.fixture
-def own_redis(services: localservices.Services) -> Iterator[str]:
-    """A Redis db of this test's own: its `echo` queue must not be shared with the session's
-    worker, which would take its messages and find no such task in its own database."""
-    url = localservices.with_redis_db(
-        services.redis_url, localservices.free_redis_db(services.redis_url)
-    )
-    client = redis.Redis.from_url(url)
-    client.set("reach:test-run", "outage")
-    yield url
-    client.flushdb()
-    client.close()
-
-
 @pytest.mark.timeout(600)
 def test_postgres_stopped_and_started_under_load(
     fragile_postgres: tuple[str, Path], settings: Settings, log_dir: Path, own_redis: str
