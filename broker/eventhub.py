@@ -37,6 +37,9 @@ class EventHub:
         self._confirmed: dict[str, asyncio.Event] = {}
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        # Set when a subscription is made: the reader sleeps on it while there is none, so a
+        # new listener's confirmation is read at once, not after a polling interval.
+        self._wake = asyncio.Event()
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -56,6 +59,7 @@ class EventHub:
             if first:
                 self._confirmed[name] = asyncio.Event()
                 await self._pubsub.subscribe(name)
+                self._wake.set()
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="reach-event-hub")
         with contextlib.suppress(TimeoutError):
@@ -76,7 +80,8 @@ class EventHub:
         while True:
             try:
                 if not self._pubsub.subscribed:
-                    await asyncio.sleep(0.05)
+                    self._wake.clear()
+                    await self._wake.wait()
                     continue
                 message = await self._pubsub.get_message(timeout=1.0)
             except asyncio.CancelledError:

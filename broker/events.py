@@ -2,7 +2,8 @@
 for live delivery.
 
 One Lua script appends an event: it takes the next ``seq`` (INCR), adds it to the task's stream
-with the explicit id ``0-<seq>``, sets both keys to expire with the task, and publishes it. So
+with the explicit id ``0-<seq>``, sets both keys to expire with the task, and publishes it
+(and, for the API's first event of a task, pushes the task's Celery message too). So
 the log and the live channel never disagree on order, and a reader that missed a live message
 (pub/sub is at-most-once) finds it in the log by ``seq``. The stream is capped at
 ``LOG_MAX_EVENTS``; the final event is always kept.
@@ -30,6 +31,7 @@ redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[3], '0-' .. seq, 'e', event)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('PUBLISH', KEYS[3], event)
+if KEYS[4] then redis.call('LPUSH', KEYS[4], ARGV[4]) end
 return seq
 """
 
@@ -99,10 +101,19 @@ class EventLog:
         self._append = client.register_script(_APPEND)
 
     def _args(
-        self, task_id: uuid.UUID | str, event_type: str, data: Any, trace_id: str, ttl_s: int | None
+        self,
+        task_id: uuid.UUID | str,
+        event_type: str,
+        data: Any,
+        trace_id: str,
+        ttl_s: int | None,
+        push: tuple[str, bytes] | None = None,
     ) -> dict[str, Any]:
         keys = [log_key(task_id), seq_key(task_id), channel(task_id)]
-        argv = [encode(event_type, data, trace_id), ttl_s or self.ttl_s, LOG_MAX_EVENTS]
+        argv: list[Any] = [encode(event_type, data, trace_id), ttl_s or self.ttl_s, LOG_MAX_EVENTS]
+        if push is not None:
+            keys.append(push[0])
+            argv.append(push[1])
         return {"keys": keys, "args": argv}
 
     def append(
@@ -124,8 +135,11 @@ class EventLog:
         *,
         trace_id: str,
         ttl_s: int | None = None,
+        push: tuple[str, bytes] | None = None,
     ) -> int:
-        return int(await self._append(**self._args(task_id, event_type, data, trace_id, ttl_s)))
+        """``push``: (list, message) LPUSHed after the event, in the same atomic call."""
+        args = self._args(task_id, event_type, data, trace_id, ttl_s, push)
+        return int(await self._append(**args))
 
 
 def parse_entries(entries: Any) -> list[Event]:

@@ -6,12 +6,13 @@ never moves a task backwards or out of a final state.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, null, or_, select, text, update
+from sqlalchemy import Engine, bindparam, func, null, or_, select, text, update
 
 from broker.db.models import tasks_table as tasks
 from broker.tasks import EXPIRED, FAILED, QUEUED, RUNNING, SUCCEEDED
@@ -37,44 +38,58 @@ def _expiry() -> Any:
     return func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s)
 
 
+# Statements are built once: building one per task cost a worker more CPU than running it.
+_CLAIM = (
+    update(tasks)
+    .where(
+        tasks.c.id == bindparam("task_id"),
+        tasks.c.status == QUEUED,
+        tasks.c.expires_at > func.now(),
+        or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
+    )
+    .values(
+        status=RUNNING,
+        started_at=func.now(),
+        attempts=tasks.c.attempts + 1,
+        agent_id=bindparam("by_agent"),
+        agent_version=bindparam("by_version"),
+        instance=bindparam("by_instance"),
+    )
+    .returning(
+        tasks.c.id,
+        tasks.c.capability,
+        tasks.c.payload,
+        tasks.c.trace_id,
+        tasks.c.attempts,
+        tasks.c.deadline_at,
+        tasks.c.session_id,
+        tasks.c.metadata,
+        tasks.c.result_ttl_s,
+        tasks.c.queue,
+        tasks.c.max_attempts,
+        tasks.c.tenant,
+    )
+)
+
+
+def _autocommit(engine: Engine) -> Engine:
+    """The same pool, without BEGIN and COMMIT: each statement here is atomic by itself."""
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
 def claim(
     engine: Engine, task_id: uuid.UUID, *, agent_id: str, version: str, instance: str
 ) -> Claimed | None:
     """Move queued -> running and take the payload in one statement; None if not queued
     (or past its deadline: see ``expire_overdue``)."""
-    query = (
-        update(tasks)
-        .where(
-            tasks.c.id == task_id,
-            tasks.c.status == QUEUED,
-            tasks.c.expires_at > func.now(),
-            or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
-        )
-        .values(
-            status=RUNNING,
-            started_at=func.now(),
-            attempts=tasks.c.attempts + 1,
-            agent_id=agent_id,
-            agent_version=version,
-            instance=instance,
-        )
-        .returning(
-            tasks.c.id,
-            tasks.c.capability,
-            tasks.c.payload,
-            tasks.c.trace_id,
-            tasks.c.attempts,
-            tasks.c.deadline_at,
-            tasks.c.session_id,
-            tasks.c.metadata,
-            tasks.c.result_ttl_s,
-            tasks.c.queue,
-            tasks.c.max_attempts,
-            tasks.c.tenant,
-        )
-    )
-    with engine.begin() as conn:
-        row = conn.execute(query).first()
+    params = {
+        "task_id": task_id,
+        "by_agent": agent_id,
+        "by_version": version,
+        "by_instance": instance,
+    }
+    with _autocommit(engine).connect() as conn:
+        row = conn.execute(_CLAIM, params).first()
     if row is None:
         return None
     return Claimed(
@@ -106,36 +121,51 @@ def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]
 def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> dict[str, Any] | None:
     """The finished row, or None when the task was no longer running (cancelled, say).
     The error of an earlier, retried attempt is cleared."""
-    return _finish(engine, task_id, status=SUCCEEDED, result=result, error=null())
+    return _finish(engine, task_id, SUCCEEDED, (RUNNING,), result=result)
 
 
 def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
     """Fail a running task, or a queued one that cannot be run (no such capability here)."""
-    return _finish(engine, task_id, status=FAILED, error=error, from_status=(RUNNING, QUEUED))
+    return _finish(engine, task_id, FAILED, (RUNNING, QUEUED), error=error)
+
+
+@functools.cache
+def _finish_statement(status: str, from_status: tuple[str, ...], outcome: str) -> Any:
+    """status <- ``status`` from one of ``from_status``, recording ``outcome`` (the result or
+    the error; a success clears the error an earlier attempt left)."""
+    values: dict[str, Any] = {
+        "status": status,
+        "finished_at": func.now(),
+        "expires_at": _expiry(),
+        outcome: bindparam("outcome", type_=tasks.c[outcome].type),
+    }
+    if outcome == "result":
+        values["error"] = null()
+    return (
+        update(tasks)
+        .where(tasks.c.id == bindparam("task_id"), tasks.c.status.in_(from_status))
+        .values(values)
+        .returning(*tasks.c)
+    )
 
 
 def _finish(
     engine: Engine,
     task_id: uuid.UUID,
-    *,
     status: str,
-    from_status: tuple[str, ...] = (RUNNING,),
+    from_status: tuple[str, ...],
     **outcome: Any,
 ) -> dict[str, Any] | None:
-    query = (
-        update(tasks)
-        .where(tasks.c.id == task_id, tasks.c.status.in_(from_status))
-        .values(status=status, finished_at=func.now(), expires_at=_expiry(), **outcome)
-        .returning(*tasks.c)
-    )
-    with engine.begin() as conn:
-        row = conn.execute(query).first()
+    ((column, value),) = outcome.items()
+    statement = _finish_statement(status, from_status, column)
+    with _autocommit(engine).connect() as conn:
+        row = conn.execute(statement, {"task_id": task_id, "outcome": value}).first()
     return dict(row._mapping) if row is not None else None
 
 
 def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
     """A running task that overran its time (its deadline or its agent's timeout)."""
-    return _finish(engine, task_id, status=EXPIRED, error=error)
+    return _finish(engine, task_id, EXPIRED, (RUNNING,), error=error)
 
 
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:

@@ -109,19 +109,28 @@ async def submit(
             return await _replay(conn, values)
     row = dict(inserted._mapping)
     try:
-        # The queued event goes first, so it precedes whatever the worker appends.
+        # The queued event goes first, so it precedes whatever the worker appends. With the
+        # broker on the same Redis, the message goes out in that same call.
+        push = None
+        if dispatcher.direct:
+            message = dispatcher.redis_message(
+                row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+            )
+            push = (queue, message)
         await event_log.append_async(
             row["id"],
             events.STATUS,
             {"status": QUEUED},
             trace_id=trace_id,
             ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
+            push=push,
         )
-        await anyio.to_thread.run_sync(
-            lambda: dispatcher.publish(
-                row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+        if push is None:
+            await anyio.to_thread.run_sync(
+                lambda: dispatcher.publish(
+                    row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+                )
             )
-        )
     except Exception as exc:
         await _withdraw(engine, row["id"])
         raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc

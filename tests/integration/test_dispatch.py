@@ -1,0 +1,55 @@
+"""The API's direct publish: the message it LPUSHes is the one Celery's ``send_task`` would
+have published, and a real worker runs it (the rest of the suite submits through it too)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+
+from broker.dispatch import RUN_TASK, Dispatcher, redis_run_message
+from broker.settings import Settings
+
+
+def _decoded(raw: bytes) -> dict[str, Any]:
+    message = json.loads(raw)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    # Unique per publish, or per thread (Celery's reply_to is its thread's oid; results are
+    # ignored, so nothing ever replies to it).
+    message["properties"].pop("delivery_tag")
+    message["properties"].pop("reply_to")
+    message["properties"].pop("expiration", None)
+    return message
+
+
+def test_direct_message_is_what_send_task_publishes(own_redis: str, settings: Settings) -> None:
+    dispatcher = Dispatcher(settings.model_copy(update={"redis_url": own_redis}))
+    client = redis.Redis.from_url(own_redis)
+    try:
+        assert dispatcher.direct
+        for deadline_at in (None, datetime.now(UTC) + timedelta(seconds=30)):
+            task_id = uuid.uuid4()
+            dispatcher.publish(task_id, "parity.q", trace_id="t-1", deadline_at=deadline_at)
+            published = client.rpop("parity.q")
+            assert published is not None
+            built = redis_run_message(
+                dispatcher.app, task_id, "parity.q", trace_id="t-1", deadline_at=deadline_at
+            )
+            assert _decoded(built) == _decoded(published)
+            assert _decoded(built)["headers"]["task"] == RUN_TASK
+            assert ("expiration" in json.loads(built)["properties"]) == (deadline_at is not None)
+    finally:
+        dispatcher.close()
+        client.close()
+
+
+def test_direct_only_when_the_broker_is_the_events_redis(settings: Settings) -> None:
+    amqp = settings.model_copy(update={"broker_url": "amqp://guest@127.0.0.1:5672//"})
+    other_db = settings.model_copy(update={"broker_url": settings.redis_url + "0"})
+    assert Dispatcher(settings).direct
+    assert not Dispatcher(amqp).direct
+    assert not Dispatcher(other_db).direct
