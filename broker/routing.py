@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from broker.capabilities import prefix_chain
-from broker.registry import READY, SUSPECT, CardRef, Lease, lease_key, live_key, now_s
+from broker.registry import LEASE_PREFIX, READY, SUSPECT, CardRef, Lease, live_key, now_s
 
 EXACT_MATCH, PREFIX_MATCH = 1.0, 0.6
 SUSPECT_FACTOR = 0.3
@@ -88,17 +89,39 @@ def serving(lease: Lease, capability: str, now: float) -> CardRef | None:
     return next((c for c in lease.cards if c.capability == capability and c.ready), None)
 
 
+# The live index and the leases it names, in one round trip (ZRANGEBYSCORE, then MGET).
+_LIVE_LEASES = AsyncScript(
+    None,  # type: ignore[arg-type]  # called with the client below; bytes need no encoder
+    b"""
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
+if #names == 0 then return {} end
+local keys = {}
+for i, name in ipairs(names) do keys[i] = ARGV[2] .. name end
+return redis.call('MGET', unpack(keys))
+""",
+)
+# Parsed leases by their JSON: a lease changes only when renewed (every TTL/3 seconds), and
+# parsing one per candidate per request is the bulk of routing's CPU.
+_parsed: dict[bytes, Lease] = {}
+PARSED_MAX = 4096
+
+
+def _lease(raw: bytes) -> Lease:
+    lease = _parsed.get(raw)
+    if lease is None:
+        if len(_parsed) >= PARSED_MAX:
+            _parsed.clear()
+        lease = _parsed[raw] = Lease.from_json(raw)
+    return lease
+
+
 async def live_candidates(redis: Redis, capability: str, now: float) -> list[Candidate]:
-    instances = await redis.zrangebyscore(live_key(capability), now, "+inf")
-    if not instances:
-        return []
-    names = [i.decode() if isinstance(i, bytes) else str(i) for i in instances]
-    raw = await redis.mget([lease_key(name) for name in names])
+    raw = await _LIVE_LEASES(keys=[live_key(capability)], args=[now, LEASE_PREFIX], client=redis)
     found: list[Candidate] = []
-    for data in raw:
-        if data is None:
+    for data in raw or ():
+        if not data:  # a lease that expired after the index named it
             continue
-        lease = Lease.from_json(data)
+        lease = _lease(data if isinstance(data, bytes) else str(data).encode())
         card = serving(lease, capability, now)
         if card is not None:
             found.append(Candidate(card=card, lease=lease))
