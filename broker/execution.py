@@ -6,13 +6,15 @@ never moves a task backwards or out of a final state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, func, null, or_, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, func, null, or_, select, text, update
 
 from broker.db.models import tasks_table as tasks
 from broker.tasks import EXPIRED, FAILED, QUEUED, RUNNING, SUCCEEDED
@@ -72,9 +74,11 @@ _CLAIM = (
 )
 
 
-def _autocommit(engine: Engine) -> Engine:
-    """The same pool, without BEGIN and COMMIT: each statement here is atomic by itself."""
-    return engine.execution_options(isolation_level="AUTOCOMMIT")
+@contextlib.contextmanager
+def _autocommit(engine: Engine) -> Iterator[Connection]:
+    """A connection without BEGIN and COMMIT: each statement here is atomic by itself."""
+    with engine.connect() as conn:
+        yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
 def claim(
@@ -88,7 +92,7 @@ def claim(
         "by_version": version,
         "by_instance": instance,
     }
-    with _autocommit(engine).connect() as conn:
+    with _autocommit(engine) as conn:
         row = conn.execute(_CLAIM, params).first()
     if row is None:
         return None
@@ -158,7 +162,7 @@ def _finish(
 ) -> dict[str, Any] | None:
     ((column, value),) = outcome.items()
     statement = _finish_statement(status, from_status, column)
-    with _autocommit(engine).connect() as conn:
+    with _autocommit(engine) as conn:
         row = conn.execute(statement, {"task_id": task_id, "outcome": value}).first()
     return dict(row._mapping) if row is not None else None
 

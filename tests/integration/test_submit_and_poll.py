@@ -146,3 +146,23 @@ def test_the_handler_sees_its_task_trace_attempt_and_deadline(client: httpx.Clie
     assert 0 < seen["time_left_s"] <= 60
     assert seen["session_id"] == "sess_1"
     assert seen["metadata"] == {"k": "v"}
+
+
+def test_the_accepted_task_is_the_row_postgres_holds(client: httpx.Client) -> None:
+    """The 202 body is built from what was inserted, not read back: it must match the row."""
+    envelope = {
+        "capability": "test.nobody-serves-this",
+        "payload": {"n": 1},
+        "queue_if_unavailable": True,
+        "session_id": "s-1",
+        "metadata": {"team": "billing"},
+        "deadline_ms": 60_000,
+        "result_ttl_s": 600,
+    }
+    for extra in ({}, {"idempotency_key": "same-row"}):
+        accepted = client.post("/tasks", json={**envelope, **extra})
+        assert accepted.status_code == 202, accepted.text
+        polled = client.get(accepted.headers["location"])
+        assert polled.status_code == 200
+        assert polled.json() == accepted.json()
+        assert accepted.json()["attempts"] == 0 and accepted.json()["status"] == "queued"
