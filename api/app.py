@@ -51,9 +51,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
     app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
     app.state.hub = EventHub(app.state.redis)
-    app.state.rate_limit = TokenBucket(
-        app.state.redis, settings.rate_limit_per_s, settings.rate_limit_burst
-    )
+    app.state.rate_limit = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
     app.state.queue_bound = QueueBound(_queue_depths(app, settings), settings.max_queue_depth)
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)

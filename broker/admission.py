@@ -11,22 +11,55 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import catalog, jsonbody, metrics, routing
+from broker.backpressure import BUCKET_LUA, TokenBucket
 from broker.envelope import Envelope
 from broker.errors import BadRequest, InvalidEnvelope, Unavailable
+from broker.registry import LEASE_PREFIX, live_key, now_s
 
 NO_AGENT_RETRY_AFTER_S = 5
 MAX_SCHEMA_ERRORS = 20
 
+# The door, in one Redis call: the tenant's token, then (if it got one) the live leases of the
+# capability asked for. A refused request reads nothing more.
+_DOOR = AsyncScript(
+    None,  # type: ignore[arg-type]  # called with the client; bytes need no encoder
+    (
+        BUCKET_LUA
+        + routing.LIVE_LEASES_LUA
+        + """
+local wait = take_token(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))
+if wait > 0 then return {tostring(wait)} end
+return {'0', live_leases(KEYS[2], ARGV[4], ARGV[5])}
+"""
+    ).encode(),
+)
+
 
 async def admit(
-    envelope: Envelope, *, redis: Redis, engine: AsyncEngine, cache: catalog.TimedCache
+    envelope: Envelope,
+    *,
+    tenant: str,
+    bucket: TokenBucket,
+    redis: Redis,
+    engine: AsyncEngine,
+    cache: catalog.TimedCache,
 ) -> str:
-    """The queue to publish to; raises when the request cannot be served as sent."""
+    """The queue to publish to; raises when the tenant is over its rate (429) or the request
+    cannot be served as sent."""
+    now = now_s()
+    answer = await _DOOR(
+        keys=[bucket.key(tenant), live_key(envelope.capability)],
+        args=[*bucket.args(), now, LEASE_PREFIX],
+        client=redis,
+    )
+    bucket.check(float(answer[0]))
+    known = (now, routing.candidates_from(answer[1], envelope.capability, now))
     rates = await catalog.success_rates(engine, cache)
-    route = await routing.resolve(redis, envelope.capability, success_rates=rates)
+    route = await routing.resolve(redis, envelope.capability, success_rates=rates, known=known)
     if route is None:
         if envelope.queue_if_unavailable:
             return envelope.capability

@@ -1,8 +1,9 @@
 """Saying no early: a per-tenant token bucket (429) and a per-queue depth bound (503), both
 decided before anything is written, so a refused request consumes no idempotency key.
 
-The bucket lives in Redis and is updated by one Lua script, so every API process shares it and
-concurrent requests cannot both take the last token.
+The bucket lives in Redis and is updated by one Lua function (``admission`` runs it in the
+same script as the route lookup), so every API process shares it and concurrent requests cannot
+both take the last token.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from redis.asyncio import Redis
 from broker import metrics
 from broker.errors import ReachError, Unavailable
 
-_TAKE = """
-local rate, burst, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens, at = tonumber(state[1]) or burst, tonumber(state[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-local wait = 0
-if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
-redis.call('HSET', KEYS[1], 'tokens', tokens, 'at', now)
-redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
-return tostring(wait)
+# A Lua function, so that admission can run it in the same script as the route lookup.
+BUCKET_LUA = """
+local function take_token(key, rate, burst, now)
+  local state = redis.call('HMGET', key, 'tokens', 'at')
+  local tokens, at = tonumber(state[1]) or burst, tonumber(state[2]) or now
+  tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+  local wait = 0
+  if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
+  redis.call('HSET', key, 'tokens', tokens, 'at', now)
+  redis.call('EXPIRE', key, math.ceil(burst / rate) + 1)
+  return wait
+end
 """
 
 
@@ -34,23 +37,22 @@ class RateLimited(ReachError):
     code = "rate_limited"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenBucket:
-    redis: Redis
+    """A tenant's rate limit: ``rate_per_s`` sustained, ``burst`` at once."""
+
     rate_per_s: float
     burst: int
-    _script: object = field(init=False)
 
-    def __post_init__(self) -> None:
-        self._script = self.redis.register_script(_TAKE)
+    def key(self, tenant: str) -> str:
+        return f"reach:rate:{tenant}"
 
-    async def take(self, tenant: str) -> None:
-        """Take one token for ``tenant`` or raise RateLimited with the wait."""
-        wait = float(
-            await self._script(  # type: ignore[operator]
-                keys=[f"reach:rate:{tenant}"], args=[self.rate_per_s, self.burst, time.time()]
-            )
-        )
+    def args(self) -> list[float]:
+        """``take_token``'s arguments after the key: rate, burst, now."""
+        return [self.rate_per_s, self.burst, time.time()]
+
+    def check(self, wait: float) -> None:
+        """Raise RateLimited when ``take_token`` answered a wait."""
         if wait > 0:
             metrics.rejections.labels("rate_limited").inc()
             raise RateLimited(

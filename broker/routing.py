@@ -89,19 +89,21 @@ def serving(lease: Lease, capability: str, now: float) -> CardRef | None:
     return next((c for c in lease.cards if c.capability == capability and c.ready), None)
 
 
-# The live index and the leases it names, in one round trip (ZRANGEBYSCORE, then MGET).
+# The live index and the leases it names, in one round trip (ZRANGEBYSCORE, then MGET). A Lua
+# function, so that admission can run it in the same script as the rate limit.
+LIVE_LEASES_LUA = """
+local function live_leases(key, now, prefix)
+  local names = redis.call('ZRANGEBYSCORE', key, now, '+inf')
+  if #names == 0 then return {} end
+  local keys = {}
+  for i, name in ipairs(names) do keys[i] = prefix .. name end
+  return redis.call('MGET', unpack(keys))
+end
+"""
 _LIVE_LEASES = AsyncScript(
     None,  # type: ignore[arg-type]  # called with the client below; bytes need no encoder
-    b"""
-local names = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
-if #names == 0 then return {} end
-local keys = {}
-for i, name in ipairs(names) do keys[i] = ARGV[2] .. name end
-return redis.call('MGET', unpack(keys))
-""",
+    (LIVE_LEASES_LUA + "return live_leases(KEYS[1], ARGV[1], ARGV[2])").encode(),
 )
-# Parsed leases by their JSON: a lease changes only when renewed (every TTL/3 seconds), and
-# parsing one per candidate per request is the bulk of routing's CPU.
 _parsed: dict[bytes, Lease] = {}
 PARSED_MAX = 4096
 
@@ -117,6 +119,11 @@ def _lease(raw: bytes) -> Lease:
 
 async def live_candidates(redis: Redis, capability: str, now: float) -> list[Candidate]:
     raw = await _LIVE_LEASES(keys=[live_key(capability)], args=[now, LEASE_PREFIX], client=redis)
+    return candidates_from(raw, capability, now)
+
+
+def candidates_from(raw: list[bytes | None] | None, capability: str, now: float) -> list[Candidate]:
+    """The candidates among the leases ``live_leases`` answered."""
     found: list[Candidate] = []
     for data in raw or ():
         if not data:  # a lease that expired after the index named it
@@ -134,11 +141,16 @@ async def resolve(
     *,
     success_rates: Mapping[tuple[str, str], float] | None = None,
     rng: random.Random | None = None,
+    known: tuple[float, list[Candidate]] | None = None,
 ) -> Route | None:
-    """The route for ``requested``, or None when no capability on its chain is live."""
-    now = now_s()
+    """The route for ``requested``, or None when no capability on its chain is live.
+    ``known``: (when, candidates) for ``requested`` itself, already read by the caller."""
+    now = known[0] if known is not None else now_s()
     for capability in prefix_chain(requested):
-        candidates = await live_candidates(redis, capability, now)
+        if known is not None and capability == requested:
+            candidates = known[1]
+        else:
+            candidates = await live_candidates(redis, capability, now)
         if not candidates:
             continue
         chosen = choose(

@@ -78,8 +78,14 @@ async def submit_task(request: Request, caller: Caller) -> Response:
             f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
         )
     await _vet_callback(request, caller.tenant, envelope)
-    await state.rate_limit.take(caller.tenant)
-    queue = await admit(envelope, redis=state.redis, engine=state.engine, cache=state.catalog_cache)
+    queue = await admit(
+        envelope,
+        tenant=caller.tenant,
+        bucket=state.rate_limit,
+        redis=state.redis,
+        engine=state.engine,
+        cache=state.catalog_cache,
+    )
     await state.queue_bound.check(queue)
     accepted = await submit(
         state.engine,
