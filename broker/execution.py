@@ -147,7 +147,8 @@ def _finish_statement(status: str, from_status: tuple[str, ...], outcome: str) -
         values["error"] = null()
     return (
         update(tasks)
-        .where(tasks.c.id == bindparam("task_id"), tasks.c.status.in_(from_status))
+        # Equalities, not IN: an IN list is rendered again on every execution.
+        .where(tasks.c.id == bindparam("task_id"), or_(*(tasks.c.status == s for s in from_status)))
         .values(values)
         .returning(*tasks.c)
     )
