@@ -46,6 +46,20 @@ def _ours() -> dict[tuple[int, float], float]:
     return found
 
 
+def services_cpu_s() -> float:
+    """CPU seconds Postgres and Redis have used so far (every process of theirs alive now).
+
+    The services are shared, so a phase's difference includes any other client's work, and a
+    Postgres backend that exits within the phase drops out: a rough figure, read it with
+    ``foreign_cores``."""
+    total = 0.0
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        cpu = proc.info["cpu_times"]
+        if cpu is not None and (proc.info["name"] or "").startswith(SERVICES):
+            total += cpu.user + cpu.system
+    return total
+
+
 def foreign_cores(start: Snapshot, end: Snapshot) -> float:
     """Cores kept busy by others between two snapshots (1.0: one whole core). What our
     processes that ended in between used counts as foreign: an overestimate, never an under."""

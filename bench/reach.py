@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import psycopg
 
-from bench import loadgen, streams
+from bench import loadgen, machine, streams
 from bench.environment import Stores
 from bench.machine import Meter
 from bench.plan import Plan
@@ -97,12 +97,14 @@ def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
     token = stack.key(tenant)
     envelope = {"capability": "echo", "payload": {"i": 0}}
     cpu_at_start = stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()
+    services_at_start = machine.services_cpu_s()
     submitted = asyncio.run(
         loadgen.accept_rate(stack.port, token, envelope, connections=submitters, requests=count)
     )
     waited_from = time.perf_counter()
     counts = wait_final(stack.stores.libpq_url, tenant, submitted["accepted"])
     elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
+    services_s = machine.services_cpu_s() - services_at_start
     api_s, worker_s, client_s = (
         now - then
         for now, then in zip(
@@ -126,6 +128,7 @@ def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
         "api_cpu_ms_per_task": round(api_s * 1000 / max(1, count), 3),
         "worker_cpu_ms_per_task": round(worker_s * 1000 / max(1, count), 3),
         "client_cpu_ms_per_task": round(client_s * 1000 / max(1, count), 3),
+        "services_cpu_ms_per_task": round(services_s * 1000 / max(1, count), 3),
     }
 
 

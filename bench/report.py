@@ -60,6 +60,15 @@ def rows(result: dict[str, Any]) -> list[Row]:
             r_tp["api_cpu_ms_per_task"],
         )
     )
+    found.append(
+        row(
+            "CPU per task: Postgres + Redis (shared; rough)",
+            "ms",
+            a_tp["services_cpu_ms_per_task"],
+            b_tp["services_cpu_ms_per_task"],
+            r_tp["services_cpu_ms_per_task"],
+        )
+    )
     for q in ("p50", "p95", "p99"):
         a_ms, b_ms = a["round_trip"][f"{q}_ms"], b["round_trip"][f"{q}_ms"]
         reach_ms = r["sync_round_trip"][f"{q}_ms"]
