@@ -20,6 +20,7 @@ from broker.dispatch import Dispatcher
 from broker.eventhub import EventHub
 from broker.events import EventLog
 from broker.settings import Settings
+from broker.submission import GroupInsert
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -41,6 +42,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = async_engine(settings)
+    app.state.inserter = GroupInsert(app.state.engine)
     # Bounded and blocking: under a burst, requests wait their turn for a connection (up to
     # 10 s) instead of failing once a fixed number are open.
     pool = aioredis.BlockingConnectionPool.from_url(

@@ -88,7 +88,7 @@ async def submit_task(request: Request, caller: Caller) -> Response:
     )
     await state.queue_bound.check(queue)
     accepted = await submit(
-        state.engine,
+        state.inserter,
         state.dispatcher,
         state.event_log,
         caller,
