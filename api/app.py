@@ -13,6 +13,7 @@ from api import errors
 from api.deps import KeyCache, TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, tasks, webhooks
 from broker import logs, otel
+from broker.admission import Door
 from broker.backpressure import Depths, QueueBound, TokenBucket, redis_depths
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
@@ -53,7 +54,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
     app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
     app.state.hub = EventHub(app.state.redis)
-    app.state.rate_limit = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
+    bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.door = Door(app.state.redis, bucket)
     app.state.queue_bound = QueueBound(_queue_depths(app, settings), settings.max_queue_depth)
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)

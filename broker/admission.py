@@ -18,48 +18,78 @@ from broker import catalog, jsonbody, metrics, routing
 from broker.backpressure import BUCKET_LUA, TokenBucket
 from broker.envelope import Envelope
 from broker.errors import BadRequest, InvalidEnvelope, Unavailable
+from broker.grouping import Grouped
 from broker.registry import LEASE_PREFIX, live_key, now_s
 
 NO_AGENT_RETRY_AFTER_S = 5
 MAX_SCHEMA_ERRORS = 20
 
-# The door, in one Redis call: the tenant's token, then (if it got one) the live leases of the
-# capability asked for. A refused request reads nothing more.
+GROUP_MAX_REQUESTS = 100
+
+# The door, in one Redis call for every request arriving together: per request, the tenant's
+# token, then (if it got one) the live leases of the capability asked for. KEYS come in pairs
+# (bucket, live index); a refused request reads nothing more.
 _DOOR = AsyncScript(
     None,  # type: ignore[arg-type]  # called with the client; bytes need no encoder
     (
         BUCKET_LUA
         + routing.LIVE_LEASES_LUA
         + """
-local wait = take_token(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))
-if wait > 0 then return {tostring(wait)} end
-return {'0', live_leases(KEYS[2], ARGV[4], ARGV[5])}
+local rate, burst, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local answers = {}
+for i = 0, #KEYS / 2 - 1 do
+  local wait = take_token(KEYS[2 * i + 1], rate, burst, now)
+  if wait > 0 then
+    answers[i + 1] = {tostring(wait)}
+  else
+    answers[i + 1] = {'0', live_leases(KEYS[2 * i + 2], ARGV[3], ARGV[4])}
+  end
+end
+return answers
 """
     ).encode(),
 )
+
+
+class Door:
+    """The rate limit and the route lookup of requests arriving together, in one Redis call
+    (``grouping``)."""
+
+    def __init__(self, redis: Redis, bucket: TokenBucket) -> None:
+        self.redis = redis
+        self.bucket = bucket
+        self._grouped = Grouped(self._many, max_items=GROUP_MAX_REQUESTS, name="door")
+
+    async def enter(self, tenant: str, capability: str) -> tuple[float, list[routing.Candidate]]:
+        """Take the tenant's token (or raise RateLimited); (when, live candidates) for the
+        capability itself."""
+        now, wait, leases = await self._grouped((tenant, capability))
+        self.bucket.check(wait)
+        return now, routing.candidates_from(leases, capability, now)
+
+    async def _many(self, requests: list[tuple[str, str]]) -> list[tuple[float, float, Any]]:
+        now = now_s()
+        keys: list[str] = []
+        for tenant, capability in requests:
+            keys += [self.bucket.key(tenant), live_key(capability)]
+        args: list[float | str] = [self.bucket.rate_per_s, self.bucket.burst, now, LEASE_PREFIX]
+        answers = await _DOOR(keys=keys, args=args, client=self.redis)
+        return [(now, float(a[0]), a[1] if len(a) > 1 else None) for a in answers]
 
 
 async def admit(
     envelope: Envelope,
     *,
     tenant: str,
-    bucket: TokenBucket,
-    redis: Redis,
+    door: Door,
     engine: AsyncEngine,
     cache: catalog.TimedCache,
 ) -> str:
     """The queue to publish to; raises when the tenant is over its rate (429) or the request
     cannot be served as sent."""
-    now = now_s()
-    answer = await _DOOR(
-        keys=[bucket.key(tenant), live_key(envelope.capability)],
-        args=[*bucket.args(), now, LEASE_PREFIX],
-        client=redis,
-    )
-    bucket.check(float(answer[0]))
-    known = (now, routing.candidates_from(answer[1], envelope.capability, now))
+    known = await door.enter(tenant, envelope.capability)
     rates = await catalog.success_rates(engine, cache)
-    route = await routing.resolve(redis, envelope.capability, success_rates=rates, known=known)
+    route = await routing.resolve(door.redis, envelope.capability, success_rates=rates, known=known)
     if route is None:
         if envelope.queue_if_unavailable:
             return envelope.capability

@@ -47,10 +47,6 @@ class TokenBucket:
     def key(self, tenant: str) -> str:
         return f"reach:rate:{tenant}"
 
-    def args(self) -> list[float]:
-        """``take_token``'s arguments after the key: rate, burst, now."""
-        return [self.rate_per_s, self.burst, time.time()]
-
     def check(self, wait: float) -> None:
         """Raise RateLimited when ``take_token`` answered a wait."""
         if wait > 0:

@@ -1,9 +1,9 @@
 """Task events: a per-task log in Redis with a sequence number that only grows, and pub/sub
 for live delivery.
 
-One Lua script appends an event: it takes the next ``seq`` (INCR), adds it to the task's stream
-with the explicit id ``0-<seq>``, sets both keys to expire with the task, and publishes it
-(and, for the API's first event of a task, pushes the task's Celery message too). So
+One Lua script appends events: for each it takes the next ``seq`` (INCR), adds it to the task's
+stream with the explicit id ``0-<seq>``, sets both keys to expire with the task, and publishes
+it (and, for the API's first event of a task, pushes the task's Celery message too). So
 the log and the live channel never disagree on order, and a reader that missed a live message
 (pub/sub is at-most-once) finds it in the log by ``seq``. The stream is capped at
 ``LOG_MAX_EVENTS``; the final event is always kept.
@@ -19,21 +19,44 @@ from typing import Any
 
 import redis
 
+from broker.grouping import Grouped
+
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 FINAL_TYPES = frozenset({"succeeded", "failed", "cancelled", "expired"})
 LOG_MAX_EVENTS = 10_000
 CHANNEL_PREFIX = "reach:task:"
 
+# Appends any number of events (one per task): ARGV[1] is the stream cap, then per event i
+# (from 0) ARGV[2+3i] the event without its seq, ARGV[3+3i] its TTL, ARGV[4+3i] a Celery
+# message to LPUSH after it or ''; KEYS[1+4i..4+4i] its log, seq, channel and list.
 _APPEND = """
-local seq = redis.call('INCR', KEYS[2])
-local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[1], 2)
-redis.call('XADD', KEYS[1], 'MAXLEN', ARGV[3], '0-' .. seq, 'e', event)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('PUBLISH', KEYS[3], event)
-if KEYS[4] then redis.call('LPUSH', KEYS[4], ARGV[4]) end
-return seq
+local seqs = {}
+for i = 0, (#ARGV - 1) / 3 - 1 do
+  local k, a = 4 * i, 2 + 3 * i
+  local seq = redis.call('INCR', KEYS[k + 2])
+  local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
+  redis.call('XADD', KEYS[k + 1], 'MAXLEN', ARGV[1], '0-' .. seq, 'e', event)
+  redis.call('EXPIRE', KEYS[k + 1], ARGV[a + 1])
+  redis.call('EXPIRE', KEYS[k + 2], ARGV[a + 1])
+  redis.call('PUBLISH', KEYS[k + 3], event)
+  if ARGV[a + 2] ~= '' then redis.call('LPUSH', KEYS[k + 4], ARGV[a + 2]) end
+  seqs[i + 1] = seq
+end
+return seqs
 """
+GROUP_MAX_EVENTS = 100
+
+
+@dataclass(frozen=True)
+class Append:
+    """One event to append; ``push``: (list, message) LPUSHed right after it, atomically."""
+
+    task_id: uuid.UUID | str
+    type: str
+    data: Any
+    trace_id: str
+    ttl_s: int
+    push: tuple[str, bytes] | None = None
 
 
 def log_key(task_id: uuid.UUID | str) -> str:
@@ -94,13 +117,15 @@ def encode(event_type: str, data: Any, trace_id: str) -> str:
 
 
 class EventLog:
-    """The writing side, for workers and the API (redis-py's sync or asyncio client)."""
+    """The writing side, for workers and the API (redis-py's sync or asyncio client). In the
+    API, appends that arrive together go out in one call (``grouping``)."""
 
     def __init__(self, client: Any, ttl_s: int) -> None:
         self.ttl_s = ttl_s
         self._append = client.register_script(_APPEND)
+        self._grouped = Grouped(self._append_many, max_items=GROUP_MAX_EVENTS, name="events")
 
-    def _args(
+    def _item(
         self,
         task_id: uuid.UUID | str,
         event_type: str,
@@ -108,12 +133,18 @@ class EventLog:
         trace_id: str,
         ttl_s: int | None,
         push: tuple[str, bytes] | None = None,
-    ) -> dict[str, Any]:
-        keys = [log_key(task_id), seq_key(task_id), channel(task_id)]
-        argv: list[Any] = [encode(event_type, data, trace_id), ttl_s or self.ttl_s, LOG_MAX_EVENTS]
-        if push is not None:
-            keys.append(push[0])
-            argv.append(push[1])
+    ) -> Append:
+        return Append(task_id, event_type, data, trace_id, ttl_s or self.ttl_s, push)
+
+    @staticmethod
+    def _args(items: list[Append]) -> dict[str, Any]:
+        keys: list[Any] = []
+        argv: list[Any] = [LOG_MAX_EVENTS]
+        for item in items:
+            log = log_key(item.task_id)
+            queue, message = item.push if item.push is not None else (log, b"")
+            keys += [log, seq_key(item.task_id), channel(item.task_id), queue]
+            argv += [encode(item.type, item.data, item.trace_id), item.ttl_s, message]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -125,7 +156,8 @@ class EventLog:
         trace_id: str,
         ttl_s: int | None = None,
     ) -> int:
-        return int(self._append(**self._args(task_id, event_type, data, trace_id, ttl_s)))
+        item = self._item(task_id, event_type, data, trace_id, ttl_s)
+        return int(self._append(**self._args([item]))[0])
 
     async def append_async(
         self,
@@ -138,8 +170,10 @@ class EventLog:
         push: tuple[str, bytes] | None = None,
     ) -> int:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call."""
-        args = self._args(task_id, event_type, data, trace_id, ttl_s, push)
-        return int(await self._append(**args))
+        return await self._grouped(self._item(task_id, event_type, data, trace_id, ttl_s, push))
+
+    async def _append_many(self, items: list[Append]) -> list[int]:
+        return [int(seq) for seq in await self._append(**self._args(items))]
 
 
 def parse_entries(entries: Any) -> list[Event]:

@@ -7,8 +7,6 @@ gets 503: nothing is accepted that is not on its way.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -23,7 +21,8 @@ from broker import events, jsonbody, metrics
 from broker.db.models import tasks_table as tasks
 from broker.dispatch import Dispatcher
 from broker.envelope import Envelope
-from broker.errors import INFRASTRUCTURE_ERRORS, BadRequest, Unavailable
+from broker.errors import BadRequest, Unavailable
+from broker.grouping import Grouped
 from broker.keys import Principal
 from broker.settings import Settings
 from broker.tasks import QUEUED, new_task_id
@@ -46,70 +45,27 @@ _NEW_ROW = {column.name: None for column in tasks.c} | {"attempts": 0}
 EVENTS_SLACK_S = 3600
 GROUP_MAX_ROWS = 100
 
-log = logging.getLogger("reach.submission")
-
 
 class GroupInsert:
-    """Inserts task rows, many in one statement when many arrive together (group commit).
-
-    A row that arrives while no insert is in flight goes out at once, alone; rows that arrive
-    while one is in flight wait for it and then go out together, up to ``max_rows`` in one
-    INSERT ... VALUES (...), (...): one round trip and one commit for the lot. Under load that
-    is most of a submit's database work saved; at rest it adds nothing.
-    """
+    """Inserts task rows; rows that arrive together go out in one INSERT ... VALUES (...), (...)
+    (``grouping``): under load, one round trip and one commit for many submits."""
 
     def __init__(self, engine: AsyncEngine, max_rows: int = GROUP_MAX_ROWS) -> None:
         self.engine = engine
-        self.max_rows = max_rows
-        self._waiting: list[tuple[dict[str, Any], asyncio.Future[bool]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._insert = Grouped(self._insert_many, max_items=max_rows, name="inserts")
 
     async def insert(self, values: dict[str, Any]) -> bool:
         """True when the row went in; False when its idempotency key was already taken."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiting.append((values, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush(), name="reach-group-insert")
-        return await future
+        return await self._insert(values)
 
-    async def _flush(self) -> None:
-        while self._waiting:
-            batch = self._waiting[: self.max_rows]
-            del self._waiting[: len(batch)]
-            try:
-                inserted = await self._insert([values for values, _ in batch])
-            except Exception as exc:
-                if len(batch) == 1 or isinstance(exc, INFRASTRUCTURE_ERRORS):
-                    for _, future in batch:  # Postgres is away: the same answer for all
-                        _settle(future, exc)
-                    continue
-                # One bad row must not fail the others: each on its own, for its own answer.
-                log.warning("a grouped insert of %d rows failed (%r); one by one", len(batch), exc)
-                for values, future in batch:
-                    try:
-                        _settle(future, values["id"] in await self._insert([values]))
-                    except Exception as single:
-                        _settle(future, single)
-                continue
-            for values, future in batch:
-                _settle(future, values["id"] in inserted)
-
-    async def _insert(self, rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+    async def _insert_many(self, rows: list[dict[str, Any]]) -> list[bool]:
         async with self.engine.connect() as conn:
             # One statement is atomic by itself: autocommit saves BEGIN and COMMIT round trips.
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             # Several rows: SQLAlchemy sends one multi-row INSERT ("insertmanyvalues").
             result = await conn.execute(_INSERT, rows)
-            return {row.id for row in result}
-
-
-def _settle(future: asyncio.Future[bool], outcome: bool | BaseException) -> None:
-    if future.done():  # its request was cancelled (the client went away)
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
+            inserted = {row.id for row in result}
+        return [row["id"] in inserted for row in rows]
 
 
 @dataclass(frozen=True)

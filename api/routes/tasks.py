@@ -81,8 +81,7 @@ async def submit_task(request: Request, caller: Caller) -> Response:
     queue = await admit(
         envelope,
         tenant=caller.tenant,
-        bucket=state.rate_limit,
-        redis=state.redis,
+        door=state.door,
         engine=state.engine,
         cache=state.catalog_cache,
     )
