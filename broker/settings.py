@@ -62,8 +62,9 @@ class Settings(BaseSettings):
     rate_limit_per_s: float = Field(200.0, gt=0)
     rate_limit_burst: int = Field(400, gt=0)
     max_queue_depth: int = Field(10_000, gt=0)
-    # Requests of one API process waiting for their answer; beyond it, 503 at once.
-    max_requests_waiting: int = Field(256, gt=0)
+    # Requests of one API process waiting for their answer (sync waits too); beyond it, 503 at
+    # once. 1,000 connections submitting at once all fit and are answered within seconds.
+    max_requests_waiting: int = Field(1024, gt=0)
 
     # Each worker serves its metrics here (0: not at all); a busy port is logged and skipped.
     worker_metrics_port: int = Field(9808, ge=0, le=65535)
