@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -45,18 +46,28 @@ def _row(tenant: str, **changes: Any) -> dict[str, Any]:
     } | changes
 
 
-async def _with_engine(settings: Settings, body: Any) -> Any:
-    engine = async_engine(settings)
-    statements: list[str] = []
-    event.listen(
-        engine.sync_engine,
-        "before_cursor_execute",
-        lambda conn, cursor, statement, *rest: statements.append(statement),
-    )
-    try:
-        return await body(engine, statements)
-    finally:
-        await engine.dispose()
+Body = Callable[[GroupInsert, str, list[str]], Awaitable[None]]
+
+
+def _run(settings: Settings, body: Body, max_rows: int = 100) -> None:
+    """``body(inserter, tenant, statements)`` on an engine of its own, with a tenant of its own
+    and the SQL statements the engine sent."""
+    tenant = f"group-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> None:
+        engine = async_engine(settings)
+        statements: list[str] = []
+        event.listen(
+            engine.sync_engine,
+            "before_cursor_execute",
+            lambda conn, cursor, statement, *rest: statements.append(statement),
+        )
+        try:
+            await body(GroupInsert(engine, max_rows=max_rows), tenant, statements)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
 
 
 async def _stored(engine: AsyncEngine, tenant: str) -> int:
@@ -66,39 +77,30 @@ async def _stored(engine: AsyncEngine, tenant: str) -> int:
 
 
 def test_rows_arriving_together_go_out_in_fewer_statements(settings: Settings) -> None:
-    tenant = f"group-{uuid.uuid4().hex[:8]}"
-
-    async def body(engine: AsyncEngine, statements: list[str]) -> None:
-        inserter = GroupInsert(engine)
+    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
         answers = await asyncio.gather(*(inserter.insert(_row(tenant)) for _ in range(60)))
         assert answers == [True] * 60
         inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
         # All 60 were waiting before the flusher first ran: one statement for the lot.
         assert len(inserts) == 1
-        assert await _stored(engine, tenant) == 60
+        assert await _stored(inserter.engine, tenant) == 60
 
-    asyncio.run(_with_engine(settings, body))
+    _run(settings, body)
 
 
 def test_one_idempotency_key_twice_in_one_group_inserts_once(settings: Settings) -> None:
-    tenant = f"group-{uuid.uuid4().hex[:8]}"
-
-    async def body(engine: AsyncEngine, statements: list[str]) -> None:
-        inserter = GroupInsert(engine)
+    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
         rows = [_row(tenant)] + [_row(tenant, idempotency_key="k-1") for _ in range(2)]
         answers = await asyncio.gather(*(inserter.insert(row) for row in rows))
         assert answers[0] is True
         assert sorted(answers[1:]) == [False, True]
-        assert await _stored(engine, tenant) == 2
+        assert await _stored(inserter.engine, tenant) == 2
 
-    asyncio.run(_with_engine(settings, body))
+    _run(settings, body)
 
 
 def test_a_bad_row_fails_only_its_own_caller(settings: Settings) -> None:
-    tenant = f"group-{uuid.uuid4().hex[:8]}"
-
-    async def body(engine: AsyncEngine, statements: list[str]) -> None:
-        inserter = GroupInsert(engine)
+    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
         rows = [_row(tenant) for _ in range(6)]
         rows[3]["status"] = "not-a-status"  # the status CHECK constraint refuses it
         answers = await asyncio.gather(
@@ -106,16 +108,13 @@ def test_a_bad_row_fails_only_its_own_caller(settings: Settings) -> None:
         )
         assert [a for i, a in enumerate(answers) if i != 3] == [True] * 5
         assert isinstance(answers[3], Exception)
-        assert await _stored(engine, tenant) == 5
+        assert await _stored(inserter.engine, tenant) == 5
 
-    asyncio.run(_with_engine(settings, body))
+    _run(settings, body)
 
 
 def test_a_cancelled_caller_does_not_stop_the_others(settings: Settings) -> None:
-    tenant = f"group-{uuid.uuid4().hex[:8]}"
-
-    async def body(engine: AsyncEngine, statements: list[str]) -> None:
-        inserter = GroupInsert(engine)
+    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
         calls = [asyncio.ensure_future(inserter.insert(_row(tenant))) for _ in range(10)]
         await asyncio.sleep(0)
         calls[5].cancel()
@@ -123,19 +122,16 @@ def test_a_cancelled_caller_does_not_stop_the_others(settings: Settings) -> None
         assert isinstance(done[5], asyncio.CancelledError)
         assert [a for i, a in enumerate(done) if i != 5] == [True] * 9
         # The cancelled caller's row may or may not have gone in; the others all did.
-        assert await _stored(engine, tenant) in (9, 10)
+        assert await _stored(inserter.engine, tenant) in (9, 10)
 
-    asyncio.run(_with_engine(settings, body))
+    _run(settings, body)
 
 
 @pytest.mark.parametrize("rows", [1, 250])
 def test_every_caller_is_answered_whatever_the_group_size(settings: Settings, rows: int) -> None:
-    tenant = f"group-{uuid.uuid4().hex[:8]}"
-
-    async def body(engine: AsyncEngine, statements: list[str]) -> None:
-        inserter = GroupInsert(engine, max_rows=100)
+    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
         answers = await asyncio.gather(*(inserter.insert(_row(tenant)) for _ in range(rows)))
         assert answers == [True] * rows
-        assert await _stored(engine, tenant) == rows
+        assert await _stored(inserter.engine, tenant) == rows
 
-    asyncio.run(_with_engine(settings, body))
+    _run(settings, body)
