@@ -39,11 +39,8 @@ def fresh_stores() -> Iterator[Stores]:
         database_url = localservices.create_database(services.database_url, name)
         created = True
         migrate.upgrade(database_url)
-        redis_url = localservices.with_redis_db(
-            services.redis_url, localservices.free_redis_db(services.redis_url)
-        )
+        redis_url = localservices.claim_redis_db(services.redis_url)  # a parallel run: another
         client = redis.Redis.from_url(redis_url)
-        client.set("reach:bench-run", os.getpid())  # claims the db so a parallel run picks another
         yield Stores(database_url, redis_url, tuple(services.embedded))
     finally:
         if client is not None:

@@ -11,6 +11,7 @@ import atexit
 import functools
 import importlib.util
 import logging
+import os
 import re
 import socket
 import subprocess
@@ -144,16 +145,42 @@ def with_redis_db(url: str, db: int) -> str:
     return _unsplit(parts._replace(path=path, query=urlencode(query)))
 
 
-def free_redis_db(url: str) -> int:
-    """An index in 1..15 whose database is empty; two runs that start together may get the same."""
+CLAIM_KEY = "reach:claimed-by"
+
+
+def claim_redis_db(url: str) -> str:
+    """The URL of a Redis db in 1..15 for this process alone: an empty one, or one a process of
+    this machine claimed and left behind when it was killed (emptied first). The claim is a key
+    naming this host and pid; two runs that start together cannot take the same db."""
+    me = f"{socket.gethostname()}:{os.getpid()}"
     for db in range(1, 16):
-        with redis.Redis.from_url(with_redis_db(url, db)) as client:
+        candidate = with_redis_db(url, db)
+        with redis.Redis.from_url(candidate) as client:
             try:
-                if client.dbsize() == 0:
-                    return db
+                if _abandoned(client.get(CLAIM_KEY)):
+                    client.flushdb()
+                if client.dbsize() == 0 and client.set(CLAIM_KEY, me, nx=True):
+                    return candidate
             except redis.ResponseError:  # the server was configured with fewer databases
                 break
-    raise RuntimeError(f"no empty redis database in 1..15 on {with_redis_db(url, 0)}")
+    raise RuntimeError(f"no free redis database in 1..15 on {with_redis_db(url, 0)}")
+
+
+def _abandoned(claim: bytes | None) -> bool:
+    """Claimed by a process of this host that no longer runs (a pid in another host's, or
+    container's, namespace cannot be checked from here, so it is never taken)."""
+    if claim is None:
+        return False
+    host, _, pid = claim.decode(errors="replace").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def _valid_name(name: str) -> str:

@@ -43,11 +43,8 @@ def database_url(services: localservices.Services) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url(services: localservices.Services) -> Iterator[str]:
-    url = localservices.with_redis_db(
-        services.redis_url, localservices.free_redis_db(services.redis_url)
-    )
+    url = localservices.claim_redis_db(services.redis_url)  # a parallel run picks another
     client = redis.Redis.from_url(url)
-    client.set("reach:test-run", os.getpid())  # claims the db so a parallel run picks another
     yield url
     client.flushdb()
     client.close()

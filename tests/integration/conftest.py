@@ -76,11 +76,8 @@ def uncached_api(settings: Settings) -> Iterator[ServedApp]:
 def own_redis(services: localservices.Services) -> Iterator[str]:
     """A Redis db of the test's own, for a stack whose queues must not be shared with the
     session's worker (it would take their messages and find no such task in its database)."""
-    url = localservices.with_redis_db(
-        services.redis_url, localservices.free_redis_db(services.redis_url)
-    )
+    url = localservices.claim_redis_db(services.redis_url)
     client = redis.Redis.from_url(url)
-    client.set("reach:test-run", "own")
     yield url
     client.flushdb()
     client.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,13 +17,14 @@ import redis
 import sqlalchemy
 
 from broker.localservices import (
+    CLAIM_KEY,
     LOCAL_POSTGRES_URL,
     LOCAL_REDIS_URL,
     Services,
+    claim_redis_db,
     create_database,
     drop_database,
     ensure_services,
-    free_redis_db,
     libpq_url,
     tcp_answers,
     with_database,
@@ -201,12 +204,53 @@ def test_drop_database_disconnects_open_sessions(
 # --- redis --------------------------------------------------------------------------------------
 
 
-def test_free_redis_db_returns_an_empty_database(services: Services) -> None:
-    db = free_redis_db(services.redis_url)
+@pytest.fixture
+def claim(services: Services) -> Iterator[Callable[[], str]]:
+    """Claims Redis dbs as the project does; every one claimed is emptied afterwards."""
+    claimed: list[str] = []
 
-    assert 1 <= db <= 15
-    with redis.Redis.from_url(with_redis_db(services.redis_url, db)) as client:
-        assert client.dbsize() == 0
+    def take() -> str:
+        claimed.append(claim_redis_db(services.redis_url))
+        return claimed[-1]
+
+    yield take
+    for url in claimed:
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+
+
+def test_a_claimed_redis_db_was_empty_and_is_marked_as_ours(claim: Callable[[], str]) -> None:
+    url = claim()
+    with redis.Redis.from_url(url) as client:
+        assert client.dbsize() == 1
+        assert client.get(CLAIM_KEY) == f"{socket.gethostname()}:{os.getpid()}".encode()
+    assert claim() != url  # a second claim gets another
+
+
+def test_a_db_left_by_a_killed_run_is_emptied_and_claimed_again(
+    claim: Callable[[], str],
+) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid of this host that no longer runs
+    url = claim()
+    with redis.Redis.from_url(url) as client:
+        client.set(CLAIM_KEY, f"{socket.gethostname()}:{gone.pid}")
+        client.set("leftover", "1")
+        assert claim() == url
+        assert client.get("leftover") is None
+
+
+@pytest.mark.parametrize("owner", ["this host, alive", "another host"])
+def test_a_db_claimed_by_a_live_or_unknown_process_is_left_alone(
+    claim: Callable[[], str], owner: str
+) -> None:
+    alive = f"{socket.gethostname()}:{os.getppid()}"
+    marker = alive if owner == "this host, alive" else "elsewhere:1"
+    url = claim()
+    with redis.Redis.from_url(url) as client:
+        client.set(CLAIM_KEY, marker)
+        assert claim() != url
+        assert client.get(CLAIM_KEY) == marker.encode()
 
 
 # --- embedded -----------------------------------------------------------------------------------
