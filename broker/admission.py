@@ -58,7 +58,9 @@ class Door:
     def __init__(self, redis: Redis, bucket: TokenBucket) -> None:
         self.redis = redis
         self.bucket = bucket
-        self._grouped = Grouped(self._many, max_items=GROUP_MAX_REQUESTS, name="door")
+        self._grouped = Grouped(
+            self._many, max_items=GROUP_MAX_REQUESTS, name="door", retry_alone=False
+        )
 
     async def enter(self, tenant: str, capability: str) -> tuple[float, list[routing.Candidate]]:
         """Take the tenant's token (or raise RateLimited); (when, live candidates) for the

@@ -123,7 +123,9 @@ class EventLog:
     def __init__(self, client: Any, ttl_s: int) -> None:
         self.ttl_s = ttl_s
         self._append = client.register_script(_APPEND)
-        self._grouped = Grouped(self._append_many, max_items=GROUP_MAX_EVENTS, name="events")
+        self._grouped = Grouped(
+            self._append_many, max_items=GROUP_MAX_EVENTS, name="events", retry_alone=False
+        )
 
     def _item(
         self,

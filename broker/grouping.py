@@ -22,16 +22,25 @@ log = logging.getLogger("reach.grouping")
 class Grouped(Generic[T, R]):
     """``await grouped(item)`` answers what ``run_many(items)[i]`` answered for it.
 
-    When a batch fails with an error about its data, each item is tried again on its own, so
-    one bad item fails only its own caller; when Postgres or Redis is away, all get the error.
+    With ``retry_alone``, a batch that fails with an error about its data is tried again item
+    by item, so one bad item fails only its own caller: right for one statement, which either
+    applies whole or not at all. A Redis script that fails midway has applied its first part,
+    so a second try would repeat it (an event twice, a token taken twice): there every caller
+    gets the error. When Postgres or Redis is away, all get the error in any case.
     """
 
     def __init__(
-        self, run_many: Callable[[list[T]], Awaitable[list[R]]], *, max_items: int, name: str
+        self,
+        run_many: Callable[[list[T]], Awaitable[list[R]]],
+        *,
+        max_items: int,
+        name: str,
+        retry_alone: bool,
     ) -> None:
         self.run_many = run_many
         self.max_items = max_items
         self.name = name
+        self.retry_alone = retry_alone
         self._waiting: list[tuple[T, asyncio.Future[R]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -51,7 +60,8 @@ class Grouped(Generic[T, R]):
             try:
                 answers = await self.run_many([item for item, _ in batch])
             except Exception as exc:
-                if len(batch) == 1 or isinstance(exc, INFRASTRUCTURE_ERRORS):
+                alone = self.retry_alone and not isinstance(exc, INFRASTRUCTURE_ERRORS)
+                if len(batch) == 1 or not alone:
                     for _, future in batch:
                         _settle(future, exc)
                     continue

@@ -52,7 +52,9 @@ class GroupInsert:
 
     def __init__(self, engine: AsyncEngine, max_rows: int = GROUP_MAX_ROWS) -> None:
         self.engine = engine
-        self._insert = Grouped(self._insert_many, max_items=max_rows, name="inserts")
+        self._insert = Grouped(
+            self._insert_many, max_items=max_rows, name="inserts", retry_alone=True
+        )
 
     async def insert(self, values: dict[str, Any]) -> bool:
         """True when the row went in; False when its idempotency key was already taken."""
