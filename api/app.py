@@ -10,7 +10,14 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import errors
-from api.deps import KeyCache, TraceMiddleware, TraceparentFromTraceId, WaitingLimit
+from api.deps import (
+    KeyCache,
+    PerClientBudget,
+    TenantOfKey,
+    TraceMiddleware,
+    TraceparentFromTraceId,
+    WaitingLimit,
+)
 from api.routes import agents, callbacks, health, metrics, tasks, webhooks
 from broker import logs, otel
 from broker.admission import Door
@@ -22,6 +29,7 @@ from broker.eventhub import EventHub
 from broker.events import EventLog
 from broker.settings import Settings
 from broker.submission import GroupInsert
+from broker.webhooks.ssrf import HostLookups
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -33,6 +41,7 @@ def create_app(settings: Settings) -> FastAPI:
         await app.state.redis.aclose()
         await app.state.redis.connection_pool.disconnect()
         app.state.dispatcher.close()
+        app.state.lookups.close()
 
     logs.capture_context()
     app = FastAPI(
@@ -51,7 +60,15 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.redis = aioredis.Redis(connection_pool=pool)
     app.state.dispatcher = Dispatcher(settings)
-    app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
+    app.state.key_cache = KeyCache(
+        ttl_s=settings.key_cache_s, lookups=PerClientBudget(settings.auth_lookups_per_s)
+    )
+    app.state.tenant_of_key = TenantOfKey()
+    app.state.lookups = HostLookups(
+        threads=settings.dns_threads,
+        timeout_s=settings.dns_timeout_s,
+        per_tenant=settings.dns_lookups_per_tenant,
+    )
     app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
     app.state.hub = EventHub(app.state.redis)
     bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
@@ -59,7 +76,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.queue_bound = QueueBound(_queue_depths(app, settings), settings.max_queue_depth)
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)
-    app.add_middleware(WaitingLimit, limit=settings.max_requests_waiting)
+    app.add_middleware(
+        WaitingLimit,
+        limit=settings.max_requests_waiting,
+        per_tenant=settings.max_requests_waiting_per_tenant,
+        tenants=app.state.tenant_of_key,
+    )
     app.add_middleware(TraceMiddleware, otel=settings.otel)
     if settings.otel:
         otel.instrument_api(app)

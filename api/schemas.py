@@ -65,8 +65,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         401: "Missing or invalid API key",
         403: "Capability not allowed for this key",
         404: "No such task for this tenant",
+        408: "The body did not arrive in time",
         413: "Body or payload too large",
         422: "Envelope or parameters invalid",
+        429: "Over the tenant's rate; retry after Retry-After",
         503: "A backing service is unavailable; retry after Retry-After",
     }.items()
 }

@@ -26,25 +26,27 @@ MAX_SCHEMA_ERRORS = 20
 
 GROUP_MAX_REQUESTS = 100
 
-# The door, in one Redis call for every request arriving together: per request, the tenant's
-# token, then (if it got one) the live leases of the capability asked for. KEYS come in pairs
-# (bucket, live index); a refused request reads nothing more.
-_DOOR = AsyncScript(
+# The rate limit of requests arriving together, in one Redis call: a token per request.
+_TOKENS = AsyncScript(
     None,  # type: ignore[arg-type]  # called with the client; bytes need no encoder
     (
         BUCKET_LUA
-        + routing.LIVE_LEASES_LUA
         + """
 local rate, burst, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local waits = {}
+for i, key in ipairs(KEYS) do waits[i] = tostring(take_token(key, rate, burst, now)) end
+return waits
+"""
+    ).encode(),
+)
+# The live leases of the capabilities asked for together, in one Redis call.
+_LEASES = AsyncScript(
+    None,  # type: ignore[arg-type]
+    (
+        routing.LIVE_LEASES_LUA
+        + """
 local answers = {}
-for i = 0, #KEYS / 2 - 1 do
-  local wait = take_token(KEYS[2 * i + 1], rate, burst, now)
-  if wait > 0 then
-    answers[i + 1] = {tostring(wait)}
-  else
-    answers[i + 1] = {'0', live_leases(KEYS[2 * i + 2], ARGV[3], ARGV[4])}
-  end
-end
+for i, key in ipairs(KEYS) do answers[i] = live_leases(key, ARGV[1], ARGV[2]) end
 return answers
 """
     ).encode(),
@@ -52,31 +54,39 @@ return answers
 
 
 class Door:
-    """The rate limit and the route lookup of requests arriving together, in one Redis call
-    (``grouping``)."""
+    """The two checks at the door, each grouped over the requests arriving together
+    (``grouping``): the tenant's rate, taken before anything slow (reading the body, resolving
+    a host name), and the capability's live leases, once the envelope is read."""
 
     def __init__(self, redis: Redis, bucket: TokenBucket) -> None:
         self.redis = redis
         self.bucket = bucket
-        self._grouped = Grouped(
-            self._many, max_items=GROUP_MAX_REQUESTS, name="door", retry_alone=False
+        self._tokens = Grouped(
+            self._take_many, max_items=GROUP_MAX_REQUESTS, name="door", retry_alone=False
+        )
+        self._leases = Grouped(
+            self._leases_many, max_items=GROUP_MAX_REQUESTS, name="leases", retry_alone=True
         )
 
-    async def enter(self, tenant: str, capability: str) -> tuple[float, list[routing.Candidate]]:
-        """Take the tenant's token (or raise RateLimited); (when, live candidates) for the
-        capability itself."""
-        now, wait, leases = await self._grouped((tenant, capability))
-        self.bucket.check(wait)
+    async def take(self, tenant: str) -> None:
+        """Take one of the tenant's tokens, or raise RateLimited."""
+        self.bucket.check(await self._tokens(tenant))
+
+    async def live(self, capability: str) -> tuple[float, list[routing.Candidate]]:
+        """(when, live candidates) for the capability itself."""
+        now, leases = await self._leases(capability)
         return now, routing.candidates_from(leases, capability, now)
 
-    async def _many(self, requests: list[tuple[str, str]]) -> list[tuple[float, float, Any]]:
+    async def _take_many(self, tenants: list[str]) -> list[float]:
+        keys = [self.bucket.key(tenant) for tenant in tenants]
+        args = [self.bucket.rate_per_s, self.bucket.burst, now_s()]
+        return [float(w) for w in await _TOKENS(keys=keys, args=args, client=self.redis)]
+
+    async def _leases_many(self, capabilities: list[str]) -> list[tuple[float, Any]]:
         now = now_s()
-        keys: list[str] = []
-        for tenant, capability in requests:
-            keys += [self.bucket.key(tenant), live_key(capability)]
-        args: list[float | str] = [self.bucket.rate_per_s, self.bucket.burst, now, LEASE_PREFIX]
-        answers = await _DOOR(keys=keys, args=args, client=self.redis)
-        return [(now, float(a[0]), a[1] if len(a) > 1 else None) for a in answers]
+        keys = [live_key(capability) for capability in capabilities]
+        answers = await _LEASES(keys=keys, args=[now, LEASE_PREFIX], client=self.redis)
+        return [(now, leases) for leases in answers]
 
 
 async def admit(
@@ -87,9 +97,9 @@ async def admit(
     engine: AsyncEngine,
     cache: catalog.TimedCache,
 ) -> str:
-    """The queue to publish to; raises when the tenant is over its rate (429) or the request
-    cannot be served as sent."""
-    known = await door.enter(tenant, envelope.capability)
+    """The queue to publish to; raises when the request cannot be served as sent. The tenant's
+    rate was taken before the body was read (``Door.take``)."""
+    known = await door.live(envelope.capability)
     rates = await catalog.success_rates(engine, cache)
     route = await routing.resolve(door.redis, envelope.capability, success_rates=rates, known=known)
     if route is None:

@@ -3,6 +3,7 @@
     ReachError
     ├── BadRequest            the request itself is malformed or violates a limit
     │   ├── BodyTooLarge      the body exceeds the configured size
+    │   ├── BodyTimeout       the body did not arrive in time
     │   └── InvalidEnvelope   the envelope or payload fails validation
     ├── Unauthenticated       missing, unknown or revoked API key
     ├── Forbidden             the key may not do this (capability outside its patterns)
@@ -40,6 +41,10 @@ class BadRequest(ReachError):
 
 class BodyTooLarge(BadRequest):
     code = "body_too_large"
+
+
+class BodyTimeout(BadRequest):
+    code = "body_timeout"
 
 
 class InvalidEnvelope(BadRequest):

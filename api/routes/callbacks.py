@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import authenticate
+from api.deps import authenticate, metered
 from api.routes.webhooks import parse_id, send_again
 from api.schemas import ERROR_RESPONSES
 from broker import queries
@@ -21,11 +21,12 @@ from broker.webhooks.subscriptions import rotate_callback_secret
 
 router = APIRouter(tags=["webhooks"])
 Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]  # routes that do real work take a token
 TASK_DELIVERIES_MAX = 100
 
 
 @router.post("/callbacks/secret", status_code=201, responses=ERROR_RESPONSES)
-async def create_callback_secret(request: Request, caller: Caller) -> JSONResponse:
+async def create_callback_secret(request: Request, caller: Metered) -> JSONResponse:
     """Create (or rotate) the secret that signs this tenant's task callbacks; shown once.
     After a rotation the previous secret keeps signing until ``previous_secret_expires_at``."""
     state = request.app.state
@@ -56,7 +57,7 @@ async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dic
     responses=ERROR_RESPONSES,
 )
 async def redeliver_for_task(
-    task_id: str, delivery_id: str, request: Request, caller: Caller
+    task_id: str, delivery_id: str, request: Request, caller: Metered
 ) -> dict[str, Any]:
     """Send a failed or dead delivery of this task once more (its callback's too)."""
     scope = delivery_log.of_task(parse_id(task_id, "task"))

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import replies
-from api.deps import authenticate, read_json_body
+from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.sse import EventStreamResponse
 from broker import cancellation, catalog, jsonbody, metrics, queries
@@ -29,6 +29,7 @@ from broker.webhooks.subscriptions import vet_callback
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]
 StatusFilter = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 
 
@@ -47,7 +48,8 @@ async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> No
     if envelope.callback is not None:
         state = request.app.state
         allow = state.settings.webhook_allow
-        await vet_callback(state.engine, tenant, envelope.callback.url, allow=allow)
+        url = envelope.callback.url
+        await vet_callback(state.engine, state.lookups, tenant, url, allow=allow)
 
 
 @router.post(
@@ -62,7 +64,7 @@ async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> No
         }
     },
 )
-async def submit_task(request: Request, caller: Caller) -> Response:
+async def submit_task(request: Request, caller: Metered) -> Response:
     """Submit an envelope. ``async``: 202 with the task at once, poll ``Location``.
     ``sync``: 200 with the finished task if it finishes within the wait, else 202.
     ``stream``: the task's events as ``text/event-stream``."""
@@ -77,7 +79,6 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         raise Forbidden(
             f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
         )
-    await _vet_callback(request, caller.tenant, envelope)
     queue = await admit(
         envelope,
         tenant=caller.tenant,
@@ -86,6 +87,7 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         cache=state.catalog_cache,
     )
     await state.queue_bound.check(queue)
+    await _vet_callback(request, caller.tenant, envelope)  # last: it may resolve a host name
     accepted = await submit(
         state.inserter,
         state.dispatcher,

@@ -13,18 +13,18 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from api.deps import authenticate, read_json_body
+from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES
 from broker import jsonbody
 from broker.errors import BadRequest, NotFound
 from broker.keys import Principal
 from broker.tasks import parse_task_id
 from broker.webhooks import delivery_log, subscriptions
-from broker.webhooks.ssrf import Guard, vet
 from broker.webhooks.subscriptions import WebhookSpec, render
 
 router = APIRouter(tags=["webhooks"])
 Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]  # routes that do real work take a token
 SPEC_MAX_BYTES = 16 * 1024
 
 
@@ -59,12 +59,12 @@ async def _spec(request: Request) -> WebhookSpec:
 
 
 @router.post("/webhooks", status_code=201, responses=ERROR_RESPONSES)
-async def create_webhook(request: Request, caller: Caller) -> JSONResponse:
+async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
     """Subscribe a URL to task events (``url``, ``events``, ``capabilities`` patterns,
     ``description``). The answer holds the signing ``secret``: it is never shown again."""
     state = request.app.state
     spec = await _spec(request)
-    await vet(Guard(state.settings.webhook_allow), spec.url)
+    await state.lookups.vet(spec.url, allow=state.settings.webhook_allow, tenant=caller.tenant)
     row, secret = await subscriptions.create(
         state.engine, caller.tenant, spec, max_per_tenant=state.settings.webhook_max_per_tenant
     )
@@ -93,7 +93,7 @@ async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> R
 
 
 @router.post("/webhooks/{webhook_id}/rotate-secret", responses=ERROR_RESPONSES)
-async def rotate_secret(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> dict[str, Any]:
     """A new secret, shown once; the old one keeps signing (alongside) for the grace period."""
     state = request.app.state
     rotated = await subscriptions.rotate(
@@ -136,7 +136,7 @@ async def webhook_deliveries(
     responses=ERROR_RESPONSES,
 )
 async def redeliver(
-    webhook_id: str, delivery_id: str, request: Request, caller: Caller
+    webhook_id: str, delivery_id: str, request: Request, caller: Metered
 ) -> dict[str, Any]:
     """Send a failed or dead delivery once more, with the same webhook-id and body."""
     webhook = await _webhook(request, caller.tenant, webhook_id)
