@@ -19,6 +19,7 @@ kombu's priority lists ``<queue>\x06\x16<n>``, card queues ``<capability>@<agent
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 NAME_MAX = 128
 _SEGMENT = r"[a-z][a-z0-9_-]{0,62}"
@@ -57,7 +58,7 @@ def pattern_allows(pattern: str, name: str) -> bool:
     return pattern == name
 
 
-def any_pattern_allows(patterns: list[str] | tuple[str, ...], name: str) -> bool:
+def any_pattern_allows(patterns: Sequence[str], name: str) -> bool:
     return any(pattern_allows(p, name) for p in patterns)
 
 
