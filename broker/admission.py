@@ -1,12 +1,14 @@
 """Deciding, before anything is written, where a request goes and whether its payload fits.
 
-Route to the most specific live capability (see ``routing``); none live is 503
-``no_agent_available`` unless the envelope asks to wait in the queue. The payload is checked
-against the chosen card's input schema and size limit.
+Route to the most specific live capability the caller's key allows (see ``routing``); none is
+503 ``no_agent_available`` unless the envelope asks to wait in the queue of a capability some
+card has served (a name nobody ever served would only leave a list in Redis behind). The
+payload is checked against the chosen card's input schema and size limit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -22,6 +24,9 @@ from broker.grouping import Grouped
 from broker.registry import LEASE_PREFIX, live_key, now_s
 
 NO_AGENT_RETRY_AFTER_S = 5
+# The metric label of a capability no card has served: not a valid name, so never a real one,
+# and one series however many names callers make up.
+UNKNOWN_LABEL = "_unknown"
 MAX_SCHEMA_ERRORS = 20
 
 GROUP_MAX_REQUESTS = 100
@@ -92,30 +97,42 @@ class Door:
 async def admit(
     envelope: Envelope,
     *,
-    tenant: str,
+    allowed: Sequence[str],
     door: Door,
     engine: AsyncEngine,
     cache: catalog.TimedCache,
 ) -> str:
     """The queue to publish to; raises when the request cannot be served as sent. The tenant's
-    rate was taken before the body was read (``Door.take``)."""
+    rate was taken before the body was read (``Door.take``). ``allowed``: the caller's key
+    patterns, which bound the fallback up the prefix chain as they bound the capability asked
+    for."""
     known = await door.live(envelope.capability)
     rates = await catalog.success_rates(engine, cache)
-    route = await routing.resolve(door.redis, envelope.capability, success_rates=rates, known=known)
+    route = await routing.resolve(
+        door.redis, envelope.capability, allowed=allowed, success_rates=rates, known=known
+    )
     if route is None:
-        if envelope.queue_if_unavailable:
-            return envelope.capability
-        metrics.routing_failures.labels(envelope.capability).inc()
-        raise Unavailable(
-            f"no live agent serves {envelope.capability!r} or a capability it falls back to",
-            code="no_agent_available",
-            retry_after_s=NO_AGENT_RETRY_AFTER_S,
-        )
+        return await _unrouted(envelope, engine, cache)
     key = (route.card.agent_id, route.card.version, route.card.capability)
     document = await catalog.card(engine, cache, key)
     if document is not None:
         check_payload(document, envelope.payload, cache)
     return route.queue
+
+
+async def _unrouted(envelope: Envelope, engine: AsyncEngine, cache: catalog.TimedCache) -> str:
+    """The queue to wait in when nothing the key allows is live, or 503 no_agent_available.
+    Read only on this path: a routed request costs no extra query."""
+    served = envelope.capability in await catalog.served_capabilities(engine, cache)
+    if envelope.queue_if_unavailable and served:
+        return envelope.capability
+    metrics.routing_failures.labels(envelope.capability if served else UNKNOWN_LABEL).inc()
+    detail = "or a capability it falls back to" if served else "(no agent has ever served it)"
+    raise Unavailable(
+        f"no live agent serves {envelope.capability!r} {detail}",
+        code="no_agent_available",
+        retry_after_s=NO_AGENT_RETRY_AFTER_S,
+    )
 
 
 def check_payload(document: dict[str, Any], payload: Any, cache: catalog.TimedCache) -> None:

@@ -54,6 +54,17 @@ async def card(engine: AsyncEngine, cache: TimedCache, key: CardKey) -> dict[str
     return cache.put(("card", key), document)  # type: ignore[no-any-return]
 
 
+async def served_capabilities(engine: AsyncEngine, cache: TimedCache) -> frozenset[str]:
+    """Every capability a card has served. Only these may be queued for or named in a metric
+    label: a name nobody serves must leave nothing behind (a list in Redis, a label series)."""
+    found, value = cache.get("served_capabilities")
+    if found:
+        return value  # type: ignore[no-any-return]
+    async with engine.connect() as conn:
+        names = (await conn.execute(select(cards.c.capability).distinct())).scalars().all()
+    return cache.put("served_capabilities", frozenset(names))  # type: ignore[no-any-return]
+
+
 async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[str, str], float]:
     """Per (agent_id, version): the share of tasks finished in the window that succeeded."""
     found, value = cache.get("success_rates")

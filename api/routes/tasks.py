@@ -81,7 +81,7 @@ async def submit_task(request: Request, caller: Metered) -> Response:
         )
     queue = await admit(
         envelope,
-        tenant=caller.tenant,
+        allowed=caller.capabilities,
         door=state.door,
         engine=state.engine,
         cache=state.catalog_cache,

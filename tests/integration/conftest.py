@@ -10,10 +10,11 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from api.app import create_app
-from broker import keys, localservices
+from broker import keys, leases, localservices
 from broker.db.models import tasks_table
 from broker.settings import Settings
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
+from workers.sdk.registry import AgentRegistry
 
 TEST_QUEUES = ",".join(
     [
@@ -32,6 +33,23 @@ TEST_QUEUES = ",".join(
         "test.short-fuse",
     ]
 )
+
+# Capabilities whose agent no test starts, yet whose tasks must be able to wait in a queue.
+DORMANT = ("test.nobody", "test.nobody-serves", "test.nobody-serves-this")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def served_cards(engine: Engine) -> None:
+    """The cards of every test agent and of the dormant capabilities, in Postgres before any
+    API starts: only a capability some card has served may be queued for, and an API caches
+    which those are."""
+    import tests.agents  # noqa: F401  # registers the test agents with the SDK
+    from workers.sdk import agent
+
+    dormant = AgentRegistry()
+    for name in DORMANT:
+        dormant.capability(name, agent_id="test-dormant")(lambda ctx, payload: None)
+    leases.advertise_cards(engine, [s.card_document() for s in [*agent, *dormant]])
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,9 @@
 - A queued task whose queue is empty in the broker long after it was accepted (the API died
   between commit and publish; Redis restarted without persistence) is published again. A
   duplicate message is harmless: only one claim from ``queued`` can succeed.
+- A queued task whose queue is a reserved name (accepted before the name was reserved) fails
+  with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
+  which stops every worker, and would do it again each sweep after an operator deleted it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import redis
 from celery import Celery
 
 from broker import events, execution, leases, metrics, retry
+from broker.capabilities import is_valid_name
 from broker.dispatch import queue_depths
 from broker.registry import capability_of, lease_key
 from workers.runner import Runner, error
@@ -76,8 +80,11 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
     by_queue: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in stale:
         by_queue[row["queue"]].append(row)
-    republished = 0
+    republished = refused = 0
     for queue, rows in by_queue.items():
+        if not is_valid_name(capability_of(queue)):
+            refused += _refuse(runner, rows)
+            continue
         if queue_depths(app, [queue])[queue] > 0:
             continue  # messages are waiting: these rows are most likely among them
         for row in rows:
@@ -85,9 +92,15 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
                 assert runner.republish is not None
                 runner.republish(row["id"], queue, row["trace_id"], row["deadline_at"], 0.0)
                 republished += 1
-    if expired or republished:
-        log.warning("sweep: %d expired, %d republished", expired, republished)
-    return {"expired": expired, "republished": republished}
+    if expired or republished or refused:
+        log.warning("sweep: %d expired, %d republished, %d refused", expired, republished, refused)
+    return {"expired": expired, "republished": republished, "refused": refused}
+
+
+def _refuse(runner: Runner, rows: list[dict[str, Any]]) -> int:
+    why = error("capability_reserved", "the capability's name is reserved for the broker's keys")
+    failed = [runner.finalize(execution.fail(runner.engine, r["id"], why)) for r in rows]
+    return failed.count("failed")
 
 
 def _first_republish(client: redis.Redis, task_id: uuid.UUID, window_s: float) -> bool:
