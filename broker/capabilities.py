@@ -62,6 +62,26 @@ def any_pattern_allows(patterns: Sequence[str], name: str) -> bool:
     return any(pattern_allows(p, name) for p in patterns)
 
 
+def pattern_covers(outer: str, inner: str) -> bool:
+    """Whether every name ``inner`` allows, ``outer`` allows too."""
+    if inner == "*":
+        return outer == "*"
+    if inner.endswith(".*"):
+        return outer != inner[:-2] and pattern_allows(outer, inner[:-2])
+    return pattern_allows(outer, inner)
+
+
+def patterns_cover(outer: list[str] | tuple[str, ...], inner: list[str] | tuple[str, ...]) -> bool:
+    """Whether ``outer`` allows every name that ``inner`` allows; an empty ``inner`` (a filter
+    that lets everything through) is covered only by ``*``.
+
+    A wildcard is covered only by one pattern that covers it alone: no finite set of narrower
+    patterns allows all of ``invoice`` and every name below it.
+    """
+    inner = inner or ("*",)
+    return all(any(pattern_covers(o, i) for o in outer) for i in inner)
+
+
 def prefix_chain(name: str) -> list[str]:
     """``invoice.extract.zh`` -> ``[invoice.extract.zh, invoice.extract, invoice]``."""
     parts = name.split(".")

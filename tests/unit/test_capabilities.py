@@ -15,6 +15,8 @@ from broker.capabilities import (
     is_valid_name,
     is_valid_pattern,
     pattern_allows,
+    pattern_covers,
+    patterns_cover,
     prefix_chain,
 )
 
@@ -215,6 +217,65 @@ def test_given_several_patterns_expect_a_name_allowed_when_any_allows_it() -> No
     assert any_pattern_allows(patterns, "invoice.extract")
     assert not any_pattern_allows(patterns, "invoice.render")
     assert not any_pattern_allows([], "invoice.extract")
+
+
+# --- pattern_covers and patterns_cover --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("*", "*"),
+        ("*", "invoice.*"),
+        ("*", "invoice"),
+        ("invoice.*", "invoice.*"),
+        ("invoice.*", "invoice"),
+        ("invoice.*", "invoice.extract"),
+        ("invoice.*", "invoice.extract.*"),
+        ("invoice.extract", "invoice.extract"),
+    ],
+)
+def test_given_an_outer_pattern_allowing_all_the_inner_allows_expect_covered(
+    outer: str, inner: str
+) -> None:
+    assert pattern_covers(outer, inner)
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("invoice.*", "*"),
+        ("echo", "*"),
+        ("invoice", "invoice.*"),  # the stem alone, not what lies below it
+        ("invoice.extract", "invoice.*"),
+        ("invoice.extract.*", "invoice.*"),
+        ("invoice.extract.*", "invoice"),
+        ("invoice.*", "invoices.*"),  # a text prefix is not a segment prefix
+        ("invoice.*", "invoicex"),
+        ("echo", "invoice"),
+    ],
+)
+def test_given_an_inner_pattern_allowing_a_name_the_outer_refuses_expect_not_covered(
+    outer: str, inner: str
+) -> None:
+    assert not pattern_covers(outer, inner)
+
+
+def test_given_patterns_expect_a_filter_covered_when_each_of_its_patterns_is() -> None:
+    key = ("invoice.*", "echo")
+    assert patterns_cover(key, ["echo"])
+    assert patterns_cover(key, ["invoice.extract", "echo"])
+    assert not patterns_cover(key, ["echo", "billing.*"])
+
+
+def test_given_an_empty_filter_expect_it_covered_only_by_the_star_pattern() -> None:
+    # A subscription with no capability filter receives every capability's events.
+    assert patterns_cover(("*",), [])
+    assert not patterns_cover(("invoice.*", "echo"), [])
+
+
+def test_given_narrow_patterns_expect_no_union_of_them_to_cover_a_wildcard() -> None:
+    assert not patterns_cover(("invoice", "invoice.extract", "invoice.render"), ["invoice.*"])
 
 
 # --- prefix_chain --------------------------------------------------------------------------
