@@ -257,6 +257,7 @@ async def authenticate(request: Request) -> Principal:
         tenant=row["tenant"],
         capabilities=tuple(row["capabilities"]),
         is_admin=row["is_admin"],
+        tenant_admin=row["tenant_admin"],
     )
 
 

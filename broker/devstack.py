@@ -151,7 +151,9 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         settings = Settings(
             database_url=env["REACH_DATABASE_URL"], redis_url=env["REACH_REDIS_URL"]
         )
-        _, token = keys.create_key(sync_engine(settings), "dev", ["*"], is_admin=True, name="dev")
+        _, token = keys.create_key(
+            sync_engine(settings), "dev", ["*"], is_admin=True, tenant_admin=True, name="dev"
+        )
         for name, command in _commands(port, flower_port, data_dir).items():
             # Their own process group: Ctrl-C reaches only this process, which then stops
             # them in order (the worker finishes what it holds).

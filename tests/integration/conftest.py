@@ -108,9 +108,11 @@ KeyMaker = Callable[..., tuple[str, str]]
 def make_key(engine: Engine) -> KeyMaker:
     """Create a key for a fresh tenant (or the one given); returns (tenant, token)."""
 
-    def make(patterns: list[str] | None = None, tenant: str | None = None) -> tuple[str, str]:
+    def make(
+        patterns: list[str] | None = None, tenant: str | None = None, *, tenant_admin: bool = False
+    ) -> tuple[str, str]:
         tenant = tenant or f"t-{secrets.token_hex(4)}"
-        _, token = keys.create_key(engine, tenant, patterns or ["*"])
+        _, token = keys.create_key(engine, tenant, patterns or ["*"], tenant_admin=tenant_admin)
         return tenant, token
 
     return make
@@ -132,6 +134,16 @@ def client(
 ) -> Iterator[httpx.Client]:
     """An HTTP client of a fresh tenant allowed everything, with the worker running."""
     with client_for(api, tenant[1]) as http:
+        yield http
+
+
+@pytest.fixture
+def tenant_admin(
+    api: ServedApp, tenant: tuple[str, str], make_key: KeyMaker
+) -> Iterator[httpx.Client]:
+    """A tenant-admin client of ``client``'s tenant: it sets the tenant's callback secret."""
+    _, token = make_key(tenant=tenant[0], tenant_admin=True)
+    with client_for(api, token) as http:
         yield http
 
 
