@@ -32,6 +32,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "unauthenticated": 401,
     "admin_required": 403,
     "capability_not_allowed": 403,
+    "tenant_admin_required": 403,
     "task_not_found": 404,
     "agent_not_found": 404,
     "instance_not_found": 404,

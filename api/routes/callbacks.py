@@ -1,10 +1,13 @@
 """Per-task callbacks: the secret that signs them, and a task's deliveries.
 
-A task's deliveries include its own callback and every subscription it matched.
+A task's deliveries include its own callback and every subscription it matched. The secret is
+the tenant's, so only a tenant-admin key sets it; a task's deliveries are seen by the keys
+that see the task.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -14,7 +17,7 @@ from api.deps import authenticate, metered
 from api.routes.webhooks import parse_id, send_again
 from api.schemas import ERROR_RESPONSES
 from broker import queries
-from broker.errors import NotFound
+from broker.errors import Forbidden, NotFound
 from broker.keys import Principal
 from broker.webhooks import delivery_log, iso
 from broker.webhooks.subscriptions import rotate_callback_secret
@@ -28,7 +31,13 @@ TASK_DELIVERIES_MAX = 100
 @router.post("/callbacks/secret", status_code=201, responses=ERROR_RESPONSES)
 async def create_callback_secret(request: Request, caller: Metered) -> JSONResponse:
     """Create (or rotate) the secret that signs this tenant's task callbacks; shown once.
-    After a rotation the previous secret keeps signing until ``previous_secret_expires_at``."""
+    After a rotation the previous secret keeps signing until ``previous_secret_expires_at``.
+    Needs a tenant-admin key: the secret signs the callbacks of every task of the tenant."""
+    if not caller.manages_tenant:
+        raise Forbidden(
+            "the callback secret is the tenant's: it needs a tenant-admin key",
+            code="tenant_admin_required",
+        )
     state = request.app.state
     secret, previous_expires_at = await rotate_callback_secret(
         state.engine, caller.tenant, grace_s=state.settings.webhook_rotation_grace_s
@@ -42,7 +51,7 @@ async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dic
     """Every delivery of the task's events (its callback and matching subscriptions), each
     with its attempts. Kept after the task itself expires, for the delivery log's lifetime."""
     state = request.app.state
-    tid = parse_id(task_id, "task")
+    tid = await _task_seen(request, caller, task_id)
     rows, _ = await delivery_log.page(
         state.engine, caller.tenant, delivery_log.of_task(tid), limit=TASK_DELIVERIES_MAX
     )
@@ -60,5 +69,18 @@ async def redeliver_for_task(
     task_id: str, delivery_id: str, request: Request, caller: Metered
 ) -> dict[str, Any]:
     """Send a failed or dead delivery of this task once more (its callback's too)."""
-    scope = delivery_log.of_task(parse_id(task_id, "task"))
+    scope = delivery_log.of_task(await _task_seen(request, caller, task_id))
     return await send_again(request, caller.tenant, parse_id(delivery_id, "delivery"), scope)
+
+
+async def _task_seen(request: Request, caller: Principal, task_id: str) -> uuid.UUID:
+    """The task's id, or 404 when this key may not see the task. The delivery log outlives
+    the task but does not record its capability: a key limited to some capabilities sees
+    the deliveries only while it can still see the task."""
+    tid = parse_id(task_id, "task")
+    if "*" in caller.sees:
+        return tid
+    engine = request.app.state.engine
+    if await queries.get_task(engine, caller.tenant, tid, patterns=caller.sees) is None:
+        raise NotFound("no such task", code="task_not_found")
+    return tid

@@ -149,14 +149,7 @@ async def task_events(
 ) -> EventStreamResponse:
     """SSE: the task's events from the start, or after ``Last-Event-ID``; ends after the final
     event. Opening it on a finished task replays the log."""
-    tid = parse_task_id(task_id)
-    row = (
-        None
-        if tid is None
-        else await queries.get_task(request.app.state.engine, caller.tenant, tid)
-    )
-    if tid is None or row is None:
-        raise NotFound("no such task", code="task_not_found")
+    tid = (await _visible_task(request, caller, task_id))["id"]
     after = 0
     if last_event_id is not None:
         if not last_event_id.strip().isdigit() or len(last_event_id.strip()) > 18:
@@ -169,16 +162,23 @@ async def task_events(
 
 @router.get("/tasks/{task_id}", response_model=TaskResource, responses=ERROR_RESPONSES)
 async def get_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
-    """The task. Unknown, expired and other tenants' ids are all 404."""
+    """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
+    key's patterns are all 404."""
+    return JSONResponse(render(await _visible_task(request, caller, task_id)))
+
+
+async def _visible_task(request: Request, caller: Principal, task_id: str) -> dict[str, Any]:
+    """The task if this key may see it, else 404 (a task it may not see does not exist)."""
     tid = parse_task_id(task_id)
+    engine = request.app.state.engine
     row = (
         None
         if tid is None
-        else await queries.get_task(request.app.state.engine, caller.tenant, tid)
+        else await queries.get_task(engine, caller.tenant, tid, patterns=caller.sees)
     )
     if row is None:
         raise NotFound("no such task", code="task_not_found")
-    return JSONResponse(render(row))
+    return row
 
 
 @router.get("/tasks", response_model=TaskList, responses=ERROR_RESPONSES)
@@ -190,7 +190,8 @@ async def list_tasks(
     limit: Annotated[int, Query(ge=1)] = 50,
     cursor: Annotated[str | None, Query(max_length=64)] = None,
 ) -> JSONResponse:
-    """The tenant's tasks, newest first; pass ``next_cursor`` back as ``cursor`` for more."""
+    """The tenant's tasks of capabilities the key's patterns allow, newest first; pass
+    ``next_cursor`` back as ``cursor`` for more."""
     if capability is not None and not is_valid_name(capability):
         raise BadRequest("capability is not a valid name", code="invalid_parameter")
     state = request.app.state
@@ -201,6 +202,7 @@ async def list_tasks(
         status=status,
         limit=min(limit, state.settings.list_page_max),
         cursor=cursor,
+        patterns=caller.sees,
     )
     return JSONResponse({"tasks": [render(r) for r in rows], "next_cursor": next_cursor})
 
@@ -211,11 +213,13 @@ async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONRes
     its context, and stopped outright when its card says it is cancellable. 409 if final."""
     state = request.app.state
     tid = parse_task_id(task_id)
-    row = None if tid is None else await cancellation.cancel(state.engine, caller.tenant, tid)
+    row = (
+        None
+        if tid is None
+        else await cancellation.cancel(state.engine, caller.tenant, tid, patterns=caller.sees)
+    )
     if row is None:
-        current = None if tid is None else await queries.get_task(state.engine, caller.tenant, tid)
-        if current is None:
-            raise NotFound("no such task", code="task_not_found")
+        current = await _visible_task(request, caller, task_id)
         raise Conflict(f"the task is already {current['status']}", code="task_final")
     await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
     await _stop_if_cancellable(request, row)
