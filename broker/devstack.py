@@ -122,6 +122,7 @@ Agent-Reach is running ({where}).
   API      {api}        docs {api}/docs
   Flower   http://127.0.0.1:{flower_port}
   API key  {token}
+           tenant "dev", operator and tenant admin: it sets the callback secret too
   Webhooks REACH_WEBHOOK_ALLOW={allow or "(none)"}
            the SSRF guard lets webhooks reach these (loopback by default in dev;
            production allows none)
