@@ -14,12 +14,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from api.deps import authenticate, metered
-from api.routes.webhooks import parse_id, send_again
+from api.routes.webhooks import parse_id, reaches, send_again
 from api.schemas import ERROR_RESPONSES
 from broker import queries
 from broker.errors import Forbidden, NotFound
 from broker.keys import Principal
-from broker.webhooks import delivery_log, iso
+from broker.webhooks import delivery_log, iso, subscriptions
 from broker.webhooks.subscriptions import rotate_callback_secret
 
 router = APIRouter(tags=["webhooks"])
@@ -51,10 +51,8 @@ async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dic
     """Every delivery of the task's events (its callback and matching subscriptions), each
     with its attempts. Kept after the task itself expires, for the delivery log's lifetime."""
     state = request.app.state
-    tid = await _task_seen(request, caller, task_id)
-    rows, _ = await delivery_log.page(
-        state.engine, caller.tenant, delivery_log.of_task(tid), limit=TASK_DELIVERIES_MAX
-    )
+    tid, scope = await _deliveries_seen(request, caller, task_id)
+    rows, _ = await delivery_log.page(state.engine, caller.tenant, scope, limit=TASK_DELIVERIES_MAX)
     if not rows and await queries.get_task(state.engine, caller.tenant, tid) is None:
         raise NotFound("no such task", code="task_not_found")
     return {"deliveries": rows}
@@ -69,18 +67,22 @@ async def redeliver_for_task(
     task_id: str, delivery_id: str, request: Request, caller: Metered
 ) -> dict[str, Any]:
     """Send a failed or dead delivery of this task once more (its callback's too)."""
-    scope = delivery_log.of_task(await _task_seen(request, caller, task_id))
+    _, scope = await _deliveries_seen(request, caller, task_id)
     return await send_again(request, caller.tenant, parse_id(delivery_id, "delivery"), scope)
 
 
-async def _task_seen(request: Request, caller: Principal, task_id: str) -> uuid.UUID:
-    """The task's id, or 404 when this key may not see the task. The delivery log outlives
-    the task but does not record its capability: a key limited to some capabilities sees
-    the deliveries only while it can still see the task."""
+async def _deliveries_seen(
+    request: Request, caller: Principal, task_id: str
+) -> tuple[uuid.UUID, Any]:
+    """The task's id and which of its deliveries this key sees: all of them for a key that
+    sees every capability. The log outlives the task but does not record its capability, so a
+    key limited to some capabilities sees them only while it still sees the task, and only
+    the task's callback and the subscriptions the key reaches; else 404."""
     tid = parse_id(task_id, "task")
     if "*" in caller.sees:
-        return tid
+        return tid, delivery_log.of_task(tid)
     engine = request.app.state.engine
     if await queries.get_task(engine, caller.tenant, tid, patterns=caller.sees) is None:
         raise NotFound("no such task", code="task_not_found")
-    return tid
+    webhooks = await subscriptions.list_for(engine, caller.tenant)
+    return tid, delivery_log.of_task(tid, [w["id"] for w in webhooks if reaches(caller, w)])

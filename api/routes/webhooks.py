@@ -39,7 +39,8 @@ def parse_id(raw: str, what: str) -> uuid.UUID:
     return parsed
 
 
-def _covers(caller: Principal, webhook: dict[str, Any]) -> bool:
+def reaches(caller: Principal, webhook: dict[str, Any]) -> bool:
+    """Whether the key's patterns cover everything the subscription's filter lets through."""
     return patterns_cover(caller.sees, webhook["capabilities"])
 
 
@@ -47,7 +48,7 @@ async def _webhook(request: Request, caller: Principal, raw_id: str) -> dict[str
     """The subscription if this key reaches it, else 404 like an unknown one."""
     engine = request.app.state.engine
     found = await subscriptions.get(engine, caller.tenant, parse_id(raw_id, "webhook"))
-    if found is None or not _covers(caller, found):
+    if found is None or not reaches(caller, found):
         raise NotFound("no such webhook", code="webhook_not_found")
     return found
 
@@ -92,7 +93,7 @@ async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
 async def list_webhooks(request: Request, caller: Caller) -> dict[str, Any]:
     """The subscriptions this key reaches (a tenant has at most a few dozen)."""
     rows = await subscriptions.list_for(request.app.state.engine, caller.tenant)
-    return {"webhooks": [render(r) for r in rows if _covers(caller, r)]}
+    return {"webhooks": [render(r) for r in rows if reaches(caller, r)]}
 
 
 @router.get("/webhooks/{webhook_id}", responses=ERROR_RESPONSES)

@@ -159,6 +159,24 @@ def test_a_tasks_deliveries_are_hidden_with_the_task(acme: Tenant) -> None:
     assert problem(redelivered) == (404, "task_not_found", "no such task")
 
 
+def test_a_tasks_deliveries_show_a_key_only_its_callback_and_the_webhooks_it_reaches(
+    acme: Tenant,
+) -> None:
+    assert acme.admin.post("/callbacks/secret").status_code == 201
+    with Receiver() as receiver:
+        register(acme.admin, receiver.url)  # no filter: beyond what the echo key reaches
+        task = submit(acme.echo, callback={"url": receiver.url})
+        path = f"/tasks/{task['task_id']}/deliveries"
+        every = wait_deliveries(acme.wide, path, lambda found: len(found) == 2)
+    webhook_delivery = next(d for d in every if d["kind"] == "subscription")
+
+    shown = acme.echo.get(path).json()["deliveries"]
+    redelivered = acme.echo.post(f"{path}/{webhook_delivery['delivery_id']}/redeliver")
+
+    assert [d["kind"] for d in shown] == ["callback"]
+    assert problem(redelivered)[:2] == (404, "delivery_not_found")
+
+
 # --- webhooks and the callback secret ------------------------------------------------------
 
 
