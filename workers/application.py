@@ -136,7 +136,7 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
 
     @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
     def reap_lost() -> dict[str, int]:
-        return recovery.reap(runner)
+        return {**recovery.reap(runner), "announced": recovery.announce_finished(runner)}
 
     @app.task(name=SWEEP_TASK)  # type: ignore[untyped-decorator]
     def sweep_queued() -> dict[str, int]:
