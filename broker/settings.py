@@ -93,9 +93,10 @@ class Settings(BaseSettings):
     # /metrics. Each API process computes the system gauges (queue depths, the oldest queued
     # task, registry health) every metrics_refresh_s and serves the last figures; a scrape
     # reads no database. With a token, /metrics needs ``Authorization: Bearer <token>``;
-    # without one it answers 404 unless metrics_public (the dev stack sets it). The workers'
-    # metrics server (worker_metrics_port) listens on worker_metrics_host.
-    metrics_token: SecretStr | None = None
+    # without one it answers 404 unless metrics_public (the dev stack sets it); a token under
+    # 16 characters is refused at startup. The workers' metrics server (worker_metrics_port)
+    # listens on worker_metrics_host.
+    metrics_token: SecretStr | None = Field(None, min_length=16)
     metrics_public: bool = False
     metrics_refresh_s: float = Field(15.0, gt=0)
     worker_metrics_host: str = "127.0.0.1"
