@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,7 +11,7 @@ import anyio
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, system_gauges
 from api.deps import (
     KeyCache,
     PerClientBudget,
@@ -35,7 +37,14 @@ from broker.webhooks.ssrf import HostLookups
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gauges = asyncio.create_task(
+            system_gauges.keep_fresh(app.state, settings.metrics_refresh_s),
+            name="reach-system-gauges",
+        )
         yield
+        gauges.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gauges
         await app.state.hub.close()
         await app.state.engine.dispose()
         await app.state.redis.aclose()

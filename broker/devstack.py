@@ -42,6 +42,8 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
     env.update(REACH_DATABASE_URL=database_url, REACH_REDIS_URL=services.redis_url)
     # Webhooks to a receiver on this machine: the deny table refuses loopback otherwise.
     env.setdefault("REACH_WEBHOOK_ALLOW", DEV_WEBHOOK_ALLOW)
+    # The API listens on loopback here: /metrics needs no token (elsewhere it does).
+    env.setdefault("REACH_METRICS_PUBLIC", "true")
     return env, services
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -104,6 +104,17 @@ class Settings(BaseSettings):
     webhook_delivery_ttl_s: int = Field(7 * 24 * 3600, gt=0)
     webhook_sweep_interval_s: float = Field(30.0, gt=0)
     webhook_max_per_tenant: int = Field(50, gt=0)
+
+    # /metrics. Each API process computes the system gauges (queue depths, the oldest queued
+    # task, registry health) every metrics_refresh_s and serves the last figures; a scrape
+    # reads no database. With a token, /metrics needs ``Authorization: Bearer <token>``;
+    # without one it answers 404 unless metrics_public (the dev stack sets it); a token under
+    # 16 characters is refused at startup. The workers' metrics server (worker_metrics_port)
+    # listens on worker_metrics_host.
+    metrics_token: SecretStr | None = Field(None, min_length=16)
+    metrics_public: bool = False
+    metrics_refresh_s: float = Field(15.0, gt=0)
+    worker_metrics_host: str = "127.0.0.1"
 
     @field_validator("agents", "webhook_allow", "webhook_schedule_s", mode="before")
     @classmethod

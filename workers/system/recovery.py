@@ -11,6 +11,10 @@
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
   with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
   which stops every worker, and would do it again each sweep after an operator deleted it.
+- A task final in Postgres whose event log lacks its final event (its worker died between the
+  two writes) gets that event. The scan walks ``finished_at`` from where the last one stopped,
+  over the last ``ANNOUNCE_WINDOW_S`` only; older ones are left to their readers (a stream
+  that finds the task final in Postgres appends the event itself) and to redeliveries.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
@@ -31,6 +36,12 @@ from workers.runner import Runner, error
 
 log = logging.getLogger("reach.recovery")
 REPUBLISH_GUARD_PREFIX = "reach:republished:"
+ANNOUNCED_UNTIL_KEY = "reach:reaper:announced-until"
+ANNOUNCE_WINDOW_S = 900
+# A worker that finished a task this recently is still appending its final event.
+ANNOUNCE_GRACE_S = 2.0
+ANNOUNCE_BATCH = 1000
+ANNOUNCE_MAX_BATCHES = 10
 
 
 def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[str, int]:
@@ -107,3 +118,29 @@ def _first_republish(client: redis.Redis, task_id: uuid.UUID, window_s: float) -
     """At most one republish per task per window, however many sweepers run."""
     key = f"{REPUBLISH_GUARD_PREFIX}{task_id}"
     return bool(client.set(key, "1", nx=True, px=max(1000, int(window_s * 1000))))
+
+
+def announce_finished(runner: Runner) -> int:
+    """Append the final event of recently finished tasks whose log lacks it; how many."""
+    floor = datetime.now(UTC) - timedelta(seconds=ANNOUNCE_WINDOW_S)
+    mark = runner.redis.get(ANNOUNCED_UNTIL_KEY)
+    after = max(floor, datetime.fromtimestamp(float(mark), UTC)) if mark else floor
+    announced = 0
+    for _ in range(ANNOUNCE_MAX_BATCHES):
+        batch = execution.finished_between(
+            runner.engine, after=after, before_s=ANNOUNCE_GRACE_S, limit=ANNOUNCE_BATCH
+        )
+        if not batch:
+            break
+        missing = events.unannounced(runner.redis, [task_id for task_id, _ in batch])
+        for row in execution.rows_of(runner.engine, missing) if missing else []:
+            announced += runner.announce(row)
+        # Two tasks finished in the same microsecond across a batch boundary: the second is
+        # left to its readers.
+        after = batch[-1][1]
+        runner.redis.set(ANNOUNCED_UNTIL_KEY, after.timestamp(), ex=2 * ANNOUNCE_WINDOW_S)
+        if len(batch) < ANNOUNCE_BATCH:
+            break
+    if announced:
+        log.warning("announced %d final states their workers did not", announced)
+    return announced
