@@ -38,11 +38,9 @@ TEST_QUEUES = ",".join(
 DORMANT = ("test.nobody", "test.nobody-serves", "test.nobody-serves-this")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def served_cards(engine: Engine) -> None:
-    """The cards of every test agent and of the dormant capabilities, in Postgres before any
-    API starts: only a capability some card has served may be queued for, and an API caches
-    which those are."""
+def advertise_test_cards(engine: Engine) -> None:
+    """The cards of every test agent and of the dormant capabilities, in the database of
+    ``engine``: only a capability some card has served may be queued for."""
     import tests.agents  # noqa: F401  # registers the test agents with the SDK
     from workers.sdk import agent
 
@@ -50,6 +48,12 @@ def served_cards(engine: Engine) -> None:
     for name in DORMANT:
         dormant.capability(name, agent_id="test-dormant")(lambda ctx, payload: None)
     leases.advertise_cards(engine, [s.card_document() for s in [*agent, *dormant]])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def served_cards(engine: Engine) -> None:
+    """The test cards in Postgres before any API starts (an API caches which were served)."""
+    advertise_test_cards(engine)
 
 
 @pytest.fixture(scope="session")

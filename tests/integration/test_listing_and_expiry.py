@@ -18,7 +18,7 @@ from broker import keys, localservices, migrate
 from broker.db.engines import sync_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
-from tests.integration.conftest import client_for
+from tests.integration.conftest import advertise_test_cards, client_for
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -126,6 +126,7 @@ def janitorless(
     migrate.upgrade(url)
     local = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
     engine = sync_engine(local)
+    advertise_test_cards(engine)
     _, token = keys.create_key(engine, "t-expiry", ["*"])
     try:
         with ServedApp(create_app(local)) as served:
