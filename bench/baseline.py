@@ -108,14 +108,14 @@ def measure(
         progress(f"{baseline.title}: throughput ({tasks} tasks, concurrency {concurrency})")
         with meter.phase(f"{key}.throughput"):
             worker_cpu_s, client_cpu_s = worker.cpu_s(), time.process_time()
-            services_cpu_s = machine.services_cpu_s()
+            services_at_start = machine.services_cpu()
             through = throughput(app, tasks, baseline.results)
             through["worker_cpu_ms_per_task"] = _per_task_ms(worker.cpu_s() - worker_cpu_s, tasks)
             through["client_cpu_ms_per_task"] = _per_task_ms(
                 time.process_time() - client_cpu_s, tasks
             )
             through["services_cpu_ms_per_task"] = _per_task_ms(
-                machine.services_cpu_s() - services_cpu_s, tasks
+                machine.services_cpu_since(services_at_start), tasks
             )
         progress(f"{baseline.title}: round trip ({round_trips} sequential calls)")
         with meter.phase(f"{key}.round_trip"):

@@ -46,18 +46,22 @@ def _ours() -> dict[tuple[int, float], float]:
     return found
 
 
-def services_cpu_s() -> float:
-    """CPU seconds Postgres and Redis have used so far (every process of theirs alive now).
-
-    The services are shared, so a phase's difference includes any other client's work, and a
-    Postgres backend that exits within the phase drops out: a rough figure, read it with
-    ``foreign_cores``."""
-    total = 0.0
-    for proc in psutil.process_iter(["name", "cpu_times"]):
+def services_cpu() -> dict[tuple[int, float], float]:
+    """CPU seconds each Postgres and Redis process alive now has used, by (pid, start)."""
+    found = {}
+    for proc in psutil.process_iter(["name", "cpu_times", "create_time"]):
         cpu = proc.info["cpu_times"]
         if cpu is not None and (proc.info["name"] or "").startswith(SERVICES):
-            total += cpu.user + cpu.system
-    return total
+            found[(proc.pid, proc.info["create_time"])] = cpu.user + cpu.system
+    return found
+
+
+def services_cpu_since(start: dict[tuple[int, float], float]) -> float:
+    """CPU seconds Postgres and Redis used since ``start`` (a ``services_cpu()``): per process,
+    so a backend that exits within the phase drops out of both ends instead of making the
+    figure negative. The services are shared, so this includes any other client's work: a
+    rough figure, read it with ``foreign_cores``."""
+    return sum(cpu - start.get(key, 0.0) for key, cpu in services_cpu().items())
 
 
 def foreign_cores(start: Snapshot, end: Snapshot) -> float:

@@ -97,14 +97,14 @@ def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
     token = stack.key(tenant)
     envelope = {"capability": "echo", "payload": {"i": 0}}
     cpu_at_start = stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()
-    services_at_start = machine.services_cpu_s()
+    services_at_start = machine.services_cpu()
     submitted = asyncio.run(
         loadgen.accept_rate(stack.port, token, envelope, connections=submitters, requests=count)
     )
     waited_from = time.perf_counter()
     counts = wait_final(stack.stores.libpq_url, tenant, submitted["accepted"])
     elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
-    services_s = machine.services_cpu_s() - services_at_start
+    services_s = machine.services_cpu_since(services_at_start)
     api_s, worker_s, client_s = (
         now - then
         for now, then in zip(
