@@ -50,17 +50,6 @@ def targets(conn: Connection, task: dict[str, Any], event_type: str) -> list[Tar
     return found
 
 
-def tenant_subscribes(engine: Engine, tenant: str) -> bool:
-    """Whether the tenant has any active subscription at all."""
-    query = (
-        select(webhooks.c.id)
-        .where(webhooks.c.tenant == tenant, webhooks.c.disabled_at.is_(None))
-        .limit(1)
-    )
-    with engine.connect() as conn:
-        return conn.execute(query).first() is not None
-
-
 def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
     """Whether any endpoint wants this event of the task (saves a message per progress
     report when nobody subscribed to progress)."""

@@ -41,7 +41,6 @@ SWEEP_GRACE_S = 60.0
 # Waits up to this long are countdown messages; longer ones are published by the sweep.
 COUNTDOWN_MAX_S = SWEEP_GRACE_S
 PROGRESS_CACHE_S = 5.0
-SUBSCRIBERS_CACHE_S = 1.0
 INFRA_RETRY_S = 2
 PROGRESS_CACHE_MAX = 10_000
 
@@ -57,24 +56,14 @@ class Webhooks:
         # task id -> (until, whether anyone wants its progress): one query per task, not per
         # report; a subscription made meanwhile counts once the entry is stale.
         self._wants_progress: dict[uuid.UUID, tuple[float, bool]] = {}
-        self._tenant_subscribes: dict[str, tuple[float, bool]] = {}
 
     def on_final(self, row: dict[str, Any]) -> None:
         """The runner's hook: announce a task's final state, when anyone may want it (its
-        callback, or a subscription of its tenant): most tasks cost no extra message."""
-        if row["status"] in FINAL and (row.get("callback") or self._subscribes(row["tenant"])):
+        callback, or a subscription of its tenant): most tasks cost no extra message. The
+        final update returned ``tenant_subscribes``, so a subscription made before it counts."""
+        wanted = row.get("callback") or row.get("tenant_subscribes", True)
+        if row["status"] in FINAL and wanted:
             send_announce(self.app, row["id"], event_for_status(row["status"]))
-
-    def _subscribes(self, tenant: str) -> bool:
-        # Cached briefly: a new subscription hears of tasks finishing from a few seconds on.
-        now = time.monotonic()
-        known = self._tenant_subscribes.get(tenant)
-        if known is None or known[0] < now:
-            if len(self._tenant_subscribes) > PROGRESS_CACHE_MAX:
-                self._tenant_subscribes.clear()
-            known = (now + SUBSCRIBERS_CACHE_S, fanout.tenant_subscribes(self.engine(), tenant))
-            self._tenant_subscribes[tenant] = known
-        return known[1]
 
     def on_progress(self, task_id: uuid.UUID) -> None:
         """The runner's progress hook: announce it only when some endpoint asked for it."""
