@@ -90,6 +90,14 @@ class Settings(BaseSettings):
     webhook_sweep_interval_s: float = Field(30.0, gt=0)
     webhook_max_per_tenant: int = Field(50, gt=0)
 
+    # Hostile tenants. A tenant's attempts in flight at once, over all webhooks workers; its
+    # next ones wait a second or two instead of taking a slot, so other tenants' go on. The
+    # webhooks worker needs more processes than this (docker-compose runs 8).
+    webhook_max_inflight_per_tenant: int = Field(4, gt=0)
+    # Where each worker's /metrics listens: this machine only unless an operator opens it
+    # (0.0.0.0 in a container whose port is not published).
+    worker_metrics_host: str = "127.0.0.1"
+
     @field_validator("agents", "webhook_allow", "webhook_schedule_s", mode="before")
     @classmethod
     def _split_modules(cls, value: object) -> object:

@@ -63,13 +63,13 @@ def _configure_logging(loglevel: str | int = "INFO", **_: object) -> None:
     logs.configure(level=logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel)
 
 
-def serve_metrics(port: int) -> None:
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """The worker's /metrics, merged over its pool processes, from its main process."""
     if not port:
         return
     try:
-        start_http_server(port, registry=metrics.worker_registry())
-        log.info("worker metrics on :%d/metrics", port)
+        start_http_server(port, addr=host, registry=metrics.worker_registry())
+        log.info("worker metrics on %s:%d/metrics", host, port)
     except OSError as exc:
         log.warning("worker metrics not served: port %d: %s", port, exc)
 
@@ -117,7 +117,8 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     signals.worker_shutting_down.connect(drain_on_shutdown, weak=False)
     signals.setup_logging.connect(_configure_logging, weak=False)
     signals.worker_ready.connect(
-        lambda **_: serve_metrics(settings.worker_metrics_port), weak=False
+        lambda **_: serve_metrics(settings.worker_metrics_port, settings.worker_metrics_host),
+        weak=False,
     )
     signals.worker_process_shutdown.connect(_forget_process_metrics, weak=False)
 
