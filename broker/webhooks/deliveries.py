@@ -1,8 +1,11 @@
 """A delivery's attempts, as the webhooks worker makes them: claim, then record the outcome.
 
 Each Celery message names the attempt it is for; the claim only succeeds when the row is
-waiting for exactly that attempt, so a duplicated or late message never sends twice. An
-attempt whose worker died is taken back once its lease has passed.
+waiting for exactly that attempt, so a duplicated or late message never sends twice. A
+tenant has at most a set number of attempts in flight; past it the claim answers ``Busy``.
+An attempt whose lease passed without an outcome (its worker died) is taken back by the
+sweep: it counts as an attempt, so the schedule's length is the most a delivery ever makes.
+A body lives only as long as its task: the sweep removes it at the task's expiry.
 """
 
 from __future__ import annotations
@@ -12,17 +15,28 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, text, update
+from sqlalchemy import Connection, Engine, case, func, select, text, update
+from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
-from broker.webhooks.policy import PENDING, SENDING, Outcome, Verdict, status_after
+from broker.webhooks.policy import (
+    DEAD,
+    FAILED,
+    PENDING,
+    SENDING,
+    Outcome,
+    Verdict,
+    status_after,
+)
 
 EXCERPT_MAX = 512
 # A message may arrive a little before its time by the database's clock.
 EARLY_TOLERANCE_S = 1.0
+LOST = "lost: no outcome within its lease (its worker stopped?)"
+TASK_EXPIRED = "the task expired before the message was delivered; its body is gone"
 
 
 def message_id(delivery_id: uuid.UUID) -> str:
@@ -43,31 +57,54 @@ class Claimed:
     disabled: bool  # the subscription was disabled (410) after this was written
 
 
+@dataclass(frozen=True)
+class Busy:
+    """The tenant already has its most attempts in flight: try this one a little later."""
+
+    inflight: int
+
+
 def _seconds(value: float) -> Any:
     return func.make_interval(0, 0, 0, 0, 0, 0, value)
 
 
 def claim(
-    engine: Engine, delivery_id: uuid.UUID, attempt: int, *, lease_s: float
-) -> Claimed | None:
-    """Take attempt ``attempt`` of the delivery, or None when it is not this attempt's turn."""
-    query = (
-        update(deliveries)
-        .where(
-            deliveries.c.id == delivery_id,
-            deliveries.c.attempts == attempt - 1,
-            or_(
-                and_(
-                    deliveries.c.status == PENDING,
-                    deliveries.c.next_attempt_at <= func.now() + _seconds(EARLY_TOLERANCE_S),
-                ),
-                and_(deliveries.c.status == SENDING, deliveries.c.lease_until < func.now()),
-            ),
-        )
-        .values(status=SENDING, attempts=attempt, lease_until=func.now() + _seconds(lease_s))
-        .returning(*deliveries.c)
+    engine: Engine, delivery_id: uuid.UUID, attempt: int, *, lease_s: float, max_inflight: int
+) -> Claimed | Busy | None:
+    """Take attempt ``attempt`` of the delivery; None when it is not this attempt's turn (or
+    past the schedule, or its body has expired), Busy when its tenant is at ``max_inflight``."""
+    due = (
+        deliveries.c.id == delivery_id,
+        deliveries.c.attempts == attempt - 1,
+        deliveries.c.final_attempt >= attempt,
+        deliveries.c.status == PENDING,
+        deliveries.c.next_attempt_at <= func.now() + _seconds(EARLY_TOLERANCE_S),
+        deliveries.c.body.is_not(None),
+        deliveries.c.body_expires_at > func.now(),
     )
     with engine.begin() as conn:
+        tenant = conn.execute(select(deliveries.c.tenant).where(*due)).scalar()
+        if tenant is None:
+            return None
+        # One claim of a tenant at a time: the count and the claim are then one step.
+        conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"wh-send:{tenant}"))))
+        inflight = conn.execute(
+            select(func.count())
+            .select_from(deliveries)
+            .where(
+                deliveries.c.tenant == tenant,
+                deliveries.c.status == SENDING,
+                deliveries.c.lease_until > func.now(),
+            )
+        ).scalar_one()
+        if inflight >= max_inflight:
+            return Busy(inflight)
+        query = (
+            update(deliveries)
+            .where(*due)
+            .values(status=SENDING, attempts=attempt, lease_until=func.now() + _seconds(lease_s))
+            .returning(*deliveries.c)
+        )
         row = conn.execute(query).first()
         if row is None:
             return None
@@ -132,7 +169,9 @@ def record(
     else:
         values["finished_at"] = func.now()
     with engine.begin() as conn:
-        conn.execute(insert(attempts_log).values(**_attempt_row(claimed, outcome)))
+        # The sweep may have logged this attempt as lost already: that entry stays.
+        logged = insert(attempts_log).values(**_attempt_row(claimed, outcome))
+        conn.execute(logged.on_conflict_do_nothing())
         conn.execute(
             update(deliveries)
             .where(
@@ -164,24 +203,95 @@ def _attempt_row(claimed: Claimed, outcome: Outcome) -> dict[str, Any]:
     }
 
 
+def take_back_lost(engine: Engine, *, limit: int) -> list[tuple[uuid.UUID, int]]:
+    """Attempts whose lease passed without an outcome: each is logged as a lost attempt, and
+    its delivery is due again at once, or dead when that was its last attempt. Returns
+    (delivery, attempt to publish) for those due again."""
+    lost = (
+        select(deliveries.c.id)
+        .where(deliveries.c.status == SENDING, deliveries.c.lease_until < func.now())
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    last = deliveries.c.attempts >= deliveries.c.final_attempt
+    query = (
+        update(deliveries)
+        .where(deliveries.c.id.in_(lost))
+        .values(
+            status=case((last, DEAD), else_=PENDING),
+            lease_until=None,
+            next_attempt_at=func.now(),
+            finished_at=case((last, func.now()), else_=None),
+            last_status_code=None,
+            last_error=LOST,
+        )
+        .returning(deliveries.c.id, deliveries.c.attempts, deliveries.c.status)
+    )
+    with engine.begin() as conn:
+        rows = conn.execute(query).all()
+        if rows:
+            now = datetime.now(UTC)
+            entries = [
+                {"delivery_id": r.id, "attempt": r.attempts, "at": now, "latency_ms": 0}
+                for r in rows
+            ]
+            # Unless the attempt's own outcome came in after all.
+            lost_log = insert(attempts_log).values([{**e, "error": LOST} for e in entries])
+            conn.execute(lost_log.on_conflict_do_nothing())
+    return [(r.id, r.attempts + 1) for r in rows if r.status == PENDING]
+
+
 def stranded(engine: Engine, *, grace_s: float, limit: int) -> list[tuple[uuid.UUID, int]]:
-    """Deliveries whose message was lost: due a while ago, or an attempt whose worker died.
-    Returns (delivery, attempt to publish)."""
+    """Deliveries whose message was lost: due a while ago. Returns (delivery, attempt to
+    publish)."""
     query = (
         select(deliveries.c.id, deliveries.c.attempts)
         .where(
-            or_(
-                and_(
-                    deliveries.c.status == PENDING,
-                    deliveries.c.next_attempt_at < func.now() - _seconds(grace_s),
-                ),
-                and_(deliveries.c.status == SENDING, deliveries.c.lease_until < func.now()),
-            )
+            deliveries.c.status == PENDING,
+            deliveries.c.next_attempt_at < func.now() - _seconds(grace_s),
         )
         .limit(limit)
     )
     with engine.connect() as conn:
         return [(r.id, r.attempts + 1) for r in conn.execute(query)]
+
+
+def purge_expired_bodies(engine: Engine, *, batch: int, max_batches: int = 20) -> int:
+    """Remove the bodies whose task has expired, in bounded batches (the attempts' log
+    stays). A delivery still waiting for an attempt is failed: there is nothing left to send.
+    One in flight is left to finish; the next sweep takes its body."""
+    expired = (
+        select(deliveries.c.id)
+        .where(
+            deliveries.c.body.is_not(None),
+            deliveries.c.body_expires_at <= func.now(),
+            deliveries.c.status != SENDING,
+        )
+        .order_by(deliveries.c.body_expires_at)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    waiting = deliveries.c.status == PENDING
+    query = (
+        update(deliveries)
+        .where(deliveries.c.id.in_(expired))
+        .values(
+            body=None,
+            status=case((waiting, FAILED), else_=deliveries.c.status),
+            finished_at=case((waiting, func.now()), else_=deliveries.c.finished_at),
+            last_error=case((waiting, TASK_EXPIRED), else_=deliveries.c.last_error),
+        )
+    )
+    removed = 0
+    for _ in range(max_batches):
+        with engine.begin() as conn:
+            count = int(conn.execute(query).rowcount)
+        removed += count
+        if count < batch:
+            break
+    return removed
 
 
 def purge_expired(engine: Engine, *, batch: int) -> int:

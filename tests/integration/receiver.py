@@ -4,6 +4,7 @@ answers as the test scripts it (a status, headers, or dropping the connection un
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import threading
@@ -132,6 +133,7 @@ class Tarpit:
     ) -> None:
         self.prefix, self.drip_s, self.hold_s = prefix, drip_s, hold_s
         self.held: list[Held] = []
+        self.most_open = 0  # the most connections held at one time
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
@@ -163,16 +165,23 @@ class Tarpit:
         held = Held(time.monotonic())
         with self._lock:
             self.held.append(held)
+            now_open = sum(1 for h in self.held if h.closed_at is None)
+            self.most_open = max(self.most_open, now_open)
         try:
             conn.recv(65536)
             conn.sendall(self.prefix)
             until = time.monotonic() + self.hold_s
-            while time.monotonic() < until and not self._stop.wait(self.drip_s):
+            while time.monotonic() < until and not self._stop.is_set():
+                # Between drips, notice at once when the client hangs up (EOF or reset).
+                readable, _, _ = select.select([conn], [], [], self.drip_s)
+                if readable and not conn.recv(65536):
+                    break
                 conn.sendall(b"x")
         except OSError:
             pass  # the client hung up: what a deadline does
         finally:
-            held.closed_at = time.monotonic()
+            with self._lock:
+                held.closed_at = time.monotonic()
             conn.close()
 
     def __enter__(self) -> Tarpit:
