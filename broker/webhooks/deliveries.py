@@ -1,11 +1,10 @@
 """A delivery's attempts, as the webhooks worker makes them: claim, then record the outcome.
 
 Each Celery message names the attempt it is for; the claim only succeeds when the row is
-waiting for exactly that attempt, so a duplicated or late message never sends twice. A
-tenant has at most a set number of attempts in flight; past it the claim answers ``Busy``.
-An attempt whose lease passed without an outcome (its worker died) is taken back by the
-sweep: it counts as an attempt, so the schedule's length is the most a delivery ever makes.
-A body lives only as long as its task: the sweep removes it at the task's expiry.
+waiting for exactly that attempt (never past the schedule, never with an expired body), so a
+duplicated or late message never sends twice. A tenant has at most a set number of attempts
+in flight; past it the claim answers ``Busy``. Attempts whose worker died are the sweep's
+(``upkeep``).
 """
 
 from __future__ import annotations
@@ -15,28 +14,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, case, func, select, text, update
+from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
-from broker.webhooks.policy import (
-    DEAD,
-    FAILED,
-    PENDING,
-    SENDING,
-    Outcome,
-    Verdict,
-    status_after,
-)
+from broker.webhooks.policy import PENDING, SENDING, Outcome, Verdict, status_after
 
 EXCERPT_MAX = 512
 # A message may arrive a little before its time by the database's clock.
 EARLY_TOLERANCE_S = 1.0
-LOST = "lost: no outcome within its lease (its worker stopped?)"
-TASK_EXPIRED = "the task expired before the message was delivered; its body is gone"
 
 
 def message_id(delivery_id: uuid.UUID) -> str:
@@ -64,7 +53,8 @@ class Busy:
     inflight: int
 
 
-def _seconds(value: float) -> Any:
+def interval(value: float) -> Any:
+    """An SQL interval of ``value`` seconds."""
     return func.make_interval(0, 0, 0, 0, 0, 0, value)
 
 
@@ -78,7 +68,7 @@ def claim(
         deliveries.c.attempts == attempt - 1,
         deliveries.c.final_attempt >= attempt,
         deliveries.c.status == PENDING,
-        deliveries.c.next_attempt_at <= func.now() + _seconds(EARLY_TOLERANCE_S),
+        deliveries.c.next_attempt_at <= func.now() + interval(EARLY_TOLERANCE_S),
         deliveries.c.body.is_not(None),
         deliveries.c.body_expires_at > func.now(),
     )
@@ -102,7 +92,7 @@ def claim(
         query = (
             update(deliveries)
             .where(*due)
-            .values(status=SENDING, attempts=attempt, lease_until=func.now() + _seconds(lease_s))
+            .values(status=SENDING, attempts=attempt, lease_until=func.now() + interval(lease_s))
             .returning(*deliveries.c)
         )
         row = conn.execute(query).first()
@@ -165,7 +155,7 @@ def record(
         "last_error": outcome.error,
     }
     if status == PENDING:
-        values["next_attempt_at"] = func.now() + _seconds(retry_in_s)
+        values["next_attempt_at"] = func.now() + interval(retry_in_s)
     else:
         values["finished_at"] = func.now()
     with engine.begin() as conn:
@@ -201,105 +191,3 @@ def _attempt_row(claimed: Claimed, outcome: Outcome) -> dict[str, Any]:
         "address": outcome.address,
         "response_excerpt": (outcome.excerpt or "")[:EXCERPT_MAX] or None,
     }
-
-
-def take_back_lost(engine: Engine, *, limit: int) -> list[tuple[uuid.UUID, int]]:
-    """Attempts whose lease passed without an outcome: each is logged as a lost attempt, and
-    its delivery is due again at once, or dead when that was its last attempt. Returns
-    (delivery, attempt to publish) for those due again."""
-    lost = (
-        select(deliveries.c.id)
-        .where(deliveries.c.status == SENDING, deliveries.c.lease_until < func.now())
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    last = deliveries.c.attempts >= deliveries.c.final_attempt
-    query = (
-        update(deliveries)
-        .where(deliveries.c.id.in_(lost))
-        .values(
-            status=case((last, DEAD), else_=PENDING),
-            lease_until=None,
-            next_attempt_at=func.now(),
-            finished_at=case((last, func.now()), else_=None),
-            last_status_code=None,
-            last_error=LOST,
-        )
-        .returning(deliveries.c.id, deliveries.c.attempts, deliveries.c.status)
-    )
-    with engine.begin() as conn:
-        rows = conn.execute(query).all()
-        if rows:
-            now = datetime.now(UTC)
-            entries = [
-                {"delivery_id": r.id, "attempt": r.attempts, "at": now, "latency_ms": 0}
-                for r in rows
-            ]
-            # Unless the attempt's own outcome came in after all.
-            lost_log = insert(attempts_log).values([{**e, "error": LOST} for e in entries])
-            conn.execute(lost_log.on_conflict_do_nothing())
-    return [(r.id, r.attempts + 1) for r in rows if r.status == PENDING]
-
-
-def stranded(engine: Engine, *, grace_s: float, limit: int) -> list[tuple[uuid.UUID, int]]:
-    """Deliveries whose message was lost: due a while ago. Returns (delivery, attempt to
-    publish)."""
-    query = (
-        select(deliveries.c.id, deliveries.c.attempts)
-        .where(
-            deliveries.c.status == PENDING,
-            deliveries.c.next_attempt_at < func.now() - _seconds(grace_s),
-        )
-        .limit(limit)
-    )
-    with engine.connect() as conn:
-        return [(r.id, r.attempts + 1) for r in conn.execute(query)]
-
-
-def purge_expired_bodies(engine: Engine, *, batch: int, max_batches: int = 20) -> int:
-    """Remove the bodies whose task has expired, in bounded batches (the attempts' log
-    stays). A delivery still waiting for an attempt is failed: there is nothing left to send.
-    One in flight is left to finish; the next sweep takes its body."""
-    expired = (
-        select(deliveries.c.id)
-        .where(
-            deliveries.c.body.is_not(None),
-            deliveries.c.body_expires_at <= func.now(),
-            deliveries.c.status != SENDING,
-        )
-        .order_by(deliveries.c.body_expires_at)
-        .limit(batch)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    waiting = deliveries.c.status == PENDING
-    query = (
-        update(deliveries)
-        .where(deliveries.c.id.in_(expired))
-        .values(
-            body=None,
-            status=case((waiting, FAILED), else_=deliveries.c.status),
-            finished_at=case((waiting, func.now()), else_=deliveries.c.finished_at),
-            last_error=case((waiting, TASK_EXPIRED), else_=deliveries.c.last_error),
-        )
-    )
-    removed = 0
-    for _ in range(max_batches):
-        with engine.begin() as conn:
-            count = int(conn.execute(query).rowcount)
-        removed += count
-        if count < batch:
-            break
-    return removed
-
-
-def purge_expired(engine: Engine, *, batch: int) -> int:
-    """Delete one batch of deliveries past their retention (their attempts go with them)."""
-    statement = text(
-        "DELETE FROM webhook_deliveries WHERE id IN ("
-        " SELECT id FROM webhook_deliveries WHERE expires_at <= now()"
-        " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
-    )
-    with engine.begin() as conn:
-        return int(conn.execute(statement, {"batch": batch}).rowcount)

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, insert, select
 
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_deliveries_table as deliveries_table
-from broker.webhooks import deliveries
+from broker.webhooks import deliveries, upkeep
 from tests.integration.receiver import Receiver
 from tests.integration.stack import CeleryProcess
 from tests.integration.webhook_client import finished, register, submit, wait_deliveries
@@ -80,7 +80,7 @@ def test_given_a_waiting_delivery_whose_task_expired_expect_no_attempt_and_faile
         conn.execute(insert(deliveries_table).values(values))
     # When its attempt comes, and the sweep removes expired bodies
     claimed = deliveries.claim(engine, delivery_id, 1, lease_s=30, max_inflight=9)
-    while deliveries.purge_expired_bodies(engine, batch=1000):
+    while upkeep.purge_expired_bodies(engine, batch=1000):
         pass
     # Expect no attempt, the body gone and the delivery failed, saying why
     row = stored(engine, str(delivery_id))

@@ -32,7 +32,15 @@ from broker.dispatch import (
 from broker.errors import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from broker.tasks import FINAL
-from broker.webhooks import PROGRESS, deliveries, event_for_status, fanout, policy, signing
+from broker.webhooks import (
+    PROGRESS,
+    deliveries,
+    event_for_status,
+    fanout,
+    policy,
+    signing,
+    upkeep,
+)
 from broker.webhooks.ssrf import Guard
 from workers.system.sender import send
 
@@ -149,12 +157,12 @@ class Webhooks:
         """Take back attempts that never reported, publish deliveries whose message was lost,
         remove bodies whose task expired, drop deliveries past their retention."""
         engine = self.engine()
-        lost = deliveries.take_back_lost(engine, limit=SWEEP_BATCH)
-        stranded = deliveries.stranded(engine, grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
+        lost = upkeep.take_back_lost(engine, limit=SWEEP_BATCH)
+        stranded = upkeep.stranded(engine, grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
         for delivery_id, attempt in [*lost, *stranded]:
             send_deliver(self.app, delivery_id, attempt)
-        bodies = deliveries.purge_expired_bodies(engine, batch=SWEEP_BATCH)
-        purged = deliveries.purge_expired(engine, batch=SWEEP_BATCH)
+        bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH)
+        purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH)
         return {
             "lost": len(lost),
             "republished": len(stranded),
