@@ -61,8 +61,9 @@ def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str
         ],
         # A worker each: agents, maintenance and deliveries never wait behind one another.
         "worker": _worker(celery, CAPABILITY_QUEUES, "dev", 2),
-        "maintenance": _worker(celery, MAINTENANCE_QUEUE, "maintenance", 1),
-        "webhooks": _worker(celery, WEBHOOKS_QUEUE, "webhooks", 4),
+        "maintenance": _worker(celery, MAINTENANCE_QUEUE, "maintenance", 2),
+        # More processes than one tenant may hold (REACH_WEBHOOK_MAX_INFLIGHT_PER_TENANT, 4).
+        "webhooks": _worker(celery, WEBHOOKS_QUEUE, "webhooks", 6),
         "beat": [
             *celery,
             "beat",
