@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,8 +11,15 @@ import anyio
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from api import errors
-from api.deps import KeyCache, TraceMiddleware, TraceparentFromTraceId, WaitingLimit
+from api import errors, system_gauges
+from api.deps import (
+    KeyCache,
+    PerClientBudget,
+    TenantOfKey,
+    TraceMiddleware,
+    TraceparentFromTraceId,
+    WaitingLimit,
+)
 from api.routes import agents, callbacks, health, metrics, tasks, webhooks
 from broker import logs, otel
 from broker.admission import Door
@@ -22,17 +31,26 @@ from broker.eventhub import EventHub
 from broker.events import EventLog
 from broker.settings import Settings
 from broker.submission import GroupInsert
+from broker.webhooks.ssrf import HostLookups
 
 
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gauges = asyncio.create_task(
+            system_gauges.keep_fresh(app.state, settings.metrics_refresh_s),
+            name="reach-system-gauges",
+        )
         yield
+        gauges.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gauges
         await app.state.hub.close()
         await app.state.engine.dispose()
         await app.state.redis.aclose()
         await app.state.redis.connection_pool.disconnect()
         app.state.dispatcher.close()
+        app.state.lookups.close()
 
     logs.capture_context()
     app = FastAPI(
@@ -51,7 +69,15 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.redis = aioredis.Redis(connection_pool=pool)
     app.state.dispatcher = Dispatcher(settings)
-    app.state.key_cache = KeyCache(ttl_s=settings.key_cache_s)
+    app.state.key_cache = KeyCache(
+        ttl_s=settings.key_cache_s, lookups=PerClientBudget(settings.auth_lookups_per_s)
+    )
+    app.state.tenant_of_key = TenantOfKey()
+    app.state.lookups = HostLookups(
+        threads=settings.dns_threads,
+        timeout_s=settings.dns_timeout_s,
+        per_tenant=settings.dns_lookups_per_tenant,
+    )
     app.state.catalog_cache = TimedCache(ttl_s=settings.card_cache_s)
     app.state.hub = EventHub(app.state.redis)
     bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
@@ -59,7 +85,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.queue_bound = QueueBound(_queue_depths(app, settings), settings.max_queue_depth)
     app.state.event_log = EventLog(app.state.redis, settings.result_ttl_s)
     errors.install(app)
-    app.add_middleware(WaitingLimit, limit=settings.max_requests_waiting)
+    app.add_middleware(
+        WaitingLimit,
+        limit=settings.max_requests_waiting,
+        per_tenant=settings.max_requests_waiting_per_tenant,
+        tenants=app.state.tenant_of_key,
+    )
     app.add_middleware(TraceMiddleware, otel=settings.otel)
     if settings.otel:
         otel.instrument_api(app)

@@ -11,21 +11,38 @@ from fastapi import Request
 
 from api.sse import EventStreamResponse
 from broker import queries
-from broker.eventhub import EventHub
+from broker.eventhub import EventHub, FinalFromStore
 from broker.events import Event
+from broker.submission import EVENTS_SLACK_S
 from broker.tasks import FINAL, render
 
 STORE_CHECK_S = 2.0
 
 
-def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> Any:
-    """When the log has nothing more but Postgres says the task is final (its log was lost),
-    the stream ends with the task as Postgres has it."""
-    engine = request.app.state.engine
+async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[str, Any] | None:
+    """The task if Postgres has it final, its final event appended to the log first (refused
+    when the log has it already): a worker that died between its two writes left it out."""
+    state = request.app.state
+    row = await queries.get_task(state.engine, tenant, task_id)
+    if row is None or row["status"] not in FINAL:
+        return None
+    await state.event_log.append_async(
+        row["id"],
+        row["status"],
+        render(row),
+        trace_id=row["trace_id"],
+        ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
+    )
+    return row
+
+
+def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> FinalFromStore:
+    """For a quiet stream: the final event, now in the log, or None while the task runs. The
+    event returned stands in for the log's only when the log was lost meanwhile."""
 
     async def final(last_seq: int) -> Event | None:
-        row = await queries.get_task(engine, tenant, task_id)
-        if row is None or row["status"] not in FINAL:
+        row = await _final_row(request, tenant, task_id)
+        if row is None:
             return None
         return Event(
             seq=last_seq + 1,
@@ -76,13 +93,12 @@ async def wait_until_final(
     the worker wrote it, so the usual path reads nothing more.
     """
     hub: EventHub = request.app.state.hub
-    engine = request.app.state.engine
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
     async def final_task() -> dict[str, Any] | None:
-        row = await queries.get_task(engine, tenant, task_id)
-        return render(row) if row is not None and row["status"] in FINAL else None
+        row = await _final_row(request, tenant, task_id)
+        return render(row) if row is not None else None
 
     async with hub.listen(str(task_id)) as live:
         final = [e for e in await hub.read_log(str(task_id), 0) if e.final]

@@ -63,10 +63,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, description in {
         400: "Malformed request",
         401: "Missing or invalid API key",
-        403: "Capability not allowed for this key",
-        404: "No such task for this tenant",
+        403: "Not for this key: a capability outside its patterns (capability_not_allowed),"
+        " a tenant-wide setting (tenant_admin_required), an operator action (admin_required)",
+        404: "No such resource for this tenant, or none this key's patterns let it see",
+        408: "The body did not arrive in time",
         413: "Body or payload too large",
         422: "Envelope or parameters invalid",
+        429: "Over the tenant's rate; retry after Retry-After",
         503: "A backing service is unavailable; retry after Retry-After",
     }.items()
 }

@@ -1,12 +1,14 @@
 """Deciding, before anything is written, where a request goes and whether its payload fits.
 
-Route to the most specific live capability (see ``routing``); none live is 503
-``no_agent_available`` unless the envelope asks to wait in the queue. The payload is checked
-against the chosen card's input schema and size limit.
+Route to the most specific live capability the caller's key allows (see ``routing``); none is
+503 ``no_agent_available`` unless the envelope asks to wait in the queue of a capability some
+card has served (a name nobody ever served would only leave a list in Redis behind). The
+payload is checked against the chosen card's input schema and size limit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -22,29 +24,34 @@ from broker.grouping import Grouped
 from broker.registry import LEASE_PREFIX, live_key, now_s
 
 NO_AGENT_RETRY_AFTER_S = 5
+# The metric label of a capability no card has served: not a valid name, so never a real one,
+# and one series however many names callers make up.
+UNKNOWN_LABEL = "_unknown"
 MAX_SCHEMA_ERRORS = 20
 
 GROUP_MAX_REQUESTS = 100
 
-# The door, in one Redis call for every request arriving together: per request, the tenant's
-# token, then (if it got one) the live leases of the capability asked for. KEYS come in pairs
-# (bucket, live index); a refused request reads nothing more.
-_DOOR = AsyncScript(
+# The rate limit of requests arriving together, in one Redis call: a token per request.
+_TOKENS = AsyncScript(
     None,  # type: ignore[arg-type]  # called with the client; bytes need no encoder
     (
         BUCKET_LUA
-        + routing.LIVE_LEASES_LUA
         + """
 local rate, burst, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local waits = {}
+for i, key in ipairs(KEYS) do waits[i] = tostring(take_token(key, rate, burst, now)) end
+return waits
+"""
+    ).encode(),
+)
+# The live leases of the capabilities asked for together, in one Redis call.
+_LEASES = AsyncScript(
+    None,  # type: ignore[arg-type]
+    (
+        routing.LIVE_LEASES_LUA
+        + """
 local answers = {}
-for i = 0, #KEYS / 2 - 1 do
-  local wait = take_token(KEYS[2 * i + 1], rate, burst, now)
-  if wait > 0 then
-    answers[i + 1] = {tostring(wait)}
-  else
-    answers[i + 1] = {'0', live_leases(KEYS[2 * i + 2], ARGV[3], ARGV[4])}
-  end
-end
+for i, key in ipairs(KEYS) do answers[i] = live_leases(key, ARGV[1], ARGV[2]) end
 return answers
 """
     ).encode(),
@@ -52,60 +59,80 @@ return answers
 
 
 class Door:
-    """The rate limit and the route lookup of requests arriving together, in one Redis call
-    (``grouping``)."""
+    """The two checks at the door, each grouped over the requests arriving together
+    (``grouping``): the tenant's rate, taken before anything slow (reading the body, resolving
+    a host name), and the capability's live leases, once the envelope is read."""
 
     def __init__(self, redis: Redis, bucket: TokenBucket) -> None:
         self.redis = redis
         self.bucket = bucket
-        self._grouped = Grouped(
-            self._many, max_items=GROUP_MAX_REQUESTS, name="door", retry_alone=False
+        self._tokens = Grouped(
+            self._take_many, max_items=GROUP_MAX_REQUESTS, name="door", retry_alone=False
+        )
+        self._leases = Grouped(
+            self._leases_many, max_items=GROUP_MAX_REQUESTS, name="leases", retry_alone=True
         )
 
-    async def enter(self, tenant: str, capability: str) -> tuple[float, list[routing.Candidate]]:
-        """Take the tenant's token (or raise RateLimited); (when, live candidates) for the
-        capability itself."""
-        now, wait, leases = await self._grouped((tenant, capability))
-        self.bucket.check(wait)
+    async def take(self, tenant: str) -> None:
+        """Take one of the tenant's tokens, or raise RateLimited."""
+        self.bucket.check(await self._tokens(tenant))
+
+    async def live(self, capability: str) -> tuple[float, list[routing.Candidate]]:
+        """(when, live candidates) for the capability itself."""
+        now, leases = await self._leases(capability)
         return now, routing.candidates_from(leases, capability, now)
 
-    async def _many(self, requests: list[tuple[str, str]]) -> list[tuple[float, float, Any]]:
+    async def _take_many(self, tenants: list[str]) -> list[float]:
+        keys = [self.bucket.key(tenant) for tenant in tenants]
+        args = [self.bucket.rate_per_s, self.bucket.burst, now_s()]
+        return [float(w) for w in await _TOKENS(keys=keys, args=args, client=self.redis)]
+
+    async def _leases_many(self, capabilities: list[str]) -> list[tuple[float, Any]]:
         now = now_s()
-        keys: list[str] = []
-        for tenant, capability in requests:
-            keys += [self.bucket.key(tenant), live_key(capability)]
-        args: list[float | str] = [self.bucket.rate_per_s, self.bucket.burst, now, LEASE_PREFIX]
-        answers = await _DOOR(keys=keys, args=args, client=self.redis)
-        return [(now, float(a[0]), a[1] if len(a) > 1 else None) for a in answers]
+        keys = [live_key(capability) for capability in capabilities]
+        answers = await _LEASES(keys=keys, args=[now, LEASE_PREFIX], client=self.redis)
+        return [(now, leases) for leases in answers]
 
 
 async def admit(
     envelope: Envelope,
     *,
-    tenant: str,
+    allowed: Sequence[str],
     door: Door,
     engine: AsyncEngine,
     cache: catalog.TimedCache,
 ) -> str:
-    """The queue to publish to; raises when the tenant is over its rate (429) or the request
-    cannot be served as sent."""
-    known = await door.enter(tenant, envelope.capability)
+    """The queue to publish to; raises when the request cannot be served as sent. The tenant's
+    rate was taken before the body was read (``Door.take``). ``allowed``: the caller's key
+    patterns, which bound the fallback up the prefix chain as they bound the capability asked
+    for."""
+    known = await door.live(envelope.capability)
     rates = await catalog.success_rates(engine, cache)
-    route = await routing.resolve(door.redis, envelope.capability, success_rates=rates, known=known)
+    route = await routing.resolve(
+        door.redis, envelope.capability, allowed=allowed, success_rates=rates, known=known
+    )
     if route is None:
-        if envelope.queue_if_unavailable:
-            return envelope.capability
-        metrics.routing_failures.labels(envelope.capability).inc()
-        raise Unavailable(
-            f"no live agent serves {envelope.capability!r} or a capability it falls back to",
-            code="no_agent_available",
-            retry_after_s=NO_AGENT_RETRY_AFTER_S,
-        )
+        return await _unrouted(envelope, engine, cache)
     key = (route.card.agent_id, route.card.version, route.card.capability)
     document = await catalog.card(engine, cache, key)
     if document is not None:
         check_payload(document, envelope.payload, cache)
     return route.queue
+
+
+async def _unrouted(envelope: Envelope, engine: AsyncEngine, cache: catalog.TimedCache) -> str:
+    """The queue to wait in when nothing the key allows is live, or 503 no_agent_available.
+    Read only on this path: a routed request costs no extra query."""
+    served = envelope.capability in await catalog.served_capabilities(engine, cache)
+    if envelope.queue_if_unavailable and served:
+        return envelope.capability
+    metrics.routing_failures.labels(envelope.capability if served else UNKNOWN_LABEL).inc()
+    detail = "or a capability it falls back to" if served else "(no agent has ever served it)"
+    raise Unavailable(
+        f"no live agent serves {envelope.capability!r} {detail}",
+        code="no_agent_available",
+        retry_after_s=NO_AGENT_RETRY_AFTER_S,
+    )
 
 
 def check_payload(document: dict[str, Any], payload: Any, cache: catalog.TimedCache) -> None:

@@ -75,11 +75,15 @@ def redis_depths(client: Redis) -> Depths:
 @dataclass
 class QueueBound:
     """Refuses work for a queue already holding ``max_depth`` messages. Depths come from the
-    broker at most every ``refresh_s``, so a burst of submits costs one broker query."""
+    broker at most every ``refresh_s``, so a burst of submits costs one broker query.
+
+    Admission lets only served capabilities through; still, past ``max_tracked`` queues the
+    stale ones are forgotten, so no stream of queue names grows this process's memory."""
 
     depths: Depths
     max_depth: int
     refresh_s: float = 1.0
+    max_tracked: int = 4096
     _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
@@ -99,6 +103,8 @@ class QueueBound:
         seen = self._seen.get(queue)
         if seen is not None and time.monotonic() - seen[0] <= self.refresh_s:
             return seen
+        if len(self._locks) >= self.max_tracked:
+            self._forget_stale()
         lock = self._locks.setdefault(queue, asyncio.Lock())
         if seen is not None and lock.locked():
             return seen
@@ -108,3 +114,16 @@ class QueueBound:
                 depth = (await self.depths([queue]))[queue]
                 seen = self._seen[queue] = (time.monotonic(), depth)
             return seen
+
+    def _forget_stale(self) -> None:
+        cutoff = time.monotonic() - self.refresh_s
+        for queue, lock in list(self._locks.items()):
+            seen = self._seen.get(queue)
+            if not lock.locked() and (seen is None or seen[0] <= cutoff):
+                del self._locks[queue]
+                self._seen.pop(queue, None)
+
+    @property
+    def tracked(self) -> int:
+        """How many queues this bound holds a depth or a lock for."""
+        return len(self._locks.keys() | self._seen.keys())

@@ -5,12 +5,14 @@ move the task: every later write is conditional on ``running``."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import tasks_table as tasks
+from broker.queries import allowed_by
 from broker.tasks import CANCELLED, QUEUED, RUNNING
 
 FLAG_TTL_S = 24 * 3600
@@ -20,14 +22,22 @@ def flag_key(task_id: uuid.UUID | str) -> str:
     return f"reach:cancel:{task_id}"
 
 
-async def cancel(engine: AsyncEngine, tenant: str, task_id: uuid.UUID) -> dict[str, Any] | None:
-    """The cancelled row, or None when the task is unknown, foreign, expired or already final."""
+async def cancel(
+    engine: AsyncEngine,
+    tenant: str,
+    task_id: uuid.UUID,
+    *,
+    patterns: Sequence[str],
+) -> dict[str, Any] | None:
+    """The cancelled row, or None when the task is unknown, foreign, outside ``patterns``,
+    expired or already final."""
     error = {"code": "cancelled", "message": "cancelled by the caller", "retryable": False}
     query = (
         update(tasks)
         .where(
             tasks.c.id == task_id,
             tasks.c.tenant == tenant,
+            allowed_by(patterns, tasks.c.capability),
             tasks.c.status.in_((QUEUED, RUNNING)),
             tasks.c.expires_at > func.now(),
         )

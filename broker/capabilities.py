@@ -1,18 +1,33 @@
 """Capability names, the key patterns that allow them, and the prefix chain used to route.
 
-A capability name is dotted lowercase (``invoice.extract``); it is also the Celery queue name.
-Names under ``reach.`` are reserved for the broker's own queues.
+A capability name is dotted lowercase (``invoice.extract``); it is also the Celery queue name,
+and with Redis as the Celery broker the key of a list in the db that Celery, kombu and
+Agent-Reach keep their own keys in. So no name a tenant or an agent sends may spell one of
+theirs (a tenant's ``unacked`` once turned kombu's hash into a list and stopped every worker):
+
+- ``reach``, ``reach.*``: the broker's own queues (``reach.maintenance``, ``reach.webhooks``);
+- a first segment starting with ``celery``: Celery's default queue ``celery``, event queues
+  ``celeryev.<uuid>``, result keys ``celery-task-meta-<id>``;
+- a first segment starting with ``unacked``: kombu's ``unacked`` hash, ``unacked_index``
+  sorted set and ``unacked_mutex`` lock;
+- a ``pidbox`` segment: kombu's mailbox queues (``<oid>.reply.celery.pidbox``).
+
+The grammar keeps out the rest: ``_kombu.binding.*`` (leading ``_``), ``reach:*`` (``:``),
+kombu's priority lists ``<queue>\x06\x16<n>``, card queues ``<capability>@<agent>@<version>``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 NAME_MAX = 128
 _SEGMENT = r"[a-z][a-z0-9_-]{0,62}"
 _NAME = re.compile(rf"{_SEGMENT}(?:\.{_SEGMENT}){{0,7}}")
 _PATTERN = re.compile(rf"\*|(?:{_SEGMENT}\.)*(?:{_SEGMENT}|\*)")
 RESERVED_PREFIX = "reach"
+_FOREIGN_STEMS = ("celery", "unacked")
+_FOREIGN_SEGMENTS = frozenset({"pidbox"})
 
 
 def is_valid_name(name: str) -> bool:
@@ -20,7 +35,13 @@ def is_valid_name(name: str) -> bool:
 
 
 def is_reserved(name: str) -> bool:
-    return name == RESERVED_PREFIX or name.startswith(RESERVED_PREFIX + ".")
+    """A name Celery, kombu or Agent-Reach keep a key or queue under (see above)."""
+    segments = name.split(".")
+    return (
+        segments[0] == RESERVED_PREFIX
+        or segments[0].startswith(_FOREIGN_STEMS)
+        or not _FOREIGN_SEGMENTS.isdisjoint(segments)
+    )
 
 
 def is_valid_pattern(pattern: str) -> bool:
@@ -37,8 +58,28 @@ def pattern_allows(pattern: str, name: str) -> bool:
     return pattern == name
 
 
-def any_pattern_allows(patterns: list[str] | tuple[str, ...], name: str) -> bool:
+def any_pattern_allows(patterns: Sequence[str], name: str) -> bool:
     return any(pattern_allows(p, name) for p in patterns)
+
+
+def pattern_covers(outer: str, inner: str) -> bool:
+    """Whether every name ``inner`` allows, ``outer`` allows too."""
+    if inner == "*":
+        return outer == "*"
+    if inner.endswith(".*"):
+        return outer != inner[:-2] and pattern_allows(outer, inner[:-2])
+    return pattern_allows(outer, inner)
+
+
+def patterns_cover(outer: list[str] | tuple[str, ...], inner: list[str] | tuple[str, ...]) -> bool:
+    """Whether ``outer`` allows every name that ``inner`` allows; an empty ``inner`` (a filter
+    that lets everything through) is covered only by ``*``.
+
+    A wildcard is covered only by one pattern that covers it alone: no finite set of narrower
+    patterns allows all of ``invoice`` and every name below it.
+    """
+    inner = inner or ("*",)
+    return all(any(pattern_covers(o, i) for o in outer) for i in inner)
 
 
 def prefix_chain(name: str) -> list[str]:

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_instances_table as instances
+from broker.keys import Principal
 from broker.registry import OFFLINE, Lease, lease_key, now_s
 
 WINDOW_S = 300
@@ -52,6 +53,17 @@ async def card(engine: AsyncEngine, cache: TimedCache, key: CardKey) -> dict[str
     async with engine.connect() as conn:
         document = (await conn.execute(query)).scalar_one_or_none()
     return cache.put(("card", key), document)  # type: ignore[no-any-return]
+
+
+async def served_capabilities(engine: AsyncEngine, cache: TimedCache) -> frozenset[str]:
+    """Every capability a card has served. Only these may be queued for or named in a metric
+    label: a name nobody serves must leave nothing behind (a list in Redis, a label series)."""
+    found, value = cache.get("served_capabilities")
+    if found:
+        return value  # type: ignore[no-any-return]
+    async with engine.connect() as conn:
+        names = (await conn.execute(select(cards.c.capability).distinct())).scalars().all()
+    return cache.put("served_capabilities", frozenset(names))  # type: ignore[no-any-return]
 
 
 async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[str, str], float]:
@@ -134,6 +146,31 @@ async def agents(
     return list(result.values())
 
 
+INSTANCE_INTERNALS = ("instance", "hostname", "pid")
+
+
+def seen_by(found: list[dict[str, Any]], caller: Principal) -> list[dict[str, Any]]:
+    """Agents as this key is shown them. An operator key sees everything. Any other key sees
+    only cards of capabilities its patterns allow (an agent with none is not shown), the
+    instances that serve them, and no instance's name, host or process id."""
+    if caller.is_admin:
+        return found
+    shown = []
+    for agent in found:
+        cards = [c for c in agent["cards"] if caller.may_see(c["capability"])]
+        if not cards:
+            continue
+        views = []
+        for view in agent["instances"]:
+            served = [c for c in view["capabilities"] if caller.may_see(c)]
+            if served:
+                public = {k: v for k, v in view.items() if k not in INSTANCE_INTERNALS}
+                views.append({**public, "capabilities": served})
+        live = sum(v["state"] != OFFLINE for v in views)
+        shown.append({**agent, "cards": cards, "instances": views, "live_instances": live})
+    return shown
+
+
 async def instance_exists(engine: AsyncEngine, agent_id: str, instance: str) -> bool:
     query = select(instances.c.cards).where(instances.c.instance == instance)
     async with engine.connect() as conn:
@@ -141,8 +178,8 @@ async def instance_exists(engine: AsyncEngine, agent_id: str, instance: str) -> 
     return served is not None and any(c["agent_id"] == agent_id for c in served)
 
 
-async def capability_figures(engine: AsyncEngine) -> dict[str, dict[str, Any]]:
-    """Per capability served, over the last five minutes of finished tasks."""
+async def capability_figures(engine: AsyncEngine, tenant: str) -> dict[str, dict[str, Any]]:
+    """Per capability served, over the last five minutes of the tenant's finished tasks."""
     query = text(
         # A card queue is "<capability>@<agent>@<version>": figures are per capability.
         "SELECT split_part(queue, '@', 1) AS capability, count(*) AS tasks,"
@@ -151,10 +188,10 @@ async def capability_figures(engine: AsyncEngine) -> dict[str, dict[str, Any]]:
         " percentile_cont(0.95) WITHIN GROUP (ORDER BY run_s) AS p95_s"
         " FROM (SELECT *, extract(epoch FROM finished_at - started_at) AS run_s FROM tasks"
         "       WHERE finished_at > now() - make_interval(secs => :window)"
-        "       AND started_at IS NOT NULL) AS finished GROUP BY 1"
+        "       AND tenant = :tenant AND started_at IS NOT NULL) AS finished GROUP BY 1"
     )
     async with engine.connect() as conn:
-        rows = (await conn.execute(query, {"window": WINDOW_S})).all()
+        rows = (await conn.execute(query, {"window": WINDOW_S, "tenant": tenant})).all()
     return {
         r.capability: {
             "tasks": r.tasks,

@@ -1,7 +1,8 @@
 """``reach``: the operator's command line.
 
 reach migrate                          apply the schema migrations
-reach keys create --tenant T --capabilities 'invoice.*,echo' [--admin] [--name N]
+reach keys create --tenant T --capabilities 'invoice.*,echo' [--tenant-admin] [--admin]
+                 [--name N]
 reach keys revoke KEY_ID
 reach keys list [--tenant T]
 reach dev [--port 8000]                run the whole stack on this machine
@@ -22,9 +23,16 @@ from broker.settings import Settings
 def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
     patterns = [p.strip() for p in args.capabilities.split(",") if p.strip()]
     key_id, token = keys.create_key(
-        sync_engine(settings), args.tenant, patterns, is_admin=args.admin, name=args.name
+        sync_engine(settings),
+        args.tenant,
+        patterns,
+        is_admin=args.admin,
+        tenant_admin=args.tenant_admin,
+        name=args.name,
     )
     print(f"key_id:  {key_id}\ntenant:  {args.tenant}\nallows:  {', '.join(patterns)}")
+    if args.admin or args.tenant_admin:
+        print("manages: the whole tenant" + (" (and operator actions)" if args.admin else ""))
     print(f"api key: {token}\n(shown once: it is stored only as a hash)")
     return 0
 
@@ -70,7 +78,14 @@ def parser() -> argparse.ArgumentParser:
     create = key_sub.add_parser("create", help="create a key (printed once)")
     create.add_argument("--tenant", required=True)
     create.add_argument("--capabilities", required=True, help="comma-separated, e.g. 'invoice.*'")
-    create.add_argument("--admin", action="store_true")
+    create.add_argument(
+        "--tenant-admin",
+        action="store_true",
+        help="sees all of the tenant's tasks and webhooks, sets its callback secret",
+    )
+    create.add_argument(
+        "--admin", action="store_true", help="operator key: tenant admin, and the infrastructure"
+    )
     create.add_argument("--name")
     create.set_defaults(run=_keys_create)
     revoke = key_sub.add_parser("revoke", help="revoke a key by its id")

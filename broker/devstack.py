@@ -42,6 +42,8 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
     env.update(REACH_DATABASE_URL=database_url, REACH_REDIS_URL=services.redis_url)
     # Webhooks to a receiver on this machine: the deny table refuses loopback otherwise.
     env.setdefault("REACH_WEBHOOK_ALLOW", DEV_WEBHOOK_ALLOW)
+    # The API listens on loopback here: /metrics needs no token (elsewhere it does).
+    env.setdefault("REACH_METRICS_PUBLIC", "true")
     return env, services
 
 
@@ -120,6 +122,7 @@ Agent-Reach is running ({where}).
   API      {api}        docs {api}/docs
   Flower   http://127.0.0.1:{flower_port}
   API key  {token}
+           tenant "dev", operator and tenant admin: it sets the callback secret too
   Webhooks REACH_WEBHOOK_ALLOW={allow or "(none)"}
            the SSRF guard lets webhooks reach these (loopback by default in dev;
            production allows none)
@@ -149,7 +152,9 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         settings = Settings(
             database_url=env["REACH_DATABASE_URL"], redis_url=env["REACH_REDIS_URL"]
         )
-        _, token = keys.create_key(sync_engine(settings), "dev", ["*"], is_admin=True, name="dev")
+        _, token = keys.create_key(
+            sync_engine(settings), "dev", ["*"], is_admin=True, tenant_admin=True, name="dev"
+        )
         for name, command in _commands(port, flower_port, data_dir).items():
             # Their own process group: Ctrl-C reaches only this process, which then stops
             # them in order (the worker finishes what it holds).

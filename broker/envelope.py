@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from broker.capabilities import is_valid_name
+from broker.capabilities import is_reserved, is_valid_name
 from broker.errors import InvalidEnvelope
 from broker.webhooks import check_events
 
@@ -53,6 +53,8 @@ class Envelope(BaseModel):
     @classmethod
     def _capability_name(cls, value: str) -> str:
         if not is_valid_name(value):
+            if is_reserved(value):
+                raise ValueError("is reserved: Celery, kombu or the broker keep keys under it")
             raise ValueError(
                 "must be dotted lowercase segments ([a-z][a-z0-9_-]*), at most 8, "
                 "not under the reserved 'reach.' prefix"

@@ -3,10 +3,13 @@
     ReachError
     ├── BadRequest            the request itself is malformed or violates a limit
     │   ├── BodyTooLarge      the body exceeds the configured size
+    │   ├── BodyTimeout       the body did not arrive in time
     │   └── InvalidEnvelope   the envelope or payload fails validation
     ├── Unauthenticated       missing, unknown or revoked API key
-    ├── Forbidden             the key may not do this (capability outside its patterns)
-    ├── NotFound              no such resource for this tenant (also: another tenant's)
+    ├── Forbidden             the key may not do this (capability outside its patterns,
+    │                         a tenant-wide setting, an operator action)
+    ├── NotFound              no such resource for this tenant (also: another tenant's, or
+    │                         one outside the key's patterns)
     ├── Conflict              the resource is in a state that does not allow this
     ├── Unavailable           a dependency (Postgres, Redis, the queue) cannot be reached
     └── AgentFailure          raised by agent code: the task fails with ``code``
@@ -40,6 +43,10 @@ class BadRequest(ReachError):
 
 class BodyTooLarge(BadRequest):
     code = "body_too_large"
+
+
+class BodyTimeout(BadRequest):
+    code = "body_timeout"
 
 
 class InvalidEnvelope(BadRequest):

@@ -24,8 +24,10 @@ QUEUE_MAX = 1024
 SUBSCRIBE_WAIT_S = 2.0
 STORE_EVERY = 3  # quiet spells between two looks at Postgres when the log is gone
 STORE_EVERY_WITH_LOG = 15
-# What a reader does when the log holds no final event but the task is final (its log was lost
-# with a Redis restart): the caller supplies that final event from Postgres.
+# What a reader does when the log has been quiet without a final event: the caller looks the
+# task up in Postgres and, when it is final, appends its final event to the log (its worker
+# died between the two writes, or Redis lost the log) and returns it, with seq ``last + 1``
+# for the case where the log began again below what this reader has sent.
 FinalFromStore = Callable[[int], Awaitable[Event | None]]
 
 
@@ -155,7 +157,10 @@ class EventHub:
                         and await self._ask_store(task_id, quiet_spells)
                     ):
                         substitute = await final_from_store(last)
-                        backlog = [substitute] if substitute is not None else []
+                        if substitute is not None:
+                            backlog = await self.read_log(task_id, last)
+                            if not any(event.final for event in backlog):
+                                backlog = [substitute]
                     if not backlog:
                         yield None
                     continue

@@ -7,6 +7,11 @@ it (and, for the API's first event of a task, pushes the task's Celery message t
 the log and the live channel never disagree on order, and a reader that missed a live message
 (pub/sub is at-most-once) finds it in the log by ``seq``. The stream is capped at
 ``LOG_MAX_EVENTS``; the final event is always kept.
+
+A final event closes the log: the script records its ``seq`` under ``final_key`` and refuses
+every later append (it returns 0 for it). So whoever announces a final state (the worker, a
+redelivery of its message, the reaper, a reader that found the task final in Postgres) may
+append it again: the log holds it exactly once, and it is always the last event.
 """
 
 from __future__ import annotations
@@ -27,20 +32,26 @@ LOG_MAX_EVENTS = 10_000
 CHANNEL_PREFIX = "reach:task:"
 
 # Appends any number of events (one per task): ARGV[1] is the stream cap, then per event i
-# (from 0) ARGV[2+3i] the event without its seq, ARGV[3+3i] its TTL, ARGV[4+3i] a Celery
-# message to LPUSH after it or ''; KEYS[1+4i..4+4i] its log, seq, channel and list.
+# (from 0) ARGV[2+4i] the event without its seq, ARGV[3+4i] its TTL, ARGV[4+4i] a Celery
+# message to LPUSH after it or '', ARGV[5+4i] '1' for a final event; KEYS[1+5i..5+5i] its
+# log, seq, channel, list and final marker. An event for a closed log is refused (seq 0).
 _APPEND = """
 local seqs = {}
-for i = 0, (#ARGV - 1) / 3 - 1 do
-  local k, a = 4 * i, 2 + 3 * i
-  local seq = redis.call('INCR', KEYS[k + 2])
-  local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
-  redis.call('XADD', KEYS[k + 1], 'MAXLEN', ARGV[1], '0-' .. seq, 'e', event)
-  redis.call('EXPIRE', KEYS[k + 1], ARGV[a + 1])
-  redis.call('EXPIRE', KEYS[k + 2], ARGV[a + 1])
-  redis.call('PUBLISH', KEYS[k + 3], event)
-  if ARGV[a + 2] ~= '' then redis.call('LPUSH', KEYS[k + 4], ARGV[a + 2]) end
-  seqs[i + 1] = seq
+for i = 0, (#ARGV - 1) / 4 - 1 do
+  local k, a = 5 * i, 2 + 4 * i
+  if redis.call('EXISTS', KEYS[k + 5]) == 1 then
+    seqs[i + 1] = 0
+  else
+    local seq = redis.call('INCR', KEYS[k + 2])
+    local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
+    redis.call('XADD', KEYS[k + 1], 'MAXLEN', ARGV[1], '0-' .. seq, 'e', event)
+    redis.call('EXPIRE', KEYS[k + 1], ARGV[a + 1])
+    redis.call('EXPIRE', KEYS[k + 2], ARGV[a + 1])
+    if ARGV[a + 3] == '1' then redis.call('SET', KEYS[k + 5], seq, 'EX', ARGV[a + 1]) end
+    redis.call('PUBLISH', KEYS[k + 3], event)
+    if ARGV[a + 2] ~= '' then redis.call('LPUSH', KEYS[k + 4], ARGV[a + 2]) end
+    seqs[i + 1] = seq
+  end
 end
 return seqs
 """
@@ -65,6 +76,11 @@ def log_key(task_id: uuid.UUID | str) -> str:
 
 def seq_key(task_id: uuid.UUID | str) -> str:
     return f"reach:seq:{task_id}"
+
+
+def final_key(task_id: uuid.UUID | str) -> str:
+    """Holds the seq of the task's final event once there is one: the log is closed."""
+    return f"reach:final:{task_id}"
 
 
 def channel(task_id: uuid.UUID | str) -> str:
@@ -146,7 +162,9 @@ class EventLog:
             log = log_key(item.task_id)
             queue, message = item.push if item.push is not None else (log, b"")
             keys += [log, seq_key(item.task_id), channel(item.task_id), queue]
-            argv += [encode(item.type, item.data, item.trace_id), item.ttl_s, message]
+            keys.append(final_key(item.task_id))
+            final = "1" if item.type in FINAL_TYPES else ""
+            argv += [encode(item.type, item.data, item.trace_id), item.ttl_s, message, final]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -158,6 +176,7 @@ class EventLog:
         trace_id: str,
         ttl_s: int | None = None,
     ) -> int:
+        """The event's seq; 0 when the log was closed already (a final event is in it)."""
         item = self._item(task_id, event_type, data, trace_id, ttl_s)
         return int(self._append(**self._args([item]))[0])
 
@@ -171,7 +190,8 @@ class EventLog:
         ttl_s: int | None = None,
         push: tuple[str, bytes] | None = None,
     ) -> int:
-        """``push``: (list, message) LPUSHed after the event, in the same atomic call."""
+        """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
+        when the event is refused: 0 for a closed log, as ``append``)."""
         return await self._grouped(self._item(task_id, event_type, data, trace_id, ttl_s, push))
 
     async def _append_many(self, items: list[Append]) -> list[int]:
@@ -181,6 +201,14 @@ class EventLog:
 def parse_entries(entries: Any) -> list[Event]:
     """Events from an XRANGE answer (each entry's one field, ``e``, holds the event)."""
     return [Event.parse(fields.get(b"e") or fields["e"]) for _, fields in entries or []]
+
+
+def unannounced(client: redis.Redis, task_ids: list[uuid.UUID]) -> list[uuid.UUID]:
+    """The tasks among ``task_ids`` whose log holds no final event (one round trip)."""
+    if not task_ids:
+        return []
+    closed = client.mget([final_key(t) for t in task_ids])
+    return [t for t, seq in zip(task_ids, closed, strict=True) if seq is None]
 
 
 def read_log_sync(client: redis.Redis, task_id: uuid.UUID | str, after: int = 0) -> list[Event]:

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine, bindparam, exists, func, null, or_, s
 
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
-from broker.tasks import EXPIRED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from broker.tasks import EXPIRED, FAILED, FINAL, QUEUED, RUNNING, SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -213,6 +213,44 @@ def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[s
     with engine.begin() as conn:
         row = conn.execute(query).first()
     return dict(row._mapping) if row is not None else None
+
+
+def final_row(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
+    """The task if it is final (and not expired): what a redelivered message finds."""
+    query = select(tasks).where(
+        tasks.c.id == task_id,
+        or_(*(tasks.c.status == s for s in FINAL)),
+        tasks.c.expires_at > func.now(),
+    )
+    with _autocommit(engine) as conn:
+        row = conn.execute(query).first()
+    return dict(row._mapping) if row is not None else None
+
+
+def finished_between(
+    engine: Engine, *, after: datetime, before_s: float, limit: int
+) -> list[tuple[uuid.UUID, datetime]]:
+    """(id, finished_at) of unexpired tasks finished after ``after`` and at least ``before_s``
+    ago, oldest first (an index range on ``finished_at``)."""
+    query = (
+        select(tasks.c.id, tasks.c.finished_at)
+        .where(
+            tasks.c.finished_at > after,
+            tasks.c.finished_at <= func.now() - func.make_interval(0, 0, 0, 0, 0, 0, before_s),
+            tasks.c.expires_at > func.now(),
+        )
+        .order_by(tasks.c.finished_at)
+        .limit(limit)
+    )
+    with _autocommit(engine) as conn:
+        return [(r.id, r.finished_at) for r in conn.execute(query)]
+
+
+def rows_of(engine: Engine, task_ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+    with _autocommit(engine) as conn:
+        return [
+            dict(r._mapping) for r in conn.execute(select(tasks).where(tasks.c.id.in_(task_ids)))
+        ]
 
 
 def overdue_queued(engine: Engine, *, limit: int) -> list[uuid.UUID]:

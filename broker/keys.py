@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.sql import func
 
-from broker.capabilities import is_valid_pattern
+from broker.capabilities import any_pattern_allows, is_valid_pattern
 from broker.db.models import api_keys_table as keys
 from broker.errors import BadRequest
 
@@ -23,12 +23,30 @@ PREFIX = "rk_"
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the tenant and what its key may run."""
+    """Who is calling: the tenant and what its key may run.
+
+    ``capabilities`` bound what the key runs and what of its tenant it reads. A tenant-admin
+    key reads all of its tenant's tasks and webhooks and manages the tenant's settings; an
+    operator key (``is_admin``) is a tenant admin too, and also sees the infrastructure.
+    """
 
     key_id: str
     tenant: str
     capabilities: tuple[str, ...]
     is_admin: bool = False
+    tenant_admin: bool = False
+
+    @property
+    def manages_tenant(self) -> bool:
+        return self.tenant_admin or self.is_admin
+
+    @property
+    def sees(self) -> tuple[str, ...]:
+        """The patterns that bound which of its tenant's tasks and webhooks this key reads."""
+        return ("*",) if self.manages_tenant else self.capabilities
+
+    def may_see(self, capability: str) -> bool:
+        return any_pattern_allows(self.sees, capability)
 
 
 def hash_secret(secret: str) -> str:
@@ -55,6 +73,7 @@ def create_key(
     capabilities: list[str],
     *,
     is_admin: bool = False,
+    tenant_admin: bool = False,
     name: str | None = None,
 ) -> tuple[str, str]:
     """Create a key; returns (key_id, token). The token is not stored and cannot be shown again."""
@@ -75,6 +94,7 @@ def create_key(
                 secret_hash=hash_secret(secret),
                 capabilities=capabilities,
                 is_admin=is_admin,
+                tenant_admin=tenant_admin,
                 name=name,
             )
         )
@@ -97,6 +117,7 @@ def list_keys(engine: Engine, tenant: str | None = None) -> list[dict[str, objec
         keys.c.tenant,
         keys.c.capabilities,
         keys.c.is_admin,
+        keys.c.tenant_admin,
         keys.c.name,
         keys.c.created_at,
         keys.c.revoked_at,

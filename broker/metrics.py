@@ -70,6 +70,11 @@ registry_registered = Gauge(
     "Instances known to the registry (any state but offline)",
     multiprocess_mode="liveall",
 )
+system_gauges_refreshed = Gauge(
+    "reach_system_gauges_refreshed_timestamp_seconds",
+    "When this API process last computed the queue and registry gauges (Unix time)",
+    multiprocess_mode="liveall",
+)
 
 # The workers.
 tasks_finished = Counter(

@@ -1,5 +1,6 @@
-"""Which queue a request goes to: the most specific live capability on the name's prefix chain,
-and, when several cards serve it, one card by weighted random choice (seed 000 §3.3).
+"""Which queue a request goes to: the most specific live capability on the name's prefix chain
+that the caller's key allows, and, when several cards serve it, one card by weighted random
+choice (seed 000 §3.3).
 
 score = match x health x cost x weight, sampled in proportion, never always the top: the
 lesser cards keep getting some traffic, so their health figures stay fresh.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from broker.capabilities import prefix_chain
+from broker.capabilities import any_pattern_allows, prefix_chain
 from broker.registry import LEASE_PREFIX, READY, SUSPECT, CardRef, Lease, live_key, now_s
 
 EXACT_MATCH, PREFIX_MATCH = 1.0, 0.6
@@ -139,14 +140,19 @@ async def resolve(
     redis: Redis,
     requested: str,
     *,
+    allowed: Sequence[str],
     success_rates: Mapping[tuple[str, str], float] | None = None,
     rng: random.Random | None = None,
     known: tuple[float, list[Candidate]] | None = None,
 ) -> Route | None:
-    """The route for ``requested``, or None when no capability on its chain is live.
+    """The route for ``requested``, or None when no capability on its chain is both live and
+    allowed by the key patterns ``allowed`` (a key allowed only ``text.summarize.fr`` must not
+    reach the ``text.summarize`` agent by falling back).
     ``known``: (when, candidates) for ``requested`` itself, already read by the caller."""
     now = known[0] if known is not None else now_s()
     for capability in prefix_chain(requested):
+        if not any_pattern_allows(allowed, capability):
+            continue
         if known is not None and capability == requested:
             candidates = known[1]
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -65,6 +65,21 @@ class Settings(BaseSettings):
     # Requests of one API process waiting for their answer (sync waits too); beyond it, 503 at
     # once. 1,000 connections submitting at once all fit and are answered within seconds.
     max_requests_waiting: int = Field(1024, gt=0)
+    # ... of which one tenant may hold at most this many, so one client's slow bodies or long
+    # sync waits never leave the others nothing but 503s.
+    max_requests_waiting_per_tenant: int = Field(256, gt=0)
+    # A request body must have arrived whole within this long (408 otherwise): a body sent a
+    # byte at a time holds its waiting slot no longer.
+    body_read_timeout_s: float = Field(10.0, gt=0)
+    # Key ids not found in the API's memory are looked up in Postgres at most this often per
+    # client address (with twice that as a burst); past it, 429 without a query.
+    auth_lookups_per_s: float = Field(20.0, gt=0)
+    # Host names of webhook and callback URLs are resolved in threads of their own (never the
+    # pool the API's other work shares), each lookup bounded in time, at most a few of one
+    # tenant at once: a name server that never answers holds that tenant's lookups only.
+    dns_timeout_s: float = Field(2.0, gt=0, le=30)
+    dns_threads: int = Field(16, gt=0, le=256)
+    dns_lookups_per_tenant: int = Field(2, gt=0)
 
     # Each worker serves its metrics here (0: not at all); a busy port is logged and skipped.
     worker_metrics_port: int = Field(9808, ge=0, le=65535)
@@ -94,8 +109,16 @@ class Settings(BaseSettings):
     # next ones wait a second or two instead of taking a slot, so other tenants' go on. The
     # webhooks worker needs more processes than this (docker-compose runs 8).
     webhook_max_inflight_per_tenant: int = Field(4, gt=0)
-    # Where each worker's /metrics listens: this machine only unless an operator opens it
-    # (0.0.0.0 in a container whose port is not published).
+
+    # /metrics. Each API process computes the system gauges (queue depths, the oldest queued
+    # task, registry health) every metrics_refresh_s and serves the last figures; a scrape
+    # reads no database. With a token, /metrics needs ``Authorization: Bearer <token>``;
+    # without one it answers 404 unless metrics_public (the dev stack sets it); a token under
+    # 16 characters is refused at startup. The workers' metrics server (worker_metrics_port)
+    # listens on worker_metrics_host.
+    metrics_token: SecretStr | None = Field(None, min_length=16)
+    metrics_public: bool = False
+    metrics_refresh_s: float = Field(15.0, gt=0)
     worker_metrics_host: str = "127.0.0.1"
 
     @field_validator("agents", "webhook_allow", "webhook_schedule_s", mode="before")

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -132,9 +132,15 @@ async def submit(
 ) -> Accepted:
     values = _values(principal, envelope, queue, trace_id, settings)
     engine = inserter.engine
-    if not await inserter.insert(values):
-        async with engine.connect() as conn:
-            return await _replay(conn, values)
+    for _ in range(2):
+        if await inserter.insert(values):
+            break
+        replayed = await _replay(engine, values)
+        if replayed is not None:
+            return replayed
+        # The key's task had expired (or was purged): the key is free, try again.
+    else:
+        raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
     row = _NEW_ROW | values
     try:
         # The queued event goes first, so it precedes whatever the worker appends. With the
@@ -165,19 +171,27 @@ async def submit(
     return Accepted(row=row, replayed=False)
 
 
-async def _replay(conn: Any, values: dict[str, Any]) -> Accepted:
-    """Same key seen before: the same payload gets the first task, another payload an error."""
-    existing = (
-        await conn.execute(
-            select(tasks).where(
-                tasks.c.tenant == values["tenant"],
-                tasks.c.capability == values["capability"],
-                tasks.c.idempotency_key == values["idempotency_key"],
-            )
-        )
-    ).first()
-    if existing is None:  # removed between our insert and this read (expired and purged)
-        raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
+async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | None:
+    """Same key seen before: the same payload gets the first task, another payload an error.
+
+    None when that task is gone: purged, or expired, which reads as gone everywhere else, so
+    its row is deleted here as the janitor would (only while still expired: two replays
+    racing delete it once) and the key is free for a new task.
+    """
+    query = select(tasks, (tasks.c.expires_at <= func.now()).label("expired")).where(
+        tasks.c.tenant == values["tenant"],
+        tasks.c.capability == values["capability"],
+        tasks.c.idempotency_key == values["idempotency_key"],
+    )
+    async with engine.connect() as conn:
+        existing = (await conn.execute(query)).first()
+        if existing is None:
+            return None
+        if existing.expired:
+            gone = delete(tasks).where(tasks.c.id == existing.id, tasks.c.expires_at <= func.now())
+            await conn.execute(gone)
+            await conn.commit()
+            return None
     if existing.payload_digest != values["payload_digest"]:
         metrics.idempotency.labels("conflict").inc()
         raise BadRequest(
@@ -185,7 +199,9 @@ async def _replay(conn: Any, values: dict[str, Any]) -> Accepted:
             code="idempotency_key_reused",
         )
     metrics.idempotency.labels("replayed").inc()
-    return Accepted(row=dict(existing._mapping), replayed=True)
+    row = dict(existing._mapping)
+    del row["expired"]
+    return Accepted(row=row, replayed=True)
 
 
 async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> None:

@@ -63,15 +63,16 @@ def _configure_logging(loglevel: str | int = "INFO", **_: object) -> None:
     logs.configure(level=logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel)
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """The worker's /metrics, merged over its pool processes, from its main process."""
+def serve_metrics(host: str, port: int) -> None:
+    """The worker's /metrics, merged over its pool processes, from its main process. It has no
+    authentication: it listens on loopback unless ``worker_metrics_host`` says otherwise."""
     if not port:
         return
     try:
         start_http_server(port, addr=host, registry=metrics.worker_registry())
         log.info("worker metrics on %s:%d/metrics", host, port)
     except OSError as exc:
-        log.warning("worker metrics not served: port %d: %s", port, exc)
+        log.warning("worker metrics not served: %s:%d: %s", host, port, exc)
 
 
 def _forget_process_metrics(pid: int | None = None, **_: object) -> None:
@@ -117,7 +118,7 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     signals.worker_shutting_down.connect(drain_on_shutdown, weak=False)
     signals.setup_logging.connect(_configure_logging, weak=False)
     signals.worker_ready.connect(
-        lambda **_: serve_metrics(settings.worker_metrics_port, settings.worker_metrics_host),
+        lambda **_: serve_metrics(settings.worker_metrics_host, settings.worker_metrics_port),
         weak=False,
     )
     signals.worker_process_shutdown.connect(_forget_process_metrics, weak=False)
@@ -137,7 +138,7 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
 
     @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
     def reap_lost() -> dict[str, int]:
-        return recovery.reap(runner)
+        return {**recovery.reap(runner), "announced": recovery.announce_finished(runner)}
 
     @app.task(name=SWEEP_TASK)  # type: ignore[untyped-decorator]
     def sweep_queued() -> dict[str, int]:

@@ -25,6 +25,7 @@ from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import EVENTS_SLACK_S
 from broker.tasks import render
+from workers import faults
 from workers.sdk.context import Context
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
 from workers.timelimit import SoftTimeLimit, soft_limit
@@ -57,6 +58,7 @@ class Runner:
         self._redis: redis.Redis | None = None
         self._events: events.EventLog | None = None
         self._pid = 0
+        self._crash_after_finish = faults.crash_after_finish()
 
     def _connect(self) -> None:
         # One engine and client per process: a prefork child must not reuse its parent's
@@ -106,6 +108,11 @@ class Runner:
             overdue = execution.expire_overdue(self.engine, tid)
             if overdue is not None:
                 return self.finalize(overdue)
+            # A redelivered message of a finished task: its worker may have died between the
+            # final write and the final event, so the event goes out now (once: see events).
+            final = execution.final_row(self.engine, tid)
+            if final is not None and self.announce(final):
+                log.warning("task %s was final without its final event; announced it", task_id)
             log.info("task %s not queued any more; skipped", task_id)
             return "skipped"
         logs.bind(trace_id=claimed.trace_id, tenant=claimed.tenant)
@@ -186,25 +193,31 @@ class Runner:
         """Announce a final state: its event, then the hooks. Returns the status."""
         if row is None:  # moved to a final state by someone else (cancelled), who announced it
             return "skipped"
+        if self._crash_after_finish and capability_of(row["queue"]) in self._crash_after_finish:
+            faults.crash()  # tests only: see workers.faults
         metrics.tasks_finished.labels(capability_of(row["queue"]), row["status"]).inc()
         log.info(
             "task finished",
             extra={"status": row["status"], "code": (row["error"] or {}).get("code")},
         )
-        task = render(row)
-        self.events.append(
-            row["id"],
-            row["status"],
-            task,
-            trace_id=row["trace_id"],
-            ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
-        )
+        self.announce(row)
         for hook in self.on_final:
             try:
                 hook(row)
             except Exception:  # the task is final either way; a hook must not undo that
                 log.exception("final hook %r failed for task %s", hook, row["id"])
         return str(row["status"])
+
+    def announce(self, row: dict[str, Any]) -> bool:
+        """Append the final event of a final task row; False when its log had one already."""
+        seq = self.events.append(
+            row["id"],
+            row["status"],
+            render(row),
+            trace_id=row["trace_id"],
+            ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
+        )
+        return seq > 0
 
     def _checked(self, value: Any) -> Any:
         """A value that will go out as JSON; agents get a TypeError/ValueError otherwise."""

@@ -22,9 +22,11 @@ DRAIN_FLAG_TTL_S = 24 * 3600
 
 @router.get("/agents", responses=ERROR_RESPONSES)
 async def list_agents(request: Request, caller: Caller) -> dict[str, Any]:
-    """Every agent that advertised a card, with its instances and their state."""
+    """Every agent that advertised a card, with its instances and their state. A key other
+    than an operator's sees only agents of capabilities its patterns allow, and no instance's
+    name, host or process id."""
     state = request.app.state
-    return {"agents": await catalog.agents(state.engine, state.redis)}
+    return {"agents": catalog.seen_by(await catalog.agents(state.engine, state.redis), caller)}
 
 
 @router.get("/agents/{agent_id}", responses=ERROR_RESPONSES)
@@ -32,6 +34,7 @@ async def get_agent(agent_id: str, request: Request, caller: Caller) -> dict[str
     """An agent's cards and instances: state and seconds since the last heartbeat."""
     state = request.app.state
     found = await catalog.agents(state.engine, state.redis, agent_id=agent_id)
+    found = catalog.seen_by(found, caller)
     if not found:
         raise NotFound("no such agent", code="agent_not_found")
     return found[0]
@@ -55,11 +58,39 @@ async def drain_instance(
 
 @router.get("/capabilities", responses=ERROR_RESPONSES)
 async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
-    """Each capability: live instances, queue depth, and figures from the last 5 minutes."""
+    """Each capability the key's patterns allow: live instances, and figures from the last 5
+    minutes of the caller's tenant's tasks. Queue depth, shared by every tenant, is shown to
+    operator keys only."""
     state = request.app.state
-    known = await catalog.known_capabilities(state.engine)
-    figures = await catalog.capability_figures(state.engine)
+    known = {
+        capability: served_by
+        for capability, served_by in (await catalog.known_capabilities(state.engine)).items()
+        if caller.may_see(capability)
+    }
+    figures = await catalog.capability_figures(state.engine, caller.tenant)
+    depths = await _queue_depths(request, known) if caller.is_admin else {}
     now = now_s()
+    result = []
+    for capability, served_by in known.items():
+        live = await routing.live_candidates(state.redis, capability, now)
+        shown = {
+            "capability": capability,
+            "cards": served_by,
+            "live_instances": len(live),
+            "window_s": catalog.WINDOW_S,
+            "measured": figures.get(
+                capability,
+                {"tasks": 0, "success_rate": None, "p50_run_s": None, "p95_run_s": None},
+            ),
+        }
+        if caller.is_admin:
+            shown["queue_depth"] = depths[capability]
+        result.append(shown)
+    return {"capabilities": result}
+
+
+async def _queue_depths(request: Request, known: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
+    """Per capability: its own queue plus its cards' queues."""
     queues = {
         capability: [
             capability,
@@ -68,22 +99,5 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
         for capability, served_by in known.items()
     }
     every_queue = [q for names in queues.values() for q in names]
-    depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, every_queue)
-    result = []
-    for capability, served_by in known.items():
-        live = await routing.live_candidates(state.redis, capability, now)
-        result.append(
-            {
-                "capability": capability,
-                "cards": served_by,
-                "live_instances": len(live),
-                # The capability's queue plus its cards' queues.
-                "queue_depth": sum(depths[q] for q in queues[capability]),
-                "window_s": catalog.WINDOW_S,
-                "measured": figures.get(
-                    capability,
-                    {"tasks": 0, "success_rate": None, "p50_run_s": None, "p95_run_s": None},
-                ),
-            }
-        )
-    return {"capabilities": result}
+    depths = await anyio.to_thread.run_sync(request.app.state.dispatcher.queue_depths, every_queue)
+    return {capability: sum(depths[q] for q in names) for capability, names in queues.items()}

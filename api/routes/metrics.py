@@ -1,44 +1,39 @@
-"""``/metrics`` for Prometheus. The gauges that describe the system rather than this process
-(queue depth, the oldest queued task, registry health) are read when scraped."""
+"""``/metrics`` for Prometheus: this process's counters and the system gauges as of their last
+refresh (``api.system_gauges``, every ``metrics_refresh_s``). A scrape reads nothing but
+memory.
+
+Closed by default: with ``metrics_token`` set it needs ``Authorization: Bearer <token>``
+(compared in constant time); without one it is 404 unless ``metrics_public`` (the dev stack).
+"""
 
 from __future__ import annotations
 
-import anyio
+import hmac
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
 
-from broker import catalog, metrics, routing
-from broker.registry import now_s
+from api.schemas import ERROR_RESPONSES
+from broker.errors import NotFound, Unauthenticated
 
 router = APIRouter(tags=["health"])
 
-OLDEST_QUEUED = text(
-    "SELECT split_part(queue, '@', 1) AS capability,"
-    " extract(epoch FROM now() - min(created_at)) AS age_s"
-    " FROM tasks WHERE status = 'queued' GROUP BY 1"
-)
+
+def _authorize(request: Request) -> None:
+    settings = request.app.state.settings
+    if settings.metrics_token is None:
+        if settings.metrics_public:
+            return
+        raise NotFound("metrics are served only with REACH_METRICS_TOKEN set")
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    expected = settings.metrics_token.get_secret_value().encode()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise Unauthenticated("the metrics token is required: Authorization: Bearer <token>")
 
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
 async def prometheus_metrics(request: Request) -> Response:
     """Prometheus text format. Holds no tenant data: counts by route, capability and code."""
-    state = request.app.state
-    known = await catalog.known_capabilities(state.engine)
-    depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, sorted(known))
-    async with state.engine.connect() as conn:
-        ages = {r.capability: float(r.age_s) for r in await conn.execute(OLDEST_QUEUED)}
-    now = now_s()
-    live: set[str] = set()
-    for capability in known:
-        metrics.queue_depth.labels(capability).set(depths.get(capability, 0))
-        metrics.queue_oldest_age.labels(capability).set(ages.get(capability, 0.0))
-        live |= {
-            c.lease.instance for c in await routing.live_candidates(state.redis, capability, now)
-        }
-    agents = await catalog.agents(state.engine, state.redis)
-    registered = {i["instance"] for a in agents for i in a["instances"] if i["state"] != "offline"}
-    metrics.registry_ready.set(len(live))
-    metrics.registry_registered.set(len(registered | live))
+    _authorize(request)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

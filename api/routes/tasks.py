@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import replies
-from api.deps import authenticate, read_json_body
+from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.sse import EventStreamResponse
 from broker import cancellation, catalog, jsonbody, metrics, queries
@@ -29,6 +29,7 @@ from broker.webhooks.subscriptions import vet_callback
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]
 StatusFilter = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 
 
@@ -47,7 +48,8 @@ async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> No
     if envelope.callback is not None:
         state = request.app.state
         allow = state.settings.webhook_allow
-        await vet_callback(state.engine, tenant, envelope.callback.url, allow=allow)
+        url = envelope.callback.url
+        await vet_callback(state.engine, state.lookups, tenant, url, allow=allow)
 
 
 @router.post(
@@ -62,7 +64,7 @@ async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> No
         }
     },
 )
-async def submit_task(request: Request, caller: Caller) -> Response:
+async def submit_task(request: Request, caller: Metered) -> Response:
     """Submit an envelope. ``async``: 202 with the task at once, poll ``Location``.
     ``sync``: 200 with the finished task if it finishes within the wait, else 202.
     ``stream``: the task's events as ``text/event-stream``."""
@@ -77,15 +79,15 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         raise Forbidden(
             f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
         )
-    await _vet_callback(request, caller.tenant, envelope)
     queue = await admit(
         envelope,
-        tenant=caller.tenant,
+        allowed=caller.capabilities,
         door=state.door,
         engine=state.engine,
         cache=state.catalog_cache,
     )
     await state.queue_bound.check(queue)
+    await _vet_callback(request, caller.tenant, envelope)  # last: it may resolve a host name
     accepted = await submit(
         state.inserter,
         state.dispatcher,
@@ -147,14 +149,7 @@ async def task_events(
 ) -> EventStreamResponse:
     """SSE: the task's events from the start, or after ``Last-Event-ID``; ends after the final
     event. Opening it on a finished task replays the log."""
-    tid = parse_task_id(task_id)
-    row = (
-        None
-        if tid is None
-        else await queries.get_task(request.app.state.engine, caller.tenant, tid)
-    )
-    if tid is None or row is None:
-        raise NotFound("no such task", code="task_not_found")
+    tid = (await _visible_task(request, caller, task_id))["id"]
     after = 0
     if last_event_id is not None:
         if not last_event_id.strip().isdigit() or len(last_event_id.strip()) > 18:
@@ -167,16 +162,23 @@ async def task_events(
 
 @router.get("/tasks/{task_id}", response_model=TaskResource, responses=ERROR_RESPONSES)
 async def get_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
-    """The task. Unknown, expired and other tenants' ids are all 404."""
+    """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
+    key's patterns are all 404."""
+    return JSONResponse(render(await _visible_task(request, caller, task_id)))
+
+
+async def _visible_task(request: Request, caller: Principal, task_id: str) -> dict[str, Any]:
+    """The task if this key may see it, else 404 (a task it may not see does not exist)."""
     tid = parse_task_id(task_id)
+    engine = request.app.state.engine
     row = (
         None
         if tid is None
-        else await queries.get_task(request.app.state.engine, caller.tenant, tid)
+        else await queries.get_task(engine, caller.tenant, tid, patterns=caller.sees)
     )
     if row is None:
         raise NotFound("no such task", code="task_not_found")
-    return JSONResponse(render(row))
+    return row
 
 
 @router.get("/tasks", response_model=TaskList, responses=ERROR_RESPONSES)
@@ -188,7 +190,8 @@ async def list_tasks(
     limit: Annotated[int, Query(ge=1)] = 50,
     cursor: Annotated[str | None, Query(max_length=64)] = None,
 ) -> JSONResponse:
-    """The tenant's tasks, newest first; pass ``next_cursor`` back as ``cursor`` for more."""
+    """The tenant's tasks of capabilities the key's patterns allow, newest first; pass
+    ``next_cursor`` back as ``cursor`` for more."""
     if capability is not None and not is_valid_name(capability):
         raise BadRequest("capability is not a valid name", code="invalid_parameter")
     state = request.app.state
@@ -199,6 +202,7 @@ async def list_tasks(
         status=status,
         limit=min(limit, state.settings.list_page_max),
         cursor=cursor,
+        patterns=caller.sees,
     )
     return JSONResponse({"tasks": [render(r) for r in rows], "next_cursor": next_cursor})
 
@@ -209,11 +213,13 @@ async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONRes
     its context, and stopped outright when its card says it is cancellable. 409 if final."""
     state = request.app.state
     tid = parse_task_id(task_id)
-    row = None if tid is None else await cancellation.cancel(state.engine, caller.tenant, tid)
+    row = (
+        None
+        if tid is None
+        else await cancellation.cancel(state.engine, caller.tenant, tid, patterns=caller.sees)
+    )
     if row is None:
-        current = None if tid is None else await queries.get_task(state.engine, caller.tenant, tid)
-        if current is None:
-            raise NotFound("no such task", code="task_not_found")
+        current = await _visible_task(request, caller, task_id)
         raise Conflict(f"the task is already {current['status']}", code="task_final")
     await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
     await _stop_if_cancellable(request, row)

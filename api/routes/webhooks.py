@@ -1,6 +1,8 @@
 """``/webhooks``: a tenant's subscriptions, their delivery log, and redelivery.
 
 Every path is per tenant: another tenant's webhook or delivery is 404, like an unknown one.
+Within the tenant a key reaches only subscriptions its patterns cover (whose ``capabilities``
+filter lets through nothing the key may not see); a tenant-admin key reaches them all.
 """
 
 from __future__ import annotations
@@ -13,18 +15,19 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from api.deps import authenticate, read_json_body
+from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES
 from broker import jsonbody
-from broker.errors import BadRequest, NotFound
+from broker.capabilities import patterns_cover
+from broker.errors import BadRequest, Forbidden, NotFound
 from broker.keys import Principal
 from broker.tasks import parse_task_id
 from broker.webhooks import delivery_log, subscriptions
-from broker.webhooks.ssrf import Guard, vet
 from broker.webhooks.subscriptions import WebhookSpec, render
 
 router = APIRouter(tags=["webhooks"])
 Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]  # routes that do real work take a token
 SPEC_MAX_BYTES = 16 * 1024
 
 
@@ -36,9 +39,16 @@ def parse_id(raw: str, what: str) -> uuid.UUID:
     return parsed
 
 
-async def _webhook(request: Request, tenant: str, raw_id: str) -> dict[str, Any]:
-    found = await subscriptions.get(request.app.state.engine, tenant, parse_id(raw_id, "webhook"))
-    if found is None:
+def reaches(caller: Principal, webhook: dict[str, Any]) -> bool:
+    """Whether the key's patterns cover everything the subscription's filter lets through."""
+    return patterns_cover(caller.sees, webhook["capabilities"])
+
+
+async def _webhook(request: Request, caller: Principal, raw_id: str) -> dict[str, Any]:
+    """The subscription if this key reaches it, else 404 like an unknown one."""
+    engine = request.app.state.engine
+    found = await subscriptions.get(engine, caller.tenant, parse_id(raw_id, "webhook"))
+    if found is None or not reaches(caller, found):
         raise NotFound("no such webhook", code="webhook_not_found")
     return found
 
@@ -59,12 +69,19 @@ async def _spec(request: Request) -> WebhookSpec:
 
 
 @router.post("/webhooks", status_code=201, responses=ERROR_RESPONSES)
-async def create_webhook(request: Request, caller: Caller) -> JSONResponse:
+async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
     """Subscribe a URL to task events (``url``, ``events``, ``capabilities`` patterns,
-    ``description``). The answer holds the signing ``secret``: it is never shown again."""
+    ``description``). The answer holds the signing ``secret``: it is never shown again.
+    A filter wider than the key's patterns (no filter: every capability) needs a tenant-admin
+    key."""
     state = request.app.state
     spec = await _spec(request)
-    await vet(Guard(state.settings.webhook_allow), spec.url)
+    if not patterns_cover(caller.sees, spec.capabilities):
+        raise Forbidden(
+            "a webhook for capabilities outside this key's patterns needs a tenant-admin key",
+            code="tenant_admin_required",
+        )
+    await state.lookups.vet(spec.url, allow=state.settings.webhook_allow, tenant=caller.tenant)
     row, secret = await subscriptions.create(
         state.engine, caller.tenant, spec, max_per_tenant=state.settings.webhook_max_per_tenant
     )
@@ -74,32 +91,35 @@ async def create_webhook(request: Request, caller: Caller) -> JSONResponse:
 
 @router.get("/webhooks", responses=ERROR_RESPONSES)
 async def list_webhooks(request: Request, caller: Caller) -> dict[str, Any]:
+    """The subscriptions this key reaches (a tenant has at most a few dozen)."""
     rows = await subscriptions.list_for(request.app.state.engine, caller.tenant)
-    return {"webhooks": [render(r) for r in rows]}
+    return {"webhooks": [render(r) for r in rows if reaches(caller, r)]}
 
 
 @router.get("/webhooks/{webhook_id}", responses=ERROR_RESPONSES)
 async def get_webhook(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
-    return render(await _webhook(request, caller.tenant, webhook_id))
+    return render(await _webhook(request, caller, webhook_id))
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, responses=ERROR_RESPONSES)
 async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> Response:
     """Remove the subscription and its delivery log; attempts still due are dropped."""
-    wid = parse_id(webhook_id, "webhook")
-    if not await subscriptions.remove(request.app.state.engine, caller.tenant, wid):
+    # A filter never changes, so the subscription read is still the one removed.
+    webhook = await _webhook(request, caller, webhook_id)
+    if not await subscriptions.remove(request.app.state.engine, caller.tenant, webhook["id"]):
         raise NotFound("no such webhook", code="webhook_not_found")
     return Response(status_code=204)
 
 
 @router.post("/webhooks/{webhook_id}/rotate-secret", responses=ERROR_RESPONSES)
-async def rotate_secret(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> dict[str, Any]:
     """A new secret, shown once; the old one keeps signing (alongside) for the grace period."""
     state = request.app.state
+    webhook = await _webhook(request, caller, webhook_id)
     rotated = await subscriptions.rotate(
         state.engine,
         caller.tenant,
-        parse_id(webhook_id, "webhook"),
+        webhook["id"],
         grace_s=state.settings.webhook_rotation_grace_s,
     )
     if rotated is None:
@@ -119,7 +139,7 @@ async def webhook_deliveries(
     """Its deliveries, newest first, each with every attempt: time, status code, error,
     latency and the address connected to."""
     state = request.app.state
-    webhook = await _webhook(request, caller.tenant, webhook_id)
+    webhook = await _webhook(request, caller, webhook_id)
     rows, next_cursor = await delivery_log.page(
         state.engine,
         caller.tenant,
@@ -136,10 +156,10 @@ async def webhook_deliveries(
     responses=ERROR_RESPONSES,
 )
 async def redeliver(
-    webhook_id: str, delivery_id: str, request: Request, caller: Caller
+    webhook_id: str, delivery_id: str, request: Request, caller: Metered
 ) -> dict[str, Any]:
     """Send a failed or dead delivery once more, with the same webhook-id and body."""
-    webhook = await _webhook(request, caller.tenant, webhook_id)
+    webhook = await _webhook(request, caller, webhook_id)
     scope = delivery_log.of_webhook(webhook["id"])
     return await send_again(request, caller.tenant, parse_id(delivery_id, "delivery"), scope)
 

@@ -107,6 +107,8 @@ class ApiKey(Base):
     secret_hash: Mapped[str] = mapped_column(String(64))
     capabilities: Mapped[list[str]] = mapped_column(ARRAY(Text))
     is_admin: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # Manages its tenant: the callback secret, every webhook, every task of the tenant.
+    tenant_admin: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     name: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     revoked_at: Mapped[datetime | None] = mapped_column(TZ)

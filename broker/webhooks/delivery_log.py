@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import webhook_attempts_table as attempts_log
@@ -86,8 +86,14 @@ def of_webhook(webhook_id: uuid.UUID) -> ColumnElement[bool]:
     return deliveries.c.webhook_id == webhook_id
 
 
-def of_task(task_id: uuid.UUID) -> ColumnElement[bool]:
-    return deliveries.c.task_id == task_id
+def of_task(task_id: uuid.UUID, webhook_ids: list[uuid.UUID] | None = None) -> ColumnElement[bool]:
+    """The task's deliveries; given ``webhook_ids``, only its own callback's and those to
+    these subscriptions."""
+    of_it = deliveries.c.task_id == task_id
+    if webhook_ids is None:
+        return of_it
+    to = or_(deliveries.c.webhook_id.is_(None), deliveries.c.webhook_id.in_(webhook_ids))
+    return and_(of_it, to)
 
 
 def only(delivery_id: uuid.UUID) -> ColumnElement[bool]:

@@ -7,15 +7,18 @@ ones the sender may connect to, so a DNS answer that changes after the check nev
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
-import anyio
 import httpx
 
+from broker.backpressure import RateLimited
 from broker.errors import BadRequest, Unavailable
 from broker.webhooks.addresses import effective, is_denied
 
@@ -123,11 +126,62 @@ class Guard:
         return Target(url, host, port, passed)
 
 
-async def vet(guard: Guard, raw: str) -> str:
-    """Check a URL a caller submits (registration or a task's callback): UrlNotAllowed when
-    its form or every address it resolves to is refused, or when it does not resolve."""
-    try:
-        await anyio.to_thread.run_sync(guard.check, raw)
-    except HostUnresolved as exc:
-        raise UrlNotAllowed(f"the URL's host cannot be checked: {exc.message}") from None
-    return raw
+class HostLookups:
+    """Where the API checks the URLs callers send: in threads of its own, never the pool the
+    API's other blocking work shares; each check bounded to ``timeout_s``; at most
+    ``per_tenant`` checks of one tenant in flight. A check whose caller stopped waiting stays
+    counted until its thread returns, so a name server that never answers ties up only the
+    lookups of the tenant that named it."""
+
+    def __init__(
+        self,
+        *,
+        threads: int,
+        timeout_s: float,
+        per_tenant: int,
+        resolver: Resolver = system_resolver,
+    ) -> None:
+        self.resolver = resolver
+        self.timeout_s = timeout_s
+        self.per_tenant = per_tenant
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reach-dns")
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = {}
+
+    async def vet(self, raw: str, *, allow: Iterable[str], tenant: str) -> str:
+        """Check a URL a caller submits (registration or a task's callback): UrlNotAllowed when
+        its form or every address it resolves to is refused, or when it does not resolve in
+        time; RateLimited when the tenant already has its share of checks in flight."""
+        parse_url(raw)  # a malformed URL costs no thread
+        self._enter(tenant)
+        future = self._pool.submit(Guard(allow, self.resolver).check, raw)
+        future.add_done_callback(lambda _: self._leave(tenant))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except HostUnresolved as exc:
+            raise UrlNotAllowed(f"the URL's host cannot be checked: {exc.message}") from None
+        except TimeoutError:
+            raise UrlNotAllowed(
+                f"the URL's host did not resolve within {self.timeout_s:g} s"
+            ) from None
+        return raw
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _enter(self, tenant: str) -> None:
+        with self._lock:
+            if self._in_flight.get(tenant, 0) >= self.per_tenant:
+                raise RateLimited(
+                    "this tenant already has host names being resolved; retry shortly",
+                    retry_after_s=max(1, round(self.timeout_s)),
+                )
+            self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+
+    def _leave(self, tenant: str) -> None:
+        with self._lock:
+            left = self._in_flight[tenant] - 1
+            if left:
+                self._in_flight[tenant] = left
+            else:
+                del self._in_flight[tenant]

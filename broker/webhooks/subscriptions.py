@@ -23,7 +23,7 @@ from broker.errors import BadRequest
 from broker.tasks import new_task_id
 from broker.webhooks import FINAL_EVENTS, check_events, iso
 from broker.webhooks.signing import new_secret
-from broker.webhooks.ssrf import Guard, vet
+from broker.webhooks.ssrf import HostLookups
 
 
 class WebhookSpec(BaseModel):
@@ -166,10 +166,12 @@ def _rotated(current: Any, secret: str, grace_s: int) -> dict[str, Any]:
     }
 
 
-async def vet_callback(engine: AsyncEngine, tenant: str, url: str, *, allow: list[str]) -> None:
+async def vet_callback(
+    engine: AsyncEngine, lookups: HostLookups, tenant: str, url: str, *, allow: list[str]
+) -> None:
     """A task's callback is accepted only to a URL the guard allows, and only once the tenant
     has a callback secret to verify it with (``POST /callbacks/secret``)."""
-    await vet(Guard(allow), url)
+    await lookups.vet(url, allow=allow, tenant=tenant)
     if not await has_callback_secret(engine, tenant):
         raise BadRequest(
             "create the secret that signs callbacks first: POST /callbacks/secret",

@@ -10,7 +10,7 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from api.app import create_app
-from broker import keys, localservices
+from broker import keys, leases, localservices
 from broker.db.models import tasks_table
 from broker.settings import Settings
 from tests.integration.stack import (
@@ -20,6 +20,7 @@ from tests.integration.stack import (
     start_system_workers,
     start_worker,
 )
+from workers.sdk.registry import AgentRegistry
 
 TEST_QUEUES = ",".join(
     [
@@ -38,6 +39,27 @@ TEST_QUEUES = ",".join(
         "test.short-fuse",
     ]
 )
+
+# Capabilities whose agent no test starts, yet whose tasks must be able to wait in a queue.
+DORMANT = ("test.nobody", "test.nobody-serves", "test.nobody-serves-this")
+
+
+def advertise_test_cards(engine: Engine) -> None:
+    """The cards of every test agent and of the dormant capabilities, in the database of
+    ``engine``: only a capability some card has served may be queued for."""
+    import tests.agents  # noqa: F401  # registers the test agents with the SDK
+    from workers.sdk import agent
+
+    dormant = AgentRegistry()
+    for name in DORMANT:
+        dormant.capability(name, agent_id="test-dormant")(lambda ctx, payload: None)
+    leases.advertise_cards(engine, [s.card_document() for s in [*agent, *dormant]])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def served_cards(engine: Engine) -> None:
+    """The test cards in Postgres before any API starts (an API caches which were served)."""
+    advertise_test_cards(engine)
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +128,11 @@ KeyMaker = Callable[..., tuple[str, str]]
 def make_key(engine: Engine) -> KeyMaker:
     """Create a key for a fresh tenant (or the one given); returns (tenant, token)."""
 
-    def make(patterns: list[str] | None = None, tenant: str | None = None) -> tuple[str, str]:
+    def make(
+        patterns: list[str] | None = None, tenant: str | None = None, *, tenant_admin: bool = False
+    ) -> tuple[str, str]:
         tenant = tenant or f"t-{secrets.token_hex(4)}"
-        _, token = keys.create_key(engine, tenant, patterns or ["*"])
+        _, token = keys.create_key(engine, tenant, patterns or ["*"], tenant_admin=tenant_admin)
         return tenant, token
 
     return make
@@ -130,6 +154,16 @@ def client(
 ) -> Iterator[httpx.Client]:
     """An HTTP client of a fresh tenant allowed everything, with the worker running."""
     with client_for(api, tenant[1]) as http:
+        yield http
+
+
+@pytest.fixture
+def tenant_admin(
+    api: ServedApp, tenant: tuple[str, str], make_key: KeyMaker
+) -> Iterator[httpx.Client]:
+    """A tenant-admin client of ``client``'s tenant: it sets the tenant's callback secret."""
+    _, token = make_key(tenant=tenant[0], tenant_admin=True)
+    with client_for(api, token) as http:
         yield http
 
 

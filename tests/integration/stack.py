@@ -18,6 +18,7 @@ import httpx
 import psutil
 import uvicorn
 from fastapi import FastAPI
+from pydantic import SecretStr
 
 from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
@@ -39,6 +40,8 @@ def environment(settings: Settings) -> dict[str, str]:
     for name, value in settings.model_dump().items():
         if value is None:
             continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
         text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
         env[f"REACH_{name.upper()}"] = text
     env["PYTHONPATH"] = str(ROOT)

@@ -55,6 +55,26 @@ def test_created_key_works_until_revoked(settings: Settings, uncached_api: Serve
     assert reach(settings, "keys", "revoke", key_id.group(1)).returncode == 1
 
 
+def test_a_tenant_admin_key_is_listed_as_such_and_sets_the_callback_secret(
+    settings: Settings, api: ServedApp
+) -> None:
+    def create(*flags: str) -> str:
+        args = ["keys", "create", "--tenant", "cli-admin", "--capabilities", "echo", *flags]
+        created = reach(settings, *args)
+        assert created.returncode == 0, created.stderr
+        found = re.search(r"api key: (\S+)", created.stdout)
+        assert found
+        return found.group(1)
+
+    plain, manager = create(), create("--tenant-admin")
+    listed = reach(settings, "keys", "list", "--tenant", "cli-admin").stdout.splitlines()
+
+    assert [json.loads(line)["tenant_admin"] for line in listed] == [False, True]
+    for token, status in ((plain, 403), (manager, 201)):
+        headers = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(f"{api.url}/callbacks/secret", headers=headers).status_code == status
+
+
 def test_a_bad_pattern_is_refused(settings: Settings) -> None:
     result = reach(settings, "keys", "create", "--tenant", "x", "--capabilities", "Bad Pattern")
     assert result.returncode == 2

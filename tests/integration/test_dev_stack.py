@@ -100,6 +100,12 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
             "seller": "ACME Trading Co.",
         }
         assert httpx.get(f"http://127.0.0.1:{port}/docs").status_code == 200
+        # The printed key manages its tenant: the README's webhook examples start here.
+        token = re.search(r"API key\s+(rk_\S+)", banner)
+        assert token, banner
+        headers = {"Authorization": f"Bearer {token.group(1)}"}
+        secret = httpx.post(f"http://127.0.0.1:{port}/callbacks/secret", headers=headers)
+        assert secret.status_code == 201, secret.text
         assert wait_for(lambda: _answers(f"http://127.0.0.1:{flower_port}/"), "flower")
         children = psutil.Process(dev.pid).children(recursive=True)
         assert len(children) >= 4  # api, worker (and its pool), beat, flower

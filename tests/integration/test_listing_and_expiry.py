@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,9 +13,13 @@ import httpx
 import pytest
 from sqlalchemy import Engine, select
 
+from api.app import create_app
+from broker import keys, localservices, migrate
+from broker.db.engines import sync_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
-from tests.integration.stack import CeleryProcess, start_beat, wait_for_task
+from tests.integration.conftest import advertise_test_cards, client_for
+from tests.integration.stack import CeleryProcess, ServedApp, start_beat, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
@@ -108,3 +114,96 @@ def test_an_expired_task_reads_as_404_and_the_janitor_deletes_it(
     while row_exists():
         assert time.monotonic() < deadline, f"janitor never ran:\n{beat.output()}"
         time.sleep(0.2)
+
+
+@pytest.fixture
+def janitorless(
+    services: localservices.Services, settings: Settings, own_redis: str
+) -> Iterator[tuple[ServedApp, str, Engine]]:
+    """An API on a database of its own that no janitor purges: expired rows stay there."""
+    name = f"reach_janitorless_{secrets.token_hex(3)}"
+    url = localservices.create_database(services.database_url, name)
+    migrate.upgrade(url)
+    local = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
+    engine = sync_engine(local)
+    advertise_test_cards(engine)
+    _, token = keys.create_key(engine, "t-expiry", ["*"])
+    try:
+        with ServedApp(create_app(local)) as served:
+            yield served, token, engine
+    finally:
+        engine.dispose()
+        localservices.drop_database(services.database_url, name)
+
+
+def test_a_replay_of_an_expired_task_makes_a_new_task_and_frees_the_key(
+    janitorless: tuple[ServedApp, str, Engine],
+) -> None:
+    api, token, engine = janitorless
+    envelope = {
+        "capability": "test.nobody-serves",
+        "payload": {"order": 1},
+        "idempotency_key": "o-1",
+        "result_ttl_s": 1,
+        "queue_if_unavailable": True,
+    }
+    with client_for(api, token) as http:
+        # Given a task that has expired (404) but is not purged yet
+        first = http.post("/tasks", json=envelope).json()["task_id"]
+        deadline = time.monotonic() + 30
+        while http.get(f"/tasks/{first}").status_code != 404:
+            assert time.monotonic() < deadline, "the task never expired"
+            time.sleep(0.1)
+        # When the same key comes again, with the same payload
+        again = http.post("/tasks", json={**envelope, "result_ttl_s": 600})
+        # Then it is a new task, as if the first never existed, and the old row is gone
+        assert again.status_code == 202
+        assert again.json()["task_id"] != first
+        assert "idempotent-replayed" not in again.headers
+        assert http.get(f"/tasks/{again.json()['task_id']}").status_code == 200
+        # And the key now belongs to the new task: replayed with its payload, refused with another
+        replay = http.post("/tasks", json={**envelope, "result_ttl_s": 600})
+        other = http.post("/tasks", json={**envelope, "payload": {"order": 2}})
+    assert (replay.json()["task_id"], replay.headers["idempotent-replayed"]) == (
+        again.json()["task_id"],
+        "true",
+    )
+    assert (other.status_code, other.json()["code"]) == (422, "idempotency_key_reused")
+    with engine.connect() as conn:
+        ids = conn.execute(select(tasks_table.c.id)).scalars().all()
+    assert [str(i) for i in ids] == [again.json()["task_id"]]
+
+
+def test_50_concurrent_replays_of_an_expired_task_make_one_new_task(
+    janitorless: tuple[ServedApp, str, Engine],
+) -> None:
+    api, token, engine = janitorless
+    envelope = {
+        "capability": "test.nobody-serves",
+        "payload": {"order": 2},
+        "idempotency_key": "o-2",
+        "result_ttl_s": 1,
+        "queue_if_unavailable": True,
+    }
+    with client_for(api, token) as http:
+        first = http.post("/tasks", json=envelope).json()["task_id"]
+        deadline = time.monotonic() + 30
+        while http.get(f"/tasks/{first}").status_code != 404:
+            assert time.monotonic() < deadline, "the task never expired"
+            time.sleep(0.1)
+
+    async def replay_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=api.url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+        ) as http:
+            again = {**envelope, "result_ttl_s": 600}
+            return await asyncio.gather(*(http.post("/tasks", json=again) for _ in range(50)))
+
+    responses = asyncio.run(replay_all())
+    assert {r.status_code for r in responses} == {202}
+    [new] = {r.json()["task_id"] for r in responses}
+    assert new != first
+    assert sum("idempotent-replayed" not in r.headers for r in responses) == 1
+    with engine.connect() as conn:
+        ids = conn.execute(select(tasks_table.c.id)).scalars().all()
+    assert [str(i) for i in ids] == [new]

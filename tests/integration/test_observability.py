@@ -8,11 +8,16 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
+from pydantic import SecretStr
+from sqlalchemy import event
 
+from api.app import create_app
 from broker.logs import JsonFormatter
 from broker.settings import Settings
 from tests.integration.stack import (
@@ -86,13 +91,39 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def test_api_metrics_expose_the_families_and_move(client: httpx.Client) -> None:
-    before = client.get("/metrics")
-    assert before.headers["content-type"].startswith("text/plain")
+METRICS_TOKEN = "scrape-" + "7c1e" * 8
+
+
+@pytest.fixture(scope="module")
+def metrics_api(settings: Settings, worker: CeleryProcess) -> Iterator[ServedApp]:
+    """An API whose /metrics needs a token, its system gauges refreshed every 0.2 s."""
+    tuned = settings.model_copy(
+        update={"metrics_token": SecretStr(METRICS_TOKEN), "metrics_refresh_s": 0.2}
+    )
+    with ServedApp(create_app(tuned)) as served:
+        yield served
+
+
+def scrape(api: ServedApp) -> str:
+    response = httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    return response.text
+
+
+def test_api_metrics_expose_the_families_and_move(
+    client: httpx.Client, metrics_api: ServedApp
+) -> None:
+    before = scrape(metrics_api)
     task = client.post("/tasks", json={"capability": "echo", "payload": {}}).json()
     wait_for_task(client, task["task_id"], FINAL)
     client.post("/tasks", json={"capability": "nobody.here", "payload": {}})
-    after = client.get("/metrics").text
+    # The system gauges are computed again on their schedule (every 0.2 s here)
+    refreshed = "reach_system_gauges_refreshed_timestamp_seconds"
+    deadline = time.monotonic() + 10
+    while metric(after := scrape(metrics_api), refreshed) <= metric(before, refreshed):
+        assert time.monotonic() < deadline, "the system gauges were never refreshed"
+        time.sleep(0.1)
     for family in (
         "reach_http_requests_total",
         "reach_http_request_duration_seconds_bucket",
@@ -108,13 +139,60 @@ def test_api_metrics_expose_the_families_and_move(client: httpx.Client) -> None:
         assert family in after, family
     posted = metric(after, "reach_http_requests_total", method="POST", route="/tasks", status="202")
     assert posted > metric(
-        before.text, "reach_http_requests_total", method="POST", route="/tasks", status="202"
+        before, "reach_http_requests_total", method="POST", route="/tasks", status="202"
     )
-    assert metric(after, "reach_routing_failures_total", capability="nobody.here") >= 1
+    assert metric(after, "reach_routing_failures_total", capability="_unknown") >= 1
     assert metric(after, "reach_registry_ready_instances") >= 1
 
 
-def test_a_worker_serves_its_metrics_merged_over_its_pool(
+def test_metrics_are_refused_without_the_metrics_token(
+    metrics_api: ServedApp, api: ServedApp, tenant: tuple[str, str], settings: Settings
+) -> None:
+    url = f"{metrics_api.url}/metrics"
+    bare = httpx.get(url)
+    wrong = httpx.get(url, headers={"Authorization": f"Bearer {METRICS_TOKEN}x"})
+    api_key = httpx.get(url, headers={"Authorization": f"Bearer {tenant[1]}"})
+    for refused in (bare, wrong, api_key):
+        assert refused.status_code == 401
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["code"] == "unauthenticated"
+        assert "reach_http_requests_total" not in refused.text
+    # No token configured: closed (404), unless declared public as the dev stack does
+    closed = httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {tenant[1]}"})
+    assert (closed.status_code, closed.json()["code"]) == (404, "not_found")
+    with ServedApp(create_app(settings.model_copy(update={"metrics_public": True}))) as public:
+        assert httpx.get(f"{public.url}/metrics").status_code == 200
+
+
+def test_50_scrapes_send_no_query_to_postgres(settings: Settings, worker: CeleryProcess) -> None:
+    # Given an API that computes its system gauges once (then hourly)
+    app = create_app(
+        settings.model_copy(
+            update={"metrics_token": SecretStr(METRICS_TOKEN), "metrics_refresh_s": 3600}
+        )
+    )
+    statements: list[str] = []
+    event.listen(
+        app.state.engine.sync_engine,
+        "before_cursor_execute",
+        lambda conn, cursor, statement, *rest: statements.append(statement),
+    )
+    with ServedApp(app) as served:
+        deadline = time.monotonic() + 30
+        while getattr(app.state, "gauges_refreshed_at", None) is None:
+            assert time.monotonic() < deadline, "the gauges were never computed"
+            time.sleep(0.05)
+        refresh = len(statements)
+        # When Prometheus scrapes 50 times
+        for _ in range(50):
+            text = scrape(served)
+        # Then not one query reached Postgres, and the figures are those of the refresh
+        assert statements[refresh:] == []
+    assert refresh >= 3
+    assert metric(text, "reach_registry_ready_instances") >= 1
+
+
+def test_a_worker_serves_its_metrics_merged_over_its_pool_on_loopback(
     client: httpx.Client, settings: Settings, log_dir: Path
 ) -> None:
     port = free_port()
@@ -129,12 +207,18 @@ def test_a_worker_serves_its_metrics_merged_over_its_pool(
         for task_id in ids:
             wait_for_task(client, task_id, FINAL)
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        listening = {
+            c.laddr.ip
+            for c in psutil.Process(late.pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        }
     finally:
         late.stop()
     assert (
         metric(text, "reach_tasks_finished_total", capability="test.late", status="succeeded") == 3
     )
     assert metric(text, "reach_task_run_seconds_count", capability="test.late") == 3
+    assert listening == {"127.0.0.1"}  # unauthenticated: not on every interface
 
 
 def test_celery_inspect_lists_the_capability_queues(

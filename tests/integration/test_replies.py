@@ -10,11 +10,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from sqlalchemy import Engine
 
 from api.app import create_app
 from broker.settings import Settings
 from tests.integration.conftest import client_for
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
+from tests.integration.test_final_events import final_events, finished_without_final_event
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 TEXT = (
@@ -255,3 +257,23 @@ def test_200_concurrent_streams_on_one_api_all_complete(
             return await asyncio.gather(*(one(http, i) for i in range(200)))
 
     assert asyncio.run(all_streams()) == ["succeeded"] * 200
+
+
+def test_a_quiet_stream_of_a_task_final_in_postgres_appends_its_final_event_and_ends(
+    tuned: ServedApp, tenant: tuple[str, str], engine: Engine, redis_url: str
+) -> None:
+    # Given a task whose worker died between its final write and its final event, an hour ago
+    # (beyond the reaper's window), and no message to redeliver
+    row = finished_without_final_event(engine, redis_url, tenant[0], finished_ago_s=3600)
+    # When a client streams its events
+    with client_for(tuned, tenant[1]) as http:
+        events = read_stream(http, "GET", f"/tasks/{row['id']}/events")
+    # Then, after a quiet spell, the stream ends with the final event the log now holds
+    assert [(e["id"], e["event"]) for e in events] == [
+        ("1", "status"),
+        ("2", "status"),
+        ("3", "succeeded"),
+    ]
+    [logged] = final_events(redis_url, row["id"])
+    assert (logged.seq, logged.type) == (3, "succeeded")
+    assert logged.data == events[-1]["data"]["data"]

@@ -53,9 +53,13 @@ def test_refused_address_at_registration(client: httpx.Client, url: str) -> None
 
 @pytest.mark.parametrize("url", REFUSED_URLS)
 def test_refused_address_as_a_task_callback(
-    client: httpx.Client, engine: Engine, tenant: tuple[str, str], url: str
+    client: httpx.Client,
+    tenant_admin: httpx.Client,
+    engine: Engine,
+    tenant: tuple[str, str],
+    url: str,
 ) -> None:
-    assert client.post("/callbacks/secret").status_code == 201
+    assert tenant_admin.post("/callbacks/secret").status_code == 201
     response = submit_raw(client, callback={"url": url})
     assert response.status_code == 422, response.text
     assert response.json()["code"] == "url_not_allowed"
@@ -102,8 +106,10 @@ def test_invalid_webhook_specs_are_422(client: httpx.Client) -> None:
         assert response.json()["code"] == "webhook_invalid"
 
 
-def test_a_task_callback_is_signed_logged_and_redelivered(client: httpx.Client) -> None:
-    secret = client.post("/callbacks/secret").json()["secret"]
+def test_a_task_callback_is_signed_logged_and_redelivered(
+    client: httpx.Client, tenant_admin: httpx.Client
+) -> None:
+    secret = tenant_admin.post("/callbacks/secret").json()["secret"]
     with Receiver(lambda n: Reply(400) if n == 1 else Reply(200)) as receiver:
         task = submit(client, callback={"url": receiver.url, "events": ["task.succeeded"]})
         path = f"/tasks/{task['task_id']}/deliveries"

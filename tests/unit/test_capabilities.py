@@ -1,6 +1,12 @@
 """Unit tests for capability names, key patterns and the routing prefix chain."""
 
+import uuid
+
 import pytest
+from celery import Celery
+from celery.events.event import EVENT_EXCHANGE_NAME
+from kombu import pidbox
+from kombu.transport.redis import Channel
 
 from broker.capabilities import (
     NAME_MAX,
@@ -9,6 +15,8 @@ from broker.capabilities import (
     is_valid_name,
     is_valid_pattern,
     pattern_allows,
+    pattern_covers,
+    patterns_cover,
     prefix_chain,
 )
 
@@ -73,6 +81,63 @@ def test_given_a_name_under_the_reserved_prefix_expect_reserved_and_invalid(name
 @pytest.mark.parametrize("name", ["reachable", "reach_x", "my.reach", "invoice"])
 def test_given_a_name_outside_the_reserved_prefix_expect_not_reserved(name: str) -> None:
     assert not is_reserved(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "unacked",
+        "unacked_index",
+        "unacked_mutex",
+        "unacked_restore",  # a key a later kombu may add under the same stem
+        "celery",
+        "celeryev",
+        "celeryev.a1b2c3",
+        "celery-task-meta-a1b2c3",
+        "celery.pidbox",
+        "a1b2c3.reply.celery.pidbox",
+        "invoice.pidbox",
+    ],
+)
+def test_given_a_name_celery_or_kombu_keep_a_key_under_expect_reserved_and_invalid(
+    name: str,
+) -> None:
+    assert is_reserved(name)
+    assert not is_valid_name(name)
+
+
+@pytest.mark.parametrize(
+    "name", ["celeriac", "invoice.celery", "unack", "text.unacked", "pidboxes", "acked"]
+)
+def test_given_a_name_only_resembling_a_foreign_key_expect_valid(name: str) -> None:
+    assert is_valid_name(name)
+
+
+def test_given_the_keys_kombus_redis_transport_keeps_expect_no_valid_name_spells_one() -> None:
+    keys = [
+        Channel.unacked_key,
+        Channel.unacked_index_key,
+        Channel.unacked_mutex_key,
+        Channel.keyprefix_queue % "invoice",
+        Channel.keyprefix_binding_deadlines,
+        Channel.keyprefix_binding_permanent % "invoice",
+        f"invoice{Channel.sep}{Channel.priority_steps[-1]}",  # a priority queue's list
+    ]
+    assert [k for k in keys if is_valid_name(k)] == []
+
+
+def test_given_the_queues_celery_declares_itself_expect_no_valid_name_spells_one() -> None:
+    app = Celery("names", set_as_current=False)
+    mailbox = pidbox.Mailbox("celery", type="fanout")
+    oid = "a" + uuid.uuid4().hex  # a reply queue's oid can start with a letter
+    queues = [
+        app.conf.task_default_queue,
+        f"{EVENT_EXCHANGE_NAME}.{oid}",
+        f"{oid}.{mailbox.reply_exchange.name}",
+        f"{oid}.{mailbox.namespace}.pidbox",
+        f"celery-task-meta-{oid}",
+    ]
+    assert [q for q in queues if is_valid_name(q)] == []
 
 
 def test_given_a_name_of_exactly_name_max_characters_expect_valid() -> None:
@@ -152,6 +217,65 @@ def test_given_several_patterns_expect_a_name_allowed_when_any_allows_it() -> No
     assert any_pattern_allows(patterns, "invoice.extract")
     assert not any_pattern_allows(patterns, "invoice.render")
     assert not any_pattern_allows([], "invoice.extract")
+
+
+# --- pattern_covers and patterns_cover --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("*", "*"),
+        ("*", "invoice.*"),
+        ("*", "invoice"),
+        ("invoice.*", "invoice.*"),
+        ("invoice.*", "invoice"),
+        ("invoice.*", "invoice.extract"),
+        ("invoice.*", "invoice.extract.*"),
+        ("invoice.extract", "invoice.extract"),
+    ],
+)
+def test_given_an_outer_pattern_allowing_all_the_inner_allows_expect_covered(
+    outer: str, inner: str
+) -> None:
+    assert pattern_covers(outer, inner)
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("invoice.*", "*"),
+        ("echo", "*"),
+        ("invoice", "invoice.*"),  # the stem alone, not what lies below it
+        ("invoice.extract", "invoice.*"),
+        ("invoice.extract.*", "invoice.*"),
+        ("invoice.extract.*", "invoice"),
+        ("invoice.*", "invoices.*"),  # a text prefix is not a segment prefix
+        ("invoice.*", "invoicex"),
+        ("echo", "invoice"),
+    ],
+)
+def test_given_an_inner_pattern_allowing_a_name_the_outer_refuses_expect_not_covered(
+    outer: str, inner: str
+) -> None:
+    assert not pattern_covers(outer, inner)
+
+
+def test_given_patterns_expect_a_filter_covered_when_each_of_its_patterns_is() -> None:
+    key = ("invoice.*", "echo")
+    assert patterns_cover(key, ["echo"])
+    assert patterns_cover(key, ["invoice.extract", "echo"])
+    assert not patterns_cover(key, ["echo", "billing.*"])
+
+
+def test_given_an_empty_filter_expect_it_covered_only_by_the_star_pattern() -> None:
+    # A subscription with no capability filter receives every capability's events.
+    assert patterns_cover(("*",), [])
+    assert not patterns_cover(("invoice.*", "echo"), [])
+
+
+def test_given_narrow_patterns_expect_no_union_of_them_to_cover_a_wildcard() -> None:
+    assert not patterns_cover(("invoice", "invoice.extract", "invoice.render"), ["invoice.*"])
 
 
 # --- prefix_chain --------------------------------------------------------------------------

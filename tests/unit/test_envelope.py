@@ -99,6 +99,13 @@ def test_given_a_bad_capability_name_expect_capability_named(capability: str) ->
     assert fields_of({**MINIMAL, "capability": capability}) == {"capability"}
 
 
+@pytest.mark.parametrize("capability", ["unacked", "unacked_mutex", "celery", "celeryev.x"])
+def test_given_a_reserved_capability_expect_an_error_saying_reserved(capability: str) -> None:
+    [error] = errors_of({**MINIMAL, "capability": capability})
+    assert error["field"] == "capability"
+    assert "reserved" in error["message"]
+
+
 @pytest.mark.parametrize("priority", [-1, 10, 100])
 def test_given_priority_out_of_range_expect_priority_named(priority: int) -> None:
     assert fields_of({**MINIMAL, "priority": priority}) == {"priority"}

@@ -1,11 +1,12 @@
-"""Unit tests for the pure parts of API keys: splitting a token, hashing and checking secrets."""
+"""Unit tests for the pure parts of API keys: splitting a token, hashing and checking secrets,
+what a key sees and whether it manages its tenant."""
 
 import hashlib
 import secrets
 
 import pytest
 
-from broker.keys import PREFIX, hash_secret, secret_matches, split_token
+from broker.keys import PREFIX, Principal, hash_secret, secret_matches, split_token
 
 # --- split_token ---------------------------------------------------------------------------
 
@@ -86,3 +87,27 @@ def test_given_a_wrong_secret_expect_no_match(secret: str, stored_for: str) -> N
 @pytest.mark.parametrize("stored", ["", "0" * 64, "not-a-hash"])
 def test_given_a_stored_hash_that_is_not_the_secrets_expect_no_match(stored: str) -> None:
     assert not secret_matches("right", stored)
+
+
+# --- Principal: what a key sees and manages ------------------------------------------------
+
+
+def principal(**flags: bool) -> Principal:
+    return Principal(key_id="k", tenant="t", capabilities=("echo",), **flags)
+
+
+def test_given_a_plain_key_expect_it_to_see_its_patterns_and_manage_nothing() -> None:
+    plain = principal()
+    assert plain.sees == ("echo",)
+    assert plain.may_see("echo") and not plain.may_see("invoice.extract")
+    assert not plain.manages_tenant
+
+
+@pytest.mark.parametrize("flag", ["tenant_admin", "is_admin"])
+def test_given_a_tenant_admin_or_operator_key_expect_it_to_see_and_manage_the_tenant(
+    flag: str,
+) -> None:
+    manager = principal(**{flag: True})
+    assert manager.manages_tenant
+    assert manager.sees == ("*",)
+    assert manager.may_see("invoice.extract")

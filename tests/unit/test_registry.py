@@ -100,6 +100,16 @@ def test_given_an_invalid_name_expect_value_error_at_decoration_time(name: str) 
     assert list(registry) == []
 
 
+@pytest.mark.parametrize("name", ["unacked", "unacked_index", "celery", "celeryev.x", "x.pidbox"])
+def test_given_a_name_kombu_or_celery_keep_a_key_under_expect_value_error_saying_reserved(
+    name: str,
+) -> None:
+    registry = AgentRegistry()
+    with pytest.raises(ValueError, match="reserved"):
+        registry.capability(name, agent_id="bot")
+    assert list(registry) == []
+
+
 @pytest.mark.parametrize(
     "schema",
     [{"type": "not-a-type"}, {"type": 5}, {"required": "file_url"}, {"minLength": -1}],

@@ -1,6 +1,7 @@
 """Unit tests for settings read from the environment."""
 
 import pytest
+from pydantic import ValidationError
 
 from broker.settings import Settings
 
@@ -12,6 +13,10 @@ ENV_NAMES = (
     "REDIS_URL",
     "REACH_BROKER_URL",
     "REACH_MAX_PAYLOAD_BYTES",
+    "REACH_METRICS_TOKEN",
+    "REACH_METRICS_PUBLIC",
+    "REACH_METRICS_REFRESH_S",
+    "REACH_WORKER_METRICS_HOST",
 )
 
 
@@ -95,3 +100,22 @@ def test_given_a_payload_limit_from_the_env_expect_the_body_limit_to_follow(
     settings = Settings()
     assert settings.max_payload_bytes == 1000
     assert settings.max_body_bytes > 1000
+
+
+def test_given_a_short_or_empty_metrics_token_expect_it_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for short in ("", "a" * 15):
+        monkeypatch.setenv("REACH_METRICS_TOKEN", short)
+        with pytest.raises(ValidationError):
+            Settings()
+    monkeypatch.setenv("REACH_METRICS_TOKEN", "a" * 16)
+    token = Settings().metrics_token
+    assert token is not None and token.get_secret_value() == "a" * 16
+
+
+def test_given_no_metrics_settings_expect_metrics_closed_and_workers_on_loopback() -> None:
+    settings = Settings()
+    assert (settings.metrics_token, settings.metrics_public) == (None, False)
+    assert settings.worker_metrics_host == "127.0.0.1"
+    assert settings.metrics_refresh_s == 15.0

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
 
-from broker.capabilities import is_valid_name
+from broker.capabilities import is_reserved, is_valid_name
 from broker.registry import CARD_SCHEMA_VERSION, DEFAULT_LEASE_TTL_S
 from broker.retry import DEFAULT_MAX_ATTEMPTS
 
@@ -116,7 +116,8 @@ class AgentRegistry:
         the worker stops taking this capability's tasks.
         """
         if not is_valid_name(name):
-            raise ValueError(f"invalid capability name: {name!r}")
+            why = " (reserved for Celery, kombu or the broker)" if is_reserved(name) else ""
+            raise ValueError(f"invalid capability name: {name!r}{why}")
         for schema in (input_schema, output_schema):
             if schema is not None:
                 Draft202012Validator.check_schema(schema)

@@ -8,6 +8,13 @@
 - A queued task whose queue is empty in the broker long after it was accepted (the API died
   between commit and publish; Redis restarted without persistence) is published again. A
   duplicate message is harmless: only one claim from ``queued`` can succeed.
+- A queued task whose queue is a reserved name (accepted before the name was reserved) fails
+  with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
+  which stops every worker, and would do it again each sweep after an operator deleted it.
+- A task final in Postgres whose event log lacks its final event (its worker died between the
+  two writes) gets that event. The scan walks ``finished_at`` from where the last one stopped,
+  over the last ``ANNOUNCE_WINDOW_S`` only; older ones are left to their readers (a stream
+  that finds the task final in Postgres appends the event itself) and to redeliveries.
 """
 
 from __future__ import annotations
@@ -15,18 +22,26 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
 from celery import Celery
 
 from broker import events, execution, leases, metrics, retry
+from broker.capabilities import is_valid_name
 from broker.dispatch import queue_depths
 from broker.registry import capability_of, lease_key
 from workers.runner import Runner, error
 
 log = logging.getLogger("reach.recovery")
 REPUBLISH_GUARD_PREFIX = "reach:republished:"
+ANNOUNCED_UNTIL_KEY = "reach:reaper:announced-until"
+ANNOUNCE_WINDOW_S = 900
+# A worker that finished a task this recently is still appending its final event.
+ANNOUNCE_GRACE_S = 2.0
+ANNOUNCE_BATCH = 1000
+ANNOUNCE_MAX_BATCHES = 10
 
 
 def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[str, int]:
@@ -76,8 +91,11 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
     by_queue: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in stale:
         by_queue[row["queue"]].append(row)
-    republished = 0
+    republished = refused = 0
     for queue, rows in by_queue.items():
+        if not is_valid_name(capability_of(queue)):
+            refused += _refuse(runner, rows)
+            continue
         if queue_depths(app, [queue])[queue] > 0:
             continue  # messages are waiting: these rows are most likely among them
         for row in rows:
@@ -85,12 +103,44 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
                 assert runner.republish is not None
                 runner.republish(row["id"], queue, row["trace_id"], row["deadline_at"], 0.0)
                 republished += 1
-    if expired or republished:
-        log.warning("sweep: %d expired, %d republished", expired, republished)
-    return {"expired": expired, "republished": republished}
+    if expired or republished or refused:
+        log.warning("sweep: %d expired, %d republished, %d refused", expired, republished, refused)
+    return {"expired": expired, "republished": republished, "refused": refused}
+
+
+def _refuse(runner: Runner, rows: list[dict[str, Any]]) -> int:
+    why = error("capability_reserved", "the capability's name is reserved for the broker's keys")
+    failed = [runner.finalize(execution.fail(runner.engine, r["id"], why)) for r in rows]
+    return failed.count("failed")
 
 
 def _first_republish(client: redis.Redis, task_id: uuid.UUID, window_s: float) -> bool:
     """At most one republish per task per window, however many sweepers run."""
     key = f"{REPUBLISH_GUARD_PREFIX}{task_id}"
     return bool(client.set(key, "1", nx=True, px=max(1000, int(window_s * 1000))))
+
+
+def announce_finished(runner: Runner) -> int:
+    """Append the final event of recently finished tasks whose log lacks it; how many."""
+    floor = datetime.now(UTC) - timedelta(seconds=ANNOUNCE_WINDOW_S)
+    mark = runner.redis.get(ANNOUNCED_UNTIL_KEY)
+    after = max(floor, datetime.fromtimestamp(float(mark), UTC)) if mark else floor
+    announced = 0
+    for _ in range(ANNOUNCE_MAX_BATCHES):
+        batch = execution.finished_between(
+            runner.engine, after=after, before_s=ANNOUNCE_GRACE_S, limit=ANNOUNCE_BATCH
+        )
+        if not batch:
+            break
+        missing = events.unannounced(runner.redis, [task_id for task_id, _ in batch])
+        for row in execution.rows_of(runner.engine, missing) if missing else []:
+            announced += runner.announce(row)
+        # Two tasks finished in the same microsecond across a batch boundary: the second is
+        # left to its readers.
+        after = batch[-1][1]
+        runner.redis.set(ANNOUNCED_UNTIL_KEY, after.timestamp(), ex=2 * ANNOUNCE_WINDOW_S)
+        if len(batch) < ANNOUNCE_BATCH:
+            break
+    if announced:
+        log.warning("announced %d final states their workers did not", announced)
+    return announced

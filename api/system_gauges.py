@@ -1,0 +1,63 @@
+"""The gauges that describe the system rather than this process: messages waiting and the
+oldest queued task per capability, and the registry's ready and registered instances.
+
+Computing them reads Postgres (queued tasks, every card and instance) and the broker (a
+depth per queue), so each API process does it on a schedule, every ``metrics_refresh_s``, and
+``/metrics`` serves the last figures: a scrape costs no query, and the figures are at most
+that old. A failed refresh keeps the previous figures and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import anyio
+from sqlalchemy import text
+
+from broker import catalog, metrics, routing
+from broker.registry import now_s
+
+log = logging.getLogger("reach.metrics")
+
+OLDEST_QUEUED = text(
+    "SELECT split_part(queue, '@', 1) AS capability,"
+    " extract(epoch FROM now() - min(created_at)) AS age_s"
+    " FROM tasks WHERE status = 'queued' GROUP BY 1"
+)
+
+
+async def refresh(state: Any) -> None:
+    """Set the system gauges from Postgres, Redis and the broker (``state``: the app's)."""
+    known = await catalog.known_capabilities(state.engine)
+    depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, sorted(known))
+    async with state.engine.connect() as conn:
+        ages = {r.capability: float(r.age_s) for r in await conn.execute(OLDEST_QUEUED)}
+    now = now_s()
+    live: set[str] = set()
+    for capability in known:
+        metrics.queue_depth.labels(capability).set(depths.get(capability, 0))
+        metrics.queue_oldest_age.labels(capability).set(ages.get(capability, 0.0))
+        live |= {
+            c.lease.instance for c in await routing.live_candidates(state.redis, capability, now)
+        }
+    agents = await catalog.agents(state.engine, state.redis)
+    registered = {i["instance"] for a in agents for i in a["instances"] if i["state"] != "offline"}
+    metrics.registry_ready.set(len(live))
+    metrics.registry_registered.set(len(registered | live))
+
+
+async def keep_fresh(state: Any, every_s: float) -> None:
+    """Refresh now, then every ``every_s``, until cancelled (the app's lifespan).
+    ``state.gauges_refreshed_at``: when the last refresh ended (None before the first)."""
+    state.gauges_refreshed_at = None
+    while True:
+        try:
+            await refresh(state)
+            state.gauges_refreshed_at = time.time()
+            metrics.system_gauges_refreshed.set(state.gauges_refreshed_at)
+        except Exception:
+            log.exception("system gauges not refreshed; /metrics serves the previous figures")
+        await asyncio.sleep(every_s)

@@ -1,0 +1,290 @@
+"""One tenant cannot take the API's capacity from the others: slow bodies, sync-wait floods,
+host names that never resolve and random API keys each cost their sender only.
+
+Given a stack on a Redis db of its own (no live agent: tasks wait in the queue) and two
+tenants, when one of them behaves like an attacker, I expect the other still to be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import event
+
+from api.app import create_app
+from broker.settings import Settings
+from broker.webhooks.ssrf import HostLookups
+from tests.integration.conftest import KeyMaker
+from tests.integration.stack import CeleryProcess, ServedApp
+
+QUEUED_ECHO = {"capability": "echo", "payload": {}, "queue_if_unavailable": True}
+
+
+@pytest.fixture
+def stack_for(
+    settings: Settings, own_redis: str, worker: CeleryProcess
+) -> Iterator[Callable[..., ServedApp]]:
+    """An API on its own Redis db with the given settings. The session worker has advertised
+    ``echo``'s card; nobody serves it on this db, so its tasks wait in the queue."""
+    served: list[ServedApp] = []
+
+    def start(app_hook: Callable[[Any], None] | None = None, **update: Any) -> ServedApp:
+        app = create_app(settings.model_copy(update={"redis_url": own_redis, **update}))
+        if app_hook is not None:
+            app_hook(app)
+        served.append(ServedApp(app).__enter__())
+        return served[-1]
+
+    yield start
+    for each in served:
+        each.__exit__(None, None, None)
+
+
+async def _slow_bodies(port: int, token: str, count: int) -> list[asyncio.StreamWriter]:
+    """``count`` submits whose headers promise a body of which only a byte ever comes."""
+    writers = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {token}\r\nContent-Length: 1000\r\n\r\n{{".encode()
+        )
+        writer.reader = reader  # type: ignore[attr-defined]
+        writers.append(writer)
+    await asyncio.gather(*(w.drain() for w in writers))
+    return writers
+
+
+async def _answered(writers: list[asyncio.StreamWriter], within_s: float) -> dict[int, int]:
+    """How many connections got an answer within ``within_s``, by status; -1: none yet."""
+    reads = [asyncio.ensure_future(w.reader.read(64)) for w in writers]  # type: ignore[attr-defined]
+    done, pending = await asyncio.wait(reads, timeout=within_s)
+    counts: dict[int, int] = {}
+    for read in reads:
+        head = read.result() if read in done else b""
+        status = int(head.split(b" ")[1]) if head.startswith(b"HTTP/1.1 ") else -1
+        counts[status] = counts.get(status, 0) + 1
+    for read in pending:
+        read.cancel()
+    return counts
+
+
+async def _until_refused(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
+    """Submits until one is refused (its share is taken); the status it was refused with."""
+    for _ in range(2000):
+        answer = await http.post("/tasks", json=body)
+        if answer.status_code in (429, 503):
+            return answer.status_code
+    raise AssertionError("the tenant was never refused")
+
+
+def test_one_tenants_slow_bodies_and_sync_waits_leave_another_tenant_served(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    """Issue 12 item 6, with the defaults: 1,100 slow-body connections plus a sync-wait flood
+    from one tenant; the other tenant's submits all get 202."""
+    api = stack_for(sync_max_wait_s=5, body_read_timeout_s=60)
+    _, attacker = make_key()
+    _, victim = make_key()
+
+    async def scenario() -> tuple[dict[int, int], int, list[int]]:
+        writers = await _slow_bodies(api.port, attacker, 1100)
+        headers = {"Authorization": f"Bearer {attacker}"}
+        async with httpx.AsyncClient(base_url=api.url, headers=headers, timeout=30) as http:
+            flood = [
+                asyncio.ensure_future(
+                    http.post("/tasks", json={**QUEUED_ECHO, "reply_mode": "sync"})
+                )
+                for _ in range(300)
+            ]
+            refused_with = await _until_refused(http, QUEUED_ECHO)
+            headers = {"Authorization": f"Bearer {victim}"}
+            async with httpx.AsyncClient(base_url=api.url, headers=headers, timeout=30) as other:
+                seen = [
+                    (await other.post("/tasks", json=QUEUED_ECHO)).status_code for _ in range(30)
+                ]
+            answered = await _answered(writers, within_s=1)
+            for writer in writers:
+                writer.close()
+            await asyncio.gather(*flood, return_exceptions=True)
+        return answered, refused_with, seen
+
+    answered, refused_with, seen = asyncio.run(scenario())
+    print(f"attacker's 1,100 slow bodies, answered at once by status: {answered}")
+    print(f"attacker refused with {refused_with}; the other tenant saw {seen}")
+    assert seen == [202] * 30
+    assert refused_with in (429, 503)
+    assert answered.get(-1, 0) + answered.get(429, 0) + answered.get(503, 0) == 1100
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_waiting_requests(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    """With the rate limit out of the way, the waiting cap itself is shared: 70 slow bodies of
+    one tenant against a cap of 64 (16 a tenant) leave room for the other tenant."""
+    api = stack_for(
+        max_requests_waiting=64,
+        max_requests_waiting_per_tenant=16,
+        rate_limit_per_s=10_000,
+        rate_limit_burst=10_000,
+    )
+    _, attacker = make_key()
+    _, victim = make_key()
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {attacker}"}) as http:
+        assert http.post("/tasks", json=QUEUED_ECHO).status_code == 202  # its key is known
+
+    async def scenario() -> tuple[dict[int, int], list[int]]:
+        writers = await _slow_bodies(api.port, attacker, 70)
+        answered = await _answered(writers, within_s=2)
+        headers = {"Authorization": f"Bearer {victim}"}
+        async with httpx.AsyncClient(base_url=api.url, headers=headers, timeout=30) as other:
+            seen = [(await other.post("/tasks", json=QUEUED_ECHO)).status_code for _ in range(10)]
+        for writer in writers:
+            writer.close()
+        return answered, seen
+
+    answered, seen = asyncio.run(scenario())
+    assert answered == {-1: 16, 503: 54}
+    assert seen == [202] * 10
+
+
+def test_a_body_that_does_not_arrive_in_time_is_answered_408(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    api = stack_for(body_read_timeout_s=0.5)
+    _, token = make_key()
+
+    async def scenario() -> bytes:
+        (writer,) = await _slow_bodies(api.port, token, 1)
+        answer: bytes = await asyncio.wait_for(writer.reader.read(4096), 30)  # type: ignore[attr-defined]
+        writer.close()
+        return answer
+
+    answer = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b'"code":"body_timeout"' in answer.replace(b" ", b"")
+
+
+def test_the_rate_is_taken_before_the_body_is_read(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    """A tenant with no token left is refused at once, whatever its body does."""
+    api = stack_for(rate_limit_per_s=0.001, rate_limit_burst=1, body_read_timeout_s=30)
+    _, token = make_key()
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        assert http.post("/tasks", json=QUEUED_ECHO).status_code == 202
+
+    async def scenario() -> dict[int, int]:
+        writers = await _slow_bodies(api.port, token, 5)
+        answered = await _answered(writers, within_s=10)
+        for writer in writers:
+            writer.close()
+        return answered
+
+    assert asyncio.run(scenario()) == {429: 5}
+
+
+class NeverAnswers:
+    """A resolver standing in for a name server that never answers (``tarpit.example``); any
+    other name resolves to a public address."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        self.calls += 1
+        if host == "tarpit.example":
+            self.release.wait(60)
+        return ["93.184.216.34"]
+
+
+def test_host_names_that_never_resolve_hold_only_their_tenants_lookups(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    resolver = NeverAnswers()
+
+    def bounded(app: Any) -> None:
+        app.state.lookups = HostLookups(threads=4, timeout_s=0.5, per_tenant=2, resolver=resolver)
+
+    api = stack_for(app_hook=bounded)
+    _, attacker = make_key()
+    _, victim = make_key()
+    tarpit = {"url": "https://tarpit.example/hook"}
+    try:
+        with httpx.Client(
+            base_url=api.url, headers={"Authorization": f"Bearer {attacker}"}, timeout=30
+        ) as http:
+            first = [http.post("/webhooks", json=tarpit) for _ in range(2)]
+            third = http.post("/webhooks", json=tarpit)
+        with httpx.Client(
+            base_url=api.url, headers={"Authorization": f"Bearer {victim}"}, timeout=30
+        ) as other:
+            created = [
+                other.post("/webhooks", json={"url": f"https://ok.example/{n}"}) for n in range(3)
+            ]
+    finally:
+        resolver.release.set()
+    assert [a.status_code for a in first] == [422, 422]
+    assert all("did not resolve within" in a.json()["detail"] for a in first)
+    assert (third.status_code, third.json()["code"]) == (429, "rate_limited")
+    assert resolver.calls == 2 + 3  # the third was refused without a lookup
+    assert [a.status_code for a in created] == [201, 201, 201]
+
+
+def test_webhook_registration_takes_a_token(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    api = stack_for(rate_limit_per_s=0.001, rate_limit_burst=2, webhook_allow=["127.0.0.1"])
+    _, token = make_key()
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        answers = [
+            http.post("/webhooks", json={"url": f"http://127.0.0.1:9/{n}"}) for n in range(3)
+        ]
+    assert [a.status_code for a in answers] == [201, 201, 429]
+    assert answers[2].json()["code"] == "rate_limited"
+
+
+def test_unknown_keys_cost_a_bounded_number_of_queries(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    statements: list[str] = []
+
+    def counted(app: Any) -> None:
+        def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if "api_keys" in statement:
+                statements.append(statement)
+
+        event.listen(app.state.engine.sync_engine, "before_cursor_execute", record)
+
+    api = stack_for(app_hook=counted, auth_lookups_per_s=5, key_cache_s=60)
+    _, valid = make_key()
+    with httpx.Client(base_url=api.url) as http:
+        assert http.get("/tasks", headers={"Authorization": f"Bearer {valid}"}).status_code == 200
+        before = len(statements)
+        one_unknown = f"rk_{secrets.token_hex(6)}_{secrets.token_urlsafe(8)}"
+        same = [
+            http.get("/tasks", headers={"Authorization": f"Bearer {one_unknown}"}).status_code
+            for _ in range(20)
+        ]
+        assert len(statements) - before == 1  # a missing key is remembered as missing
+        random = [
+            http.get(
+                "/tasks",
+                headers={"Authorization": f"Bearer rk_{secrets.token_hex(6)}_{'x' * 20}"},
+            ).status_code
+            for _ in range(200)
+        ]
+        looked_up = len(statements) - before
+        known = http.get("/tasks", headers={"Authorization": f"Bearer {valid}"}).status_code
+    print(f"200 random key ids: {looked_up} key queries, answers {sorted(set(random))}")
+    assert set(same) == {401}
+    assert set(random) == {401, 429}
+    assert looked_up <= 10 + 5 * 10  # the burst, plus the rate over the run (well under 10 s)
+    assert known == 200  # a key verified before is still served from memory
