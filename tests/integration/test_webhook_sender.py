@@ -120,6 +120,27 @@ def test_given_a_receiver_dribbling_its_headers_expect_the_attempt_cut_at_its_ti
     print(f"\nheaders tarpit: the attempt took {took_s:.2f} s, bound 2 s")
 
 
+def test_given_a_name_server_that_never_answers_expect_the_attempt_cut_at_its_timeout() -> None:
+    # Given a host name whose lookup hangs (until the test ends)
+    released = threading.Event()
+
+    def hanging(host: str, port: int) -> list[str]:
+        released.wait(60)
+        return ["127.0.0.1"]
+
+    started = time.monotonic()
+    try:
+        # When an attempt with a 2 s timeout is made
+        outcome = post(Guard([], resolver=hanging), "http://hangs.test/hook", timeout_s=2.0)
+        took_s = time.monotonic() - started
+    finally:
+        released.set()
+    # Expect a DNS failure, retried, once the 2 s are up
+    assert outcome.error is not None and outcome.error.startswith("dns:")
+    assert policy.verdict(outcome) == "retry"
+    assert 2.0 <= took_s < 4.0, took_s
+
+
 def test_given_nobody_listening_expect_a_transient_connect_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as reserved:
         port = reserved.getsockname()[1]

@@ -11,6 +11,7 @@ dribbles its headers or body is cut there, however steadily it sends.
 from __future__ import annotations
 
 import ssl
+import threading
 import time
 from dataclasses import replace
 
@@ -47,7 +48,7 @@ def send(
     started = time.monotonic()
     deadline = Deadline(timeout_s)
     try:
-        target = guard.check(url)
+        target = _check(guard, url, deadline)
     except UrlNotAllowed as exc:
         return Outcome(error=f"url_not_allowed: {exc.message}", transient=False)
     except HostUnresolved as exc:
@@ -68,6 +69,28 @@ def send(
             if not (outcome.error or "").startswith("connect:"):
                 break  # only a failed connection is worth the host's next address
     return outcome
+
+
+def _check(guard: Guard, url: str, deadline: Deadline) -> Target:
+    """``guard.check`` in a thread of its own, waited for until the deadline: a name server
+    that never answers costs the attempt its time, not more (the thread ends when the
+    system resolver gives up)."""
+    found: list[Target | Exception] = []
+
+    def check() -> None:
+        try:
+            found.append(guard.check(url))
+        except Exception as exc:  # handed to the caller below
+            found.append(exc)
+
+    thread = threading.Thread(target=check, name="reach-webhook-dns", daemon=True)
+    thread.start()
+    thread.join(max(deadline.at - time.monotonic(), 0.0))
+    if not found:
+        raise HostUnresolved("the host did not resolve before the attempt's deadline")
+    if isinstance(found[0], Exception):
+        raise found[0]
+    return found[0]
 
 
 def _attempt(
