@@ -18,11 +18,11 @@ import httpx
 
 from broker import keys, localservices, migrate
 from broker.db.engines import sync_engine
+from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
 
 DATA_DIR = Path(".reach")
 CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize"
-SYSTEM_QUEUES = "reach.maintenance,reach.webhooks"
 DEV_WEBHOOK_ALLOW = "127.0.0.0/8,::1,localhost"
 DEMO_INVOICE = (
     "ACME Trading Co.\\nInvoice No: INV-2024-0042\\nDate: 2024-03-15\\nTotal: CNY 1,024.00"
@@ -61,18 +61,11 @@ def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str
             str(port),
             "--no-access-log",
         ],
-        "worker": [
-            *celery,
-            "worker",
-            "-Q",
-            f"{CAPABILITY_QUEUES},{SYSTEM_QUEUES}",
-            "-n",
-            "dev@%h",
-            "--concurrency",
-            "2",
-            "-l",
-            "INFO",
-        ],
+        # A worker each: agents, maintenance and deliveries never wait behind one another.
+        "worker": _worker(celery, CAPABILITY_QUEUES, "dev", 2),
+        "maintenance": _worker(celery, MAINTENANCE_QUEUE, "maintenance", 2),
+        # More processes than one tenant may hold (REACH_WEBHOOK_MAX_INFLIGHT_PER_TENANT, 4).
+        "webhooks": _worker(celery, WEBHOOKS_QUEUE, "webhooks", 6),
         "beat": [
             *celery,
             "beat",
@@ -83,6 +76,11 @@ def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str
         ],
         "flower": [*celery, "flower", f"--port={flower_port}", "--address=127.0.0.1"],
     }
+
+
+def _worker(celery: list[str], queues: str, name: str, concurrency: int) -> list[str]:
+    node = f"{name}@%h"
+    return [*celery, "worker", "-Q", queues, "-n", node, "-c", str(concurrency), "-l", "INFO"]
 
 
 def _wait_ready(

@@ -58,7 +58,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
             FANOUT_TASK: {"queue": WEBHOOKS_QUEUE},
             DELIVER_TASK: {"queue": WEBHOOKS_QUEUE},
-            WEBHOOK_SWEEP_TASK: {"queue": WEBHOOKS_QUEUE},
+            # Maintenance, not a delivery: it must run while receivers hold every delivery slot.
+            WEBHOOK_SWEEP_TASK: {"queue": MAINTENANCE_QUEUE},
         },
         "task_default_queue": MAINTENANCE_QUEUE,
         # Task events cost ~3 ms a task; Flower turns them on in the workers when it starts

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, func, null, or_, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, exists, func, null, or_, select, text, update
 
 from broker.db.models import tasks_table as tasks
+from broker.db.models import webhooks_table as webhooks
 from broker.tasks import EXPIRED, FAILED, FINAL, QUEUED, RUNNING, SUCCEEDED
 
 
@@ -38,6 +39,16 @@ class Claimed:
 
 def _expiry() -> Any:
     return func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s)
+
+
+# Returned with every final state: whether the tenant has a subscription, judged in the same
+# statement (one index probe, no round trip), so one created before it is never missed.
+_TENANT_SUBSCRIBES = (
+    exists()
+    .where(webhooks.c.tenant == tasks.c.tenant, webhooks.c.disabled_at.is_(None))
+    .correlate(tasks)
+    .label("tenant_subscribes")
+)
 
 
 # Statements are built once: building one per task cost a worker more CPU than running it.
@@ -150,7 +161,7 @@ def _finish_statement(status: str, from_status: tuple[str, ...], outcome: str) -
         # Equalities, not IN: an IN list is rendered again on every execution.
         .where(tasks.c.id == bindparam("task_id"), or_(*(tasks.c.status == s for s in from_status)))
         .values(values)
-        .returning(*tasks.c)
+        .returning(*tasks.c, _TENANT_SUBSCRIBES)
     )
 
 
@@ -184,7 +195,7 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
         update(tasks)
         .where(tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.deadline_at <= func.now())
         .values(status=EXPIRED, error=error, finished_at=func.now(), expires_at=_expiry())
-        .returning(*tasks.c)
+        .returning(*tasks.c, _TENANT_SUBSCRIBES)
     )
     with engine.begin() as conn:
         row = conn.execute(query).first()

@@ -105,6 +105,11 @@ class Settings(BaseSettings):
     webhook_sweep_interval_s: float = Field(30.0, gt=0)
     webhook_max_per_tenant: int = Field(50, gt=0)
 
+    # Hostile tenants. A tenant's attempts in flight at once, over all webhooks workers; its
+    # next ones wait a second or two instead of taking a slot, so other tenants' go on. The
+    # webhooks worker needs more processes than this (docker-compose runs 8).
+    webhook_max_inflight_per_tenant: int = Field(4, gt=0)
+
     # /metrics. Each API process computes the system gauges (queue depths, the oldest queued
     # task, registry health) every metrics_refresh_s and serves the last figures; a scrape
     # reads no database. With a token, /metrics needs ``Authorization: Bearer <token>``;

@@ -60,6 +60,12 @@ def late(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     return {"ran": True}
 
 
+# Served by a one-process worker of its own: every task of a test runs in the same process.
+@agent.capability("test.solo", agent_id="test-solo", version="0.0.1")
+def solo(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    return payload
+
+
 @agent.capability("test.gen", agent_id="test-gen", version="0.0.1", streaming=True)
 def generate(ctx: Context, payload: dict[str, Any]) -> Iterator[dict[str, int]]:
     """A generator handler: each yielded item is an output event."""

@@ -68,6 +68,8 @@ def settings(database_url: str, redis_url: str) -> Settings:
         webhook_allow=["127.0.0.1"],
         webhook_schedule_s=[0, 0.2, 0.2, 0.2, 0.2],
         webhook_timeout_s=5,
+        # The sweep (lost attempts, expired bodies) every second.
+        webhook_sweep_interval_s=1,
     )
 
 

@@ -201,7 +201,9 @@ class WebhookDelivery(Base):
     # One delivery per (task, event, endpoint) for final events, however often fanout runs.
     dedupe_key: Mapped[str | None] = mapped_column(String(128), unique=True)
     url: Mapped[str] = mapped_column(String(2048))
-    body: Mapped[str] = mapped_column(Text)
+    # It carries the task resource (the result too): NULL once the task has expired.
+    body: Mapped[str | None] = mapped_column(Text)
+    body_expires_at: Mapped[datetime] = mapped_column(TZ)
     trace_id: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
@@ -225,6 +227,17 @@ class WebhookDelivery(Base):
         # The sweeper looks for due or stuck deliveries whose message was lost.
         Index("ix_webhook_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
         Index("ix_webhook_deliveries_expires_at", "expires_at"),
+        Index(
+            "ix_webhook_deliveries_body_expires_at",
+            "body_expires_at",
+            postgresql_where=text("body IS NOT NULL"),
+        ),
+        # A tenant's attempts in flight are counted at every claim.
+        Index(
+            "ix_webhook_deliveries_tenant_sending",
+            "tenant",
+            postgresql_where=text("status = 'sending'"),
+        ),
     )
 
 

@@ -13,6 +13,7 @@ succeeds, fails for good, or is dead.
     subscriptions  subscriptions and the callback secret (API side)
     fanout         deliveries for a task event (worker side)
     deliveries     claiming and recording attempts (worker side)
+    upkeep         lost attempts, lost messages, expired bodies and deliveries (the sweep)
     delivery_log   listing deliveries and redelivering (API side)
 """
 

@@ -1,8 +1,10 @@
 """A delivery's attempts, as the webhooks worker makes them: claim, then record the outcome.
 
 Each Celery message names the attempt it is for; the claim only succeeds when the row is
-waiting for exactly that attempt, so a duplicated or late message never sends twice. An
-attempt whose worker died is taken back once its lease has passed.
+waiting for exactly that attempt (never past the schedule, never with an expired body), so a
+duplicated or late message never sends twice. A tenant has at most a set number of attempts
+in flight; past it the claim answers ``Busy``. Attempts whose worker died are the sweep's
+(``upkeep``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, text, update
+from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import webhook_attempts_table as attempts_log
@@ -43,31 +46,55 @@ class Claimed:
     disabled: bool  # the subscription was disabled (410) after this was written
 
 
-def _seconds(value: float) -> Any:
+@dataclass(frozen=True)
+class Busy:
+    """The tenant already has its most attempts in flight: try this one a little later."""
+
+    inflight: int
+
+
+def interval(value: float) -> Any:
+    """An SQL interval of ``value`` seconds."""
     return func.make_interval(0, 0, 0, 0, 0, 0, value)
 
 
 def claim(
-    engine: Engine, delivery_id: uuid.UUID, attempt: int, *, lease_s: float
-) -> Claimed | None:
-    """Take attempt ``attempt`` of the delivery, or None when it is not this attempt's turn."""
-    query = (
-        update(deliveries)
-        .where(
-            deliveries.c.id == delivery_id,
-            deliveries.c.attempts == attempt - 1,
-            or_(
-                and_(
-                    deliveries.c.status == PENDING,
-                    deliveries.c.next_attempt_at <= func.now() + _seconds(EARLY_TOLERANCE_S),
-                ),
-                and_(deliveries.c.status == SENDING, deliveries.c.lease_until < func.now()),
-            ),
-        )
-        .values(status=SENDING, attempts=attempt, lease_until=func.now() + _seconds(lease_s))
-        .returning(*deliveries.c)
+    engine: Engine, delivery_id: uuid.UUID, attempt: int, *, lease_s: float, max_inflight: int
+) -> Claimed | Busy | None:
+    """Take attempt ``attempt`` of the delivery; None when it is not this attempt's turn (or
+    past the schedule, or its body has expired), Busy when its tenant is at ``max_inflight``."""
+    due = (
+        deliveries.c.id == delivery_id,
+        deliveries.c.attempts == attempt - 1,
+        deliveries.c.final_attempt >= attempt,
+        deliveries.c.status == PENDING,
+        deliveries.c.next_attempt_at <= func.now() + interval(EARLY_TOLERANCE_S),
+        deliveries.c.body.is_not(None),
+        deliveries.c.body_expires_at > func.now(),
     )
     with engine.begin() as conn:
+        tenant = conn.execute(select(deliveries.c.tenant).where(*due)).scalar()
+        if tenant is None:
+            return None
+        # One claim of a tenant at a time: the count and the claim are then one step.
+        conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"wh-send:{tenant}"))))
+        inflight = conn.execute(
+            select(func.count())
+            .select_from(deliveries)
+            .where(
+                deliveries.c.tenant == tenant,
+                deliveries.c.status == SENDING,
+                deliveries.c.lease_until > func.now(),
+            )
+        ).scalar_one()
+        if inflight >= max_inflight:
+            return Busy(inflight)
+        query = (
+            update(deliveries)
+            .where(*due)
+            .values(status=SENDING, attempts=attempt, lease_until=func.now() + interval(lease_s))
+            .returning(*deliveries.c)
+        )
         row = conn.execute(query).first()
         if row is None:
             return None
@@ -128,11 +155,13 @@ def record(
         "last_error": outcome.error,
     }
     if status == PENDING:
-        values["next_attempt_at"] = func.now() + _seconds(retry_in_s)
+        values["next_attempt_at"] = func.now() + interval(retry_in_s)
     else:
         values["finished_at"] = func.now()
     with engine.begin() as conn:
-        conn.execute(insert(attempts_log).values(**_attempt_row(claimed, outcome)))
+        # The sweep may have logged this attempt as lost already: that entry stays.
+        logged = insert(attempts_log).values(**_attempt_row(claimed, outcome))
+        conn.execute(logged.on_conflict_do_nothing())
         conn.execute(
             update(deliveries)
             .where(
@@ -162,34 +191,3 @@ def _attempt_row(claimed: Claimed, outcome: Outcome) -> dict[str, Any]:
         "address": outcome.address,
         "response_excerpt": (outcome.excerpt or "")[:EXCERPT_MAX] or None,
     }
-
-
-def stranded(engine: Engine, *, grace_s: float, limit: int) -> list[tuple[uuid.UUID, int]]:
-    """Deliveries whose message was lost: due a while ago, or an attempt whose worker died.
-    Returns (delivery, attempt to publish)."""
-    query = (
-        select(deliveries.c.id, deliveries.c.attempts)
-        .where(
-            or_(
-                and_(
-                    deliveries.c.status == PENDING,
-                    deliveries.c.next_attempt_at < func.now() - _seconds(grace_s),
-                ),
-                and_(deliveries.c.status == SENDING, deliveries.c.lease_until < func.now()),
-            )
-        )
-        .limit(limit)
-    )
-    with engine.connect() as conn:
-        return [(r.id, r.attempts + 1) for r in conn.execute(query)]
-
-
-def purge_expired(engine: Engine, *, batch: int) -> int:
-    """Delete one batch of deliveries past their retention (their attempts go with them)."""
-    statement = text(
-        "DELETE FROM webhook_deliveries WHERE id IN ("
-        " SELECT id FROM webhook_deliveries WHERE expires_at <= now()"
-        " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
-    )
-    with engine.begin() as conn:
-        return int(conn.execute(statement, {"batch": batch}).rowcount)

@@ -108,7 +108,11 @@ async def redeliver(
     async with engine.begin() as conn:
         found = (
             await conn.execute(
-                select(deliveries.c.status, webhooks.c.disabled_at)
+                select(
+                    deliveries.c.status,
+                    webhooks.c.disabled_at,
+                    (deliveries.c.body_expires_at <= func.now()).label("body_expired"),
+                )
                 .select_from(deliveries.outerjoin(webhooks))
                 .where(deliveries.c.id == delivery_id, deliveries.c.tenant == tenant, scope)
             )
@@ -117,10 +121,16 @@ async def redeliver(
             raise NotFound("no such delivery", code="delivery_not_found")
         if found.disabled_at is not None:
             raise Conflict("the webhook is disabled", code="webhook_disabled")
+        if found.body_expired:
+            raise Conflict("the task has expired, and the message with it", code="delivery_expired")
         attempt = (
             await conn.execute(
                 update(deliveries)
-                .where(deliveries.c.id == delivery_id, deliveries.c.status.in_((FAILED, DEAD)))
+                .where(
+                    deliveries.c.id == delivery_id,
+                    deliveries.c.status.in_((FAILED, DEAD)),
+                    deliveries.c.body.is_not(None),
+                )
                 .values(
                     status=PENDING,
                     final_attempt=deliveries.c.attempts + 1,

@@ -12,7 +12,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.capabilities import any_pattern_allows
@@ -50,17 +50,6 @@ def targets(conn: Connection, task: dict[str, Any], event_type: str) -> list[Tar
     return found
 
 
-def tenant_subscribes(engine: Engine, tenant: str) -> bool:
-    """Whether the tenant has any active subscription at all."""
-    query = (
-        select(webhooks.c.id)
-        .where(webhooks.c.tenant == tenant, webhooks.c.disabled_at.is_(None))
-        .limit(1)
-    )
-    with engine.connect() as conn:
-        return conn.execute(query).first() is not None
-
-
 def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
     """Whether any endpoint wants this event of the task (saves a message per progress
     report when nobody subscribed to progress)."""
@@ -75,8 +64,9 @@ def fanout(
     """Write the event's deliveries; returns those not yet attempted (to publish)."""
     now = datetime.now(UTC)
     with engine.begin() as conn:
-        row = conn.execute(select(tasks).where(tasks.c.id == task_id)).first()
-        if row is None:  # purged already: nothing left to tell
+        query = select(tasks).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
+        row = conn.execute(query).first()
+        if row is None:  # expired or purged already: nothing left to tell
             return []
         task = dict(row._mapping)
         found = targets(conn, task, event_type)
@@ -116,6 +106,8 @@ def _delivery(
         "dedupe_key": dedupe,
         "url": url,
         "body": body,
+        # The body carries the task (its result too): it may not outlive it.
+        "body_expires_at": task["expires_at"],
         "trace_id": task["trace_id"],
         "status": PENDING,
         "attempts": 0,

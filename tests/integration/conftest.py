@@ -13,7 +13,13 @@ from api.app import create_app
 from broker import keys, leases, localservices
 from broker.db.models import tasks_table
 from broker.settings import Settings
-from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
+from tests.integration.stack import (
+    CeleryProcess,
+    ServedApp,
+    start_beat,
+    start_system_workers,
+    start_worker,
+)
 from workers.sdk.registry import AgentRegistry
 
 TEST_QUEUES = ",".join(
@@ -62,11 +68,21 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
-    """One real Celery worker (prefork, 2 processes) for the capability queues and maintenance."""
-    process = start_worker(
-        settings, f"{TEST_QUEUES},reach.maintenance,reach.webhooks", "agents", log_dir
-    )
+def system_workers(settings: Settings, log_dir: Path) -> Iterator[list[CeleryProcess]]:
+    """The maintenance and the webhooks worker, one each, as deployed."""
+    processes = start_system_workers(settings, log_dir)
+    yield processes
+    for process in processes:
+        process.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    """One real Celery worker (prefork, 2 processes) for the capability queues, with the
+    system workers running beside it."""
+    process = start_worker(settings, TEST_QUEUES, "agents", log_dir)
     yield process
     process.stop()
 

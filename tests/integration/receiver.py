@@ -1,8 +1,11 @@
-"""A real HTTP receiver on loopback for webhook tests: it records every request and answers
-as the test scripts it (a status, headers, or dropping the connection unanswered)."""
+"""Real HTTP receivers on loopback for webhook tests: ``Receiver`` records every request and
+answers as the test scripts it (a status, headers, or dropping the connection unanswered);
+``Tarpit`` answers one byte at a time and never finishes."""
 
 from __future__ import annotations
 
+import select
+import socket
 import ssl
 import threading
 import time
@@ -105,3 +108,86 @@ class Receiver:
                 raise AssertionError(f"{len(self.requests)} of {count} requests came")
             time.sleep(0.02)
         return self.requests[:count]
+
+
+@dataclass
+class Held:
+    """One connection a tarpit held: when it came and when the client let go."""
+
+    opened_at: float
+    closed_at: float | None = None
+
+
+class Tarpit:
+    """A raw socket server that answers every request with ``prefix`` and then one more byte
+    every ``drip_s``, for ``hold_s`` at most: each read of the client gets a byte in time,
+    so only a deadline on the whole attempt ends it.
+
+    ``with Tarpit() as t: ... t.url ... t.held``"""
+
+    def __init__(
+        self,
+        prefix: bytes = b"HTTP/1.1 200 OK\r\nX-Drip: ",
+        drip_s: float = 0.2,
+        hold_s: float = 120.0,
+    ) -> None:
+        self.prefix, self.drip_s, self.hold_s = prefix, drip_s, hold_s
+        self.held: list[Held] = []
+        self.most_open = 0  # the most connections held at one time
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+
+    @property
+    def open_count(self) -> int:
+        with self._lock:
+            return sum(1 for h in self.held if h.closed_at is None)
+
+    def wait_open(self, count: int, timeout_s: float = 30) -> None:
+        """Until ``count`` connections are held at once; the timeout only bounds a hang."""
+        deadline = time.monotonic() + timeout_s
+        while self.open_count < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.open_count} of {count} connections held")
+            time.sleep(0.02)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn: socket.socket) -> None:
+        held = Held(time.monotonic())
+        with self._lock:
+            self.held.append(held)
+            now_open = sum(1 for h in self.held if h.closed_at is None)
+            self.most_open = max(self.most_open, now_open)
+        try:
+            conn.recv(65536)
+            conn.sendall(self.prefix)
+            until = time.monotonic() + self.hold_s
+            while time.monotonic() < until and not self._stop.is_set():
+                # Between drips, notice at once when the client hangs up (EOF or reset).
+                readable, _, _ = select.select([conn], [], [], self.drip_s)
+                if readable and not conn.recv(65536):
+                    break
+                conn.sendall(b"x")
+        except OSError:
+            pass  # the client hung up: what a deadline does
+        finally:
+            with self._lock:
+                held.closed_at = time.monotonic()
+            conn.close()
+
+    def __enter__(self) -> Tarpit:
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._listener.close()

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
 
+from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
 
 BIN = Path(sys.executable).parent
@@ -117,6 +118,19 @@ def start_worker(
     args = ["worker", "-Q", queues, "-n", f"{name}@%h", "-c", str(concurrency), "-l", "INFO"]
     args += ["--without-gossip", "--without-mingle"]
     return CeleryProcess(args, settings, log_dir / f"{name}.log", env).start(" ready.")
+
+
+def start_system_workers(
+    settings: Settings, log_dir: Path, prefix: str = "", webhooks_concurrency: int = 2
+) -> list[CeleryProcess]:
+    """The maintenance worker and the webhooks worker, each on its own queue as deployed:
+    receivers holding every delivery slot never hold up the reaper, sweepers or janitor."""
+    return [
+        start_worker(settings, MAINTENANCE_QUEUE, f"{prefix}maintenance", log_dir),
+        start_worker(
+            settings, WEBHOOKS_QUEUE, f"{prefix}webhooks", log_dir, concurrency=webhooks_concurrency
+        ),
+    ]
 
 
 def start_beat(settings: Settings, log_dir: Path, name: str = "beat") -> CeleryProcess:

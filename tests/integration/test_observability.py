@@ -242,9 +242,10 @@ def test_celery_inspect_lists_the_capability_queues(
     )
     assert result.returncode == 0, result.stderr
     answers = json.loads(result.stdout.strip().splitlines()[-1])
-    ours = next(queues for name, queues in answers.items() if name.startswith("agents@"))
-    names = {q["name"] for q in ours}
-    assert {"echo", "invoice.extract", "text.summarize", "reach.maintenance"} <= names
+    by_worker = {name.split("@")[0]: {q["name"] for q in qs} for name, qs in answers.items()}
+    assert {"echo", "invoice.extract", "text.summarize"} <= by_worker["agents"]
+    assert by_worker["maintenance"] == {"reach.maintenance"}
+    assert by_worker["webhooks"] == {"reach.webhooks"}
 
 
 def test_one_trace_id_reaches_the_webhook_too(client: httpx.Client, worker: CeleryProcess) -> None:

@@ -219,6 +219,7 @@ def insert_lost_delivery(engine: Engine, tenant: str, webhook_id: str, url: str)
         "event_type": "task.succeeded",
         "url": url,
         "body": body,
+        "body_expires_at": now + timedelta(days=1),
         "trace_id": "0" * 31 + "1",
         "status": "pending",
         "final_attempt": 5,

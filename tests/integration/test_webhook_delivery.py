@@ -4,12 +4,16 @@ HTTP receiver on 127.0.0.1 (allowed by the test settings). Signatures are checke
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from broker.settings import Settings
 from tests.integration.receiver import Receiver, Reply, always
+from tests.integration.stack import CeleryProcess, start_worker, wait_for_task
 from tests.integration.webhook_client import finished, register, submit, wait_deliveries
 
 
@@ -196,3 +200,27 @@ def test_given_a_progress_subscription_expect_each_report_and_nothing_for_others
     assert [d["event_type"] for d in final_log] == ["task.succeeded"]
     assert final.headers["webhook-id"] == final_log[0]["message_id"]
     assert watcher["events"] == ["task.progress"]
+
+
+@pytest.fixture(scope="module")
+def solo_worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
+    """One pool process for ``test.solo``: a test's tasks all finish in the same process."""
+    process = start_worker(settings, "test.solo", "solo", log_dir, concurrency=1)
+    yield process
+    process.stop()
+
+
+def test_given_a_task_just_finished_when_a_subscription_is_made_expect_the_next_task_heard(
+    client: httpx.Client, solo_worker: CeleryProcess
+) -> None:
+    # Given a task of this tenant that has just finished (no subscription yet) in the process
+    # that will run the next one
+    before = submit(client, "test.solo", payload={"n": 0})
+    wait_for_task(client, before["task_id"], {"succeeded"})
+    with Receiver() as receiver:
+        # When a subscription is made (201) and a task is submitted at once
+        _, secret = register(client, receiver.url, events=["task.succeeded"])
+        after = submit(client, "test.solo", payload={"n": 1})
+        # Expect that task's webhook, and only it
+        [call] = receiver.wait_for(1, timeout_s=15)
+    assert verify(secret, call)["data"]["task_id"] == after["task_id"]  # type: ignore[index]

@@ -1,4 +1,5 @@
-"""The webhook tasks on the ``reach.webhooks`` queue: fanout, one delivery attempt, the sweep.
+"""The webhook tasks: fanout and one delivery attempt on ``reach.webhooks``; the sweep on
+``reach.maintenance``, so that receivers holding every delivery slot cannot stop it.
 
 Postgres holds when each attempt is due (``next_attempt_at``). A short wait is a Celery
 countdown; a long one is left to the sweep, because a Redis broker hands an unacked
@@ -10,6 +11,7 @@ finds its attempt already taken.
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import time
 import uuid
@@ -30,7 +32,15 @@ from broker.dispatch import (
 from broker.errors import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from broker.tasks import FINAL
-from broker.webhooks import PROGRESS, deliveries, event_for_status, fanout, policy, signing
+from broker.webhooks import (
+    PROGRESS,
+    deliveries,
+    event_for_status,
+    fanout,
+    policy,
+    signing,
+    upkeep,
+)
 from broker.webhooks.ssrf import Guard
 from workers.system.sender import send
 
@@ -41,8 +51,11 @@ SWEEP_GRACE_S = 60.0
 # Waits up to this long are countdown messages; longer ones are published by the sweep.
 COUNTDOWN_MAX_S = SWEEP_GRACE_S
 PROGRESS_CACHE_S = 5.0
-SUBSCRIBERS_CACHE_S = 1.0
 INFRA_RETRY_S = 2
+# An attempt ends by its deadline (the timeout); its lease adds room for the database writes.
+LEASE_MARGIN_S = 30.0
+# A tenant at its bound of attempts in flight: its next one is tried again after 1-2 times this.
+BUSY_DEFER_S = 1.0
 PROGRESS_CACHE_MAX = 10_000
 
 
@@ -57,24 +70,14 @@ class Webhooks:
         # task id -> (until, whether anyone wants its progress): one query per task, not per
         # report; a subscription made meanwhile counts once the entry is stale.
         self._wants_progress: dict[uuid.UUID, tuple[float, bool]] = {}
-        self._tenant_subscribes: dict[str, tuple[float, bool]] = {}
 
     def on_final(self, row: dict[str, Any]) -> None:
         """The runner's hook: announce a task's final state, when anyone may want it (its
-        callback, or a subscription of its tenant): most tasks cost no extra message."""
-        if row["status"] in FINAL and (row.get("callback") or self._subscribes(row["tenant"])):
+        callback, or a subscription of its tenant): most tasks cost no extra message. The
+        final update returned ``tenant_subscribes``, so a subscription made before it counts."""
+        wanted = row.get("callback") or row.get("tenant_subscribes", True)
+        if row["status"] in FINAL and wanted:
             send_announce(self.app, row["id"], event_for_status(row["status"]))
-
-    def _subscribes(self, tenant: str) -> bool:
-        # Cached briefly: a new subscription hears of tasks finishing from a few seconds on.
-        now = time.monotonic()
-        known = self._tenant_subscribes.get(tenant)
-        if known is None or known[0] < now:
-            if len(self._tenant_subscribes) > PROGRESS_CACHE_MAX:
-                self._tenant_subscribes.clear()
-            known = (now + SUBSCRIBERS_CACHE_S, fanout.tenant_subscribes(self.engine(), tenant))
-            self._tenant_subscribes[tenant] = known
-        return known[1]
 
     def on_progress(self, task_id: uuid.UUID) -> None:
         """The runner's progress hook: announce it only when some endpoint asked for it."""
@@ -99,8 +102,17 @@ class Webhooks:
     def deliver(self, delivery_id: str, attempt: int) -> str:
         """Attempt ``attempt`` of a delivery; returns the delivery's status after it."""
         did = uuid.UUID(delivery_id)
-        lease_s = self.settings.webhook_timeout_s * 4 + 30  # past any attempt's longest run
-        claimed = deliveries.claim(self.engine(), did, attempt, lease_s=lease_s)
+        claimed = deliveries.claim(
+            self.engine(),
+            did,
+            attempt,
+            lease_s=self.settings.webhook_timeout_s + LEASE_MARGIN_S,
+            max_inflight=self.settings.webhook_max_inflight_per_tenant,
+        )
+        if isinstance(claimed, deliveries.Busy):
+            # Its tenant holds its share of the slots: this waits, others' attempts go on.
+            send_deliver(self.app, did, attempt, BUSY_DEFER_S * random.uniform(1, 2))
+            return "deferred"
         if claimed is None:
             early_by = deliveries.due_in_s(self.engine(), did, attempt)
             if early_by is None:
@@ -142,12 +154,21 @@ class Webhooks:
         )
 
     def sweep(self) -> dict[str, int]:
-        """Publish deliveries whose message was lost; drop those past their retention."""
-        lost = deliveries.stranded(self.engine(), grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
-        for delivery_id, attempt in lost:
+        """Take back attempts that never reported, publish deliveries whose message was lost,
+        remove bodies whose task expired, drop deliveries past their retention."""
+        engine = self.engine()
+        lost = upkeep.take_back_lost(engine, limit=SWEEP_BATCH)
+        stranded = upkeep.stranded(engine, grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
+        for delivery_id, attempt in [*lost, *stranded]:
             send_deliver(self.app, delivery_id, attempt)
-        purged = deliveries.purge_expired(self.engine(), batch=SWEEP_BATCH)
-        return {"republished": len(lost), "purged": purged}
+        bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH)
+        purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH)
+        return {
+            "lost": len(lost),
+            "republished": len(stranded),
+            "bodies_purged": bodies,
+            "purged": purged,
+        }
 
 
 def register(app: Celery, settings: Settings, engine: Callable[[], Engine]) -> Webhooks:

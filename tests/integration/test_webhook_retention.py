@@ -1,0 +1,89 @@
+"""A delivery's stored body carries the task, its result too: it may not outlive the task.
+The session stack (the maintenance worker runs the webhook sweep every second, by beat)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+from sqlalchemy import Engine, insert, select
+
+from broker.db.models import tasks_table as tasks
+from broker.db.models import webhook_deliveries_table as deliveries_table
+from broker.webhooks import deliveries, upkeep
+from tests.integration.receiver import Receiver
+from tests.integration.stack import CeleryProcess
+from tests.integration.webhook_client import finished, register, submit, wait_deliveries
+
+
+def stored(engine: Engine, delivery_id: str) -> dict[str, object]:
+    query = select(deliveries_table).where(deliveries_table.c.id == uuid.UUID(delivery_id))
+    with engine.connect() as conn:
+        return dict(conn.execute(query).one()._mapping)
+
+
+def test_given_a_delivered_result_expect_its_stored_body_gone_when_the_task_expires(
+    client: httpx.Client, engine: Engine, system_beat: CeleryProcess
+) -> None:
+    # Given a task whose result is kept 2 s, delivered to a webhook
+    secret = f"result-{secrets.token_hex(4)}"
+    with Receiver() as receiver:
+        webhook, _ = register(client, receiver.url, events=["task.succeeded"])
+        task = submit(client, payload={"secret": secret}, result_ttl_s=2)
+        path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+        [delivery] = wait_deliveries(client, path, finished("succeeded"))
+    row = stored(engine, delivery["delivery_id"])
+    assert secret in str(row["body"])
+    with engine.connect() as conn:
+        expires_at = conn.execute(
+            select(tasks.c.expires_at).where(tasks.c.id == uuid.UUID(task["task_id"]))
+        ).scalar_one()
+    assert row["body_expires_at"] == expires_at
+    # When the task expires and the sweep has run
+    deadline = time.monotonic() + 60
+    while row["body"] is not None:
+        assert time.monotonic() < deadline, "the body outlived its task"
+        time.sleep(0.2)
+        row = stored(engine, delivery["delivery_id"])
+    # Expect the body gone, not before the task's expiry, and the attempts' log kept
+    assert datetime.now(UTC) >= expires_at
+    [kept] = client.get(path).json()["deliveries"]
+    assert kept["status"] == "succeeded" and len(kept["attempts"]) == 1
+    again = client.post(f"{path}/{delivery['delivery_id']}/redeliver")
+    assert again.status_code == 409 and again.json()["code"] == "delivery_expired"
+
+
+def test_given_a_waiting_delivery_whose_task_expired_expect_no_attempt_and_failed(
+    engine: Engine,
+) -> None:
+    # Given a delivery waiting for its first attempt whose task expired a moment ago
+    delivery_id, now = uuid.uuid4(), datetime.now(UTC)
+    values = {
+        "id": delivery_id,
+        "tenant": f"t-{secrets.token_hex(4)}",
+        "task_id": uuid.uuid4(),
+        "event_type": "task.succeeded",
+        "url": "http://127.0.0.1:9/hook",
+        "body": '{"data": {"result": "kept too long"}}',
+        "body_expires_at": now - timedelta(seconds=1),
+        "trace_id": secrets.token_hex(16),
+        "status": "pending",
+        "attempts": 0,
+        "final_attempt": 3,
+        "next_attempt_at": now,
+        "expires_at": now + timedelta(days=7),
+    }
+    with engine.begin() as conn:
+        conn.execute(insert(deliveries_table).values(values))
+    # When its attempt comes, and the sweep removes expired bodies
+    claimed = deliveries.claim(engine, delivery_id, 1, lease_s=30, max_inflight=9)
+    while upkeep.purge_expired_bodies(engine, batch=1000):
+        pass
+    # Expect no attempt, the body gone and the delivery failed, saying why
+    row = stored(engine, str(delivery_id))
+    assert claimed is None
+    assert row["body"] is None and row["status"] == "failed" and row["attempts"] == 0
+    assert "expired" in str(row["last_error"])

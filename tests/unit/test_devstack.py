@@ -1,0 +1,41 @@
+"""The processes ``reach dev`` starts, read from the commands it builds (nothing is run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from broker import devstack
+from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
+from broker.settings import Settings
+
+
+def _queues(argv: list[str]) -> set[str]:
+    return set(argv[argv.index("-Q") + 1].split(",")) if "-Q" in argv else set()
+
+
+def test_maintenance_and_webhooks_each_have_a_worker_of_their_own(tmp_path: Path) -> None:
+    # given the dev stack's commands
+    commands = devstack._commands(8000, 5555, tmp_path)
+    # when the queues of each worker are read
+    workers = {name: _queues(argv) for name, argv in commands.items() if "worker" in argv}
+    # expect the maintenance queue and the webhooks queue each alone in a worker, so slow
+    # receivers never hold up the reaper, sweepers or janitor, nor agents hold up either
+    alone = [queues for queues in workers.values() if len(queues) == 1]
+    assert {MAINTENANCE_QUEUE} in alone and {WEBHOOKS_QUEUE} in alone, workers
+    for queues in workers.values():
+        if queues & {MAINTENANCE_QUEUE, WEBHOOKS_QUEUE}:
+            assert len(queues) == 1, workers
+    # and Flower on this machine only
+    assert "--address=127.0.0.1" in commands["flower"]
+
+
+def test_the_webhooks_worker_has_more_processes_than_one_tenant_may_hold(tmp_path: Path) -> None:
+    # given the dev stack's webhooks worker and the default per-tenant bound
+    [argv] = [
+        a
+        for a in devstack._commands(8000, 5555, tmp_path).values()
+        if "-Q" in a and _queues(a) == {WEBHOOKS_QUEUE}
+    ]
+    bound = Settings.model_fields["webhook_max_inflight_per_tenant"].default
+    # expect room for other tenants when one holds all it may
+    assert int(argv[argv.index("-c") + 1]) > bound
