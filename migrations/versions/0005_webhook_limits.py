@@ -1,7 +1,7 @@
 """webhooks: a body kept only while its task is, and the index that counts attempts in flight
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-11-30 16:40:00
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006"
-down_revision: str | None = "0005"
+revision: str = "0005"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

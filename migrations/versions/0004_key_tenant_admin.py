@@ -1,6 +1,6 @@
 """api_keys.tenant_admin
 
-Revision ID: 0005
+Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-30 16:30:00.000000
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0005"
+revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
