@@ -42,6 +42,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "task_final": 409,
     "webhook_disabled": 409,
     "delivery_not_redeliverable": 409,
+    "delivery_expired": 409,
     "body_timeout": 408,
     "rate_limited": 429,
     "body_too_large": 413,
