@@ -26,14 +26,19 @@ async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[
     row = await queries.get_task(state.engine, tenant, task_id)
     if row is None or row["status"] not in FINAL:
         return None
-    await state.event_log.append_async(
+    await append_final(request, row)
+    return row
+
+
+async def append_final(request: Request, row: dict[str, Any]) -> None:
+    """The task's final event, into its log (which takes only the first)."""
+    await request.app.state.event_log.append_async(
         row["id"],
         row["status"],
         render(row),
         trace_id=row["trace_id"],
         ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
     )
-    return row
 
 
 def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> FinalFromStore:

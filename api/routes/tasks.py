@@ -22,7 +22,7 @@ from broker.errors import BadRequest, Conflict, Forbidden, NotFound
 from broker.keys import Principal
 from broker.registry import capability_of
 from broker.settings import Settings
-from broker.submission import EVENTS_SLACK_S, submit
+from broker.submission import submit
 from broker.tasks import parse_task_id, render
 from broker.webhooks.subscriptions import vet_callback
 
@@ -224,13 +224,7 @@ async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONRes
     await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
     await _stop_if_cancellable(request, row)
     await anyio.to_thread.run_sync(state.dispatcher.announce, row["id"], "task.cancelled")
-    await state.event_log.append_async(
-        row["id"],
-        row["status"],
-        render(row),
-        trace_id=row["trace_id"],
-        ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
-    )
+    await replies.append_final(request, row)
     return JSONResponse(render(row))
 
 

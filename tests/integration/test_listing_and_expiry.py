@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -136,6 +137,16 @@ def janitorless(
         localservices.drop_database(services.database_url, name)
 
 
+def _expired_task(http: httpx.Client, envelope: dict[str, Any]) -> str:
+    """Submits ``envelope`` (with a short ``result_ttl_s``) and waits until the task reads 404."""
+    first: str = http.post("/tasks", json=envelope).json()["task_id"]
+    deadline = time.monotonic() + 30
+    while http.get(f"/tasks/{first}").status_code != 404:
+        assert time.monotonic() < deadline, "the task never expired"
+        time.sleep(0.1)
+    return first
+
+
 def test_a_replay_of_an_expired_task_makes_a_new_task_and_frees_the_key(
     janitorless: tuple[ServedApp, str, Engine],
 ) -> None:
@@ -149,11 +160,7 @@ def test_a_replay_of_an_expired_task_makes_a_new_task_and_frees_the_key(
     }
     with client_for(api, token) as http:
         # Given a task that has expired (404) but is not purged yet
-        first = http.post("/tasks", json=envelope).json()["task_id"]
-        deadline = time.monotonic() + 30
-        while http.get(f"/tasks/{first}").status_code != 404:
-            assert time.monotonic() < deadline, "the task never expired"
-            time.sleep(0.1)
+        first = _expired_task(http, envelope)
         # When the same key comes again, with the same payload
         again = http.post("/tasks", json={**envelope, "result_ttl_s": 600})
         # Then it is a new task, as if the first never existed, and the old row is gone
@@ -186,11 +193,7 @@ def test_50_concurrent_replays_of_an_expired_task_make_one_new_task(
         "queue_if_unavailable": True,
     }
     with client_for(api, token) as http:
-        first = http.post("/tasks", json=envelope).json()["task_id"]
-        deadline = time.monotonic() + 30
-        while http.get(f"/tasks/{first}").status_code != 404:
-            assert time.monotonic() < deadline, "the task never expired"
-            time.sleep(0.1)
+        first = _expired_task(http, envelope)
 
     async def replay_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(
