@@ -11,9 +11,10 @@ from typing import Any
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker.db.models import in_sources
 from broker.db.models import tasks_table as tasks
 from broker.queries import allowed_by
-from broker.tasks import CANCELLED, QUEUED, RUNNING
+from broker.tasks import CANCEL
 
 FLAG_TTL_S = 24 * 3600
 
@@ -38,11 +39,11 @@ async def cancel(
             tasks.c.id == task_id,
             tasks.c.tenant == tenant,
             allowed_by(patterns, tasks.c.capability),
-            tasks.c.status.in_((QUEUED, RUNNING)),
+            in_sources(CANCEL),
             tasks.c.expires_at > func.now(),
         )
         .values(
-            status=CANCELLED,
+            status=CANCEL.target,
             error=error,
             finished_at=func.now(),
             expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s),

@@ -16,9 +16,21 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, exists, func, null, or_, select, text, update
 
+from broker.db.models import in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
-from broker.tasks import EXPIRED, FAILED, FINAL, QUEUED, RUNNING, SUCCEEDED
+from broker.tasks import (
+    CLAIM,
+    EXPIRE_UNSTARTED,
+    FAIL,
+    FINAL,
+    OVERRUN,
+    QUEUED,
+    RETRY,
+    RUNNING,
+    SUCCEED,
+    Move,
+)
 
 
 @dataclass(frozen=True)
@@ -56,12 +68,12 @@ _CLAIM = (
     update(tasks)
     .where(
         tasks.c.id == bindparam("task_id"),
-        tasks.c.status == QUEUED,
+        in_sources(CLAIM),
         tasks.c.expires_at > func.now(),
         or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
     )
     .values(
-        status=RUNNING,
+        status=CLAIM.target,
         started_at=func.now(),
         attempts=tasks.c.attempts + 1,
         agent_id=bindparam("by_agent"),
@@ -136,20 +148,20 @@ def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]
 def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> dict[str, Any] | None:
     """The finished row, or None when the task was no longer running (cancelled, say).
     The error of an earlier, retried attempt is cleared."""
-    return _finish(engine, task_id, SUCCEEDED, (RUNNING,), result=result)
+    return _finish(engine, task_id, SUCCEED, result=result)
 
 
 def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
     """Fail a running task, or a queued one that cannot be run (no such capability here)."""
-    return _finish(engine, task_id, FAILED, (RUNNING, QUEUED), error=error)
+    return _finish(engine, task_id, FAIL, error=error)
 
 
 @functools.cache
-def _finish_statement(status: str, from_status: tuple[str, ...], outcome: str) -> Any:
-    """status <- ``status`` from one of ``from_status``, recording ``outcome`` (the result or
-    the error; a success clears the error an earlier attempt left)."""
+def _finish_statement(move: Move, outcome: str) -> Any:
+    """Make ``move``, recording ``outcome`` (the result or the error; a success clears the
+    error an earlier attempt left)."""
     values: dict[str, Any] = {
-        "status": status,
+        "status": move.target,
         "finished_at": func.now(),
         "expires_at": _expiry(),
         outcome: bindparam("outcome", type_=tasks.c[outcome].type),
@@ -158,22 +170,17 @@ def _finish_statement(status: str, from_status: tuple[str, ...], outcome: str) -
         values["error"] = null()
     return (
         update(tasks)
-        # Equalities, not IN: an IN list is rendered again on every execution.
-        .where(tasks.c.id == bindparam("task_id"), or_(*(tasks.c.status == s for s in from_status)))
+        .where(tasks.c.id == bindparam("task_id"), in_sources(move))
         .values(values)
         .returning(*tasks.c, _TENANT_SUBSCRIBES)
     )
 
 
 def _finish(
-    engine: Engine,
-    task_id: uuid.UUID,
-    status: str,
-    from_status: tuple[str, ...],
-    **outcome: Any,
+    engine: Engine, task_id: uuid.UUID, move: Move, **outcome: Any
 ) -> dict[str, Any] | None:
     ((column, value),) = outcome.items()
-    statement = _finish_statement(status, from_status, column)
+    statement = _finish_statement(move, column)
     with _autocommit(engine) as conn:
         row = conn.execute(statement, {"task_id": task_id, "outcome": value}).first()
     return dict(row._mapping) if row is not None else None
@@ -181,7 +188,7 @@ def _finish(
 
 def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
     """A running task that overran its time (its deadline or its agent's timeout)."""
-    return _finish(engine, task_id, EXPIRED, (RUNNING,), error=error)
+    return _finish(engine, task_id, OVERRUN, error=error)
 
 
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
@@ -193,8 +200,15 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
     }
     query = (
         update(tasks)
-        .where(tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.deadline_at <= func.now())
-        .values(status=EXPIRED, error=error, finished_at=func.now(), expires_at=_expiry())
+        .where(
+            tasks.c.id == task_id, in_sources(EXPIRE_UNSTARTED), tasks.c.deadline_at <= func.now()
+        )
+        .values(
+            status=EXPIRE_UNSTARTED.target,
+            error=error,
+            finished_at=func.now(),
+            expires_at=_expiry(),
+        )
         .returning(*tasks.c, _TENANT_SUBSCRIBES)
     )
     with engine.begin() as conn:
@@ -206,8 +220,8 @@ def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[s
     """running -> queued for another attempt, keeping the last error visible."""
     query = (
         update(tasks)
-        .where(tasks.c.id == task_id, tasks.c.status == RUNNING)
-        .values(status=QUEUED, error=error, instance=None)
+        .where(tasks.c.id == task_id, in_sources(RETRY))
+        .values(status=RETRY.target, error=error, instance=None)
         .returning(*tasks.c)
     )
     with engine.begin() as conn:

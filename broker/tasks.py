@@ -7,23 +7,43 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 QUEUED, RUNNING = "queued", "running"
 SUCCEEDED, FAILED, CANCELLED, EXPIRED = "succeeded", "failed", "cancelled", "expired"
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, EXPIRED)
-FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, EXPIRED})
 
-# Status moves only forward; nothing leaves a final state.
-_NEXT: dict[str, frozenset[str]] = {
-    QUEUED: frozenset({RUNNING, CANCELLED, EXPIRED, FAILED}),
-    RUNNING: frozenset({QUEUED, SUCCEEDED, FAILED, CANCELLED, EXPIRED}),
+
+@dataclass(frozen=True)
+class Move:
+    """A status change a task row may make: from any of ``sources`` to ``target``. Every
+    write of a status is conditional on its move's sources (``broker.db.models.in_sources``),
+    so a late or repeated write finds the row moved on and changes nothing."""
+
+    sources: tuple[str, ...]
+    target: str
+
+
+# The state machine, one move per operation. Status moves only forward: a task goes back to
+# ``queued`` only from ``running``, to be tried again (a new attempt), and nothing leaves a
+# final status. Two moves reach ``expired``, each from one status: a running task overran
+# its time; a queued one's deadline passed before it started.
+CLAIM = Move((QUEUED,), RUNNING)
+RETRY = Move((RUNNING,), QUEUED)
+SUCCEED = Move((RUNNING,), SUCCEEDED)
+FAIL = Move((QUEUED, RUNNING), FAILED)  # from queued: nothing here can run it
+CANCEL = Move((QUEUED, RUNNING), CANCELLED)
+OVERRUN = Move((RUNNING,), EXPIRED)
+EXPIRE_UNSTARTED = Move((QUEUED,), EXPIRED)
+MOVES = (CLAIM, RETRY, SUCCEED, FAIL, CANCEL, OVERRUN, EXPIRE_UNSTARTED)
+
+# Where each status may go; a final status is one the machine never leaves.
+NEXT: dict[str, frozenset[str]] = {
+    status: frozenset(m.target for m in MOVES if status in m.sources) for status in STATUSES
 }
-
-
-def can_move(current: str, target: str) -> bool:
-    return target in _NEXT.get(current, frozenset())
+FINAL = frozenset(status for status in STATUSES if not NEXT[status])
 
 
 def new_task_id() -> uuid.UUID:

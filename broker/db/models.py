@@ -10,6 +10,7 @@ from typing import Any, cast
 from sqlalchemy import (
     Boolean,
     CheckConstraint,
+    ColumnElement,
     DateTime,
     Float,
     ForeignKey,
@@ -21,12 +22,13 @@ from sqlalchemy import (
     Table,
     Text,
     func,
+    or_,
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from broker.tasks import STATUSES
+from broker.tasks import STATUSES, Move
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -270,3 +272,9 @@ webhooks_table = cast(Table, Webhook.__table__)
 callback_secrets_table = cast(Table, CallbackSecret.__table__)
 webhook_deliveries_table = cast(Table, WebhookDelivery.__table__)
 webhook_attempts_table = cast(Table, WebhookAttempt.__table__)
+
+
+def in_sources(move: Move) -> ColumnElement[bool]:
+    """The guard of a status write: the task row is in one of ``move``'s sources. Equalities,
+    not IN: an IN list is rendered again on every execution of a statement built once."""
+    return or_(*(tasks_table.c.status == status for status in move.sources))

@@ -12,11 +12,12 @@ from broker.tasks import (
     EXPIRED,
     FAILED,
     FINAL,
+    MOVES,
+    NEXT,
     QUEUED,
     RUNNING,
     STATUSES,
     SUCCEEDED,
-    can_move,
     new_task_id,
     parse_task_id,
     render,
@@ -72,7 +73,17 @@ def test_given_text_that_is_not_a_uuid_expect_none(raw: str) -> None:
     assert parse_task_id(raw) is None
 
 
-# --- can_move ------------------------------------------------------------------------------
+# --- the state machine ---------------------------------------------------------------------
+
+
+def can_move(current: str, target: str) -> bool:
+    return target in NEXT.get(current, frozenset())
+
+
+def test_given_the_machine_expect_the_four_final_statuses_of_the_readme() -> None:
+    terminal = {status for status in STATUSES if not NEXT[status]}
+    assert terminal == {"succeeded", "failed", "cancelled", "expired"}
+    assert terminal == FINAL
 
 
 @pytest.mark.parametrize("final", sorted(FINAL))
@@ -113,6 +124,27 @@ def test_given_an_allowed_transition_expect_can_move(current: str, target: str) 
 )
 def test_given_a_refused_transition_expect_cannot_move(current: str, target: str) -> None:
     assert not can_move(current, target)
+
+
+def test_given_every_move_expect_it_to_go_forward() -> None:
+    # Forward: out of queued or running only, never to itself, and back to queued only from
+    # running (a retry, which is a new attempt).
+    for move in MOVES:
+        assert move.sources, move
+        assert set(move.sources) <= {QUEUED, RUNNING}, move
+        assert move.target not in move.sources, move
+        assert move.target in STATUSES, move
+        if move.target == QUEUED:
+            assert move.sources == (RUNNING,), move
+
+
+def test_given_every_status_expect_a_final_one_reachable_from_it() -> None:
+    for status in STATUSES:
+        seen, frontier = {status}, {status}
+        while frontier:
+            frontier = {n for s in frontier for n in NEXT[s]} - seen
+            seen |= frontier
+        assert seen & FINAL, status
 
 
 # --- render --------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""Every status write runs the move of ``broker.tasks`` it stands for, on real Postgres: given a
+row in each status, the operation moves it to the move's target exactly when its status is
+one of the move's sources, and leaves it alone otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, insert, select
+
+from broker import cancellation, execution, jsonbody
+from broker.db.engines import async_engine
+from broker.db.models import tasks_table
+from broker.settings import Settings
+from broker.tasks import (
+    CANCEL,
+    CLAIM,
+    EXPIRE_UNSTARTED,
+    FAIL,
+    MOVES,
+    OVERRUN,
+    RETRY,
+    STATUSES,
+    SUCCEED,
+    Move,
+)
+
+TENANT = "state-machine"
+ERROR = {"code": "boom", "message": "it broke", "retryable": False}
+
+Operation = Callable[[Engine, Settings, uuid.UUID], Any]
+
+
+def cancel(engine: Engine, settings: Settings, task_id: uuid.UUID) -> Any:
+    async def run() -> Any:
+        api_engine = async_engine(settings, pool_size=1)
+        try:
+            return await cancellation.cancel(api_engine, TENANT, task_id, patterns=("*",))
+        finally:
+            await api_engine.dispose()
+
+    return asyncio.run(run())
+
+
+OPERATIONS: dict[str, tuple[Move, Operation]] = {
+    "claim": (
+        CLAIM,
+        lambda e, _, t: execution.claim(e, t, agent_id="a", version="1", instance="i"),
+    ),
+    "requeue": (RETRY, lambda e, _, t: execution.requeue(e, t, ERROR)),
+    "succeed": (SUCCEED, lambda e, _, t: execution.succeed(e, t, {"ok": True})),
+    "fail": (FAIL, lambda e, _, t: execution.fail(e, t, ERROR)),
+    "cancel": (CANCEL, cancel),
+    "expire": (OVERRUN, lambda e, _, t: execution.expire(e, t, ERROR)),
+    "expire_overdue": (EXPIRE_UNSTARTED, lambda e, _, t: execution.expire_overdue(e, t)),
+}
+
+
+def a_task(engine: Engine, status: str, *, overdue: bool) -> uuid.UUID:
+    """A task row in ``status``; ``overdue``: its deadline has passed (else it has none)."""
+    task_id = uuid.uuid4()
+    digest, size = jsonbody.digest({})
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(tasks_table).values(
+                id=task_id,
+                tenant=TENANT,
+                capability="echo",
+                queue="echo",
+                status=status,
+                payload={},
+                payload_digest=digest,
+                payload_size=size,
+                trace_id=uuid.uuid4().hex,
+                result_ttl_s=600,
+                created_at=now,
+                deadline_at=now - timedelta(seconds=1) if overdue else None,
+                expires_at=now + timedelta(minutes=10),
+            )
+        )
+    return task_id
+
+
+def status_of(engine: Engine, task_id: uuid.UUID) -> str:
+    with engine.connect() as conn:
+        query = select(tasks_table.c.status).where(tasks_table.c.id == task_id)
+        return str(conn.execute(query).scalar_one())
+
+
+def test_given_the_operations_expect_one_for_every_move() -> None:
+    used = [move for move, _ in OPERATIONS.values()]
+    assert len(used) == len(set(used)) and set(used) == set(MOVES)
+
+
+@pytest.mark.parametrize("status", STATUSES)
+@pytest.mark.parametrize("name", OPERATIONS)
+def test_given_a_task_in_each_status_expect_the_operation_to_make_exactly_its_move(
+    engine: Engine, settings: Settings, name: str, status: str
+) -> None:
+    move, operation = OPERATIONS[name]
+    # Given a task in ``status`` (past its deadline for the one move that needs it)
+    task_id = a_task(engine, status, overdue=move is EXPIRE_UNSTARTED)
+    # When the operation runs
+    outcome = operation(engine, settings, task_id)
+    # I expect the move made from its sources, and nothing changed from any other status
+    if status in move.sources:
+        assert outcome is not None
+        assert status_of(engine, task_id) == move.target
+    else:
+        assert outcome is None
+        assert status_of(engine, task_id) == status
