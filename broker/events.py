@@ -25,9 +25,9 @@ from typing import Any
 import redis
 
 from broker.grouping import Grouped
+from broker.tasks import FINAL
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
-FINAL_TYPES = frozenset({"succeeded", "failed", "cancelled", "expired"})
 LOG_MAX_EVENTS = 10_000
 CHANNEL_PREFIX = "reach:task:"
 
@@ -97,7 +97,8 @@ class Event:
 
     @property
     def final(self) -> bool:
-        return self.type in FINAL_TYPES
+        """A final event's type is the final status it announces."""
+        return self.type in FINAL
 
     @classmethod
     def parse(cls, raw: str | bytes) -> Event:
@@ -163,7 +164,7 @@ class EventLog:
             queue, message = item.push if item.push is not None else (log, b"")
             keys += [log, seq_key(item.task_id), channel(item.task_id), queue]
             keys.append(final_key(item.task_id))
-            final = "1" if item.type in FINAL_TYPES else ""
+            final = "1" if item.type in FINAL else ""
             argv += [encode(item.type, item.data, item.trace_id), item.ttl_s, message, final]
         return {"keys": keys, "args": argv}
 

@@ -9,11 +9,11 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
-QUEUED, RUNNING = "queued", "running"
-SUCCEEDED, FAILED, CANCELLED, EXPIRED = "succeeded", "failed", "cancelled", "expired"
-STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, EXPIRED)
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
+STATUSES: tuple[str, ...] = get_args(Status)
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, EXPIRED = STATUSES
 
 
 @dataclass(frozen=True)

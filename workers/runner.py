@@ -24,7 +24,7 @@ from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import EVENTS_SLACK_S
-from broker.tasks import render
+from broker.tasks import QUEUED, RUNNING, render
 from workers import faults
 from workers.sdk.context import Context
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
@@ -123,7 +123,7 @@ class Runner:
             self.events.append(tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s)
 
         publish(
-            events.STATUS, {"status": "running", "attempt": claimed.attempt, "instance": instance}
+            events.STATUS, {"status": RUNNING, "attempt": claimed.attempt, "instance": instance}
         )
         ctx = Context(
             task_id=tid,
@@ -169,7 +169,7 @@ class Runner:
         publish(
             events.STATUS,
             {
-                "status": "queued",
+                "status": QUEUED,
                 "retry_in_s": round(delay_s, 3),
                 "attempt": claimed.attempt,
                 "error": err,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -23,14 +23,13 @@ from broker.keys import Principal
 from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import submit
-from broker.tasks import parse_task_id, render
+from broker.tasks import Status, parse_task_id, render
 from broker.webhooks.subscriptions import vet_callback
 
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
 Metered = Annotated[Principal, Depends(metered)]
-StatusFilter = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 
 
 def _merge_idempotency_header(data: Any, header: str | None) -> Any:
@@ -186,7 +185,7 @@ async def list_tasks(
     request: Request,
     caller: Caller,
     capability: Annotated[str | None, Query(max_length=128)] = None,
-    status: StatusFilter | None = None,
+    status: Status | None = None,
     limit: Annotated[int, Query(ge=1)] = 50,
     cursor: Annotated[str | None, Query(max_length=64)] = None,
 ) -> JSONResponse:

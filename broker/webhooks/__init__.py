@@ -22,16 +22,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-SUCCEEDED, FAILED = "task.succeeded", "task.failed"
-CANCELLED, EXPIRED = "task.cancelled", "task.expired"
+from broker.tasks import FINAL, STATUSES
+
 PROGRESS = "task.progress"
-FINAL_EVENTS = (SUCCEEDED, FAILED, CANCELLED, EXPIRED)
-EVENT_TYPES = (*FINAL_EVENTS, PROGRESS)
 
 
 def event_for_status(status: str) -> str:
     """The event a task status announces: ``succeeded`` -> ``task.succeeded``."""
     return f"task.{status}"
+
+
+FINAL_EVENTS = tuple(event_for_status(status) for status in STATUSES if status in FINAL)
+EVENT_TYPES = (*FINAL_EVENTS, PROGRESS)
 
 
 def check_events(events: Iterable[str]) -> list[str]:

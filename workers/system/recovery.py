@@ -32,6 +32,7 @@ from broker import events, execution, leases, metrics, retry
 from broker.capabilities import is_valid_name
 from broker.dispatch import queue_depths
 from broker.registry import capability_of, lease_key
+from broker.tasks import QUEUED
 from workers.runner import Runner, error
 
 log = logging.getLogger("reach.recovery")
@@ -55,7 +56,7 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                 runner.events.append(
                     row["id"],
                     events.STATUS,
-                    {"status": "queued", "error": lost},
+                    {"status": QUEUED, "error": lost},
                     trace_id=row["trace_id"],
                 )
                 runner.republish(row["id"], row["queue"], row["trace_id"], None, 0.0)
