@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from redis.asyncio import Redis
@@ -17,6 +16,7 @@ from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_instances_table as instances
 from broker.keys import Principal
 from broker.registry import OFFLINE, Lease, lease_key, now_s
+from broker.timestamps import iso
 
 WINDOW_S = 300
 CardKey = tuple[str, str, str]  # agent_id, version, capability
@@ -102,14 +102,10 @@ def instance_view(row: dict[str, Any], lease: Lease | None, now: float) -> dict[
         "seconds_since_heartbeat": round(max(0.0, now - heartbeat), 3),
         "active_tasks": lease.active if lease is not None else 0,
         "lease_ttl_s": row["lease_ttl_s"],
-        "started_at": _iso(row["started_at"]),
-        "stopped_at": _iso(row["stopped_at"]) if state == OFFLINE else None,
+        "started_at": iso(row["started_at"]),
+        "stopped_at": iso(row["stopped_at"]) if state == OFFLINE else None,
         "capabilities": sorted({c["capability"] for c in row["cards"]}),
     }
-
-
-def _iso(ts: datetime | None) -> str | None:
-    return ts.isoformat() if ts is not None else None
 
 
 async def agents(
@@ -132,8 +128,8 @@ async def agents(
         entry["cards"].append(
             {
                 **row["card"],
-                "first_seen_at": _iso(row["first_seen_at"]),
-                "last_seen_at": _iso(row["last_seen_at"]),
+                "first_seen_at": iso(row["first_seen_at"]),
+                "last_seen_at": iso(row["last_seen_at"]),
             }
         )
     for row in instance_rows:

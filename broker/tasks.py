@@ -8,8 +8,9 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Literal, get_args
+
+from broker.timestamps import iso
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 STATUSES: tuple[str, ...] = get_args(Status)
@@ -67,12 +68,6 @@ def parse_task_id(raw: str) -> uuid.UUID | None:
     return uuid.UUID(raw) if _CANONICAL_UUID.fullmatch(raw) else None
 
 
-def _iso(ts: datetime | None) -> str | None:
-    if ts is None:
-        return None
-    return ts.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
 def render(row: Mapping[str, Any]) -> dict[str, Any]:
     """The task resource of the HTTP contract, from a ``tasks`` row."""
     agent = None
@@ -94,8 +89,8 @@ def render(row: Mapping[str, Any]) -> dict[str, Any]:
         "trace_id": row["trace_id"],
         "session_id": row["session_id"],
         "metadata": row["metadata"],
-        "created_at": _iso(row["created_at"]),
-        "started_at": _iso(row["started_at"]),
-        "finished_at": _iso(row["finished_at"]),
-        "expires_at": _iso(row["expires_at"]),
+        "created_at": iso(row["created_at"]),
+        "started_at": iso(row["started_at"]),
+        "finished_at": iso(row["finished_at"]),
+        "expires_at": iso(row["expires_at"]),
     }

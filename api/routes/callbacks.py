@@ -19,7 +19,8 @@ from api.schemas import ERROR_RESPONSES
 from broker import queries
 from broker.errors import Forbidden, NotFound
 from broker.keys import Principal
-from broker.webhooks import delivery_log, iso, subscriptions
+from broker.timestamps import iso
+from broker.webhooks import delivery_log, subscriptions
 from broker.webhooks.subscriptions import rotate_callback_secret
 
 router = APIRouter(tags=["webhooks"])

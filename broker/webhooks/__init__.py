@@ -20,7 +20,6 @@ succeeds, fails for good, or is dead.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import UTC, datetime
 
 from broker.tasks import FINAL, STATUSES
 
@@ -46,8 +45,3 @@ def check_events(events: Iterable[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown event types {unknown}; known: {list(EVENT_TYPES)}")
     return chosen
-
-
-def iso(ts: datetime | None) -> str | None:
-    """A timestamp as the HTTP contract writes it: ISO 8601 in UTC with a ``Z``."""
-    return None if ts is None else ts.astimezone(UTC).isoformat().replace("+00:00", "Z")

@@ -21,7 +21,8 @@ from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
 from broker.settings import Settings
 from broker.tasks import new_task_id, render
-from broker.webhooks import PROGRESS, iso
+from broker.timestamps import iso
+from broker.webhooks import PROGRESS
 from broker.webhooks.policy import PENDING
 
 Target = tuple[uuid.UUID | None, str]  # (subscription id, or None for the callback; url)

@@ -21,7 +21,8 @@ from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import webhooks_table as webhooks
 from broker.errors import BadRequest
 from broker.tasks import new_task_id
-from broker.webhooks import FINAL_EVENTS, check_events, iso
+from broker.timestamps import iso
+from broker.webhooks import FINAL_EVENTS, check_events
 from broker.webhooks.signing import new_secret
 from broker.webhooks.ssrf import HostLookups
 
