@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -19,7 +18,7 @@ from broker import logs, metrics, otel, queries
 from broker.backpressure import RateLimited
 from broker.errors import BadRequest, BodyTimeout, BodyTooLarge, Unauthenticated
 from broker.keys import Principal, secret_matches, split_token
-from broker.tracing import trace_id_from
+from broker.tracing import trace_id_from, traceparent
 
 
 class TraceMiddleware:
@@ -67,7 +66,7 @@ class TraceparentFromTraceId:  # used with OpenTelemetry only
             if b"traceparent" not in names and b"x-trace-id" in names:
                 given = dict(scope["headers"])[b"x-trace-id"].decode("latin-1")
                 trace_id = trace_id_from(None, given)
-                header = f"00-{trace_id}-{secrets.token_hex(8)}-01".encode()
+                header = traceparent(trace_id).encode()
                 scope = {**scope, "headers": [*scope["headers"], (b"traceparent", header)]}
         await self.app(scope, receive, send)
 

@@ -1,4 +1,5 @@
-"""Trace ids: taken from W3C ``traceparent`` or ``X-Trace-Id``, made when absent."""
+"""Trace ids: taken from W3C ``traceparent`` or ``X-Trace-Id``, made when absent, and
+passed on in a ``traceparent`` of our own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ _ZERO = "0" * 32
 
 def new_trace_id() -> str:
     return secrets.token_hex(16)
+
+
+def traceparent(trace_id: str) -> str:
+    """A W3C ``traceparent`` that carries ``trace_id`` on: a new parent span id, sampled."""
+    return f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
 
 def trace_id_from(traceparent: str | None, x_trace_id: str | None) -> str:

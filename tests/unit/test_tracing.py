@@ -1,10 +1,11 @@
-"""Unit tests for trace ids: taken from traceparent or X-Trace-Id when well formed, else new."""
+"""Unit tests for trace ids: taken from traceparent or X-Trace-Id when well formed, else new;
+passed on in a traceparent of our own."""
 
 import re
 
 import pytest
 
-from broker.tracing import new_trace_id, trace_id_from
+from broker.tracing import new_trace_id, trace_id_from, traceparent
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -114,3 +115,16 @@ def test_given_many_new_trace_ids_expect_all_32_hex_and_distinct() -> None:
     ids = [new_trace_id() for _ in range(1000)]
     assert all(HEX32.fullmatch(i) for i in ids)
     assert len(set(ids)) == len(ids)
+
+
+# --- traceparent we send -------------------------------------------------------------------
+
+
+def test_given_a_trace_id_expect_a_traceparent_that_reads_back_as_it() -> None:
+    sent = traceparent(TRACE)
+    assert re.fullmatch(rf"00-{TRACE}-[0-9a-f]{{16}}-01", sent)
+    assert trace_id_from(sent, None) == TRACE
+
+
+def test_given_two_traceparents_of_one_trace_expect_distinct_parent_span_ids() -> None:
+    assert traceparent(TRACE) != traceparent(TRACE)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from broker.tracing import traceparent
 
 ProgressSink = Callable[[dict[str, Any]], object]
 ReadinessSink = Callable[[bool, float], object]
@@ -44,7 +45,7 @@ class Context:
     def trace_headers(self) -> dict[str, str]:
         """Headers that carry this task's trace id into the HTTP calls the agent makes."""
         return {
-            "traceparent": f"00-{self.trace_id}-{secrets.token_hex(8)}-01",
+            "traceparent": traceparent(self.trace_id),
             "X-Trace-Id": self.trace_id,
         }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from broker.dispatch import (
 from broker.errors import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from broker.tasks import FINAL
+from broker.tracing import traceparent
 from broker.webhooks import (
     PROGRESS,
     deliveries,
@@ -143,7 +143,7 @@ class Webhooks:
         message_id = deliveries.message_id(claimed.delivery_id)
         headers = signing.headers(claimed.secrets, message_id, int(time.time()), claimed.body)
         headers["X-Trace-Id"] = claimed.trace_id
-        headers["traceparent"] = f"00-{claimed.trace_id}-{secrets.token_hex(8)}-01"
+        headers["traceparent"] = traceparent(claimed.trace_id)
         return send(
             self.guard,
             claimed.url,
