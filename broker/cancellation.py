@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from broker.db.models import in_sources
 from broker.db.models import tasks_table as tasks
 from broker.queries import allowed_by
-from broker.tasks import CANCEL
+from broker.tasks import CANCEL, task_error
 
 FLAG_TTL_S = 24 * 3600
 
@@ -32,7 +32,7 @@ async def cancel(
 ) -> dict[str, Any] | None:
     """The cancelled row, or None when the task is unknown, foreign, outside ``patterns``,
     expired or already final."""
-    error = {"code": "cancelled", "message": "cancelled by the caller", "retryable": False}
+    error = task_error("cancelled", "cancelled by the caller")
     query = (
         update(tasks)
         .where(

@@ -30,6 +30,7 @@ from broker.tasks import (
     RUNNING,
     SUCCEED,
     Move,
+    task_error,
 )
 
 
@@ -193,11 +194,7 @@ def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[st
 
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
     """A queued task whose deadline passed before it started ends expired, never run."""
-    error = {
-        "code": "deadline_exceeded",
-        "message": "not started before its deadline",
-        "retryable": False,
-    }
+    error = task_error("deadline_exceeded", "not started before its deadline")
     query = (
         update(tasks)
         .where(

@@ -1,4 +1,5 @@
-"""The task resource: statuses, the one-way state machine, ids, and its JSON rendering."""
+"""The task resource: statuses, the one-way state machine, ids, its error and its JSON
+rendering."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ NEXT: dict[str, frozenset[str]] = {
     status: frozenset(m.target for m in MOVES if status in m.sources) for status in STATUSES
 }
 FINAL = frozenset(status for status in STATUSES if not NEXT[status])
+
+
+MESSAGE_MAX = 2000
+
+
+def task_error(code: str, message: str, *, retryable: bool = False) -> dict[str, Any]:
+    """A task's ``error``: a stable ``code``, a message cut to ``MESSAGE_MAX`` characters, and
+    whether submitting the task again may succeed."""
+    return {"code": code, "message": message[:MESSAGE_MAX], "retryable": retryable}
 
 
 def new_task_id() -> uuid.UUID:

@@ -24,20 +24,13 @@ from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import EVENTS_SLACK_S
-from broker.tasks import QUEUED, RUNNING, render
+from broker.tasks import QUEUED, RUNNING, render, task_error
 from workers import faults
 from workers.sdk.context import Context
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
 from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
-MESSAGE_MAX = 2000
-
-
-def error(code: str, message: str, *, retryable: bool = False) -> dict[str, Any]:
-    return {"code": code, "message": message[:MESSAGE_MAX], "retryable": retryable}
-
-
 FinalHook = Callable[[dict[str, Any]], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -99,7 +92,7 @@ class Runner:
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
             return self.finalize(
-                execution.fail(self.engine, tid, error("capability_not_served", message))
+                execution.fail(self.engine, tid, task_error("capability_not_served", message))
             )
         claimed = execution.claim(
             self.engine, tid, agent_id=spec.agent_id, version=spec.version, instance=instance
@@ -243,7 +236,7 @@ class Runner:
                 detail = "; ".join(
                     f"{'/'.join(map(str, p.path)) or '<root>'}: {p.message}" for p in problems[:10]
                 )
-                return {"error": error("payload_invalid", detail)}
+                return {"error": task_error("payload_invalid", detail)}
         limits = [t for t in (spec.timeout_s, ctx.time_left_s()) if t is not None]
         with metrics.task_run.labels(spec.name).time():
             return self._invoke(spec, ctx, payload, min(limits) if limits else None)
@@ -257,22 +250,32 @@ class Runner:
                 if inspect.isgenerator(result):
                     result = _drain_generator(result, ctx)
         except SoftTimeLimit:
-            return {"error": error("timeout", "the agent ran past its time limit"), "expired": True}
+            return {
+                "error": task_error("timeout", "the agent ran past its time limit"),
+                "expired": True,
+            }
         except Retryable as exc:
-            return {"error": error(exc.code, exc.message, retryable=True), "delay_s": exc.delay_s}
+            return {
+                "error": task_error(exc.code, exc.message, retryable=True),
+                "delay_s": exc.delay_s,
+            }
         except AgentFailure as exc:
-            return {"error": error(exc.code, exc.message, retryable=exc.retryable)}
+            return {"error": task_error(exc.code, exc.message, retryable=exc.retryable)}
         except TRANSIENT as exc:
             return {
-                "error": error("transient_error", f"{type(exc).__name__}: {exc}", retryable=True)
+                "error": task_error(
+                    "transient_error", f"{type(exc).__name__}: {exc}", retryable=True
+                )
             }
         except Exception as exc:
             log.exception("agent %s failed on task %s", spec.agent_id, ctx.task_id)
-            return {"error": error("agent_error", f"{type(exc).__name__}: {exc}")}
+            return {"error": task_error("agent_error", f"{type(exc).__name__}: {exc}")}
         try:
             self._checked(result)
         except (BadRequest, TypeError, ValueError) as exc:
-            return {"error": error("result_invalid", f"the agent returned no valid JSON: {exc}")}
+            return {
+                "error": task_error("result_invalid", f"the agent returned no valid JSON: {exc}")
+            }
         return {"result": result}
 
 

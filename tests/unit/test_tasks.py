@@ -12,6 +12,7 @@ from broker.tasks import (
     EXPIRED,
     FAILED,
     FINAL,
+    MESSAGE_MAX,
     MOVES,
     NEXT,
     QUEUED,
@@ -21,6 +22,7 @@ from broker.tasks import (
     new_task_id,
     parse_task_id,
     render,
+    task_error,
 )
 
 # --- new_task_id ---------------------------------------------------------------------------
@@ -145,6 +147,23 @@ def test_given_every_status_expect_a_final_one_reachable_from_it() -> None:
             frontier = {n for s in frontier for n in NEXT[s]} - seen
             seen |= frontier
         assert seen & FINAL, status
+
+
+# --- task_error --------------------------------------------------------------------------
+
+
+def test_given_a_code_and_message_expect_the_error_of_the_contract() -> None:
+    assert task_error("worker_lost", "it stopped") == {
+        "code": "worker_lost",
+        "message": "it stopped",
+        "retryable": False,
+    }
+    assert task_error("transient_error", "try again", retryable=True)["retryable"] is True
+
+
+def test_given_a_long_message_expect_it_cut_to_the_limit() -> None:
+    error = task_error("agent_error", "x" * (MESSAGE_MAX + 500))
+    assert error["message"] == "x" * MESSAGE_MAX
 
 
 # --- render --------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from broker import events, execution, leases, metrics, retry
 from broker.capabilities import is_valid_name
 from broker.dispatch import queue_depths
 from broker.registry import capability_of, lease_key
-from broker.tasks import QUEUED
-from workers.runner import Runner, error
+from broker.tasks import QUEUED, task_error
+from workers.runner import Runner
 
 log = logging.getLogger("reach.recovery")
 REPUBLISH_GUARD_PREFIX = "reach:republished:"
@@ -50,7 +50,7 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
     for row in rows:
         card = leases.card_of(runner.engine, row["agent_id"], None, capability_of(row["queue"]))
         limit = retry.attempt_limit(row["max_attempts"], card.get("max_attempts"))
-        lost = error("worker_lost", why, retryable=bool(card.get("idempotent")))
+        lost = task_error("worker_lost", why, retryable=bool(card.get("idempotent")))
         if card.get("idempotent") and row["attempts"] < limit and runner.republish is not None:
             if execution.requeue(runner.engine, row["id"], lost) is not None:
                 runner.events.append(
@@ -110,7 +110,9 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
 
 
 def _refuse(runner: Runner, rows: list[dict[str, Any]]) -> int:
-    why = error("capability_reserved", "the capability's name is reserved for the broker's keys")
+    why = task_error(
+        "capability_reserved", "the capability's name is reserved for the broker's keys"
+    )
     failed = [runner.finalize(execution.fail(runner.engine, r["id"], why)) for r in rows]
     return failed.count("failed")
 
