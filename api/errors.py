@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
-import redis.exceptions
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -157,14 +156,9 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(errors.ReachError, _reach_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    for cls in (
-        sqlalchemy.exc.OperationalError,
-        sqlalchemy.exc.InterfaceError,
-        sqlalchemy.exc.TimeoutError,
-        redis.exceptions.ConnectionError,
-        redis.exceptions.TimeoutError,
-        ConnectionError,
-    ):
+    # Also 503: no pooled connection came free in time (the pool's TimeoutError), and a
+    # built-in ConnectionError that a client library let through unwrapped.
+    for cls in (*errors.INFRASTRUCTURE_ERRORS, sqlalchemy.exc.TimeoutError, ConnectionError):
         app.add_exception_handler(cls, _unavailable)
     app.add_exception_handler(sqlalchemy.exc.DataError, _data_error)
     app.add_exception_handler(Exception, _internal)

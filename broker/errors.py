@@ -16,6 +16,18 @@
         └── Retryable         ... unless attempts remain: then it runs again later
 
 HTTP statuses for each code live in one table in ``api/errors.py``.
+
+Two groups of exceptions from outside the tree decide what is tried again; they never
+overlap, and they are not the same thing:
+
+    INFRASTRUCTURE_ERRORS    our own Postgres or Redis cannot be reached (SQLAlchemy and
+                             redis-py classes). The operation is tried again later (a Celery
+                             message, a group of inserts) or the API answers 503; the task is
+                             not touched and uses no attempt.
+    AGENT_TRANSIENT_ERRORS   what an agent's own calls raise when the network failed them (the
+                             built-in ``ConnectionError`` and ``TimeoutError``). The task fails
+                             with ``transient_error``, retryable: it runs again while attempts
+                             remain.
 """
 
 from __future__ import annotations
@@ -99,10 +111,11 @@ class Retryable(AgentFailure):
         self.delay_s = delay_s
 
 
-# Postgres or Redis unreachable: worth trying the same thing again later.
+# See the module docstring for the difference between the two.
 INFRASTRUCTURE_ERRORS = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
 )
+AGENT_TRANSIENT_ERRORS = (ConnectionError, TimeoutError)

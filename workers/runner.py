@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 
 from broker import cancellation, events, execution, jsonbody, leases, logs, metrics, retry
 from broker.db.engines import sync_engine
-from broker.errors import AgentFailure, BadRequest, Retryable
+from broker.errors import AGENT_TRANSIENT_ERRORS, AgentFailure, BadRequest, Retryable
 from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import EVENTS_SLACK_S
@@ -34,8 +34,6 @@ log = logging.getLogger("reach.worker")
 FinalHook = Callable[[dict[str, Any]], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
-# Infrastructure errors an agent's own calls raise that are worth another attempt.
-TRANSIENT = (ConnectionError, TimeoutError)
 
 
 class Runner:
@@ -261,7 +259,7 @@ class Runner:
             }
         except AgentFailure as exc:
             return {"error": task_error(exc.code, exc.message, retryable=exc.retryable)}
-        except TRANSIENT as exc:
+        except AGENT_TRANSIENT_ERRORS as exc:
             return {
                 "error": task_error(
                     "transient_error", f"{type(exc).__name__}: {exc}", retryable=True
