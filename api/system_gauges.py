@@ -19,14 +19,15 @@ from sqlalchemy import text
 
 from broker import catalog, metrics, routing
 from broker.registry import now_s
+from broker.tasks import QUEUED
 
 log = logging.getLogger("reach.metrics")
 
 OLDEST_QUEUED = text(
     "SELECT split_part(queue, '@', 1) AS capability,"
     " extract(epoch FROM now() - min(created_at)) AS age_s"
-    " FROM tasks WHERE status = 'queued' GROUP BY 1"
-)
+    " FROM tasks WHERE status = :queued GROUP BY 1"
+).bindparams(queued=QUEUED)
 
 
 async def refresh(state: Any) -> None:

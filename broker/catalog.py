@@ -16,6 +16,7 @@ from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_instances_table as instances
 from broker.keys import Principal
 from broker.registry import OFFLINE, Lease, lease_key, now_s
+from broker.tasks import SUCCEEDED
 from broker.timestamps import iso
 
 WINDOW_S = 300
@@ -72,10 +73,10 @@ async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[st
     if found:
         return value  # type: ignore[no-any-return]
     query = text(
-        "SELECT agent_id, agent_version, avg((status = 'succeeded')::int) AS rate FROM tasks"
+        "SELECT agent_id, agent_version, avg((status = :succeeded)::int) AS rate FROM tasks"
         " WHERE finished_at > now() - make_interval(secs => :window) AND agent_id IS NOT NULL"
         " GROUP BY agent_id, agent_version"
-    )
+    ).bindparams(succeeded=SUCCEEDED)
     async with engine.connect() as conn:
         rows = (await conn.execute(query, {"window": WINDOW_S})).all()
     return cache.put(  # type: ignore[no-any-return]
@@ -179,13 +180,13 @@ async def capability_figures(engine: AsyncEngine, tenant: str) -> dict[str, dict
     query = text(
         # A card queue is "<capability>@<agent>@<version>": figures are per capability.
         "SELECT split_part(queue, '@', 1) AS capability, count(*) AS tasks,"
-        " avg((status = 'succeeded')::int) AS success_rate,"
+        " avg((status = :succeeded)::int) AS success_rate,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY run_s) AS p50_s,"
         " percentile_cont(0.95) WITHIN GROUP (ORDER BY run_s) AS p95_s"
         " FROM (SELECT *, extract(epoch FROM finished_at - started_at) AS run_s FROM tasks"
         "       WHERE finished_at > now() - make_interval(secs => :window)"
         "       AND tenant = :tenant AND started_at IS NOT NULL) AS finished GROUP BY 1"
-    )
+    ).bindparams(succeeded=SUCCEEDED)
     async with engine.connect() as conn:
         rows = (await conn.execute(query, {"window": WINDOW_S, "tenant": tenant})).all()
     return {
