@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from broker.capabilities import is_reserved, is_valid_name
 from broker.errors import InvalidEnvelope
-from broker.webhooks import check_events
+from broker.tasks import FAILED, SUCCEEDED
+from broker.webhooks import check_events, event_for_status
 
 ReplyMode = Literal["async", "sync", "stream"]
 _PRINTABLE = r"^[\x21-\x7e]+$"
@@ -18,7 +19,8 @@ class Callback(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(max_length=2048)
     events: list[str] = Field(
-        default_factory=lambda: ["task.succeeded", "task.failed"], max_length=16
+        default_factory=lambda: [event_for_status(SUCCEEDED), event_for_status(FAILED)],
+        max_length=16,
     )
 
     @field_validator("events")

@@ -24,6 +24,7 @@ from broker.registry import capability_of
 from broker.settings import Settings
 from broker.submission import submit
 from broker.tasks import Status, parse_task_id, render
+from broker.webhooks import event_for_status
 from broker.webhooks.subscriptions import vet_callback
 
 log = logging.getLogger("reach.api")
@@ -222,7 +223,8 @@ async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONRes
         raise Conflict(f"the task is already {current['status']}", code="task_final")
     await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
     await _stop_if_cancellable(request, row)
-    await anyio.to_thread.run_sync(state.dispatcher.announce, row["id"], "task.cancelled")
+    event = event_for_status(row["status"])
+    await anyio.to_thread.run_sync(state.dispatcher.announce, row["id"], event)
     await replies.append_final(request, row)
     return JSONResponse(render(row))
 
