@@ -53,7 +53,7 @@ MESSAGE_MAX = 2000
 
 def task_error(code: str, message: str, *, retryable: bool = False) -> dict[str, Any]:
     """A task's ``error``: a stable ``code``, a message cut to ``MESSAGE_MAX`` characters, and
-    whether submitting the task again may succeed."""
+    whether trying the task again may succeed."""
     return {"code": code, "message": message[:MESSAGE_MAX], "retryable": retryable}
 
 

@@ -28,10 +28,11 @@ from broker.tasks import (
     STATUSES,
     SUCCEED,
     Move,
+    task_error,
 )
 
 TENANT = "state-machine"
-ERROR = {"code": "boom", "message": "it broke", "retryable": False}
+ERROR = task_error("boom", "it broke")
 
 Operation = Callable[[Engine, Settings, uuid.UUID], Any]
 
