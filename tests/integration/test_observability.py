@@ -173,13 +173,13 @@ def test_50_scrapes_send_no_query_to_postgres(settings: Settings, worker: Celery
     )
     statements: list[str] = []
     event.listen(
-        app.state.engine.sync_engine,
+        app.state.services.engine.sync_engine,
         "before_cursor_execute",
         lambda conn, cursor, statement, *rest: statements.append(statement),
     )
     with ServedApp(app) as served:
         deadline = time.monotonic() + 30
-        while getattr(app.state, "gauges_refreshed_at", None) is None:
+        while app.state.services.gauges_refreshed_at is None:
             assert time.monotonic() < deadline, "the gauges were never computed"
             time.sleep(0.05)
         refresh = len(statements)
