@@ -21,9 +21,9 @@ Two groups of exceptions from outside the tree decide what is tried again; they 
 overlap, and they are not the same thing:
 
     INFRASTRUCTURE_ERRORS    our own Postgres or Redis cannot be reached (SQLAlchemy and
-                             redis-py classes). The operation is tried again later (a Celery
-                             message, a group of inserts) or the API answers 503; the task is
-                             not touched and uses no attempt.
+                             redis-py classes). What we were doing is tried again later (a
+                             Celery message, a group of inserts) or the API answers 503; it is
+                             never counted as the agent's failure.
     AGENT_TRANSIENT_ERRORS   what an agent's own calls raise when the network failed them (the
                              built-in ``ConnectionError`` and ``TimeoutError``). The task fails
                              with ``transient_error``, retryable: it runs again while attempts
