@@ -19,6 +19,7 @@ from api.app import create_app
 from broker import jsonbody
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
 
@@ -27,14 +28,6 @@ FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
 def runs(redis_url: str, task_id: str) -> int:
     return int(redis.Redis.from_url(redis_url).get(f"reach:test:runs:{task_id}") or 0)
-
-
-def eventually(check, what: str, timeout_s: float = 30):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
-    return found
 
 
 # -- idempotency ------------------------------------------------------------------------
