@@ -202,7 +202,9 @@ def test_postgres_stopped_and_started_under_load(
             burst(20)
             outage_codes = codes[outage_start:]
             pgserver.get_server(pg_dir, cleanup_mode="stop")  # and comes back
-            time.sleep(1)
+            eventually(
+                lambda: http.get("/readyz").status_code == 200, "the API to reach Postgres again"
+            )
             burst(20)
             statuses = eventually(
                 lambda: final_statuses(http, accepted),
