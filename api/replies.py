@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import Request
 
+from api.services import services
 from api.sse import EventStreamResponse
 from broker import queries
 from broker.eventhub import EventHub, FinalFromStore
@@ -22,7 +23,7 @@ STORE_CHECK_S = 2.0
 async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[str, Any] | None:
     """The task if Postgres has it final, its final event appended to the log first (refused
     when the log has it already): a worker that died between its two writes left it out."""
-    state = request.app.state
+    state = services(request)
     row = await queries.get_task(state.engine, tenant, task_id)
     if row is None or row["status"] not in FINAL:
         return None
@@ -32,7 +33,7 @@ async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[
 
 async def append_final(request: Request, row: dict[str, Any]) -> None:
     """The task's final event, into its log (which takes only the first)."""
-    await request.app.state.event_log.append_async(
+    await services(request).event_log.append_async(
         row["id"],
         row["status"],
         render(row),
@@ -70,8 +71,8 @@ def event_stream(
     headers: dict[str, str] | None = None,
     started: float | None = None,
 ) -> EventStreamResponse:
-    settings = request.app.state.settings
-    hub: EventHub = request.app.state.hub
+    settings = services(request).settings
+    hub: EventHub = services(request).hub
     events = hub.events(
         str(task_id),
         after=after,
@@ -97,7 +98,7 @@ async def wait_until_final(
     Postgres whenever pub/sub has been quiet for a while. The final event carries the task as
     the worker wrote it, so the usual path reads nothing more.
     """
-    hub: EventHub = request.app.state.hub
+    hub: EventHub = services(request).hub
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 

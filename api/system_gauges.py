@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import anyio
 from sqlalchemy import text
 
+from api.services import Services
 from broker import catalog, metrics, routing
 from broker.registry import now_s
 
@@ -29,8 +29,8 @@ OLDEST_QUEUED = text(
 )
 
 
-async def refresh(state: Any) -> None:
-    """Set the system gauges from Postgres, Redis and the broker (``state``: the app's)."""
+async def refresh(state: Services) -> None:
+    """Set the system gauges from Postgres, Redis and the broker."""
     known = await catalog.known_capabilities(state.engine)
     depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, sorted(known))
     async with state.engine.connect() as conn:
@@ -49,7 +49,7 @@ async def refresh(state: Any) -> None:
     metrics.registry_registered.set(len(registered | live))
 
 
-async def keep_fresh(state: Any, every_s: float) -> None:
+async def keep_fresh(state: Services, every_s: float) -> None:
     """Refresh now, then every ``every_s``, until cancelled (the app's lifespan).
     ``state.gauges_refreshed_at``: when the last refresh ended (None before the first)."""
     state.gauges_refreshed_at = None

@@ -236,7 +236,7 @@ class Runner:
 
     def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any) -> dict[str, Any]:
         """{"result": ...}, or {"error": ..., and "expired" or "delay_s" when they apply}."""
-        validator = spec.validator()
+        validator = spec.validator
         if validator is not None:
             problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
             if problems:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from api.deps import authenticate
 from api.schemas import ERROR_RESPONSES
+from api.services import services
 from broker import catalog, routing
 from broker.errors import Forbidden, NotFound
 from broker.keys import Principal
@@ -25,14 +26,14 @@ async def list_agents(request: Request, caller: Caller) -> dict[str, Any]:
     """Every agent that advertised a card, with its instances and their state. A key other
     than an operator's sees only agents of capabilities its patterns allow, and no instance's
     name, host or process id."""
-    state = request.app.state
+    state = services(request)
     return {"agents": catalog.seen_by(await catalog.agents(state.engine, state.redis), caller)}
 
 
 @router.get("/agents/{agent_id}", responses=ERROR_RESPONSES)
 async def get_agent(agent_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     """An agent's cards and instances: state and seconds since the last heartbeat."""
-    state = request.app.state
+    state = services(request)
     found = await catalog.agents(state.engine, state.redis, agent_id=agent_id)
     found = catalog.seen_by(found, caller)
     if not found:
@@ -49,7 +50,7 @@ async def drain_instance(
     """Stop an instance taking work; it finishes what it holds, then goes offline. Admin only."""
     if not caller.is_admin:
         raise Forbidden("draining needs an admin key", code="admin_required")
-    state = request.app.state
+    state = services(request)
     if not await catalog.instance_exists(state.engine, agent_id, instance):
         raise NotFound("no such instance of this agent", code="instance_not_found")
     await state.redis.set(drain_key(instance), "1", ex=DRAIN_FLAG_TTL_S)
@@ -61,7 +62,7 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
     """Each capability the key's patterns allow: live instances, and figures from the last 5
     minutes of the caller's tenant's tasks. Queue depth, shared by every tenant, is shown to
     operator keys only."""
-    state = request.app.state
+    state = services(request)
     known = {
         capability: served_by
         for capability, served_by in (await catalog.known_capabilities(state.engine)).items()
@@ -99,5 +100,5 @@ async def _queue_depths(request: Request, known: dict[str, list[dict[str, Any]]]
         for capability, served_by in known.items()
     }
     every_queue = [q for names in queues.values() for q in names]
-    depths = await anyio.to_thread.run_sync(request.app.state.dispatcher.queue_depths, every_queue)
+    depths = await anyio.to_thread.run_sync(services(request).dispatcher.queue_depths, every_queue)
     return {capability: sum(depths[q] for q in names) for capability, names in queues.items()}

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from api.deps import authenticate, metered
 from api.routes.webhooks import parse_id, reaches, send_again
 from api.schemas import ERROR_RESPONSES
+from api.services import services
 from broker import queries
 from broker.errors import Forbidden, NotFound
 from broker.keys import Principal
@@ -38,7 +39,7 @@ async def create_callback_secret(request: Request, caller: Metered) -> JSONRespo
             "the callback secret is the tenant's: it needs a tenant-admin key",
             code="tenant_admin_required",
         )
-    state = request.app.state
+    state = services(request)
     secret, previous_expires_at = await rotate_callback_secret(
         state.engine, caller.tenant, grace_s=state.settings.webhook_rotation_grace_s
     )
@@ -50,7 +51,7 @@ async def create_callback_secret(request: Request, caller: Metered) -> JSONRespo
 async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     """Every delivery of the task's events (its callback and matching subscriptions), each
     with its attempts. Kept after the task itself expires, for the delivery log's lifetime."""
-    state = request.app.state
+    state = services(request)
     tid, scope = await _deliveries_seen(request, caller, task_id)
     rows, _ = await delivery_log.page(state.engine, caller.tenant, scope, limit=TASK_DELIVERIES_MAX)
     if not rows and await queries.get_task(state.engine, caller.tenant, tid) is None:
@@ -81,7 +82,7 @@ async def _deliveries_seen(
     tid = parse_id(task_id, "task")
     if "*" in caller.sees:
         return tid, delivery_log.of_task(tid)
-    engine = request.app.state.engine
+    engine = services(request).engine
     if await queries.get_task(engine, caller.tenant, tid, patterns=caller.sees) is None:
         raise NotFound("no such task", code="task_not_found")
     webhooks = await subscriptions.list_for(engine, caller.tenant)

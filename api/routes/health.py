@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from api.errors import problem
+from api.services import services
 
 router = APIRouter(tags=["health"])
 CHECK_TIMEOUT_S = 2.0
@@ -22,12 +23,12 @@ async def healthz() -> dict[str, str]:
 
 
 async def _postgres(request: Request) -> None:
-    async with request.app.state.engine.connect() as conn:
+    async with services(request).engine.connect() as conn:
         await conn.execute(text("SELECT 1"))
 
 
 async def _redis(request: Request) -> None:
-    await request.app.state.redis.ping()
+    await services(request).redis.ping()
 
 
 @router.get("/readyz", response_model=None)

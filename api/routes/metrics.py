@@ -15,13 +15,14 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.schemas import ERROR_RESPONSES
+from api.services import services
 from broker.errors import NotFound, Unauthenticated
 
 router = APIRouter(tags=["health"])
 
 
 def _authorize(request: Request) -> None:
-    settings = request.app.state.settings
+    settings = services(request).settings
     if settings.metrics_token is None:
         if settings.metrics_public:
             return

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from api import replies
 from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
+from api.services import services
 from api.sse import EventStreamResponse
 from broker import cancellation, catalog, jsonbody, metrics, queries
 from broker.admission import admit
@@ -46,7 +47,7 @@ def _merge_idempotency_header(data: Any, header: str | None) -> Any:
 
 async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> None:
     if envelope.callback is not None:
-        state = request.app.state
+        state = services(request)
         allow = state.settings.webhook_allow
         url = envelope.callback.url
         await vet_callback(state.engine, state.lookups, tenant, url, allow=allow)
@@ -69,7 +70,7 @@ async def submit_task(request: Request, caller: Metered) -> Response:
     ``sync``: 200 with the finished task if it finishes within the wait, else 202.
     ``stream``: the task's events as ``text/event-stream``."""
     started = time.perf_counter()
-    state = request.app.state
+    state = services(request)
     raw = await read_json_body(request, state.settings.max_body_bytes)
     data = jsonbody.parse(raw, max_depth=state.settings.max_json_depth)
     envelope = parse_envelope(
@@ -170,7 +171,7 @@ async def get_task(task_id: str, request: Request, caller: Caller) -> JSONRespon
 async def _visible_task(request: Request, caller: Principal, task_id: str) -> dict[str, Any]:
     """The task if this key may see it, else 404 (a task it may not see does not exist)."""
     tid = parse_task_id(task_id)
-    engine = request.app.state.engine
+    engine = services(request).engine
     row = (
         None
         if tid is None
@@ -194,7 +195,7 @@ async def list_tasks(
     ``next_cursor`` back as ``cursor`` for more."""
     if capability is not None and not is_valid_name(capability):
         raise BadRequest("capability is not a valid name", code="invalid_parameter")
-    state = request.app.state
+    state = services(request)
     rows, next_cursor = await queries.list_tasks(
         state.engine,
         caller.tenant,
@@ -211,7 +212,7 @@ async def list_tasks(
 async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
     """Cancel a queued or running task: it ends ``cancelled``. A running agent is told through
     its context, and stopped outright when its card says it is cancellable. 409 if final."""
-    state = request.app.state
+    state = services(request)
     tid = parse_task_id(task_id)
     row = (
         None
@@ -231,7 +232,7 @@ async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONRes
 async def _stop_if_cancellable(request: Request, row: dict[str, Any]) -> None:
     if row["agent_id"] is None:
         return  # never started
-    state = request.app.state
+    state = services(request)
     key = (row["agent_id"], row["agent_version"], capability_of(row["queue"]))
     card = await catalog.card(state.engine, state.catalog_cache, key)
     if card is not None and card.get("cancellable"):

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES
+from api.services import services
 from broker import jsonbody
 from broker.capabilities import patterns_cover
 from broker.errors import BadRequest, Forbidden, NotFound
@@ -46,7 +47,7 @@ def reaches(caller: Principal, webhook: dict[str, Any]) -> bool:
 
 async def _webhook(request: Request, caller: Principal, raw_id: str) -> dict[str, Any]:
     """The subscription if this key reaches it, else 404 like an unknown one."""
-    engine = request.app.state.engine
+    engine = services(request).engine
     found = await subscriptions.get(engine, caller.tenant, parse_id(raw_id, "webhook"))
     if found is None or not reaches(caller, found):
         raise NotFound("no such webhook", code="webhook_not_found")
@@ -74,7 +75,7 @@ async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
     ``description``). The answer holds the signing ``secret``: it is never shown again.
     A filter wider than the key's patterns (no filter: every capability) needs a tenant-admin
     key."""
-    state = request.app.state
+    state = services(request)
     spec = await _spec(request)
     if not patterns_cover(caller.sees, spec.capabilities):
         raise Forbidden(
@@ -92,7 +93,7 @@ async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
 @router.get("/webhooks", responses=ERROR_RESPONSES)
 async def list_webhooks(request: Request, caller: Caller) -> dict[str, Any]:
     """The subscriptions this key reaches (a tenant has at most a few dozen)."""
-    rows = await subscriptions.list_for(request.app.state.engine, caller.tenant)
+    rows = await subscriptions.list_for(services(request).engine, caller.tenant)
     return {"webhooks": [render(r) for r in rows if reaches(caller, r)]}
 
 
@@ -106,7 +107,7 @@ async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> R
     """Remove the subscription and its delivery log; attempts still due are dropped."""
     # A filter never changes, so the subscription read is still the one removed.
     webhook = await _webhook(request, caller, webhook_id)
-    if not await subscriptions.remove(request.app.state.engine, caller.tenant, webhook["id"]):
+    if not await subscriptions.remove(services(request).engine, caller.tenant, webhook["id"]):
         raise NotFound("no such webhook", code="webhook_not_found")
     return Response(status_code=204)
 
@@ -114,7 +115,7 @@ async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> R
 @router.post("/webhooks/{webhook_id}/rotate-secret", responses=ERROR_RESPONSES)
 async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> dict[str, Any]:
     """A new secret, shown once; the old one keeps signing (alongside) for the grace period."""
-    state = request.app.state
+    state = services(request)
     webhook = await _webhook(request, caller, webhook_id)
     rotated = await subscriptions.rotate(
         state.engine,
@@ -138,7 +139,7 @@ async def webhook_deliveries(
 ) -> dict[str, Any]:
     """Its deliveries, newest first, each with every attempt: time, status code, error,
     latency and the address connected to."""
-    state = request.app.state
+    state = services(request)
     webhook = await _webhook(request, caller, webhook_id)
     rows, next_cursor = await delivery_log.page(
         state.engine,
@@ -168,7 +169,7 @@ async def send_again(
     request: Request, tenant: str, delivery_id: uuid.UUID, scope: Any
 ) -> dict[str, Any]:
     """Redeliver within ``scope`` and answer with the delivery as it now stands."""
-    state = request.app.state
+    state = services(request)
     attempt = await delivery_log.redeliver(state.engine, tenant, delivery_id, scope)
     # A publish lost here is not lost for good: the sweep republishes late deliveries.
     await anyio.to_thread.run_sync(state.dispatcher.deliver, delivery_id, attempt)

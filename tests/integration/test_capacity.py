@@ -211,7 +211,9 @@ def test_host_names_that_never_resolve_hold_only_their_tenants_lookups(
     resolver = NeverAnswers()
 
     def bounded(app: Any) -> None:
-        app.state.lookups = HostLookups(threads=4, timeout_s=0.5, per_tenant=2, resolver=resolver)
+        app.state.services.lookups = HostLookups(
+            threads=4, timeout_s=0.5, per_tenant=2, resolver=resolver
+        )
 
     api = stack_for(app_hook=bounded)
     _, attacker = make_key()
@@ -261,7 +263,7 @@ def test_unknown_keys_cost_a_bounded_number_of_queries(
             if "api_keys" in statement:
                 statements.append(statement)
 
-        event.listen(app.state.engine.sync_engine, "before_cursor_execute", record)
+        event.listen(app.state.services.engine.sync_engine, "before_cursor_execute", record)
 
     api = stack_for(app_hook=counted, auth_lookups_per_s=5, key_cache_s=60)
     _, valid = make_key()

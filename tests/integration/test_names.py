@@ -140,7 +140,7 @@ def test_200_fresh_names_leave_the_redis_key_count_and_the_metric_series_count_u
         submit_both_ways(fresh_name())
         keys_before = broker.dbsize()
         series_before = len(SERIES.findall(http.get("/metrics").text))
-        tracked_before = app.state.queue_bound.tracked
+        tracked_before = app.state.services.queue_bound.tracked
 
         # When a loop sends 200 names nobody ever served, each queued and not
         answers: set[int] = set()
@@ -152,7 +152,7 @@ def test_200_fresh_names_leave_the_redis_key_count_and_the_metric_series_count_u
         keys_after = broker.dbsize()
         series_after = len(SERIES.findall(http.get("/metrics").text))
     assert (keys_after, series_after) == (keys_before, series_before)
-    assert app.state.queue_bound.tracked == tracked_before
+    assert app.state.services.queue_bound.tracked == tracked_before
 
 
 def test_fallback_to_a_parent_capability_runs_only_for_a_key_that_allows_the_parent(

@@ -175,14 +175,12 @@ def test_50_scrapes_send_no_query_to_postgres(settings: Settings, worker: Celery
     )
     statements: list[str] = []
     event.listen(
-        app.state.engine.sync_engine,
+        app.state.services.engine.sync_engine,
         "before_cursor_execute",
         lambda conn, cursor, statement, *rest: statements.append(statement),
     )
     with ServedApp(app) as served:
-        eventually(
-            lambda: getattr(app.state, "gauges_refreshed_at", None), "the gauges computed once"
-        )
+        eventually(lambda: app.state.services.gauges_refreshed_at, "the gauges computed once")
         refresh = len(statements)
         # When Prometheus scrapes 50 times
         for _ in range(50):

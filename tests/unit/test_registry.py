@@ -148,8 +148,9 @@ def test_given_an_input_schema_expect_a_validator_that_checks_payloads() -> None
     registry.capability("invoice.extract", agent_id="bot", input_schema=SCHEMA)(extract)
     spec = registry.get("invoice.extract")
     assert spec is not None
-    validator = spec.validator()
+    validator = spec.validator
     assert validator is not None
+    assert spec.validator is validator  # built once, not per task
     assert validator.is_valid({"file_url": "s3://demo/1.pdf"})
     assert not validator.is_valid({})
     assert not validator.is_valid({"file_url": 7})
@@ -161,7 +162,7 @@ def test_given_no_input_schema_expect_no_validator() -> None:
     registry.capability("invoice.extract", agent_id="bot")(extract)
     spec = registry.get("invoice.extract")
     assert spec is not None
-    assert spec.validator() is None
+    assert spec.validator is None
 
 
 # --- Context -------------------------------------------------------------------------------

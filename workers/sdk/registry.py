@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
@@ -46,7 +47,9 @@ class CapabilitySpec:
     readiness: Readiness | None = None
     card: dict[str, Any] = field(default_factory=dict)
 
+    @cached_property
     def validator(self) -> Draft202012Validator | None:
+        """The input schema's validator, built once per process (not once per task)."""
         return Draft202012Validator(self.input_schema) if self.input_schema else None
 
     def card_document(self) -> dict[str, Any]:

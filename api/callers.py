@@ -1,0 +1,99 @@
+"""Who is calling: keys looked up in Postgres and kept in memory for a while, the tenant of
+each key already verified, and a per-address budget for lookups that find nothing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import Scope
+
+from broker import metrics, queries
+from broker.backpressure import RateLimited
+from broker.keys import split_token
+
+
+class TenantOfKey:
+    """The tenant of each key id already verified here: fixed for a key's life, so it may be
+    kept as long as memory allows (bounded)."""
+
+    MAX = 100_000
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, str] = {}
+
+    def remember(self, key_id: str, tenant: str) -> None:
+        if len(self._tenants) >= self.MAX:
+            self._tenants.clear()
+        self._tenants[key_id] = tenant
+
+    def of_request(self, scope: Scope) -> str:
+        """The tenant the request's key belongs to when known, else a name for its key."""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                _, _, token = value.decode("latin-1").partition(" ")
+                parts = split_token(token.strip())
+                if parts is None:
+                    break
+                return self._tenants.get(parts[0]) or f"key:{parts[0]}"
+        return "anonymous"
+
+
+@dataclass
+class KeyCache:
+    """Keys looked up in Postgres, kept for ``ttl_s`` so a busy caller costs no query per
+    request; a key id that is not there is remembered as missing for as long. Revocation
+    therefore takes effect within ``ttl_s``.
+
+    Lookups that find no key are bounded per client address (``lookups``): random key ids
+    sent in a loop cost at most that many queries a second, then 429 without a query. A valid
+    key is refused only while its address is over that budget."""
+
+    ttl_s: float
+    lookups: PerClientBudget
+    _entries: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
+
+    async def get(self, engine: AsyncEngine, key_id: str, *, client: str) -> dict[str, Any] | None:
+        """The key's row (None: no such key or revoked)."""
+        now = time.monotonic()
+        hit = self._entries.get(key_id)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        self.lookups.check(client)
+        row = await queries.get_key(engine, key_id)
+        if row is None:
+            self.lookups.spend(client)
+        if self.ttl_s > 0:
+            if len(self._entries) > 10_000:  # bound memory against many distinct keys
+                self._entries.clear()
+            self._entries[key_id] = (now + self.ttl_s, row)
+        return row
+
+
+@dataclass
+class PerClientBudget:
+    """A token bucket per client address, in this process: ``rate_per_s`` with a burst of
+    twice that. ``check`` refuses (RateLimited) when the address has none left; ``spend``
+    takes one. Bounded memory: the table is cleared when it is full."""
+
+    rate_per_s: float
+    MAX_CLIENTS = 10_000
+    _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def check(self, client: str) -> None:
+        if self._tokens(client)[0] < 1:
+            metrics.rejections.labels("auth_lookups").inc()
+            raise RateLimited("too many unknown API keys from this address", retry_after_s=1)
+
+    def spend(self, client: str) -> None:
+        tokens, now = self._tokens(client)
+        if len(self._buckets) >= self.MAX_CLIENTS and client not in self._buckets:
+            self._buckets.clear()
+        self._buckets[client] = (tokens - 1, now)
+
+    def _tokens(self, client: str) -> tuple[float, float]:
+        burst, now = 2 * self.rate_per_s, time.monotonic()
+        tokens, at = self._buckets.get(client, (burst, now))
+        return min(burst, tokens + (now - at) * self.rate_per_s), now

@@ -1,0 +1,146 @@
+"""The API's ASGI middleware: a trace id on every request, and the cap on requests waiting for
+an answer (in all and per tenant)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.callers import TenantOfKey
+from broker import logs, metrics, otel
+from broker.tracing import trace_id_from
+
+
+class TraceMiddleware:
+    """Gives every request a trace id (``request.state.trace_id``, and every log line of the
+    request) and every response ``X-Trace-Id``; counts requests and their latency by route.
+    Pure ASGI, so streaming responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, otel: bool = False) -> None:
+        self.app = app
+        self.otel = otel
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        trace_id = trace_id_from(headers.get("traceparent"), headers.get("x-trace-id"))
+        if self.otel and not (headers.get("traceparent") or headers.get("x-trace-id")):
+            trace_id = otel.current_trace_id() or trace_id  # the instrumentation's trace
+        scope.setdefault("state", {})["trace_id"] = trace_id
+        logs.bind(trace_id=trace_id)
+        started = time.perf_counter()
+
+        async def send_with_trace(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Trace-Id"] = trace_id
+                route = getattr(scope.get("route"), "path", "unmatched")
+                method = scope["method"]
+                metrics.http_requests.labels(method, route, str(message["status"])).inc()
+                metrics.http_duration.labels(method, route).observe(time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, send_with_trace)
+
+
+class TraceparentFromTraceId:  # used with OpenTelemetry only
+    """Gives a request that carries only ``X-Trace-Id`` the matching ``traceparent``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {k.lower() for k, _ in scope["headers"]}
+            if b"traceparent" not in names and b"x-trace-id" in names:
+                given = dict(scope["headers"])[b"x-trace-id"].decode("latin-1")
+                trace_id = trace_id_from(None, given)
+                header = f"00-{trace_id}-{secrets.token_hex(8)}-01".encode()
+                scope = {**scope, "headers": [*scope["headers"], (b"traceparent", header)]}
+        await self.app(scope, receive, send)
+
+
+class WaitingLimit:
+    """At most ``limit`` requests waiting for their answer, and at most ``per_tenant`` of them
+    from one tenant; one more gets 503 ``overloaded`` at once, before it touches Postgres,
+    instead of queueing for a connection until it times out. One tenant's slow bodies or long
+    sync waits therefore fill only its own share. A stream counts only until its response
+    starts. Health and metrics are never refused.
+
+    The tenant is known before authentication from the key id in ``Authorization`` (``tenants``
+    maps the ids of keys already verified); a key not yet verified counts under its own id, a
+    request without a key under one shared name, and both are answered as soon as
+    authentication fails."""
+
+    EXEMPT = ("/healthz", "/readyz", "/metrics")
+
+    def __init__(self, app: ASGIApp, limit: int, per_tenant: int, tenants: TenantOfKey) -> None:
+        self.app = app
+        self.limit = limit
+        self.per_tenant = per_tenant
+        self.tenants = tenants
+        self.waiting = 0
+        self.by_tenant: dict[str, int] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        tenant = self.tenants.of_request(scope)
+        if self.waiting >= self.limit or self.by_tenant.get(tenant, 0) >= self.per_tenant:
+            metrics.rejections.labels("overloaded").inc()
+            await _refuse(scope, send)
+            return
+        self.waiting += 1
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        answered = False
+
+        def release() -> None:
+            self.waiting -= 1
+            left = self.by_tenant[tenant] - 1
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]  # bounded by the requests in flight, not by names
+
+        async def send_counted(message: Message) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.start" and not answered:
+                answered = True
+                release()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if not answered:
+                release()
+
+
+async def _refuse(scope: Scope, send: Send) -> None:
+    trace_id = scope.get("state", {}).get("trace_id")
+    body = json.dumps(
+        {
+            "type": "urn:reach:problem:overloaded",
+            "title": "Service Unavailable",
+            "status": 503,
+            "detail": "too many requests in progress; retry shortly",
+            "code": "overloaded",
+            "trace_id": trace_id,
+            "instance": scope["path"],
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"retry-after", b"1"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if trace_id:
+        headers.append((b"x-trace-id", trace_id.encode()))
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

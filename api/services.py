@@ -1,0 +1,117 @@
+"""What a request handler may use, built once per app and closed with it.
+
+``create_app`` builds one ``Services`` (the composition root); handlers reach it through the
+``services`` dependency, typed, instead of attributes on ``app.state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+import redis.asyncio as aioredis
+from fastapi import Request
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.callers import KeyCache, PerClientBudget, TenantOfKey
+from broker.admission import Door
+from broker.backpressure import Depths, QueueBound, TokenBucket, redis_depths
+from broker.catalog import TimedCache
+from broker.db.engines import async_engine
+from broker.dispatch import Dispatcher
+from broker.eventhub import EventHub
+from broker.events import EventLog
+from broker.settings import Settings
+from broker.submission import GroupInsert
+from broker.webhooks.ssrf import HostLookups
+
+
+@dataclass
+class Services:
+    settings: Settings
+    engine: AsyncEngine
+    redis: aioredis.Redis
+    # The Celery broker's Redis when it is not ``redis`` (its queue depths are read there).
+    broker_redis: aioredis.Redis | None
+    dispatcher: Dispatcher
+    inserter: GroupInsert
+    key_cache: KeyCache
+    tenant_of_key: TenantOfKey
+    lookups: HostLookups
+    catalog_cache: TimedCache
+    hub: EventHub
+    door: Door
+    queue_bound: QueueBound
+    event_log: EventLog
+    # When the system gauges were last computed (``system_gauges``); None before the first.
+    gauges_refreshed_at: float | None = None
+
+    @classmethod
+    def build(cls, settings: Settings) -> Services:
+        engine = async_engine(settings)
+        # Bounded and blocking: under a burst, requests wait their turn for a connection (up
+        # to 10 s) instead of failing once a fixed number are open.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=64, timeout=10, socket_timeout=5
+        )
+        redis = aioredis.Redis(connection_pool=pool)
+        broker = settings.celery_broker_url
+        broker_redis = None
+        if broker != settings.redis_url and broker.startswith(("redis://", "rediss://")):
+            broker_redis = aioredis.from_url(broker, socket_timeout=5)
+        dispatcher = Dispatcher(settings)
+        bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
+        return cls(
+            settings=settings,
+            engine=engine,
+            redis=redis,
+            broker_redis=broker_redis,
+            dispatcher=dispatcher,
+            inserter=GroupInsert(engine),
+            key_cache=KeyCache(
+                ttl_s=settings.key_cache_s, lookups=PerClientBudget(settings.auth_lookups_per_s)
+            ),
+            tenant_of_key=TenantOfKey(),
+            lookups=HostLookups(
+                threads=settings.dns_threads,
+                timeout_s=settings.dns_timeout_s,
+                per_tenant=settings.dns_lookups_per_tenant,
+            ),
+            catalog_cache=TimedCache(ttl_s=settings.card_cache_s),
+            hub=EventHub(redis),
+            door=Door(redis, bucket),
+            queue_bound=QueueBound(
+                _queue_depths(settings, redis, broker_redis, dispatcher),
+                settings.max_queue_depth,
+            ),
+            event_log=EventLog(redis, settings.result_ttl_s),
+        )
+
+    async def close(self) -> None:
+        await self.hub.close()
+        await self.engine.dispose()
+        for client in (self.redis, self.broker_redis):
+            if client is not None:
+                await client.aclose()
+                await client.connection_pool.disconnect()
+        self.dispatcher.close()
+        self.lookups.close()
+
+
+def _queue_depths(
+    settings: Settings,
+    redis: aioredis.Redis,
+    broker_redis: aioredis.Redis | None,
+    dispatcher: Dispatcher,
+) -> Depths:
+    if settings.celery_broker_url == settings.redis_url:
+        return redis_depths(redis)
+    if broker_redis is not None:
+        return redis_depths(broker_redis)
+    return lambda queues: anyio.to_thread.run_sync(dispatcher.queue_depths, queues)
+
+
+def services(request: Request) -> Services:
+    """The app's services (a dependency, and a plain call where a request is at hand)."""
+    found: Services = request.app.state.services
+    return found
