@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 
 from broker.settings import Settings
+from tests import compose_file as compose
 from tests.eventually import eventually
 from tests.integration.stack import BIN, ROOT, environment, free_port
-from tests.unit import compose_file as compose
 
 
 def test_flower_with_the_compose_command_and_environment_refuses_without_the_password(
