@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.eventually import eventually
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -102,11 +104,7 @@ class Receiver:
 
     def wait_for(self, count: int, timeout_s: float = 30) -> list[Received]:
         """The first ``count`` requests, once they have come; the timeout only bounds a hang."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.requests) < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{len(self.requests)} of {count} requests came")
-            time.sleep(0.02)
+        eventually(lambda: len(self.requests), f"{count} requests", timeout_s, 0.02, count.__le__)
         return self.requests[:count]
 
 
@@ -147,11 +145,9 @@ class Tarpit:
 
     def wait_open(self, count: int, timeout_s: float = 30) -> None:
         """Until ``count`` connections are held at once; the timeout only bounds a hang."""
-        deadline = time.monotonic() + timeout_s
-        while self.open_count < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.open_count} of {count} connections held")
-            time.sleep(0.02)
+        eventually(
+            lambda: self.open_count, f"{count} connections held", timeout_s, 0.02, count.__le__
+        )
 
     def _serve(self) -> None:
         while not self._stop.is_set():

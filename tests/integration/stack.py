@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import IO
 
@@ -22,6 +21,7 @@ from pydantic import SecretStr
 
 from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
+from tests.eventually import eventually
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,12 +70,17 @@ class CeleryProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + timeout_s
-        while ready_marker not in self.output():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"celery {self.args[0]} did not start:\n{self.output()}")
-            time.sleep(0.1)
+        process = self.process
+        with contextlib.suppress(AssertionError):  # a hang is reported below, with the log
+            eventually(
+                lambda: ready_marker in self.output() or process.poll() is not None,
+                f"celery {self.args[0]} to start or exit",
+                timeout_s,
+                0.1,
+            )
+        if ready_marker not in self.output():
+            self.stop()
+            raise RuntimeError(f"celery {self.args[0]} did not start:\n{self.output()}")
         return self
 
     def output(self) -> str:
@@ -150,11 +155,11 @@ class ServedApp:
 
     def __enter__(self) -> ServedApp:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the API did not start")
-            time.sleep(0.05)
+        eventually(
+            lambda: self.server.started or not self.thread.is_alive(), "the API to start or stop"
+        )
+        if not self.server.started:
+            raise RuntimeError("the API did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -166,11 +171,14 @@ def wait_for_task(
     client: httpx.Client, task_id: str, statuses: set[str], timeout_s: float = 30
 ) -> dict[str, object]:
     """Poll until the task reaches one of ``statuses``; the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def read() -> dict[str, object]:
         task: dict[str, object] = client.get(f"/tasks/{task_id}").json()
-        if task.get("status") in statuses:
-            return task
-        if time.monotonic() > deadline:
-            raise AssertionError(f"task {task_id} still {task.get('status')}: {task}")
-        time.sleep(0.05)
+        return task
+
+    return eventually(
+        read,
+        f"task {task_id} {' or '.join(sorted(statuses))}",
+        timeout_s,
+        until=lambda task: task.get("status") in statuses,
+    )

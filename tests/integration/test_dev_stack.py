@@ -9,7 +9,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,18 +18,11 @@ import pytest
 
 from broker import localservices
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.stack import environment, free_port
 
 REACH = str(Path(sys.executable).parent / "reach")
-
-
-def wait_for(predicate, what: str, timeout_s: float = 90):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not (found := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-    return found
+STARTUP_S = 90  # the whole stack, embedded Postgres and Redis included, on a slow machine
 
 
 @pytest.fixture
@@ -66,12 +58,12 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
             stderr=subprocess.STDOUT,
         )
     try:
-        banner = wait_for(
-            lambda: (
-                "Ctrl-C stops everything" in log.read_text(errors="replace")
-                and log.read_text(errors="replace")
-            ),
+        banner = eventually(
+            lambda: log.read_text(errors="replace"),
             "the banner",
+            STARTUP_S,
+            0.2,
+            until=lambda text: "Ctrl-C stops everything" in text,
         )
         submit = re.search(r"^\s*(curl -s \S+/tasks -H .*?)\n(?=Poll)", banner, re.M | re.S)
         poll = re.search(r"^\s*(curl -s \S+/tasks/TASK_ID .*)$", banner, re.M)
@@ -89,7 +81,7 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
             task: dict[str, object] = json.loads(out.stdout)
             return task if task["status"] in ("succeeded", "failed") else None
 
-        task = wait_for(finished, "the invoice task")
+        task = eventually(finished, "the invoice task", STARTUP_S, 0.2)
         assert task["status"] == "succeeded", task
         assert task["agent"]["instance"].startswith("dev@")
         assert task["result"] == {
@@ -106,7 +98,7 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
         headers = {"Authorization": f"Bearer {token.group(1)}"}
         secret = httpx.post(f"http://127.0.0.1:{port}/callbacks/secret", headers=headers)
         assert secret.status_code == 201, secret.text
-        assert wait_for(lambda: _answers(f"http://127.0.0.1:{flower_port}/"), "flower")
+        eventually(lambda: _answers(f"http://127.0.0.1:{flower_port}/"), "flower", STARTUP_S, 0.2)
         children = psutil.Process(dev.pid).children(recursive=True)
         assert len(children) >= 4  # api, worker (and its pool), beat, flower
     finally:

@@ -27,6 +27,7 @@ from broker import events, keys, localservices, migrate
 from broker.db.engines import sync_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
 from workers import faults
 
@@ -106,13 +107,13 @@ def test_1000_tasks_while_workers_are_killed_at_random(
         responses = asyncio.run(submit_many(api, token, envelopes))
         accepted = [r.json()["task_id"] for r in responses if r.status_code == 202]
         refused = [r.status_code for r in responses if r.status_code != 202]
-        deadline = time.monotonic() + 300
-        while True:
-            statuses = statuses_of(engine, accepted)
-            finished = all(statuses.get(t) in FINAL for t in accepted)
-            if (finished and len(kills) == 5) or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        statuses = eventually(
+            lambda: statuses_of(engine, accepted),
+            "every accepted task final after five kills",
+            300,
+            1,
+            until=lambda found: len(kills) == 5 and all(found.get(t) in FINAL for t in accepted),
+        )
     finally:
         stop.set()
         killer.join()
@@ -121,13 +122,14 @@ def test_1000_tasks_while_workers_are_killed_at_random(
     lost = [t for t in accepted if statuses.get(t) not in FINAL]
     # A worker killed between its final write and its final event leaves the log without
     # one for a moment: the redelivered message or the reaper appends it.
-    deadline = time.monotonic() + 60
-    while True:
-        finals = {t: final_events(redis_url, t) for t in accepted}
-        unannounced = [t for t, n in finals.items() if n == 0]
-        if not unannounced or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    finals = eventually(
+        lambda: {t: final_events(redis_url, t) for t in accepted},
+        "a final event for every task",
+        60,
+        1,
+        until=lambda found: 0 not in found.values(),
+    )
+    unannounced = [t for t, n in finals.items() if n == 0]
     duplicated = [t for t, n in finals.items() if n > 1]
     by_status = {s: sum(v == s for v in statuses.values()) for s in set(statuses.values())}
     reruns = sum(
@@ -200,14 +202,17 @@ def test_postgres_stopped_and_started_under_load(
             burst(20)
             outage_codes = codes[outage_start:]
             pgserver.get_server(pg_dir, cleanup_mode="stop")  # and comes back
-            time.sleep(1)
+            eventually(
+                lambda: http.get("/readyz").status_code == 200, "the API to reach Postgres again"
+            )
             burst(20)
-            deadline = time.monotonic() + 120
-            while True:
-                statuses = final_statuses(http, accepted)
-                if all(s in FINAL for s in statuses.values()) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+            statuses = eventually(
+                lambda: final_statuses(http, accepted),
+                "every accepted task final",
+                120,
+                0.5,
+                until=lambda found: all(s in FINAL for s in found.values()),
+            )
     finally:
         beat.stop()
         work.stop()
@@ -242,10 +247,7 @@ def test_a_worker_killed_between_the_final_write_and_the_final_event_still_ends_
         # When the task's stream is read
         stream = client.get(f"/tasks/{task_id}/events", timeout=60).text
         # Then the pool process did die between the writes (Celery notices within seconds)
-        deadline = time.monotonic() + 30
-        while "signal 9 (SIGKILL)" not in crashing.output():
-            assert time.monotonic() < deadline, "the pool process never died"
-            time.sleep(0.1)
+        eventually(lambda: "signal 9 (SIGKILL)" in crashing.output(), "the pool process killed")
     finally:
         crashing.stop()
     # And the task ran once, and the stream ended with its final event, which the log holds

@@ -6,14 +6,14 @@ from __future__ import annotations
 import re
 import secrets
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
 from broker.settings import Settings
+from tests import compose_file as compose
+from tests.eventually import eventually
 from tests.integration.stack import BIN, ROOT, environment, free_port
-from tests.unit import compose_file as compose
 
 
 def test_flower_with_the_compose_command_and_environment_refuses_without_the_password(
@@ -33,14 +33,16 @@ def test_flower_with_the_compose_command_and_environment_refuses_without_the_pas
         process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}/"
-        deadline = time.monotonic() + 60
-        while True:
+
+        def answer() -> httpx.Response | None:
+            assert process.poll() is None, "flower exited"
             try:
-                anonymous = httpx.get(url, timeout=2)
-                break
+                return httpx.get(url, timeout=2)
             except httpx.TransportError:
-                assert process.poll() is None and time.monotonic() < deadline, "no flower"
-                time.sleep(0.2)
+                return None
+
+        anonymous = eventually(answer, "flower to answer", 60, 0.2, until=lambda r: r is not None)
+        assert anonymous is not None
         # When it is asked without and with the password; expect 401, then the page
         wrong = httpx.get(url, auth=("ops", "guess"), timeout=5)
         right = httpx.get(url, auth=("ops", password), timeout=5)

@@ -4,7 +4,6 @@ back-pressure, and nothing lost when workers die or the broker forgets."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,22 +18,22 @@ from api.app import create_app
 from broker import jsonbody
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
 
+def deadline_of(engine: Engine, task_id: str) -> datetime:
+    query = select(tasks_table.c.deadline_at).where(tasks_table.c.id == uuid.UUID(task_id))
+    with engine.connect() as conn:
+        deadline_at: datetime = conn.execute(query).scalar_one()
+    return deadline_at
+
+
 def runs(redis_url: str, task_id: str) -> int:
     return int(redis.Redis.from_url(redis_url).get(f"reach:test:runs:{task_id}") or 0)
-
-
-def eventually(check, what: str, timeout_s: float = 30):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
-    return found
 
 
 # -- idempotency ------------------------------------------------------------------------
@@ -110,7 +109,11 @@ def test_a_non_retryable_failure_fails_at_once(client: httpx.Client) -> None:
 
 
 def test_a_task_not_started_before_its_deadline_expires_without_running(
-    client: httpx.Client, settings: Settings, log_dir: Path, system_beat: CeleryProcess
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    engine: Engine,
+    system_beat: CeleryProcess,
 ) -> None:
     response = client.post(
         "/tasks",
@@ -122,7 +125,8 @@ def test_a_task_not_started_before_its_deadline_expires_without_running(
         },
     )
     task_id = response.json()["task_id"]
-    time.sleep(0.5)  # past its deadline while nobody serves the queue
+    deadline_at = deadline_of(engine, task_id)
+    eventually(lambda: datetime.now(UTC) > deadline_at, "its deadline past, nobody serving")
     late = start_worker(settings, "test.late", "late-deadline", log_dir)
     try:
         done = wait_for_task(client, task_id, FINAL)
@@ -188,7 +192,9 @@ def test_cancelling_a_queued_task_means_it_never_runs(
     assert (task["status"], task["started_at"]) == ("cancelled", None)
 
 
-def test_a_running_task_is_told_and_ends_cancelled(client: httpx.Client, redis_url: str) -> None:
+def test_a_running_task_is_told_and_ends_cancelled(
+    client: httpx.Client, redis_url: str, worker: CeleryProcess
+) -> None:
     task_id = client.post(
         "/tasks", json={"capability": "test.sleepy", "payload": {"sleep_s": 20}}
     ).json()["task_id"]
@@ -196,7 +202,11 @@ def test_a_running_task_is_told_and_ends_cancelled(client: httpx.Client, redis_u
     assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
     events = client.get(f"/tasks/{task_id}/events").text
     assert "event: cancelled" in events
-    time.sleep(0.5)  # the handler sees ctx.cancelled and returns; nothing may change the task
+    # The handler sees ctx.cancelled and returns; its result changes nothing
+    returned = f"reach.run[{task_id}] succeeded in"
+    eventually(lambda: returned in worker.output(), "the handler returned")
+    [line] = [line for line in worker.output().splitlines() if returned in line]
+    assert "'skipped'" in line
     assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
     assert runs(redis_url, task_id) == 1
 
@@ -238,7 +248,11 @@ def strict_api(settings: Settings, worker: CeleryProcess) -> Iterator[ServedApp]
     tight = settings.model_copy(
         update={"rate_limit_per_s": 2, "rate_limit_burst": 3, "max_queue_depth": 3}
     )
-    with ServedApp(create_app(tight)) as served:
+    app = create_app(tight)
+    # Depths read from the broker on every submit (in service: at most once a second), so
+    # each submit below sees the ones before it
+    app.state.services.queue_bound.refresh_s = 0
+    with ServedApp(app) as served:
         yield served
 
 
@@ -276,7 +290,6 @@ def test_a_full_queue_gets_503_overloaded_without_using_the_idempotency_key(
                     },
                 )
             )
-            time.sleep(1.1)  # the depth is read from the broker at most once a second
     refused = [a for a in answers if a.status_code == 503]
     assert refused and refused[0].json()["code"] == "overloaded"
     assert "retry-after" in refused[0].headers
@@ -448,7 +461,8 @@ def test_requests_beyond_the_waiting_limit_get_503_at_once(
             )
         )
         slow.start()
-        time.sleep(0.5)  # the sync request is now waiting for its answer
+        # Its row written: the sync request is past the limit's door, waiting for its answer
+        eventually(lambda: count_tasks(engine, tenant[0]) == 1, "the slow request accepted")
         refused = http.post("/tasks", json={"capability": "echo", "payload": {}})
         health = http.get("/healthz")
         slow.join()

@@ -7,7 +7,6 @@ import logging
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from sqlalchemy import event
 from api.app import create_app
 from broker.logs import JsonFormatter
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
@@ -69,10 +69,11 @@ def test_one_trace_id_from_request_to_worker_log_task_and_events(
     def worker_lines() -> list[dict[str, object]]:
         return [line for line in json_lines(worker.output()) if line.get("task_id") == task_id]
 
-    deadline = time.monotonic() + 10
-    while {"task claimed", "task finished"} - {str(line["event"]) for line in worker_lines()}:
-        assert time.monotonic() < deadline, "the worker never logged the task"
-        time.sleep(0.1)
+    eventually(
+        worker_lines,
+        "the worker to log the task claimed and finished",
+        until=lambda lines: {"task claimed", "task finished"} <= {str(x["event"]) for x in lines},
+    )
     for line in worker_lines():
         assert line["trace_id"] == TRACE
         assert line["capability"] == "echo"
@@ -120,10 +121,11 @@ def test_api_metrics_expose_the_families_and_move(
     client.post("/tasks", json={"capability": "nobody.here", "payload": {}})
     # The system gauges are computed again on their schedule (every 0.2 s here)
     refreshed = "reach_system_gauges_refreshed_timestamp_seconds"
-    deadline = time.monotonic() + 10
-    while metric(after := scrape(metrics_api), refreshed) <= metric(before, refreshed):
-        assert time.monotonic() < deadline, "the system gauges were never refreshed"
-        time.sleep(0.1)
+    after = eventually(
+        lambda: scrape(metrics_api),
+        "the system gauges refreshed",
+        until=lambda text: metric(text, refreshed) > metric(before, refreshed),
+    )
     for family in (
         "reach_http_requests_total",
         "reach_http_request_duration_seconds_bucket",
@@ -178,10 +180,7 @@ def test_50_scrapes_send_no_query_to_postgres(settings: Settings, worker: Celery
         lambda conn, cursor, statement, *rest: statements.append(statement),
     )
     with ServedApp(app) as served:
-        deadline = time.monotonic() + 30
-        while app.state.services.gauges_refreshed_at is None:
-            assert time.monotonic() < deadline, "the gauges were never computed"
-            time.sleep(0.05)
+        eventually(lambda: app.state.services.gauges_refreshed_at, "the gauges computed once")
         refresh = len(statements)
         # When Prometheus scrapes 50 times
         for _ in range(50):

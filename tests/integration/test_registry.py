@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +16,11 @@ from sqlalchemy import Engine
 from broker import leases
 from broker.registry import live_key
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
-
-
-def eventually(check: Callable[[], Any], what: str, timeout_s: float = 20) -> Any:
-    """Poll until ``check`` returns something truthy; the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
-    return found
 
 
 def states(http: httpx.Client, agent_id: str = "test-pool") -> dict[str, str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -14,6 +14,7 @@ from sqlalchemy import Engine
 
 from api.app import create_app
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.conftest import client_for
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.test_final_events import final_events, finished_without_final_event
@@ -192,7 +193,9 @@ def test_a_client_that_disconnects_does_not_affect_the_task(client: httpx.Client
     assert wait_for_task(client, task_id, FINAL)["status"] == "succeeded"
 
 
-def test_a_client_that_stops_reading_is_dropped(tuned: ServedApp, tenant: tuple[str, str]) -> None:
+def test_a_client_that_stops_reading_is_dropped(
+    tuned: ServedApp, tenant: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
     with client_for(tuned, tenant[1]) as http:
         task_id = http.post(
             "/tasks", json={"capability": "test.flood", "payload": {"n": 300, "size": 32_000}}
@@ -200,12 +203,17 @@ def test_a_client_that_stops_reading_is_dropped(tuned: ServedApp, tenant: tuple[
         wait_for_task(http, task_id, FINAL)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", tuned.port))
-    sock.sendall(
-        f"GET /tasks/{task_id}/events HTTP/1.1\r\nHost: x\r\n"
-        f"Authorization: Bearer {tenant[1]}\r\n\r\n".encode()
-    )
-    time.sleep(3)  # not reading, well past the 1 s send timeout
+    with caplog.at_level(logging.INFO, logger="reach.sse"):
+        sock.connect(("127.0.0.1", tuned.port))
+        sock.sendall(
+            f"GET /tasks/{task_id}/events HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {tenant[1]}\r\n\r\n".encode()
+        )
+        # Not reading: the socket buffers fill, and past the 1 s send timeout the API gives up
+        eventually(
+            lambda: "dropped an SSE client that stopped reading" in caplog.messages,
+            "the API to drop the client",
+        )
     received = bytearray()
     sock.settimeout(10)
     while chunk := sock.recv(65536):

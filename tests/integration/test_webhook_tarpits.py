@@ -27,6 +27,7 @@ from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.dispatch import WEBHOOK_SWEEP_TASK, celery_config
 from broker.settings import Settings
 from broker.webhooks import deliveries
+from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Tarpit
 from tests.integration.stack import (
     CeleryProcess,
@@ -87,13 +88,15 @@ def stack(settings: Settings, services: localservices.Services, log_dir: Path) -
 def ran_at(worker: CeleryProcess, task_id: str, timeout_s: float = 60) -> float:
     """When the worker logged that the task succeeded (monotonic clock of this process, read
     as it is seen); the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in worker.output().splitlines():
-            if task_id in line and line.startswith("{") and _succeeded(json.loads(line), task_id):
-                return time.monotonic()
-        time.sleep(0.02)
-    raise AssertionError(f"{worker.args} never ran {task_id}")
+
+    def logged() -> bool:
+        return any(
+            task_id in line and line.startswith("{") and _succeeded(json.loads(line), task_id)
+            for line in worker.output().splitlines()
+        )
+
+    eventually(logged, f"{worker.args} to run {task_id}", timeout_s, 0.02)
+    return time.monotonic()
 
 
 def _succeeded(record: dict[str, object], task_id: str) -> bool:
@@ -214,7 +217,10 @@ def test_given_attempts_whose_worker_never_reports_expect_dead_after_the_schedul
         claimed = deliveries.claim(engine, delivery_id, attempt, lease_s=0.1, max_inflight=9)
         assert isinstance(claimed, deliveries.Claimed), (attempt, claimed)
         # and the sweep finds it once its lease has passed
-        _until(lambda: hooks.sweep()["lost"] >= 1 or _status(engine, delivery_id) != "sending")
+        eventually(
+            lambda: hooks.sweep()["lost"] >= 1 or _status(engine, delivery_id) != "sending",
+            "the sweep to find the attempt lost",
+        )
     # Expect each lost attempt counted and logged, and no attempt past the schedule
     assert _status(engine, delivery_id) == "dead"
     extra = deliveries.claim(engine, delivery_id, len(SCHEDULE_S) + 1, lease_s=0.1, max_inflight=9)
@@ -255,11 +261,3 @@ def _status(engine: Engine, delivery_id: uuid.UUID) -> str:
     query = select(deliveries_table.c.status).where(deliveries_table.c.id == delivery_id)
     with engine.connect() as conn:
         return str(conn.execute(query).scalar_one())
-
-
-def _until(condition: object, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("the condition never held")
-        time.sleep(0.05)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+
+from tests.eventually import eventually
 
 Deliveries = list[dict[str, Any]]
 
@@ -36,16 +37,14 @@ def wait_deliveries(
     timeout_s: float = 30,
 ) -> Deliveries:
     """Poll ``path`` until ``done`` holds for its deliveries; the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def deliveries() -> Deliveries:
         response = client.get(path)
         assert response.status_code == 200, response.text
         found: Deliveries = response.json()["deliveries"]
-        if done(found):
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} never reached the expected state: {found}")
-        time.sleep(0.05)
+        return found
+
+    return eventually(deliveries, f"the deliveries of {path}", timeout_s, until=done)
 
 
 def finished(status: str, count: int = 1) -> Callable[[Deliveries], bool]:

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from broker.settings import Settings
-from tests.unit import compose_file as compose
-from tests.unit.compose_file import COMPOSE_FILE, ROOT
+from tests import compose_file as compose
+from tests.compose_file import COMPOSE_FILE, ROOT
 
 # The example capabilities, one worker service each (the contract).
 CAPABILITIES = {"echo", "invoice.extract", "text.summarize"}

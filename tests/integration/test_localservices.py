@@ -1,0 +1,238 @@
+"""broker.localservices against real Postgres and Redis: the local ones, or embedded ones
+(the URL rewriting is unit-tested in ``tests/unit/test_localservices.py``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import LiteralString
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+import redis
+import sqlalchemy
+
+from broker.localservices import (
+    CLAIM_KEY,
+    LOCAL_POSTGRES_URL,
+    LOCAL_REDIS_URL,
+    Services,
+    claim_redis_db,
+    create_database,
+    drop_database,
+    ensure_services,
+    libpq_url,
+    tcp_answers,
+    with_database,
+)
+
+LOCAL_SERVICES_RUN = tcp_answers("127.0.0.1", 5432) and tcp_answers("127.0.0.1", 6379)
+
+
+@pytest.fixture
+def new_name(services: Services) -> Iterator[Callable[[], str]]:
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(f"reach_test_{uuid.uuid4().hex[:16]}")
+        return made[-1]
+
+    yield make
+    for name in reversed(made):  # copies first: a template cannot go while a copy is made
+        drop_database(services.database_url, name)
+
+
+def query_one(url: str, statement: LiteralString, *params: object) -> object:
+    with psycopg.connect(libpq_url(url)) as conn:
+        row = conn.execute(statement, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def database_exists(admin_url: str, name: str) -> bool:
+    return bool(query_one(admin_url, "select count(*) from pg_database where datname = %s", name))
+
+
+def redis_port(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
+
+
+# --- detection ----------------------------------------------------------------------------------
+
+
+def test_tcp_answers_tells_a_listening_port_from_a_closed_one() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert tcp_answers("127.0.0.1", port)
+    assert not tcp_answers("127.0.0.1", port)
+
+
+@pytest.mark.skipif(not LOCAL_SERVICES_RUN, reason="no Postgres/Redis on their usual ports")
+def test_ensure_services_uses_the_running_local_services(tmp_path: Path) -> None:
+    found = ensure_services(tmp_path)
+    try:
+        assert found.database_url == LOCAL_POSTGRES_URL
+        assert found.redis_url == LOCAL_REDIS_URL
+        assert found.embedded == []
+    finally:
+        found.stop()
+    assert tcp_answers("127.0.0.1", 6379), "stop() must leave external services alone"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ensure_services_uses_given_urls_as_they_are(tmp_path: Path) -> None:
+    given_db, given_redis = "postgresql+psycopg://u@nowhere:1/x", "redis://nowhere:1/0"
+    found = ensure_services(tmp_path, database_url=given_db, redis_url=given_redis)
+    assert (found.database_url, found.redis_url, found.embedded) == (given_db, given_redis, [])
+    found.stop()
+
+
+# --- databases ----------------------------------------------------------------------------------
+
+
+def test_create_database_copies_a_template_and_drop_removes_both(
+    services: Services, new_name: Callable[[], str]
+) -> None:
+    template_name, copy_name = new_name(), new_name()
+    template_url = create_database(services.database_url, template_name)
+    with psycopg.connect(libpq_url(template_url), autocommit=True) as conn:
+        conn.execute("create table marker (v int); insert into marker values (42)")
+
+    copy_url = create_database(services.database_url, copy_name, template=template_name)
+
+    assert copy_url == with_database(services.database_url, copy_name)
+    assert query_one(copy_url, "select v from marker") == 42
+    drop_database(services.database_url, copy_name)
+    drop_database(services.database_url, template_name)
+    assert not database_exists(services.database_url, copy_name)
+    assert not database_exists(services.database_url, template_name)
+
+
+def test_create_database_twice_needs_exist_ok(
+    services: Services, new_name: Callable[[], str]
+) -> None:
+    name = new_name()
+    url = create_database(services.database_url, name)
+
+    assert create_database(services.database_url, name, exist_ok=True) == url
+    with pytest.raises(psycopg.errors.DuplicateDatabase):
+        create_database(services.database_url, name)
+
+
+def test_drop_database_ignores_a_missing_database(services: Services) -> None:
+    name = f"reach_missing_{uuid.uuid4().hex[:16]}"
+    drop_database(services.database_url, name)  # no error
+    with psycopg.connect(libpq_url(services.database_url)) as conn:
+        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+    assert found is None
+
+
+def test_drop_database_disconnects_open_sessions(
+    services: Services, new_name: Callable[[], str]
+) -> None:
+    name = new_name()
+    url = create_database(services.database_url, name)
+    with psycopg.connect(libpq_url(url)) as _held_open:
+        drop_database(services.database_url, name)
+    assert not database_exists(services.database_url, name)
+
+
+# --- redis --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def claim(services: Services) -> Iterator[Callable[[], str]]:
+    """Claims Redis dbs as the project does; every one claimed is emptied afterwards."""
+    claimed: list[str] = []
+
+    def take() -> str:
+        claimed.append(claim_redis_db(services.redis_url))
+        return claimed[-1]
+
+    yield take
+    for url in claimed:
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+
+
+def test_a_claimed_redis_db_was_empty_and_is_marked_as_ours(claim: Callable[[], str]) -> None:
+    url = claim()
+    with redis.Redis.from_url(url) as client:
+        assert client.dbsize() == 1
+        assert client.get(CLAIM_KEY) == f"{socket.gethostname()}:{os.getpid()}".encode()
+    assert claim() != url  # a second claim gets another
+
+
+def test_a_db_left_by_a_killed_run_is_emptied_and_claimed_again(
+    claim: Callable[[], str],
+) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid of this host that no longer runs
+    url = claim()
+    with redis.Redis.from_url(url) as client:
+        client.set(CLAIM_KEY, f"{socket.gethostname()}:{gone.pid}")
+        client.set("leftover", "1")
+        assert claim() == url
+        assert client.get("leftover") is None
+
+
+@pytest.mark.parametrize("owner", ["this host, alive", "another host"])
+def test_a_db_claimed_by_a_live_or_unknown_process_is_left_alone(
+    claim: Callable[[], str], owner: str
+) -> None:
+    alive = f"{socket.gethostname()}:{os.getppid()}"
+    marker = alive if owner == "this host, alive" else "elsewhere:1"
+    url = claim()
+    with redis.Redis.from_url(url) as client:
+        client.set(CLAIM_KEY, marker)
+        assert claim() != url
+        assert client.get(CLAIM_KEY) == marker.encode()
+
+
+# --- embedded -----------------------------------------------------------------------------------
+
+
+def test_embedded_services_start_answer_and_stop(tmp_path: Path) -> None:
+    found = ensure_services(tmp_path, prefer_local=False)
+    try:
+        assert found.embedded == ["postgres", "redis"]
+        assert found.database_url.startswith("postgresql+psycopg://")
+        assert query_one(found.database_url, "select 1") == 1
+        engine = sqlalchemy.create_engine(found.database_url)  # the form the app is given
+        with engine.connect() as conn:
+            assert conn.execute(sqlalchemy.text("select 1")).scalar_one() == 1
+        engine.dispose()
+        with redis.Redis.from_url(found.redis_url) as client:
+            assert client.ping()
+    finally:
+        found.stop()
+
+    assert not tcp_answers("127.0.0.1", redis_port(found.redis_url))
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(libpq_url(found.database_url), connect_timeout=2)
+    found.stop()  # idempotent
+
+
+def test_embedded_postgres_keeps_its_data_between_runs(tmp_path: Path) -> None:
+    skip_redis = {"redis_url": "redis://unused:1/0"}
+    first = ensure_services(tmp_path, prefer_local=False, **skip_redis)
+    try:
+        create_database(first.database_url, "kept")
+    finally:
+        first.stop()
+
+    second = ensure_services(tmp_path, prefer_local=False, **skip_redis)
+    try:
+        assert second.embedded == ["postgres"]
+        assert query_one(with_database(second.database_url, "kept"), "select 1") == 1
+    finally:
+        second.stop()
