@@ -8,13 +8,15 @@ import uuid
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from api.services import services
 from api.sse import EventStreamResponse
-from broker import queries
+from broker import metrics, queries
+from broker.envelope import Envelope
 from broker.eventhub import EventHub, FinalFromStore
 from broker.events import Event
-from broker.submission import EVENTS_SLACK_S
+from broker.submission import EVENTS_SLACK_S, Accepted
 from broker.tasks import FINAL, render
 
 STORE_CHECK_S = 2.0
@@ -120,3 +122,33 @@ async def wait_until_final(
             if event.final:
                 return dict(event.data)
     return None
+
+
+async def answer(
+    request: Request, tenant: str, envelope: Envelope, accepted: Accepted, *, started: float
+) -> Response:
+    """The answer to a submit, in the envelope's ``reply_mode``: ``async`` 202 with the task;
+    ``sync`` 200 with the finished task if it finishes within the wait, else 202; ``stream``
+    its events."""
+    row = accepted.row
+    headers = {"Location": f"/tasks/{row['id']}"}
+    if accepted.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    if envelope.reply_mode == "stream":
+        return event_stream(request, tenant, row["id"], headers=headers, started=started)
+    if envelope.reply_mode == "sync":
+        finished = await wait_until_final(
+            request, tenant, row["id"], _sync_wait_s(request, envelope)
+        )
+        metrics.sync_round_trip.observe(time.perf_counter() - started)
+        if finished is not None:
+            return JSONResponse(finished, status_code=200, headers=headers)
+        row = await queries.get_task(services(request).engine, tenant, row["id"]) or row
+    return JSONResponse(render(row), status_code=202, headers=headers)
+
+
+def _sync_wait_s(request: Request, envelope: Envelope) -> float:
+    settings = services(request).settings
+    if envelope.deadline_ms is None:
+        return settings.sync_max_wait_s
+    return min(settings.sync_max_wait_s, envelope.deadline_ms / 1000)

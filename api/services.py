@@ -21,6 +21,7 @@ from broker.db.engines import async_engine
 from broker.dispatch import Dispatcher
 from broker.eventhub import EventHub
 from broker.events import EventLog
+from broker.intake import Intake
 from broker.settings import Settings
 from broker.submission import GroupInsert
 from broker.webhooks.ssrf import HostLookups
@@ -43,6 +44,7 @@ class Services:
     door: Door
     queue_bound: QueueBound
     event_log: EventLog
+    intake: Intake
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
 
@@ -61,30 +63,42 @@ class Services:
             broker_redis = aioredis.from_url(broker, socket_timeout=5)
         dispatcher = Dispatcher(settings)
         bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
+        intake = Intake(
+            settings=settings,
+            engine=engine,
+            door=Door(redis, bucket),
+            cards=TimedCache(ttl_s=settings.card_cache_s),
+            queue_bound=QueueBound(
+                _queue_depths(settings, redis, broker_redis, dispatcher),
+                settings.max_queue_depth,
+            ),
+            lookups=HostLookups(
+                threads=settings.dns_threads,
+                timeout_s=settings.dns_timeout_s,
+                per_tenant=settings.dns_lookups_per_tenant,
+            ),
+            inserter=GroupInsert(engine),
+            dispatcher=dispatcher,
+            event_log=EventLog(redis, settings.result_ttl_s),
+        )
         return cls(
             settings=settings,
             engine=engine,
             redis=redis,
             broker_redis=broker_redis,
             dispatcher=dispatcher,
-            inserter=GroupInsert(engine),
+            inserter=intake.inserter,
             key_cache=KeyCache(
                 ttl_s=settings.key_cache_s, lookups=PerClientBudget(settings.auth_lookups_per_s)
             ),
             tenant_of_key=TenantOfKey(),
-            lookups=HostLookups(
-                threads=settings.dns_threads,
-                timeout_s=settings.dns_timeout_s,
-                per_tenant=settings.dns_lookups_per_tenant,
-            ),
-            catalog_cache=TimedCache(ttl_s=settings.card_cache_s),
+            lookups=intake.lookups,
+            catalog_cache=intake.cards,
             hub=EventHub(redis),
-            door=Door(redis, bucket),
-            queue_bound=QueueBound(
-                _queue_depths(settings, redis, broker_redis, dispatcher),
-                settings.max_queue_depth,
-            ),
-            event_log=EventLog(redis, settings.result_ttl_s),
+            door=intake.door,
+            queue_bound=intake.queue_bound,
+            event_log=intake.event_log,
+            intake=intake,
         )
 
     async def close(self) -> None:

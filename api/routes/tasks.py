@@ -16,17 +16,13 @@ from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
 from broker import cancellation, catalog, jsonbody, metrics, queries
-from broker.admission import admit
-from broker.capabilities import any_pattern_allows, is_valid_name
+from broker.capabilities import is_valid_name
 from broker.envelope import Envelope, parse_envelope
-from broker.errors import BadRequest, Conflict, Forbidden, NotFound
+from broker.errors import BadRequest, Conflict, NotFound
 from broker.keys import Principal
 from broker.registry import capability_of
-from broker.settings import Settings
-from broker.submission import submit
 from broker.tasks import Status, parse_task_id, render
 from broker.webhooks import event_for_status
-from broker.webhooks.subscriptions import vet_callback
 
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
@@ -43,14 +39,6 @@ def _merge_idempotency_header(data: Any, header: str | None) -> Any:
             "Idempotency-Key header and idempotency_key differ", code="envelope_invalid"
         )
     return {**data, "idempotency_key": header}
-
-
-async def _vet_callback(request: Request, tenant: str, envelope: Envelope) -> None:
-    if envelope.callback is not None:
-        state = services(request)
-        allow = state.settings.webhook_allow
-        url = envelope.callback.url
-        await vet_callback(state.engine, state.lookups, tenant, url, allow=allow)
 
 
 @router.post(
@@ -76,65 +64,9 @@ async def submit_task(request: Request, caller: Metered) -> Response:
     envelope = parse_envelope(
         _merge_idempotency_header(data, request.headers.get("idempotency-key"))
     )
-    if not any_pattern_allows(caller.capabilities, envelope.capability):
-        raise Forbidden(
-            f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
-        )
-    queue = await admit(
-        envelope,
-        allowed=caller.capabilities,
-        door=state.door,
-        engine=state.engine,
-        cache=state.catalog_cache,
-    )
-    await state.queue_bound.check(queue)
-    await _vet_callback(request, caller.tenant, envelope)  # last: it may resolve a host name
-    accepted = await submit(
-        state.inserter,
-        state.dispatcher,
-        state.event_log,
-        caller,
-        envelope,
-        queue=queue,
-        trace_id=request.state.trace_id,
-        settings=state.settings,
-    )
+    accepted = await state.intake.submit(caller, envelope, trace_id=request.state.trace_id)
     metrics.submit_duration.observe(time.perf_counter() - started)
-    row = accepted.row
-    log.info(
-        "task accepted",
-        extra={
-            "task_id": str(row["id"]),
-            "capability": envelope.capability,
-            "queue": queue,
-            "tenant": caller.tenant,
-            "payload_digest": row["payload_digest"],
-            "payload_size": row["payload_size"],
-            "replayed": accepted.replayed,
-        },
-    )
-    headers = {"Location": f"/tasks/{row['id']}"}
-    if accepted.replayed:
-        headers["Idempotent-Replayed"] = "true"
-    if envelope.reply_mode == "stream":
-        return replies.event_stream(
-            request, caller.tenant, row["id"], headers=headers, started=started
-        )
-    if envelope.reply_mode == "sync":
-        finished = await replies.wait_until_final(
-            request, caller.tenant, row["id"], _sync_wait_s(envelope, state.settings)
-        )
-        metrics.sync_round_trip.observe(time.perf_counter() - started)
-        if finished is not None:
-            return JSONResponse(finished, status_code=200, headers=headers)
-        row = await queries.get_task(state.engine, caller.tenant, row["id"]) or row
-    return JSONResponse(render(row), status_code=202, headers=headers)
-
-
-def _sync_wait_s(envelope: Envelope, settings: Settings) -> float:
-    if envelope.deadline_ms is None:
-        return settings.sync_max_wait_s
-    return min(settings.sync_max_wait_s, envelope.deadline_ms / 1000)
+    return await replies.answer(request, caller.tenant, envelope, accepted, started=started)
 
 
 @router.get(

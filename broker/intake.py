@@ -1,0 +1,89 @@
+"""Submitting a task: the one home of every check and write between a parsed envelope and an
+accepted task. The HTTP API calls it; so will every other front door.
+
+The order keeps the cheap checks first and the slow one last: the key's patterns (memory),
+the route and the payload (Redis, cached cards), the queue's depth (cached), then the
+callback's host name (a DNS lookup), then the insert and the publish. The tenant's rate token
+is taken before the envelope is even read (``Door.take``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker import submission
+from broker.admission import Door, admit
+from broker.backpressure import QueueBound
+from broker.capabilities import any_pattern_allows
+from broker.catalog import TimedCache
+from broker.dispatch import Dispatcher
+from broker.envelope import Envelope
+from broker.errors import Forbidden
+from broker.events import EventLog
+from broker.keys import Principal
+from broker.settings import Settings
+from broker.submission import Accepted, GroupInsert
+from broker.webhooks.ssrf import HostLookups
+from broker.webhooks.subscriptions import vet_callback
+
+log = logging.getLogger("reach.api")
+
+
+@dataclass(frozen=True)
+class Intake:
+    settings: Settings
+    engine: AsyncEngine
+    door: Door
+    cards: TimedCache
+    queue_bound: QueueBound
+    lookups: HostLookups
+    inserter: GroupInsert
+    dispatcher: Dispatcher
+    event_log: EventLog
+
+    async def submit(self, caller: Principal, envelope: Envelope, *, trace_id: str) -> Accepted:
+        """The accepted task (or the one its idempotency key already made); raises a
+        ReachError with the code that says why not."""
+        if not any_pattern_allows(caller.capabilities, envelope.capability):
+            raise Forbidden(
+                f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
+            )
+        queue = await admit(
+            envelope,
+            allowed=caller.capabilities,
+            door=self.door,
+            engine=self.engine,
+            cache=self.cards,
+        )
+        await self.queue_bound.check(queue)
+        if envelope.callback is not None:
+            allow = self.settings.webhook_allow
+            url = envelope.callback.url
+            await vet_callback(self.engine, self.lookups, caller.tenant, url, allow=allow)
+        accepted = await submission.submit(
+            self.inserter,
+            self.dispatcher,
+            self.event_log,
+            caller,
+            envelope,
+            queue=queue,
+            trace_id=trace_id,
+            settings=self.settings,
+        )
+        row = accepted.row
+        log.info(
+            "task accepted",
+            extra={
+                "task_id": str(row["id"]),
+                "capability": envelope.capability,
+                "queue": queue,
+                "tenant": caller.tenant,
+                "payload_digest": row["payload_digest"],
+                "payload_size": row["payload_size"],
+                "replayed": accepted.replayed,
+            },
+        )
+        return accepted
