@@ -16,7 +16,7 @@ from broker import metrics, queries
 from broker.envelope import Envelope
 from broker.eventhub import EventHub, FinalFromStore
 from broker.events import Event
-from broker.submission import EVENTS_SLACK_S, Accepted
+from broker.submission import Accepted
 from broker.tasks import FINAL, render
 
 STORE_CHECK_S = 2.0
@@ -35,13 +35,7 @@ async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[
 
 async def append_final(request: Request, row: dict[str, Any]) -> None:
     """The task's final event, into its log (which takes only the first)."""
-    await services(request).event_log.append_async(
-        row["id"],
-        row["status"],
-        render(row),
-        trace_id=row["trace_id"],
-        ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
-    )
+    await services(request).event_log.append_final_async(row)
 
 
 def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> FinalFromStore:

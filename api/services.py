@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from api.callers import KeyCache, PerClientBudget, TenantOfKey
 from broker.admission import Door
 from broker.backpressure import Depths, QueueBound, TokenBucket, redis_depths
+from broker.cancellation import Canceller
 from broker.catalog import TimedCache
 from broker.db.engines import async_engine
 from broker.dispatch import Dispatcher
@@ -45,6 +46,7 @@ class Services:
     queue_bound: QueueBound
     event_log: EventLog
     intake: Intake
+    canceller: Canceller
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
 
@@ -99,6 +101,7 @@ class Services:
             queue_bound=intake.queue_bound,
             event_log=intake.event_log,
             intake=intake,
+            canceller=Canceller(engine, redis, intake.cards, dispatcher, intake.event_log),
         )
 
     async def close(self) -> None:

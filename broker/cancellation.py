@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import anyio
+from redis.asyncio import Redis
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker import catalog
 from broker.db.models import in_sources
 from broker.db.models import tasks_table as tasks
+from broker.dispatch import Dispatcher
+from broker.events import EventLog
+from broker.keys import Principal
 from broker.queries import allowed_by
+from broker.registry import capability_of
 from broker.tasks import CANCEL, task_error
+from broker.webhooks import event_for_status
 
 FLAG_TTL_S = 24 * 3600
 
@@ -53,3 +62,35 @@ async def cancel(
     async with engine.begin() as conn:
         row = (await conn.execute(query)).first()
     return dict(row._mapping) if row is not None else None
+
+
+@dataclass(frozen=True)
+class Canceller:
+    """The cancel use case: the row, the flag a running agent reads, the stop of a cancellable
+    agent's process, the ``task.cancelled`` webhooks and the final event."""
+
+    engine: AsyncEngine
+    redis: Redis
+    cards: catalog.TimedCache
+    dispatcher: Dispatcher
+    event_log: EventLog
+
+    async def cancel_task(self, caller: Principal, task_id: uuid.UUID) -> dict[str, Any] | None:
+        """The cancelled row; None when nothing was cancelled (see ``cancel``)."""
+        row = await cancel(self.engine, caller.tenant, task_id, patterns=caller.sees)
+        if row is None:
+            return None
+        await self.redis.set(flag_key(row["id"]), "1", ex=FLAG_TTL_S)
+        await self._stop_if_cancellable(row)
+        event = event_for_status(row["status"])
+        await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)
+        await self.event_log.append_final_async(row)
+        return row
+
+    async def _stop_if_cancellable(self, row: dict[str, Any]) -> None:
+        if row["agent_id"] is None:
+            return  # never started
+        key = (row["agent_id"], row["agent_version"], capability_of(row["queue"]))
+        card = await catalog.card(self.engine, self.cards, key)
+        if card is not None and card.get("cancellable"):
+            await anyio.to_thread.run_sync(self.dispatcher.revoke, row["id"])

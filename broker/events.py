@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from broker.grouping import Grouped
-from broker.tasks import FINAL
+from broker.tasks import FINAL, render
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 LOG_MAX_EVENTS = 10_000
@@ -133,6 +133,10 @@ def encode(event_type: str, data: Any, trace_id: str) -> str:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 
 
+# Events outlive the result a little, so a stream opened just before expiry still ends.
+EVENTS_SLACK_S = 3600
+
+
 class EventLog:
     """The writing side, for workers and the API (redis-py's sync or asyncio client). In the
     API, appends that arrive together go out in one call (``grouping``)."""
@@ -194,6 +198,18 @@ class EventLog:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
         when the event is refused: 0 for a closed log, as ``append``)."""
         return await self._grouped(self._item(task_id, event_type, data, trace_id, ttl_s, push))
+
+    def append_final(self, row: dict[str, Any]) -> int:
+        """The final event of a final task row (the task as it ended); 0 when the log has its
+        final event already."""
+        return int(self._append(**self._args([self._final(row)]))[0])
+
+    async def append_final_async(self, row: dict[str, Any]) -> int:
+        return await self._grouped(self._final(row))
+
+    def _final(self, row: dict[str, Any]) -> Append:
+        ttl_s = row["result_ttl_s"] + EVENTS_SLACK_S
+        return self._item(row["id"], row["status"], render(row), row["trace_id"], ttl_s)
 
     async def _append_many(self, items: list[Append]) -> list[int]:
         return [int(seq) for seq in await self._append(**self._args(items))]

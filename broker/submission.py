@@ -41,8 +41,6 @@ _INSERT = (
 # A new row's columns that ``_values`` does not set: all NULL but these server defaults.
 _NEW_ROW = {column.name: None for column in tasks.c} | {"attempts": 0}
 
-# Events outlive the result a little, so a stream opened just before expiry still ends.
-EVENTS_SLACK_S = 3600
 GROUP_MAX_ROWS = 100
 
 
@@ -156,7 +154,7 @@ async def submit(
             events.STATUS,
             {"status": QUEUED},
             trace_id=trace_id,
-            ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
+            ttl_s=row["result_ttl_s"] + events.EVENTS_SLACK_S,
             push=push,
         )
         if push is None:

@@ -21,10 +21,10 @@ from sqlalchemy import Engine
 from broker import cancellation, events, execution, jsonbody, leases, logs, metrics, retry
 from broker.db.engines import sync_engine
 from broker.errors import AGENT_TRANSIENT_ERRORS, AgentFailure, BadRequest, Retryable
+from broker.events import EVENTS_SLACK_S
 from broker.registry import capability_of
 from broker.settings import Settings
-from broker.submission import EVENTS_SLACK_S
-from broker.tasks import QUEUED, RUNNING, render, task_error
+from broker.tasks import QUEUED, RUNNING, task_error
 from workers import faults
 from workers.sdk.context import Context
 from workers.sdk.registry import AgentRegistry, CapabilitySpec
@@ -201,14 +201,7 @@ class Runner:
 
     def announce(self, row: dict[str, Any]) -> bool:
         """Append the final event of a final task row; False when its log had one already."""
-        seq = self.events.append(
-            row["id"],
-            row["status"],
-            render(row),
-            trace_id=row["trace_id"],
-            ttl_s=row["result_ttl_s"] + EVENTS_SLACK_S,
-        )
-        return seq > 0
+        return self.events.append_final(row) > 0
 
     def _checked(self, value: Any) -> Any:
         """A value that will go out as JSON; agents get a TypeError/ValueError otherwise."""

@@ -6,7 +6,6 @@ import logging
 import time
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -15,14 +14,12 @@ from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
-from broker import cancellation, catalog, jsonbody, metrics, queries
+from broker import jsonbody, metrics, queries
 from broker.capabilities import is_valid_name
 from broker.envelope import Envelope, parse_envelope
 from broker.errors import BadRequest, Conflict, NotFound
 from broker.keys import Principal
-from broker.registry import capability_of
 from broker.tasks import Status, parse_task_id, render
-from broker.webhooks import event_for_status
 
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
@@ -144,29 +141,10 @@ async def list_tasks(
 async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
     """Cancel a queued or running task: it ends ``cancelled``. A running agent is told through
     its context, and stopped outright when its card says it is cancellable. 409 if final."""
-    state = services(request)
     tid = parse_task_id(task_id)
-    row = (
-        None
-        if tid is None
-        else await cancellation.cancel(state.engine, caller.tenant, tid, patterns=caller.sees)
-    )
+    canceller = services(request).canceller
+    row = None if tid is None else await canceller.cancel_task(caller, tid)
     if row is None:
         current = await _visible_task(request, caller, task_id)
         raise Conflict(f"the task is already {current['status']}", code="task_final")
-    await state.redis.set(cancellation.flag_key(row["id"]), "1", ex=cancellation.FLAG_TTL_S)
-    await _stop_if_cancellable(request, row)
-    event = event_for_status(row["status"])
-    await anyio.to_thread.run_sync(state.dispatcher.announce, row["id"], event)
-    await replies.append_final(request, row)
     return JSONResponse(render(row))
-
-
-async def _stop_if_cancellable(request: Request, row: dict[str, Any]) -> None:
-    if row["agent_id"] is None:
-        return  # never started
-    state = services(request)
-    key = (row["agent_id"], row["agent_version"], capability_of(row["queue"]))
-    card = await catalog.card(state.engine, state.catalog_cache, key)
-    if card is not None and card.get("cancellable"):
-        await anyio.to_thread.run_sync(state.dispatcher.revoke, row["id"])
