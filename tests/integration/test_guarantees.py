@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, select
 
 from api.app import create_app
-from broker import jsonbody
 from broker.db.models import tasks_table
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -378,26 +378,9 @@ def test_a_task_accepted_but_never_published_is_swept_and_runs(
     client: httpx.Client, engine: Engine, tenant: tuple[str, str], system_beat: CeleryProcess
 ) -> None:
     # Given a row the API committed before dying, without publishing its message
-    task_id = uuid.uuid4()
-    digest, size = jsonbody.digest({"swept": True})
-    now = datetime.now(UTC)
-    with engine.begin() as conn:
-        conn.execute(
-            insert(tasks_table).values(
-                id=task_id,
-                tenant=tenant[0],
-                capability="echo",
-                queue="echo",
-                status="queued",
-                payload={"swept": True},
-                payload_digest=digest,
-                payload_size=size,
-                trace_id=uuid.uuid4().hex,
-                result_ttl_s=600,
-                created_at=now - timedelta(minutes=1),
-                expires_at=now + timedelta(minutes=10),
-            )
-        )
+    task_id = a_task_row(
+        engine, tenant=tenant[0], payload={"swept": True}, age=timedelta(minutes=1)
+    )
     # Then the sweeper publishes it again and it runs
     done = wait_for_task(client, str(task_id), FINAL)
     assert (done["status"], done["result"]) == ("succeeded", {"swept": True})

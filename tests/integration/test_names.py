@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import re
 import secrets
-import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import httpx
 import pytest
 import redis
 from fastapi import FastAPI
-from sqlalchemy import Engine, insert
+from sqlalchemy import Engine
 
 from api.app import create_app
-from broker import jsonbody
-from broker.db.models import tasks_table
 from broker.settings import Settings
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -66,26 +64,7 @@ def test_a_task_queued_under_a_reserved_name_is_failed_by_the_sweeper_and_never_
     system_beat: CeleryProcess,
 ) -> None:
     # Given a row accepted for "unacked" before the name was reserved, its message long gone
-    task_id = uuid.uuid4()
-    digest, size = jsonbody.digest({})
-    now = datetime.now(UTC)
-    with engine.begin() as conn:
-        conn.execute(
-            insert(tasks_table).values(
-                id=task_id,
-                tenant=tenant[0],
-                capability="unacked",
-                queue="unacked",
-                status="queued",
-                payload={},
-                payload_digest=digest,
-                payload_size=size,
-                trace_id=uuid.uuid4().hex,
-                result_ttl_s=600,
-                created_at=now - timedelta(minutes=1),
-                expires_at=now + timedelta(minutes=10),
-            )
-        )
+    task_id = a_task_row(engine, tenant=tenant[0], capability="unacked", age=timedelta(minutes=1))
     # Then the sweeper fails it instead of publishing it into kombu's key
     done = wait_for_task(client, str(task_id), FINAL)
     assert (done["status"], done["error"]["code"]) == ("failed", "capability_reserved")

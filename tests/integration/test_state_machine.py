@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, select
 
-from broker import cancellation, execution, jsonbody
+from broker import cancellation, execution
 from broker.db.engines import async_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
@@ -30,6 +30,7 @@ from broker.tasks import (
     Move,
     task_error,
 )
+from tests.integration.rows import a_task_row
 
 TENANT = "state-machine"
 ERROR = task_error("boom", "it broke")
@@ -64,28 +65,8 @@ OPERATIONS: dict[str, tuple[Move, Operation]] = {
 
 def a_task(engine: Engine, status: str, *, overdue: bool) -> uuid.UUID:
     """A task row in ``status``; ``overdue``: its deadline has passed (else it has none)."""
-    task_id = uuid.uuid4()
-    digest, size = jsonbody.digest({})
-    now = datetime.now(UTC)
-    with engine.begin() as conn:
-        conn.execute(
-            insert(tasks_table).values(
-                id=task_id,
-                tenant=TENANT,
-                capability="echo",
-                queue="echo",
-                status=status,
-                payload={},
-                payload_digest=digest,
-                payload_size=size,
-                trace_id=uuid.uuid4().hex,
-                result_ttl_s=600,
-                created_at=now,
-                deadline_at=now - timedelta(seconds=1) if overdue else None,
-                expires_at=now + timedelta(minutes=10),
-            )
-        )
-    return task_id
+    deadline_at = datetime.now(UTC) - timedelta(seconds=1) if overdue else None
+    return a_task_row(engine, tenant=TENANT, status=status, deadline_at=deadline_at)
 
 
 def status_of(engine: Engine, task_id: uuid.UUID) -> str:
