@@ -12,6 +12,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -130,21 +131,21 @@ class Runner:
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
         )
         outcome = self._call(spec, ctx, claimed.payload)
-        if "result" in outcome:
-            return self.finalize(execution.succeed(self.engine, tid, outcome["result"]))
-        if outcome.get("expired"):
-            return self.finalize(execution.expire(self.engine, tid, outcome["error"]))
+        if isinstance(outcome, Succeeded):
+            return self.finalize(execution.succeed(self.engine, tid, outcome.result))
+        if outcome.expired:
+            return self.finalize(execution.expire(self.engine, tid, outcome.error))
         decision = retry.decide(
-            retryable=outcome["error"]["retryable"],
+            retryable=outcome.error["retryable"],
             attempt=claimed.attempt,
             limit=retry.attempt_limit(claimed.max_attempts, spec.max_attempts),
             deadline_at=claimed.deadline_at,
             now=datetime.now(UTC),
-            requested_delay_s=outcome.get("delay_s"),
+            requested_delay_s=outcome.delay_s,
         )
-        if decision.retry and self._retry(claimed, outcome["error"], decision.delay_s, publish):
+        if decision.retry and self._retry(claimed, outcome.error, decision.delay_s, publish):
             return "retrying"
-        return self.finalize(execution.fail(self.engine, tid, outcome["error"]))
+        return self.finalize(execution.fail(self.engine, tid, outcome.error))
 
     def _retry(
         self,
@@ -218,8 +219,7 @@ class Runner:
 
         return apply
 
-    def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any) -> dict[str, Any]:
-        """{"result": ...}, or {"error": ..., and "expired" or "delay_s" when they apply}."""
+    def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any) -> Outcome:
         validator = spec.validator
         if validator is not None:
             problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
@@ -227,47 +227,54 @@ class Runner:
                 detail = "; ".join(
                     f"{'/'.join(map(str, p.path)) or '<root>'}: {p.message}" for p in problems[:10]
                 )
-                return {"error": task_error("payload_invalid", detail)}
+                return Failed(task_error("payload_invalid", detail))
         limits = [t for t in (spec.timeout_s, ctx.time_left_s()) if t is not None]
         with metrics.task_run.labels(spec.name).time():
             return self._invoke(spec, ctx, payload, min(limits) if limits else None)
 
     def _invoke(
         self, spec: CapabilitySpec, ctx: Context, payload: Any, limit_s: float | None
-    ) -> dict[str, Any]:
+    ) -> Outcome:
         try:
             with soft_limit(limit_s):
                 result = spec.handler(ctx, payload)
                 if inspect.isgenerator(result):
                     result = _drain_generator(result, ctx)
         except SoftTimeLimit:
-            return {
-                "error": task_error("timeout", "the agent ran past its time limit"),
-                "expired": True,
-            }
+            return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
         except Retryable as exc:
-            return {
-                "error": task_error(exc.code, exc.message, retryable=True),
-                "delay_s": exc.delay_s,
-            }
+            return Failed(task_error(exc.code, exc.message, retryable=True), delay_s=exc.delay_s)
         except AgentFailure as exc:
-            return {"error": task_error(exc.code, exc.message, retryable=exc.retryable)}
+            return Failed(task_error(exc.code, exc.message, retryable=exc.retryable))
         except AGENT_TRANSIENT_ERRORS as exc:
-            return {
-                "error": task_error(
-                    "transient_error", f"{type(exc).__name__}: {exc}", retryable=True
-                )
-            }
+            message = f"{type(exc).__name__}: {exc}"
+            return Failed(task_error("transient_error", message, retryable=True))
         except Exception as exc:
             log.exception("agent %s failed on task %s", spec.agent_id, ctx.task_id)
-            return {"error": task_error("agent_error", f"{type(exc).__name__}: {exc}")}
+            return Failed(task_error("agent_error", f"{type(exc).__name__}: {exc}"))
         try:
             self._checked(result)
         except (BadRequest, TypeError, ValueError) as exc:
-            return {
-                "error": task_error("result_invalid", f"the agent returned no valid JSON: {exc}")
-            }
-        return {"result": result}
+            return Failed(task_error("result_invalid", f"the agent returned no valid JSON: {exc}"))
+        return Succeeded(result)
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    result: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """``expired``: the handler ran past its time (status ``expired``); ``delay_s``: the back-off
+    the agent asked for (``Retryable``)."""
+
+    error: dict[str, Any]
+    expired: bool = False
+    delay_s: float | None = None
+
+
+Outcome = Succeeded | Failed  # what calling a handler came to
 
 
 def _drain_generator(generator: Any, ctx: Context) -> Any:
