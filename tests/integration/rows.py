@@ -1,8 +1,10 @@
-"""Task rows written straight into Postgres, for tests that need a state no request makes (a
-row whose message was lost, a name reserved after it was queued, any status at all)."""
+"""Task and delivery rows written straight into Postgres, for tests that need a state no
+request makes (a row whose message was lost, a name reserved after it was queued, any status
+at all, a delivery whose body has expired)."""
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -11,6 +13,7 @@ from sqlalchemy import Engine, insert
 
 from broker import jsonbody
 from broker.db.models import tasks_table
+from broker.db.models import webhook_deliveries_table as deliveries_table
 
 
 def a_task_row(
@@ -47,3 +50,28 @@ def a_task_row(
             )
         )
     return task_id
+
+
+def a_delivery_row(
+    engine: Engine, *, body: str = "{}", body_expires_in: timedelta, final_attempt: int = 3
+) -> uuid.UUID:
+    """A webhook delivery of a fresh tenant, pending its first attempt now."""
+    delivery_id, now = uuid.uuid4(), datetime.now(UTC)
+    values = {
+        "id": delivery_id,
+        "tenant": f"t-{secrets.token_hex(4)}",
+        "task_id": uuid.uuid4(),
+        "event_type": "task.succeeded",
+        "url": "http://127.0.0.1:9/hook",
+        "body": body,
+        "body_expires_at": now + body_expires_in,
+        "trace_id": secrets.token_hex(16),
+        "status": "pending",
+        "attempts": 0,
+        "final_attempt": final_attempt,
+        "next_attempt_at": now,
+        "expires_at": now + timedelta(days=7),
+    }
+    with engine.begin() as conn:
+        conn.execute(insert(deliveries_table).values(values))
+    return delivery_id

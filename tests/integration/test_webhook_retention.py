@@ -8,13 +8,14 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, select
 
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.webhooks import deliveries, upkeep
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver
+from tests.integration.rows import a_delivery_row
 from tests.integration.stack import CeleryProcess
 from tests.integration.webhook_client import finished, register, submit, wait_deliveries
 
@@ -62,24 +63,11 @@ def test_given_a_waiting_delivery_whose_task_expired_expect_no_attempt_and_faile
     engine: Engine,
 ) -> None:
     # Given a delivery waiting for its first attempt whose task expired a moment ago
-    delivery_id, now = uuid.uuid4(), datetime.now(UTC)
-    values = {
-        "id": delivery_id,
-        "tenant": f"t-{secrets.token_hex(4)}",
-        "task_id": uuid.uuid4(),
-        "event_type": "task.succeeded",
-        "url": "http://127.0.0.1:9/hook",
-        "body": '{"data": {"result": "kept too long"}}',
-        "body_expires_at": now - timedelta(seconds=1),
-        "trace_id": secrets.token_hex(16),
-        "status": "pending",
-        "attempts": 0,
-        "final_attempt": 3,
-        "next_attempt_at": now,
-        "expires_at": now + timedelta(days=7),
-    }
-    with engine.begin() as conn:
-        conn.execute(insert(deliveries_table).values(values))
+    delivery_id = a_delivery_row(
+        engine,
+        body='{"data": {"result": "kept too long"}}',
+        body_expires_in=timedelta(seconds=-1),
+    )
     # When its attempt comes, and the sweep removes expired bodies
     claimed = deliveries.claim(engine, delivery_id, 1, lease_s=30, max_inflight=9)
     while upkeep.purge_expired_bodies(engine, batch=1000):

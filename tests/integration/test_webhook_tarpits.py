@@ -11,14 +11,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import Engine, create_engine, insert, select
+from sqlalchemy import Engine, create_engine, select
 
 from api.app import create_app
 from broker import keys, localservices, migrate
@@ -29,6 +29,7 @@ from broker.settings import Settings
 from broker.webhooks import deliveries
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Tarpit
+from tests.integration.rows import a_delivery_row
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
@@ -236,25 +237,7 @@ def test_given_attempts_whose_worker_never_reports_expect_dead_after_the_schedul
 
 
 def _delivery(engine: Engine, *, final_attempt: int) -> uuid.UUID:
-    delivery_id, now = uuid.uuid4(), datetime.now(UTC)
-    values = {
-        "id": delivery_id,
-        "tenant": f"t-{secrets.token_hex(4)}",
-        "task_id": uuid.uuid4(),
-        "event_type": "task.succeeded",
-        "url": "http://127.0.0.1:9/hook",
-        "body": "{}",
-        "body_expires_at": now + timedelta(hours=1),
-        "trace_id": secrets.token_hex(16),
-        "status": "pending",
-        "attempts": 0,
-        "final_attempt": final_attempt,
-        "next_attempt_at": now,
-        "expires_at": now + timedelta(hours=1),
-    }
-    with engine.begin() as conn:
-        conn.execute(insert(deliveries_table).values(values))
-    return delivery_id
+    return a_delivery_row(engine, body_expires_in=timedelta(hours=1), final_attempt=final_attempt)
 
 
 def _status(engine: Engine, delivery_id: uuid.UUID) -> str:
