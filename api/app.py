@@ -13,7 +13,7 @@ from api import errors, system_gauges
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, tasks, webhooks
 from api.services import Services
-from broker import logs, otel
+from broker.observability import logs, otel
 from broker.settings import Settings
 
 

@@ -10,9 +10,10 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Scope
 
-from broker import metrics, queries
-from broker.backpressure import RateLimited
-from broker.keys import split_token
+from broker.observability import metrics
+from broker.tasks.backpressure import RateLimited
+from broker.tenancy import key_store
+from broker.tenancy.keys import split_token
 
 
 class TenantOfKey:
@@ -62,7 +63,7 @@ class KeyCache:
         if hit is not None and hit[0] > now:
             return hit[1]
         self.lookups.check(client)
-        row = await queries.get_key(engine, key_id)
+        row = await key_store.get_key(engine, key_id)
         if row is None:
             self.lookups.spend(client)
         if self.ttl_s > 0:

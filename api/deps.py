@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 
 from api.services import services
 from broker.errors import BadRequest, BodyTimeout, BodyTooLarge, Unauthenticated
-from broker.keys import Principal, secret_matches, split_token
+from broker.tenancy.keys import Principal, secret_matches, split_token
 
 
 async def authenticate(request: Request) -> Principal:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from broker import errors
+from broker import errors, outages
 
 log = logging.getLogger("reach.api")
 
@@ -158,7 +158,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     # Also 503: no pooled connection came free in time (the pool's TimeoutError), and a
     # built-in ConnectionError that a client library let through unwrapped.
-    for cls in (*errors.INFRASTRUCTURE_ERRORS, sqlalchemy.exc.TimeoutError, ConnectionError):
+    for cls in (*outages.INFRASTRUCTURE_ERRORS, sqlalchemy.exc.TimeoutError, ConnectionError):
         app.add_exception_handler(cls, _unavailable)
     app.add_exception_handler(sqlalchemy.exc.DataError, _data_error)
     app.add_exception_handler(Exception, _internal)

@@ -10,8 +10,8 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.callers import TenantOfKey
-from broker import logs, metrics, otel
-from broker.tracing import trace_id_from, traceparent
+from broker.observability import logs, metrics, otel
+from broker.observability.tracing import trace_id_from, traceparent
 
 
 class TraceMiddleware:

@@ -12,12 +12,13 @@ from fastapi.responses import JSONResponse, Response
 
 from api.services import services
 from api.sse import EventStreamResponse
-from broker import metrics, queries
-from broker.envelope import Envelope
-from broker.eventhub import EventHub, FinalFromStore
-from broker.events import Event
-from broker.submission import Accepted
-from broker.tasks import FINAL, render
+from broker.observability import metrics
+from broker.tasks import queries
+from broker.tasks.envelope import Envelope
+from broker.tasks.eventhub import EventHub, FinalFromStore
+from broker.tasks.events import Event
+from broker.tasks.resource import FINAL, render
+from broker.tasks.submission import Accepted
 
 STORE_CHECK_S = 2.0
 

@@ -14,17 +14,17 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.callers import KeyCache, PerClientBudget, TenantOfKey
-from broker.admission import Door
-from broker.backpressure import Depths, QueueBound, TokenBucket, redis_depths
-from broker.cancellation import Canceller
-from broker.catalog import TimedCache
+from broker.cache import TimedCache
 from broker.db.engines import async_engine
-from broker.dispatch import Dispatcher
-from broker.eventhub import EventHub
-from broker.events import EventLog
-from broker.intake import Intake
 from broker.settings import Settings
-from broker.submission import GroupInsert
+from broker.tasks.admission import Door
+from broker.tasks.backpressure import Depths, QueueBound, TokenBucket, redis_depths
+from broker.tasks.cancellation import Canceller
+from broker.tasks.dispatch import Dispatcher
+from broker.tasks.eventhub import EventHub
+from broker.tasks.events import EventLog
+from broker.tasks.intake import Intake
+from broker.tasks.submission import GroupInsert
 from broker.webhooks.ssrf import HostLookups
 
 
@@ -40,7 +40,7 @@ class Services:
     key_cache: KeyCache
     tenant_of_key: TenantOfKey
     lookups: HostLookups
-    catalog_cache: TimedCache
+    card_cache: TimedCache
     hub: EventHub
     door: Door
     queue_bound: QueueBound
@@ -95,7 +95,7 @@ class Services:
             ),
             tenant_of_key=TenantOfKey(),
             lookups=intake.lookups,
-            catalog_cache=intake.cards,
+            card_cache=intake.cards,
             hub=EventHub(redis),
             door=intake.door,
             queue_bound=intake.queue_bound,

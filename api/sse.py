@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from broker import metrics
-from broker.events import Event
+from broker.observability import metrics
+from broker.tasks.events import Event
 
 log = logging.getLogger("reach.sse")
 PING = b": ping\n\n"

@@ -17,9 +17,10 @@ import anyio
 from sqlalchemy import text
 
 from api.services import Services
-from broker import catalog, metrics, routing
-from broker.registry import now_s
-from broker.tasks import QUEUED
+from broker.observability import metrics
+from broker.registry import cards, routing, views
+from broker.registry.model import now_s
+from broker.tasks.resource import QUEUED
 
 log = logging.getLogger("reach.metrics")
 
@@ -32,7 +33,7 @@ OLDEST_QUEUED = text(
 
 async def refresh(state: Services) -> None:
     """Set the system gauges from Postgres, Redis and the broker."""
-    known = await catalog.known_capabilities(state.engine)
+    known = await cards.known_capabilities(state.engine)
     depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, sorted(known))
     async with state.engine.connect() as conn:
         ages = {r.capability: float(r.age_s) for r in await conn.execute(OLDEST_QUEUED)}
@@ -44,7 +45,7 @@ async def refresh(state: Services) -> None:
         live |= {
             c.lease.instance for c in await routing.live_candidates(state.redis, capability, now)
         }
-    agents = await catalog.agents(state.engine, state.redis)
+    agents = await views.agents(state.engine, state.redis)
     registered = {i["instance"] for a in agents for i in a["instances"] if i["state"] != "offline"}
     metrics.registry_ready.set(len(live))
     metrics.registry_registered.set(len(registered | live))

@@ -1,5 +1,5 @@
 """The services one run measures against: Postgres and Redis found or started by
-``broker.localservices``, a fresh migrated database and an empty Redis db of the run's own,
+``reach.localservices``, a fresh migrated database and an empty Redis db of the run's own,
 both removed afterwards."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from broker import localservices, migrate
+from reach import localservices, migrate
 
 DATA_DIR = Path(__file__).resolve().parent.parent / ".reach" / "bench"
 

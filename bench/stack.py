@@ -14,9 +14,9 @@ from celery.utils.nodenames import host_format
 
 from bench.environment import Stores
 from bench.processes import BIN, Child, Children, celery_worker, child_env, free_port, wait_until
-from broker import keys
 from broker.db.engines import sync_engine
 from broker.settings import Settings
+from broker.tenancy import key_store
 
 WORKER = "bench-reach"
 QUEUES = "echo,text.summarize"
@@ -39,7 +39,7 @@ class Stack:
         figure counts only its own tasks."""
         engine = sync_engine(Settings(database_url=self.stores.database_url), pool_size=1)
         try:
-            return keys.create_key(engine, tenant, ["*"])[1]
+            return key_store.create_key(engine, tenant, ["*"])[1]
         finally:
             engine.dispose()
 

@@ -17,25 +17,13 @@
 
 HTTP statuses for each code live in one table in ``api/errors.py``.
 
-Two groups of exceptions from outside the tree decide what is tried again; they never
-overlap, and they are not the same thing:
-
-    INFRASTRUCTURE_ERRORS    our own Postgres or Redis cannot be reached (SQLAlchemy and
-                             redis-py classes). What we were doing is tried again later (a
-                             Celery message, a group of inserts) or the API answers 503; it is
-                             never counted as the agent's failure.
-    AGENT_TRANSIENT_ERRORS   what an agent's own calls raise when the network failed them (the
-                             built-in ``ConnectionError`` and ``TimeoutError``). The task fails
-                             with ``transient_error``, retryable: it runs again while attempts
-                             remain.
+Which exceptions from outside the tree mean an outage, ours or an agent's network's:
+``broker/outages.py``.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import redis.exceptions
-import sqlalchemy.exc
 
 
 class ReachError(Exception):
@@ -109,13 +97,3 @@ class Retryable(AgentFailure):
     ) -> None:
         super().__init__(message, code=code, retryable=True)
         self.delay_s = delay_s
-
-
-# See the module docstring for the difference between the two.
-INFRASTRUCTURE_ERRORS = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-)
-AGENT_TRANSIENT_ERRORS = (ConnectionError, TimeoutError)

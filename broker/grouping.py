@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from broker.errors import INFRASTRUCTURE_ERRORS
+from broker.outages import INFRASTRUCTURE_ERRORS
 
 T = TypeVar("T")
 R = TypeVar("R")

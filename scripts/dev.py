@@ -7,4 +7,4 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bootstrap import exec_in_venv
 
-exec_in_venv("embedded", ["-m", "broker.cli", "dev", *sys.argv[1:]])
+exec_in_venv("embedded", ["-m", "reach.cli", "dev", *sys.argv[1:]])

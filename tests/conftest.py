@@ -14,9 +14,9 @@ import pytest
 import redis
 from sqlalchemy import Engine
 
-from broker import localservices, migrate
 from broker.db.engines import sync_engine
 from broker.settings import Settings
+from reach import localservices, migrate
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -24,7 +24,7 @@ def _prepare_metrics_dir() -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="reach-metrics-")
     # The celery command may have imported prometheus_client already (Flower's CLI plugin
     # does), fixing its value class before the folder was set: choose it again. Metrics are
-    # created after this, when broker.metrics is imported.
+    # created after this, when broker.observability.metrics is imported.
     from prometheus_client import values
 
     values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]

@@ -10,8 +10,11 @@ from typing import Any
 from celery import Celery, signals
 from prometheus_client import multiprocess, start_http_server
 
-from broker import execution, logs, metrics, otel
-from broker.dispatch import (
+from broker.observability import logs, metrics, otel
+from broker.outages import INFRASTRUCTURE_ERRORS
+from broker.settings import Settings
+from broker.tasks import execution
+from broker.tasks.dispatch import (
     PURGE_TASK,
     REAP_TASK,
     RUN_TASK,
@@ -20,11 +23,9 @@ from broker.dispatch import (
     celery_config,
     send_run,
 )
-from broker.errors import INFRASTRUCTURE_ERRORS
-from broker.settings import Settings
-from workers.lease import lease_step
+from workers.lease_keeper import lease_step
 from workers.runner import Runner
-from workers.sdk.registry import AgentRegistry, agent
+from workers.sdk.agent import AgentRegistry, agent
 from workers.system import recovery
 from workers.system.webhooks import register as register_webhooks
 

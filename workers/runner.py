@@ -19,16 +19,20 @@ from typing import Any
 import redis
 from sqlalchemy import Engine
 
-from broker import cancellation, events, execution, jsonbody, leases, logs, metrics, retry
+from broker import jsonbody
 from broker.db.engines import sync_engine
-from broker.errors import AGENT_TRANSIENT_ERRORS, AgentFailure, BadRequest, Retryable
-from broker.events import EVENTS_SLACK_S
-from broker.registry import capability_of
+from broker.errors import AgentFailure, BadRequest, Retryable
+from broker.observability import logs, metrics
+from broker.outages import AGENT_TRANSIENT_ERRORS
+from broker.registry import leases
+from broker.registry.model import capability_of
 from broker.settings import Settings
-from broker.tasks import QUEUED, RUNNING, task_error
+from broker.tasks import cancellation, events, execution, retry
+from broker.tasks.events import EVENTS_SLACK_S
+from broker.tasks.resource import QUEUED, RUNNING, task_error
 from workers import faults
+from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
-from workers.sdk.registry import AgentRegistry, CapabilitySpec
 from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")

@@ -11,10 +11,10 @@ from fastapi.responses import JSONResponse
 from api.deps import authenticate
 from api.schemas import ERROR_RESPONSES
 from api.services import services
-from broker import catalog, routing
 from broker.errors import Forbidden, NotFound
-from broker.keys import Principal
-from broker.registry import card_queue, drain_key, now_s
+from broker.registry import cards, views
+from broker.registry.model import card_queue, drain_key
+from broker.tenancy.keys import Principal
 
 router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
@@ -27,15 +27,15 @@ async def list_agents(request: Request, caller: Caller) -> dict[str, Any]:
     than an operator's sees only agents of capabilities its patterns allow, and no instance's
     name, host or process id."""
     state = services(request)
-    return {"agents": catalog.seen_by(await catalog.agents(state.engine, state.redis), caller)}
+    return {"agents": views.seen_by(await views.agents(state.engine, state.redis), caller)}
 
 
 @router.get("/agents/{agent_id}", responses=ERROR_RESPONSES)
 async def get_agent(agent_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     """An agent's cards and instances: state and seconds since the last heartbeat."""
     state = services(request)
-    found = await catalog.agents(state.engine, state.redis, agent_id=agent_id)
-    found = catalog.seen_by(found, caller)
+    found = await views.agents(state.engine, state.redis, agent_id=agent_id)
+    found = views.seen_by(found, caller)
     if not found:
         raise NotFound("no such agent", code="agent_not_found")
     return found[0]
@@ -51,7 +51,7 @@ async def drain_instance(
     if not caller.is_admin:
         raise Forbidden("draining needs an admin key", code="admin_required")
     state = services(request)
-    if not await catalog.instance_exists(state.engine, agent_id, instance):
+    if not await views.instance_exists(state.engine, agent_id, instance):
         raise NotFound("no such instance of this agent", code="instance_not_found")
     await state.redis.set(drain_key(instance), "1", ex=DRAIN_FLAG_TTL_S)
     return JSONResponse({"instance": instance, "drain": "requested"}, status_code=202)
@@ -63,31 +63,11 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
     minutes of the caller's tenant's tasks. Queue depth, shared by every tenant, is shown to
     operator keys only."""
     state = services(request)
-    known = {
-        capability: served_by
-        for capability, served_by in (await catalog.known_capabilities(state.engine)).items()
-        if caller.may_see(capability)
-    }
-    figures = await catalog.capability_figures(state.engine, caller.tenant)
-    depths = await _queue_depths(request, known) if caller.is_admin else {}
-    now = now_s()
-    result = []
-    for capability, served_by in known.items():
-        live = await routing.live_candidates(state.redis, capability, now)
-        shown = {
-            "capability": capability,
-            "cards": served_by,
-            "live_instances": len(live),
-            "window_s": catalog.WINDOW_S,
-            "measured": figures.get(
-                capability,
-                {"tasks": 0, "success_rate": None, "p50_run_s": None, "p95_run_s": None},
-            ),
-        }
-        if caller.is_admin:
-            shown["queue_depth"] = depths[capability]
-        result.append(shown)
-    return {"capabilities": result}
+    known = await cards.known_capabilities(state.engine)
+    shown = {capability: by for capability, by in known.items() if caller.may_see(capability)}
+    depths = await _queue_depths(request, shown) if caller.is_admin else None
+    found = await views.capabilities(state.engine, state.redis, shown, caller.tenant, depths)
+    return {"capabilities": found}
 
 
 async def _queue_depths(request: Request, known: dict[str, list[dict[str, Any]]]) -> dict[str, int]:

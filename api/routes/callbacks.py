@@ -17,9 +17,9 @@ from api.deps import authenticate, metered
 from api.routes.webhooks import parse_id, reaches, send_again
 from api.schemas import ERROR_RESPONSES
 from api.services import services
-from broker import queries
 from broker.errors import Forbidden, NotFound
-from broker.keys import Principal
+from broker.tasks import queries
+from broker.tenancy.keys import Principal
 from broker.timestamps import iso
 from broker.webhooks import delivery_log, subscriptions
 from broker.webhooks.subscriptions import rotate_callback_secret

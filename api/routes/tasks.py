@@ -14,12 +14,14 @@ from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
-from broker import jsonbody, metrics, queries
-from broker.capabilities import is_valid_name
-from broker.envelope import Envelope, parse_envelope
+from broker import jsonbody
 from broker.errors import BadRequest, Conflict, NotFound
-from broker.keys import Principal
-from broker.tasks import Status, parse_task_id, render
+from broker.observability import metrics
+from broker.registry.capabilities import is_valid_name
+from broker.tasks import queries
+from broker.tasks.envelope import Envelope, parse_envelope
+from broker.tasks.resource import Status, parse_task_id, render
+from broker.tenancy.keys import Principal
 
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])

@@ -19,10 +19,10 @@ from api.deps import authenticate, metered, read_json_body
 from api.schemas import ERROR_RESPONSES
 from api.services import services
 from broker import jsonbody
-from broker.capabilities import patterns_cover
 from broker.errors import BadRequest, Forbidden, NotFound
-from broker.keys import Principal
-from broker.tasks import parse_task_id
+from broker.registry.capabilities import patterns_cover
+from broker.tasks.resource import parse_task_id
+from broker.tenancy.keys import Principal
 from broker.webhooks import delivery_log, subscriptions
 from broker.webhooks.subscriptions import WebhookSpec, render
 

@@ -28,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from broker.tasks import STATUSES, Move
+from broker.tasks.resource import STATUSES, Move
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

@@ -16,7 +16,7 @@ from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
 from broker.errors import Conflict, NotFound
-from broker.queries import decode_cursor, encode_cursor
+from broker.tasks.queries import decode_cursor, encode_cursor
 from broker.timestamps import iso
 from broker.webhooks.deliveries import message_id
 from broker.webhooks.policy import DEAD, FAILED, PENDING

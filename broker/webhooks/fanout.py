@@ -15,14 +15,14 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
 
-from broker.capabilities import any_pattern_allows
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
+from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
-from broker.tasks import new_task_id, render
+from broker.tasks.resource import new_task_id, render
 from broker.timestamps import iso
-from broker.webhooks import PROGRESS
+from broker.webhooks.events import PROGRESS
 from broker.webhooks.policy import PENDING
 
 Target = tuple[uuid.UUID | None, str]  # (subscription id, or None for the callback; url)

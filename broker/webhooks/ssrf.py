@@ -18,8 +18,8 @@ from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
 import httpx
 
-from broker.backpressure import RateLimited
 from broker.errors import BadRequest, Unavailable
+from broker.tasks.backpressure import RateLimited
 from broker.webhooks.addresses import effective, is_denied
 
 URL_MAX = 2048

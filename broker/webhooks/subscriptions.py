@@ -16,13 +16,13 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker.capabilities import is_valid_pattern
 from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import webhooks_table as webhooks
 from broker.errors import BadRequest
-from broker.tasks import new_task_id
+from broker.registry.capabilities import is_valid_pattern
+from broker.tasks.resource import new_task_id
 from broker.timestamps import iso
-from broker.webhooks import FINAL_EVENTS, check_events
+from broker.webhooks.events import FINAL_EVENTS, check_events
 from broker.webhooks.signing import new_secret
 from broker.webhooks.ssrf import HostLookups
 

@@ -10,9 +10,11 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from api.app import create_app
-from broker import keys, leases, localservices
 from broker.db.models import tasks_table
+from broker.registry import leases
 from broker.settings import Settings
+from broker.tenancy import key_store
+from reach import localservices
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
@@ -20,7 +22,7 @@ from tests.integration.stack import (
     start_system_workers,
     start_worker,
 )
-from workers.sdk.registry import AgentRegistry
+from workers.sdk.agent import AgentRegistry
 
 TEST_QUEUES = ",".join(
     [
@@ -132,7 +134,9 @@ def make_key(engine: Engine) -> KeyMaker:
         patterns: list[str] | None = None, tenant: str | None = None, *, tenant_admin: bool = False
     ) -> tuple[str, str]:
         tenant = tenant or f"t-{secrets.token_hex(4)}"
-        _, token = keys.create_key(engine, tenant, patterns or ["*"], tenant_admin=tenant_admin)
+        _, token = key_store.create_key(
+            engine, tenant, patterns or ["*"], tenant_admin=tenant_admin
+        )
         return tenant, token
 
     return make

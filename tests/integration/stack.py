@@ -19,8 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
+from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from tests.eventually import eventually
 
 BIN = Path(sys.executable).parent

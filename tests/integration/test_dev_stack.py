@@ -16,8 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from broker import localservices
 from broker.settings import Settings
+from reach import localservices
 from tests.eventually import eventually
 from tests.integration.stack import environment, free_port
 

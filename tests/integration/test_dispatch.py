@@ -11,8 +11,8 @@ from typing import Any
 
 import redis
 
-from broker.dispatch import RUN_TASK, Dispatcher, redis_run_message
 from broker.settings import Settings
+from broker.tasks.dispatch import RUN_TASK, Dispatcher, redis_run_message
 
 
 def _decoded(raw: bytes) -> dict[str, Any]:

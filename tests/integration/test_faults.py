@@ -23,10 +23,12 @@ import redis
 from sqlalchemy import Engine, select
 
 from api.app import create_app
-from broker import events, keys, localservices, migrate
 from broker.db.engines import sync_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from broker.tasks import events
+from broker.tenancy import key_store
+from reach import localservices, migrate
 from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
 from workers import faults
@@ -174,7 +176,7 @@ def test_postgres_stopped_and_started_under_load(
 
     url, pg_dir = fragile_postgres
     outage_settings = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
-    _, token = keys.create_key(sync_engine(outage_settings), "outage", ["*"])
+    _, token = key_store.create_key(sync_engine(outage_settings), "outage", ["*"])
     work = start_worker(
         outage_settings, "echo,reach.maintenance", f"outage-{uuid.uuid4().hex[:4]}", log_dir
     )

@@ -14,9 +14,9 @@ from sqlalchemy import Engine, insert
 
 from broker import jsonbody
 from broker.db.models import tasks_table
-from broker.dispatch import Dispatcher
-from broker.events import EventLog, read_log_sync
 from broker.settings import Settings
+from broker.tasks.dispatch import Dispatcher
+from broker.tasks.events import EventLog, read_log_sync
 from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess
 

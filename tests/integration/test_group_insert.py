@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from broker.db.engines import async_engine
 from broker.db.models import tasks_table as tasks
 from broker.settings import Settings
-from broker.submission import GroupInsert
-from broker.tasks import new_task_id
+from broker.tasks.resource import new_task_id
+from broker.tasks.submission import GroupInsert
 
 
 def _row(tenant: str, **changes: Any) -> dict[str, Any]:

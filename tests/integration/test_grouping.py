@@ -11,9 +11,9 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from broker.admission import Door
-from broker.backpressure import RateLimited, TokenBucket
-from broker.events import EventLog, read_log_sync
+from broker.tasks.admission import Door
+from broker.tasks.backpressure import RateLimited, TokenBucket
+from broker.tasks.events import EventLog, read_log_sync
 
 
 async def _counting(url: str, body: Any) -> tuple[Any, int]:

@@ -154,9 +154,9 @@ def test_a_handler_past_its_cards_timeout_is_expired(client: httpx.Client) -> No
 
 
 def test_the_hard_limit_stays_below_the_redis_visibility_timeout() -> None:
-    from broker.dispatch import VISIBILITY_TIMEOUT_S
+    from broker.tasks.dispatch import VISIBILITY_TIMEOUT_S
     from workers.application import hard_time_limit_s
-    from workers.sdk.registry import AgentRegistry
+    from workers.sdk.agent import AgentRegistry
 
     registry = AgentRegistry()
     registry.capability("slow.one", agent_id="slow", timeout_s=600)(lambda ctx, p: p)

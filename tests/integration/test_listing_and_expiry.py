@@ -14,10 +14,11 @@ import pytest
 from sqlalchemy import Engine, select
 
 from api.app import create_app
-from broker import keys, localservices, migrate
 from broker.db.engines import sync_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from broker.tenancy import key_store
+from reach import localservices, migrate
 from tests.eventually import eventually
 from tests.integration.conftest import advertise_test_cards, client_for
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, wait_for_task
@@ -127,7 +128,7 @@ def janitorless(
     local = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
     engine = sync_engine(local)
     advertise_test_cards(engine)
-    _, token = keys.create_key(engine, "t-expiry", ["*"])
+    _, token = key_store.create_key(engine, "t-expiry", ["*"])
     try:
         with ServedApp(create_app(local)) as served:
             yield served, token, engine

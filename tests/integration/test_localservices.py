@@ -1,4 +1,4 @@
-"""broker.localservices against real Postgres and Redis: the local ones, or embedded ones
+"""reach.localservices against real Postgres and Redis: the local ones, or embedded ones
 (the URL rewriting is unit-tested in ``tests/unit/test_localservices.py``)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import redis
 import sqlalchemy
 
-from broker.localservices import (
+from reach.localservices import (
     CLAIM_KEY,
     LOCAL_POSTGRES_URL,
     LOCAL_REDIS_URL,

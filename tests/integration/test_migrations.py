@@ -11,8 +11,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from broker import localservices, migrate
 from broker.db.models import Base
+from reach import localservices, migrate
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from sqlalchemy import event
 
 from api.app import create_app
-from broker.logs import JsonFormatter
+from broker.observability.logs import JsonFormatter
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.stack import (
@@ -298,7 +298,7 @@ def test_with_opentelemetry_on_our_trace_id_is_the_spans_trace(
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from api.app import create_app
-    from broker import otel
+    from broker.observability import otel
 
     exporter = InMemorySpanExporter()
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from api.app import create_app
-from broker.localservices import tcp_answers
 from broker.settings import Settings
+from reach.localservices import tcp_answers
 from tests.conftest import IN_CI
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task

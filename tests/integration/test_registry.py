@@ -13,8 +13,8 @@ import pytest
 import redis
 from sqlalchemy import Engine
 
-from broker import leases
-from broker.registry import live_key
+from broker.registry import leases
+from broker.registry.model import live_key
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
@@ -45,9 +45,9 @@ def pool_workers(settings: Settings, log_dir: Path) -> Iterator[dict[str, Celery
 
 @pytest.fixture
 def admin(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
-    from broker import keys
+    from broker.tenancy import key_store
 
-    _, token = keys.create_key(engine, "ops", ["*"], is_admin=True)
+    _, token = key_store.create_key(engine, "ops", ["*"], is_admin=True)
     with client_for(api, token) as http:
         yield http
 

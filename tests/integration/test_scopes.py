@@ -17,9 +17,9 @@ import httpx
 import pytest
 from sqlalchemy import Engine, String, column, select, values
 
-from broker import keys
-from broker.capabilities import any_pattern_allows
-from broker.queries import allowed_by
+from broker.registry.capabilities import any_pattern_allows
+from broker.tasks.queries import allowed_by
+from broker.tenancy import key_store
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.receiver import Receiver
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
@@ -48,7 +48,7 @@ def acme(api: ServedApp, make_key: KeyMaker, worker: CeleryProcess) -> Iterator[
 
 @pytest.fixture
 def operator(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
-    _, token = keys.create_key(engine, f"ops-{uuid.uuid4().hex[:8]}", ["*"], is_admin=True)
+    _, token = key_store.create_key(engine, f"ops-{uuid.uuid4().hex[:8]}", ["*"], is_admin=True)
     with client_for(api, token) as http:
         yield http
 

@@ -1,4 +1,4 @@
-"""Every status write runs the move of ``broker.tasks`` it stands for, on real Postgres: given a
+"""Every status write runs the move of ``broker.tasks.resource`` it stands for, on real
 row in each status, the operation moves it to the move's target exactly when its status is
 one of the move's sources, and leaves it alone otherwise."""
 
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from broker import cancellation, execution
 from broker.db.engines import async_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
-from broker.tasks import (
+from broker.tasks import cancellation, execution
+from broker.tasks.resource import (
     CANCEL,
     CLAIM,
     EXPIRE_UNSTARTED,

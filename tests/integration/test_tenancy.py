@@ -7,7 +7,7 @@ import uuid
 import httpx
 from sqlalchemy import Engine
 
-from broker import keys
+from broker.tenancy import key_store
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.stack import ServedApp
 
@@ -34,7 +34,7 @@ def test_a_revoked_key_is_401(uncached_api: ServedApp, make_key: KeyMaker, engin
     _, token = make_key()
     with client_for(uncached_api, token) as http:
         assert http.get("/tasks").status_code == 200
-        assert keys.revoke_key(engine, token.split("_")[1])
+        assert key_store.revoke_key(engine, token.split("_")[1])
         # This API caches keys for 0 s, so revocation is immediate here.
         assert http.get("/tasks").status_code == 401
 

@@ -13,9 +13,9 @@ from standardwebhooks.webhooks import Webhook
 
 from api.app import create_app
 from broker.db.models import webhook_deliveries_table, webhooks_table
-from broker.dispatch import WEBHOOK_SWEEP_TASK, Dispatcher
 from broker.settings import Settings
-from broker.tasks import new_task_id
+from broker.tasks.dispatch import WEBHOOK_SWEEP_TASK, Dispatcher
+from broker.tasks.resource import new_task_id
 from broker.webhooks.signing import new_secret
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.receiver import Receiver, Reply

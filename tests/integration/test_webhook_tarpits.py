@@ -21,12 +21,13 @@ from celery import Celery
 from sqlalchemy import Engine, create_engine, select
 
 from api.app import create_app
-from broker import keys, localservices, migrate
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries_table
-from broker.dispatch import WEBHOOK_SWEEP_TASK, celery_config
 from broker.settings import Settings
+from broker.tasks.dispatch import WEBHOOK_SWEEP_TASK, celery_config
+from broker.tenancy import key_store
 from broker.webhooks import deliveries
+from reach import localservices, migrate
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Tarpit
 from tests.integration.rows import a_delivery_row
@@ -54,7 +55,7 @@ class Stack:
 
     def client(self, engine: Engine) -> httpx.Client:
         """A client for a fresh tenant allowed everything."""
-        _, token = keys.create_key(engine, f"t-{secrets.token_hex(4)}", ["*"])
+        _, token = key_store.create_key(engine, f"t-{secrets.token_hex(4)}", ["*"])
         headers = {"Authorization": f"Bearer {token}"}
         return httpx.Client(base_url=self.api.url, headers=headers, timeout=30)
 

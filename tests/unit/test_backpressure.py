@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.backpressure import QueueBound
+from broker.tasks.backpressure import QueueBound
 
 
 async def _no_depth(queues: list[str]) -> dict[str, int]:

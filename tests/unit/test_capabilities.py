@@ -8,7 +8,7 @@ from celery.events.event import EVENT_EXCHANGE_NAME
 from kombu import pidbox
 from kombu.transport.redis import Channel
 
-from broker.capabilities import (
+from broker.registry.capabilities import (
     NAME_MAX,
     any_pattern_allows,
     is_reserved,

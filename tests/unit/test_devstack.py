@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker import devstack
-from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
+from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
+from reach import devstack
 
 
 def _queues(argv: list[str]) -> set[str]:

@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from broker.envelope import Envelope, parse_envelope
 from broker.errors import BadRequest, InvalidEnvelope
+from broker.tasks.envelope import Envelope, parse_envelope
 
 MINIMAL: dict[str, Any] = {"capability": "invoice.extract", "payload": {}}
 FULL: dict[str, Any] = {

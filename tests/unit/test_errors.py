@@ -2,7 +2,7 @@
 
 import pytest
 
-from broker.errors import AGENT_TRANSIENT_ERRORS, INFRASTRUCTURE_ERRORS
+from broker.outages import AGENT_TRANSIENT_ERRORS, INFRASTRUCTURE_ERRORS
 
 
 @pytest.mark.parametrize("ours", INFRASTRUCTURE_ERRORS)

@@ -6,7 +6,7 @@ import secrets
 
 import pytest
 
-from broker.keys import PREFIX, Principal, hash_secret, secret_matches, split_token
+from broker.tenancy.keys import PREFIX, Principal, hash_secret, secret_matches, split_token
 
 # --- split_token ---------------------------------------------------------------------------
 

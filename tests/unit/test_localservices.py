@@ -1,10 +1,10 @@
-"""broker.localservices without services: rewriting Postgres and Redis URLs."""
+"""reach.localservices without services: rewriting Postgres and Redis URLs."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker.localservices import (
+from reach.localservices import (
     LOCAL_POSTGRES_URL,
     LOCAL_REDIS_URL,
     libpq_url,

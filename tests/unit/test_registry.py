@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from jsonschema.exceptions import SchemaError
 
+from workers.sdk.agent import AgentRegistry
 from workers.sdk.context import Context
-from workers.sdk.registry import AgentRegistry
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

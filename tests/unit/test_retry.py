@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from broker.retry import attempt_limit, backoff_s, decide
+from broker.tasks.retry import attempt_limit, backoff_s, decide
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SEEDS = range(50)

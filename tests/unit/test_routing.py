@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 from redis.asyncio import Redis
 
-from broker.registry import DRAINING, NOT_READY, READY, CardRef, Lease
-from broker.routing import (
+from broker.registry.model import DRAINING, NOT_READY, READY, CardRef, Lease
+from broker.registry.routing import (
     Candidate,
     Route,
     candidates_from,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from broker.tasks import (
+from broker.tasks.resource import (
     CANCELLED,
     EXPIRED,
     FAILED,

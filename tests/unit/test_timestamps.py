@@ -2,7 +2,7 @@
 
 from datetime import UTC, datetime, timedelta, timezone
 
-from broker.catalog import instance_view
+from broker.registry.views import instance_view
 from broker.timestamps import iso
 
 

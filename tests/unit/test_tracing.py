@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from broker.tracing import new_trace_id, trace_id_from, traceparent
+from broker.observability.tracing import new_trace_id, trace_id_from, traceparent
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -1,8 +1,8 @@
 """The agent SDK: register capabilities with ``@agent.capability`` and use the ``Context``."""
 
 from broker.errors import AgentFailure, Retryable
+from workers.sdk.agent import AgentRegistry, CapabilitySpec, agent
 from workers.sdk.context import Context
-from workers.sdk.registry import AgentRegistry, CapabilitySpec, agent
 
 __all__ = [
     "AgentFailure",

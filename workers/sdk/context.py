@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from broker.tracing import traceparent
+from broker.observability.tracing import traceparent
 
 ProgressSink = Callable[[dict[str, Any]], object]
 ReadinessSink = Callable[[bool, float], object]

@@ -28,11 +28,13 @@ from typing import Any
 import redis
 from celery import Celery
 
-from broker import events, execution, leases, metrics, retry
-from broker.capabilities import is_valid_name
-from broker.dispatch import queue_depths
-from broker.registry import capability_of, lease_key
-from broker.tasks import QUEUED, task_error
+from broker.observability import metrics
+from broker.registry import leases
+from broker.registry.capabilities import is_valid_name
+from broker.registry.model import capability_of, lease_key
+from broker.tasks import events, execution, retry
+from broker.tasks.dispatch import queue_depths
+from broker.tasks.resource import QUEUED, task_error
 from workers.runner import Runner
 
 log = logging.getLogger("reach.recovery")

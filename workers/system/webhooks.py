@@ -20,27 +20,20 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import Engine
 
-from broker import metrics
-from broker.dispatch import (
+from broker.observability import metrics
+from broker.observability.tracing import traceparent
+from broker.outages import INFRASTRUCTURE_ERRORS
+from broker.settings import Settings
+from broker.tasks.dispatch import (
     DELIVER_TASK,
     FANOUT_TASK,
     WEBHOOK_SWEEP_TASK,
     send_announce,
     send_deliver,
 )
-from broker.errors import INFRASTRUCTURE_ERRORS
-from broker.settings import Settings
-from broker.tasks import FINAL
-from broker.tracing import traceparent
-from broker.webhooks import (
-    PROGRESS,
-    deliveries,
-    event_for_status,
-    fanout,
-    policy,
-    signing,
-    upkeep,
-)
+from broker.tasks.resource import FINAL
+from broker.webhooks import deliveries, fanout, policy, signing, upkeep
+from broker.webhooks.events import PROGRESS, event_for_status
 from broker.webhooks.ssrf import Guard
 from workers.system.sender import send
 

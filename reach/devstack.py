@@ -16,10 +16,11 @@ from pathlib import Path
 
 import httpx
 
-from broker import keys, localservices, migrate
 from broker.db.engines import sync_engine
-from broker.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.settings import Settings
+from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
+from broker.tenancy import key_store
+from reach import localservices, migrate
 
 DATA_DIR = Path(".reach")
 CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize"
@@ -152,7 +153,7 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         settings = Settings(
             database_url=env["REACH_DATABASE_URL"], redis_url=env["REACH_REDIS_URL"]
         )
-        _, token = keys.create_key(
+        _, token = key_store.create_key(
             sync_engine(settings), "dev", ["*"], is_admin=True, tenant_admin=True, name="dev"
         )
         for name, command in _commands(port, flower_port, data_dir).items():

@@ -1,4 +1,4 @@
-"""What the API reads: tasks of one tenant (expired ones read as gone) and API keys.
+"""What the API reads of tasks: those of one tenant (expired ones read as gone), paged.
 
 A read narrowed by ``patterns`` (a key's ``Principal.sees``) finds only tasks of capabilities
 they allow: a task outside them reads as gone, like a foreign one.
@@ -15,7 +15,6 @@ from typing import Any
 from sqlalchemy import ColumnElement, false, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker.db.models import api_keys_table as keys
 from broker.db.models import tasks_table as tasks
 from broker.errors import BadRequest
 
@@ -94,10 +93,3 @@ async def list_tasks(
     more = len(rows) > limit
     rows = rows[:limit]
     return rows, encode_cursor(rows[-1]["id"]) if more else None
-
-
-async def get_key(engine: AsyncEngine, key_id: str) -> dict[str, Any] | None:
-    query = select(keys).where(keys.c.key_id == key_id, keys.c.revoked_at.is_(None))
-    async with engine.connect() as conn:
-        row = (await conn.execute(query)).first()
-    return dict(row._mapping) if row is not None else None

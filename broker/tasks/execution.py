@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, bindparam, exists, func, null, or_, s
 from broker.db.models import in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
-from broker.tasks import (
+from broker.tasks.resource import (
     CLAIM,
     EXPIRE_UNSTARTED,
     FAIL,

@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from broker.capabilities import is_reserved, is_valid_name
 from broker.errors import InvalidEnvelope
-from broker.tasks import FAILED, SUCCEEDED
-from broker.webhooks import check_events, event_for_status
+from broker.registry.capabilities import is_reserved, is_valid_name
+from broker.tasks.resource import FAILED, SUCCEEDED
+from broker.webhooks.events import check_events, event_for_status
 
 ReplyMode = Literal["async", "sync", "stream"]
 _PRINTABLE = r"^[\x21-\x7e]+$"

@@ -14,16 +14,17 @@ from redis.asyncio import Redis
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import catalog
+from broker.cache import TimedCache
 from broker.db.models import in_sources
 from broker.db.models import tasks_table as tasks
-from broker.dispatch import Dispatcher
-from broker.events import EventLog
-from broker.keys import Principal
-from broker.queries import allowed_by
-from broker.registry import capability_of
-from broker.tasks import CANCEL, task_error
-from broker.webhooks import event_for_status
+from broker.registry import cards as card_reads
+from broker.registry.model import capability_of
+from broker.tasks.dispatch import Dispatcher
+from broker.tasks.events import EventLog
+from broker.tasks.queries import allowed_by
+from broker.tasks.resource import CANCEL, task_error
+from broker.tenancy.keys import Principal
+from broker.webhooks.events import event_for_status
 
 FLAG_TTL_S = 24 * 3600
 
@@ -71,7 +72,7 @@ class Canceller:
 
     engine: AsyncEngine
     redis: Redis
-    cards: catalog.TimedCache
+    cards: TimedCache
     dispatcher: Dispatcher
     event_log: EventLog
 
@@ -91,6 +92,6 @@ class Canceller:
         if row["agent_id"] is None:
             return  # never started
         key = (row["agent_id"], row["agent_version"], capability_of(row["queue"]))
-        card = await catalog.card(self.engine, self.cards, key)
+        card = await card_reads.card(self.engine, self.cards, key)
         if card is not None and card.get("cancellable"):
             await anyio.to_thread.run_sync(self.dispatcher.revoke, row["id"])

@@ -16,12 +16,15 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import catalog, jsonbody, metrics, routing
-from broker.backpressure import BUCKET_LUA, TokenBucket
-from broker.envelope import Envelope
+from broker import jsonbody
+from broker.cache import TimedCache
 from broker.errors import BadRequest, InvalidEnvelope, Unavailable
 from broker.grouping import Grouped
-from broker.registry import LEASE_PREFIX, live_key, now_s
+from broker.observability import metrics
+from broker.registry import cards, figures, routing
+from broker.registry.model import LEASE_PREFIX, live_key, now_s
+from broker.tasks.backpressure import BUCKET_LUA, TokenBucket
+from broker.tasks.envelope import Envelope
 
 NO_AGENT_RETRY_AFTER_S = 5
 # The metric label of a capability no card has served: not a valid name, so never a real one,
@@ -100,30 +103,30 @@ async def admit(
     allowed: Sequence[str],
     door: Door,
     engine: AsyncEngine,
-    cache: catalog.TimedCache,
+    cache: TimedCache,
 ) -> str:
     """The queue to publish to; raises when the request cannot be served as sent. The tenant's
     rate was taken before the body was read (``Door.take``). ``allowed``: the caller's key
     patterns, which bound the fallback up the prefix chain as they bound the capability asked
     for."""
     known = await door.live(envelope.capability)
-    rates = await catalog.success_rates(engine, cache)
+    rates = await figures.success_rates(engine, cache)
     route = await routing.resolve(
         door.redis, envelope.capability, allowed=allowed, success_rates=rates, known=known
     )
     if route is None:
         return await _unrouted(envelope, engine, cache)
     key = (route.card.agent_id, route.card.version, route.card.capability)
-    document = await catalog.card(engine, cache, key)
+    document = await cards.card(engine, cache, key)
     if document is not None:
         check_payload(document, envelope.payload, cache)
     return route.queue
 
 
-async def _unrouted(envelope: Envelope, engine: AsyncEngine, cache: catalog.TimedCache) -> str:
+async def _unrouted(envelope: Envelope, engine: AsyncEngine, cache: TimedCache) -> str:
     """The queue to wait in when nothing the key allows is live, or 503 no_agent_available.
     Read only on this path: a routed request costs no extra query."""
-    served = envelope.capability in await catalog.served_capabilities(engine, cache)
+    served = envelope.capability in await cards.served_capabilities(engine, cache)
     if envelope.queue_if_unavailable and served:
         return envelope.capability
     metrics.routing_failures.labels(envelope.capability if served else UNKNOWN_LABEL).inc()
@@ -135,7 +138,7 @@ async def _unrouted(envelope: Envelope, engine: AsyncEngine, cache: catalog.Time
     )
 
 
-def check_payload(document: dict[str, Any], payload: Any, cache: catalog.TimedCache) -> None:
+def check_payload(document: dict[str, Any], payload: Any, cache: TimedCache) -> None:
     limit = (document.get("constraints") or {}).get("max_payload_bytes")
     if limit is not None:
         _, size = jsonbody.digest(payload)

@@ -14,15 +14,16 @@ import argparse
 import json
 import sys
 
-from broker import keys, migrate
 from broker.db.engines import sync_engine
 from broker.errors import ReachError
 from broker.settings import Settings
+from broker.tenancy import key_store
+from reach import migrate
 
 
 def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
     patterns = [p.strip() for p in args.capabilities.split(",") if p.strip()]
-    key_id, token = keys.create_key(
+    key_id, token = key_store.create_key(
         sync_engine(settings),
         args.tenant,
         patterns,
@@ -38,7 +39,7 @@ def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
-    if keys.revoke_key(sync_engine(settings), args.key_id):
+    if key_store.revoke_key(sync_engine(settings), args.key_id):
         print(f"revoked {args.key_id}")
         return 0
     print(f"no active key {args.key_id}", file=sys.stderr)
@@ -46,7 +47,7 @@ def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _keys_list(args: argparse.Namespace, settings: Settings) -> int:
-    for row in keys.list_keys(sync_engine(settings), args.tenant):
+    for row in key_store.list_keys(sync_engine(settings), args.tenant):
         print(json.dumps(row, default=str))
     return 0
 
@@ -58,7 +59,7 @@ def _migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _dev(args: argparse.Namespace, settings: Settings) -> int:
-    from broker.devstack import run_dev_stack
+    from reach.devstack import run_dev_stack
 
     return run_dev_stack(port=args.port, flower_port=args.flower_port)
 

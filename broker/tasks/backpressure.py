@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from broker import metrics
 from broker.errors import ReachError, Unavailable
+from broker.observability import metrics
 
 # A Lua function, so that admission can run it in the same script as the route lookup.
 BUCKET_LUA = """

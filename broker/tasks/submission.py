@@ -17,15 +17,17 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import events, jsonbody, metrics
+from broker import jsonbody
 from broker.db.models import tasks_table as tasks
-from broker.dispatch import Dispatcher
-from broker.envelope import Envelope
 from broker.errors import BadRequest, Unavailable
 from broker.grouping import Grouped
-from broker.keys import Principal
+from broker.observability import metrics
 from broker.settings import Settings
-from broker.tasks import QUEUED, new_task_id
+from broker.tasks import events
+from broker.tasks.dispatch import Dispatcher
+from broker.tasks.envelope import Envelope
+from broker.tasks.resource import QUEUED, new_task_id
+from broker.tenancy.keys import Principal
 
 # Built once: constructing and caching the statement per request cost more than running it.
 # RETURNING only the id (did the insert happen?): the row is what was sent, plus the

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from broker.capabilities import any_pattern_allows, prefix_chain
-from broker.registry import LEASE_PREFIX, READY, SUSPECT, CardRef, Lease, live_key, now_s
+from broker.registry.capabilities import any_pattern_allows, prefix_chain
+from broker.registry.model import LEASE_PREFIX, READY, SUSPECT, CardRef, Lease, live_key, now_s
 
 EXACT_MATCH, PREFIX_MATCH = 1.0, 0.6
 SUSPECT_FACTOR = 0.3

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
 
-from broker.capabilities import is_reserved, is_valid_name
-from broker.registry import CARD_SCHEMA_VERSION, DEFAULT_LEASE_TTL_S
-from broker.retry import DEFAULT_MAX_ATTEMPTS
+from broker.registry.capabilities import is_reserved, is_valid_name
+from broker.registry.model import CARD_SCHEMA_VERSION, DEFAULT_LEASE_TTL_S
+from broker.tasks.retry import DEFAULT_MAX_ATTEMPTS
 
 if TYPE_CHECKING:
     from workers.sdk.context import Context

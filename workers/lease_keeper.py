@@ -19,9 +19,10 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from broker import execution, leases, metrics
 from broker.db.engines import sync_engine
-from broker.registry import (
+from broker.observability import metrics
+from broker.registry import leases
+from broker.registry.model import (
     DRAINING,
     OFFLINE,
     READY,
@@ -32,7 +33,8 @@ from broker.registry import (
     now_s,
 )
 from broker.settings import Settings
-from workers.sdk.registry import AgentRegistry, CapabilitySpec
+from broker.tasks import execution
+from workers.sdk.agent import AgentRegistry, CapabilitySpec
 
 log = logging.getLogger("reach.lease")
 OrphanHandler = Callable[[list[dict[str, Any]]], object]

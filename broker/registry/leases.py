@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_instances_table as instances
-from broker.registry import (
+from broker.registry.model import (
     OFFLINE,
     READY,
     Lease,

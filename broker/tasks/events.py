@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from broker.grouping import Grouped
-from broker.tasks import FINAL, render
+from broker.tasks.resource import FINAL, render
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 LOG_MAX_EVENTS = 10_000

@@ -17,7 +17,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.events import Event, channel, log_key, parse_entries, seq_key
+from broker.tasks.events import Event, channel, log_key, parse_entries, seq_key
 
 log = logging.getLogger("reach.events")
 QUEUE_MAX = 1024

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import submission
-from broker.admission import Door, admit
-from broker.backpressure import QueueBound
-from broker.capabilities import any_pattern_allows
-from broker.catalog import TimedCache
-from broker.dispatch import Dispatcher
-from broker.envelope import Envelope
+from broker.cache import TimedCache
 from broker.errors import Forbidden
-from broker.events import EventLog
-from broker.keys import Principal
+from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
-from broker.submission import Accepted, GroupInsert
+from broker.tasks import submission
+from broker.tasks.admission import Door, admit
+from broker.tasks.backpressure import QueueBound
+from broker.tasks.dispatch import Dispatcher
+from broker.tasks.envelope import Envelope
+from broker.tasks.events import EventLog
+from broker.tasks.submission import Accepted, GroupInsert
+from broker.tenancy.keys import Principal
 from broker.webhooks.ssrf import HostLookups
 from broker.webhooks.subscriptions import vet_callback
 

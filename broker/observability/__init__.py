@@ -1,0 +1,2 @@
+"""What the broker says about itself: structured logs, Prometheus metrics, trace ids, and
+optional OpenTelemetry."""

@@ -1,0 +1,28 @@
+"""Outages: which exceptions from outside the error tree (``broker/errors.py``) mean that a
+call failed for want of a network or a service, not for a bug.
+
+Two groups decide what is tried again; they never overlap, and they are not the same thing:
+
+    INFRASTRUCTURE_ERRORS    our own Postgres or Redis cannot be reached (SQLAlchemy and
+                             redis-py classes). What we were doing is tried again later (a
+                             Celery message, a group of inserts) or the API answers 503; it is
+                             never counted as the agent's failure.
+    AGENT_TRANSIENT_ERRORS   what an agent's own calls raise when the network failed them (the
+                             built-in ``ConnectionError`` and ``TimeoutError``). The task fails
+                             with ``transient_error``, retryable: it runs again while attempts
+                             remain.
+"""
+
+from __future__ import annotations
+
+import redis.exceptions
+import sqlalchemy.exc
+
+# See the module docstring for the difference between the two.
+INFRASTRUCTURE_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+AGENT_TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
