@@ -47,7 +47,7 @@ def hard_time_limit_s(settings: Settings, registry: AgentRegistry) -> float:
     hand a still-running task to a second worker; a worker refuses to start otherwise.
     """
     longest = max(
-        (s.timeout_s or settings.default_task_timeout_s for s in registry),
+        (s.card.timeout_s or settings.default_task_timeout_s for s in registry),
         default=settings.default_task_timeout_s,
     )
     hard = longest + HARD_LIMIT_GRACE_S

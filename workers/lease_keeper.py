@@ -26,9 +26,7 @@ from broker.registry.model import (
     DRAINING,
     OFFLINE,
     READY,
-    CardRef,
     Lease,
-    card_queue,
     drain_key,
     now_s,
 )
@@ -53,7 +51,7 @@ class LeaseKeeper:
         self.instance: str = consumer.hostname
         consumed = set(consumer.app.amqp.queues.consume_from or {})
         self.specs = [s for s in registry if s.name in consumed]
-        ttl = settings.lease_ttl_s or min((s.lease_ttl_s for s in self.specs), default=30.0)
+        ttl = settings.lease_ttl_s or min((s.card.lease_ttl_s for s in self.specs), default=30.0)
         self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
         self.engine = sync_engine(settings, pool_size=1)
         self.lease = Lease(
@@ -64,28 +62,18 @@ class LeaseKeeper:
             lease_ttl_s=ttl,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            cards=tuple(self._card_ref(s) for s in self.specs),
+            cards=tuple(s.card.ref() for s in self.specs),
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reach-lease", daemon=True)
 
-    @staticmethod
-    def _card_ref(spec: CapabilitySpec) -> CardRef:
-        return CardRef(
-            agent_id=spec.agent_id,
-            version=spec.version,
-            capability=spec.name,
-            weight=spec.weight,
-            cost_per_call=spec.cost_per_call,
-        )
-
     def start(self) -> None:
         if not self.specs:
             return
-        leases.advertise_cards(self.engine, [s.card_document() for s in self.specs])
+        leases.advertise_cards(self.engine, [s.card.document() for s in self.specs])
         self.redis.delete(drain_key(self.instance))  # a restart is not still draining
         for spec in self.specs:  # so routing can pick this card when several serve it
-            self.consumer.add_task_queue(card_queue(spec.name, spec.agent_id, spec.version))
+            self.consumer.add_task_queue(spec.card.ref().queue())
         self.renew()
         leases.record_instance(self.engine, self.lease, READY)
         self._thread.start()
@@ -149,7 +137,7 @@ class LeaseKeeper:
 
     def _toggle_queues(self, spec: CapabilitySpec, *, consume: bool) -> None:
         log.info("%s: %s %s", self.instance, "resuming" if consume else "pausing", spec.name)
-        for queue in (spec.name, card_queue(spec.name, spec.agent_id, spec.version)):
+        for queue in (spec.name, spec.card.ref().queue()):
             action = self.consumer.add_task_queue if consume else self.consumer.cancel_task_queue
             # call_soon runs it on the consumer's own loop: its queues are not thread-safe.
             self.consumer.call_soon(action, queue)

@@ -98,7 +98,11 @@ class Runner:
                 execution.fail(self.engine, tid, task_error("capability_not_served", message))
             )
         claimed = execution.claim(
-            self.engine, tid, agent_id=spec.agent_id, version=spec.version, instance=instance
+            self.engine,
+            tid,
+            agent_id=spec.card.agent_id,
+            version=spec.card.version,
+            instance=instance,
         )
         if claimed is None:
             overdue = execution.expire_overdue(self.engine, tid)
@@ -142,7 +146,7 @@ class Runner:
         decision = retry.decide(
             retryable=outcome.error["retryable"],
             attempt=claimed.attempt,
-            limit=retry.attempt_limit(claimed.max_attempts, spec.max_attempts),
+            limit=retry.attempt_limit(claimed.max_attempts, spec.card.max_attempts),
             deadline_at=claimed.deadline_at,
             now=datetime.now(UTC),
             requested_delay_s=outcome.delay_s,
@@ -232,7 +236,7 @@ class Runner:
                     f"{'/'.join(map(str, p.path)) or '<root>'}: {p.message}" for p in problems[:10]
                 )
                 return Failed(task_error("payload_invalid", detail))
-        limits = [t for t in (spec.timeout_s, ctx.time_left_s()) if t is not None]
+        limits = [t for t in (spec.card.timeout_s, ctx.time_left_s()) if t is not None]
         with metrics.task_run.labels(spec.name).time():
             return self._invoke(spec, ctx, payload, min(limits) if limits else None)
 
@@ -254,7 +258,7 @@ class Runner:
             message = f"{type(exc).__name__}: {exc}"
             return Failed(task_error("transient_error", message, retryable=True))
         except Exception as exc:
-            log.exception("agent %s failed on task %s", spec.agent_id, ctx.task_id)
+            log.exception("agent %s failed on task %s", spec.card.agent_id, ctx.task_id)
             return Failed(task_error("agent_error", f"{type(exc).__name__}: {exc}"))
         try:
             self._checked(result)

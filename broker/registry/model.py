@@ -1,5 +1,7 @@
 """Agent cards (durable, Postgres) and instance leases (live, Redis).
 
+A card is what an agent declares about one capability (``Card``: the one list of its fields).
+
 A worker instance holds one lease: ``reach:lease:<instance>``, a JSON document with a TTL,
 renewed every TTL/3. For each capability it is ready to serve it also sits in the live index
 ``reach:live:<capability>``, a sorted set scored by *when its lease expires*. Readers take only
@@ -12,8 +14,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from broker.registry.capabilities import is_reserved, is_valid_name
+from broker.tasks.retry import DEFAULT_MAX_ATTEMPTS
 
 CARD_SCHEMA_VERSION = 1
 DEFAULT_LEASE_TTL_S = 30.0
@@ -71,6 +78,98 @@ class CardRef:
 
     def queue(self) -> str:
         return card_queue(self.capability, self.agent_id, self.version)
+
+
+@dataclass(frozen=True)
+class Card:
+    """What an agent declares about one capability. Its fields are the card's, once: the SDK's
+    ``@agent.capability`` takes them as keywords and ``document()`` is the card as advertised
+    and stored (schema ``CARD_SCHEMA_VERSION``).
+
+    ``weight`` is the traffic weight among cards serving the same capability (a canary takes
+    0.05); ``tags`` are extra routing tags with their weights; ``extra`` keeps any other field
+    an agent declares, for the card's readers."""
+
+    capability: str
+    agent_id: str
+    version: str = "0.1.0"
+    input_schema: dict[str, Any] | None = None
+    output_schema: dict[str, Any] | None = None
+    timeout_s: float | None = None
+    idempotent: bool = False
+    streaming: bool = False
+    cancellable: bool = False
+    display_name: str | None = None
+    description: str | None = None
+    owner: str | None = None
+    weight: float = 1.0
+    tags: tuple[tuple[str, float], ...] = ()
+    max_payload_bytes: int | None = None
+    max_concurrency: int | None = None
+    cost_per_call: float = 0.0
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not is_valid_name(self.capability):
+            why = (
+                " (reserved for Celery, kombu or the broker)"
+                if is_reserved(self.capability)
+                else ""
+            )
+            raise ValueError(f"invalid capability name: {self.capability!r}{why}")
+        for schema in (self.input_schema, self.output_schema):
+            if schema is not None:
+                Draft202012Validator.check_schema(schema)
+        if (
+            min(self.weight, self.cost_per_call) < 0
+            or self.lease_ttl_s <= 0
+            or self.max_attempts < 1
+        ):
+            raise ValueError("weight, cost_per_call >= 0; lease_ttl_s > 0; max_attempts >= 1")
+
+    @classmethod
+    def declare(cls, capability: str, **given: Any) -> Card:
+        """A card from keywords: each of the card's fields by name (``tags`` as a mapping of
+        tag to weight), and any other keyword kept in ``extra``."""
+        known = {f.name for f in fields(cls)} - {"capability", "extra"}
+        extra = {name: value for name, value in given.items() if name not in known}
+        chosen = {name: value for name, value in given.items() if name in known}
+        chosen["tags"] = tuple(dict(chosen.get("tags") or {}).items())
+        return cls(capability=capability, **chosen, extra=extra)
+
+    def ref(self) -> CardRef:
+        return CardRef(
+            self.agent_id, self.version, self.capability, self.weight, self.cost_per_call
+        )
+
+    def document(self) -> dict[str, Any]:
+        tags = [(self.capability, self.weight), *self.tags]
+        return {
+            "schema_version": CARD_SCHEMA_VERSION,
+            "agent_id": self.agent_id,
+            "capability": self.capability,
+            "version": self.version,
+            "display_name": self.display_name or self.agent_id,
+            "description": self.description,
+            "owner": self.owner,
+            "tags": [{"tag": tag, "weight": weight} for tag, weight in tags],
+            "input_schema": self.input_schema,
+            "output_schema": self.output_schema,
+            "constraints": {
+                "max_payload_bytes": self.max_payload_bytes,
+                "timeout_hint_ms": int(self.timeout_s * 1000) if self.timeout_s else None,
+            },
+            "max_concurrency": self.max_concurrency,
+            "cost_per_call": self.cost_per_call,
+            "idempotent": self.idempotent,
+            "streaming": self.streaming,
+            "cancellable": self.cancellable,
+            "lease_ttl_s": self.lease_ttl_s,
+            "max_attempts": self.max_attempts,
+            "extra": self.extra,
+        }
 
 
 @dataclass(frozen=True)

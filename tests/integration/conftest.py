@@ -55,7 +55,7 @@ def advertise_test_cards(engine: Engine) -> None:
     dormant = AgentRegistry()
     for name in DORMANT:
         dormant.capability(name, agent_id="test-dormant")(lambda ctx, payload: None)
-    leases.advertise_cards(engine, [s.card_document() for s in [*agent, *dormant]])
+    leases.advertise_cards(engine, [s.card.document() for s in [*agent, *dormant]])
 
 
 @pytest.fixture(scope="session", autouse=True)

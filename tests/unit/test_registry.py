@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from jsonschema.exceptions import SchemaError
 
+from broker.registry.model import CARD_SCHEMA_VERSION, Card, CardRef
 from workers.sdk.agent import AgentRegistry
 from workers.sdk.context import Context
 
@@ -47,14 +48,14 @@ def test_given_a_decorated_handler_expect_its_spec_recorded() -> None:
     assert returned is extract
     assert spec is not None
     assert spec.name == "invoice.extract"
-    assert spec.agent_id == "invoice-bot"
-    assert spec.version == "1.2.0"
+    assert spec.card.agent_id == "invoice-bot"
+    assert spec.card.version == "1.2.0"
     assert spec.handler is extract
-    assert spec.input_schema == SCHEMA
-    assert spec.timeout_s == 30.0
-    assert spec.idempotent is True
-    assert spec.display_name == "Invoice extractor"
-    assert spec.card == {"languages": ["en", "zh"], "cost": "low"}
+    assert spec.card.input_schema == SCHEMA
+    assert spec.card.timeout_s == 30.0
+    assert spec.card.idempotent is True
+    assert spec.card.display_name == "Invoice extractor"
+    assert spec.card.extra == {"languages": ["en", "zh"], "cost": "low"}
 
 
 def test_given_no_options_expect_the_defaults() -> None:
@@ -62,12 +63,12 @@ def test_given_no_options_expect_the_defaults() -> None:
     registry.capability("invoice.render", agent_id="render-bot")(other_extract)
     spec = registry.get("invoice.render")
     assert spec is not None
-    assert spec.version == "0.1.0"
-    assert spec.idempotent is False
-    assert spec.timeout_s is None
-    assert spec.input_schema is None
-    assert spec.description is None
-    assert spec.card == {}
+    assert spec.card.version == "0.1.0"
+    assert spec.card.idempotent is False
+    assert spec.card.timeout_s is None
+    assert spec.card.input_schema is None
+    assert spec.card.description is None
+    assert spec.card.extra == {}
 
 
 def test_given_no_description_expect_the_handler_docstring() -> None:
@@ -75,7 +76,7 @@ def test_given_no_description_expect_the_handler_docstring() -> None:
     registry.capability("invoice.extract", agent_id="invoice-bot")(extract)
     spec = registry.get("invoice.extract")
     assert spec is not None
-    assert spec.description == "Pull fields out of an invoice."
+    assert spec.card.description == "Pull fields out of an invoice."
 
 
 def test_given_several_capabilities_expect_iteration_over_all_of_them() -> None:
@@ -138,6 +139,53 @@ def test_given_the_same_handler_registered_again_expect_no_error() -> None:
     registry.capability("invoice.extract", agent_id="bot")(extract)
     registry.capability("invoice.extract", agent_id="bot")(extract)
     assert [spec.name for spec in registry] == ["invoice.extract"]
+
+
+# --- the card document ----------------------------------------------------------------------
+
+
+def test_given_declared_fields_expect_each_in_the_document_where_the_card_schema_puts_it() -> None:
+    card = Card.declare(
+        "invoice.extract",
+        agent_id="invoice-bot",
+        version="1.2.0",
+        timeout_s=2.5,
+        max_payload_bytes=1024,
+        weight=0.05,
+        tags={"pdf": 0.5},
+        idempotent=True,
+        max_attempts=2,
+        languages=["en"],
+    )
+    document = card.document()
+    assert document["schema_version"] == CARD_SCHEMA_VERSION
+    assert (document["capability"], document["agent_id"], document["version"]) == (
+        "invoice.extract",
+        "invoice-bot",
+        "1.2.0",
+    )
+    assert document["display_name"] == "invoice-bot"  # none declared: the agent's id
+    assert document["constraints"] == {"max_payload_bytes": 1024, "timeout_hint_ms": 2500}
+    assert document["tags"] == [
+        {"tag": "invoice.extract", "weight": 0.05},
+        {"tag": "pdf", "weight": 0.5},
+    ]
+    assert (document["idempotent"], document["max_attempts"]) == (True, 2)
+    assert document["extra"] == {"languages": ["en"]}
+
+
+def test_given_a_card_expect_its_lease_entry_to_route_by_its_own_fields() -> None:
+    card = Card.declare("invoice.extract", agent_id="bot", version="2", weight=0.2, cost_per_call=3)
+    assert card.ref() == CardRef("bot", "2", "invoice.extract", weight=0.2, cost_per_call=3)
+    assert card.ref().queue() == "invoice.extract@bot@2"
+
+
+@pytest.mark.parametrize(
+    "bad", [{"weight": -1}, {"cost_per_call": -0.5}, {"lease_ttl_s": 0}, {"max_attempts": 0}]
+)
+def test_given_an_impossible_number_expect_value_error_at_declaration(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="max_attempts >= 1"):
+        Card.declare("invoice.extract", agent_id="bot", **bad)
 
 
 # --- validator -----------------------------------------------------------------------------
