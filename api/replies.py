@@ -17,13 +17,13 @@ from broker.tasks import queries
 from broker.tasks.envelope import Envelope
 from broker.tasks.eventhub import EventHub, FinalFromStore
 from broker.tasks.events import Event
-from broker.tasks.resource import FINAL, render
+from broker.tasks.resource import FINAL, TaskRow, render
 from broker.tasks.submission import Accepted
 
 STORE_CHECK_S = 2.0
 
 
-async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[str, Any] | None:
+async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> TaskRow | None:
     """The task if Postgres has it final, its final event appended to the log first (refused
     when the log has it already): a worker that died between its two writes left it out."""
     state = services(request)
@@ -34,7 +34,7 @@ async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> dict[
     return row
 
 
-async def append_final(request: Request, row: dict[str, Any]) -> None:
+async def append_final(request: Request, row: TaskRow) -> None:
     """The task's final event, into its log (which takes only the first)."""
     await services(request).event_log.append_final_async(row)
 

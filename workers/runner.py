@@ -29,14 +29,14 @@ from broker.registry.model import capability_of
 from broker.settings import Settings
 from broker.tasks import cancellation, events, execution, retry
 from broker.tasks.events import EVENTS_SLACK_S
-from broker.tasks.resource import QUEUED, RUNNING, task_error
+from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
 from workers import faults
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
 from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
-FinalHook = Callable[[dict[str, Any]], None]
+FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
 
@@ -189,7 +189,7 @@ class Runner:
             except Exception:  # progress is advisory: a hook must not fail the agent
                 log.exception("progress hook %r failed for task %s", hook, tid)
 
-    def finalize(self, row: dict[str, Any] | None) -> str:
+    def finalize(self, row: TaskRow | None) -> str:
         """Announce a final state: its event, then the hooks. Returns the status."""
         if row is None:  # moved to a final state by someone else (cancelled), who announced it
             return "skipped"
@@ -208,7 +208,7 @@ class Runner:
                 log.exception("final hook %r failed for task %s", hook, row["id"])
         return str(row["status"])
 
-    def announce(self, row: dict[str, Any]) -> bool:
+    def announce(self, row: TaskRow) -> bool:
         """Append the final event of a final task row; False when its log had one already."""
         return self.events.append_final(row) > 0
 

@@ -20,7 +20,7 @@ from broker.observability import metrics
 from broker.registry.capabilities import is_valid_name
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope, parse_envelope
-from broker.tasks.resource import Status, parse_task_id, render
+from broker.tasks.resource import Status, TaskRow, parse_task_id, render
 from broker.tenancy.keys import Principal
 
 log = logging.getLogger("reach.api")
@@ -99,7 +99,7 @@ async def get_task(task_id: str, request: Request, caller: Caller) -> JSONRespon
     return JSONResponse(render(await _visible_task(request, caller, task_id)))
 
 
-async def _visible_task(request: Request, caller: Principal, task_id: str) -> dict[str, Any]:
+async def _visible_task(request: Request, caller: Principal, task_id: str) -> TaskRow:
     """The task if this key may see it, else 404 (a task it may not see does not exist)."""
     tid = parse_task_id(task_id)
     engine = services(request).engine

@@ -26,9 +26,10 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.engine import Row
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from broker.tasks.resource import STATUSES, Move
+from broker.tasks.resource import STATUSES, Move, TaskRow
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -278,3 +279,8 @@ def in_sources(move: Move) -> ColumnElement[bool]:
     """The guard of a status write: the task row is in one of ``move``'s sources. Equalities,
     not IN: an IN list is rendered again on every execution of a statement built once."""
     return or_(*(tasks_table.c.status == status for status in move.sources))
+
+
+def as_task_row(row: Row[Any]) -> TaskRow:
+    """A ``tasks`` row as the type the modules pass around."""
+    return cast(TaskRow, dict(row._mapping))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 from redis.asyncio import Redis
@@ -15,14 +14,14 @@ from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
-from broker.db.models import in_sources
+from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.registry import cards as card_reads
 from broker.registry.model import capability_of
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.events import EventLog
 from broker.tasks.queries import allowed_by
-from broker.tasks.resource import CANCEL, task_error
+from broker.tasks.resource import CANCEL, TaskRow, task_error
 from broker.tenancy.keys import Principal
 from broker.webhooks.events import event_for_status
 
@@ -39,7 +38,7 @@ async def cancel(
     task_id: uuid.UUID,
     *,
     patterns: Sequence[str],
-) -> dict[str, Any] | None:
+) -> TaskRow | None:
     """The cancelled row, or None when the task is unknown, foreign, outside ``patterns``,
     expired or already final."""
     error = task_error("cancelled", "cancelled by the caller")
@@ -62,7 +61,7 @@ async def cancel(
     )
     async with engine.begin() as conn:
         row = (await conn.execute(query)).first()
-    return dict(row._mapping) if row is not None else None
+    return as_task_row(row) if row is not None else None
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class Canceller:
     dispatcher: Dispatcher
     event_log: EventLog
 
-    async def cancel_task(self, caller: Principal, task_id: uuid.UUID) -> dict[str, Any] | None:
+    async def cancel_task(self, caller: Principal, task_id: uuid.UUID) -> TaskRow | None:
         """The cancelled row; None when nothing was cancelled (see ``cancel``)."""
         row = await cancel(self.engine, caller.tenant, task_id, patterns=caller.sees)
         if row is None:
@@ -88,8 +87,8 @@ class Canceller:
         await self.event_log.append_final_async(row)
         return row
 
-    async def _stop_if_cancellable(self, row: dict[str, Any]) -> None:
-        if row["agent_id"] is None:
+    async def _stop_if_cancellable(self, row: TaskRow) -> None:
+        if row["agent_id"] is None or row["agent_version"] is None:
             return  # never started
         key = (row["agent_id"], row["agent_version"], capability_of(row["queue"]))
         card = await card_reads.card(self.engine, self.cards, key)

@@ -174,34 +174,9 @@ class Dispatcher:
         self.app = Celery("reach-producer", set_as_current=False)
         self.app.conf.update(celery_config(settings))
         # The broker is the Redis the events live in: a run message can be LPUSHed in the
-        # same call as the task's first event (``redis_message``). Otherwise: ``publish``.
+        # same call as the task's first event (``redis_run_message``). Otherwise: ``send_run``.
         broker = settings.celery_broker_url
         self.direct = broker == settings.redis_url and broker.startswith(("redis://", "rediss://"))
-
-    def redis_message(
-        self, task_id: uuid.UUID, queue: str, *, trace_id: str, deadline_at: datetime | None
-    ) -> bytes:
-        return redis_run_message(
-            self.app, task_id, queue, trace_id=trace_id, deadline_at=deadline_at
-        )
-
-    def publish(
-        self,
-        task_id: uuid.UUID,
-        queue: str,
-        *,
-        trace_id: str,
-        deadline_at: datetime | None = None,
-        countdown_s: float | None = None,
-    ) -> None:
-        send_run(
-            self.app,
-            task_id,
-            queue,
-            trace_id=trace_id,
-            deadline_at=deadline_at,
-            countdown_s=countdown_s,
-        )
 
     def announce(self, task_id: uuid.UUID, event_type: str) -> None:
         send_announce(self.app, task_id, event_type)

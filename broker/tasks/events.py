@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from broker.grouping import Grouped
-from broker.tasks.resource import FINAL, render
+from broker.tasks.resource import FINAL, TaskRow, render
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 LOG_MAX_EVENTS = 10_000
@@ -199,15 +199,15 @@ class EventLog:
         when the event is refused: 0 for a closed log, as ``append``)."""
         return await self._grouped(self._item(task_id, event_type, data, trace_id, ttl_s, push))
 
-    def append_final(self, row: dict[str, Any]) -> int:
+    def append_final(self, row: TaskRow) -> int:
         """The final event of a final task row (the task as it ended); 0 when the log has its
         final event already."""
         return int(self._append(**self._args([self._final(row)]))[0])
 
-    async def append_final_async(self, row: dict[str, Any]) -> int:
+    async def append_final_async(self, row: TaskRow) -> int:
         return await self._grouped(self._final(row))
 
-    def _final(self, row: dict[str, Any]) -> Append:
+    def _final(self, row: TaskRow) -> Append:
         ttl_s = row["result_ttl_s"] + EVENTS_SLACK_S
         return self._item(row["id"], row["status"], render(row), row["trace_id"], ttl_s)
 

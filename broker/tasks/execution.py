@@ -10,13 +10,13 @@ import contextlib
 import functools
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, exists, func, null, or_, select, text, update
 
-from broker.db.models import in_sources
+from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
 from broker.tasks.resource import (
@@ -30,6 +30,7 @@ from broker.tasks.resource import (
     RUNNING,
     SUCCEED,
     Move,
+    TaskRow,
     task_error,
 )
 
@@ -64,6 +65,11 @@ _TENANT_SUBSCRIBES = (
 )
 
 
+# What a claim reads back, each column labelled with the name ``Claimed`` gives it.
+_RENAMED = {"task_id": "id", "attempt": "attempts"}
+_CLAIMED_COLUMNS = [tasks.c[_RENAMED.get(f.name, f.name)].label(f.name) for f in fields(Claimed)]
+
+
 # Statements are built once: building one per task cost a worker more CPU than running it.
 _CLAIM = (
     update(tasks)
@@ -81,20 +87,7 @@ _CLAIM = (
         agent_version=bindparam("by_version"),
         instance=bindparam("by_instance"),
     )
-    .returning(
-        tasks.c.id,
-        tasks.c.capability,
-        tasks.c.payload,
-        tasks.c.trace_id,
-        tasks.c.attempts,
-        tasks.c.deadline_at,
-        tasks.c.session_id,
-        tasks.c.metadata,
-        tasks.c.result_ttl_s,
-        tasks.c.queue,
-        tasks.c.max_attempts,
-        tasks.c.tenant,
-    )
+    .returning(*_CLAIMED_COLUMNS)
 )
 
 
@@ -120,20 +113,7 @@ def claim(
         row = conn.execute(_CLAIM, params).first()
     if row is None:
         return None
-    return Claimed(
-        task_id=row.id,
-        capability=row.capability,
-        payload=row.payload,
-        trace_id=row.trace_id,
-        attempt=row.attempts,
-        deadline_at=row.deadline_at,
-        session_id=row.session_id,
-        metadata=row.metadata,
-        result_ttl_s=row.result_ttl_s,
-        queue=row.queue,
-        max_attempts=row.max_attempts,
-        tenant=row.tenant,
-    )
+    return Claimed(**row._mapping)
 
 
 def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]) -> bool:
@@ -146,13 +126,13 @@ def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]
     return result.rowcount == 1
 
 
-def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> dict[str, Any] | None:
+def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> TaskRow | None:
     """The finished row, or None when the task was no longer running (cancelled, say).
     The error of an earlier, retried attempt is cleared."""
     return _finish(engine, task_id, SUCCEED, result=result)
 
 
-def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
+def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
     """Fail a running task, or a queued one that cannot be run (no such capability here)."""
     return _finish(engine, task_id, FAIL, error=error)
 
@@ -177,22 +157,20 @@ def _finish_statement(move: Move, outcome: str) -> Any:
     )
 
 
-def _finish(
-    engine: Engine, task_id: uuid.UUID, move: Move, **outcome: Any
-) -> dict[str, Any] | None:
+def _finish(engine: Engine, task_id: uuid.UUID, move: Move, **outcome: Any) -> TaskRow | None:
     ((column, value),) = outcome.items()
     statement = _finish_statement(move, column)
     with _autocommit(engine) as conn:
         row = conn.execute(statement, {"task_id": task_id, "outcome": value}).first()
-    return dict(row._mapping) if row is not None else None
+    return as_task_row(row) if row is not None else None
 
 
-def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
+def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
     """A running task that overran its time (its deadline or its agent's timeout)."""
     return _finish(engine, task_id, OVERRUN, error=error)
 
 
-def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
+def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     """A queued task whose deadline passed before it started ends expired, never run."""
     error = task_error("deadline_exceeded", "not started before its deadline")
     query = (
@@ -210,10 +188,10 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
     )
     with engine.begin() as conn:
         row = conn.execute(query).first()
-    return dict(row._mapping) if row is not None else None
+    return as_task_row(row) if row is not None else None
 
 
-def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[str, Any] | None:
+def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
     """running -> queued for another attempt, keeping the last error visible."""
     query = (
         update(tasks)
@@ -223,10 +201,10 @@ def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> dict[s
     )
     with engine.begin() as conn:
         row = conn.execute(query).first()
-    return dict(row._mapping) if row is not None else None
+    return as_task_row(row) if row is not None else None
 
 
-def final_row(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
+def final_row(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     """The task if it is final (and not expired): what a redelivered message finds."""
     query = select(tasks).where(
         tasks.c.id == task_id,
@@ -235,7 +213,7 @@ def final_row(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
     )
     with _autocommit(engine) as conn:
         row = conn.execute(query).first()
-    return dict(row._mapping) if row is not None else None
+    return as_task_row(row) if row is not None else None
 
 
 def finished_between(
@@ -257,11 +235,9 @@ def finished_between(
         return [(r.id, r.finished_at) for r in conn.execute(query)]
 
 
-def rows_of(engine: Engine, task_ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+def rows_of(engine: Engine, task_ids: list[uuid.UUID]) -> list[TaskRow]:
     with _autocommit(engine) as conn:
-        return [
-            dict(r._mapping) for r in conn.execute(select(tasks).where(tasks.c.id.in_(task_ids)))
-        ]
+        return [as_task_row(r) for r in conn.execute(select(tasks).where(tasks.c.id.in_(task_ids)))]
 
 
 def overdue_queued(engine: Engine, *, limit: int) -> list[uuid.UUID]:

@@ -6,17 +6,17 @@ they allow: a task outside them reads as gone, like a foreign one.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 from sqlalchemy import ColumnElement, false, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker.db.models import as_task_row
 from broker.db.models import tasks_table as tasks
-from broker.errors import BadRequest
+from broker.db.paging import newest_first
+from broker.tasks.resource import TaskRow
 
 EVERY_CAPABILITY = ("*",)
 
@@ -42,7 +42,7 @@ async def get_task(
     task_id: uuid.UUID,
     *,
     patterns: Sequence[str] = EVERY_CAPABILITY,
-) -> dict[str, Any] | None:
+) -> TaskRow | None:
     query = select(tasks).where(
         tasks.c.id == task_id,
         tasks.c.tenant == tenant,
@@ -51,18 +51,7 @@ async def get_task(
     )
     async with engine.connect() as conn:
         row = (await conn.execute(query)).first()
-    return dict(row._mapping) if row is not None else None
-
-
-def encode_cursor(task_id: uuid.UUID) -> str:
-    return base64.urlsafe_b64encode(task_id.bytes).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(bytes=base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-    except (binascii.Error, ValueError):
-        raise BadRequest("cursor is not one this API issued", code="invalid_cursor") from None
+    return as_task_row(row) if row is not None else None
 
 
 async def list_tasks(
@@ -74,8 +63,8 @@ async def list_tasks(
     limit: int,
     cursor: str | None,
     patterns: Sequence[str],
-) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first. Ids are UUIDv7, so id order is creation order and the cursor is an id."""
+) -> tuple[list[TaskRow], str | None]:
+    """Newest first, a page at a time (``broker.db.paging``)."""
     query = select(tasks).where(
         tasks.c.tenant == tenant,
         tasks.c.expires_at > func.now(),
@@ -85,11 +74,6 @@ async def list_tasks(
         query = query.where(tasks.c.capability == capability)
     if status is not None:
         query = query.where(tasks.c.status == status)
-    if cursor is not None:
-        query = query.where(tasks.c.id < decode_cursor(cursor))
-    query = query.order_by(tasks.c.id.desc()).limit(limit + 1)
     async with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in await conn.execute(query)]
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return rows, encode_cursor(rows[-1]["id"]) if more else None
+        rows, next_cursor = await newest_first(conn, query, tasks.c.id, limit=limit, cursor=cursor)
+    return cast(list[TaskRow], rows), next_cursor

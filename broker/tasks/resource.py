@@ -9,7 +9,8 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from datetime import datetime
+from typing import Any, Literal, NotRequired, TypedDict, get_args
 
 from broker.timestamps import iso
 
@@ -48,6 +49,43 @@ NEXT: dict[str, frozenset[str]] = {
 FINAL = frozenset(status for status in STATUSES if not NEXT[status])
 
 
+class TaskRow(TypedDict):
+    """A row of ``tasks`` as it travels between modules. The table is defined in
+    ``broker/db/models.py``; a unit test holds the two to the same columns. A row a final write
+    returned also says whether the tenant has a webhook subscription (``tenant_subscribes``)."""
+
+    id: uuid.UUID
+    tenant: str
+    capability: str
+    queue: str
+    status: str
+    payload: Any
+    payload_digest: str
+    payload_size: int
+    result: Any
+    error: dict[str, Any] | None
+    progress: Any
+    attempts: int
+    max_attempts: int | None
+    priority: int | None
+    trace_id: str
+    session_id: str | None
+    source: str | None
+    metadata: dict[str, Any]
+    idempotency_key: str | None
+    agent_id: str | None
+    agent_version: str | None
+    instance: str | None
+    result_ttl_s: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    deadline_at: datetime | None
+    expires_at: datetime
+    callback: dict[str, Any] | None
+    tenant_subscribes: NotRequired[bool]
+
+
 MESSAGE_MAX = 2000
 
 
@@ -78,7 +116,13 @@ def parse_task_id(raw: str) -> uuid.UUID | None:
     return uuid.UUID(raw) if _CANONICAL_UUID.fullmatch(raw) else None
 
 
-def render(row: Mapping[str, Any]) -> dict[str, Any]:
+# The columns the resource shows as they are stored, and its times, in the contract's order.
+_AS_STORED = ("capability", "status", "progress", "result", "error", "attempts")
+_AS_STORED_AFTER_AGENT = ("trace_id", "session_id", "metadata")
+_TIMES = ("created_at", "started_at", "finished_at", "expires_at")
+
+
+def render(row: TaskRow) -> dict[str, Any]:
     """The task resource of the HTTP contract, from a ``tasks`` row."""
     agent = None
     if row["agent_id"] is not None:
@@ -87,20 +131,11 @@ def render(row: Mapping[str, Any]) -> dict[str, Any]:
             "version": row["agent_version"],
             "instance": row["instance"],
         }
+    stored: Mapping[str, Any] = row
     return {
         "task_id": str(row["id"]),
-        "capability": row["capability"],
-        "status": row["status"],
-        "progress": row["progress"],
-        "result": row["result"],
-        "error": row["error"],
-        "attempts": row["attempts"],
+        **{name: stored[name] for name in _AS_STORED},
         "agent": agent,
-        "trace_id": row["trace_id"],
-        "session_id": row["session_id"],
-        "metadata": row["metadata"],
-        "created_at": iso(row["created_at"]),
-        "started_at": iso(row["started_at"]),
-        "finished_at": iso(row["finished_at"]),
-        "expires_at": iso(row["expires_at"]),
+        **{name: stored[name] for name in _AS_STORED_AFTER_AGENT},
+        **{name: iso(stored[name]) for name in _TIMES},
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from sqlalchemy import delete, func, select
@@ -24,9 +24,9 @@ from broker.grouping import Grouped
 from broker.observability import metrics
 from broker.settings import Settings
 from broker.tasks import events
-from broker.tasks.dispatch import Dispatcher
+from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
-from broker.tasks.resource import QUEUED, new_task_id
+from broker.tasks.resource import QUEUED, TaskRow, new_task_id
 from broker.tenancy.keys import Principal
 
 # Built once: constructing and caching the statement per request cost more than running it.
@@ -72,7 +72,7 @@ class GroupInsert:
 
 @dataclass(frozen=True)
 class Accepted:
-    row: dict[str, Any]
+    row: TaskRow
     replayed: bool
 
 
@@ -141,14 +141,14 @@ async def submit(
         # The key's task had expired (or was purged): the key is free, try again.
     else:
         raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
-    row = _NEW_ROW | values
+    row = cast(TaskRow, _NEW_ROW | values)
     try:
         # The queued event goes first, so it precedes whatever the worker appends. With the
         # broker on the same Redis, the message goes out in that same call.
         push = None
         if dispatcher.direct:
-            message = dispatcher.redis_message(
-                row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+            message = redis_run_message(
+                dispatcher.app, row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
             )
             push = (queue, message)
         await event_log.append_async(
@@ -161,8 +161,12 @@ async def submit(
         )
         if push is None:
             await anyio.to_thread.run_sync(
-                lambda: dispatcher.publish(
-                    row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+                lambda: send_run(
+                    dispatcher.app,
+                    row["id"],
+                    queue,
+                    trace_id=trace_id,
+                    deadline_at=row["deadline_at"],
                 )
             )
     except Exception as exc:
@@ -201,7 +205,7 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
     metrics.idempotency.labels("replayed").inc()
     row = dict(existing._mapping)
     del row["expired"]
-    return Accepted(row=row, replayed=True)
+    return Accepted(row=cast(TaskRow, row), replayed=True)
 
 
 async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> None:

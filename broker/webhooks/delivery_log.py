@@ -15,8 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
+from broker.db.paging import newest_first
 from broker.errors import Conflict, NotFound
-from broker.tasks.queries import decode_cursor, encode_cursor
 from broker.timestamps import iso
 from broker.webhooks.deliveries import message_id
 from broker.webhooks.policy import DEAD, FAILED, PENDING
@@ -63,13 +63,10 @@ async def page(
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Deliveries matching ``scope``, newest first, each with its attempts."""
     query = select(deliveries).where(deliveries.c.tenant == tenant, scope)
-    if cursor is not None:
-        query = query.where(deliveries.c.id < decode_cursor(cursor))
-    query = query.order_by(deliveries.c.id.desc()).limit(limit + 1)
     async with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in await conn.execute(query)]
-        more = len(rows) > limit
-        rows = rows[:limit]
+        rows, next_cursor = await newest_first(
+            conn, query, deliveries.c.id, limit=limit, cursor=cursor
+        )
         logged = await conn.execute(
             select(attempts_log)
             .where(attempts_log.c.delivery_id.in_([r["id"] for r in rows]))
@@ -79,7 +76,7 @@ async def page(
         for a in logged:
             by_delivery.setdefault(a.delivery_id, []).append(dict(a._mapping))
     rendered = [render(r, by_delivery.get(r["id"], [])) for r in rows]
-    return rendered, encode_cursor(rows[-1]["id"]) if more else None
+    return rendered, next_cursor
 
 
 def of_webhook(webhook_id: uuid.UUID) -> ColumnElement[bool]:

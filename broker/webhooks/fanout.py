@@ -15,12 +15,13 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
 
+from broker.db.models import as_task_row
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
 from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
-from broker.tasks.resource import new_task_id, render
+from broker.tasks.resource import TaskRow, new_task_id, render
 from broker.timestamps import iso
 from broker.webhooks.events import PROGRESS
 from broker.webhooks.policy import PENDING
@@ -28,13 +29,13 @@ from broker.webhooks.policy import PENDING
 Target = tuple[uuid.UUID | None, str]  # (subscription id, or None for the callback; url)
 
 
-def body_of(event_type: str, task: dict[str, Any], at: datetime) -> str:
+def body_of(event_type: str, task: TaskRow, at: datetime) -> str:
     """The message body: ``{"type", "timestamp", "data": <the task resource>}``."""
     message = {"type": event_type, "timestamp": iso(at), "data": render(task)}
     return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
 
 
-def targets(conn: Connection, task: dict[str, Any], event_type: str) -> list[Target]:
+def targets(conn: Connection, task: TaskRow, event_type: str) -> list[Target]:
     """The task's callback when it asked for the event, then each matching subscription."""
     found: list[Target] = []
     callback = task.get("callback")
@@ -56,7 +57,7 @@ def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
     report when nobody subscribed to progress)."""
     with engine.connect() as conn:
         row = conn.execute(select(tasks).where(tasks.c.id == task_id)).first()
-        return row is not None and bool(targets(conn, dict(row._mapping), event_type))
+        return row is not None and bool(targets(conn, as_task_row(row), event_type))
 
 
 def fanout(
@@ -69,7 +70,7 @@ def fanout(
         row = conn.execute(query).first()
         if row is None:  # expired or purged already: nothing left to tell
             return []
-        task = dict(row._mapping)
+        task = as_task_row(row)
         found = targets(conn, task, event_type)
         if not found:
             return []
@@ -86,7 +87,7 @@ def fanout(
 
 
 def _delivery(
-    task: dict[str, Any],
+    task: TaskRow,
     event_type: str,
     target: Target,
     body: str,

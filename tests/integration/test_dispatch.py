@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from broker.settings import Settings
-from broker.tasks.dispatch import RUN_TASK, Dispatcher, redis_run_message
+from broker.tasks.dispatch import RUN_TASK, Dispatcher, redis_run_message, send_run
 
 
 def _decoded(raw: bytes) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def test_direct_message_is_what_send_task_publishes(own_redis: str, settings: Se
         assert dispatcher.direct
         for deadline_at in (None, datetime.now(UTC) + timedelta(seconds=30)):
             task_id = uuid.uuid4()
-            dispatcher.publish(task_id, "parity.q", trace_id="t-1", deadline_at=deadline_at)
+            send_run(dispatcher.app, task_id, "parity.q", trace_id="t-1", deadline_at=deadline_at)
             published = client.rpop("parity.q")
             assert published is not None
             built = redis_run_message(

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, insert
 from broker import jsonbody
 from broker.db.models import tasks_table
 from broker.settings import Settings
-from broker.tasks.dispatch import Dispatcher
+from broker.tasks.dispatch import Dispatcher, send_run
 from broker.tasks.events import EventLog, read_log_sync
 from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess
@@ -93,10 +93,10 @@ def test_a_redelivered_message_of_a_finished_task_appends_its_missing_final_even
     # When its message comes again (Celery requeues the message of a pool process that died)
     dispatcher = Dispatcher(settings)
     try:
-        dispatcher.publish(row["id"], "echo", trace_id=row["trace_id"], deadline_at=None)
+        send_run(dispatcher.app, row["id"], "echo", trace_id=row["trace_id"], deadline_at=None)
         # Then the worker finds the task final and appends its final event, once
         [event] = wait_for_final_event(redis_url, row["id"])
-        dispatcher.publish(row["id"], "echo", trace_id=row["trace_id"], deadline_at=None)
+        send_run(dispatcher.app, row["id"], "echo", trace_id=row["trace_id"], deadline_at=None)
         skipped = f"task {row['id']} not queued any more"
         eventually(
             lambda: worker.output().count(skipped) >= 2, "the second message handled and skipped"

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from broker.db.models import tasks_table
 from broker.tasks.resource import (
     CANCELLED,
     EXPIRED,
@@ -19,6 +20,7 @@ from broker.tasks.resource import (
     RUNNING,
     STATUSES,
     SUCCEEDED,
+    TaskRow,
     new_task_id,
     parse_task_id,
     render,
@@ -231,3 +233,10 @@ def test_given_missing_timestamps_expect_null() -> None:
     task = render(a_row(started_at=None, finished_at=None))
     assert task["started_at"] is None
     assert task["finished_at"] is None
+
+
+def test_given_the_tasks_table_expect_the_row_type_to_name_exactly_its_columns() -> None:
+    returned_with_final_writes = {"tenant_subscribes"}
+    assert set(TaskRow.__annotations__) - returned_with_final_writes == {
+        column.name for column in tasks_table.columns
+    }

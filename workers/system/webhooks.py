@@ -15,7 +15,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from celery import Celery
 from sqlalchemy import Engine
@@ -31,7 +30,7 @@ from broker.tasks.dispatch import (
     send_announce,
     send_deliver,
 )
-from broker.tasks.resource import FINAL
+from broker.tasks.resource import FINAL, TaskRow
 from broker.webhooks import deliveries, fanout, policy, signing, upkeep
 from broker.webhooks.events import PROGRESS, event_for_status
 from broker.webhooks.ssrf import Guard
@@ -64,7 +63,7 @@ class Webhooks:
         # report; a subscription made meanwhile counts once the entry is stale.
         self._wants_progress: dict[uuid.UUID, tuple[float, bool]] = {}
 
-    def on_final(self, row: dict[str, Any]) -> None:
+    def on_final(self, row: TaskRow) -> None:
         """The runner's hook: announce a task's final state, when anyone may want it (its
         callback, or a subscription of its tenant): most tasks cost no extra message. The
         final update returned ``tenant_subscribes``, so a subscription made before it counts."""
@@ -170,19 +169,18 @@ def register(app: Celery, settings: Settings, engine: Callable[[], Engine]) -> W
 
     # With Postgres or Redis away, keep the message (a new one, later) instead of losing the
     # event; the claim makes a repeated attempt harmless.
-    @app.task(name=FANOUT_TASK, bind=True)  # type: ignore[untyped-decorator]
-    def fanout_event(self: Any, task_id: str, event_type: str) -> int:
-        try:
-            return hooks.fanout(task_id, event_type)
-        except INFRASTRUCTURE_ERRORS as exc:
-            raise self.retry(exc=exc, countdown=INFRA_RETRY_S, max_retries=None) from exc
+    kept = {
+        "autoretry_for": INFRASTRUCTURE_ERRORS,
+        "retry_kwargs": {"countdown": INFRA_RETRY_S, "max_retries": None},
+    }
 
-    @app.task(name=DELIVER_TASK, bind=True)  # type: ignore[untyped-decorator]
-    def deliver(self: Any, delivery_id: str, attempt: int) -> str:
-        try:
-            return hooks.deliver(delivery_id, attempt)
-        except INFRASTRUCTURE_ERRORS as exc:
-            raise self.retry(exc=exc, countdown=INFRA_RETRY_S, max_retries=None) from exc
+    @app.task(name=FANOUT_TASK, **kept)  # type: ignore[untyped-decorator]
+    def fanout_event(task_id: str, event_type: str) -> int:
+        return hooks.fanout(task_id, event_type)
+
+    @app.task(name=DELIVER_TASK, **kept)  # type: ignore[untyped-decorator]
+    def deliver(delivery_id: str, attempt: int) -> str:
+        return hooks.deliver(delivery_id, attempt)
 
     @app.task(name=WEBHOOK_SWEEP_TASK)  # type: ignore[untyped-decorator]
     def sweep() -> dict[str, int]:
