@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import redis
 
+from broker.observability import logs
 from workers.sdk import Context, Retryable, agent
 
 
@@ -152,3 +156,78 @@ def poison(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
     _runs(ctx)
     os.kill(os.getpid(), signal.SIGKILL)
     return {"survived": True}
+
+
+# --- async handlers: run on the worker process's event loop (``-P threads``) ------------------
+
+_barriers: dict[str, tuple[list[int], asyncio.Event]] = {}
+
+
+@agent.capability("test.async", agent_id="test-async", version="0.0.1", timeout_s=20)
+async def async_sleep(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Awaits ``sleep_s``. With ``barrier`` and ``n``, first waits until ``n`` tasks of that
+    barrier are in flight in this process at once (or fails after ``wait_s``). With ``mark``,
+    writes to that Redis key whether its coroutine was cancelled."""
+    peers = 0
+    if ctx.attempt <= int(payload.get("fail_times", 0)):
+        raise Retryable(f"not yet (attempt {ctx.attempt})", code="upstream_busy", delay_s=0.05)
+    try:
+        if "barrier" in payload:
+            arrived, everyone = _barriers.setdefault(payload["barrier"], ([0], asyncio.Event()))
+            arrived[0] += 1
+            if arrived[0] >= int(payload["n"]):
+                everyone.set()
+            await asyncio.wait_for(everyone.wait(), float(payload.get("wait_s", 120)))
+            peers = arrived[0]
+        await asyncio.sleep(float(payload.get("sleep_s", 0)))
+    except asyncio.CancelledError:
+        if "mark" in payload:
+            await asyncio.to_thread(_mark, payload["mark"], "cancelled")
+        raise
+    return {"peers": peers, "pid": os.getpid(), "cancelled_seen": ctx.cancelled}
+
+
+def _mark(key: str, value: str) -> None:
+    redis.Redis.from_url(os.environ["REACH_REDIS_URL"]).set(key, value, ex=300)
+
+
+@agent.capability("test.async-fuse", agent_id="test-async-fuse", version="0.0.1", timeout_s=0.5)
+async def async_fuse(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
+    """Overruns its own 0.5 s timeout; marks ``mark`` when its coroutine is cancelled."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        await asyncio.to_thread(_mark, payload["mark"], "cancelled")
+        raise
+    return {"finished": True}
+
+
+@agent.capability("test.async-stream", agent_id="test-async-stream", version="0.0.1")
+async def async_stream(ctx: Context, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """An async generator: each item an output event. Between awaits it reports the trace id
+    its log context holds (a context variable), and logs a line naming its own task, so a
+    test can tell whether one task's context leaked into another's."""
+    for i in range(int(payload.get("n", 3))):
+        await asyncio.sleep(random.uniform(0, float(payload.get("jitter_s", 0))))
+        logging.getLogger("reach.test").info("step", extra={"own_task": str(ctx.task_id)})
+        yield {"i": i, "bound_trace_id": logs.current().get("trace_id")}
+        if payload.get("progress"):
+            await ctx.progress_async((i + 1) * 100 / int(payload.get("n", 3)), f"item {i}")
+
+
+@agent.capability("test.sync-slow", agent_id="test-sync-slow", version="0.0.1")
+def sync_slow(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """A sync handler that sleeps ``sleep_s`` without looking at its deadline."""
+    time.sleep(float(payload.get("sleep_s", 1)))
+    return {"slept_s": payload.get("sleep_s", 1)}
+
+
+async def _lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Counts its runs; sleeps ``sleep_s`` on its first attempt and hardly at all after."""
+    runs = await asyncio.to_thread(_runs, ctx)
+    await asyncio.sleep(float(payload.get("sleep_s", 60)) if ctx.attempt == 1 else 0.05)
+    return {"runs": runs, "attempt": ctx.attempt}
+
+
+agent.capability("test.async-idem", agent_id="test-async-idem", idempotent=True)(_lives)
+agent.capability("test.async-once", agent_id="test-async-once")(_lives)

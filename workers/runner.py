@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from broker.tasks import cancellation, events, execution, retry
 from broker.tasks.events import EVENTS_SLACK_S
 from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
 from workers import faults
+from workers.aio import CallCancelled, Calls, CallTimedOut
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
 from workers.timelimit import SoftTimeLimit, soft_limit
@@ -55,6 +57,7 @@ class Runner:
         self._events: events.EventLog | None = None
         self._pid = 0
         self._crash_after_finish = faults.crash_after_finish()
+        self.calls = Calls(settings.redis_url)  # async handlers: the loop and what runs on it
 
     def _connect(self) -> None:
         # One engine and client per process: a prefork child must not reuse its parent's
@@ -244,12 +247,11 @@ class Runner:
         self, spec: CapabilitySpec, ctx: Context, payload: Any, limit_s: float | None
     ) -> Outcome:
         try:
-            with soft_limit(limit_s):
-                result = spec.handler(ctx, payload)
-                if inspect.isgenerator(result):
-                    result = _drain_generator(result, ctx)
-        except SoftTimeLimit:
+            result = self._result_of(spec, ctx, payload, limit_s)
+        except (SoftTimeLimit, CallTimedOut):
             return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
+        except CallCancelled:
+            return Failed(task_error("cancelled", "cancelled by the caller"))
         except Retryable as exc:
             return Failed(task_error(exc.code, exc.message, retryable=True), delay_s=exc.delay_s)
         except AgentFailure as exc:
@@ -265,6 +267,26 @@ class Runner:
         except (BadRequest, TypeError, ValueError) as exc:
             return Failed(task_error("result_invalid", f"the agent returned no valid JSON: {exc}"))
         return Succeeded(result)
+
+    def _result_of(
+        self, spec: CapabilitySpec, ctx: Context, payload: Any, limit_s: float | None
+    ) -> Any:
+        """What the handler came to. An async handler runs on the process's event loop and is
+        cancelled when its time is up. A sync one is interrupted by SIGALRM where it runs in
+        its process's main thread (prefork, solo); elsewhere (the threads pool) nothing can
+        stop it, and a result that comes after its time is not taken."""
+        if spec.is_async:
+            call = _awaited(spec, ctx, payload)
+            cancelled = lambda: ctx.cancelled  # noqa: E731
+            return self.calls.run(ctx.task_id, call, timeout_s=limit_s, cancelled=cancelled)
+        started = time.monotonic()
+        with soft_limit(limit_s):
+            result = spec.handler(ctx, payload)
+            if inspect.isgenerator(result):
+                result = _drain_generator(result, ctx)
+        if limit_s is not None and time.monotonic() - started > limit_s:
+            raise SoftTimeLimit("the handler returned after its time limit")
+        return result
 
 
 @dataclass(frozen=True)
@@ -283,6 +305,18 @@ class Failed:
 
 
 Outcome = Succeeded | Failed  # what calling a handler came to
+
+
+async def _awaited(spec: CapabilitySpec, ctx: Context, payload: Any) -> Any:
+    """An async handler's result. An async generator's items are output chunks, sent in
+    order, and its result is the list of them (an async generator cannot return a value)."""
+    if not inspect.isasyncgenfunction(spec.handler):
+        return await spec.handler(ctx, payload)
+    chunks: list[Any] = []
+    async for chunk in spec.handler(ctx, payload):
+        await ctx.emit_async(chunk)
+        chunks.append(chunk)
+    return {"outputs": chunks}
 
 
 def _drain_generator(generator: Any, ctx: Context) -> Any:

@@ -1,6 +1,8 @@
 """Cancelling a task: the row moves to ``cancelled`` at once (queued or running), and a flag in
-Redis tells a running agent through its context. Whatever the agent does afterwards cannot
-move the task: every later write is conditional on ``running``."""
+Redis tells a running agent through its context. The task id is also published on
+``CANCELS_CHANNEL``: a worker running the task's coroutine cancels it there and then. Whatever
+the agent does afterwards cannot move the task: every later write is conditional on
+``running``."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from broker.tenancy.keys import Principal
 from broker.webhooks.events import event_for_status
 
 FLAG_TTL_S = 24 * 3600
+CANCELS_CHANNEL = "reach:cancels"
 
 
 def flag_key(task_id: uuid.UUID | str) -> str:
@@ -80,7 +83,10 @@ class Canceller:
         row = await cancel(self.engine, caller.tenant, task_id, patterns=caller.sees)
         if row is None:
             return None
-        await self.redis.set(flag_key(row["id"]), "1", ex=FLAG_TTL_S)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(flag_key(row["id"]), "1", ex=FLAG_TTL_S)
+            pipe.publish(CANCELS_CHANNEL, str(row["id"]))
+            await pipe.execute()
         await self._stop_if_cancellable(row)
         event = event_for_status(row["status"])
         await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)

@@ -3,6 +3,7 @@ the API served by uvicorn on a loopback port."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -119,8 +120,10 @@ def start_worker(
     log_dir: Path,
     env: dict[str, str] | None = None,
     concurrency: int = 2,
+    pool: str | None = None,
 ) -> CeleryProcess:
     args = ["worker", "-Q", queues, "-n", f"{name}@%h", "-c", str(concurrency), "-l", "INFO"]
+    args += ["-P", pool] if pool else []
     args += ["--without-gossip", "--without-mingle"]
     return CeleryProcess(args, settings, log_dir / f"{name}.log", env).start(" ready.")
 
@@ -182,3 +185,18 @@ def wait_for_task(
         timeout_s,
         until=lambda task: task.get("status") in statuses,
     )
+
+
+async def submit_many(
+    api: ServedApp, token: str, envelopes: list[dict[str, object]], concurrency: int = 32
+) -> list[httpx.Response]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(
+        base_url=api.url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+    ) as http:
+
+        async def one(envelope: dict[str, object]) -> httpx.Response:
+            async with gate:
+                return await http.post("/tasks", json=envelope)
+
+        return await asyncio.gather(*(one(e) for e in envelopes))

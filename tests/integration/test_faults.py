@@ -30,25 +30,16 @@ from broker.tasks import events
 from broker.tenancy import key_store
 from reach import localservices, migrate
 from tests.eventually import eventually
-from tests.integration.stack import CeleryProcess, ServedApp, start_beat, start_worker
+from tests.integration.stack import (
+    CeleryProcess,
+    ServedApp,
+    start_beat,
+    start_worker,
+    submit_many,
+)
 from workers import faults
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
-
-
-async def submit_many(
-    api: ServedApp, token: str, envelopes: list[dict[str, object]], concurrency: int = 32
-) -> list[httpx.Response]:
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(
-        base_url=api.url, timeout=60, headers={"Authorization": f"Bearer {token}"}
-    ) as http:
-
-        async def one(envelope: dict[str, object]) -> httpx.Response:
-            async with gate:
-                return await http.post("/tasks", json=envelope)
-
-        return await asyncio.gather(*(one(e) for e in envelopes))
 
 
 def final_statuses(http: httpx.Client, ids: list[str]) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,6 +16,7 @@ from broker.registry.model import Card
 if TYPE_CHECKING:
     from workers.sdk.context import Context
 
+# ``handler(ctx, payload)``: a function, a generator, an ``async def`` or an async generator.
 Handler = Callable[["Context", dict[str, Any]], Any]
 
 
@@ -32,6 +34,11 @@ class CapabilitySpec:
     @property
     def name(self) -> str:
         return self.card.capability
+
+    @cached_property
+    def is_async(self) -> bool:
+        """An ``async def`` handler or an async generator: it runs on the event loop."""
+        return inspect.iscoroutinefunction(self.handler) or inspect.isasyncgenfunction(self.handler)
 
     @cached_property
     def validator(self) -> Draft202012Validator | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,15 @@ class Context:
         """Send a partial output (any JSON value) to whoever streams this task."""
         if self._output_sink is not None:
             self._output_sink(chunk)
+
+    async def progress_async(self, percent: float, message: str | None = None) -> None:
+        """``progress`` for an async handler: the write runs off the event loop."""
+        await asyncio.to_thread(self.progress, percent, message)
+
+    async def emit_async(self, chunk: Any) -> None:
+        """``emit`` for an async handler: the write runs off the event loop. Chunks awaited
+        one after another arrive in that order."""
+        await asyncio.to_thread(self.emit, chunk)
 
     def not_ready(self, for_s: float = 30.0) -> None:
         """This agent cannot take more work for a while (say its model is rate-limited): its

@@ -1,0 +1,326 @@
+"""Async handlers on a real worker (``-P threads -c 500``): many coroutines in flight on one
+event loop per process, cut off at their time and cancelled by the caller without signals,
+each keeping its own context; and sync handlers beside them, whose late results expire."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from broker.settings import Settings
+from broker.tasks import events
+from tests.eventually import eventually
+from tests.integration.stack import (
+    CeleryProcess,
+    ServedApp,
+    start_worker,
+    submit_many,
+    wait_for_task,
+)
+from tests.integration.test_replies import read_stream
+
+ASYNC_QUEUES = "test.async,test.async-fuse,test.async-stream,test.sync-slow"
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+@pytest.fixture(scope="module")
+def async_worker(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    """One worker process, the threads pool, 500 at once: as the README starts one."""
+    process = start_worker(
+        settings, ASYNC_QUEUES, "async", log_dir, concurrency=500, pool="threads"
+    )
+    yield process
+    process.stop()
+
+
+def submit(
+    client: httpx.Client, capability: str, payload: dict[str, object], **more: object
+) -> str:
+    response = client.post("/tasks", json={"capability": capability, "payload": payload, **more})
+    assert response.status_code == 202, response.text
+    task_id: str = response.json()["task_id"]
+    return task_id
+
+
+def test_500_async_tasks_are_in_flight_at_once_in_one_process(
+    api: ServedApp,
+    make_key,
+    async_worker: CeleryProcess,
+    redis_url: str,  # type: ignore[no-untyped-def]
+) -> None:
+    _, token = make_key()
+    barrier = secrets.token_hex(4)
+    envelopes = [
+        {"capability": "test.async", "payload": {"barrier": barrier, "n": 500, "wait_s": 120}}
+        for _ in range(500)
+    ]
+    responses = asyncio.run(submit_many(api, token, envelopes))
+    assert {r.status_code for r in responses} == {202}
+    ids = [r.json()["task_id"] for r in responses]
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        done = [wait_for_task(http, task_id, FINAL, timeout_s=180) for task_id in ids]
+    # Each returned only once all 500 had arrived at the barrier: they were in flight together.
+    assert {d["status"] for d in done} == {"succeeded"}
+    results = [d["result"] for d in done]
+    assert {r["peers"] for r in results} == {500}  # type: ignore[index]
+    assert len({r["pid"] for r in results}) == 1  # type: ignore[index]
+
+
+def test_an_async_handler_past_its_timeout_is_cancelled_and_expires(
+    client: httpx.Client, async_worker: CeleryProcess, redis_url: str
+) -> None:
+    mark = f"reach:test:mark:{uuid.uuid4()}"
+    task_id = submit(client, "test.async-fuse", {"mark": mark})
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "timeout"  # type: ignore[index]
+    marks = redis.Redis.from_url(redis_url)
+    eventually(lambda: marks.get(mark), "the coroutine saw CancelledError")
+    assert marks.get(mark) == b"cancelled"
+
+
+def test_an_async_handler_past_the_tasks_deadline_is_cancelled_and_expires(
+    client: httpx.Client, async_worker: CeleryProcess, redis_url: str
+) -> None:
+    mark = f"reach:test:mark:{uuid.uuid4()}"
+    task_id = submit(client, "test.async", {"sleep_s": 30, "mark": mark}, deadline_ms=1500)
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "timeout"  # type: ignore[index]
+    eventually(lambda: redis.Redis.from_url(redis_url).get(mark), "the coroutine cancelled")
+
+
+def test_the_callers_cancel_reaches_the_running_coroutine(
+    client: httpx.Client, async_worker: CeleryProcess, redis_url: str
+) -> None:
+    mark = f"reach:test:mark:{uuid.uuid4()}"
+    task_id = submit(client, "test.async", {"sleep_s": 60, "mark": mark})
+    wait_for_task(client, task_id, {"running"})
+    cancelled = client.post(f"/tasks/{task_id}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    marks = redis.Redis.from_url(redis_url)
+    eventually(lambda: marks.get(mark), "the coroutine saw CancelledError", timeout_s=10)
+    assert marks.get(mark) == b"cancelled"
+    assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
+
+
+def test_an_async_generator_streams_its_items_in_order(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    task_id = submit(client, "test.async-stream", {"n": 5})
+    events = read_stream(client, "GET", f"/tasks/{task_id}/events")
+    outputs = [e["data"]["data"] for e in events if e.get("event") == "output"]  # type: ignore[index]
+    assert [o["i"] for o in outputs] == [0, 1, 2, 3, 4]
+    done = client.get(f"/tasks/{task_id}").json()
+    assert done["status"] == "succeeded"
+    assert [o["i"] for o in done["result"]["outputs"]] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.timeout(600)
+def test_1000_interleaved_async_tasks_each_keep_their_own_context(
+    api: ServedApp,
+    make_key,
+    async_worker: CeleryProcess,
+    log_dir: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """The seeds' bug 5.2: a trace id that leaks from one request to the next across an
+    await. Every event and every log line of every task must carry that task's own ids."""
+    _, token = make_key()
+    envelopes = [
+        {"capability": "test.async-stream", "payload": {"n": 4, "jitter_s": 0.05}}
+        for _ in range(1000)
+    ]
+    responses = asyncio.run(submit_many(api, token, envelopes))
+    assert {r.status_code for r in responses} == {202}
+    accepted = {r.json()["task_id"]: r.json()["trace_id"] for r in responses}
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        done = {t: wait_for_task(http, t, FINAL, timeout_s=300) for t in accepted}
+    assert {d["status"] for d in done.values()} == {"succeeded"}
+    for task_id, task in done.items():
+        bound = {o["bound_trace_id"] for o in task["result"]["outputs"]}  # type: ignore[index]
+        assert bound == {accepted[task_id]}, task_id
+    steps = [
+        line
+        for line in map(json.loads, _json_lines(async_worker.log_path))
+        if line.get("event") == "step" and line.get("task_id") in accepted
+    ]
+    assert len(steps) == 4 * len(accepted)
+    mixed = [s for s in steps if s["own_task"] != s["task_id"]]
+    assert mixed == []
+    assert all(s["trace_id"] == accepted[s["task_id"]] for s in steps)
+
+
+def test_a_sync_handler_on_the_threads_pool_that_returns_past_the_deadline_expires(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    """The threads pool cannot interrupt a sync handler: its late result is not taken."""
+    task_id = submit(client, "test.sync-slow", {"sleep_s": 3}, deadline_ms=1000)
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "timeout"  # type: ignore[index]
+    assert done["result"] is None
+
+
+def test_sync_and_async_handlers_run_side_by_side_in_one_worker(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    sync_id = submit(client, "test.sync-slow", {"sleep_s": 0.2})
+    async_id = submit(client, "test.async", {"sleep_s": 0.2})
+    assert wait_for_task(client, sync_id, FINAL)["status"] == "succeeded"
+    assert wait_for_task(client, async_id, FINAL)["status"] == "succeeded"
+
+
+def _json_lines(path: Path) -> Iterator[str]:
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            yield line
+
+
+def test_a_retryable_failure_of_an_async_handler_runs_again(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    task_id = submit(client, "test.async", {"fail_times": 2})
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "succeeded"
+    assert done["attempts"] == 3
+
+
+def test_progress_of_an_async_handler_reaches_the_task_and_its_stream(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    task_id = submit(client, "test.async-stream", {"n": 2, "progress": True})
+    events = read_stream(client, "GET", f"/tasks/{task_id}/events")
+    kinds = [e["event"] for e in events]
+    assert kinds[2:-1] == ["output", "progress"] * 2
+    assert client.get(f"/tasks/{task_id}").json()["progress"]["percent"] == 100
+
+
+# -- crashes and shutdowns: workers of their own, on queues no other test worker consumes --
+
+
+def statuses_of(http: httpx.Client, ids: list[str]) -> dict[str, dict[str, object]]:
+    return {task_id: http.get(f"/tasks/{task_id}").json() for task_id in ids}
+
+
+def final_events(redis_url: str, task_id: str) -> int:
+    return sum(e.final for e in events.read_log_sync(redis.Redis.from_url(redis_url), task_id))
+
+
+def runs(redis_url: str, task_id: str) -> int:
+    return int(redis.Redis.from_url(redis_url).get(f"reach:test:runs:{task_id}") or 0)
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_with_200_coroutines_in_flight_loses_nothing_and_runs_nothing_twice(
+    api: ServedApp,
+    make_key,  # type: ignore[no-untyped-def]
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    system_beat: CeleryProcess,
+) -> None:
+    _, token = make_key()
+    queues = "test.async-idem,test.async-once"
+    doomed = start_worker(settings, queues, "doomed", log_dir, concurrency=200, pool="threads")
+    heir: CeleryProcess | None = None
+    try:
+        envelopes = [
+            {"capability": capability, "payload": {"sleep_s": 120}}
+            for capability in ("test.async-idem", "test.async-once")
+            for _ in range(100)
+        ]
+        responses = asyncio.run(submit_many(api, token, envelopes))
+        assert {r.status_code for r in responses} == {202}
+        ids = [r.json()["task_id"] for r in responses]
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+            eventually(
+                lambda: statuses_of(http, ids),
+                "all 200 running in the doomed worker",
+                120,
+                0.5,
+                until=lambda found: all(t["status"] == "running" for t in found.values()),
+            )
+            doomed.kill_hard()
+            heir = start_worker(settings, queues, "heir", log_dir, concurrency=50, pool="threads")
+            done = eventually(
+                lambda: statuses_of(http, ids),
+                "all 200 final after the kill",
+                240,
+                1,
+                until=lambda found: all(t["status"] in FINAL for t in found.values()),
+            )
+    finally:
+        doomed.stop()
+        if heir is not None:
+            heir.stop()
+    idempotent, once = ids[:100], ids[100:]
+    assert {done[t]["status"] for t in idempotent} == {"succeeded"}
+    assert {done[t]["result"]["runs"] for t in idempotent} == {2}  # type: ignore[index]
+    assert {done[t]["status"] for t in once} == {"failed"}
+    assert {done[t]["error"]["code"] for t in once} == {"worker_lost"}  # type: ignore[index]
+    assert {runs(redis_url, t) for t in once} == {1}
+    finals = eventually(
+        lambda: {t: final_events(redis_url, t) for t in ids},
+        "one final event for every task",
+        60,
+        until=lambda found: all(n >= 1 for n in found.values()),
+    )
+    assert set(finals.values()) == {1}
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_lets_coroutines_in_flight_finish_and_leaves_the_rest_queued(
+    api: ServedApp,
+    make_key,  # type: ignore[no-untyped-def]
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+) -> None:
+    _, token = make_key()
+    draining = start_worker(
+        settings, "test.async-idem", "draining", log_dir, concurrency=5, pool="threads"
+    )
+    after: CeleryProcess | None = None
+    try:
+        envelopes = [{"capability": "test.async-idem", "payload": {"sleep_s": 2}}] * 10
+        responses = asyncio.run(submit_many(api, token, envelopes))
+        ids = [r.json()["task_id"] for r in responses]
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+            eventually(
+                lambda: statuses_of(http, ids),
+                "five running",
+                60,
+                0.1,
+                until=lambda found: sum(t["status"] == "running" for t in found.values()) == 5,
+            )
+            draining.stop()  # SIGTERM: Celery's warm shutdown
+            assert draining.process is not None and draining.process.returncode == 0
+            drained = statuses_of(http, ids)
+            counts = {s: sum(t["status"] == s for t in drained.values()) for s in FINAL}
+            assert counts["succeeded"] == 5
+            assert sum(t["status"] == "queued" for t in drained.values()) == 5
+            after = start_worker(
+                settings, "test.async-idem", "after-drain", log_dir, pool="threads"
+            )
+            done = eventually(
+                lambda: statuses_of(http, ids),
+                "the queued five run on the next worker",
+                60,
+                until=lambda found: all(t["status"] in FINAL for t in found.values()),
+            )
+    finally:
+        draining.stop()
+        if after is not None:
+            after.stop()
+    assert {t["status"] for t in done.values()} == {"succeeded"}
+    assert {runs(redis_url, t) for t in ids} == {1}
