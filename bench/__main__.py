@@ -26,7 +26,7 @@ import celery
 import psycopg
 import redis
 
-from bench import baseline, machine, reach, report
+from bench import baseline, machine, model, reach, report
 from bench.environment import Stores, fresh_stores
 from bench.plan import Plan, from_args
 from bench.processes import ROOT, Children
@@ -137,6 +137,8 @@ def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
             )
         wait_quiet("reach")
         result["reach"] = reach.measure(stores, children, plan, progress, meter)
+        wait_quiet("model")
+        result["model"] = model.measure(stores, children, plan, progress, meter)
     result["foreign_cores"] = meter.foreign
     result["ratios"] = report.ratios(result)
     result["targets"] = report.targets(result)
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{meta['cpus']} CPUs, N={plan.tasks}, C={plan.concurrency}"
     )
     print(report.table(result))
+    print(f"\nModel latency: {plan.model_tasks} tasks, each one call answered after 500 ms")
+    print(report.model_table(result))
     print("\nTargets:")
     print(report.target_lines(result))
     print(f"\nCores kept busy by other processes, per phase (of {meta['cpus']}):")

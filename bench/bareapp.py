@@ -1,20 +1,26 @@
 """Baseline A and B: the bare Celery app a user would otherwise run.
 
-One task, ``bench.noop``, that returns its argument (as the ``echo`` agent does), JSON only,
-everything else Celery's defaults. The worker subprocess finds its broker and result backend in
+One task, ``bench.noop``, that returns its argument (as the ``echo`` agent does), and for the
+model-latency phase ``bench.model``, one HTTP call to a model. JSON only, everything else
+Celery's defaults. The worker subprocess finds its broker and result backend in
 ``BENCH_BROKER_URL`` and ``BENCH_RESULT_BACKEND``:
 ``celery -A bench.bareapp worker -Q bench.noop``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+import urllib3
 from celery import Celery
 
 TASK = "bench.noop"
 QUEUE = "bench.noop"
+MODEL_TASK = "bench.model"  # one call to the model of the model-latency phase
+MODEL_QUEUE = "bench.model"
+_http: urllib3.PoolManager | None = None
 
 
 def create_app(broker_url: str, result_backend: str) -> Celery:
@@ -29,11 +35,29 @@ def create_app(broker_url: str, result_backend: str) -> Celery:
         task_default_queue=QUEUE,
     )
     app.task(name=TASK)(noop)
+    app.task(name=MODEL_TASK)(model_call)
     return app
 
 
 def noop(payload: Any) -> Any:
     return payload
+
+
+def model_call(url: str, prompt: str) -> str:
+    """One completion from the model at ``url``, with urllib3: the fastest client measured for
+    threads and greenlets (``docs/performance.md``). One pool for the process, as many
+    connections kept as there are calls at once."""
+    global _http
+    if _http is None:
+        _http = urllib3.PoolManager(maxsize=1000)
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "stream": False})
+    response = _http.request(
+        "POST", url, body=body, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    if response.status != 200:
+        raise RuntimeError(f"the model answered {response.status}")
+    content: str = json.loads(response.data)["choices"][0]["message"]["content"]
+    return content
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,9 @@ class Plan:
     streams: int  # SSE streams held open at once
     hold_s: float  # how long they are held
     quiet_wait_s: float  # how long to wait for a quiet machine before starting
+    model_tasks: int  # model-latency phase: tasks, each one call to the loopback model
+    model_round_trips: int  # ... calls one at a time, for the latency each system adds
+    model_slots: tuple[int, int, int]  # ... calls at once: A-threads, A-gevent, Agent-Reach
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,6 +44,9 @@ def full(tasks: int = 2000, concurrency: int = 2) -> Plan:
         streams=1000,
         hold_s=10.0,
         quiet_wait_s=300.0,
+        model_tasks=2000,
+        model_round_trips=30,
+        model_slots=(200, 500, 500),
     )
 
 
@@ -58,6 +64,9 @@ def quick(tasks: int = 20, concurrency: int = 2) -> Plan:
         streams=50,
         hold_s=1.0,
         quiet_wait_s=0.0,
+        model_tasks=20,
+        model_round_trips=3,
+        model_slots=(10, 20, 20),
     )
 
 

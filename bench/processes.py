@@ -137,11 +137,13 @@ def celery_worker(
     queues: str,
     concurrency: int,
     env: dict[str, str],
+    pool: str = "prefork",
 ) -> Child:
-    """``celery -A app worker``: prefork, ``concurrency`` processes, no gossip or mingle (one
-    worker alone needs neither), warnings only (a log line per task would cost the worker)."""
+    """``celery -A app worker``: prefork (or ``pool``), ``concurrency`` processes (or threads,
+    greenlets), no gossip or mingle (one worker alone needs neither), warnings only (a log line
+    per task would cost the worker)."""
     args = [str(BIN / "celery"), "-A", app, "worker", "-Q", queues, "-n", f"{name}@%h"]
-    args += ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING"]
+    args += ["-P", pool, "-c", str(concurrency), "-l", "WARNING"]
     args += ["--without-gossip", "--without-mingle"]
     return children.start(name, args, env)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 RSS_LIMIT_MB = 300
+MODEL_RSS_LIMIT_MB = 250
+MODEL_ADDED_P50_LIMIT_MS = 10.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,85 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             f"API RSS with them < {RSS_LIMIT_MB} MB", streams["rss_peak_mb"], RSS_LIMIT_MB, False
         )
     )
+    if "model" in result:
+        checks += model_targets(result["model"], target)
+        noop = result["model"]["noop_threads"]["tasks_per_s"]
+        checks.append(
+            target(
+                "noop throughput, threads pool, one process >= 0.8x A (prefork)",
+                _ratio(noop, result["baseline_a"]["throughput"]["tasks_per_s"]),
+                0.8,
+                True,
+            )
+        )
     return checks
+
+
+def model_targets(m: dict[str, Any], target: Any) -> list[dict[str, Any]]:
+    reach = m["reach"]
+    best = max(m["a_threads"]["tasks_per_s"], m["a_gevent"]["tasks_per_s"])
+    return [
+        target(
+            "model latency: throughput >= the best bare Celery pool's",
+            _ratio(reach["tasks_per_s"], best),
+            1.0,
+            True,
+        ),
+        target(
+            f"model latency: added latency p50 <= {MODEL_ADDED_P50_LIMIT_MS:.0f} ms",
+            reach["added_latency"]["p50_ms"],
+            MODEL_ADDED_P50_LIMIT_MS,
+            False,
+        ),
+        target(
+            f"model latency: worker RSS <= {MODEL_RSS_LIMIT_MB} MB, {reach['slots']} in flight",
+            reach["worker_rss_peak_mb"],
+            MODEL_RSS_LIMIT_MB,
+            False,
+        ),
+    ]
+
+
+def model_table(result: dict[str, Any]) -> str:
+    """The model-latency phase: each system's figures, and Agent-Reach's against the best
+    bare Celery pool's."""
+    m = result["model"]
+    systems = [m["a_threads"], m["a_gevent"], m["reach"]]
+    header = [
+        "figure",
+        "unit",
+        f"A-threads -c {m['a_threads']['slots']}",
+        f"A-gevent -c {m['a_gevent']['slots']}",
+        f"Agent-Reach async -c {m['reach']['slots']}",
+        "Reach / best A",
+    ]
+    figures = [
+        ("throughput", "tasks/s", lambda s: s["tasks_per_s"], max),
+        ("added latency p50", "ms", lambda s: s["added_latency"]["p50_ms"], min),
+        ("added latency p99", "ms", lambda s: s["added_latency"]["p99_ms"], min),
+        ("worker RSS at the peak", "MB", lambda s: s["worker_rss_peak_mb"], min),
+        ("worker CPU per task", "ms", lambda s: s["worker_cpu_ms_per_task"], min),
+    ]
+    lines = [header]
+    for name, unit, value, best_of in figures:
+        a_threads, a_gevent, reach = (value(s) for s in systems)
+        ratio = _ratio(reach, best_of(a_threads, a_gevent))
+        shown = f"{ratio:.2f}x" if ratio is not None else "—"
+        lines.append([name, unit, _cell(a_threads), _cell(a_gevent), _cell(reach), shown])
+    a_noop = result["baseline_a"]["throughput"]["tasks_per_s"]
+    noop = m["noop_threads"]["tasks_per_s"]
+    ratio = _ratio(noop, a_noop)
+    lines.append(
+        [
+            "noop throughput (A: prefork)",
+            "tasks/s",
+            _cell(a_noop),
+            "—",
+            _cell(noop),
+            f"{ratio:.2f}x" if ratio is not None else "—",
+        ]
+    )
+    return _markdown(lines)
 
 
 def _cell(value: float | str | None) -> str:
@@ -185,6 +265,11 @@ def table(result: dict[str, Any]) -> str:
     for row in rows(result):
         ratio = f"{row.vs_a:.2f}x" if row.vs_a is not None else "—"
         lines.append([row.figure, row.unit, _cell(row.a), _cell(row.b), _cell(row.reach), ratio])
+    return _markdown(lines)
+
+
+def _markdown(lines: list[list[str]]) -> str:
+    header = lines[0]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for n, line in enumerate(lines):

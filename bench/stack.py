@@ -45,7 +45,17 @@ class Stack:
 
 
 @contextmanager
-def running_stack(stores: Stores, children: Children, concurrency: int) -> Iterator[Stack]:
+def running_stack(
+    stores: Stores,
+    children: Children,
+    concurrency: int,
+    *,
+    queues: str = QUEUES,
+    pool: str = "prefork",
+    **env_values: str,
+) -> Iterator[Stack]:
+    """The API and one worker (``pool``, ``concurrency``) on ``queues``; ``env_values`` go
+    into both processes' environment."""
     env = child_env(
         REACH_DATABASE_URL=stores.database_url,
         REACH_REDIS_URL=stores.redis_url,
@@ -53,6 +63,7 @@ def running_stack(stores: Stores, children: Children, concurrency: int) -> Itera
         # show what the API can take. Everything else runs with its defaults.
         REACH_RATE_LIMIT_PER_S=str(RATE_LIMIT_OFF),
         REACH_RATE_LIMIT_BURST=str(RATE_LIMIT_OFF),
+        **env_values,
     )
     port = free_port()
     api = children.start(
@@ -71,7 +82,7 @@ def running_stack(stores: Stores, children: Children, concurrency: int) -> Itera
         ],
         env,
     )
-    worker = celery_worker(children, WORKER, "workers", QUEUES, concurrency, env)
+    worker = celery_worker(children, WORKER, "workers", queues, concurrency, env, pool)
     stack = Stack(api=api, worker=worker, port=port, stores=stores)
     wait_until(lambda: _healthy(stack.url), timeout_s=60, what="waiting for the API", child=api)
     token = stack.key("bench-warmup")
@@ -82,7 +93,7 @@ def running_stack(stores: Stores, children: Children, concurrency: int) -> Itera
             what="waiting for the worker to serve echo",
             child=worker,
         )
-        for i in range(4 * concurrency):  # every pool process connected before the clock
+        for i in range(4 * min(concurrency, 8)):  # every pool process connected before the clock
             _echo_sync(http, i)
     try:
         yield stack

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -24,6 +26,11 @@ from reach import localservices, migrate
 
 DATA_DIR = Path(".reach")
 CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize"
+ASYNC_QUEUES = "llm.complete"  # async agents: one process on the threads pool
+DEMO_STREAM = (
+    '{"capability": "llm.complete", "reply_mode": "stream",'
+    ' "payload": {"prompt": "hello from an async agent", "stream": true}}'
+)
 DEV_WEBHOOK_ALLOW = "127.0.0.0/8,::1,localhost"
 DEMO_INVOICE = (
     "ACME Trading Co.\\nInvoice No: INV-2024-0042\\nDate: 2024-03-15\\nTotal: CNY 1,024.00"
@@ -45,12 +52,21 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
     env.setdefault("REACH_WEBHOOK_ALLOW", DEV_WEBHOOK_ALLOW)
     # The API listens on loopback here: /metrics needs no token (elsewhere it does).
     env.setdefault("REACH_METRICS_PUBLIC", "true")
+    # llm.complete calls the stand-in model the stack runs, unless a real one is named.
+    env.setdefault("REACH_MODEL_URL", f"http://127.0.0.1:{_free_port()}")
     return env, services
 
 
-def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str]]:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _commands(port: int, flower_port: int, data_dir: Path, model_url: str) -> dict[str, list[str]]:
     bin_dir = Path(sys.executable).parent
     celery = [str(bin_dir / "celery"), "-A", "workers"]
+    model_port = urlsplit(model_url).port or 80
     return {
         "api": [
             str(bin_dir / "uvicorn"),
@@ -64,6 +80,8 @@ def _commands(port: int, flower_port: int, data_dir: Path) -> dict[str, list[str
         ],
         # A worker each: agents, maintenance and deliveries never wait behind one another.
         "worker": _worker(celery, CAPABILITY_QUEUES, "dev", 2),
+        "async-worker": [*_worker(celery, ASYNC_QUEUES, "async", 100), "-P", "threads"],
+        "model": [str(bin_dir / "python"), "-m", "reach.fakemodel", f"--port={model_port}"],
         "maintenance": _worker(celery, MAINTENANCE_QUEUE, "maintenance", 2),
         # More processes than one tenant may hold (REACH_WEBHOOK_MAX_INFLIGHT_PER_TENANT, 4).
         "webhooks": _worker(celery, WEBHOOKS_QUEUE, "webhooks", 6),
@@ -90,7 +108,7 @@ def _wait_ready(
     """Until the API is ready and every example capability has a live agent, so the printed
     curl works the moment it is shown."""
     deadline = time.monotonic() + timeout_s
-    wanted = set(CAPABILITY_QUEUES.split(","))
+    wanted = {*CAPABILITY_QUEUES.split(","), *ASYNC_QUEUES.split(",")}
     while time.monotonic() < deadline:
         for name, proc in processes.items():
             if proc.poll() is not None:
@@ -133,6 +151,9 @@ Submit an invoice:
     -d '{{"capability": "invoice.extract", "payload": {{"text": "{DEMO_INVOICE}"}}}}'
 Poll it (the task_id from above):
   curl -s {api}/tasks/TASK_ID -H "Authorization: Bearer {token}"
+Stream an async agent's tokens (llm.complete, on a stand-in model at REACH_MODEL_URL):
+  curl -sN {api}/tasks -H "Authorization: Bearer {token}" -H 'Content-Type: application/json' \\
+    -d '{DEMO_STREAM}'
 
 Ctrl-C stops everything.
 """
@@ -156,7 +177,8 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         _, token = key_store.create_key(
             sync_engine(settings), "dev", ["*"], is_admin=True, tenant_admin=True, name="dev"
         )
-        for name, command in _commands(port, flower_port, data_dir).items():
+        commands = _commands(port, flower_port, data_dir, env["REACH_MODEL_URL"])
+        for name, command in commands.items():
             # Their own process group: Ctrl-C reaches only this process, which then stops
             # them in order (the worker finishes what it holds).
             processes[name] = subprocess.Popen(command, env=env, process_group=0)

@@ -88,3 +88,21 @@ def test_quick_run_reports_ratios_and_targets(report: dict[str, Any]) -> None:
     assert all(isinstance(check["met"], bool) for check in report["targets"])
     assert all(isinstance(cores, float) for cores in report["foreign_cores"].values())
     assert report["meta"]["date"]
+
+
+@pytest.mark.timeout(660)
+def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> None:
+    plan, model = report["meta"]["plan"], report["model"]
+    for key, slots in zip(("a_threads", "a_gevent", "reach"), plan["model_slots"], strict=True):
+        figures = model[key]
+        assert figures["slots"] == slots
+        assert figures["succeeded"] == plan["model_tasks"], (key, figures)
+        assert positive(figures["tasks_per_s"])
+        assert positive(figures["worker_rss_peak_mb"])
+        assert positive(figures["worker_cpu_ms_per_task"])
+        assert_latency(figures["added_latency"], plan["model_round_trips"], ("p50", "p99"))
+    named = [c["target"] for c in report["targets"] if c["target"].startswith("model latency")]
+    assert len(named) == 3
+    noop = model["noop_threads"]
+    assert noop["accepted"] == noop["succeeded"] == plan["tasks"]
+    assert positive(noop["tasks_per_s"])

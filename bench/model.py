@@ -1,0 +1,215 @@
+"""The model-latency phase: agents that wait on a model, as real agents do.
+
+A loopback model (``reach.fakemodel``, a subprocess of the run) answers each call after
+``MODEL_DELAY_S``. N tasks each make one call to it, through:
+
+- A-threads: bare Celery, threads pool, urllib3;
+- A-gevent: bare Celery, gevent pool, urllib3 (the fastest client measured for each pool);
+- Agent-Reach: the API and one worker process on the threads pool, running the example
+  async agent ``llm.complete`` (aiohttp) on its event loop.
+
+Figures for each: tasks/s for N tasks submitted at once; the time each call adds to the
+model's, one call at a time (round trip minus the delay); the worker's peak RSS during the N
+tasks; its CPU per task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from bench import bareapp, baseline, loadgen
+from bench.environment import Stores
+from bench.machine import Meter
+from bench.plan import Plan
+from bench.processes import BIN, Child, Children, celery_worker, child_env, free_port, wait_until
+from bench.reach import throughput, wait_final
+from bench.stack import running_stack
+from bench.stats import latency_ms, rate
+
+MODEL_DELAY_S = 0.5
+PROMPT = "say hello to the benchmark"
+RSS_SAMPLE_S = 0.05
+
+
+def measure(
+    stores: Stores, children: Children, plan: Plan, progress: Callable[[str], None], meter: Meter
+) -> dict[str, Any]:
+    port = free_port()
+    model = children.start(
+        "fakemodel",
+        [
+            str(BIN / "python"),
+            "-m",
+            "reach.fakemodel",
+            f"--port={port}",
+            f"--delay={MODEL_DELAY_S}",
+        ],
+        child_env(),
+    )
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _healthy(base), timeout_s=30, what="waiting for the model", child=model)
+    threads, gevent, reach = plan.model_slots
+    figures: dict[str, Any] = {"delay_s": MODEL_DELAY_S, "tasks": plan.model_tasks}
+    try:
+        for key, pool, slots in (("a_threads", "threads", threads), ("a_gevent", "gevent", gevent)):
+            progress(f"model latency, bare Celery {pool} -c {slots}: {plan.model_tasks} tasks")
+            with meter.phase(f"model.{key}"):
+                figures[key] = bare(stores, children, plan, pool, slots, base)
+        progress(f"model latency, Agent-Reach async -c {reach}: {plan.model_tasks} tasks")
+        with meter.phase("model.reach"):
+            figures["reach"] = agent_reach(stores, children, plan, reach, base)
+        progress(f"noop on the threads pool, one process -c {reach}: {plan.tasks} tasks")
+        with meter.phase("model.noop_threads"):
+            figures["noop_threads"] = noop_threads(stores, children, plan, reach)
+    finally:
+        children.stop(model)
+    return figures
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def peak_rss(child: Child) -> Iterator[dict[str, float]]:
+    """The largest RSS of ``child`` and its descendants while the block runs, in MB."""
+    peak = {"mb": 0.0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(RSS_SAMPLE_S):
+            total = 0
+            for process in child.family():
+                try:
+                    total += process.memory_info().rss
+                except Exception:  # gone between listing and reading: not counted  # noqa: S112
+                    continue
+            peak["mb"] = max(peak["mb"], round(total / 2**20, 1))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        sampler.join()
+
+
+def bare(
+    stores: Stores, children: Children, plan: Plan, pool: str, slots: int, base: str
+) -> dict[str, Any]:
+    url = f"{base}/v1/chat/completions"
+    app = bareapp.create_app(stores.redis_url, stores.redis_url)
+    call = app.tasks[bareapp.MODEL_TASK]
+    env = child_env(BENCH_BROKER_URL=stores.redis_url, BENCH_RESULT_BACKEND=stores.redis_url)
+    worker = celery_worker(
+        children, f"bench-model-{pool}", "bench.bareapp", bareapp.MODEL_QUEUE, slots, env, pool
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # consuming, and its connections made
+            try:
+                call.apply_async((url, PROMPT), queue=bareapp.MODEL_QUEUE).get(timeout=5)
+                break
+            except Exception:
+                if time.monotonic() > deadline or not worker.alive():
+                    raise
+        store = baseline.RedisResults(stores.redis_url)
+        cpu_at_start = worker.cpu_s()
+        with peak_rss(worker) as peak:
+            started = time.perf_counter()
+            ids = [
+                call.apply_async((url, PROMPT), queue=bareapp.MODEL_QUEUE).id
+                for _ in range(plan.model_tasks)
+            ]
+            done = baseline.wait_stored(ids, store)
+            elapsed = time.perf_counter() - started
+        store.close()
+        cpu_s = worker.cpu_s() - cpu_at_start
+        samples = []
+        for _ in range(plan.model_round_trips):
+            sent = time.perf_counter()
+            call.apply_async((url, PROMPT), queue=bareapp.MODEL_QUEUE).get(timeout=30)
+            samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
+    finally:
+        children.stop(worker)
+        app.close()
+    return _figures(done, elapsed, cpu_s, peak["mb"], samples, pool=pool, slots=slots)
+
+
+def agent_reach(
+    stores: Stores, children: Children, plan: Plan, slots: int, base: str
+) -> dict[str, Any]:
+    with running_stack(
+        stores,
+        children,
+        slots,
+        queues="echo,llm.complete",
+        pool="threads",
+        REACH_MODEL_URL=base,
+    ) as stack:
+        token = stack.key("bench-model")
+        envelope = {"capability": "llm.complete", "payload": {"prompt": PROMPT}}
+        http = httpx.Client(
+            base_url=stack.url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+        )
+        _sync(http, envelope)  # the agent's session made before the clock
+        cpu_at_start = stack.worker.cpu_s()
+        with peak_rss(stack.worker) as peak:
+            submitted = asyncio.run(
+                loadgen.accept_rate(
+                    stack.port, token, envelope, connections=64, requests=plan.model_tasks
+                )
+            )
+            waited_from = time.perf_counter()
+            counts = wait_final(stack.stores.libpq_url, "bench-model", submitted["accepted"])
+            elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
+        cpu_s = stack.worker.cpu_s() - cpu_at_start
+        samples = []
+        for _ in range(plan.model_round_trips):
+            sent = time.perf_counter()
+            _sync(http, envelope)
+            samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
+        http.close()
+    figures = _figures(counts.get("succeeded", 0), elapsed, cpu_s, peak["mb"], samples)
+    return {**figures, "pool": "threads (async handler)", "slots": slots, "statuses": counts}
+
+
+def noop_threads(stores: Stores, children: Children, plan: Plan, slots: int) -> dict[str, Any]:
+    """The existing throughput figure (N echo tasks) with the worker as an async agent's
+    would run: one process, the threads pool."""
+    with running_stack(stores, children, slots, queues="echo", pool="threads") as stack:
+        figures: dict[str, Any] = throughput(stack, plan.tasks, plan.submitters)
+        return {**figures, "pool": "threads", "slots": slots}
+
+
+def _sync(http: httpx.Client, envelope: dict[str, Any]) -> None:
+    answer = http.post("/tasks", json={**envelope, "reply_mode": "sync"})
+    task = answer.json()
+    if answer.status_code != 200 or task.get("status") != "succeeded":
+        raise RuntimeError(f"llm.complete answered {answer.status_code}: {json.dumps(task)}")
+
+
+def _figures(
+    done: int, elapsed: float, cpu_s: float, rss_mb: float, samples: list[float], **more: Any
+) -> dict[str, Any]:
+    return {
+        **more,
+        "succeeded": done,
+        "elapsed_s": round(elapsed, 3),
+        "tasks_per_s": rate(done, elapsed),
+        "worker_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
+        "worker_rss_peak_mb": rss_mb,
+        "added_latency": latency_ms(samples, (50, 99)),
+    }

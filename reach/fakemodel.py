@@ -1,0 +1,113 @@
+"""A stand-in for a model API, for trying async agents, the tests and the benchmark:
+``python -m reach.fakemodel --port 8700 --delay 0.5``.
+
+It answers the OpenAI-compatible ``POST /v1/chat/completions`` after ``--delay`` seconds:
+a JSON completion, or with ``"stream": true`` the same text as server-sent chunks spread over
+the delay, ending with ``data: [DONE]``. The reply repeats the last user message's words.
+``GET /healthz`` answers at once. Plain asyncio, HTTP/1.1 with keep-alive, no dependencies:
+thousands of calls may wait at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+MAX_BODY = 1 << 20
+
+
+def reply_words(request: dict[str, Any]) -> list[str]:
+    messages = request.get("messages") or [{}]
+    prompt = str(messages[-1].get("content", ""))
+    limit = int(request.get("max_tokens") or 16)
+    return (prompt.split() or ["ok"])[:limit]
+
+
+def _head(status: str, content_type: str, length: int | None) -> bytes:
+    lines = [f"HTTP/1.1 {status}", f"Content-Type: {content_type}"]
+    lines.append(
+        f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    )
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+class FakeModel:
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        head = await reader.readuntil(b"\r\n\r\n")
+        request_line, *header_lines = head.decode("latin-1").split("\r\n")
+        method, path, _ = request_line.split(" ", 2)
+        headers = {
+            k.strip().lower(): v.strip()
+            for k, _, v in (h.partition(":") for h in header_lines if h)
+        }
+        length = min(int(headers.get("content-length", "0")), MAX_BODY)
+        body = await reader.readexactly(length) if length else b""
+        if method == "GET" and path == "/healthz":
+            writer.write(_head("200 OK", "text/plain", 2) + b"ok")
+        elif method == "POST" and path == "/v1/chat/completions":
+            self.calls += 1
+            await self._complete(json.loads(body or b"{}"), writer)
+        else:
+            writer.write(_head("404 Not Found", "text/plain", 9) + b"not found")
+        await writer.drain()
+        return headers.get("connection", "").lower() != "close"
+
+    async def _complete(self, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        words = reply_words(request)
+        if not request.get("stream"):
+            await asyncio.sleep(self.delay_s)
+            message = {"role": "assistant", "content": " ".join(words)}
+            answer = json.dumps({"object": "chat.completion", "choices": [{"message": message}]})
+            writer.write(_head("200 OK", "application/json", len(answer)) + answer.encode())
+            return
+        writer.write(_head("200 OK", "text/event-stream", None))
+        for i, word in enumerate(words):
+            await asyncio.sleep(self.delay_s / len(words))
+            delta = {"content": word if i == 0 else f" {word}"}
+            event = {"object": "chat.completion.chunk", "choices": [{"delta": delta}]}
+            writer.write(_chunk(f"data: {json.dumps(event)}\n\n".encode()))
+            await writer.drain()
+        writer.write(_chunk(b"data: [DONE]\n\n") + _chunk(b""))
+
+
+async def serve(host: str, port: int, delay_s: float) -> None:
+    model = FakeModel(delay_s)
+    server = await asyncio.start_server(model.handle, host, port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m reach.fakemodel", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8700)
+    parser.add_argument("--delay", type=float, default=0.5, help="seconds before each answer")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(args.host, args.port, args.delay))
+
+
+if __name__ == "__main__":
+    main()
