@@ -119,6 +119,16 @@ def duration_s(value: str | int) -> float:
     return sum(float(n) * UNIT_S[u] for n, u in parts)
 
 
+INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?-([^}]*)\}")
+
+
+def interpolation_default(value: str) -> tuple[str, str] | None:
+    """(variable, default) of a value that is exactly ``${VAR:-default}`` or ``${VAR-default}``
+    (what compose substitutes when VAR is unset), or None for anything else."""
+    found = INTERPOLATION.fullmatch(value.strip())
+    return (found.group(1), found.group(2)) if found else None
+
+
 def module_file(dotted: str) -> Path | None:
     """The source file of a project module (``a.b`` -> a/b.py or a/b/__init__.py), or None."""
     base = ROOT.joinpath(*dotted.split("."))

@@ -83,6 +83,15 @@ def test_port_and_duration_parsers_read_compose_syntax() -> None:
         compose.duration_s("sixty")
 
 
+def test_interpolation_default_reads_only_a_whole_variable_with_a_default() -> None:
+    # given the spellings compose substitutes, and some it does not or that have no default
+    # when / expect the variable and its default, or None
+    assert compose.interpolation_default("${API_WORKERS:-2}") == ("API_WORKERS", "2")
+    assert compose.interpolation_default(" ${A_B-x} ") == ("A_B", "x")
+    for value in ("2", "${API_WORKERS}", "${API_WORKERS:?set it}", "x${A:-1}", "$A"):
+        assert compose.interpolation_default(value) is None, value
+
+
 # ---------------------------------------------------------------------------------------------
 # (a) the image
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +247,21 @@ def test_uvicorn_target_module_and_factory_exist() -> None:
         assert (
             compose.option(argv, "--host") == "0.0.0.0" and compose.option(argv, "--port") == "8000"
         )
+
+
+def test_the_api_runs_a_configurable_number_of_uvicorn_processes() -> None:
+    # given the api service's command
+    argv = compose.command_argv(compose.services()["api"])
+    # when its --workers value is read
+    workers = compose.option(argv, "--workers")
+    assert workers is not None, f"the api runs one uvicorn process only: {argv}"
+    found = compose.interpolation_default(workers)
+    # expect it set from the environment (API_WORKERS), more than one process by default:
+    # any API process answers any stream or sync wait, the events go through Redis
+    assert found is not None, f"--workers {workers} is not ${{API_WORKERS:-N}}"
+    variable, default = found
+    assert variable == "API_WORKERS", variable
+    assert default.isdigit() and int(default) >= 2, default
 
 
 def test_celery_app_is_the_workers_package() -> None:
