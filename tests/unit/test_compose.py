@@ -24,7 +24,9 @@ from tests import compose_file as compose
 from tests.compose_file import COMPOSE_FILE, ROOT
 
 # The example capabilities, one worker service each (the contract).
-CAPABILITIES = {"echo", "invoice.extract", "text.summarize"}
+CAPABILITIES = {"echo", "invoice.extract", "text.summarize", "llm.complete"}
+# Async agents: their worker runs on the threads pool with this many at once.
+ASYNC_CAPABILITIES = {"llm.complete": "500"}
 # The internal queues, each consumed by a worker of its own (service: queue).
 SYSTEM_WORKERS = {"worker-maintenance": "reach.maintenance", "worker-webhooks": "reach.webhooks"}
 SYSTEM_QUEUES = set(SYSTEM_WORKERS.values())
@@ -301,7 +303,11 @@ def test_one_worker_service_per_capability() -> None:
     for name, argv in workers.items():
         (queue,) = compose.queues(argv)
         assert compose.option(argv, "-n", "--hostname") == f"{queue}@%h", name
-        assert compose.option(argv, "--concurrency", "-c") == "2", name
+        if queue in ASYNC_CAPABILITIES:
+            assert compose.option(argv, "-P", "--pool") == "threads", name
+            assert compose.option(argv, "--concurrency", "-c") == ASYNC_CAPABILITIES[queue], name
+        else:
+            assert compose.option(argv, "--concurrency", "-c") == "2", name
 
 
 def test_worker_queues_are_the_capabilities_the_examples_declare() -> None:
