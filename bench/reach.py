@@ -90,10 +90,12 @@ def _rss_mb(child: Child) -> float:
     return round(psutil.Process(child.pid).memory_info().rss / 2**20, 1)
 
 
-def throughput(stack: Stack, count: int, submitters: int) -> dict[str, Any]:
+def throughput(
+    stack: Stack, count: int, submitters: int, tenant: str = "bench-throughput"
+) -> dict[str, Any]:
     """N echo tasks submitted over HTTP on ``submitters`` concurrent connections, then
-    Postgres watched until all of them are ``succeeded``."""
-    tenant = "bench-throughput"
+    Postgres watched until all of them are ``succeeded``. ``tenant`` is new for each run:
+    the tasks are counted by tenant."""
     token = stack.key(tenant)
     envelope = {"capability": "echo", "payload": {"i": 0}}
     cpu_at_start = stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()

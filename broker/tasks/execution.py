@@ -132,15 +132,22 @@ def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> TaskRow | None:
     return _finish(engine, task_id, SUCCEED, result=result)
 
 
-def fail(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
-    """Fail a running task, or a queued one that cannot be run (no such capability here)."""
-    return _finish(engine, task_id, FAIL, error=error)
+def fail(
+    engine: Engine, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
+) -> TaskRow | None:
+    """Fail a running task, or a queued one that cannot be run (no such capability here).
+
+    ``attempt``: only if the row is still at that attempt. A recovery acts on what it read a
+    moment ago; meanwhile another recovery may have requeued the task and a worker started
+    it again, and that newer attempt is not the lost one."""
+    return _finish(engine, task_id, FAIL, attempt, error=error)
 
 
 @functools.cache
-def _finish_statement(move: Move, outcome: str) -> Any:
+def _finish_statement(move: Move, outcome: str, of_attempt: bool = False) -> Any:
     """Make ``move``, recording ``outcome`` (the result or the error; a success clears the
-    error an earlier attempt left)."""
+    error an earlier attempt left). ``of_attempt``: only while the row is still at the attempt
+    bound as ``attempt`` (what a recovery saw: a newer attempt is not the lost one)."""
     values: dict[str, Any] = {
         "status": move.target,
         "finished_at": func.now(),
@@ -149,19 +156,20 @@ def _finish_statement(move: Move, outcome: str) -> Any:
     }
     if outcome == "result":
         values["error"] = null()
-    return (
-        update(tasks)
-        .where(tasks.c.id == bindparam("task_id"), in_sources(move))
-        .values(values)
-        .returning(*tasks.c, _TENANT_SUBSCRIBES)
-    )
+    guard = [tasks.c.id == bindparam("task_id"), in_sources(move)]
+    if of_attempt:
+        guard.append(tasks.c.attempts == bindparam("attempt"))
+    return update(tasks).where(*guard).values(values).returning(*tasks.c, _TENANT_SUBSCRIBES)
 
 
-def _finish(engine: Engine, task_id: uuid.UUID, move: Move, **outcome: Any) -> TaskRow | None:
+def _finish(
+    engine: Engine, task_id: uuid.UUID, move: Move, attempt: int | None = None, **outcome: Any
+) -> TaskRow | None:
     ((column, value),) = outcome.items()
-    statement = _finish_statement(move, column)
+    statement = _finish_statement(move, column, attempt is not None)
+    params = {"task_id": task_id, "outcome": value, "attempt": attempt}
     with _autocommit(engine) as conn:
-        row = conn.execute(statement, {"task_id": task_id, "outcome": value}).first()
+        row = conn.execute(statement, params).first()
     return as_task_row(row) if row is not None else None
 
 
@@ -191,11 +199,17 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     return as_task_row(row) if row is not None else None
 
 
-def requeue(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
-    """running -> queued for another attempt, keeping the last error visible."""
+def requeue(
+    engine: Engine, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
+) -> TaskRow | None:
+    """running -> queued for another attempt, keeping the last error visible. ``attempt``:
+    only if the row is still at that attempt (see ``fail``)."""
+    guard = [tasks.c.id == task_id, in_sources(RETRY)]
+    if attempt is not None:
+        guard.append(tasks.c.attempts == attempt)
     query = (
         update(tasks)
-        .where(tasks.c.id == task_id, in_sources(RETRY))
+        .where(*guard)
         .values(status=RETRY.target, error=error, instance=None)
         .returning(*tasks.c)
     )

@@ -97,3 +97,29 @@ def test_given_a_task_in_each_status_expect_the_operation_to_make_exactly_its_mo
     else:
         assert outcome is None
         assert status_of(engine, task_id) == status
+
+
+@pytest.mark.parametrize(
+    "recover",
+    [
+        lambda e, t, seen: execution.requeue(e, t, ERROR, attempt=seen),
+        lambda e, t, seen: execution.fail(e, t, ERROR, attempt=seen),
+    ],
+    ids=["requeue", "fail"],
+)
+def test_given_a_recovery_of_an_attempt_that_was_started_again_expect_no_move(
+    engine: Engine, recover: Callable[[Engine, uuid.UUID, int], Any]
+) -> None:
+    # given a running task whose first attempt a recovery read as lost, and which another
+    # recovery requeued and a worker started again meanwhile (its second attempt)
+    task_id = a_task(engine, "queued", overdue=False)
+    assert execution.claim(engine, task_id, agent_id="a", version="1", instance="dead")
+    assert execution.requeue(engine, task_id, ERROR, attempt=1) is not None
+    assert execution.claim(engine, task_id, agent_id="a", version="1", instance="alive")
+    # when the first recovery acts on what it read (attempt 1)
+    moved = recover(engine, task_id, 1)
+    # expect nothing moved: the running attempt 2 is not the lost one
+    assert moved is None
+    assert status_of(engine, task_id) == "running"
+    # and a recovery of attempt 2 itself still moves it
+    assert recover(engine, task_id, 2) is not None

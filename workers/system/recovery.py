@@ -54,7 +54,8 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
         limit = retry.attempt_limit(row["max_attempts"], card.get("max_attempts"))
         lost = task_error("worker_lost", why, retryable=bool(card.get("idempotent")))
         if card.get("idempotent") and row["attempts"] < limit and runner.republish is not None:
-            if execution.requeue(runner.engine, row["id"], lost) is not None:
+            # Only the attempt read above: a newer one (after another recovery) is not lost.
+            if execution.requeue(runner.engine, row["id"], lost, attempt=row["attempts"]):
                 runner.events.append(
                     row["id"],
                     events.STATUS,
@@ -65,7 +66,8 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                 counts["requeued"] += 1
                 metrics.lost_tasks.labels("requeued").inc()
             continue
-        if runner.finalize(execution.fail(runner.engine, row["id"], lost)) != "skipped":
+        failed = execution.fail(runner.engine, row["id"], lost, attempt=row["attempts"])
+        if runner.finalize(failed) != "skipped":
             counts["failed"] += 1
             metrics.lost_tasks.labels("failed").inc()
     if any(counts.values()):
