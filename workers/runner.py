@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from workers.sdk.context import Context
 from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
+THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -57,16 +59,30 @@ class Runner:
         self._events: events.EventLog | None = None
         self._pid = 0
         self._crash_after_finish = faults.crash_after_finish()
+        self._connect_lock = threading.Lock()
         self.calls = Calls(settings.redis_url)  # async handlers: the loop and what runs on it
 
     def _connect(self) -> None:
         # One engine and client per process: a prefork child must not reuse its parent's
         # connections.
-        if self._pid != os.getpid():
-            self._engine = sync_engine(self.settings)
-            self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
-            self._events = events.EventLog(self._redis, self.settings.result_ttl_s)
-            self._pid = os.getpid()
+        if self._pid == os.getpid():
+            return
+        with self._connect_lock:  # threads of one process make them once
+            if self._pid != os.getpid():
+                self._open()
+
+    def _open(self) -> None:
+        # Many tasks at once in threads of this process (the threads pool): a pool of
+        # connections they share, none opened and closed per statement.
+        threaded = threading.current_thread() is not threading.main_thread()
+        self._engine = (
+            sync_engine(self.settings, pool_size=THREADED_DB_POOL, max_overflow=0)
+            if threaded
+            else sync_engine(self.settings)
+        )
+        self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
+        self._events = events.EventLog(self._redis, self.settings.result_ttl_s)
+        self._pid = os.getpid()
 
     @property
     def engine(self) -> Engine:

@@ -14,10 +14,12 @@ from broker.settings import Settings
 PING_IF_IDLE_S = 1.0
 
 
-def sync_engine(settings: Settings, *, pool_size: int = 1) -> Engine:
-    # A worker process runs one task at a time: one connection, and a little overflow for the
-    # moments its lease thread or event hooks need another.
-    engine = create_engine(settings.database_url, pool_size=pool_size, max_overflow=2)
+def sync_engine(settings: Settings, *, pool_size: int = 1, max_overflow: int = 2) -> Engine:
+    # A prefork worker process runs one task at a time: one connection, and a little overflow
+    # for the moments its lease thread or event hooks need another. A threads worker asks for
+    # more, and no overflow: a connection opened and closed per statement cost more than
+    # waiting for one of the pool's.
+    engine = create_engine(settings.database_url, pool_size=pool_size, max_overflow=max_overflow)
     _ping_when_idle(engine)
     return engine
 
