@@ -4,10 +4,11 @@ It calls an OpenAI-compatible ``/v1/chat/completions`` at ``REACH_MODEL_URL`` (a
 or ``python -m reach.fakemodel``), with the task's trace headers. With ``"stream": true`` each
 token the model sends becomes an ``output`` event as it arrives.
 
-The client is aiohttp, one session per worker process. Measured on this machine against a
-model that answers after 500 ms, 2,000 calls at 500 in flight from one event loop: aiohttp
-905 calls/s, ``httpx.AsyncClient`` 85/s (its pool is the bottleneck at this concurrency; see
-``docs/performance.md``). Run it on the threads pool: ``-P threads -c 500``.
+The client is aiohttp, one session per worker process. Measured with
+``python -m bench.clients`` against a model that answers after 500 ms, 2,000 calls with 500
+in flight from one event loop: aiohttp 838 calls/s, ``httpx.AsyncClient`` 40/s (its pool is
+the bottleneck at this concurrency; see ``docs/performance.md``). Run it on the threads
+pool: ``-P threads -c 500``.
 """
 
 from __future__ import annotations
