@@ -212,6 +212,17 @@ def statuses_of(http: httpx.Client, ids: list[str]) -> dict[str, dict[str, objec
     return {task_id: http.get(f"/tasks/{task_id}").json() for task_id in ids}
 
 
+def all_final(
+    http: httpx.Client, ids: list[str], what: str, timeout_s: float
+) -> dict[str, dict[str, object]]:
+    return eventually(
+        lambda: statuses_of(http, ids),
+        what,
+        timeout_s,
+        until=lambda found: all(t["status"] in FINAL for t in found.values()),
+    )
+
+
 def final_events(redis_url: str, task_id: str) -> int:
     return sum(e.final for e in events.read_log_sync(redis.Redis.from_url(redis_url), task_id))
 
@@ -252,13 +263,7 @@ def test_kill_9_with_200_coroutines_in_flight_loses_nothing_and_runs_nothing_twi
             )
             doomed.kill_hard()
             heir = start_worker(settings, queues, "heir", log_dir, concurrency=50, pool="threads")
-            done = eventually(
-                lambda: statuses_of(http, ids),
-                "all 200 final after the kill",
-                240,
-                1,
-                until=lambda found: all(t["status"] in FINAL for t in found.values()),
-            )
+            done = all_final(http, ids, "all 200 final after the kill", 240)
     finally:
         doomed.stop()
         if heir is not None:
@@ -312,12 +317,7 @@ def test_sigterm_lets_coroutines_in_flight_finish_and_leaves_the_rest_queued(
             after = start_worker(
                 settings, "test.async-idem", "after-drain", log_dir, pool="threads"
             )
-            done = eventually(
-                lambda: statuses_of(http, ids),
-                "the queued five run on the next worker",
-                60,
-                until=lambda found: all(t["status"] in FINAL for t in found.values()),
-            )
+            done = all_final(http, ids, "the queued five run on the next worker", 60)
     finally:
         draining.stop()
         if after is not None:
