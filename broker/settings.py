@@ -39,6 +39,9 @@ class Settings(BaseSettings):
 
     janitor_interval_s: float = Field(60.0, gt=0)
     janitor_batch: int = Field(1000, gt=0)
+    # One janitor run deletes batches until no expired row is left or this is spent; it holds
+    # one maintenance process meanwhile, so the reaper keeps the other.
+    janitor_budget_s: float = Field(10.0, gt=0)
     # Tasks of dead workers are found this often; queued tasks the broker lost are published
     # again once they are sweep_after_s old and their queue is empty.
     reaper_interval_s: float = Field(5.0, gt=0)

@@ -135,7 +135,9 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
 
     @app.task(name=PURGE_TASK)  # type: ignore[untyped-decorator]
     def purge_expired() -> int:
-        return execution.purge_expired(runner.engine, batch=settings.janitor_batch)
+        return execution.purge_expired(
+            runner.engine, batch=settings.janitor_batch, budget_s=settings.janitor_budget_s
+        )
 
     @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
     def reap_lost() -> dict[str, int]:

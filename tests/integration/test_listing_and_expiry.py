@@ -11,12 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 
 from api.app import create_app
 from broker.db.engines import sync_engine
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from broker.tasks import execution
 from broker.tenancy import key_store
 from reach import localservices, migrate
 from tests.eventually import eventually
@@ -209,3 +210,50 @@ def test_50_concurrent_replays_of_an_expired_task_make_one_new_task(
     with engine.connect() as conn:
         ids = conn.execute(select(tasks_table.c.id)).scalars().all()
     assert [str(i) for i in ids] == [new]
+
+
+def _expired_rows(engine: Engine, count: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO tasks (id, tenant, capability, queue, status, payload,"
+                " payload_digest, payload_size, trace_id, result_ttl_s, expires_at)"
+                " SELECT gen_random_uuid(), 't-expiry', 'echo', 'echo', 'succeeded', '{}',"
+                " 'd', 2, md5(g::text), 60, now() - interval '1 minute'"
+                " FROM generate_series(1, :count) AS g"
+            ),
+            {"count": count},
+        )
+
+
+def _expired_left(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(text("SELECT count(*) FROM tasks WHERE expires_at <= now()")).scalar_one()
+        )
+
+
+def test_one_janitor_run_deletes_every_expired_row_within_its_budget(
+    janitorless: tuple[ServedApp, str, Engine],
+) -> None:
+    # given more expired rows than 100 batches hold (the old cap of one run)
+    _, _, engine = janitorless
+    _expired_rows(engine, 1500)
+    # when one run deletes in batches of 10 with time to spare
+    removed = execution.purge_expired(engine, batch=10, budget_s=60)
+    # expect all of them gone in that one run
+    assert removed == 1500
+    assert _expired_left(engine) == 0
+
+
+def test_a_janitor_run_stops_when_its_budget_is_spent(
+    janitorless: tuple[ServedApp, str, Engine],
+) -> None:
+    # given expired rows, and a run with no time at all
+    _, _, engine = janitorless
+    _expired_rows(engine, 50)
+    # when it runs: one batch, then the budget is found spent
+    removed = execution.purge_expired(engine, batch=10, budget_s=0)
+    # expect that one batch deleted, the rest left for the next run
+    assert removed == 10
+    assert _expired_left(engine) == 40
