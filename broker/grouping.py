@@ -2,13 +2,15 @@
 
 A call that finds nothing in flight goes out at once, alone; calls that arrive meanwhile wait
 for it and then go out as one batch (one statement, one Redis call). At rest this adds nothing;
-under load one round trip serves many requests.
+under load one round trip serves many requests. ``Grouped`` serves coroutines on one event
+loop (the API); ``ThreadGrouped`` serves threads (a worker on the threads pool).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -60,12 +62,10 @@ class Grouped(Generic[T, R]):
             try:
                 answers = await self.run_many([item for item, _ in batch])
             except Exception as exc:
-                alone = self.retry_alone and not isinstance(exc, INFRASTRUCTURE_ERRORS)
-                if len(batch) == 1 or not alone:
+                if not _one_by_one(exc, len(batch), self.retry_alone, self.name):
                     for _, future in batch:
                         _settle(future, exc)
                     continue
-                log.warning("a group of %d %s failed (%r); one by one", len(batch), self.name, exc)
                 for item, future in batch:
                     try:
                         _settle(future, (await self.run_many([item]))[0])
@@ -74,6 +74,104 @@ class Grouped(Generic[T, R]):
                 continue
             for (_, future), answer in zip(batch, answers, strict=True):
                 _settle(future, answer)
+
+
+def _one_by_one(exc: Exception, size: int, retry_alone: bool, name: str) -> bool:
+    """Whether a failed batch of ``size`` is tried again item by item (see ``Grouped``)."""
+    if size == 1 or not retry_alone or isinstance(exc, INFRASTRUCTURE_ERRORS):
+        return False
+    log.warning("a group of %d %s failed (%r); one by one", size, name, exc)
+    return True
+
+
+class _Slot(Generic[T, R]):
+    """One thread's call: its item, then its answer (or error), or the lead."""
+
+    __slots__ = ("answer", "item", "lead", "ready")
+
+    def __init__(self, item: T) -> None:
+        self.item = item
+        self.answer: R | BaseException | None = None
+        self.lead = False
+        self.ready = threading.Event()
+
+
+class ThreadGrouped(Generic[T, R]):
+    """``grouped(item)`` answers what ``run_many(items)[i]`` answered for it, for threads.
+
+    No thread of its own: a caller that finds no group in flight leads. It takes what waits
+    (itself first, up to ``max_items``), runs it on its own thread, passes the lead to the
+    first caller that arrived meanwhile, and hands out the answers. So at rest a call runs
+    alone, at once; under load each group waits for one round trip, never for a timer. The
+    rules for a failed group are ``Grouped``'s.
+    """
+
+    def __init__(
+        self,
+        run_many: Callable[[list[T]], list[R]],
+        *,
+        max_items: int,
+        name: str,
+        retry_alone: bool,
+    ) -> None:
+        self.run_many = run_many
+        self.max_items = max_items
+        self.name = name
+        self.retry_alone = retry_alone
+        self._lock = threading.Lock()
+        self._waiting: list[_Slot[T, R]] = []
+        self._leading = False  # a group is in flight; while anything waits, always True
+
+    def __call__(self, item: T) -> R:
+        slot: _Slot[T, R] = _Slot(item)
+        with self._lock:
+            self._waiting.append(slot)
+            leads = not self._leading
+            self._leading = True
+        if not leads:
+            slot.ready.wait()
+            if not slot.lead:
+                return _answer(slot)
+        batch: list[_Slot[T, R]] = []
+        try:
+            with self._lock:  # the lead: slot is first in line
+                batch = self._waiting[: self.max_items]
+                del self._waiting[: len(batch)]
+            answers = self._answers([s.item for s in batch])
+        except BaseException as exc:  # a soft time limit's signal, say: everyone's
+            answers = [exc] * len(batch)
+        finally:  # whatever happened, the next group gets its leader
+            with self._lock:
+                if self._waiting:
+                    self._waiting[0].lead = True
+                    self._waiting[0].ready.set()
+                else:
+                    self._leading = False
+        for waiter, answer in zip(batch, answers, strict=True):
+            waiter.answer = answer
+            if waiter is not slot:
+                waiter.ready.set()
+        return _answer(slot)
+
+    def _answers(self, items: list[T]) -> list[R | BaseException]:
+        try:
+            return list(self.run_many(items))
+        except Exception as exc:
+            if not _one_by_one(exc, len(items), self.retry_alone, self.name):
+                return [exc] * len(items)
+        answers: list[R | BaseException] = []
+        for item in items:
+            try:
+                answers.append(self.run_many([item])[0])
+            except Exception as single:
+                answers.append(single)
+        return answers
+
+
+def _answer(slot: _Slot[T, R]) -> R:
+    if isinstance(slot.answer, BaseException):
+        raise slot.answer
+    return slot.answer  # type: ignore[return-value]
 
 
 def _settle(future: asyncio.Future[R], outcome: R | BaseException) -> None:

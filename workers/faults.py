@@ -4,6 +4,10 @@
 itself (SIGKILL) right after a task's final state is written to Postgres and before its final
 event is appended: the crash that once left a finished task's event stream open. Read once
 when the runner is built; unset, the crash point is one test of an empty set.
+
+``REACH_FAULT_CRASH_AFTER_GROUP``: ``claims`` and/or ``finishes``: the process kills itself
+right after it writes a group of more than one claim (before any of their handlers starts) or
+of more than one final state (before any of their final events).
 """
 
 from __future__ import annotations
@@ -12,10 +16,19 @@ import os
 import signal
 
 CRASH_AFTER_FINISH = "REACH_FAULT_CRASH_AFTER_FINISH"
+CRASH_AFTER_GROUP = "REACH_FAULT_CRASH_AFTER_GROUP"
+
+
+def _names(variable: str) -> frozenset[str]:
+    return frozenset(c.strip() for c in os.environ.get(variable, "").split(",") if c)
 
 
 def crash_after_finish() -> frozenset[str]:
-    return frozenset(c.strip() for c in os.environ.get(CRASH_AFTER_FINISH, "").split(",") if c)
+    return _names(CRASH_AFTER_FINISH)
+
+
+def crash_after_group() -> frozenset[str]:
+    return _names(CRASH_AFTER_GROUP)
 
 
 def crash() -> None:

@@ -24,6 +24,7 @@ from sqlalchemy import Engine
 from broker import jsonbody
 from broker.db.engines import sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
+from broker.grouping import ThreadGrouped
 from broker.observability import logs, metrics
 from broker.outages import AGENT_TRANSIENT_ERRORS
 from broker.registry import leases
@@ -31,6 +32,7 @@ from broker.registry.model import capability_of
 from broker.settings import Settings
 from broker.tasks import cancellation, events, execution, retry
 from broker.tasks.events import EVENTS_SLACK_S
+from broker.tasks.execution import Claim, Claimed, Finish
 from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
 from workers import faults
 from workers.aio import CallCancelled, Calls, CallTimedOut
@@ -40,6 +42,7 @@ from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
 THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
+GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -57,8 +60,11 @@ class Runner:
         self._engine: Engine | None = None
         self._redis: redis.Redis | None = None
         self._events: events.EventLog | None = None
+        self._claims: ThreadGrouped[Claim, Claimed | None] | None = None
+        self._finishes: ThreadGrouped[Finish, TaskRow | None] | None = None
         self._pid = 0
         self._crash_after_finish = faults.crash_after_finish()
+        self._crash_after_group = faults.crash_after_group()
         self._connect_lock = threading.Lock()
         self.calls = Calls(settings.redis_url)  # async handlers: the loop and what runs on it
 
@@ -82,6 +88,14 @@ class Runner:
         )
         self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
         self._events = events.EventLog(self._redis, self.settings.result_ttl_s)
+        # The tasks in flight in this process's threads claim and finish in groups: what
+        # arrives while one statement is out goes in the next (on prefork, always alone).
+        self._claims = ThreadGrouped(
+            self._claim_many, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True
+        )
+        self._finishes = ThreadGrouped(
+            self._finish_many, max_items=GROUP_MAX_TASKS, name="finishes", retry_alone=True
+        )
         self._pid = os.getpid()
 
     @property
@@ -102,6 +116,29 @@ class Runner:
         assert self._events is not None
         return self._events
 
+    def claim(self, claim: Claim) -> Claimed | None:
+        self._connect()
+        assert self._claims is not None
+        return self._claims(claim)
+
+    def finish(self, finish: Finish) -> str:
+        """Write a final state (grouped with others in flight), then announce it."""
+        self._connect()
+        assert self._finishes is not None
+        return self.finalize(self._finishes(finish))
+
+    def _claim_many(self, claims: list[Claim]) -> list[Claimed | None]:
+        claimed = execution.claim_many(self.engine, claims)
+        if "claims" in self._crash_after_group and len(claims) > 1:
+            faults.crash()  # tests only: a group written, none of its handlers started
+        return claimed
+
+    def _finish_many(self, finishes: list[Finish]) -> list[TaskRow | None]:
+        rows = execution.finish_many(self.engine, finishes)
+        if "finishes" in self._crash_after_group and len(finishes) > 1:
+            faults.crash()  # tests only: a group final in Postgres, none of it announced
+        return rows
+
     def run(self, task_id: str, queue: str, *, instance: str) -> str:
         """Run the task; returns the status it ended in, 'retrying', or 'skipped' when it was
         not queued any more (a redelivered message, a cancelled task)."""
@@ -113,16 +150,8 @@ class Runner:
         spec = self.registry.get(capability_of(queue))
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
-            return self.finalize(
-                execution.fail(self.engine, tid, task_error("capability_not_served", message))
-            )
-        claimed = execution.claim(
-            self.engine,
-            tid,
-            agent_id=spec.card.agent_id,
-            version=spec.card.version,
-            instance=instance,
-        )
+            return self.finish(Finish.failed(tid, task_error("capability_not_served", message)))
+        claimed = self.claim(Claim(tid, spec.card.agent_id, spec.card.version, instance))
         if claimed is None:
             overdue = execution.expire_overdue(self.engine, tid)
             if overdue is not None:
@@ -159,9 +188,9 @@ class Runner:
         )
         outcome = self._call(spec, ctx, claimed.payload)
         if isinstance(outcome, Succeeded):
-            return self.finalize(execution.succeed(self.engine, tid, outcome.result))
+            return self.finish(Finish.succeeded(tid, outcome.result))
         if outcome.expired:
-            return self.finalize(execution.expire(self.engine, tid, outcome.error))
+            return self.finish(Finish.expired(tid, outcome.error))
         decision = retry.decide(
             retryable=outcome.error["retryable"],
             attempt=claimed.attempt,
@@ -172,11 +201,11 @@ class Runner:
         )
         if decision.retry and self._retry(claimed, outcome.error, decision.delay_s, publish):
             return "retrying"
-        return self.finalize(execution.fail(self.engine, tid, outcome.error))
+        return self.finish(Finish.failed(tid, outcome.error))
 
     def _retry(
         self,
-        claimed: execution.Claimed,
+        claimed: Claimed,
         err: dict[str, Any],
         delay_s: float,
         publish: Callable[[str, Any], None],

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from broker.grouping import Grouped
+from broker.grouping import Grouped, ThreadGrouped
 from broker.tasks.resource import FINAL, TaskRow, render
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
@@ -138,14 +138,18 @@ EVENTS_SLACK_S = 3600
 
 
 class EventLog:
-    """The writing side, for workers and the API (redis-py's sync or asyncio client). In the
-    API, appends that arrive together go out in one call (``grouping``)."""
+    """The writing side, for workers and the API (redis-py's sync or asyncio client). Appends
+    that arrive together go out in one call (``grouping``): from the API's coroutines, or from
+    a worker's threads."""
 
     def __init__(self, client: Any, ttl_s: int) -> None:
         self.ttl_s = ttl_s
         self._append = client.register_script(_APPEND)
         self._grouped = Grouped(
             self._append_many, max_items=GROUP_MAX_EVENTS, name="events", retry_alone=False
+        )
+        self._grouped_sync = ThreadGrouped(
+            self._append_many_sync, max_items=GROUP_MAX_EVENTS, name="events", retry_alone=False
         )
 
     def _item(
@@ -182,8 +186,7 @@ class EventLog:
         ttl_s: int | None = None,
     ) -> int:
         """The event's seq; 0 when the log was closed already (a final event is in it)."""
-        item = self._item(task_id, event_type, data, trace_id, ttl_s)
-        return int(self._append(**self._args([item]))[0])
+        return self._grouped_sync(self._item(task_id, event_type, data, trace_id, ttl_s))
 
     async def append_async(
         self,
@@ -202,7 +205,7 @@ class EventLog:
     def append_final(self, row: TaskRow) -> int:
         """The final event of a final task row (the task as it ended); 0 when the log has its
         final event already."""
-        return int(self._append(**self._args([self._final(row)]))[0])
+        return self._grouped_sync(self._final(row))
 
     async def append_final_async(self, row: TaskRow) -> int:
         return await self._grouped(self._final(row))
@@ -213,6 +216,9 @@ class EventLog:
 
     async def _append_many(self, items: list[Append]) -> list[int]:
         return [int(seq) for seq in await self._append(**self._args(items))]
+
+    def _append_many_sync(self, items: list[Append]) -> list[int]:
+        return [int(seq) for seq in self._append(**self._args(items))]
 
 
 def parse_entries(entries: Any) -> list[Event]:

@@ -1,7 +1,10 @@
 """What a worker does to a task row: claim it, report progress, record the outcome.
 
 Every write is conditional on the status it expects, so a redelivered message or a late write
-never moves a task backwards or out of a final state.
+never moves a task backwards or out of a final state. Claims and finishes take many tasks in
+one statement (their rows as one JSON parameter, ``jsonb_to_recordset``), so a worker with
+many tasks in flight groups them (``grouping.ThreadGrouped``): a statement applies whole or
+not at all, so a crash between groups loses nothing and a group never half happens.
 """
 
 from __future__ import annotations
@@ -15,7 +18,23 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, exists, func, null, or_, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Integer,
+    TableValuedAlias,
+    Text,
+    bindparam,
+    column,
+    exists,
+    func,
+    null,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
@@ -71,11 +90,24 @@ _RENAMED = {"task_id": "id", "attempt": "attempts"}
 _CLAIMED_COLUMNS = [tasks.c[_RENAMED.get(f.name, f.name)].label(f.name) for f in fields(Claimed)]
 
 
+def _rows(name: str, *columns: Any) -> TableValuedAlias:
+    """The rows of one JSON array parameter, ``name``, as a table: ``jsonb_to_recordset``."""
+    records = func.jsonb_to_recordset(bindparam("rows", type_=JSONB))
+    return records.table_valued(*columns).render_derived(name=name, with_types=True)
+
+
+_CLAIMS = _rows(
+    "claims",
+    column("task_id", UUID),
+    column("agent_id", Text),
+    column("version", Text),
+    column("instance", Text),
+)
 # Statements are built once: building one per task cost a worker more CPU than running it.
 _CLAIM = (
     update(tasks)
     .where(
-        tasks.c.id == bindparam("task_id"),
+        tasks.c.id == _CLAIMS.c.task_id,
         in_sources(CLAIM),
         tasks.c.expires_at > func.now(),
         or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
@@ -84,9 +116,9 @@ _CLAIM = (
         status=CLAIM.target,
         started_at=func.now(),
         attempts=tasks.c.attempts + 1,
-        agent_id=bindparam("by_agent"),
-        agent_version=bindparam("by_version"),
-        instance=bindparam("by_instance"),
+        agent_id=_CLAIMS.c.agent_id,
+        agent_version=_CLAIMS.c.version,
+        instance=_CLAIMS.c.instance,
     )
     .returning(*_CLAIMED_COLUMNS)
 )
@@ -99,22 +131,31 @@ def _autocommit(engine: Engine) -> Iterator[Connection]:
         yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A claim of one task by one agent instance."""
+
+    task_id: uuid.UUID
+    agent_id: str
+    version: str
+    instance: str
+
+
 def claim(
     engine: Engine, task_id: uuid.UUID, *, agent_id: str, version: str, instance: str
 ) -> Claimed | None:
     """Move queued -> running and take the payload in one statement; None if not queued
     (or past its deadline: see ``expire_overdue``)."""
-    params = {
-        "task_id": task_id,
-        "by_agent": agent_id,
-        "by_version": version,
-        "by_instance": instance,
-    }
+    return claim_many(engine, [Claim(task_id, agent_id, version, instance)])[0]
+
+
+def claim_many(engine: Engine, claims: list[Claim]) -> list[Claimed | None]:
+    """``claim`` for each, in one statement. A task named twice is claimed once, by the
+    first: the others get None, as a redelivered message of a running task does."""
+    rows = [{**c.__dict__, "task_id": str(c.task_id)} for c in claims]
     with _autocommit(engine) as conn:
-        row = conn.execute(_CLAIM, params).first()
-    if row is None:
-        return None
-    return Claimed(**row._mapping)
+        found = {r.task_id: Claimed(**r._mapping) for r in conn.execute(_CLAIM, {"rows": rows})}
+    return [found.pop(c.task_id, None) for c in claims]
 
 
 def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]) -> bool:
@@ -127,56 +168,93 @@ def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]
     return result.rowcount == 1
 
 
+@dataclass(frozen=True)
+class Finish:
+    """A final write: ``move`` with its ``outcome`` (the result of a success, the error
+    otherwise). ``attempt``: only while the row is still at that attempt."""
+
+    task_id: uuid.UUID
+    move: Move
+    outcome: Any
+    attempt: int | None = None
+
+    @classmethod
+    def succeeded(cls, task_id: uuid.UUID, result: Any) -> Finish:
+        """A success; the error of an earlier, retried attempt is cleared."""
+        return cls(task_id, SUCCEED, result)
+
+    @classmethod
+    def failed(
+        cls, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
+    ) -> Finish:
+        """Fail a running task, or a queued one that cannot be run (no such capability
+        here). ``attempt``: a recovery acts on what it read a moment ago; meanwhile another
+        recovery may have requeued the task and a worker started it again, and that newer
+        attempt is not the lost one."""
+        return cls(task_id, FAIL, error, attempt)
+
+    @classmethod
+    def expired(cls, task_id: uuid.UUID, error: dict[str, Any]) -> Finish:
+        """A running task that overran its time (its deadline or its agent's timeout)."""
+        return cls(task_id, OVERRUN, error)
+
+
 def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> TaskRow | None:
-    """The finished row, or None when the task was no longer running (cancelled, say).
-    The error of an earlier, retried attempt is cleared."""
-    return _finish(engine, task_id, SUCCEED, result=result)
+    """The finished row, or None when the task was no longer running (cancelled, say)."""
+    return finish_many(engine, [Finish.succeeded(task_id, result)])[0]
 
 
 def fail(
     engine: Engine, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
 ) -> TaskRow | None:
-    """Fail a running task, or a queued one that cannot be run (no such capability here).
+    return finish_many(engine, [Finish.failed(task_id, error, attempt=attempt)])[0]
 
-    ``attempt``: only if the row is still at that attempt. A recovery acts on what it read a
-    moment ago; meanwhile another recovery may have requeued the task and a worker started
-    it again, and that newer attempt is not the lost one."""
-    return _finish(engine, task_id, FAIL, attempt, error=error)
+
+def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
+    return finish_many(engine, [Finish.expired(task_id, error)])[0]
+
+
+_FINISHES = _rows(
+    "finishes", column("task_id", UUID), column("outcome", JSONB), column("attempt", Integer)
+)
 
 
 @functools.cache
-def _finish_statement(move: Move, outcome: str, of_attempt: bool = False) -> Any:
-    """Make ``move``, recording ``outcome`` (the result or the error; a success clears the
-    error an earlier attempt left). ``of_attempt``: only while the row is still at the attempt
-    bound as ``attempt`` (what a recovery saw: a newer attempt is not the lost one)."""
+def _finish_statement(move: Move, of_attempt: bool) -> Any:
+    """Make ``move`` for each of the rows, recording its outcome (the result or the error; a
+    success clears the error an earlier attempt left). ``of_attempt``: only while the row is
+    still at its ``attempt``."""
+    outcome = "result" if move is SUCCEED else "error"
     values: dict[str, Any] = {
         "status": move.target,
         "finished_at": func.now(),
         "expires_at": _expiry(),
-        outcome: bindparam("outcome", type_=tasks.c[outcome].type),
+        # Boxed ({"v": value}): a JSON null in a record would read as SQL NULL.
+        outcome: _FINISHES.c.outcome["v"],
     }
-    if outcome == "result":
+    if move is SUCCEED:
         values["error"] = null()
-    guard = [tasks.c.id == bindparam("task_id"), in_sources(move)]
+    guard = [tasks.c.id == _FINISHES.c.task_id, in_sources(move)]
     if of_attempt:
-        guard.append(tasks.c.attempts == bindparam("attempt"))
+        guard.append(tasks.c.attempts == _FINISHES.c.attempt)
     return update(tasks).where(*guard).values(values).returning(*tasks.c, _TENANT_SUBSCRIBES)
 
 
-def _finish(
-    engine: Engine, task_id: uuid.UUID, move: Move, attempt: int | None = None, **outcome: Any
-) -> TaskRow | None:
-    ((column, value),) = outcome.items()
-    statement = _finish_statement(move, column, attempt is not None)
-    params = {"task_id": task_id, "outcome": value, "attempt": attempt}
+def finish_many(engine: Engine, finishes: list[Finish]) -> list[TaskRow | None]:
+    """Each finish's row as it ended, or None where the move did not apply (the task was no
+    longer running: cancelled, say). One statement for each kind of move among them: one in
+    all, at most three (a success, a failure, an overrun; the rare recovery's own). A task
+    named twice is finished once, by the first."""
+    kinds: dict[tuple[Move, bool], list[dict[str, Any]]] = {}
+    for f in finishes:
+        row = {"task_id": str(f.task_id), "outcome": {"v": f.outcome}, "attempt": f.attempt}
+        kinds.setdefault((f.move, f.attempt is not None), []).append(row)
+    found: dict[uuid.UUID, TaskRow] = {}
     with _autocommit(engine) as conn:
-        row = conn.execute(statement, params).first()
-    return as_task_row(row) if row is not None else None
-
-
-def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
-    """A running task that overran its time (its deadline or its agent's timeout)."""
-    return _finish(engine, task_id, OVERRUN, error=error)
+        for (move, of_attempt), rows in kinds.items():
+            for r in conn.execute(_finish_statement(move, of_attempt), {"rows": rows}):
+                found[r.id] = as_task_row(r)
+    return [found.pop(f.task_id, None) for f in finishes]
 
 
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.integration.stack import (
     wait_for_task,
 )
 from tests.integration.test_replies import read_stream
+from workers import faults
 
 ASYNC_QUEUES = "test.async,test.async-fuse,test.async-stream,test.sync-slow"
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -281,6 +283,100 @@ def test_kill_9_with_200_coroutines_in_flight_loses_nothing_and_runs_nothing_twi
         until=lambda found: all(n >= 1 for n in found.values()),
     )
     assert set(finals.values()) == {1}
+
+
+def agent_of(task: dict[str, object]) -> dict[str, object]:
+    agent = task["agent"]
+    assert isinstance(agent, dict)
+    return agent
+
+
+def crashed_after_a_group(
+    api: ServedApp, token: str, settings: Settings, log_dir: Path, group: str, sleep_s: float
+) -> tuple[list[str], dict[str, dict[str, object]]]:
+    """20 idempotent and 20 other tasks sent to a worker (threads, -c 40) that kills itself
+    right after its first ``group`` of more than one write; then a worker that does not.
+    The ids (idempotent first), and the tasks once all are final."""
+    queues = "test.async-idem,test.async-once"
+    env = {faults.CRASH_AFTER_GROUP: group}
+    doomed = start_worker(settings, queues, f"doomed-{group}", log_dir, env, 40, "threads")
+    heir: CeleryProcess | None = None
+    try:
+        envelopes = [
+            {"capability": capability, "payload": {"sleep_s": sleep_s}}
+            for capability in ("test.async-idem", "test.async-once")
+            for _ in range(20)
+        ]
+        responses = asyncio.run(submit_many(api, token, envelopes))
+        assert {r.status_code for r in responses} == {202}
+        ids = [r.json()["task_id"] for r in responses]
+        assert doomed.process is not None
+        eventually(lambda: doomed.process.poll(), f"the worker dead after its {group}", 60)
+        assert doomed.process.returncode == -signal.SIGKILL
+        heir = start_worker(
+            settings, queues, f"heir-{group}", log_dir, concurrency=40, pool="threads"
+        )
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+            return ids, all_final(http, ids, "all 40 final after the crash", 240)
+    finally:
+        doomed.stop()
+        if heir is not None:
+            heir.stop()
+
+
+@pytest.mark.timeout(400)
+def test_a_crash_right_after_a_group_of_claims_loses_none_and_runs_none_twice(
+    api: ServedApp,
+    make_key,  # type: ignore[no-untyped-def]
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    system_beat: CeleryProcess,
+) -> None:
+    _, token = make_key()
+    ids, done = crashed_after_a_group(api, token, settings, log_dir, "claims", 0.5)
+    idempotent, once = ids[:20], ids[20:]
+    # the idempotent ones all succeed; the others succeed or, lost with the worker, fail
+    assert {done[t]["status"] for t in idempotent} == {"succeeded"}
+    lost = [t for t in once if done[t]["status"] == "failed"]
+    assert {done[t]["error"]["code"] for t in lost} <= {"worker_lost"}  # type: ignore[index]
+    assert {done[t]["status"] for t in once} <= {"succeeded", "failed"}
+    # none of the others ran twice; a lost one ran at most in the dead worker
+    assert {runs(redis_url, t) for t in once if t not in lost} == {1}
+    assert all(runs(redis_url, t) <= 1 for t in lost)
+    # the group claimed its tasks and died before any ran: each is lost without a run, or
+    # (idempotent) ran once, on its second attempt
+    in_group = [t for t in lost if runs(redis_url, t) == 0] + [
+        t for t in idempotent if done[t]["attempts"] == 2 and runs(redis_url, t) == 1
+    ]
+    assert len(in_group) >= 2
+    assert {final_events(redis_url, t) for t in ids} == {1}
+
+
+@pytest.mark.timeout(400)
+def test_a_crash_right_after_a_group_of_finishes_loses_none_and_runs_none_again(
+    api: ServedApp,
+    make_key,  # type: ignore[no-untyped-def]
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    system_beat: CeleryProcess,
+) -> None:
+    _, token = make_key()
+    ids, done = crashed_after_a_group(api, token, settings, log_dir, "finishes", 0.5)
+    idempotent, once = ids[:20], ids[20:]
+    # the group, final in Postgres when the worker died: its tasks stay as they ended, each
+    # run once, and get their final events from the worker that finds them final
+    doomed = [t for t in ids if str(agent_of(done[t])["instance"]).startswith("doomed-finishes@")]
+    group = [t for t in doomed if done[t]["status"] == "succeeded"]
+    assert len(group) >= 2
+    assert {runs(redis_url, t) for t in group} == {1}
+    # the tasks in flight beside it: run again if idempotent, else lost; none lost silently
+    assert {done[t]["status"] for t in idempotent} == {"succeeded"}
+    lost = [t for t in once if done[t]["status"] == "failed"]
+    assert {done[t]["error"]["code"] for t in lost} <= {"worker_lost"}  # type: ignore[index]
+    assert all(runs(redis_url, t) <= 1 for t in once)
+    assert {final_events(redis_url, t) for t in ids} == {1}
 
 
 @pytest.mark.timeout(300)

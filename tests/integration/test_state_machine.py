@@ -123,3 +123,73 @@ def test_given_a_recovery_of_an_attempt_that_was_started_again_expect_no_move(
     assert status_of(engine, task_id) == "running"
     # and a recovery of attempt 2 itself still moves it
     assert recover(engine, task_id, 2) is not None
+
+
+def result_of(engine: Engine, task_id: uuid.UUID) -> Any:
+    with engine.connect() as conn:
+        query = select(tasks_table.c.result.is_(None), tasks_table.c.result)
+        return tuple(conn.execute(query.where(tasks_table.c.id == task_id)).one())
+
+
+def test_given_claims_together_expect_one_statement_to_claim_each_queued_task_once(
+    engine: Engine,
+) -> None:
+    # given three queued tasks, one running, one named twice among the claims
+    queued = [a_task(engine, "queued", overdue=False) for _ in range(3)]
+    running = a_task(engine, "running", overdue=False)
+    ids = [queued[0], running, queued[1], queued[0], queued[2]]
+    claims = [execution.Claim(t, f"agent-{i}", "2", f"node-{i}") for i, t in enumerate(ids)]
+    # when they are claimed as one group
+    claimed = execution.claim_many(engine, claims)
+    # expect each queued task claimed once, by its first claim, with that claim's instance
+    assert [c.task_id if c else None for c in claimed] == [
+        queued[0],
+        None,
+        queued[1],
+        None,
+        queued[2],
+    ]
+    assert [c.attempt for c in claimed if c] == [1, 1, 1]
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(tasks_table.c.id, tasks_table.c.instance, tasks_table.c.agent_id).where(
+                tasks_table.c.id.in_(queued)
+            )
+        )
+        assert {r.id: (r.instance, r.agent_id) for r in rows} == {
+            queued[0]: ("node-0", "agent-0"),
+            queued[1]: ("node-2", "agent-2"),
+            queued[2]: ("node-4", "agent-4"),
+        }
+    assert status_of(engine, running) == "running"
+
+
+def test_given_finishes_of_every_kind_together_expect_each_to_make_its_own_move(
+    engine: Engine,
+) -> None:
+    # given four running tasks and a queued one
+    ok, null, broke, late = (a_task(engine, "running", overdue=False) for _ in range(4))
+    queued = a_task(engine, "queued", overdue=False)
+    finishes = [
+        execution.Finish.succeeded(ok, {"n": 1}),
+        execution.Finish.succeeded(null, None),
+        execution.Finish.failed(broke, ERROR, attempt=0),
+        execution.Finish.expired(late, ERROR),
+        execution.Finish.succeeded(queued, {"n": 2}),
+        execution.Finish.failed(ok, ERROR),
+    ]
+    # when they are written as one group
+    rows = execution.finish_many(engine, finishes)
+    # expect each running task final once, with its own outcome, and the queued one untouched
+    assert [r["status"] if r else None for r in rows] == [
+        "succeeded",
+        "succeeded",
+        "failed",
+        "expired",
+        None,
+        None,
+    ]
+    assert rows[0] is not None and rows[0]["result"] == {"n": 1}
+    assert result_of(engine, null) == (False, None)  # a JSON null, not a missing result
+    assert rows[2] is not None and rows[2]["error"] == ERROR
+    assert status_of(engine, ok) == "succeeded" and status_of(engine, queued) == "queued"
