@@ -84,6 +84,8 @@ def _forget_process_metrics(pid: int | None = None, **_: object) -> None:
 def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Celery:
     app = Celery("workers", set_as_current=True)
     app.conf.update(celery_config(settings))
+    if settings.celery_broker_url.startswith(("redis://", "rediss://")):
+        app.conf.broker_transport = "workers.transport:Transport"  # intake in batches
     app.conf.beat_schedule = {
         "purge-expired-tasks": {"task": PURGE_TASK, "schedule": settings.janitor_interval_s},
         "reap-lost-tasks": {"task": REAP_TASK, "schedule": settings.reaper_interval_s},

@@ -1,0 +1,89 @@
+"""The workers' Redis transport (``workers.transport``) against the real Redis: messages come
+in batches, never past the prefetch limit, each recorded as unacked exactly as kombu records
+one, so acks, and restores of what was never acked, work as they always did."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+QUEUE = Queue("intake.test", Exchange("intake.test", type="direct"), routing_key="intake.test")
+TRANSPORT = "workers.transport:Transport"
+
+
+def publish(url: str, count: int) -> None:
+    with Connection(url) as conn:
+        producer = Producer(conn.channel())
+        for n in range(count):
+            producer.publish(
+                {"n": n},
+                exchange=QUEUE.exchange,
+                routing_key="intake.test",
+                declare=[QUEUE],
+                serializer="json",
+            )
+
+
+@contextmanager
+def consuming(url: str, prefetch: int) -> Iterator[tuple[Any, list[Any]]]:
+    """A consumer with our transport and ``prefetch``, keeping what it gets unacked."""
+    received: list[Any] = []
+    with Connection(url, transport=TRANSPORT) as conn:
+        channel = conn.channel()
+        channel.basic_qos(0, prefetch, False)
+        with Consumer(channel, [QUEUE], callbacks=[lambda _, m: received.append(m)]):
+            for _ in range(1000):  # until nothing more comes
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    break
+            yield channel, received
+
+
+def test_a_batch_takes_no_more_than_the_free_slots_and_records_each_as_kombu_would(
+    own_redis: str,
+) -> None:
+    publish(own_redis, 50)
+    client = redis.Redis.from_url(own_redis)
+    with consuming(own_redis, prefetch=10) as (channel, received):
+        # exactly the prefetch limit came, in order, the rest still queued
+        assert [m.payload["n"] for m in received] == list(range(10))
+        assert client.llen("intake.test") == 40
+        # each one recorded as unacked, as kombu's QoS.append records it
+        unacked = client.hgetall(channel.qos.unacked_key)
+        assert {tag.decode() for tag in unacked} == {m.delivery_tag for m in received}
+        for message in received:
+            stored = json.loads(unacked[message.delivery_tag.encode()])
+            assert stored == [message._raw, "intake.test", "intake.test"]
+        assert client.zcard(channel.qos.unacked_index_key) == 10
+        # acked, they leave the unacked records
+        for message in received[:4]:
+            message.ack()
+        assert client.hlen(channel.qos.unacked_key) == 6
+    # and the six never acked go back to the queue when the consumer closes
+    assert client.llen("intake.test") == 46
+    assert client.hlen("unacked") == 0
+
+
+def brpops(client: redis.Redis) -> int:
+    """BRPOP calls the Redis server has answered (every client's: other workers' idle polls
+    add about one a second each)."""
+    return int(client.info("commandstats").get("cmdstat_brpop", {}).get("calls", 0))
+
+
+def test_with_room_for_all_every_message_comes_once_in_a_few_round_trips(own_redis: str) -> None:
+    publish(own_redis, 200)
+    client = redis.Redis.from_url(own_redis)
+    before = brpops(client)
+    with consuming(own_redis, prefetch=500) as (_, received):
+        assert sorted(m.payload["n"] for m in received) == list(range(200))
+        for message in received:
+            message.ack()
+    assert client.hlen("unacked") == 0
+    # kombu alone sends one BRPOP a message: 200
+    assert brpops(client) - before < 60
