@@ -21,7 +21,7 @@ from bench import loadgen, machine, streams
 from bench.environment import Stores
 from bench.machine import Meter
 from bench.plan import Plan
-from bench.processes import Child, Children
+from bench.processes import Child, Children, process_cpu_s
 from bench.stack import Stack, purge, running_stack, stop_consuming
 from bench.stats import latency_ms, rate
 
@@ -253,8 +253,7 @@ def hold_streams(stack: Stack, count: int, hold_s: float) -> dict[str, Any]:
     api = psutil.Process(stack.api.pid)
 
     def cpu_s() -> float:
-        times = api.cpu_times()
-        return float(times.user + times.system)
+        return process_cpu_s(api)
 
     return asyncio.run(
         streams.hold_streams(
