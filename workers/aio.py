@@ -10,6 +10,13 @@ runs out (``CallTimedOut``: the coroutine is cancelled, so it sees ``CancelledEr
 ``await``), or the caller cancels the task (the coroutine is cancelled the same way, and the
 thread gets ``CallCancelled``). A cancel reaches the process through one Redis pub/sub
 subscription (``CANCELS_CHANNEL``), read by a thread of its own.
+
+A cancel is published only after the task's row moved to ``cancelled``, so after any claim
+that won. A subscription that was up before the claim therefore hears every cancel of the
+task: one that comes before the call is known here is kept (``RECENT_CANCELS``) and applied
+when it is. Only a call claimed while the subscription was not up (the process starting,
+Redis lost) asks Redis for the task's cancel flag, and a new subscription asks it for every
+call in flight, for the cancels it could not hear.
 """
 
 from __future__ import annotations
@@ -20,16 +27,19 @@ import contextvars
 import logging
 import os
 import threading
+import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import redis
 
-from broker.tasks.cancellation import CANCELS_CHANNEL
+from broker.tasks.cancellation import CANCELS_CHANNEL, flag_key
 
 log = logging.getLogger("reach.worker")
 CANCEL_LISTEN_RETRY_S = 1.0
+RECENT_CANCELS = 4096  # cancels heard for no call in flight here, kept for one that starts
 
 
 class CallCancelled(Exception):
@@ -58,11 +68,13 @@ class Calls:
         self._pid = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: dict[uuid.UUID, concurrent.futures.Future[Any]] = {}
+        self._recent: OrderedDict[uuid.UUID, None] = OrderedDict()
+        self._listening_since: float | None = None  # monotonic; None: not subscribed
 
     def _started(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None or self._pid != os.getpid():
-                self._running = {}
+                self._running, self._recent, self._listening_since = {}, OrderedDict(), None
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(
                     target=self._loop.run_forever, name="reach-loop", daemon=True
@@ -79,17 +91,22 @@ class Calls:
         call: Coroutine[Any, Any, Any],
         *,
         timeout_s: float | None,
+        claimed_at: float,
         cancelled: Callable[[], bool],
     ) -> Any:
         """Run ``call`` on the loop and wait for it, at most ``timeout_s``; the caller's
-        context goes with it. ``cancelled`` is asked once the call is known to the listener,
-        for a cancel that came before."""
+        context goes with it. ``claimed_at`` (monotonic): when the task's claim began; a
+        cancel since then was heard if the subscription was up before. Otherwise
+        ``cancelled`` (the task's flag) is asked, once the call is known to the listener."""
         loop = self._started()
         values = list(contextvars.copy_context().items())
         future = asyncio.run_coroutine_threadsafe(_in_context(values, call), loop)
-        self._running[task_id] = future
+        with self._lock:
+            self._running[task_id] = future
+            heard = self._recent.pop(task_id, False) is None
+            since = self._listening_since
         try:
-            if cancelled():
+            if heard or ((since is None or since > claimed_at) and cancelled()):
                 future.cancel()
             return future.result(timeout=timeout_s)
         except TimeoutError:  # the wait's, or the handler's own: only the first is ours
@@ -100,7 +117,8 @@ class Calls:
         except concurrent.futures.CancelledError:
             raise CallCancelled("the caller cancelled the task") from None
         finally:
-            self._running.pop(task_id, None)
+            with self._lock:
+                self._running.pop(task_id, None)
 
     @property
     def in_flight(self) -> int:
@@ -110,21 +128,47 @@ class Calls:
         """Cancel the running coroutine of each task id published on ``CANCELS_CHANNEL``."""
         while self._pid in (0, pid):
             try:
-                client = redis.Redis.from_url(self.redis_url, socket_keepalive=True)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                client = redis.Redis.from_url(
+                    self.redis_url, socket_keepalive=True, client_name=f"reach-cancels-{pid}"
+                )
+                pubsub = client.pubsub()  # type: ignore[no-untyped-call]
                 pubsub.subscribe(CANCELS_CHANNEL)
                 for message in pubsub.listen():
-                    self._cancel(message.get("data"))
+                    if message.get("type") == "subscribe":
+                        self._subscribed(client)
+                    elif message.get("type") == "message":
+                        self._cancel(message.get("data"))
             except redis.RedisError as exc:
                 log.warning("cancel listener lost Redis (%s); subscribing again", exc)
+                with self._lock:
+                    self._listening_since = None
                 threading.Event().wait(CANCEL_LISTEN_RETRY_S)
+
+    def _subscribed(self, client: redis.Redis) -> None:
+        """From now on every cancel is heard; the calls already in flight may have missed
+        theirs, so their flags are read once."""
+        with self._lock:
+            self._listening_since = time.monotonic()
+            in_flight = list(self._running)
+        if in_flight:
+            pipe = client.pipeline(transaction=False)
+            for task_id in in_flight:
+                pipe.exists(flag_key(task_id))
+            for task_id, flagged in zip(in_flight, pipe.execute(), strict=True):
+                if flagged:
+                    self._cancel(str(task_id))
 
     def _cancel(self, data: Any) -> None:
         try:
             task_id = uuid.UUID(data.decode() if isinstance(data, bytes) else str(data))
         except ValueError:
             return
-        future = self._running.get(task_id)
+        with self._lock:
+            future = self._running.get(task_id)
+            if future is None:
+                self._recent[task_id] = None
+                if len(self._recent) > RECENT_CANCELS:
+                    self._recent.popitem(last=False)
         if future is not None:
             log.info("cancelling the running coroutine of task %s", task_id)
             future.cancel()

@@ -151,6 +151,7 @@ class Runner:
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
             return self.finish(Finish.failed(tid, task_error("capability_not_served", message)))
+        claimed_at = time.monotonic()
         claimed = self.claim(Claim(tid, spec.card.agent_id, spec.card.version, instance))
         if claimed is None:
             overdue = execution.expire_overdue(self.engine, tid)
@@ -186,7 +187,7 @@ class Runner:
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
         )
-        outcome = self._call(spec, ctx, claimed.payload)
+        outcome = self._call(spec, ctx, claimed.payload, claimed_at)
         if isinstance(outcome, Succeeded):
             return self.finish(Finish.succeeded(tid, outcome.result))
         if outcome.expired:
@@ -275,7 +276,7 @@ class Runner:
 
         return apply
 
-    def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any) -> Outcome:
+    def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any, claimed_at: float) -> Outcome:
         validator = spec.validator
         if validator is not None:
             problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
@@ -286,13 +287,18 @@ class Runner:
                 return Failed(task_error("payload_invalid", detail))
         limits = [t for t in (spec.card.timeout_s, ctx.time_left_s()) if t is not None]
         with metrics.task_run.labels(spec.name).time():
-            return self._invoke(spec, ctx, payload, min(limits) if limits else None)
+            return self._invoke(spec, ctx, payload, min(limits) if limits else None, claimed_at)
 
     def _invoke(
-        self, spec: CapabilitySpec, ctx: Context, payload: Any, limit_s: float | None
+        self,
+        spec: CapabilitySpec,
+        ctx: Context,
+        payload: Any,
+        limit_s: float | None,
+        claimed_at: float,
     ) -> Outcome:
         try:
-            result = self._result_of(spec, ctx, payload, limit_s)
+            result = self._result_of(spec, ctx, payload, limit_s, claimed_at)
         except (SoftTimeLimit, CallTimedOut):
             return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
         except CallCancelled:
@@ -314,7 +320,12 @@ class Runner:
         return Succeeded(result)
 
     def _result_of(
-        self, spec: CapabilitySpec, ctx: Context, payload: Any, limit_s: float | None
+        self,
+        spec: CapabilitySpec,
+        ctx: Context,
+        payload: Any,
+        limit_s: float | None,
+        claimed_at: float,
     ) -> Any:
         """What the handler came to. An async handler runs on the process's event loop and is
         cancelled when its time is up. A sync one is interrupted by SIGALRM where it runs in
@@ -323,7 +334,9 @@ class Runner:
         if spec.is_async:
             call = _awaited(spec, ctx, payload)
             cancelled = lambda: ctx.cancelled  # noqa: E731
-            return self.calls.run(ctx.task_id, call, timeout_s=limit_s, cancelled=cancelled)
+            return self.calls.run(
+                ctx.task_id, call, timeout_s=limit_s, claimed_at=claimed_at, cancelled=cancelled
+            )
         started = time.monotonic()
         with soft_limit(limit_s):
             result = spec.handler(ctx, payload)
