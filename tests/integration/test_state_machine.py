@@ -11,7 +11,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
+from psycopg.types.json import Jsonb
+from sqlalchemy import Engine, select, text
 
 from broker.db.engines import async_engine
 from broker.db.models import tasks_table
@@ -33,6 +34,7 @@ from broker.tasks.resource import (
 from tests.integration.rows import a_task_row
 
 TENANT = "state-machine"
+
 ERROR = task_error("boom", "it broke")
 
 Operation = Callable[[Engine, Settings, uuid.UUID], Any]
@@ -193,3 +195,42 @@ def test_given_finishes_of_every_kind_together_expect_each_to_make_its_own_move(
     assert result_of(engine, null) == (False, None)  # a JSON null, not a missing result
     assert rows[2] is not None and rows[2]["error"] == ERROR
     assert status_of(engine, ok) == "succeeded" and status_of(engine, queued) == "queued"
+
+
+def test_given_a_large_table_expect_claims_and_finishes_to_find_their_rows_by_primary_key(
+    engine: Engine,
+) -> None:
+    """A claim joined only to its JSON rows was planned as a scan of the whole table for the
+    few rows the statistics call queued: fine on a new database, a read of every row per
+    group on a full one. With their ids as an array, both statements use the primary key."""
+    template = a_task(engine, "succeeded", overdue=False)
+    copies = text(
+        "INSERT INTO tasks SELECT (jsonb_populate_record(t, jsonb_build_object("
+        "'id', gen_random_uuid()))).* FROM tasks t, generate_series(1, 5000) WHERE t.id = :id"
+    )
+    with engine.begin() as conn:
+        conn.execute(copies, {"id": template})
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("ANALYZE tasks"))
+            rows = [{"task_id": str(uuid.uuid4()), "agent_id": "a", "version": "1"}]
+            claim = {"rows": [{**rows[0], "instance": "i"}], "ids": [uuid.UUID(rows[0]["task_id"])]}
+            finish = {
+                "rows": [{"task_id": rows[0]["task_id"], "outcome": {"v": 1}, "attempt": None}],
+                "ids": claim["ids"],
+            }
+            for statement, params in (
+                (execution._CLAIM, claim),
+                (execution._finish_statement(SUCCEED, False), finish),
+                (execution._finish_statement(FAIL, True), finish),
+            ):
+                compiled = statement.compile(dialect=engine.dialect)
+                values = compiled.construct_params(params)
+                values["rows"] = Jsonb(values["rows"])
+                explained = conn.exec_driver_sql(f"EXPLAIN {compiled}", values)
+                plan = "\n".join(r[0] for r in explained)
+                assert "Seq Scan on tasks" not in plan, plan
+                assert "Index Cond: (id = ANY" in plan, plan
+    finally:
+        with engine.begin() as conn:
+            conn.execute(tasks_table.delete().where(tasks_table.c.tenant == TENANT))
