@@ -9,7 +9,6 @@ both take the last token.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,8 +17,6 @@ from redis.asyncio import Redis
 
 from broker.errors import ReachError, Unavailable
 from broker.observability import metrics
-
-log = logging.getLogger("reach.api")
 
 # A Lua function, so that admission can run it in the same script as the route lookup.
 BUCKET_LUA = """
@@ -78,9 +75,7 @@ def redis_depths(client: Redis) -> Depths:
 @dataclass
 class QueueBound:
     """Refuses work for a queue already holding ``max_depth`` messages. Depths come from the
-    broker at most every ``refresh_s``, so a burst of submits costs one broker query. Past
-    ``refresh_s`` the known depth still answers while a new one is read in the background:
-    only a queue's first submit waits for the broker.
+    broker at most every ``refresh_s``, so a burst of submits costs one broker query.
 
     Admission lets only served capabilities through; still, past ``max_tracked`` queues the
     stale ones are forgotten, so no stream of queue names grows this process's memory."""
@@ -91,7 +86,6 @@ class QueueBound:
     max_tracked: int = 4096
     _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    _refreshing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def check(self, queue: str) -> None:
         seen = await self._depth(queue)
@@ -112,10 +106,7 @@ class QueueBound:
         if len(self._locks) >= self.max_tracked:
             self._forget_stale()
         lock = self._locks.setdefault(queue, asyncio.Lock())
-        if seen is not None:
-            if queue not in self._refreshing:
-                refresh = asyncio.create_task(self._refresh(queue), name=f"depth {queue}")
-                self._refreshing[queue] = refresh
+        if seen is not None and lock.locked():
             return seen
         async with lock:
             seen = self._seen.get(queue)
@@ -123,18 +114,6 @@ class QueueBound:
                 depth = (await self.depths([queue]))[queue]
                 seen = self._seen[queue] = (time.monotonic(), depth)
             return seen
-
-    async def _refresh(self, queue: str) -> None:
-        """Read the depth again; when the broker cannot say, forget it, so the next submit
-        reads it in line and gets the broker's error."""
-        try:
-            depth = (await self.depths([queue]))[queue]
-            self._seen[queue] = (time.monotonic(), depth)
-        except Exception as exc:
-            log.warning("depth of %r unknown: %s", queue, exc)
-            self._seen.pop(queue, None)
-        finally:
-            self._refreshing.pop(queue, None)
 
     def _forget_stale(self) -> None:
         cutoff = time.monotonic() - self.refresh_s

@@ -106,3 +106,26 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
     noop = model["noop_threads"]
     assert noop["accepted"] == noop["succeeded"] == plan["tasks"]
     assert positive(noop["tasks_per_s"])
+
+
+@pytest.mark.timeout(300)
+def test_the_latency_breakdown_runs_and_reports_every_part() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.latency", "--n", "3", "--burst", "5", "--delay", "0.05"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| capability"))
+    for part in ("accept", "to_claim", "run", "answer", "whole"):
+        assert part in header
+    for capability in ("echo", "llm.complete"):
+        row = next(line for line in lines if line.startswith(f"| {capability} "))
+        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+        assert len(cells) == 5
+        for cell in cells:
+            p50, p95 = (float(x) for x in cell.split("/"))
+            assert p95 >= p50
