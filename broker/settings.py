@@ -113,6 +113,30 @@ class Settings(BaseSettings):
     # webhooks worker needs more processes than this (docker-compose runs 8).
     webhook_max_inflight_per_tenant: int = Field(4, gt=0)
 
+    # Remote agents (PUT /agents/{agent_id}). Their endpoints are registered by operators and
+    # may be internal: the networks listed here may be reached, besides public addresses; the
+    # rest of the SSRF deny table (link-local and cloud metadata, reserved ranges) stays shut.
+    agent_networks: Annotated[list[str], NoDecode] = [
+        "127.0.0.0/8",
+        "::1/128",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "fc00::/7",
+    ]
+    # The bridge: health checks every interval, each within its timeout, on a pool of their
+    # own; an agent goes offline after remote_fail_after failures in a row and comes back
+    # after remote_recover_after_s and remote_recover_passes passes in a row.
+    remote_health_interval_s: float = Field(5.0, gt=0)
+    remote_health_timeout_s: float = Field(2.0, gt=0, le=30)
+    remote_health_threads: int = Field(4, gt=0, le=64)
+    remote_fail_after: int = Field(5, gt=0)
+    remote_recover_passes: int = Field(5, gt=0)
+    remote_recover_after_s: float = Field(60.0, ge=0)
+    remote_lease_ttl_s: float = Field(30.0, gt=0)
+    # A call whose answer has not begun within this is retried (a first-byte timeout).
+    remote_first_byte_timeout_s: float = Field(30.0, gt=0)
+
     # /metrics. Each API process computes the system gauges (queue depths, the oldest queued
     # task, registry health) every metrics_refresh_s and serves the last figures; a scrape
     # reads no database. With a token, /metrics needs ``Authorization: Bearer <token>``;
@@ -124,7 +148,9 @@ class Settings(BaseSettings):
     metrics_refresh_s: float = Field(15.0, gt=0)
     worker_metrics_host: str = "127.0.0.1"
 
-    @field_validator("agents", "webhook_allow", "webhook_schedule_s", mode="before")
+    @field_validator(
+        "agents", "webhook_allow", "webhook_schedule_s", "agent_networks", mode="before"
+    )
     @classmethod
     def _split_modules(cls, value: object) -> object:
         if isinstance(value, str):

@@ -31,6 +31,10 @@ DEMO_STREAM = (
     '{"capability": "llm.complete", "reply_mode": "stream",'
     ' "payload": {"prompt": "hello from an async agent", "stream": true}}'
 )
+DEMO_REMOTE = (
+    '{"version": "1.0.0", "endpoint": {"protocol": "http", "url": "http://127.0.0.1:9000/run"},'
+    ' "capabilities": [{"capability": "text.upper", "streaming": true, "idempotent": true}]}'
+)
 DEV_WEBHOOK_ALLOW = "127.0.0.0/8,::1,localhost"
 DEMO_INVOICE = (
     "ACME Trading Co.\\nInvoice No: INV-2024-0042\\nDate: 2024-03-15\\nTotal: CNY 1,024.00"
@@ -82,6 +86,21 @@ def _commands(port: int, flower_port: int, data_dir: Path, model_url: str) -> di
         "worker": _worker(celery, CAPABILITY_QUEUES, "dev", 2),
         "async-worker": [*_worker(celery, ASYNC_QUEUES, "async", 100), "-P", "threads"],
         "model": [str(bin_dir / "python"), "-m", "reach.fakemodel", f"--port={model_port}"],
+        # Remote agents (PUT /agents/{agent_id}): called from one process, many at once.
+        "bridge": [
+            str(bin_dir / "celery"),
+            "-A",
+            "workers.bridge",
+            "worker",
+            "-n",
+            "bridge@%h",
+            "-P",
+            "threads",
+            "-c",
+            "100",
+            "-l",
+            "INFO",
+        ],
         "maintenance": _worker(celery, MAINTENANCE_QUEUE, "maintenance", 2),
         # More processes than one tenant may hold (REACH_WEBHOOK_MAX_INFLIGHT_PER_TENANT, 4).
         "webhooks": _worker(celery, WEBHOOKS_QUEUE, "webhooks", 6),
@@ -154,6 +173,9 @@ Poll it (the task_id from above):
 Stream an async agent's tokens (llm.complete, on a stand-in model at REACH_MODEL_URL):
   curl -sN {api}/tasks -H "Authorization: Bearer {token}" -H 'Content-Type: application/json' \\
     -d '{DEMO_STREAM}'
+Reach an agent written in any language (see examples/agents/node/README.md):
+  curl -s -X PUT {api}/agents/node-upper -H "Authorization: Bearer {token}" \\
+    -H 'Content-Type: application/json' -d '{DEMO_REMOTE}'
 
 Ctrl-C stops everything.
 """

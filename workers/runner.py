@@ -147,7 +147,7 @@ class Runner:
 
     def _run(self, task_id: str, queue: str, *, instance: str) -> str:
         tid = uuid.UUID(task_id)
-        spec = self.registry.get(capability_of(queue))
+        spec = self.registry.for_queue(queue)
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
             return self.finish(Finish.failed(tid, task_error("capability_not_served", message)))

@@ -6,19 +6,27 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from api.deps import authenticate
+from api.deps import authenticate, read_json_body
 from api.schemas import ERROR_RESPONSES
 from api.services import services
+from broker import jsonbody
 from broker.errors import Forbidden, NotFound
 from broker.registry import cards, views
-from broker.registry.model import card_queue, drain_key
+from broker.registry.model import card_queue, drain_key, lease_key, live_key
+from broker.remote import registration
 from broker.tenancy.keys import Principal
+from broker.webhooks.ssrf import Guard, HostUnresolved, UrlNotAllowed
 
 router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
 DRAIN_FLAG_TTL_S = 24 * 3600
+REGISTRATION_MAX_BYTES = 512 * 1024
+
+
+class EndpointNotAllowed(registration.RegistrationInvalid):
+    code = "endpoint_not_allowed"
 
 
 @router.get("/agents", responses=ERROR_RESPONSES)
@@ -55,6 +63,64 @@ async def drain_instance(
         raise NotFound("no such instance of this agent", code="instance_not_found")
     await state.redis.set(drain_key(instance), "1", ex=DRAIN_FLAG_TTL_S)
     return JSONResponse({"instance": instance, "drain": "requested"}, status_code=202)
+
+
+@router.put(
+    "/agents/{agent_id}",
+    responses={**ERROR_RESPONSES, 201: {"description": "Registered; the answer holds the secret"}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": registration.Registration.model_json_schema()}
+            },
+        }
+    },
+)
+async def register_agent(agent_id: str, request: Request, caller: Caller) -> JSONResponse:
+    """Register (201) or update (200) an agent the broker reaches over the network. The first
+    answer carries ``secret``, once: the broker signs every call to the agent with it
+    (Standard Webhooks headers). Admin only."""
+    if not caller.is_admin:
+        raise Forbidden("registering agents needs an admin key", code="admin_required")
+    state = services(request)
+    raw = await read_json_body(request, REGISTRATION_MAX_BYTES)
+    given = registration.parse(agent_id, jsonbody.parse(raw, max_depth=32))
+    if given.endpoint.protocol != registration.HTTP:
+        raise registration.RegistrationInvalid(
+            "this broker reaches agents over the http protocol; a2a is not served yet"
+        )
+    documents = registration.documents(
+        registration.cards_of(agent_id, given), given.endpoint.protocol
+    )
+    guard = Guard(allow=state.settings.agent_networks)
+    try:
+        await anyio.to_thread.run_sync(guard.check, given.endpoint.url)
+    except (UrlNotAllowed, HostUnresolved) as exc:
+        raise EndpointNotAllowed(
+            f"{exc}; REACH_AGENT_NETWORKS lists the networks agents may use"
+        ) from None
+    registered = await registration.register(state.engine, agent_id, given, documents)
+    return JSONResponse(registered.view(), status_code=201 if registered.created else 200)
+
+
+@router.delete("/agents/{agent_id}", status_code=204, responses=ERROR_RESPONSES)
+async def deregister_agent(agent_id: str, request: Request, caller: Caller) -> Response:
+    """Remove a remote agent: routing stops at once, the bridge stops calling it. Admin
+    only; a worker's agent goes away by stopping its worker."""
+    if not caller.is_admin:
+        raise Forbidden("removing agents needs an admin key", code="admin_required")
+    state = services(request)
+    served = await registration.deregister(state.engine, agent_id)
+    if served is None:
+        raise NotFound("no such remote agent", code="agent_not_found")
+    instance = registration.remote_instance(agent_id)
+    pipe = state.redis.pipeline(transaction=True)
+    for capability in served:
+        pipe.zrem(live_key(capability), instance)
+    pipe.delete(lease_key(instance))
+    await pipe.execute()
+    return Response(status_code=204)
 
 
 @router.get("/capabilities", responses=ERROR_RESPONSES)

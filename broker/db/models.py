@@ -152,6 +152,24 @@ class AgentInstance(Base):
     stopped_at: Mapped[datetime | None] = mapped_column(TZ)
 
 
+class RemoteAgent(Base):
+    """An agent the broker reaches over the network, as an operator registered it. Its cards
+    are in ``agent_cards`` like any agent's; ``cards`` keeps the ones it was registered with,
+    for the bridge. The secret is kept in clear: signing the calls needs it."""
+
+    __tablename__ = "remote_agents"
+
+    agent_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64))
+    protocol: Mapped[str] = mapped_column(String(16))
+    url: Mapped[str] = mapped_column(String(2048))
+    capability_prefix: Mapped[str | None] = mapped_column(String(64))
+    cards: Mapped[Any] = mapped_column(JSONB)
+    secret: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
 class Webhook(Base):
     """A tenant's subscription. The secret is kept in clear: signing needs it."""
 
@@ -268,6 +286,7 @@ class WebhookAttempt(Base):
 tasks_table = cast(Table, Task.__table__)
 agent_cards_table = cast(Table, AgentCard.__table__)
 agent_instances_table = cast(Table, AgentInstance.__table__)
+remote_agents_table = cast(Table, RemoteAgent.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)
 webhooks_table = cast(Table, Webhook.__table__)
 callback_secrets_table = cast(Table, CallbackSecret.__table__)

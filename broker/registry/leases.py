@@ -26,6 +26,13 @@ def advertise_cards(engine: Engine, documents: list[dict[str, Any]]) -> None:
     """Upsert each card; a card of an older schema never overwrites a newer one."""
     if not documents:
         return
+    with engine.begin() as conn:
+        conn.execute(card_upsert(documents))
+
+
+def card_upsert(documents: list[dict[str, Any]]) -> Any:
+    """The statement that upserts the cards (a worker's advertisement, a remote agent's
+    registration)."""
     rows = [
         {
             "agent_id": d["agent_id"],
@@ -46,8 +53,7 @@ def advertise_cards(engine: Engine, documents: list[dict[str, Any]]) -> None:
         },
         where=cards.c.schema_version <= statement.excluded.schema_version,
     )
-    with engine.begin() as conn:
-        conn.execute(statement)
+    return statement
 
 
 def record_instance(engine: Engine, lease: Lease, state: str) -> None:

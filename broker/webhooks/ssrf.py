@@ -120,7 +120,7 @@ class Guard:
         passed = tuple(a for a in addresses if self.address_allowed(a))
         if not passed:
             raise UrlNotAllowed(
-                f"{host} resolves only to addresses webhooks may not reach "
+                f"{host} resolves only to addresses that may not be reached "
                 "(loopback, private, link-local, reserved ...)"
             )
         return Target(url, host, port, passed)

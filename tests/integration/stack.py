@@ -50,12 +50,19 @@ def environment(settings: Settings) -> dict[str, str]:
 
 
 class CeleryProcess:
-    """``celery -A workers <args>`` with its output in a log file; started and waited for."""
+    """``celery -A <app> <args>`` with its output in a log file; started and waited for."""
 
     def __init__(
-        self, args: list[str], settings: Settings, log_path: Path, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        settings: Settings,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        app: str = "workers",
     ) -> None:
         self.args = args
+        self.app = app
         self.settings = settings
         self.log_path = log_path
         self.env = env or {}
@@ -65,7 +72,7 @@ class CeleryProcess:
     def start(self, ready_marker: str, timeout_s: float = 60) -> CeleryProcess:
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            [str(BIN / "celery"), "-A", "workers", *self.args],
+            [str(BIN / "celery"), "-A", self.app, *self.args],
             env={**environment(self.settings), **self.env},
             cwd=ROOT,
             stdout=self._log,

@@ -30,6 +30,7 @@ ASYNC_CAPABILITIES = {"llm.complete": "500"}
 # The internal queues, each consumed by a worker of its own (service: queue).
 SYSTEM_WORKERS = {"worker-maintenance": "reach.maintenance", "worker-webhooks": "reach.webhooks"}
 SYSTEM_QUEUES = set(SYSTEM_WORKERS.values())
+BRIDGE_APP = "workers.bridge"
 SHARED_ENV_KEY = "x-reach-env"
 
 
@@ -273,9 +274,22 @@ def test_celery_app_is_the_workers_package() -> None:
     for name, argv in runs.items():
         # when its -A app is resolved
         app = compose.option(argv, "-A", "--app")
-        # expect the `workers` package (a directory with __init__.py, where the app lives)
-        assert app == "workers", f"{name}: -A {app}"
-        assert (ROOT / "workers" / "__init__.py").is_file(), "workers/ is not a package yet"
+        # expect the `workers` package (a directory with __init__.py, where the app lives),
+        # or for the bridge its own package inside it
+        expected = BRIDGE_APP if name == "bridge" else "workers"
+        assert app == expected, f"{name}: -A {app}"
+        assert (ROOT / app.replace(".", "/") / "__init__.py").is_file(), f"{app} is no package"
+
+
+def test_the_bridge_serves_registrations_on_the_threads_pool() -> None:
+    # given the bridge service
+    argv = compose.celery_services("worker")["bridge"]
+    # expect its own app, no queue named (registrations bring theirs), many calls at once
+    assert compose.option(argv, "-A", "--app") == BRIDGE_APP
+    assert not compose.queues(argv)
+    assert compose.option(argv, "-P", "--pool") == "threads"
+    assert int(compose.option(argv, "--concurrency", "-c") or 0) >= 100
+    assert compose.option(argv, "-n", "--hostname") == "bridge@%h"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +302,7 @@ def _capability_workers() -> dict[str, list[str]]:
         name: argv
         for name, argv in compose.celery_services("worker").items()
         if not compose.queues(argv) & SYSTEM_QUEUES
+        and compose.option(argv, "-A", "--app") != BRIDGE_APP
     }
 
 
@@ -388,8 +403,9 @@ def test_api_and_celery_processes_start_after_migrate_and_healthy_redis() -> Non
     # given the api and every celery process
     dependants = ["api", *sorted(compose.celery_services())]
     services = compose.services()
-    # api, one worker per capability, the maintenance and webhooks workers, beat, flower
-    assert len(dependants) == 1 + len(CAPABILITIES) + 2 + 2
+    # api, one worker per capability, the maintenance and webhooks workers, the bridge, beat,
+    # flower
+    assert len(dependants) == 1 + len(CAPABILITIES) + 2 + 1 + 2
     for name in dependants:
         # when its depends_on is read
         deps = compose.depends_on(services[name])

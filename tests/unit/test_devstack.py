@@ -57,3 +57,12 @@ def test_every_example_capability_has_a_worker_and_async_ones_run_on_the_threads
     [async_worker] = [a for a in commands.values() if "llm.complete" in _queues(a)]
     assert async_worker[async_worker.index("-P") + 1] == "threads"
     assert "--port=8701" in commands["model"]
+
+
+def test_the_dev_stack_runs_the_bridge_for_remote_agents(tmp_path: Path) -> None:
+    # given the dev stack's commands
+    bridge = devstack._commands(8000, 5555, tmp_path, MODEL_URL)["bridge"]
+    # expect the bridge's app on the threads pool, with no queue of its own named
+    assert bridge[bridge.index("-A") + 1] == "workers.bridge"
+    assert bridge[bridge.index("-P") + 1] == "threads"
+    assert "-Q" not in bridge

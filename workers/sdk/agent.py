@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
 
-from broker.registry.model import Card
+from broker.registry.model import Card, capability_of
 
 if TYPE_CHECKING:
     from workers.sdk.context import Context
@@ -81,6 +81,10 @@ class AgentRegistry:
 
     def get(self, name: str) -> CapabilitySpec | None:
         return self._specs.get(name)
+
+    def for_queue(self, queue: str) -> CapabilitySpec | None:
+        """The spec serving a message of ``queue``: a capability's queue or a card's."""
+        return self.get(capability_of(queue))
 
     def __iter__(self) -> Iterator[CapabilitySpec]:
         return iter(list(self._specs.values()))

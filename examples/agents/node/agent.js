@@ -30,6 +30,7 @@ const state = {
   healthy: process.env.HEALTH_FAIL !== '1',
   calls: 0,
   cancelled: [], // task ids whose caller closed the connection before the reply ended
+  deadlineExceeded: [], // task ids this agent stopped because their deadline passed
   failuresByTask: new Map(), // task id -> injected failures answered so far
   lastHeaders: {},
 };
@@ -210,12 +211,14 @@ function startCall(res, taskId, deadlineAt, reply) {
   });
   if (deadlineAt !== null) {
     const left = deadlineAt - Date.now();
-    const deadlineExceeded = () =>
+    const deadlineExceeded = () => {
+      remember(state.deadlineExceeded, taskId);
       call.finish('error', {
         code: 'deadline_exceeded',
         message: `the deadline passed at ${new Date(deadlineAt).toISOString()}`,
         retryable: false,
       });
+    };
     if (left <= 0) deadlineExceeded();
     else if (left < MAX_TIMER_MS) call.later(left, deadlineExceeded);
   }
@@ -294,6 +297,7 @@ const routes = {
     sendJson(res, 200, {
       calls: state.calls,
       cancelled: state.cancelled,
+      deadline_exceeded: state.deadlineExceeded,
       last_headers: state.lastHeaders,
     }),
 };

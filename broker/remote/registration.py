@@ -1,0 +1,278 @@
+"""Registering a remote agent: what a registration may say, and the rows it writes.
+
+An operator registers an agent the broker reaches over the network (``PUT /agents/{id}``):
+its version, its endpoint and the capabilities it serves. That writes the agent's row (with
+the secret the broker signs its calls with, made once) and one card per capability, as a
+worker's advertisement would: routing, ``/agents`` and ``/capabilities`` then treat it like
+any other agent, once a bridge holds its lease.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jsonschema.exceptions import SchemaError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from sqlalchemy import Engine, delete, func, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker.db.models import remote_agents_table as remote_agents
+from broker.errors import InvalidEnvelope
+from broker.registry import leases
+from broker.registry.model import Card
+from broker.webhooks import signing
+from broker.webhooks.ssrf import URL_MAX
+
+HTTP, A2A = "http", "a2a"
+AGENT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+VERSION = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
+MAX_CAPABILITIES = 64
+
+
+def remote_instance(agent_id: str) -> str:
+    """The name of the lease a bridge holds for the agent."""
+    return f"{agent_id}@remote"
+
+
+class RegistrationInvalid(InvalidEnvelope):
+    code = "registration_invalid"
+
+
+class EndpointIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    protocol: Literal["http", "a2a"]
+    url: str = Field(min_length=1, max_length=URL_MAX)
+
+
+class CapabilityIn(BaseModel):
+    """One capability an ``http`` agent serves: the card's fields a remote agent may set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capability: str = Field(max_length=128)
+    description: str | None = Field(None, max_length=2000)
+    display_name: str | None = Field(None, max_length=128)
+    input_schema: dict[str, Any] | None = None
+    output_schema: dict[str, Any] | None = None
+    timeout_s: float | None = Field(None, gt=0, le=3600)
+    idempotent: bool = False
+    streaming: bool = False
+    max_attempts: int = Field(3, ge=1, le=20)
+    weight: float = Field(1.0, ge=0, le=1000)
+    max_payload_bytes: int | None = Field(None, gt=0)
+
+
+class Registration(BaseModel):
+    """The body of ``PUT /agents/{agent_id}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str = Field(pattern=VERSION)
+    endpoint: EndpointIn
+    capabilities: list[CapabilityIn] | None = Field(None, min_length=1, max_length=MAX_CAPABILITIES)
+    capability_prefix: str | None = Field(None, max_length=64)
+    description: str | None = Field(None, max_length=2000)
+
+    @model_validator(mode="after")
+    def _fits_protocol(self) -> Registration:
+        if self.endpoint.protocol == HTTP and not self.capabilities:
+            raise ValueError("an http agent lists the capabilities it serves")
+        if self.endpoint.protocol == A2A and not self.capability_prefix:
+            raise ValueError("an a2a agent needs a capability_prefix for its skills")
+        names = [c.capability for c in self.capabilities or []]
+        if len(set(names)) != len(names):
+            raise ValueError("a capability is listed twice")
+        return self
+
+
+def parse(agent_id: str, body: Any) -> Registration:
+    """The registration, or RegistrationInvalid (422) saying what is wrong."""
+    if not AGENT_ID.fullmatch(agent_id):
+        raise RegistrationInvalid(
+            "an agent id is 1-64 lowercase letters, digits, '-' or '_', starting with a "
+            "letter or digit"
+        )
+    try:
+        return Registration.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}" for e in exc.errors()[:10]
+        )
+        raise RegistrationInvalid(problems) from None
+
+
+def cards_of(agent_id: str, registration: Registration) -> list[Card]:
+    """The cards of an ``http`` agent's capabilities; RegistrationInvalid for a bad one."""
+    cards = []
+    for c in registration.capabilities or []:
+        try:
+            cards.append(
+                Card(
+                    capability=c.capability,
+                    agent_id=agent_id,
+                    version=registration.version,
+                    input_schema=c.input_schema,
+                    output_schema=c.output_schema,
+                    timeout_s=c.timeout_s,
+                    idempotent=c.idempotent,
+                    streaming=c.streaming,
+                    cancellable=True,  # a cancel closes the call
+                    display_name=c.display_name,
+                    description=c.description or registration.description,
+                    weight=c.weight,
+                    max_payload_bytes=c.max_payload_bytes,
+                    max_attempts=c.max_attempts,
+                )
+            )
+        except SchemaError as exc:
+            raise RegistrationInvalid(f"{c.capability}: invalid schema: {exc.message}") from None
+        except ValueError as exc:  # the name, a limit
+            raise RegistrationInvalid(f"{c.capability}: {exc}") from None
+    return cards
+
+
+def documents(cards: list[Card], protocol: str) -> list[dict[str, Any]]:
+    """The cards as stored and shown: a worker's, plus how the agent is reached."""
+    return [{**card.document(), "endpoint": {"protocol": protocol}} for card in cards]
+
+
+@dataclass(frozen=True)
+class Registered:
+    agent_id: str
+    version: str
+    protocol: str
+    url: str
+    capability_prefix: str | None
+    cards: list[dict[str, Any]]
+    secret: str
+    created: bool  # a new registration (the secret goes out once, then)
+
+    def view(self) -> dict[str, Any]:
+        """The agent as the API shows it; the secret only when it was just made."""
+        shown: dict[str, Any] = {
+            "agent_id": self.agent_id,
+            "version": self.version,
+            "endpoint": {"protocol": self.protocol, "url": self.url},
+            "capabilities": [d["capability"] for d in self.cards],
+            "instance": remote_instance(self.agent_id),
+        }
+        if self.capability_prefix is not None:
+            shown["capability_prefix"] = self.capability_prefix
+        if self.created:
+            shown["secret"] = self.secret
+        return shown
+
+
+async def register(
+    engine: AsyncEngine,
+    agent_id: str,
+    registration: Registration,
+    cards: list[dict[str, Any]],
+) -> Registered:
+    """Write the agent and its cards in one transaction. The secret is made on the first
+    registration and kept by the next ones."""
+    values = {
+        "agent_id": agent_id,
+        "version": registration.version,
+        "protocol": registration.endpoint.protocol,
+        "url": registration.endpoint.url,
+        "capability_prefix": registration.capability_prefix,
+        "cards": cards,
+        "secret": signing.new_secret(),
+    }
+    insert_row = insert(remote_agents).values(values)
+    upsert = insert_row.on_conflict_do_update(
+        index_elements=["agent_id"],
+        set_={
+            **{k: insert_row.excluded[k] for k in values if k not in ("agent_id", "secret")},
+            "updated_at": func.now(),
+        },
+    ).returning(
+        remote_agents.c.secret,
+        (remote_agents.c.created_at == remote_agents.c.updated_at).label("created"),
+    )
+    async with engine.begin() as conn:
+        row = (await conn.execute(upsert)).one()
+        if cards:
+            await conn.execute(leases.card_upsert(cards))
+    return Registered(
+        agent_id=agent_id,
+        version=registration.version,
+        protocol=registration.endpoint.protocol,
+        url=registration.endpoint.url,
+        capability_prefix=registration.capability_prefix,
+        cards=cards,
+        secret=row.secret,
+        created=bool(row.created),
+    )
+
+
+async def deregister(engine: AsyncEngine, agent_id: str) -> list[str] | None:
+    """Remove the agent; the capabilities it served, or None when no such remote agent is
+    registered. Its cards stay, as a stopped worker's do, for an operator to see what was
+    there."""
+    query = (
+        delete(remote_agents)
+        .where(remote_agents.c.agent_id == agent_id)
+        .returning(remote_agents.c.cards)
+    )
+    async with engine.begin() as conn:
+        documents = (await conn.execute(query)).scalar_one_or_none()
+    return None if documents is None else [d["capability"] for d in documents]
+
+
+@dataclass(frozen=True)
+class RemoteAgent:
+    """A registered agent as a bridge serves it."""
+
+    agent_id: str
+    version: str
+    protocol: str
+    url: str
+    capability_prefix: str | None
+    cards: tuple[Card, ...]
+    secret: str
+
+
+def load_all(engine: Engine) -> list[RemoteAgent]:
+    """Every registered remote agent (the bridge's view, read every few seconds)."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(remote_agents).order_by(remote_agents.c.agent_id)).all()
+    return [
+        RemoteAgent(
+            agent_id=r.agent_id,
+            version=r.version,
+            protocol=r.protocol,
+            url=r.url,
+            capability_prefix=r.capability_prefix,
+            cards=tuple(card_from_document(d) for d in r.cards),
+            secret=r.secret,
+        )
+        for r in rows
+    ]
+
+
+def card_from_document(document: dict[str, Any]) -> Card:
+    """The card a stored document describes (the fields a remote card sets)."""
+    constraints = document.get("constraints") or {}
+    timeout_ms = constraints.get("timeout_hint_ms")
+    return Card(
+        capability=document["capability"],
+        agent_id=document["agent_id"],
+        version=document["version"],
+        input_schema=document.get("input_schema"),
+        output_schema=document.get("output_schema"),
+        timeout_s=timeout_ms / 1000 if timeout_ms else None,
+        idempotent=bool(document.get("idempotent")),
+        streaming=bool(document.get("streaming")),
+        cancellable=bool(document.get("cancellable")),
+        display_name=document.get("display_name"),
+        description=document.get("description"),
+        weight=float(document.get("tags", [{}])[0].get("weight", 1.0)),
+        max_payload_bytes=constraints.get("max_payload_bytes"),
+        max_attempts=int(document.get("max_attempts") or 3),
+    )

@@ -1,0 +1,385 @@
+"""Remote agents over the ``http`` protocol, end to end: registered through the API, served by
+a real bridge worker (``celery -A workers.bridge``), called over real HTTP. The agent is the
+example Node.js agent under ``node`` (``examples/agents/node``), or a loopback receiver where
+a test must see the raw requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine
+from standardwebhooks import Webhook
+
+from broker.settings import Settings
+from broker.tenancy import key_store
+from tests.eventually import eventually
+from tests.integration.conftest import client_for
+from tests.integration.receiver import Receiver, Reply, always
+from tests.integration.stack import ROOT, CeleryProcess, ServedApp, free_port, wait_for_task
+
+pytestmark = pytest.mark.timeout(120)
+
+NODE_AGENT = ROOT / "examples" / "agents" / "node" / "agent.js"
+# The bridge's clocks, shortened so that the dampening shows within seconds.
+FAST = {
+    "REACH_REMOTE_HEALTH_INTERVAL_S": "0.2",
+    "REACH_REMOTE_HEALTH_TIMEOUT_S": "1",
+    "REACH_REMOTE_RECOVER_AFTER_S": "1",
+    "REACH_REMOTE_LEASE_TTL_S": "3",
+    "REACH_REMOTE_FIRST_BYTE_TIMEOUT_S": "5",
+}
+UPPER_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+}
+
+
+def registration(url: str, capability: str = "text.upper", **more: Any) -> dict[str, Any]:
+    return {
+        "version": "1.0.0",
+        "endpoint": {"protocol": "http", "url": url},
+        "capabilities": [
+            {
+                "capability": capability,
+                "input_schema": UPPER_SCHEMA if capability == "text.upper" else None,
+                "timeout_s": 30,
+                "idempotent": True,
+                "streaming": True,
+                **more,
+            }
+        ],
+    }
+
+
+class NodeAgent:
+    """``node examples/agents/node/agent.js`` on a loopback port, stopped and started again
+    at will (same port, same secret)."""
+
+    def __init__(self, port: int, secret: str, log_path: Path) -> None:
+        self.port, self.secret, self.log_path = port, secret, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> NodeAgent:
+        node = shutil.which("node")
+        if node is None:
+            if os.environ.get("CI"):
+                pytest.fail("node is not installed: the remote agent tests need it")
+            pytest.skip("node is not installed")
+        env = {**os.environ, "PORT": str(self.port), "REACH_AGENT_SECRET": self.secret}
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [node, str(NODE_AGENT)], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        eventually(lambda: self._healthy(), "the Node agent to answer /healthz", 15)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stats(self) -> dict[str, Any]:
+        answer: dict[str, Any] = httpx.get(f"{self.url}/stats", timeout=5).json()
+        return answer
+
+
+@pytest.fixture(scope="module")
+def bridge(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    args = ["worker", "-P", "threads", "-c", "50", "-n", "bridge@%h", "-l", "INFO"]
+    args += ["--without-gossip", "--without-mingle"]
+    process = CeleryProcess(
+        args, settings, log_dir / "bridge.log", FAST, app="workers.bridge"
+    ).start(" ready.")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def ops(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    """An operator's client: registering agents is theirs."""
+    _, token = key_store.create_key(engine, f"ops-{uuid.uuid4().hex[:8]}", ["*"], is_admin=True)
+    with client_for(api, token) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def caller(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    _, token = key_store.create_key(engine, f"t-{uuid.uuid4().hex[:8]}", ["*"])
+    with client_for(api, token) as http:
+        yield http
+
+
+def wait_routed(ops: httpx.Client, agent_id: str, timeout_s: float = 30) -> None:
+    """Until the bridge holds the agent's lease and routing may pick it."""
+
+    def states() -> list[str]:
+        answer = ops.get(f"/agents/{agent_id}")
+        if answer.status_code != 200:
+            return []
+        return [i.get("state") for i in answer.json().get("instances", [])]
+
+    eventually(states, f"{agent_id} to be ready", timeout_s, 0.1, lambda s: "ready" in s)
+
+
+@pytest.fixture(scope="module")
+def node(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[NodeAgent]:
+    port = free_port()
+    answer = ops.put("/agents/node-upper", json=registration(f"http://127.0.0.1:{port}/run"))
+    assert answer.status_code == 201, answer.text
+    agent = NodeAgent(port, answer.json()["secret"], log_dir / "node-agent.log").start()
+    wait_routed(ops, "node-upper")
+    yield agent
+    agent.stop()
+    ops.delete("/agents/node-upper")
+
+
+def submit(caller: httpx.Client, payload: dict[str, Any], **envelope: Any) -> httpx.Response:
+    return caller.post("/tasks", json={"capability": "text.upper", "payload": payload, **envelope})
+
+
+def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:
+    """The task's events, read from its stream to the end."""
+    found = []
+    with caller.stream("GET", f"/tasks/{task_id}/events", timeout=30) as stream:
+        event = None
+        for line in stream.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and event is not None:
+                found.append((event, json.loads(line.split(":", 1)[1])["data"]))
+    return found
+
+
+def test_registering_answers_the_secret_once_and_shows_the_agent_like_any_other(
+    ops: httpx.Client, node: NodeAgent
+) -> None:
+    again = ops.put("/agents/node-upper", json=registration(f"{node.url}/run"))
+    assert again.status_code == 200, again.text
+    assert "secret" not in again.json()
+    agent = ops.get("/agents/node-upper").json()
+    cards = agent["cards"]
+    assert [c["capability"] for c in cards] == ["text.upper"]
+    assert cards[0]["endpoint"]["protocol"] == "http"
+    capabilities = ops.get("/capabilities").json()["capabilities"]
+    assert "text.upper" in [c["capability"] for c in capabilities]
+
+
+def test_each_reply_mode_gets_the_agents_result(caller: httpx.Client, node: NodeAgent) -> None:
+    queued = submit(caller, {"text": "hello remote world"})
+    assert queued.status_code == 202, queued.text
+    done = wait_for_task(caller, queued.json()["task_id"], {"succeeded", "failed", "expired"})
+    assert done["status"] == "succeeded", done
+    assert done["result"] == {"text": "HELLO REMOTE WORLD"}
+
+    waited = submit(caller, {"text": "sync call"}, reply_mode="sync")
+    assert waited.status_code == 200, waited.text
+    assert waited.json()["result"] == {"text": "SYNC CALL"}
+
+    with caller.stream(
+        "POST",
+        "/tasks",
+        json={"capability": "text.upper", "payload": {"text": "a b c"}, "reply_mode": "stream"},
+    ) as stream:
+        assert stream.status_code == 200
+        body = "".join(stream.iter_text())
+    outputs = [
+        json.loads(line[5:])["data"]
+        for block in body.split("\n\n")
+        if "event: output" in block
+        for line in block.splitlines()
+        if line.startswith("data:")
+    ]
+    assert [o["text"] for o in outputs] == ["A ", "B ", "C"]
+    assert "event: succeeded" in body
+
+
+def test_streamed_output_and_progress_arrive_as_events_in_order(
+    caller: httpx.Client, node: NodeAgent
+) -> None:
+    words = [f"w{i}" for i in range(8)]
+    task = submit(caller, {"text": " ".join(words), "delay_ms": 10}).json()
+    wait_for_task(caller, task["task_id"], {"succeeded"})
+    events = events_of(caller, task["task_id"])
+    outputs = [data["text"].strip() for kind, data in events if kind == "output"]
+    assert outputs == [w.upper() for w in words]
+    progress = [data["percent"] for kind, data in events if kind == "progress"]
+    assert progress == sorted(progress) and progress[-1] == 100
+
+
+def test_a_4xx_fails_at_once(caller: httpx.Client, node: NodeAgent) -> None:
+    task = submit(caller, {"text": "x", "fail_status": 400, "fail_times": 5}).json()
+    done = wait_for_task(caller, task["task_id"], {"succeeded", "failed"})
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "agent_http_400"
+    assert done["attempts"] == 1
+
+
+def test_a_503_is_retried_then_succeeds(caller: httpx.Client, node: NodeAgent) -> None:
+    task = submit(caller, {"text": "again", "fail_status": 503, "fail_times": 1}).json()
+    done = wait_for_task(caller, task["task_id"], {"succeeded", "failed"}, timeout_s=60)
+    assert done["status"] == "succeeded", done
+    assert done["attempts"] == 2
+    assert done["result"] == {"text": "AGAIN"}
+
+
+def test_the_trace_and_the_task_id_reach_the_agent(caller: httpx.Client, node: NodeAgent) -> None:
+    trace_id = uuid.uuid4().hex
+    answer = caller.post(
+        "/tasks",
+        json={"capability": "text.upper", "payload": {"text": "t"}, "reply_mode": "sync"},
+        headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"},
+    )
+    assert answer.status_code == 200, answer.text
+    seen = node.stats()["last_headers"]
+    assert seen["idempotency-key"] == answer.json()["task_id"]
+    assert seen["traceparent"].split("-")[1] == trace_id
+
+
+def test_a_cancel_closes_the_call(caller: httpx.Client, node: NodeAgent) -> None:
+    text = " ".join(f"w{i}" for i in range(100))
+    task_id = submit(caller, {"text": text, "delay_ms": 200}).json()["task_id"]
+    eventually(
+        lambda: caller.get(f"/tasks/{task_id}").json().get("progress"),
+        "the first progress",
+        30,
+    )
+    assert caller.post(f"/tasks/{task_id}/cancel").status_code == 200
+    eventually(lambda: task_id in node.stats()["cancelled"], "the agent to see the call closed")
+
+
+def test_a_deadline_ends_the_call(caller: httpx.Client, node: NodeAgent) -> None:
+    text = " ".join(f"w{i}" for i in range(100))
+    task_id = submit(caller, {"text": text, "delay_ms": 200}, deadline_ms=1500).json()["task_id"]
+    done = wait_for_task(caller, task_id, {"succeeded", "failed", "expired"})
+    assert done["status"] == "expired", done
+
+    def stopped() -> bool:  # by the deadline it was sent, or by the broker closing the call
+        stats = node.stats()
+        return task_id in stats["deadline_exceeded"] or task_id in stats["cancelled"]
+
+    eventually(stopped, "the agent to stop the call at its deadline")
+
+
+def test_the_signature_verifies_with_the_standard_webhooks_library(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    body = json.dumps({"result": {"ok": True}}).encode()
+    reply = Reply(headers={"Content-Type": "application/json"}, body=body)
+    with Receiver(always(reply)) as receiver:
+        answer = ops.put(
+            "/agents/sig-check", json=registration(receiver.url, capability="test.remote-sig")
+        )
+        assert answer.status_code == 201, answer.text
+        secret = answer.json()["secret"]
+        try:
+            wait_routed(ops, "sig-check")
+            done = caller.post(
+                "/tasks",
+                json={"capability": "test.remote-sig", "payload": {"n": 1}, "reply_mode": "sync"},
+            )
+            assert done.status_code == 200, done.text
+            assert done.json()["result"] == {"ok": True}
+            call = next(r for r in receiver.requests if r.path == "/hook")
+            verified = Webhook(secret).verify(call.body, call.headers)
+            assert verified["task_id"] == done.json()["task_id"]
+            assert verified["payload"] == {"n": 1}
+            assert verified["capability"] == "test.remote-sig"
+        finally:
+            ops.delete("/agents/sig-check")
+
+
+@pytest.mark.parametrize(
+    ("agent_id", "body"),
+    [
+        ("bad@id", registration("http://127.0.0.1:9/run")),
+        ("ok-id", {"version": "1.0.0", "endpoint": {"protocol": "http", "url": "http://x/"}}),
+        ("ok-id", registration("http://127.0.0.1:9/run", capability="reach.mine")),
+        ("ok-id", registration("http://127.0.0.1:9/run", capability="Not A Name")),
+        ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"type": 12})),
+        ("ok-id", {**registration("http://127.0.0.1:9/run"), "surprise": 1}),
+        ("ok-id", registration("ftp://127.0.0.1/run")),
+        ("ok-id", registration("http://169.254.169.254/latest")),
+        ("ok-id", registration("http://user:pw@127.0.0.1:9/run")),
+    ],
+)
+def test_a_bad_registration_gets_422_and_writes_nothing(
+    ops: httpx.Client, agent_id: str, body: dict[str, Any]
+) -> None:
+    answer = ops.put(f"/agents/{agent_id}", json=body)
+    assert answer.status_code == 422, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert answer.json()["code"] in ("registration_invalid", "endpoint_not_allowed")
+    assert ops.get(f"/agents/{agent_id}").status_code == 404
+
+
+def test_only_an_operator_registers_or_removes_agents(caller: httpx.Client) -> None:
+    answer = caller.put("/agents/mine", json=registration("http://127.0.0.1:9/run"))
+    assert answer.status_code == 403
+    assert answer.json()["code"] == "admin_required"
+    assert caller.delete("/agents/mine").status_code == 403
+
+
+def test_deregistering_takes_the_agent_out_of_routing(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    reply = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": 1}')
+    with Receiver(always(reply)) as receiver:
+        created = ops.put(
+            "/agents/gone-soon", json=registration(receiver.url, capability="test.remote-gone")
+        )
+        assert created.status_code == 201, created.text
+        wait_routed(ops, "gone-soon")
+        envelope = {"capability": "test.remote-gone", "payload": {}, "reply_mode": "sync"}
+        assert caller.post("/tasks", json=envelope).status_code == 200
+        assert ops.delete("/agents/gone-soon").status_code == 204
+        refused = caller.post("/tasks", json=envelope)
+        assert refused.status_code == 503
+        assert refused.json()["code"] == "no_agent_available"
+        assert ops.delete("/agents/gone-soon").status_code == 404
+
+
+def test_a_killed_agent_is_refused_within_the_lease_and_served_again_once_back(
+    caller: httpx.Client, node: NodeAgent
+) -> None:
+    """Last in this module: it stops the shared agent (and starts it again)."""
+    node.stop()
+    started = time.monotonic()
+    refused = eventually(
+        lambda: submit(caller, {"text": "anyone?"}),
+        "routing to refuse the dead agent",
+        30,
+        0.1,
+        lambda answer: answer.status_code == 503,
+    )
+    assert refused.json()["code"] == "no_agent_available"
+    assert time.monotonic() - started < float(FAST["REACH_REMOTE_LEASE_TTL_S"]) + 2
+    node.start()
+    back = eventually(
+        lambda: submit(caller, {"text": "back"}, reply_mode="sync"),
+        "the agent to be served again",
+        30,
+        0.2,
+        lambda answer: answer.status_code == 200,
+    )
+    assert back.json()["result"] == {"text": "BACK"}

@@ -1,0 +1,48 @@
+"""The ``http`` protocol's rules that need no network (``workers.bridge.http_agent``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.errors import AgentFailure, Retryable
+from workers.bridge.http_agent import RETRIED_STATUSES, _outcome
+from workers.bridge.keeper import health_url
+
+
+def test_a_result_answer_gives_its_result_even_when_null() -> None:
+    assert _outcome({"result": {"text": "HI"}}, streamed=False) == {"text": "HI"}
+    assert _outcome({"result": None}, streamed=False) is None
+
+
+def test_a_retryable_error_is_retried_only_before_any_output() -> None:
+    error = {"error": {"code": "busy", "message": "later", "retryable": True}}
+    with pytest.raises(Retryable) as before:
+        _outcome(error, streamed=False)
+    assert before.value.code == "busy"
+    with pytest.raises(AgentFailure) as after:
+        _outcome(error, streamed=True)
+    assert not isinstance(after.value, Retryable)
+    assert after.value.code == "busy"
+
+
+def test_an_error_without_retryable_fails_for_good() -> None:
+    with pytest.raises(AgentFailure) as failed:
+        _outcome({"error": {"code": "bad_input", "message": "no"}}, streamed=False)
+    assert not isinstance(failed.value, Retryable)
+    assert failed.value.code == "bad_input"
+
+
+def test_an_answer_with_neither_is_a_protocol_error() -> None:
+    with pytest.raises(AgentFailure) as failed:
+        _outcome({"something": 1}, streamed=False)
+    assert failed.value.code == "agent_protocol"
+
+
+def test_retried_statuses_are_408_429_and_5xx_only() -> None:
+    assert {408, 429, 500, 502, 503, 504, 599} <= RETRIED_STATUSES
+    assert not {400, 401, 403, 404, 409, 413, 422} & RETRIED_STATUSES
+
+
+def test_the_health_check_is_the_origins_healthz_never_the_business_path() -> None:
+    assert health_url("http://10.0.0.7:9000/run?x=1") == "http://10.0.0.7:9000/healthz"
+    assert health_url("https://agent.example/api/v1/run") == "https://agent.example/healthz"

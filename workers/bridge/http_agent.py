@@ -1,0 +1,219 @@
+"""The ``http`` protocol: how the bridge calls a remote agent (``shared/design.md``).
+
+The broker POSTs ``{"task_id", "capability", "payload", "attempt", "deadline_at", "session",
+"metadata"}``, signed with the agent's secret (Standard Webhooks headers), with the task's
+``traceparent`` and ``Idempotency-Key: <task_id>``. The agent answers ``application/json``
+(``{"result": ...}`` or ``{"error": {...}}``) or ``text/event-stream`` (``progress``,
+``output``, then ``result`` or ``error``).
+
+What is retried follows the seeds: a connection that fails, a first byte that does not come
+within ``first_byte_timeout_s``, 408, 429 and 5xx; never once output was streamed (the caller
+has seen it). Any other 4xx fails at once. The call's own end (its timeout, the task's
+deadline, a cancel) cancels this coroutine, which closes the connection: the agent sees the
+call closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from broker.errors import AgentFailure, Retryable
+from broker.webhooks import signing
+from workers.aio import CallTimedOut
+from workers.sdk.context import Context
+
+RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
+MAX_ANSWER_BYTES = 16 * 2**20  # a JSON answer, or one SSE event
+ACCEPT = "text/event-stream, application/json"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how to call one remote agent."""
+
+    url: str
+    secrets: tuple[str, ...]  # every secret that signs now: the newest first
+    first_byte_timeout_s: float = 30.0
+
+
+def request_body(ctx: Context, payload: Any) -> bytes:
+    return json.dumps(
+        {
+            "task_id": str(ctx.task_id),
+            "capability": ctx.capability,
+            "payload": payload,
+            "attempt": ctx.attempt,
+            "deadline_at": ctx.deadline_at.isoformat() if ctx.deadline_at else None,
+            "session": ctx.session_id,
+            "metadata": ctx.metadata,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def request_headers(endpoint: Endpoint, ctx: Context, body: bytes) -> dict[str, str]:
+    message_id = f"msg_{uuid.uuid4().hex}"  # one per call: a retry is a new message
+    return {
+        "Content-Type": "application/json",
+        "Accept": ACCEPT,
+        "Idempotency-Key": str(ctx.task_id),
+        **ctx.trace_headers(),
+        **signing.headers(endpoint.secrets, message_id, int(time.time()), body),
+    }
+
+
+async def call(
+    session: aiohttp.ClientSession, endpoint: Endpoint, ctx: Context, payload: Any
+) -> Any:
+    """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
+    failure that comes once the task's deadline has passed (the agent may stop at the
+    ``deadline_at`` it was sent, just before the broker does) is the deadline's: the task
+    ends ``expired``."""
+    try:
+        return await _call(session, endpoint, ctx, payload)
+    except AgentFailure as exc:
+        left = ctx.time_left_s()
+        if left is not None and left <= 0:
+            raise CallTimedOut(f"the deadline passed during the call ({exc.code})") from None
+        raise
+
+
+async def _call(
+    session: aiohttp.ClientSession, endpoint: Endpoint, ctx: Context, payload: Any
+) -> Any:
+    body = request_body(ctx, payload)
+    headers = request_headers(endpoint, ctx, body)
+    try:
+        response = await asyncio.wait_for(
+            session.post(endpoint.url, data=body, headers=headers, allow_redirects=False),
+            endpoint.first_byte_timeout_s,
+        )
+    except TimeoutError:
+        raise Retryable(
+            f"no answer within {endpoint.first_byte_timeout_s:g}s", code="agent_timeout"
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise Retryable(f"{type(exc).__name__}: {exc}", code="agent_unreachable") from None
+    async with response:
+        if response.status != 200:
+            await _refuse(response)
+        kind = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind == "text/event-stream":
+            return await _streamed(response, ctx)
+        if kind != "application/json":
+            raise AgentFailure(f"the agent answered {kind or 'no type'}", code="agent_protocol")
+        try:
+            answer = json.loads(await _read_all(response))
+        except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+            raise Retryable(f"the answer broke off: {exc}", code="agent_unreachable") from None
+        except ValueError as exc:
+            raise AgentFailure(
+                f"the agent's JSON is invalid: {exc}", code="agent_protocol"
+            ) from None
+        return _outcome(answer, streamed=False)
+
+
+async def _refuse(response: aiohttp.ClientResponse) -> None:
+    """Raise for an answer other than 200: retried for 408, 429 and 5xx only."""
+    detail = (await response.content.read(2048)).decode("utf-8", "replace").strip()
+    message = f"the agent answered {response.status}" + (f": {detail}" if detail else "")
+    if response.status in RETRIED_STATUSES:
+        delay = _retry_after(response.headers.get("Retry-After"))
+        raise Retryable(message, code=f"agent_http_{response.status}", delay_s=delay)
+    raise AgentFailure(message, code=f"agent_http_{response.status}")
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
+
+
+async def _read_all(response: aiohttp.ClientResponse) -> bytes:
+    data = await response.content.read(MAX_ANSWER_BYTES + 1)
+    if len(data) > MAX_ANSWER_BYTES:
+        raise AgentFailure("the agent's answer is too large", code="agent_protocol")
+    return data
+
+
+def _outcome(answer: Any, *, streamed: bool) -> Any:
+    """The result of a ``{"result"}`` answer; raises for an ``{"error"}`` one."""
+    if isinstance(answer, dict) and "error" in answer:
+        error = answer["error"] if isinstance(answer["error"], dict) else {}
+        code = str(error.get("code") or "agent_error")[:64]
+        message = str(error.get("message") or "the agent failed")[:2000]
+        if error.get("retryable") is True and not streamed:
+            raise Retryable(message, code=code)
+        raise AgentFailure(message, code=code)
+    if isinstance(answer, dict) and "result" in answer:
+        return answer["result"]
+    raise AgentFailure("the agent answered neither a result nor an error", code="agent_protocol")
+
+
+async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
+    """Read the agent's events: progress and output become the task's, the last one ends it."""
+    streamed = False
+    try:
+        async for event, data in _events(response):
+            if event == "progress" and isinstance(data, dict):
+                percent = data.get("percent")
+                if isinstance(percent, int | float) and not isinstance(percent, bool):
+                    message = data.get("message")
+                    await ctx.progress_async(
+                        float(min(100.0, max(0.0, percent))),
+                        str(message)[:1000] if message is not None else None,
+                    )
+            elif event == "output":
+                await ctx.emit_async(data)
+                streamed = True
+            elif event == "result":
+                return _outcome({"result": data}, streamed=streamed)
+            elif event == "error":
+                return _outcome({"error": data}, streamed=streamed)
+    except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+        if streamed:
+            raise AgentFailure(f"the stream broke off: {exc}", code="agent_stream_broken") from None
+        raise Retryable(f"the stream broke off: {exc}", code="agent_unreachable") from None
+    if streamed:
+        raise AgentFailure("the stream ended without a result", code="agent_stream_broken")
+    raise Retryable("the stream ended without a result", code="agent_unreachable")
+
+
+async def _events(response: aiohttp.ClientResponse) -> Any:
+    """``(event, data)`` for each event of a text/event-stream body; data parsed as JSON."""
+    event, size = "message", 0
+    data: list[str] = []
+    while True:
+        line = await response.content.readline()
+        if not line:
+            return
+        size += len(line)
+        if size > MAX_ANSWER_BYTES:
+            raise AgentFailure("an event of the agent's stream is too large", code="agent_protocol")
+        text = line.decode("utf-8", "replace").rstrip("\r\n")
+        if not text:
+            if data:
+                try:
+                    yield event, json.loads("\n".join(data))
+                except ValueError:
+                    raise AgentFailure(
+                        f"the agent's {event} event holds no JSON", code="agent_protocol"
+                    ) from None
+            event, data, size = "message", [], 0
+            continue
+        if text.startswith(":"):
+            continue
+        field, _, value = text.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            event = value
+        elif field == "data":
+            data.append(value)

@@ -1,0 +1,199 @@
+"""The bridge's keeper: registrations, health checks, leases and queues of remote agents.
+
+Every ``remote_health_interval_s`` a thread of its own (never the task path):
+
+- reads the registrations, so a new agent is served and a removed one dropped without a
+  restart;
+- checks each agent's health (``GET <origin>/healthz``) on a small pool of its own, each check
+  bounded by ``remote_health_timeout_s``. In the seeds' bug 5.1, slow pings took the worker's
+  threads and real calls timed out at random; here no check ever runs on a task's thread;
+- dampens what it saw (``broker.remote.health``), and while the agent counts as up renews its
+  lease and consumes its queues; once it does not, gives up both, so routing answers 503
+  ``no_agent_available`` at once and queued tasks wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis
+from celery import bootsteps
+
+from broker.db.engines import sync_engine
+from broker.registry import leases
+from broker.registry.model import OFFLINE, READY, Lease, now_s
+from broker.remote.health import Dampening, Health
+from broker.remote.registration import HTTP, RemoteAgent, load_all, remote_instance
+from broker.settings import Settings
+from broker.webhooks.ssrf import Guard, HostUnresolved, UrlNotAllowed
+from workers.bridge.registry import RemoteRegistry
+
+log = logging.getLogger("reach.bridge")
+
+
+@dataclass
+class Watched:
+    agent: RemoteAgent
+    health: Health = field(default_factory=Health)
+    state: str = ""  # last recorded for the read side
+
+
+def health_url(endpoint_url: str) -> str:
+    """``<origin>/healthz``: a path of its own, never the business path."""
+    url = httpx.URL(endpoint_url)
+    return str(url.copy_with(path="/healthz", query=None, fragment=None))
+
+
+class RemoteKeeper:
+    def __init__(self, consumer: Any, settings: Settings, registry: RemoteRegistry) -> None:
+        self.consumer = consumer
+        self.settings = settings
+        self.registry = registry
+        self.engine = sync_engine(settings, pool_size=1, max_overflow=1)
+        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        self.guard = Guard(allow=settings.agent_networks)
+        self.policy = Dampening(
+            fail_after=settings.remote_fail_after,
+            recover_passes=settings.remote_recover_passes,
+            recover_after_s=settings.remote_recover_after_s,
+        )
+        self.checks = ThreadPoolExecutor(
+            settings.remote_health_threads, thread_name_prefix="reach-health"
+        )
+        self.http = httpx.Client(
+            timeout=settings.remote_health_timeout_s, follow_redirects=False, trust_env=False
+        )
+        self.watched: dict[str, Watched] = {}
+        self.consumed: set[str] = set()
+        self.started_at = now_s()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reach-bridge", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.checks.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # survivable: the next tick reads everything again
+                log.exception("bridge tick failed")
+            self._stop.wait(self.settings.remote_health_interval_s)
+
+    def tick(self) -> None:
+        agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol == HTTP}
+        for agent_id in set(self.watched) - set(agents):
+            self._drop(agent_id)
+        for agent_id, agent in agents.items():
+            watched = self.watched.get(agent_id)
+            if watched is None or watched.agent != agent:
+                self.registry.serve(agent)
+                health = watched.health if watched is not None else Health()
+                self.watched[agent_id] = Watched(agent, health)
+                log.info("serving remote agent %s %s at %s", agent_id, agent.version, agent.url)
+        outcomes = {
+            agent_id: self.checks.submit(self._healthy, w.agent)
+            for agent_id, w in self.watched.items()
+        }
+        now = time.monotonic()
+        for agent_id, future in outcomes.items():
+            try:
+                passed = future.result(timeout=self.settings.remote_health_timeout_s + 1)
+            except (FutureTimeout, Exception):
+                passed = False
+            watched = self.watched[agent_id]
+            before = watched.health.state
+            state = watched.health.observe(passed, now, self.policy)
+            if state != before:
+                log.info("remote agent %s: %s -> %s", agent_id, before, state)
+            self._hold(watched)
+        self._consume({q for w in self.watched.values() if w.health.routed for q in _queues(w)})
+
+    def _healthy(self, agent: RemoteAgent) -> bool:
+        url = health_url(agent.url)
+        try:
+            self.guard.check(url)
+            return self.http.get(url).status_code == 200
+        except (UrlNotAllowed, HostUnresolved, httpx.HTTPError):
+            return False
+
+    def _lease(self, watched: Watched) -> Lease:
+        return Lease(
+            instance=remote_instance(watched.agent.agent_id),
+            state=READY,
+            heartbeat_at=now_s(),
+            started_at=self.started_at,
+            lease_ttl_s=self.settings.remote_lease_ttl_s,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            cards=tuple(card.ref() for card in watched.agent.cards),
+        )
+
+    def _hold(self, watched: Watched) -> None:
+        """Renew the agent's lease while it counts as up; give it up once it does not."""
+        lease = self._lease(watched)
+        state = watched.health.state if watched.health.routed else OFFLINE
+        if watched.health.routed:
+            leases.renew(self.redis, lease)
+        elif watched.state != OFFLINE:
+            leases.release(self.redis, lease)
+        if state != watched.state or watched.health.routed:
+            leases.record_instance(self.engine, lease, state)
+            watched.state = state
+
+    def _drop(self, agent_id: str) -> None:
+        watched = self.watched.pop(agent_id)
+        self.registry.forget(agent_id)
+        lease = self._lease(watched)
+        leases.release(self.redis, lease)
+        leases.record_instance(self.engine, lease, OFFLINE)
+        log.info("remote agent %s deregistered", agent_id)
+
+    def _consume(self, wanted: set[str]) -> None:
+        """Consume exactly the queues of the agents that count as up. The consumer's queues
+        are not thread-safe: the changes run on its own loop."""
+        for queue in wanted - self.consumed:
+            self.consumer.call_soon(self.consumer.add_task_queue, queue)
+        for queue in self.consumed - wanted:
+            self.consumer.call_soon(self.consumer.cancel_task_queue, queue)
+        self.consumed = set(wanted)
+
+
+def _queues(watched: Watched) -> list[str]:
+    return [q for card in watched.agent.cards for q in (card.capability, card.ref().queue())]
+
+
+def bridge_step(settings: Settings, registry: RemoteRegistry) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep running the keeper for as long as the consumer runs."""
+
+    class BridgeStep(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, consumer: Any, **kwargs: Any) -> None:
+            super().__init__(consumer, **kwargs)
+            self.keeper: RemoteKeeper | None = None
+
+        def start(self, consumer: Any) -> None:
+            if self.keeper is None:
+                self.keeper = RemoteKeeper(consumer, settings, registry)
+                consumer.app.reach_bridge_keeper = self.keeper
+                self.keeper.start()
+
+        def shutdown(self, consumer: Any) -> None:
+            if self.keeper is not None:
+                self.keeper.stop()
+
+    return BridgeStep
