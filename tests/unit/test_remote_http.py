@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import pytest
 
 from broker.errors import AgentFailure, Retryable
+from broker.webhooks.ssrf import Guard
 from workers.bridge.http_agent import RETRIED_STATUSES, _outcome
 from workers.bridge.keeper import health_url
+from workers.bridge.registry import GuardedResolver
 
 
 def test_a_result_answer_gives_its_result_even_when_null() -> None:
@@ -46,3 +51,16 @@ def test_retried_statuses_are_408_429_and_5xx_only() -> None:
 def test_the_health_check_is_the_origins_healthz_never_the_business_path() -> None:
     assert health_url("http://10.0.0.7:9000/run?x=1") == "http://10.0.0.7:9000/healthz"
     assert health_url("https://agent.example/api/v1/run") == "https://agent.example/healthz"
+
+
+def test_a_host_name_resolves_only_to_addresses_agents_may_reach() -> None:
+    async def resolve(allow: list[str]) -> list[str]:
+        resolver = GuardedResolver(Guard(allow=allow))
+        try:
+            return [r["host"] for r in await resolver.resolve("localhost", 80, socket.AF_INET)]
+        finally:
+            await resolver.close()
+
+    assert asyncio.run(resolve(["127.0.0.0/8"])) == ["127.0.0.1"]
+    with pytest.raises(OSError, match="may not reach"):
+        asyncio.run(resolve([]))  # loopback is refused unless listed

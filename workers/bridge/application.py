@@ -5,6 +5,7 @@ from __future__ import annotations
 from celery import Celery
 
 from broker.settings import Settings
+from broker.webhooks.ssrf import Guard
 from workers.application import create_celery_app
 from workers.bridge.keeper import bridge_step
 from workers.bridge.registry import RemoteRegistry
@@ -13,7 +14,10 @@ BRIDGE_QUEUE = "reach.bridge"  # consumed so the worker starts with a queue of i
 
 
 def create_bridge_app(settings: Settings) -> Celery:
-    registry = RemoteRegistry(first_byte_timeout_s=settings.remote_first_byte_timeout_s)
+    registry = RemoteRegistry(
+        Guard(allow=settings.agent_networks),
+        first_byte_timeout_s=settings.remote_first_byte_timeout_s,
+    )
     app = create_celery_app(settings, registry)
     app.conf.task_default_queue = BRIDGE_QUEUE
     app.steps["consumer"].add(bridge_step(settings, registry))

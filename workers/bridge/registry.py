@@ -4,14 +4,18 @@ registrations change. Its handlers call the agent (``http_agent.call``)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import ThreadedResolver
 
 from broker.registry.model import capability_of
 from broker.remote.registration import RemoteAgent
+from broker.webhooks.ssrf import Guard
 from workers.bridge import http_agent
 from workers.sdk.agent import AgentRegistry, CapabilitySpec, Handler
 from workers.sdk.context import Context
@@ -19,18 +23,45 @@ from workers.sdk.context import Context
 CONNECT_TIMEOUT_S = 5.0
 
 
+class GuardedResolver(AbstractResolver):
+    """Host names resolve only to addresses agents may reach (``REACH_AGENT_NETWORKS`` and
+    public ones), checked on the connection's own lookup: a name that resolved to an allowed
+    address when it was registered cannot be pointed at another one later (DNS rebinding).
+    Addresses written in the URL were checked at registration and are checked again by each
+    health check."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self._resolver = ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._resolver.resolve(host, port, family)
+        allowed = [r for r in found if self.guard.address_allowed(r["host"])]
+        if not allowed:
+            raise OSError(f"{host} resolves only to addresses agents may not reach")
+        return allowed
+
+    async def close(self) -> None:
+        await self._resolver.close()
+
+
 class Sessions:
     """One aiohttp session per event loop (the process has one): no limit on connections,
     the worker's concurrency is the limit. aiohttp, not httpx: see ``docs/performance.md``."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
 
     def get(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         session = self._sessions.get(loop)
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
+            connector = aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=60, resolver=GuardedResolver(self.guard)
+            )
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
             session = self._sessions[loop] = aiohttp.ClientSession(
                 connector=connector, timeout=timeout, auto_decompress=True
@@ -42,10 +73,10 @@ class RemoteRegistry(AgentRegistry):
     """Specs by card queue (``capability@agent@version``), and by capability for tasks sent
     to the capability's own queue."""
 
-    def __init__(self, first_byte_timeout_s: float = 30.0) -> None:
+    def __init__(self, guard: Guard, first_byte_timeout_s: float = 30.0) -> None:
         super().__init__()
         self.first_byte_timeout_s = first_byte_timeout_s
-        self.sessions = Sessions()
+        self.sessions = Sessions(guard)
         self._lock = threading.Lock()
         self._agents: dict[str, tuple[RemoteAgent, list[CapabilitySpec]]] = {}
 
