@@ -32,6 +32,7 @@ from workers.sdk.context import Context
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 MAX_ANSWER_BYTES = 16 * 2**20  # a JSON answer, or one SSE event
 ACCEPT = "text/event-stream, application/json"
+DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,14 @@ async def call(
     session: aiohttp.ClientSession, endpoint: Endpoint, ctx: Context, payload: Any
 ) -> Any:
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
-    failure that comes once the task's deadline has passed (the agent may stop at the
-    ``deadline_at`` it was sent, just before the broker does) is the deadline's: the task
-    ends ``expired``."""
+    failure at the task's deadline is the deadline's, and the task ends ``expired``: the
+    agent may stop at the ``deadline_at`` it was sent a moment before the broker would (its
+    clock reads milliseconds), and say so with ``deadline_exceeded``."""
     try:
         return await _call(session, endpoint, ctx, payload)
     except AgentFailure as exc:
         left = ctx.time_left_s()
-        if left is not None and left <= 0:
+        if left is not None and (left <= DEADLINE_SLACK_S or exc.code == "deadline_exceeded"):
             raise CallTimedOut(f"the deadline passed during the call ({exc.code})") from None
         raise
 
