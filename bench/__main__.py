@@ -26,7 +26,7 @@ import celery
 import psycopg
 import redis
 
-from bench import baseline, machine, model, reach, report
+from bench import baseline, machine, model, reach, remote, report
 from bench.environment import Stores, fresh_stores
 from bench.plan import Plan, from_args
 from bench.processes import ROOT, Children
@@ -139,6 +139,8 @@ def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
         result["reach"] = reach.measure(stores, children, plan, progress, meter)
         wait_quiet("model")
         result["model"] = model.measure(stores, children, plan, progress, meter)
+        wait_quiet("remote")
+        result["remote"] = remote.measure(stores, children, plan, progress, meter)
     result["foreign_cores"] = meter.foreign
     result["ratios"] = report.ratios(result)
     result["targets"] = report.targets(result)
@@ -178,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(result))
     print(f"\nModel latency: {plan.model_tasks} tasks, each one call answered after 500 ms")
     print(report.model_table(result))
+    print(
+        f"\nRemote agent: {plan.remote_tasks} calls to an HTTP agent answering after"
+        f" {remote.REMOTE_DELAY_S * 1000:.0f} ms, {plan.remote_slots} at once"
+    )
+    print(report.remote_table(result))
     print("\nTargets:")
     print(report.target_lines(result))
     print(f"\nCores kept busy by other processes, per phase (of {meta['cpus']}):")

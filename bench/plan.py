@@ -24,6 +24,10 @@ class Plan:
     model_tasks: int  # model-latency phase: tasks, each one call to the loopback model
     model_round_trips: int  # ... calls one at a time, for the latency each system adds
     model_slots: tuple[int, int, int]  # ... calls at once: A-threads, A-gevent, Agent-Reach
+    remote_tasks: int  # remote-agent phase: calls to the loopback HTTP agent
+    remote_round_trips: int  # ... calls one at a time, for the latency the bridge adds
+    remote_slots: int  # ... calls at once, direct and through the bridge
+    remote_hold_s: float  # ... each call of the holding figure (slots calls open at once)
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,6 +51,10 @@ def full(tasks: int = 2000, concurrency: int = 2) -> Plan:
         model_tasks=2000,
         model_round_trips=30,
         model_slots=(200, 500, 500),
+        remote_tasks=2000,
+        remote_round_trips=30,
+        remote_slots=1000,
+        remote_hold_s=10.0,
     )
 
 
@@ -67,6 +75,10 @@ def quick(tasks: int = 20, concurrency: int = 2) -> Plan:
         model_tasks=20,
         model_round_trips=3,
         model_slots=(10, 20, 20),
+        remote_tasks=20,
+        remote_round_trips=3,
+        remote_slots=20,
+        remote_hold_s=1.0,
     )
 
 

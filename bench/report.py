@@ -9,6 +9,8 @@ from typing import Any
 RSS_LIMIT_MB = 300
 MODEL_RSS_LIMIT_MB = 250
 MODEL_ADDED_P50_LIMIT_MS = 10.0
+REMOTE_ADDED_P50_LIMIT_MS = 5.0
+REMOTE_THROUGHPUT_RATIO = 0.9
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,65 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 True,
             )
         )
+    if "remote" in result:
+        checks += remote_targets(result["remote"], target)
     return checks
+
+
+def remote_targets(r: dict[str, Any], target: Any) -> list[dict[str, Any]]:
+    bridge, direct = r["bridge"], r["direct"]
+    return [
+        target(
+            f"remote agent: throughput >= {REMOTE_THROUGHPUT_RATIO}x direct calls",
+            _ratio(bridge["tasks_per_s"], direct["tasks_per_s"]),
+            REMOTE_THROUGHPUT_RATIO,
+            True,
+        ),
+        target(
+            f"remote agent: added latency p50 <= {REMOTE_ADDED_P50_LIMIT_MS:.0f} ms",
+            bridge["added_latency"]["p50_ms"],
+            REMOTE_ADDED_P50_LIMIT_MS,
+            False,
+        ),
+        target(
+            f"remote agent: one bridge process holds {bridge['slots']} calls in flight",
+            bridge["held"]["in_flight_max"],
+            bridge["slots"],
+            True,
+        ),
+    ]
+
+
+def remote_table(result: dict[str, Any]) -> str:
+    """The remote-agent phase: the agent called through the bridge against directly."""
+    r = result["remote"]
+    direct, bridge = r["direct"], r["bridge"]
+    lines = [
+        ["figure", "unit", "direct (aiohttp)", f"bridge -c {bridge['slots']}", "bridge / direct"]
+    ]
+    for name, unit, value in (
+        ("throughput", "calls/s", lambda s: s["tasks_per_s"]),
+        ("added latency p50", "ms", lambda s: s["added_latency"]["p50_ms"]),
+        ("added latency p99", "ms", lambda s: s["added_latency"]["p99_ms"]),
+        ("calls in flight at most", "", lambda s: s["in_flight_max"]),
+    ):
+        ratio = _ratio(value(bridge), value(direct))
+        shown = f"{ratio:.2f}x" if ratio is not None else "—"
+        lines.append([name, unit, _cell(value(direct)), _cell(value(bridge)), shown])
+    held = bridge["held"]
+    lines.append(
+        [
+            f"calls held at once ({held['call_s']:.0f} s each)",
+            "",
+            "—",
+            _cell(held["in_flight_max"]),
+            "—",
+        ]
+    )
+    lines.append(["bridge RSS holding them", "MB", "—", _cell(held["bridge_rss_peak_mb"]), "—"])
+    lines.append(["bridge RSS at the peak", "MB", "—", _cell(bridge["bridge_rss_peak_mb"]), "—"])
+    lines.append(["bridge CPU per call", "ms", "—", _cell(bridge["bridge_cpu_ms_per_task"]), "—"])
+    return _markdown(lines)
 
 
 def model_targets(m: dict[str, Any], target: Any) -> list[dict[str, Any]]:

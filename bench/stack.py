@@ -37,9 +37,16 @@ class Stack:
     def key(self, tenant: str) -> str:
         """A new API key (allowed everything) for a tenant of its own, one per figure, so each
         figure counts only its own tasks."""
+        return self._create_key(tenant, is_admin=False)
+
+    def operator_key(self, tenant: str) -> str:
+        """A new operator key: registering remote agents is theirs."""
+        return self._create_key(tenant, is_admin=True)
+
+    def _create_key(self, tenant: str, *, is_admin: bool) -> str:
         engine = sync_engine(Settings(database_url=self.stores.database_url), pool_size=1)
         try:
-            return key_store.create_key(engine, tenant, ["*"])[1]
+            return key_store.create_key(engine, tenant, ["*"], is_admin=is_admin)[1]
         finally:
             engine.dispose()
 

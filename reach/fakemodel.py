@@ -4,8 +4,12 @@
 It answers the OpenAI-compatible ``POST /v1/chat/completions`` after ``--delay`` seconds:
 a JSON completion, or with ``"stream": true`` the same text as server-sent chunks spread over
 the delay, ending with ``data: [DONE]``. The reply repeats the last user message's words.
-``GET /healthz`` answers at once. Plain asyncio, HTTP/1.1 with keep-alive, no dependencies:
-thousands of calls may wait at once.
+It is also a remote agent of the ``http`` protocol (``POST /run``): after the same delay (or
+the payload's ``delay_s``, at most 60) it answers ``{"result": {"payload": <the payload>}}``.
+``GET /healthz`` answers at once; ``GET /stats`` tells the calls, the most in flight at
+once, and when the first call came and the last answer went (``POST /stats/reset`` starts
+them again). Plain asyncio, HTTP/1.1 with keep-alive, no dependencies: thousands of calls
+may wait at once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import time
 from typing import Any
 
 MAX_BODY = 1 << 20
@@ -42,6 +47,22 @@ class FakeModel:
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
         self.calls = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.runs, self.in_flight, self.in_flight_max = 0, 0, 0
+        self.first_at: float | None = None
+        self.last_done_at: float | None = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "runs": self.runs,
+            "in_flight": self.in_flight,
+            "in_flight_max": self.in_flight_max,
+            "first_at": self.first_at,
+            "last_done_at": self.last_done_at,
+        }
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -69,10 +90,36 @@ class FakeModel:
         elif method == "POST" and path == "/v1/chat/completions":
             self.calls += 1
             await self._complete(json.loads(body or b"{}"), writer)
+        elif method == "POST" and path == "/run":
+            await self._run(json.loads(body or b"{}"), writer)
+        elif method == "GET" and path == "/stats":
+            answer = json.dumps(self.stats()).encode()
+            writer.write(_head("200 OK", "application/json", len(answer)) + answer)
+        elif method == "POST" and path == "/stats/reset":
+            self.reset()
+            writer.write(_head("200 OK", "text/plain", 2) + b"ok")
         else:
             writer.write(_head("404 Not Found", "text/plain", 9) + b"not found")
         await writer.drain()
         return headers.get("connection", "").lower() != "close"
+
+    async def _run(self, call: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """One call of the ``http`` remote-agent protocol, answered as JSON after the delay."""
+        self.runs += 1
+        self.in_flight += 1
+        self.in_flight_max = max(self.in_flight_max, self.in_flight)
+        if self.first_at is None:
+            self.first_at = time.time()
+        payload = call.get("payload")
+        asked = payload.get("delay_s") if isinstance(payload, dict) else None
+        delay_s = min(float(asked), 60.0) if isinstance(asked, int | float) else self.delay_s
+        try:
+            await asyncio.sleep(max(0.0, delay_s))
+        finally:
+            self.in_flight -= 1
+        answer = json.dumps({"result": {"payload": call.get("payload")}}).encode()
+        writer.write(_head("200 OK", "application/json", len(answer)) + answer)
+        self.last_done_at = time.time()
 
     async def _complete(self, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         words = reply_words(request)

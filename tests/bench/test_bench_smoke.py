@@ -108,6 +108,25 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
     assert positive(noop["tasks_per_s"])
 
 
+@pytest.mark.timeout(660)
+def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> None:
+    plan, remote = report["meta"]["plan"], report["remote"]
+    direct, bridge = remote["direct"], remote["bridge"]
+    assert direct["calls"] == bridge["succeeded"] == plan["remote_tasks"], remote
+    for figures in (direct, bridge):
+        assert positive(figures["tasks_per_s"])
+        assert 0 < figures["in_flight_max"] <= plan["remote_slots"]
+        assert_latency(figures["added_latency"], plan["remote_round_trips"], ("p50", "p99"))
+    assert bridge["slots"] == plan["remote_slots"]
+    held = bridge["held"]
+    assert held["statuses"] == {"succeeded": plan["remote_slots"]}
+    assert 0 < held["in_flight_max"] <= plan["remote_slots"]
+    assert positive(bridge["bridge_rss_peak_mb"])
+    assert positive(bridge["bridge_cpu_ms_per_task"])
+    named = [c["target"] for c in report["targets"] if c["target"].startswith("remote agent")]
+    assert len(named) == 3
+
+
 @pytest.mark.timeout(300)
 def test_the_latency_breakdown_runs_and_reports_every_part() -> None:
     done = subprocess.run(

@@ -1,0 +1,293 @@
+"""The remote-agent phase: an HTTP agent called through the bridge, against calling it directly.
+
+A loopback agent (``reach.fakemodel``'s ``POST /run``, the ``http`` protocol) answers each
+call after ``REMOTE_DELAY_S``. Two ways to make N calls to it, ``slots`` at a time:
+
+- **direct**: one aiohttp session on one event loop, ``slots`` calls in flight;
+- **Agent-Reach**: the agent registered (``PUT /agents/...``), N tasks queued through the API,
+  then one bridge worker process (``celery -A workers.bridge worker -P threads -c <slots>``)
+  calling it.
+
+Figures: calls (tasks) per second; the time each call adds to the agent's, one call at a
+time (the direct call's round trip, and the sync round trip, minus the delay); the most calls
+the agent saw in flight at once; the bridge's peak RSS and CPU per task. Then the holding
+figure: ``slots`` calls of ``remote_hold_s`` each (long enough for all of them to be open),
+submitted together, and the most the agent saw open at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from tempfile import mkdtemp
+from typing import Any
+
+import aiohttp
+import httpx
+
+from bench import loadgen, report
+from bench.environment import Stores, fresh_stores
+from bench.machine import Meter
+from bench.model import peak_rss
+from bench.plan import Plan, full, quick
+from bench.processes import BIN, Children, child_env, free_port, wait_until
+from bench.reach import wait_final
+from bench.stack import running_stack
+from bench.stats import latency_ms, rate
+
+REMOTE_DELAY_S = 0.2
+CAPABILITY = "bench.remote"
+AGENT_ID = "bench-remote"
+
+
+def measure(
+    stores: Stores, children: Children, plan: Plan, progress: Callable[[str], None], meter: Meter
+) -> dict[str, Any]:
+    port = free_port()
+    agent = children.start(
+        "remote-agent",
+        [
+            str(BIN / "python"),
+            "-m",
+            "reach.fakemodel",
+            f"--port={port}",
+            f"--delay={REMOTE_DELAY_S}",
+        ],
+        child_env(),
+    )
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _stats(base) is not None, timeout_s=30, what="the agent", child=agent)
+    figures: dict[str, Any] = {"delay_s": REMOTE_DELAY_S, "tasks": plan.remote_tasks}
+    try:
+        progress(f"remote agent, direct: {plan.remote_tasks} calls, {plan.remote_slots} at once")
+        with meter.phase("remote.direct"):
+            figures["direct"] = asyncio.run(direct(base, plan))
+        progress(f"remote agent, through the bridge -c {plan.remote_slots}")
+        with meter.phase("remote.bridge"):
+            figures["bridge"] = bridged(stores, children, plan, base)
+    finally:
+        children.stop(agent)
+    return figures
+
+
+def _stats(base: str) -> dict[str, Any] | None:
+    try:
+        answer = httpx.get(f"{base}/stats", timeout=1)
+        return answer.json() if answer.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def _reset(base: str) -> None:
+    httpx.post(f"{base}/stats/reset", timeout=5).raise_for_status()
+
+
+def _body(i: int) -> dict[str, Any]:
+    return {
+        "task_id": f"direct-{i}",
+        "capability": CAPABILITY,
+        "payload": {"i": i},
+        "attempt": 1,
+        "deadline_at": None,
+        "session": None,
+        "metadata": {},
+    }
+
+
+async def direct(base: str, plan: Plan) -> dict[str, Any]:
+    """The agent called straight from one event loop: the best a caller could do."""
+    _reset(base)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        url = f"{base}/run"
+
+        async def one(i: int) -> None:
+            async with session.post(url, json=_body(i)) as answer:
+                answer.raise_for_status()
+                await answer.read()
+
+        gate = asyncio.Semaphore(plan.remote_slots)
+
+        async def gated(i: int) -> None:
+            async with gate:
+                await one(i)
+
+        await asyncio.gather(*(one(-i - 1) for i in range(min(50, plan.remote_slots))))  # warm
+        _reset(base)
+        started = time.perf_counter()
+        await asyncio.gather(*(gated(i) for i in range(plan.remote_tasks)))
+        elapsed = time.perf_counter() - started
+        in_flight_max = (_stats(base) or {}).get("in_flight_max", 0)
+        samples = []
+        for i in range(plan.remote_round_trips):
+            sent = time.perf_counter()
+            await one(i)
+            samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
+    return {
+        "calls": plan.remote_tasks,
+        "elapsed_s": round(elapsed, 3),
+        "tasks_per_s": rate(plan.remote_tasks, elapsed),
+        "in_flight_max": in_flight_max,
+        "added_latency": latency_ms(samples, (50, 99)),
+    }
+
+
+def hold(stack: Any, base: str, plan: Plan, bridge: Any) -> dict[str, Any]:
+    """How many calls one bridge process holds open at once: ``slots`` tasks whose calls
+    take ``remote_hold_s`` each, submitted together; the most the agent saw in flight, and
+    the bridge's RSS meanwhile."""
+    _reset(base)
+    envelope = {"capability": CAPABILITY, "payload": {"delay_s": plan.remote_hold_s}}
+    with peak_rss(bridge) as peak:
+        submitted = asyncio.run(
+            loadgen.accept_rate(
+                stack.port,
+                stack.key("bench-remote-hold"),
+                envelope,
+                connections=64,
+                requests=plan.remote_slots,
+            )
+        )
+        counts = wait_final(stack.stores.libpq_url, "bench-remote-hold", submitted["accepted"])
+    return {
+        "calls": plan.remote_slots,
+        "call_s": plan.remote_hold_s,
+        "statuses": counts,
+        "in_flight_max": (_stats(base) or {}).get("in_flight_max", 0),
+        "bridge_rss_peak_mb": peak["mb"],
+    }
+
+
+def _bridge(children: Children, env: dict[str, str], slots: int, name: str) -> Any:
+    return children.start(
+        name,
+        [
+            str(BIN / "celery"),
+            "-A",
+            "workers.bridge",
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            str(slots),
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "WARNING",
+        ],
+        env,
+    )
+
+
+def bridged(stores: Stores, children: Children, plan: Plan, base: str) -> dict[str, Any]:
+    """The agent registered and served by one bridge process. The N tasks are queued while
+    no bridge runs (the agent's lease still holds), then a fresh bridge takes them: so the
+    figure is what one bridge process does with ``slots`` calls to make at once, not how
+    fast the API can feed it."""
+    with running_stack(stores, children, 1, queues="echo") as stack:
+        env = child_env(
+            REACH_DATABASE_URL=stores.database_url,
+            REACH_REDIS_URL=stores.redis_url,
+            REACH_REMOTE_HEALTH_INTERVAL_S="1",
+        )
+        ops = httpx.Client(
+            base_url=stack.url,
+            timeout=60,
+            headers={"Authorization": f"Bearer {stack.operator_key('bench-remote-ops')}"},
+        )
+        trips = httpx.Client(
+            base_url=stack.url,
+            timeout=60,
+            headers={"Authorization": f"Bearer {stack.key('bench-remote-trips')}"},
+        )
+        envelope = {"capability": CAPABILITY, "payload": {"i": 0}}
+
+        def sync_call() -> httpx.Response:
+            return trips.post("/tasks", json={**envelope, "reply_mode": "sync"})
+
+        registration = {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "http", "url": f"{base}/run"},
+            "capabilities": [{"capability": CAPABILITY, "timeout_s": 60, "idempotent": True}],
+        }
+        ops.put(f"/agents/{AGENT_ID}", json=registration).raise_for_status()
+        first = _bridge(children, env, plan.remote_slots, "bench-bridge-a")
+        wait_until(
+            lambda: sync_call().status_code == 200,
+            timeout_s=60,
+            what="the bridge to serve the agent",
+            child=first,
+        )
+        children.stop(first)
+        submitted = asyncio.run(
+            loadgen.accept_rate(
+                stack.port,
+                stack.key("bench-remote"),
+                envelope,
+                connections=64,
+                requests=plan.remote_tasks,
+            )
+        )
+        _reset(base)
+        bridge = _bridge(children, env, plan.remote_slots, "bench-bridge-b")
+        cpu_at_start = bridge.cpu_s()
+        with peak_rss(bridge) as peak:
+            counts = wait_final(stack.stores.libpq_url, "bench-remote", submitted["accepted"])
+            finished_at = time.time()
+        cpu_s = bridge.cpu_s() - cpu_at_start
+        stats = _stats(base) or {}
+        elapsed = finished_at - (stats.get("first_at") or finished_at)
+        samples = []
+        for _ in range(plan.remote_round_trips):
+            sent = time.perf_counter()
+            answer = sync_call()
+            if answer.status_code != 200:
+                raise RuntimeError(f"{CAPABILITY} answered {answer.status_code}: {answer.text}")
+            samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
+        held = hold(stack, base, plan, bridge)
+        ops.close()
+        trips.close()
+        children.stop(bridge)
+    done = counts.get("succeeded", 0)
+    return {
+        "slots": plan.remote_slots,
+        "statuses": counts,
+        "succeeded": done,
+        "elapsed_s": round(elapsed, 3),
+        "tasks_per_s": rate(done, elapsed),
+        "in_flight_max": stats.get("in_flight_max", 0),
+        "bridge_rss_peak_mb": peak["mb"],
+        "bridge_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
+        "added_latency": latency_ms(samples, (50, 99)),
+        "held": held,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.remote``: this phase alone, at the full run's size."""
+    parser = argparse.ArgumentParser(prog="python -m bench.remote", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the CI size")
+    args = parser.parse_args(argv)
+    plan = quick() if args.quick else full()
+    with fresh_stores() as stores, Children(Path(mkdtemp(prefix="bench-remote-"))) as children:
+        result = {"remote": measure(stores, children, plan, _progress, Meter())}
+    print(
+        f"Remote agent: {plan.remote_tasks} calls to an HTTP agent answering after"
+        f" {REMOTE_DELAY_S * 1000:.0f} ms, {plan.remote_slots} at once"
+    )
+    print(report.remote_table(result))
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
