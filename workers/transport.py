@@ -12,6 +12,8 @@ unacked hash entry, the same index score). So there is no moment at which a mess
 neither in its list nor in the unacked hash, where kombu's own pair of round trips has one.
 The prefetch limit still holds: a batch never takes more than the free slots.
 
+It also shares one client per connection pool where kombu made one per call (below).
+
 Used by the workers when the broker is Redis (``broker_transport``); the API only publishes.
 """
 
@@ -66,6 +68,21 @@ class QoS(kombu_redis.QoS):
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        """One client per connection pool, not one per call. kombu makes a new ``redis.Redis``
+        for every ack and unacked record, whose constructor copies redis-py's table of
+        response callbacks: in a threads worker that was a third of the main thread's time
+        (``docs/performance.md``). A client is safe to share between threads: each command
+        takes a connection from the pool."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]
+        pool = self.pool
+        cached = self.__dict__.get("_shared_client")
+        if cached is None or cached[0] is not pool:
+            client = super()._create_client()  # type: ignore[no-untyped-call]
+            cached = self.__dict__["_shared_client"] = (pool, client)
+        return cached[1]
 
     def _brpop_read(self, **options: Any) -> bool:
         try:

@@ -87,3 +87,26 @@ def test_with_room_for_all_every_message_comes_once_in_a_few_round_trips(own_red
     assert client.hlen("unacked") == 0
     # kombu alone sends one BRPOP a message: 200
     assert brpops(client) - before < 60
+
+
+def test_acks_share_one_client_instead_of_making_one_per_message(
+    own_redis: str, monkeypatch: Any
+) -> None:
+    """kombu builds a ``redis.Redis`` for each ack; its constructor was a third of a threads
+    worker's main thread. Here 100 acks make at most a couple of clients."""
+    publish(own_redis, 100)
+    made = []
+    original = redis.Redis.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    with consuming(own_redis, prefetch=100) as (channel, received):
+        assert len(received) == 100
+        monkeypatch.setattr(redis.Redis, "__init__", counting)
+        for message in received:
+            message.ack()
+        monkeypatch.undo()
+        assert not redis.Redis.from_url(own_redis).hlen(channel.qos.unacked_key)
+    assert len(made) <= 2, len(made)
