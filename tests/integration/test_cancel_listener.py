@@ -50,6 +50,29 @@ def never_asked() -> bool:
     raise AssertionError("the cancel flag was read although the subscription was up")
 
 
+def run_in_thread(calls: Calls, task_id: uuid.UUID, timeout_s: float) -> tuple[Any, dict[str, Any]]:
+    """A call claimed now, run in a thread of its own as a task's would; ``outcome`` gets
+    the ``CallCancelled`` it ends with."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            calls.run(
+                task_id,
+                sleeper(),
+                timeout_s=timeout_s,
+                claimed_at=time.monotonic(),
+                cancelled=never_asked,
+            )
+        except CallCancelled as exc:
+            outcome["raised"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(lambda: calls.in_flight == 1, "the call to start")
+    return thread, outcome
+
+
 def test_a_cancel_heard_before_the_call_starts_cancels_it_without_a_query(
     calls: Calls, client: redis.Redis
 ) -> None:
@@ -66,19 +89,7 @@ def test_a_cancel_published_while_the_call_runs_cancels_it(
     calls: Calls, client: redis.Redis
 ) -> None:
     task_id = uuid.uuid4()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            calls.run(
-                task_id, sleeper(), timeout_s=20, claimed_at=time.monotonic(), cancelled=never_asked
-            )
-        except CallCancelled as exc:
-            outcome["raised"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: calls.in_flight == 1, "the call to start")
+    thread, outcome = run_in_thread(calls, task_id, timeout_s=20)
     client.publish(CANCELS_CHANNEL, str(task_id))
     thread.join(10)
     assert isinstance(outcome.get("raised"), CallCancelled)
@@ -105,19 +116,7 @@ def test_a_new_subscription_finds_the_cancels_it_could_not_hear(
     flag is set (as the API sets it), and the next subscription reads the flags of the calls
     in flight."""
     task_id = uuid.uuid4()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            calls.run(
-                task_id, sleeper(), timeout_s=30, claimed_at=time.monotonic(), cancelled=never_asked
-            )
-        except CallCancelled as exc:
-            outcome["raised"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    wait_for(lambda: calls.in_flight == 1, "the call to start")
+    thread, outcome = run_in_thread(calls, task_id, timeout_s=30)
     first = calls._listening_since
     client.set(flag_key(task_id), "1", ex=60)
     try:
