@@ -15,18 +15,14 @@ from broker import jsonbody
 from broker.errors import Forbidden, NotFound
 from broker.registry import cards, views
 from broker.registry.model import card_queue, drain_key, lease_key, live_key
-from broker.remote import registration
+from broker.remote import a2a_card, registration
 from broker.tenancy.keys import Principal
-from broker.webhooks.ssrf import Guard, HostUnresolved, UrlNotAllowed
+from broker.webhooks.ssrf import Guard
 
 router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
 DRAIN_FLAG_TTL_S = 24 * 3600
 REGISTRATION_MAX_BYTES = 512 * 1024
-
-
-class EndpointNotAllowed(registration.RegistrationInvalid):
-    code = "endpoint_not_allowed"
 
 
 @router.get("/agents", responses=ERROR_RESPONSES)
@@ -78,28 +74,26 @@ async def drain_instance(
     },
 )
 async def register_agent(agent_id: str, request: Request, caller: Caller) -> JSONResponse:
-    """Register (201) or update (200) an agent the broker reaches over the network. The first
-    answer carries ``secret``, once: the broker signs every call to the agent with it
-    (Standard Webhooks headers). Admin only."""
+    """Register (201) or update (200) an agent the broker reaches over the network: an
+    ``http`` agent with the capabilities it lists, an ``a2a`` agent by its card's URL, each
+    skill as ``<capability_prefix>.<skill id>``. The first answer carries ``secret``, once:
+    the broker signs every call to the agent with it (Standard Webhooks headers). Admin
+    only."""
     if not caller.is_admin:
         raise Forbidden("registering agents needs an admin key", code="admin_required")
     state = services(request)
     raw = await read_json_body(request, REGISTRATION_MAX_BYTES)
     given = registration.parse(agent_id, jsonbody.parse(raw, max_depth=32))
-    if given.endpoint.protocol != registration.HTTP:
-        raise registration.RegistrationInvalid(
-            "this broker reaches agents over the http protocol; a2a is not served yet"
-        )
-    documents = registration.documents(
-        registration.cards_of(agent_id, given), given.endpoint.protocol
-    )
     guard = Guard(allow=state.settings.agent_networks)
-    try:
-        await anyio.to_thread.run_sync(guard.check, given.endpoint.url)
-    except (UrlNotAllowed, HostUnresolved) as exc:
-        raise EndpointNotAllowed(
-            f"{exc}; REACH_AGENT_NETWORKS lists the networks agents may use"
-        ) from None
+    if given.endpoint.protocol == registration.A2A:
+        card = await a2a_card.read(
+            given.endpoint.url, guard, timeout_s=state.settings.remote_health_timeout_s
+        )
+        documents = a2a_card.documents(agent_id, given, card)
+    else:
+        cards = registration.cards_of(agent_id, given)
+        documents = registration.documents(cards, given.endpoint.protocol)
+        await registration.check_endpoint(guard, given.endpoint.url)
     registered = await registration.register(state.engine, agent_id, given, documents)
     return JSONResponse(registered.view(), status_code=201 if registered.created else 200)
 

@@ -9,8 +9,10 @@ any other agent, once a bridge holds its lease.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jsonschema.exceptions import SchemaError
@@ -24,7 +26,7 @@ from broker.errors import InvalidEnvelope
 from broker.registry import leases
 from broker.registry.model import Card
 from broker.webhooks import signing
-from broker.webhooks.ssrf import URL_MAX
+from broker.webhooks.ssrf import URL_MAX, Guard, HostUnresolved, UrlNotAllowed
 
 HTTP, A2A = "http", "a2a"
 AGENT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
@@ -39,6 +41,10 @@ def remote_instance(agent_id: str) -> str:
 
 class RegistrationInvalid(InvalidEnvelope):
     code = "registration_invalid"
+
+
+class EndpointNotAllowed(RegistrationInvalid):
+    code = "endpoint_not_allowed"
 
 
 class EndpointIn(BaseModel):
@@ -83,6 +89,8 @@ class Registration(BaseModel):
             raise ValueError("an http agent lists the capabilities it serves")
         if self.endpoint.protocol == A2A and not self.capability_prefix:
             raise ValueError("an a2a agent needs a capability_prefix for its skills")
+        if self.endpoint.protocol == A2A and self.capabilities:
+            raise ValueError("an a2a agent's capabilities are the skills on its card")
         names = [c.capability for c in self.capabilities or []]
         if len(set(names)) != len(names):
             raise ValueError("a capability is listed twice")
@@ -133,6 +141,17 @@ def cards_of(agent_id: str, registration: Registration) -> list[Card]:
         except ValueError as exc:  # the name, a limit
             raise RegistrationInvalid(f"{c.capability}: {exc}") from None
     return cards
+
+
+async def check_endpoint(guard: Guard, url: str) -> None:
+    """EndpointNotAllowed unless ``url`` is one the broker may call (the guard's lookup runs
+    in a thread)."""
+    try:
+        await asyncio.to_thread(guard.check, url)
+    except (UrlNotAllowed, HostUnresolved) as exc:
+        raise EndpointNotAllowed(
+            f"{exc}; REACH_AGENT_NETWORKS lists the networks agents may use"
+        ) from None
 
 
 def documents(cards: list[Card], protocol: str) -> list[dict[str, Any]]:
@@ -236,6 +255,7 @@ class RemoteAgent:
     capability_prefix: str | None
     cards: tuple[Card, ...]
     secret: str
+    skills: Mapping[str, str] = field(default_factory=dict)  # a2a: capability -> skill id
 
 
 def load_all(engine: Engine) -> list[RemoteAgent]:
@@ -251,6 +271,11 @@ def load_all(engine: Engine) -> list[RemoteAgent]:
             capability_prefix=r.capability_prefix,
             cards=tuple(card_from_document(d) for d in r.cards),
             secret=r.secret,
+            skills={
+                d["capability"]: d["endpoint"]["skill"]
+                for d in r.cards
+                if "skill" in (d.get("endpoint") or {})
+            },
         )
         for r in rows
     ]

@@ -26,19 +26,12 @@ from broker.tenancy import key_store
 from tests.eventually import eventually
 from tests.integration.conftest import client_for
 from tests.integration.receiver import Receiver, Reply, always
+from tests.integration.remote import FAST, start_bridge, wait_routed
 from tests.integration.stack import ROOT, CeleryProcess, ServedApp, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
 
 NODE_AGENT = ROOT / "examples" / "agents" / "node" / "agent.js"
-# The bridge's clocks, shortened so that the dampening shows within seconds.
-FAST = {
-    "REACH_REMOTE_HEALTH_INTERVAL_S": "0.2",
-    "REACH_REMOTE_HEALTH_TIMEOUT_S": "1",
-    "REACH_REMOTE_RECOVER_AFTER_S": "1",
-    "REACH_REMOTE_LEASE_TTL_S": "3",
-    "REACH_REMOTE_FIRST_BYTE_TIMEOUT_S": "5",
-}
 UPPER_SCHEMA = {
     "type": "object",
     "properties": {"text": {"type": "string"}},
@@ -106,11 +99,7 @@ class NodeAgent:
 def bridge(
     settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
 ) -> Iterator[CeleryProcess]:
-    args = ["worker", "-P", "threads", "-c", "50", "-n", "bridge@%h", "-l", "INFO"]
-    args += ["--without-gossip", "--without-mingle"]
-    process = CeleryProcess(
-        args, settings, log_dir / "bridge.log", FAST, app="workers.bridge"
-    ).start(" ready.")
+    process = start_bridge(settings, log_dir / "bridge.log")
     yield process
     process.stop()
 
@@ -128,18 +117,6 @@ def caller(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
     _, token = key_store.create_key(engine, f"t-{uuid.uuid4().hex[:8]}", ["*"])
     with client_for(api, token) as http:
         yield http
-
-
-def wait_routed(ops: httpx.Client, agent_id: str, timeout_s: float = 30) -> None:
-    """Until the bridge holds the agent's lease and routing may pick it."""
-
-    def states() -> list[str]:
-        answer = ops.get(f"/agents/{agent_id}")
-        if answer.status_code != 200:
-            return []
-        return [i.get("state") for i in answer.json().get("instances", [])]
-
-    eventually(states, f"{agent_id} to be ready", timeout_s, 0.1, lambda s: "ready" in s)
 
 
 @pytest.fixture(scope="module")

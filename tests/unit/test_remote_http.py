@@ -8,10 +8,10 @@ import socket
 import pytest
 
 from broker.errors import AgentFailure, Retryable
+from broker.remote.connections import GuardedResolver
 from broker.webhooks.ssrf import Guard
 from workers.bridge.http_agent import RETRIED_STATUSES, _outcome
 from workers.bridge.keeper import health_url
-from workers.bridge.registry import GuardedResolver
 
 
 def test_a_result_answer_gives_its_result_even_when_null() -> None:

@@ -17,6 +17,7 @@ def create_bridge_app(settings: Settings) -> Celery:
     registry = RemoteRegistry(
         Guard(allow=settings.agent_networks),
         first_byte_timeout_s=settings.remote_first_byte_timeout_s,
+        card_timeout_s=settings.remote_health_timeout_s,
     )
     app = create_celery_app(settings, registry)
     app.conf.task_default_queue = BRIDGE_QUEUE

@@ -4,9 +4,11 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
 
 - reads the registrations, so a new agent is served and a removed one dropped without a
   restart;
-- checks each agent's health (``GET <origin>/healthz``) on a small pool of its own, each check
-  bounded by ``remote_health_timeout_s``. In the seeds' bug 5.1, slow pings took the worker's
-  threads and real calls timed out at random; here no check ever runs on a task's thread;
+- checks each agent's health on a small pool of its own, each check bounded by
+  ``remote_health_timeout_s``: ``GET <origin>/healthz`` for an ``http`` agent, its card (200,
+  and a card the bridge can call) for an ``a2a`` one. In the seeds' bug 5.1, slow pings took
+  the worker's threads and real calls timed out at random; here no check ever runs on a
+  task's thread;
 - dampens what it saw (``broker.remote.health``), and while the agent counts as up renews its
   lease and consumes its queues; once it does not, gives up both, so routing answers 503
   ``no_agent_available`` at once and queued tasks wait for it.
@@ -31,8 +33,9 @@ from celery import bootsteps
 from broker.db.engines import sync_engine
 from broker.registry import leases
 from broker.registry.model import OFFLINE, READY, Lease, now_s
+from broker.remote import a2a_card
 from broker.remote.health import Dampening, Health
-from broker.remote.registration import HTTP, RemoteAgent, load_all, remote_instance
+from broker.remote.registration import A2A, HTTP, RemoteAgent, load_all, remote_instance
 from broker.settings import Settings
 from broker.webhooks.ssrf import Guard, HostUnresolved, UrlNotAllowed
 from workers.bridge.registry import RemoteRegistry
@@ -94,7 +97,7 @@ class RemoteKeeper:
             self._stop.wait(self.settings.remote_health_interval_s)
 
     def tick(self) -> None:
-        agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol == HTTP}
+        agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol in (HTTP, A2A)}
         for agent_id in set(self.watched) - set(agents):
             self._drop(agent_id)
         for agent_id, agent in agents.items():
@@ -123,11 +126,16 @@ class RemoteKeeper:
         self._consume({q for w in self.watched.values() if w.health.routed for q in _queues(w)})
 
     def _healthy(self, agent: RemoteAgent) -> bool:
-        url = health_url(agent.url)
+        url = agent.url if agent.protocol == A2A else health_url(agent.url)
         try:
             self.guard.check(url)
-            return self.http.get(url).status_code == 200
-        except (UrlNotAllowed, HostUnresolved, httpx.HTTPError):
+            answer = self.http.get(url)
+            if answer.status_code != 200:
+                return False
+            if agent.protocol == A2A:
+                a2a_card.parse(answer.content)
+            return True
+        except (UrlNotAllowed, HostUnresolved, httpx.HTTPError, a2a_card.CardUnavailable):
             return False
 
     def _lease(self, watched: Watched) -> Lease:

@@ -1,50 +1,23 @@
 """The capabilities a bridge serves: one spec per remote agent's card, replaced as the
-registrations change. Its handlers call the agent (``http_agent.call``)."""
+registrations change. Its handlers call the agent with its protocol (``http_agent.call``,
+``a2a_agent.call``)."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import ThreadedResolver
 
 from broker.registry.model import capability_of
-from broker.remote.registration import RemoteAgent
+from broker.remote.connections import AiohttpTransport, guarded_session
+from broker.remote.registration import A2A, RemoteAgent
 from broker.webhooks.ssrf import Guard
-from workers.bridge import http_agent
+from workers.bridge import a2a_agent, http_agent
 from workers.sdk.agent import AgentRegistry, CapabilitySpec, Handler
 from workers.sdk.context import Context
-
-CONNECT_TIMEOUT_S = 5.0
-
-
-class GuardedResolver(AbstractResolver):
-    """Host names resolve only to addresses agents may reach (``REACH_AGENT_NETWORKS`` and
-    public ones), checked on the connection's own lookup: a name that resolved to an allowed
-    address when it was registered cannot be pointed at another one later (DNS rebinding).
-    Addresses written in the URL were checked at registration and are checked again by each
-    health check."""
-
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
-        self._resolver = ThreadedResolver()
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        found = await self._resolver.resolve(host, port, family)
-        allowed = [r for r in found if self.guard.address_allowed(r["host"])]
-        if not allowed:
-            raise OSError(f"{host} resolves only to addresses agents may not reach")
-        return allowed
-
-    async def close(self) -> None:
-        await self._resolver.close()
 
 
 class Sessions:
@@ -59,13 +32,7 @@ class Sessions:
         loop = asyncio.get_running_loop()
         session = self._sessions.get(loop)
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(
-                limit=0, ttl_dns_cache=60, resolver=GuardedResolver(self.guard)
-            )
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-            session = self._sessions[loop] = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=True
-            )
+            session = self._sessions[loop] = guarded_session(self.guard)
         return session
 
 
@@ -73,19 +40,36 @@ class RemoteRegistry(AgentRegistry):
     """Specs by card queue (``capability@agent@version``), and by capability for tasks sent
     to the capability's own queue."""
 
-    def __init__(self, guard: Guard, first_byte_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, guard: Guard, first_byte_timeout_s: float = 30.0, card_timeout_s: float = 5.0
+    ) -> None:
         super().__init__()
         self.first_byte_timeout_s = first_byte_timeout_s
+        self.card_timeout_s = card_timeout_s
         self.sessions = Sessions(guard)
+        # The a2a-sdk speaks httpx: its requests go out on the same sessions.
+        self.transport = AiohttpTransport(self.sessions.get)
         self._lock = threading.Lock()
         self._agents: dict[str, tuple[RemoteAgent, list[CapabilitySpec]]] = {}
 
     def serve(self, agent: RemoteAgent) -> list[CapabilitySpec]:
         """Serve the agent as registered now (replacing what it was); its specs."""
-        endpoint = http_agent.Endpoint(
-            agent.url, (agent.secret,), first_byte_timeout_s=self.first_byte_timeout_s
-        )
-        specs = [CapabilitySpec(card, self._handler(endpoint)) for card in agent.cards]
+        if agent.protocol == A2A:
+            remote = a2a_agent.Agent(
+                agent.url,
+                (agent.secret,),
+                first_byte_timeout_s=self.first_byte_timeout_s,
+                card_timeout_s=self.card_timeout_s,
+            )
+            specs = [
+                CapabilitySpec(card, self._a2a_handler(remote, agent.skills[card.capability]))
+                for card in agent.cards
+            ]
+        else:
+            endpoint = http_agent.Endpoint(
+                agent.url, (agent.secret,), first_byte_timeout_s=self.first_byte_timeout_s
+            )
+            specs = [CapabilitySpec(card, self._handler(endpoint)) for card in agent.cards]
         with self._lock:
             self._agents[agent.agent_id] = (agent, specs)
         return specs
@@ -105,6 +89,14 @@ class RemoteRegistry(AgentRegistry):
             return await http_agent.call(sessions.get(), endpoint, ctx, payload)
 
         return call_remote
+
+    def _a2a_handler(self, remote: a2a_agent.Agent, skill: str) -> Handler:
+        transport = self.transport
+
+        async def call_a2a(ctx: Context, payload: Any) -> Any:
+            return await a2a_agent.call(remote, transport, skill, ctx, payload)
+
+        return call_a2a
 
     def for_queue(self, queue: str) -> CapabilitySpec | None:
         specs = self._specs_now()

@@ -1,0 +1,120 @@
+"""How the broker connects to remote agents: only to addresses agents may reach
+(``REACH_AGENT_NETWORKS`` and public ones), decided on each connection's own lookup.
+
+GuardedResolver   aiohttp's resolver, filtered through the SSRF guard
+guarded_session   an aiohttp session using it, with no limit on connections
+AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
+                  (the a2a-sdk's): hundreds of calls in flight are aiohttp's strength, not
+                  httpx's pool (``docs/performance.md``)
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import httpx
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import ThreadedResolver
+
+from broker.webhooks.ssrf import Guard
+
+CONNECT_TIMEOUT_S = 5.0
+# Set by the session itself, or meaningless once the request is aiohttp's.
+_NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding"})
+# aiohttp decompresses the body; httpx must not try again, nor trust the encoded length.
+_NOT_RETURNED = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+class GuardedResolver(AbstractResolver):
+    """Host names resolve only to addresses agents may reach, checked on the connection's own
+    lookup: a name that resolved to an allowed address when it was registered cannot be
+    pointed at another one later (DNS rebinding). Addresses written in the URL were checked at
+    registration and are checked again by each health check."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self._resolver = ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._resolver.resolve(host, port, family)
+        allowed = [r for r in found if self.guard.address_allowed(r["host"])]
+        if not allowed:
+            raise OSError(f"{host} resolves only to addresses agents may not reach")
+        return allowed
+
+    async def close(self) -> None:
+        await self._resolver.close()
+
+
+def guarded_session(guard: Guard) -> aiohttp.ClientSession:
+    """A session for calling agents, on the running loop: no limit on connections (the
+    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, resolver=GuardedResolver(guard))
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """httpx requests sent with an aiohttp session (``session()`` gives the running loop's).
+    Redirects are never followed; aiohttp's failures become httpx's, so a client written for
+    httpx tells a failed connection from a slow answer as it would with httpx's own pool."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession]) -> None:
+        self.session = session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        limits = request.extensions.get("timeout") or {}
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=limits.get("connect") or CONNECT_TIMEOUT_S,
+            sock_read=limits.get("read"),
+        )
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED]
+        try:
+            answer = await self.session().request(
+                request.method,
+                str(request.url),
+                headers=headers,
+                data=await request.aread(),
+                allow_redirects=False,
+                timeout=timeout,
+            )
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or "connect timeout", request=request) from exc
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "read timeout", request=request) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        except aiohttp.ClientError as exc:
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=request) from exc
+        returned = [
+            (k, v)
+            for k, v in answer.raw_headers
+            if k.decode("latin-1").lower() not in _NOT_RETURNED
+        ]
+        return httpx.Response(
+            answer.status, headers=returned, stream=_Body(answer, request), request=request
+        )
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, answer: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._answer = answer
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._answer.content.iter_any():
+                yield chunk
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "read timeout", request=self._request) from exc
+        except aiohttp.ClientError as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            raise httpx.ReadError(message, request=self._request) from exc
+
+    async def aclose(self) -> None:
+        self._answer.release()  # back to the pool when read to the end, else closed

@@ -1,0 +1,40 @@
+"""What the remote-agent tests share: a bridge worker with its clocks shortened, and a wait
+for an agent to be routed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from broker.settings import Settings
+from tests.eventually import eventually
+from tests.integration.stack import CeleryProcess
+
+# The bridge's clocks, shortened so that the dampening shows within seconds.
+FAST = {
+    "REACH_REMOTE_HEALTH_INTERVAL_S": "0.2",
+    "REACH_REMOTE_HEALTH_TIMEOUT_S": "1",
+    "REACH_REMOTE_RECOVER_AFTER_S": "1",
+    "REACH_REMOTE_LEASE_TTL_S": "3",
+    "REACH_REMOTE_FIRST_BYTE_TIMEOUT_S": "5",
+}
+
+
+def start_bridge(settings: Settings, log_path: Path) -> CeleryProcess:
+    """``celery -A workers.bridge worker -P threads``, with the ``FAST`` clocks."""
+    args = ["worker", "-P", "threads", "-c", "50", "-n", "bridge@%h", "-l", "INFO"]
+    args += ["--without-gossip", "--without-mingle"]
+    return CeleryProcess(args, settings, log_path, FAST, app="workers.bridge").start(" ready.")
+
+
+def wait_routed(ops: httpx.Client, agent_id: str, timeout_s: float = 30) -> None:
+    """Until the bridge holds the agent's lease and routing may pick it."""
+
+    def states() -> list[str]:
+        answer = ops.get(f"/agents/{agent_id}")
+        if answer.status_code != 200:
+            return []
+        return [i.get("state") for i in answer.json().get("instances", [])]
+
+    eventually(states, f"{agent_id} to be ready", timeout_s, 0.1, lambda s: "ready" in s)

@@ -1,0 +1,322 @@
+"""Remote agents over the ``a2a`` protocol, end to end: registered through the API by their
+card's URL, served by a real bridge worker (``celery -A workers.bridge``), called with the
+a2a-sdk client. The agent is the example A2A agent (``examples/agents/a2a/agent.py``, the
+a2a-sdk's server side) in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine
+
+from broker.settings import Settings
+from broker.tenancy import key_store
+from tests.eventually import eventually
+from tests.integration.conftest import client_for
+from tests.integration.remote import FAST, start_bridge, wait_routed
+from tests.integration.stack import ROOT, CeleryProcess, ServedApp, free_port, wait_for_task
+
+pytestmark = pytest.mark.timeout(120)
+
+A2A_AGENT = ROOT / "examples" / "agents" / "a2a" / "agent.py"
+SENTENCES = ["Queues decouple callers.", "Workers scale out!", "Results wait in Postgres?"]
+
+
+class A2AAgent:
+    """``python examples/agents/a2a/agent.py`` on a loopback port, stopped and started again
+    at will."""
+
+    def __init__(self, log_path: Path, *flags: str) -> None:
+        self.port, self.log_path, self.flags = free_port(), log_path, flags
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.card_url = f"{self.url}/.well-known/agent-card.json"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> A2AAgent:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(A2A_AGENT), "--port", str(self.port), *self.flags],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        eventually(self._answers, "the A2A agent to serve its card", 20)
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            return httpx.get(self.card_url, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stats(self) -> dict[str, Any]:
+        answer: dict[str, Any] = httpx.get(f"{self.url}/stats", timeout=5).json()
+        return answer
+
+
+def registration(card_url: str, prefix: str, **more: Any) -> dict[str, Any]:
+    return {
+        "version": "1.0.0",
+        "endpoint": {"protocol": "a2a", "url": card_url},
+        "capability_prefix": prefix,
+        **more,
+    }
+
+
+@pytest.fixture(scope="module")
+def bridge(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    process = start_bridge(settings, log_dir / "bridge-a2a.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def ops(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    """An operator's client: registering agents is theirs."""
+    _, token = key_store.create_key(engine, f"ops-{uuid.uuid4().hex[:8]}", ["*"], is_admin=True)
+    with client_for(api, token) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def caller(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    _, token = key_store.create_key(engine, f"t-{uuid.uuid4().hex[:8]}", ["*"])
+    with client_for(api, token) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def agent(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[A2AAgent]:
+    """The example agent, registered as ``a2a-travel`` with the prefix ``travel``."""
+    served = A2AAgent(log_dir / "a2a-agent.log").start()
+    answer = ops.put("/agents/a2a-travel", json=registration(served.card_url, "travel"))
+    assert answer.status_code == 201, answer.text
+    wait_routed(ops, "a2a-travel")
+    yield served
+    served.stop()
+    ops.delete("/agents/a2a-travel")
+
+
+def submit(caller: httpx.Client, skill: str, payload: Any, **envelope: Any) -> httpx.Response:
+    body = {"capability": f"travel.{skill}", "payload": payload, **envelope}
+    return caller.post("/tasks", json=body)
+
+
+def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:
+    """The task's events, read from its stream to the end."""
+    found = []
+    with caller.stream("GET", f"/tasks/{task_id}/events", timeout=30) as stream:
+        event = None
+        for line in stream.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and event is not None:
+                found.append((event, json.loads(line.split(":", 1)[1])["data"]))
+    return found
+
+
+def test_each_skill_becomes_a_capability_under_the_prefix_with_its_description(
+    ops: httpx.Client, agent: A2AAgent
+) -> None:
+    listed = [c["capability"] for c in ops.get("/capabilities").json()["capabilities"]]
+    assert {"travel.summarize", "travel.echo"} <= set(listed)
+    shown = ops.get("/agents/a2a-travel").json()
+    cards = {c["capability"]: c for c in shown["cards"]}
+    assert set(cards) == {"travel.summarize", "travel.echo"}
+    assert cards["travel.summarize"]["description"] == "Streams a text back one sentence at a time."
+    assert cards["travel.summarize"]["display_name"] == "Summarize"
+    assert cards["travel.echo"]["description"] == "Answers with the data it was sent."
+    assert cards["travel.echo"]["endpoint"] == {"protocol": "a2a", "skill": "echo"}
+    assert cards["travel.summarize"]["streaming"] is True
+    again = ops.put("/agents/a2a-travel", json=registration(agent.card_url, "travel"))
+    assert again.status_code == 200, again.text
+    assert again.json()["endpoint"] == {"protocol": "a2a", "url": agent.card_url}
+    assert again.json()["capability_prefix"] == "travel"
+
+
+def test_echo_answers_with_the_payload_as_a_data_artifact(
+    caller: httpx.Client, agent: A2AAgent
+) -> None:
+    payload = {"city": "Lisbon", "nights": 3, "price": 99.5, "tags": ["sea", None, True]}
+    answer = submit(caller, "echo", payload, reply_mode="sync")
+    assert answer.status_code == 200, answer.text
+    result = answer.json()["result"]
+    assert [a["parts"] for a in result["artifacts"]] == [[{"data": payload}]]
+    assert result["text"] == ""
+
+
+def test_summarize_streams_one_output_per_sentence_then_the_artifacts_as_result(
+    caller: httpx.Client, agent: A2AAgent
+) -> None:
+    with caller.stream(
+        "POST",
+        "/tasks",
+        json={
+            "capability": "travel.summarize",
+            "payload": {"text": " ".join(SENTENCES)},
+            "reply_mode": "stream",
+        },
+    ) as stream:
+        assert stream.status_code == 200
+        task_id = stream.headers["location"].rsplit("/", 1)[-1]
+        body = "".join(stream.iter_text())
+    assert "event: succeeded" in body
+    events = events_of(caller, task_id)
+    outputs = [data for kind, data in events if kind == "output"]
+    assert [o["parts"] for o in outputs[:3]] == [[{"text": s}] for s in SENTENCES]
+    assert [o.get("append", False) for o in outputs[:3]] == [False, True, True]
+    assert outputs[3]["parts"] == [{"data": {"sentences": 3}}]
+    assert len(outputs) == 4
+    progress = [data["message"] for kind, data in events if kind == "progress"]
+    assert progress == ["summarizing 3 sentences"]
+    done = caller.get(f"/tasks/{task_id}").json()
+    assert done["result"]["text"] == "\n".join(SENTENCES)
+    artifacts = done["result"]["artifacts"]
+    assert [a["name"] for a in artifacts] == ["summary", "stats"]
+    assert artifacts[0]["parts"] == [{"text": s} for s in SENTENCES]
+
+
+def test_a_cancel_ends_the_task_cancelled_and_the_agent_hears_cancel_task(
+    caller: httpx.Client, agent: A2AAgent
+) -> None:
+    text = " ".join(f"Sentence {i}." for i in range(50))
+    task_id = submit(caller, "summarize", {"text": text, "delay_s": 0.3}).json()["task_id"]
+    eventually(
+        lambda: caller.get(f"/tasks/{task_id}").json().get("progress"),
+        "the agent to start working",
+        30,
+    )
+    assert caller.post(f"/tasks/{task_id}/cancel").status_code == 200
+    assert wait_for_task(caller, task_id, {"cancelled", "succeeded"})["status"] == "cancelled"
+    eventually(
+        lambda: task_id in [c["reach_task_id"] for c in agent.stats()["cancelled"]],
+        "the agent's executor to be cancelled",
+        10,
+    )
+
+
+def test_a_deadline_ends_the_task_expired_and_the_agent_hears_cancel_task(
+    caller: httpx.Client, agent: A2AAgent
+) -> None:
+    text = " ".join(f"Sentence {i}." for i in range(50))
+    payload = {"text": text, "delay_s": 0.3}
+    task_id = submit(caller, "summarize", payload, deadline_ms=1500).json()["task_id"]
+    done = wait_for_task(caller, task_id, {"succeeded", "failed", "expired"})
+    assert done["status"] == "expired", done
+    eventually(
+        lambda: task_id in [c["reach_task_id"] for c in agent.stats()["cancelled"]],
+        "the agent's executor to be cancelled",
+        10,
+    )
+
+
+def test_a_task_the_agent_fails_fails_at_once(caller: httpx.Client, agent: A2AAgent) -> None:
+    task_id = submit(caller, "echo", {"fail": "no rooms left"}).json()["task_id"]
+    done = wait_for_task(caller, task_id, {"succeeded", "failed"})
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "agent_task_failed"
+    assert done["error"]["message"] == "no rooms left"
+    assert done["attempts"] == 1
+
+
+def test_the_trace_the_session_and_the_task_reach_the_agent(
+    caller: httpx.Client, agent: A2AAgent
+) -> None:
+    trace_id = uuid.uuid4().hex
+    answer = caller.post(
+        "/tasks",
+        json={
+            "capability": "travel.echo",
+            "payload": {"x": 1},
+            "reply_mode": "sync",
+            "session_id": "trip-42",
+        },
+        headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"},
+    )
+    assert answer.status_code == 200, answer.text
+    seen = agent.stats()
+    assert seen["last_message"]["context_id"] == "trip-42"
+    assert seen["last_message"]["metadata"]["skill"] == "echo"
+    assert seen["last_message"]["metadata"]["reach"]["task_id"] == answer.json()["task_id"]
+    headers = seen["last_request"]["headers"]
+    assert headers["traceparent"].split("-")[1] == trace_id
+    assert headers["a2a-version"] == "1.0"
+    assert headers["webhook-signature"].startswith("v1,")
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (registration("http://127.0.0.1:{free}/.well-known/agent-card.json", "t"), "invalid"),
+        (registration("{agent}/stats", "t"), "invalid"),  # JSON, but not a card
+        (registration("{agent}/.well-known/agent-card.json", "reach"), "invalid"),
+        (registration("{card}", "t", capabilities=[{"capability": "t.x"}]), "invalid"),
+        (registration("http://169.254.169.254/.well-known/agent-card.json", "t"), "not_allowed"),
+    ],
+)
+def test_a_card_that_cannot_be_read_or_used_gets_422_and_writes_nothing(
+    ops: httpx.Client, agent: A2AAgent, body: dict[str, Any], code: str
+) -> None:
+    url = body["endpoint"]["url"].format(free=free_port(), agent=agent.url, card=agent.card_url)
+    answer = ops.put("/agents/a2a-bad", json={**body, "endpoint": {"protocol": "a2a", "url": url}})
+    assert answer.status_code == 422, answer.text
+    expected = {"invalid": "registration_invalid", "not_allowed": "endpoint_not_allowed"}
+    assert answer.json()["code"] == expected[code]
+    assert ops.get("/agents/a2a-bad").status_code == 404
+
+
+def test_an_agent_that_does_not_stream_is_polled_at_its_preferred_interface(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess, log_dir: Path
+) -> None:
+    plain = A2AAgent(log_dir / "a2a-plain.log", "--no-streaming", "--binding", "rest").start()
+    try:
+        answer = ops.put("/agents/a2a-plain", json=registration(plain.card_url, "plain"))
+        assert answer.status_code == 201, answer.text
+        wait_routed(ops, "a2a-plain")
+        done = caller.post(
+            "/tasks",
+            json={
+                "capability": "plain.summarize",
+                "payload": {"text": " ".join(SENTENCES)},
+                "reply_mode": "sync",
+            },
+        )
+        assert done.status_code == 200, done.text
+        assert done.json()["result"]["text"] == "\n".join(SENTENCES)
+        outputs = [k for k, _ in events_of(caller, done.json()["task_id"]) if k == "output"]
+        assert outputs == []
+        assert plain.stats()["last_request"]["path"].startswith("/a2a/rest/")
+    finally:
+        plain.stop()
+        ops.delete("/agents/a2a-plain")
+
+
+def test_a_killed_agent_is_refused_within_the_lease(caller: httpx.Client, agent: A2AAgent) -> None:
+    """Last in this module: it stops the shared agent."""
+    agent.stop()
+    started = time.monotonic()
+    refused = eventually(
+        lambda: submit(caller, "echo", {"anyone": "?"}),
+        "routing to refuse the dead agent",
+        30,
+        0.1,
+        lambda answer: answer.status_code == 503,
+    )
+    assert refused.json()["code"] == "no_agent_available"
+    assert time.monotonic() - started < float(FAST["REACH_REMOTE_LEASE_TTL_S"]) + 2

@@ -1,0 +1,258 @@
+"""The ``a2a`` protocol's rules that need no network: cards read into ours
+(``broker.remote.a2a_card``), A2A's messages as JSON (``broker.remote.a2a_json``), and which
+failures are retried (``workers.bridge.a2a_agent``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from a2a.client import A2AClientError, A2AClientTimeoutError
+from a2a.types import (
+    Artifact,
+    Message,
+    Part,
+    TaskArtifactUpdateEvent,
+    TaskStatus,
+)
+from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import ParseDict
+
+from broker.errors import AgentFailure, Retryable
+from broker.remote import a2a_card, a2a_json
+from broker.remote.registration import Registration, RegistrationInvalid
+from workers.bridge.a2a_agent import failure_of, message_of
+from workers.sdk.context import Context
+
+
+def card_json(**more: Any) -> dict[str, Any]:
+    return {
+        "name": "Travel",
+        "description": "Books trips.",
+        "version": "2.0.0",
+        "supportedInterfaces": [
+            {"url": "http://10.0.0.7/rpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
+        ],
+        "capabilities": {"streaming": True},
+        "skills": [
+            {"id": "find-flights", "name": "Find flights", "description": "Searches flights."},
+            {"id": "book", "name": "Book", "description": ""},
+        ],
+        **more,
+    }
+
+
+def registration(prefix: str = "travel") -> Registration:
+    return Registration.model_validate(
+        {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "a2a", "url": "http://10.0.0.7/card"},
+            "capability_prefix": prefix,
+        }
+    )
+
+
+def data(value: Any) -> Part:
+    return Part(data=ParseDict(value, struct_pb2.Value()))
+
+
+@pytest.mark.parametrize(
+    ("skill_id", "name"),
+    [
+        ("summarize", "travel.summarize"),
+        ("Find Flights", "travel.find-flights"),
+        ("hotels/book_room", "travel.hotels-book_room"),
+        ("flights.search", "travel.flights.search"),
+        ("--edge--", "travel.edge"),
+    ],
+)
+def test_a_skill_id_is_made_a_capability_name_under_the_prefix(skill_id: str, name: str) -> None:
+    assert a2a_card.capability_name("travel", skill_id) == name
+
+
+@pytest.mark.parametrize("skill_id", ["1st", "", "a..b", "pidbox", "***", "x" * 200])
+def test_a_skill_id_that_makes_no_valid_name_is_refused(skill_id: str) -> None:
+    with pytest.raises(RegistrationInvalid):
+        a2a_card.capability_name("travel", skill_id)
+
+
+def test_each_skill_of_the_card_becomes_a_card_of_ours() -> None:
+    card = a2a_card.parse(json.dumps(card_json()).encode())
+    documents = a2a_card.documents("travel-agent", registration(), card)
+    assert [d["capability"] for d in documents] == ["travel.find-flights", "travel.book"]
+    first, second = documents
+    assert first["description"] == "Searches flights."
+    assert first["display_name"] == "Find flights"
+    assert first["streaming"] is True
+    assert first["cancellable"] is True
+    assert first["version"] == "1.0.0"  # the registration's, not the card's
+    assert first["endpoint"] == {"protocol": "a2a", "skill": "find-flights"}
+    assert second["description"] == "Books trips."  # the card's, when the skill has none
+
+
+def test_skills_that_make_the_same_name_are_refused() -> None:
+    skills = [{"id": "Book", "name": "a"}, {"id": "book", "name": "b"}]
+    card = a2a_card.parse(json.dumps(card_json(skills=skills)).encode())
+    with pytest.raises(RegistrationInvalid, match="both"):
+        a2a_card.documents("travel-agent", registration(), card)
+
+
+@pytest.mark.parametrize("prefix", ["reach", "Travel", "celery.x"])
+def test_a_prefix_that_is_no_capability_name_is_refused(prefix: str) -> None:
+    card = a2a_card.parse(json.dumps(card_json()).encode())
+    with pytest.raises(RegistrationInvalid):
+        a2a_card.documents("travel-agent", registration(prefix), card)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[1, 2]",
+        json.dumps(card_json(skills="many")).encode(),
+        json.dumps(card_json(supportedInterfaces=[])).encode(),
+        json.dumps(
+            card_json(supportedInterfaces=[{"url": "x:1", "protocolBinding": "GRPC"}])
+        ).encode(),
+    ],
+)
+def test_what_is_not_a_card_the_bridge_can_call_is_unavailable(body: bytes) -> None:
+    with pytest.raises(a2a_card.CardUnavailable):
+        a2a_card.parse(body)
+
+
+def test_a_card_of_protocol_0_3_is_read_too() -> None:
+    legacy = {
+        "name": "Old",
+        "description": "",
+        "version": "1",
+        "url": "http://10.0.0.7/",
+        "preferredTransport": "JSONRPC",
+        "protocolVersion": "0.3.0",
+        "capabilities": {},
+        "skills": [{"id": "old", "name": "Old", "description": "d", "tags": []}],
+    }
+    card = a2a_card.parse(json.dumps(legacy).encode())
+    assert a2a_card.interface(card) is not None
+    assert card.capabilities.streaming is False
+
+
+def ctx(**more: Any) -> Context:
+    return Context(
+        task_id=uuid.uuid4(), capability="travel.book", trace_id="t" * 32, attempt=2, **more
+    )
+
+
+def test_a_text_only_payload_is_sent_as_a_text_part_anything_else_as_data() -> None:
+    as_text = message_of(ctx(session_id="trip-1"), "book", {"text": "to Lisbon"})
+    assert [p.WhichOneof("content") for p in as_text.parts] == ["text"]
+    assert as_text.parts[0].text == "to Lisbon"
+    assert as_text.context_id == "trip-1"
+    as_data = message_of(ctx(), "book", {"text": "to Lisbon", "nights": 3})
+    assert a2a_json.to_json(as_data.parts[0].data) == {"text": "to Lisbon", "nights": 3}
+    assert as_data.context_id == ""
+    metadata = a2a_json.to_json(as_data.metadata)
+    assert metadata["skill"] == "book"
+    assert metadata["reach"]["attempt"] == 2
+
+
+def test_whole_numbers_come_back_as_integers_and_others_unchanged() -> None:
+    value = {"n": 3, "big": 2**60, "f": 1.5, "list": [1, 2.0, None, True, "s"]}
+    back = a2a_json.to_json(ParseDict(value, struct_pb2.Value()))
+    assert back["n"] == 3 and isinstance(back["n"], int)
+    assert back["list"] == [1, 2, None, True, "s"]
+    assert back["f"] == 1.5
+    assert isinstance(back["big"], float)  # past 2**53 a double is not exact: left as it is
+
+
+def test_appended_chunks_build_one_artifact_and_the_text_joins_every_text_part() -> None:
+    artifacts = a2a_json.Artifacts()
+    for i, text in enumerate(["One.", "Two."]):
+        artifacts.apply(
+            TaskArtifactUpdateEvent(
+                artifact=Artifact(artifact_id="s", name="summary", parts=[Part(text=text)]),
+                append=i > 0,
+            )
+        )
+    artifacts.apply(TaskArtifactUpdateEvent(artifact=Artifact(artifact_id="d", parts=[data(1)])))
+    result = artifacts.result()
+    assert result["text"] == "One.\nTwo."
+    assert result["artifacts"] == [
+        {"artifact_id": "s", "name": "summary", "parts": [{"text": "One."}, {"text": "Two."}]},
+        {"artifact_id": "d", "parts": [{"data": 1}]},
+    ]
+    artifacts.apply(TaskArtifactUpdateEvent(artifact=Artifact(artifact_id="s", parts=[])))
+    assert artifacts.result()["artifacts"][0]["parts"] == []  # no append: replaced
+
+
+def test_an_update_is_output_with_its_chunk_and_flags() -> None:
+    update = TaskArtifactUpdateEvent(
+        artifact=Artifact(artifact_id="s", parts=[Part(url="http://x/f.pdf", filename="f.pdf")]),
+        append=True,
+        last_chunk=True,
+    )
+    assert a2a_json.update_output(update) == {
+        "artifact_id": "s",
+        "parts": [{"url": "http://x/f.pdf", "filename": "f.pdf"}],
+        "append": True,
+        "last_chunk": True,
+    }
+
+
+def test_a_message_answer_is_a_result_of_one_artifact() -> None:
+    message = Message(message_id="m1", parts=[Part(text="hi"), data({"a": 1})])
+    assert a2a_json.message_result(message) == {
+        "text": "hi",
+        "artifacts": [{"artifact_id": "m1", "parts": [{"text": "hi"}, {"data": {"a": 1}}]}],
+    }
+
+
+def test_a_percent_is_read_from_the_update_or_its_message_else_none() -> None:
+    status = TaskStatus(message=Message(metadata={"percent": 40}))
+    assert a2a_json.percent_of({"percent": 150}, status) == 100.0
+    assert a2a_json.percent_of({}, status) == 40.0
+    assert a2a_json.percent_of({"percent": True}, TaskStatus()) is None
+
+
+def _client_error(cause: Exception) -> A2AClientError:
+    try:
+        raise A2AClientError(str(cause)) from cause
+    except A2AClientError as exc:
+        return exc
+
+
+def test_connection_failures_and_timeouts_are_retried_only_before_any_output() -> None:
+    request = httpx.Request("POST", "http://agent/")
+    refused = _client_error(httpx.ConnectError("refused", request=request))
+    assert isinstance(failure_of(refused, streamed=False), Retryable)
+    assert failure_of(refused, streamed=False).code == "agent_unreachable"
+    after = failure_of(refused, streamed=True)
+    assert not isinstance(after, Retryable) and after.code == "agent_stream_broken"
+    assert isinstance(failure_of(A2AClientTimeoutError("slow"), streamed=False), Retryable)
+
+
+@pytest.mark.parametrize(("status", "retried"), [(503, True), (429, True), (400, False)])
+def test_http_statuses_are_retried_as_the_http_protocol_retries_them(
+    status: int, retried: bool
+) -> None:
+    request = httpx.Request("POST", "http://agent/")
+    response = httpx.Response(status, request=request)
+    error = _client_error(httpx.HTTPStatusError("x", request=request, response=response))
+    failure = failure_of(error, streamed=False)
+    assert isinstance(failure, Retryable) is retried
+    assert failure.code == f"agent_http_{status}"
+
+
+def test_errors_the_agent_answers_fail_at_once_with_their_reason() -> None:
+    for error, code in [
+        (InvalidParamsError("bad"), "a2a_invalid_params"),
+        (TaskNotFoundError(), "a2a_task_not_found"),
+    ]:
+        failure = failure_of(error, streamed=False)
+        assert type(failure) is AgentFailure
+        assert failure.code == code
+    assert failure_of(ValueError("odd"), streamed=False).code == "agent_protocol"

@@ -1,0 +1,326 @@
+"""The ``a2a`` protocol: how the bridge calls a remote A2A agent (protocol 1.0, ``a2a-sdk``).
+
+The agent's card is fetched at its first call, and again after a connection failure or a new
+registration. A task is one message to the card's first interface the bridge speaks: a text
+part when the payload is ``{"text": ...}`` alone, else a data part holding the payload;
+``metadata.skill`` names the skill, ``context_id`` is the task's session. An agent whose card
+says it streams gets ``SendStreamingMessage``: its status updates become the task's progress
+(``metadata.percent`` when the agent gives one, else the last percent, with the status
+message's text), its artifact updates the task's output. Any other gets ``SendMessage``
+returning at once, then ``GetTask`` until its task ends. The result is ``{"text",
+"artifacts"}``: the text parts of the task's final artifacts joined by newlines, and each
+artifact as JSON (``broker.remote.a2a_json``).
+
+What is retried follows the http protocol: a connection that fails, a first event not within
+``first_byte_timeout_s``, HTTP 408, 429 and 5xx; never once output was streamed. A task that
+ends failed, rejected or cancelled by the agent, or one that wants input, fails at once, as
+does any error the agent answers. A cancel or the deadline cancels this coroutine, which
+closes the call and sends the agent ``CancelTask`` for its task (best effort, shielded, within
+``CANCEL_TIMEOUT_S``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import httpx
+from a2a.client import A2AClientError, A2AClientTimeoutError, ClientCallContext, ClientConfig
+from a2a.client import Client as A2AClient
+from a2a.client.client_factory import ClientFactory
+from a2a.types import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+    StreamResponse,
+    Task,
+    TaskState,
+    TaskStatus,
+)
+from a2a.utils.errors import A2AError
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import ParseDict, ParseError
+
+from broker.errors import AgentFailure, Retryable
+from broker.remote import a2a_card, a2a_json
+from broker.remote.connections import AiohttpTransport
+from broker.webhooks import signing
+from workers.aio import CallTimedOut
+from workers.bridge.http_agent import DEADLINE_SLACK_S, RETRIED_STATUSES
+from workers.sdk.context import Context
+
+log = logging.getLogger("reach.bridge")
+
+CANCEL_TIMEOUT_S = 5.0
+POLL_FIRST_S, POLL_MAX_S = 0.2, 2.0
+_FAILED = {
+    TaskState.TASK_STATE_FAILED: "agent_task_failed",
+    TaskState.TASK_STATE_REJECTED: "agent_task_rejected",
+    TaskState.TASK_STATE_CANCELED: "agent_task_canceled",
+    TaskState.TASK_STATE_INPUT_REQUIRED: "agent_input_required",
+    TaskState.TASK_STATE_AUTH_REQUIRED: "agent_auth_required",
+}
+_INTERRUPTED = {TaskState.TASK_STATE_INPUT_REQUIRED, TaskState.TASK_STATE_AUTH_REQUIRED}
+
+
+@dataclass
+class Agent:
+    """One registration of an A2A agent as the bridge calls it: a new one when it changes, so
+    its card is read again then."""
+
+    card_url: str
+    secrets: tuple[str, ...]
+    first_byte_timeout_s: float = 30.0
+    card_timeout_s: float = 5.0
+    _client: tuple[A2AClient, bool] | None = field(default=None, repr=False)
+
+    async def client(self, transport: AiohttpTransport) -> tuple[A2AClient, bool]:
+        """The SDK's client for the card's interface, and whether the agent streams."""
+        if self._client is None:
+            session = transport.session()
+            card = await a2a_card.fetch(session, self.card_url, self.card_timeout_s)
+            http = httpx.AsyncClient(
+                transport=transport,
+                timeout=httpx.Timeout(None),  # the task's deadline bounds the call
+                follow_redirects=False,
+                trust_env=False,
+                event_hooks={"request": [self._sign]},
+            )
+            config = ClientConfig(
+                streaming=card.capabilities.streaming,
+                httpx_client=http,
+                supported_protocol_bindings=list(a2a_card.BINDINGS),
+            )
+            self._client = (ClientFactory(config).create(card), card.capabilities.streaming)
+        return self._client
+
+    def forget_card(self) -> None:
+        self._client = None
+
+    async def _sign(self, request: httpx.Request) -> None:
+        """Standard Webhooks headers, as on every call of the broker to an agent."""
+        message_id = f"msg_{uuid.uuid4().hex}"
+        body = request.content
+        request.headers.update(signing.headers(self.secrets, message_id, int(time.time()), body))
+
+
+def message_of(ctx: Context, skill: str, payload: Any) -> Message:
+    """The task as an A2A message."""
+    if (
+        isinstance(payload, dict)
+        and payload.keys() == {"text"}
+        and isinstance(payload["text"], str)
+    ):
+        part = Part(text=payload["text"])
+    else:
+        part = Part(data=ParseDict(payload, struct_pb2.Value()))
+    reach = {
+        "task_id": str(ctx.task_id),
+        "capability": ctx.capability,
+        "attempt": ctx.attempt,
+        "deadline_at": ctx.deadline_at.isoformat() if ctx.deadline_at else None,
+        "metadata": ctx.metadata,
+    }
+    return Message(
+        role=Role.ROLE_USER,
+        message_id=f"msg_{uuid.uuid4().hex}",  # one per call: a retry is a new message
+        context_id=ctx.session_id or "",
+        parts=[part],
+        metadata={"skill": skill, "reach": reach},
+    )
+
+
+async def call(
+    agent: Agent, transport: AiohttpTransport, skill: str, ctx: Context, payload: Any
+) -> Any:
+    """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
+    failure at the task's deadline is the deadline's: the task ends ``expired``."""
+    try:
+        return await _call(agent, transport, skill, ctx, payload)
+    except AgentFailure as exc:
+        left = ctx.time_left_s()
+        if left is not None and left <= DEADLINE_SLACK_S:
+            raise CallTimedOut(f"the deadline passed during the call ({exc.code})") from None
+        raise
+
+
+async def _call(
+    agent: Agent, transport: AiohttpTransport, skill: str, ctx: Context, payload: Any
+) -> Any:
+    try:
+        client, streams = await agent.client(transport)
+    except a2a_card.CardUnavailable as exc:
+        raise Retryable(exc.message, code="agent_unreachable") from None
+    run = _Run(client, ctx, ClientCallContext(service_parameters=ctx.trace_headers()))
+    request = SendMessageRequest(message=message_of(ctx, skill, payload))
+    try:
+        if streams:
+            return await run.streamed(request, agent.first_byte_timeout_s)
+        return await run.polled(request)
+    except asyncio.CancelledError:
+        await run.cancel_remote()
+        raise
+    except (A2AError, ParseError, ValueError) as exc:
+        failure = failure_of(exc, streamed=run.streamed_output)
+        if isinstance(failure, Retryable) or failure.code == "agent_stream_broken":
+            agent.forget_card()  # the agent may have moved: read its card again
+        raise failure from None
+
+
+@dataclass
+class _Done:
+    result: Any
+
+
+@dataclass
+class _Run:
+    """One call's state: the agent's task, its artifacts so far, what was reported."""
+
+    client: A2AClient
+    ctx: Context
+    call_ctx: ClientCallContext
+    task_id: str = ""
+    artifacts: a2a_json.Artifacts = field(default_factory=a2a_json.Artifacts)
+    streamed_output: bool = False
+    percent: float = 0.0
+    reported: tuple[float | None, str] | None = None  # the last status shown as progress
+
+    async def streamed(self, request: SendMessageRequest, first_byte_timeout_s: float) -> Any:
+        # An async generator, though typed as an iterator: closing it closes the call.
+        stream = cast(
+            AsyncGenerator[StreamResponse, None],
+            self.client.send_message(request, context=self.call_ctx),
+        )
+        async with aclosing(stream) as events:
+            try:
+                async with asyncio.timeout(first_byte_timeout_s):
+                    event = await anext(events, None)
+            except TimeoutError:
+                raise Retryable(
+                    f"no event within {first_byte_timeout_s:g}s", code="agent_timeout"
+                ) from None
+            while event is not None:
+                done = await self.take(event)
+                if done is not None:
+                    return done.result
+                event = await anext(events, None)
+        if not self.task_id:
+            raise self._broken("the stream ended before the agent named its task")
+        # The last state may have been written after the stream closed: read it.
+        return await self.polled_from(POLL_FIRST_S)
+
+    async def polled(self, request: SendMessageRequest) -> Any:
+        request.configuration.return_immediately = True
+        done = None
+        async for event in self.client.send_message(request, context=self.call_ctx):
+            done = await self.take(event)
+        if done is not None:
+            return done.result
+        if not self.task_id:
+            raise AgentFailure("the agent answered no task", code="agent_protocol")
+        return await self.polled_from(POLL_FIRST_S)
+
+    async def polled_from(self, wait_s: float) -> Any:
+        while True:
+            task = await self.client.get_task(
+                GetTaskRequest(id=self.task_id), context=self.call_ctx
+            )
+            done = await self.take(StreamResponse(task=task))
+            if done is not None:
+                return done.result
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, POLL_MAX_S)
+
+    async def take(self, event: StreamResponse) -> _Done | None:
+        """Apply one event of the agent's; the outcome once the task ended."""
+        if event.HasField("message"):
+            return _Done(a2a_json.message_result(event.message))
+        if event.HasField("task"):
+            task: Task = event.task
+            self.task_id = task.id
+            self.artifacts.replace_all(task.artifacts)
+            return await self.status(task.status, {})
+        if event.HasField("artifact_update"):
+            chunk = event.artifact_update
+            self.task_id = self.task_id or chunk.task_id
+            self.artifacts.apply(chunk)
+            await self.ctx.emit_async(a2a_json.update_output(chunk))
+            self.streamed_output = True
+            return None
+        if event.HasField("status_update"):
+            update = event.status_update
+            self.task_id = self.task_id or update.task_id
+            return await self.status(update.status, a2a_json.to_json(update.metadata))
+        return None
+
+    async def status(self, status: TaskStatus, metadata: Mapping[str, Any]) -> _Done | None:
+        text = a2a_json.text_of(status.message.parts) if status.HasField("message") else ""
+        if status.state == TaskState.TASK_STATE_COMPLETED:
+            return _Done(self.artifacts.result())
+        if status.state in _FAILED:
+            if status.state in _INTERRUPTED:
+                await self.cancel_remote()  # nobody here can give it input: free its slot
+            state = TaskState.Name(status.state).removeprefix("TASK_STATE_").lower()
+            raise AgentFailure(
+                text or f"the agent's task ended {state}", code=_FAILED[status.state]
+            )
+        percent = a2a_json.percent_of(metadata, status)
+        if (text or percent is not None) and (percent, text) != self.reported:
+            self.reported = (percent, text)  # a polled task shows the same status many times
+            self.percent = self.percent if percent is None else percent
+            await self.ctx.progress_async(self.percent, text[:1000] or None)
+        return None
+
+    async def cancel_remote(self) -> None:
+        """``CancelTask`` for the agent's task: best effort, bounded, and shielded from a
+        second cancel, so the agent hears it even while this call is being torn down."""
+        if not self.task_id:
+            return
+        cancelling = self.client.cancel_task(
+            CancelTaskRequest(id=self.task_id), context=self.call_ctx
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(cancelling), CANCEL_TIMEOUT_S)
+        except (A2AError, ParseError, ValueError, TimeoutError) as exc:
+            log.info("CancelTask for the agent's task %s failed: %r", self.task_id, exc)
+
+    def _broken(self, message: str) -> AgentFailure:
+        if self.streamed_output:
+            return AgentFailure(message, code="agent_stream_broken")
+        return Retryable(message, code="agent_unreachable")
+
+
+def failure_of(exc: Exception, *, streamed: bool) -> AgentFailure:
+    """The task's failure for an error of the SDK's: the network's are retried before any
+    output, the agent's answers never."""
+    if isinstance(exc, A2AClientTimeoutError):
+        return _transient(f"the agent did not answer in time: {exc}", "agent_timeout", streamed)
+    if isinstance(exc, A2AClientError):
+        cause = exc.__cause__
+        if isinstance(cause, httpx.HTTPStatusError):
+            status = cause.response.status_code
+            message = f"the agent answered {status}"
+            if status in RETRIED_STATUSES and not streamed:
+                return Retryable(message, code=f"agent_http_{status}")
+            return AgentFailure(message, code=f"agent_http_{status}")
+        if isinstance(cause, httpx.TransportError):
+            return _transient(f"{type(cause).__name__}: {cause}", "agent_unreachable", streamed)
+        return AgentFailure(str(exc)[:2000], code="agent_protocol")
+    if isinstance(exc, A2AError):
+        return AgentFailure(str(exc)[:2000], code=a2a_json.error_code(exc))
+    return AgentFailure(f"the agent's answer is not A2A: {exc}"[:2000], code="agent_protocol")
+
+
+def _transient(message: str, code: str, streamed: bool) -> AgentFailure:
+    if streamed:
+        return AgentFailure(message, code="agent_stream_broken")
+    return Retryable(message, code=code)
