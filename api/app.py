@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from api import errors, system_gauges
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
-from api.routes import agents, callbacks, health, metrics, tasks, webhooks
+from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
 from api.services import Services
 from broker.observability import logs, otel
 from broker.settings import Settings
@@ -60,6 +60,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(webhooks.router)
     app.include_router(callbacks.router)
+    app.include_router(sessions.router)
     return app
 
 

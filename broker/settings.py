@@ -113,6 +113,12 @@ class Settings(BaseSettings):
     # webhooks worker needs more processes than this (docker-compose runs 8).
     webhook_max_inflight_per_tenant: int = Field(4, gt=0)
 
+    # Sessions: the idle TTL a new one gets (every write extends it), its ceiling, and the
+    # most its state and metadata may hold together.
+    session_ttl_s: int = Field(24 * 3600, gt=0)
+    session_max_ttl_s: int = Field(30 * 24 * 3600, gt=0)
+    session_max_bytes: int = Field(256 * 1024, gt=0)
+
     # Remote agents (PUT /agents/{agent_id}). Their endpoints are registered by operators and
     # may be internal: the networks listed here may be reached, besides public addresses; the
     # rest of the SSRF deny table (link-local and cloud metadata, reserved ranges) stays shut.

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from broker.observability import logs
-from workers.sdk import Context, Retryable, agent
+from workers.sdk import AgentFailure, Context, Retryable, agent
 
 
 @agent.capability("test.boom", agent_id="test-boom", version="0.0.1")
@@ -217,8 +217,11 @@ async def async_stream(ctx: Context, payload: dict[str, Any]) -> AsyncIterator[d
 
 @agent.capability("test.sync-slow", agent_id="test-sync-slow", version="0.0.1")
 def sync_slow(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
-    """A sync handler that sleeps ``sleep_s`` without looking at its deadline."""
+    """A sync handler that sleeps ``sleep_s`` without looking at its deadline, then fails
+    with ``fail`` as its error code when that is given."""
     time.sleep(float(payload.get("sleep_s", 1)))
+    if payload.get("fail"):
+        raise AgentFailure("failed after its sleep", code=str(payload["fail"]))
     return {"slept_s": payload.get("sleep_s", 1)}
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from celery import Celery, signals
 from prometheus_client import multiprocess, start_http_server
 
+from broker import sessions
 from broker.observability import logs, metrics, otel
 from broker.outages import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
@@ -137,9 +138,13 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
 
     @app.task(name=PURGE_TASK)  # type: ignore[untyped-decorator]
     def purge_expired() -> int:
-        return execution.purge_expired(
+        removed = execution.purge_expired(
             runner.engine, batch=settings.janitor_batch, budget_s=settings.janitor_budget_s
         )
+        gone = sessions.purge_expired(runner.engine, batch=settings.janitor_batch)
+        if gone:
+            log.info("janitor removed %d expired sessions", gone)
+        return removed
 
     @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
     def reap_lost() -> dict[str, int]:

@@ -190,6 +190,11 @@ class Runner:
         outcome = self._call(spec, ctx, claimed.payload, claimed_at)
         if isinstance(outcome, Succeeded):
             return self.finish(Finish.succeeded(tid, outcome.result))
+        if not outcome.expired and ctx.time_left_s() == 0 and outcome.error["code"] != "cancelled":
+            # A failure that comes once the deadline has passed is the deadline's, as a late
+            # result is: the agent was cut short (a remote one may stop at the deadline it was
+            # sent, a moment before the broker does).
+            outcome = Failed(timed_out(outcome.error), expired=True)
         if outcome.expired:
             return self.finish(Finish.expired(tid, outcome.error))
         decision = retry.decide(
@@ -345,6 +350,10 @@ class Runner:
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")
         return result
+
+
+def timed_out(cause: dict[str, Any]) -> dict[str, Any]:
+    return task_error("timeout", f"the deadline passed ({cause['code']}: {cause['message']})")
 
 
 @dataclass(frozen=True)

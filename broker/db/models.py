@@ -170,6 +170,44 @@ class RemoteAgent(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class Session(Base):
+    """A conversation's state: a snapshot with a revision that only grows (``broker.sessions``).
+    ``expires_at`` moves on with every write (the idle TTL, ``ttl_s``)."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    revision: Mapped[int] = mapped_column(Integer)
+    state: Mapped[Any] = mapped_column(JSONB)
+    meta: Mapped[Any] = mapped_column("metadata", JSONB)
+    ttl_s: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(TZ)
+
+    __table_args__ = (
+        Index("ix_sessions_tenant_id", "tenant", "id"),
+        Index("ix_sessions_expires_at", "expires_at"),
+    )
+
+
+class SessionRevision(Base):
+    """Each revision of a session as it was written, and the task that wrote it (null: the
+    API). Gone with its session."""
+
+    __tablename__ = "session_revisions"
+
+    session_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    revision: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    state: Mapped[Any] = mapped_column(JSONB)
+    task_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
 class Webhook(Base):
     """A tenant's subscription. The secret is kept in clear: signing needs it."""
 
@@ -287,6 +325,8 @@ tasks_table = cast(Table, Task.__table__)
 agent_cards_table = cast(Table, AgentCard.__table__)
 agent_instances_table = cast(Table, AgentInstance.__table__)
 remote_agents_table = cast(Table, RemoteAgent.__table__)
+sessions_table = cast(Table, Session.__table__)
+session_revisions_table = cast(Table, SessionRevision.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)
 webhooks_table = cast(Table, Webhook.__table__)
 callback_secrets_table = cast(Table, CallbackSecret.__table__)

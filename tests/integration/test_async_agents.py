@@ -173,6 +173,19 @@ def test_a_sync_handler_on_the_threads_pool_that_returns_past_the_deadline_expir
     assert done["result"] is None
 
 
+def test_a_failure_that_comes_past_the_deadline_expires_as_a_late_result_does(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    late = submit(client, "test.sync-slow", {"sleep_s": 2, "fail": "gave_up"}, deadline_ms=1000)
+    done = wait_for_task(client, late, FINAL)
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "timeout"  # type: ignore[index]
+    assert "gave_up" in done["error"]["message"]  # type: ignore[index]
+    # the same failure within the deadline is the agent's own
+    early = submit(client, "test.sync-slow", {"sleep_s": 0.1, "fail": "gave_up"}, deadline_ms=9000)
+    assert wait_for_task(client, early, FINAL)["error"]["code"] == "gave_up"  # type: ignore[index]
+
+
 def test_sync_and_async_handlers_run_side_by_side_in_one_worker(
     client: httpx.Client, async_worker: CeleryProcess
 ) -> None:

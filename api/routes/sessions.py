@@ -1,0 +1,176 @@
+"""``/sessions``: a conversation's state with a revision that only grows (``broker.sessions``).
+
+``ETag`` carries the revision; writes need ``If-Match`` (428 without it, 412
+``revision_conflict`` naming the current revision when it is stale).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api.deps import authenticate, metered, read_json_body
+from api.schemas import ERROR_RESPONSES
+from api.services import services
+from broker import jsonbody, sessions
+from broker.tenancy.keys import Principal
+
+router = APIRouter(tags=["sessions"])
+Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]
+IfMatch = Annotated[str | None, Header(alias="If-Match")]
+REVISIONS_MAX = 100
+WRITES = {
+    **ERROR_RESPONSES,
+    412: {"description": "Stale If-Match"},
+    428: {"description": "No If-Match"},
+}
+
+
+class NewSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    ttl_s: int | None = Field(None, gt=0)
+
+
+class Replacement(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: dict[str, Any]
+    metadata: dict[str, Any] | None = None
+
+
+async def _body(request: Request) -> Any:
+    settings = services(request).settings
+    raw = await read_json_body(request, settings.session_max_bytes + 64 * 1024)
+    return jsonbody.parse(raw, max_depth=settings.max_json_depth)
+
+
+def _validated(model: type[BaseModel], data: Any) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}" for e in exc.errors()[:10]
+        )
+        raise sessions.SessionInvalid(problems) from None
+
+
+def _answer(session: dict[str, Any], status_code: int = 200) -> JSONResponse:
+    return JSONResponse(
+        session, status_code=status_code, headers={"ETag": sessions.etag(session["revision"])}
+    )
+
+
+@router.post(
+    "/sessions",
+    status_code=201,
+    responses=ERROR_RESPONSES,
+    openapi_extra={
+        "requestBody": {"content": {"application/json": {"schema": NewSession.model_json_schema()}}}
+    },
+)
+async def create_session(request: Request, caller: Metered) -> JSONResponse:
+    """A new session (``state``, ``metadata``, ``ttl_s``: all optional), at revision 1."""
+    settings = services(request).settings
+    raw = await read_json_body(request, settings.session_max_bytes + 64 * 1024)
+    given = _validated(
+        NewSession, jsonbody.parse(raw, max_depth=settings.max_json_depth) if raw else {}
+    )
+    ttl_s = min(given.ttl_s or settings.session_ttl_s, settings.session_max_ttl_s)
+    created = await sessions.create(
+        services(request).engine,
+        caller.tenant,
+        state=given.state,
+        metadata=given.metadata,
+        ttl_s=ttl_s,
+        max_bytes=settings.session_max_bytes,
+    )
+    return _answer(created, 201)
+
+
+@router.get("/sessions/{session_id}", responses=ERROR_RESPONSES)
+async def get_session(session_id: str, request: Request, caller: Caller) -> JSONResponse:
+    """The session; ``ETag`` is its revision. Unknown, expired and other tenants' are 404."""
+    return _answer(await sessions.get(services(request).engine, caller.tenant, session_id))
+
+
+@router.put(
+    "/sessions/{session_id}",
+    responses=WRITES,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": Replacement.model_json_schema()}},
+        }
+    },
+)
+async def replace_session(
+    session_id: str, request: Request, caller: Metered, if_match: IfMatch = None
+) -> JSONResponse:
+    """Replace the state (and the metadata, when given) at the revision ``If-Match`` names."""
+    revision = sessions.revision_of(if_match)
+    given = _validated(Replacement, await _body(request))
+    written = await sessions.write(
+        services(request).engine,
+        caller.tenant,
+        session_id,
+        revision=revision,
+        state=given.state,
+        metadata=given.metadata,
+        max_bytes=services(request).settings.session_max_bytes,
+    )
+    return _answer(written)
+
+
+@router.patch(
+    "/sessions/{session_id}",
+    responses=WRITES,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/merge-patch+json": {"schema": {"type": "object"}}},
+        }
+    },
+)
+async def patch_session(
+    session_id: str, request: Request, caller: Metered, if_match: IfMatch = None
+) -> JSONResponse:
+    """A JSON merge patch (RFC 7396) of the session: ``{"state": {"cart": null}}`` removes
+    ``state.cart``. Only ``state`` and ``metadata`` may be patched."""
+    revision = sessions.revision_of(if_match)
+    patch = await _body(request)
+    if not isinstance(patch, dict) or set(patch) - set(sessions.PATCHABLE):
+        raise sessions.SessionInvalid("a patch is an object of state and metadata")
+    written = await sessions.write(
+        services(request).engine,
+        caller.tenant,
+        session_id,
+        revision=revision,
+        patch=patch,
+        max_bytes=services(request).settings.session_max_bytes,
+    )
+    return _answer(written)
+
+
+@router.delete("/sessions/{session_id}", status_code=204, responses=ERROR_RESPONSES)
+async def delete_session(session_id: str, request: Request, caller: Metered) -> Response:
+    await sessions.remove(services(request).engine, caller.tenant, session_id)
+    return Response(status_code=204)
+
+
+@router.get("/sessions/{session_id}/revisions", responses=ERROR_RESPONSES)
+async def list_revisions(
+    session_id: str,
+    request: Request,
+    caller: Caller,
+    limit: Annotated[int, Query(ge=1, le=REVISIONS_MAX)] = 20,
+) -> dict[str, Any]:
+    """The last revisions, newest first, each with the task that wrote it (null: the API)."""
+    found = await sessions.history(services(request).engine, caller.tenant, session_id, limit=limit)
+    return {"session_id": session_id, "revisions": found}

@@ -1,0 +1,281 @@
+"""Sessions: a conversation's state, kept as snapshots with a revision that only grows.
+
+A write names the revision it read (``If-Match``); a stale one is refused with the current
+revision (412 ``revision_conflict``), so two writers never lose each other's work. Each
+revision is kept with the task that wrote it, when a task did. Every write extends the idle
+TTL; an expired session reads as gone. One tenant never sees another's (404).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import Engine, delete, func, insert, select, text, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from broker import jsonbody
+from broker.db.models import session_revisions_table as revisions
+from broker.db.models import sessions_table as sessions
+from broker.errors import BadRequest, NotFound, ReachError
+from broker.timestamps import iso
+
+ID_PREFIX = "sess_"
+ID_MAX = 128
+PATCHABLE = ("state", "metadata")
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+
+class SessionTooLarge(BadRequest):
+    code = "session_too_large"
+
+
+class RevisionConflict(ReachError):
+    """The write named a revision that is not the current one (412)."""
+
+    code = "revision_conflict"
+
+
+class PreconditionRequired(ReachError):
+    """A write without ``If-Match`` (428)."""
+
+    code = "precondition_required"
+
+
+class SessionInvalid(BadRequest):
+    code = "session_invalid"
+
+
+def new_id() -> str:
+    return ID_PREFIX + secrets.token_urlsafe(12)
+
+
+def render(row: Any) -> dict[str, Any]:
+    return {
+        "session_id": row.id,
+        "revision": row.revision,
+        "state": row.state,
+        "metadata": row.metadata,
+        "created_at": iso(row.created_at),
+        "updated_at": iso(row.updated_at),
+        "expires_at": iso(row.expires_at),
+    }
+
+
+def etag(revision: int) -> str:
+    return f'"{revision}"'
+
+
+def revision_of(if_match: str | None) -> int:
+    """The revision an ``If-Match`` names; PreconditionRequired when there is none. A value
+    that names no revision matches none (RevisionConflict, with the current one, follows)."""
+    if if_match is None or not if_match.strip():
+        raise PreconditionRequired("a write needs If-Match with the revision it read")
+    value = if_match.strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    try:
+        return int(value.strip('"'))
+    except ValueError:
+        return -1
+
+
+def check_size(state: Any, metadata: Any, max_bytes: int) -> None:
+    size = len(jsonbody.canonical(state)) + len(jsonbody.canonical(metadata))
+    if size > max_bytes:
+        raise SessionTooLarge(
+            f"the session would hold {size} bytes; at most {max_bytes}", max_bytes=max_bytes
+        )
+
+
+def _expiry(ttl_s: Any) -> Any:
+    return func.now() + func.make_interval(0, 0, 0, 0, 0, 0, ttl_s)
+
+
+async def create(
+    engine: AsyncEngine,
+    tenant: str,
+    *,
+    state: dict[str, Any],
+    metadata: dict[str, Any],
+    ttl_s: int,
+    max_bytes: int,
+) -> dict[str, Any]:
+    check_size(state, metadata, max_bytes)
+    values = {
+        "id": new_id(),
+        "tenant": tenant,
+        "revision": 1,
+        "state": state,
+        "metadata": metadata,
+        "ttl_s": ttl_s,
+        "expires_at": _expiry(ttl_s),
+    }
+    async with engine.begin() as conn:
+        row = (await conn.execute(insert(sessions).values(values).returning(sessions))).one()
+        await _keep_revision(conn, row, task_id=None)
+    return render(row)
+
+
+async def get(engine: AsyncEngine, tenant: str, session_id: str) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        row = await _live(conn, tenant, session_id)
+    return render(row)
+
+
+async def _live(conn: AsyncConnection, tenant: str, session_id: str) -> Any:
+    row = (
+        await conn.execute(
+            select(sessions).where(
+                sessions.c.tenant == tenant,
+                sessions.c.id == session_id[:ID_MAX],
+                sessions.c.expires_at > func.now(),
+            )
+        )
+    ).first()
+    if row is None:
+        raise SessionNotFound("no such session")
+    return row
+
+
+async def write(
+    engine: AsyncEngine,
+    tenant: str,
+    session_id: str,
+    *,
+    revision: int,
+    state: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    patch: dict[str, Any] | None = None,
+    max_bytes: int,
+    task_id: Any = None,
+) -> dict[str, Any]:
+    """The next revision: ``state`` (and ``metadata``) replaced, or ``patch`` (RFC 7396)
+    applied to the session, only while ``revision`` is the current one. The revision kept
+    names ``task_id`` when a task wrote it."""
+    async with engine.begin() as conn:
+        current = await _live(conn, tenant, session_id)
+        if current.revision != revision:
+            raise RevisionConflict(
+                f"the session is at revision {current.revision}, not {revision}",
+                current_revision=current.revision,
+            )
+        if patch is not None:
+            merged = merge_patch({"state": current.state, "metadata": current.metadata}, patch)
+            state, metadata = merged["state"], merged["metadata"]
+        new_state = current.state if state is None else state
+        new_metadata = current.metadata if metadata is None else metadata
+        if not isinstance(new_state, dict) or not isinstance(new_metadata, dict):
+            raise SessionInvalid("state and metadata are JSON objects")
+        check_size(new_state, new_metadata, max_bytes)
+        row = (
+            await conn.execute(
+                update(sessions)
+                .where(
+                    sessions.c.tenant == tenant,
+                    sessions.c.id == current.id,
+                    sessions.c.revision == revision,
+                )
+                .values(
+                    revision=revision + 1,
+                    state=new_state,
+                    metadata=new_metadata,
+                    updated_at=func.now(),
+                    expires_at=_expiry(sessions.c.ttl_s),
+                )
+                .returning(sessions)
+            )
+        ).first()
+        if row is None:  # another writer moved it between the read and the write
+            raise RevisionConflict(
+                f"the session moved past revision {revision}", current_revision=revision + 1
+            )
+        await _keep_revision(conn, row, task_id=task_id)
+    return render(row)
+
+
+async def remove(engine: AsyncEngine, tenant: str, session_id: str) -> None:
+    async with engine.begin() as conn:
+        gone = await conn.execute(
+            delete(sessions).where(
+                sessions.c.tenant == tenant,
+                sessions.c.id == session_id[:ID_MAX],
+                sessions.c.expires_at > func.now(),
+            )
+        )
+    if not gone.rowcount:
+        raise SessionNotFound("no such session")
+
+
+async def history(
+    engine: AsyncEngine, tenant: str, session_id: str, *, limit: int
+) -> list[dict[str, Any]]:
+    """The last ``limit`` revisions, newest first, each with the task that wrote it."""
+    async with engine.connect() as conn:
+        current = await _live(conn, tenant, session_id)
+        rows = (
+            await conn.execute(
+                select(revisions)
+                .where(revisions.c.session_id == current.id)
+                .order_by(revisions.c.revision.desc())
+                .limit(limit)
+            )
+        ).all()
+    return [
+        {
+            "revision": r.revision,
+            "state": r.state,
+            "task_id": str(r.task_id) if r.task_id else None,
+            "created_at": iso(cast(datetime, r.created_at)),
+        }
+        for r in rows
+    ]
+
+
+async def _keep_revision(conn: AsyncConnection, row: Any, *, task_id: Any) -> None:
+    await conn.execute(
+        insert(revisions).values(
+            session_id=row.id,
+            revision=row.revision,
+            tenant=row.tenant,
+            state=row.state,
+            task_id=task_id,
+        )
+    )
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7396: a patch object's members replace the target's, ``null`` removes one, and
+    anything that is not an object replaces the target whole."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+_PURGE = text(
+    "DELETE FROM sessions WHERE id IN ("
+    " SELECT id FROM sessions WHERE expires_at <= now()"
+    " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
+)
+
+
+def purge_expired(engine: Engine, *, batch: int) -> int:
+    """Delete the expired sessions (and their revisions, by cascade), one batch per short
+    transaction, until none is left; the janitor's, after the tasks."""
+    removed = 0
+    while True:
+        with engine.begin() as conn:
+            count = conn.execute(_PURGE, {"batch": batch}).rowcount
+        removed += count
+        if count < batch:
+            return removed

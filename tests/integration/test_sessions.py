@@ -1,0 +1,187 @@
+"""Sessions through the real API and Postgres: revisions that only grow, If-Match, merge
+patches, size and TTL limits, and tenants that never see each other's."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, func, select
+
+from broker.db.models import session_revisions_table, sessions_table
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.stack import CeleryProcess, ServedApp
+
+
+@pytest.fixture
+def session(client: httpx.Client) -> dict[str, Any]:
+    answer = client.post("/sessions", json={"state": {"cart": ["tea"], "user": "ana"}})
+    assert answer.status_code == 201, answer.text
+    created: dict[str, Any] = answer.json()
+    return created
+
+
+def test_a_new_session_is_at_revision_1_with_its_etag(
+    client: httpx.Client, session: dict[str, Any]
+) -> None:
+    assert session["revision"] == 1
+    assert session["session_id"].startswith("sess_")
+    answer = client.get(f"/sessions/{session['session_id']}")
+    assert answer.status_code == 200
+    assert answer.headers["etag"] == '"1"'
+    assert answer.json()["state"] == {"cart": ["tea"], "user": "ana"}
+
+
+def test_a_put_at_the_current_revision_moves_it_on_and_a_stale_one_is_412(
+    client: httpx.Client, session: dict[str, Any]
+) -> None:
+    path = f"/sessions/{session['session_id']}"
+    put = client.put(path, json={"state": {"step": 2}}, headers={"If-Match": '"1"'})
+    assert put.status_code == 200, put.text
+    assert put.headers["etag"] == '"2"'
+    assert put.json()["state"] == {"step": 2}
+    stale = client.put(path, json={"state": {"step": 3}}, headers={"If-Match": '"1"'})
+    assert stale.status_code == 412
+    assert stale.json()["code"] == "revision_conflict"
+    assert stale.json()["current_revision"] == 2
+    assert client.get(path).json()["state"] == {"step": 2}
+
+
+def test_a_write_without_if_match_is_428(client: httpx.Client, session: dict[str, Any]) -> None:
+    path = f"/sessions/{session['session_id']}"
+    answer = client.put(path, json={"state": {}})
+    assert answer.status_code == 428
+    assert answer.json()["code"] == "precondition_required"
+    patched = client.patch(path, json={"state": {}})
+    assert patched.status_code == 428
+
+
+def test_concurrent_puts_with_the_same_if_match_give_exactly_one_200(
+    client: httpx.Client, session: dict[str, Any]
+) -> None:
+    path = f"/sessions/{session['session_id']}"
+
+    def put(i: int) -> int:
+        answer = client.put(path, json={"state": {"writer": i}}, headers={"If-Match": '"1"'})
+        return answer.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(put, range(16)))
+    assert statuses.count(200) == 1, statuses
+    assert statuses.count(412) == 15, statuses
+    final = client.get(path).json()
+    assert final["revision"] == 2
+    assert final["state"]["writer"] == statuses.index(200)
+
+
+def test_a_merge_patch_sets_replaces_and_removes_members(
+    client: httpx.Client, session: dict[str, Any]
+) -> None:
+    path = f"/sessions/{session['session_id']}"
+    patch = {"state": {"cart": None, "user": "bo", "prefs": {"lang": "zh"}}, "metadata": {"a": 1}}
+    answer = client.patch(
+        path,
+        content=json.dumps(patch),
+        headers={"If-Match": '"1"', "Content-Type": "application/merge-patch+json"},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["state"] == {"user": "bo", "prefs": {"lang": "zh"}}
+    assert answer.json()["metadata"] == {"a": 1}
+    again = client.patch(
+        path, json={"state": {"prefs": {"theme": "dark"}}}, headers={"If-Match": '"2"'}
+    )
+    assert again.json()["state"]["prefs"] == {"lang": "zh", "theme": "dark"}
+    assert again.json()["revision"] == 3
+
+
+def test_revisions_are_kept_newest_first(client: httpx.Client, session: dict[str, Any]) -> None:
+    path = f"/sessions/{session['session_id']}"
+    for revision in (1, 2, 3):
+        client.put(path, json={"state": {"n": revision + 1}}, headers={"If-Match": f'"{revision}"'})
+    listed = client.get(f"{path}/revisions", params={"limit": 3}).json()["revisions"]
+    assert [r["revision"] for r in listed] == [4, 3, 2]
+    assert [r["state"] for r in listed] == [{"n": 4}, {"n": 3}, {"n": 2}]
+    assert all(r["task_id"] is None for r in listed)
+
+
+def test_a_session_over_the_size_limit_is_413_and_unchanged(
+    client: httpx.Client, session: dict[str, Any]
+) -> None:
+    path = f"/sessions/{session['session_id']}"
+    big = {"blob": "x" * (300 * 1024)}
+    answer = client.put(path, json={"state": big}, headers={"If-Match": '"1"'})
+    assert answer.status_code == 413
+    assert answer.json()["code"] == "session_too_large"
+    assert client.get(path).json()["revision"] == 1
+    assert client.post("/sessions", json={"state": big}).status_code == 413
+
+
+def test_an_expired_session_is_404(client: httpx.Client) -> None:
+    created = client.post("/sessions", json={"ttl_s": 1}).json()
+    path = f"/sessions/{created['session_id']}"
+    assert client.get(path).status_code == 200
+    time.sleep(1.2)
+    gone = eventually(
+        lambda: client.get(path), "the session to expire", 10, 0.1, lambda a: a.status_code == 404
+    )
+    assert gone.json()["code"] == "session_not_found"
+    assert client.put(path, json={"state": {}}, headers={"If-Match": '"1"'}).status_code == 404
+
+
+def test_another_tenants_session_is_404_for_reads_and_writes(
+    api: ServedApp, client: httpx.Client, session: dict[str, Any], make_key: KeyMaker
+) -> None:
+    path = f"/sessions/{session['session_id']}"
+    _, other = make_key()
+    with client_for(api, other) as stranger:
+        assert stranger.get(path).status_code == 404
+        assert (
+            stranger.put(path, json={"state": {}}, headers={"If-Match": '"1"'}).status_code == 404
+        )
+        assert (
+            stranger.patch(path, json={"state": {}}, headers={"If-Match": '"1"'}).status_code == 404
+        )
+        assert stranger.delete(path).status_code == 404
+        assert stranger.get(f"{path}/revisions").status_code == 404
+    assert client.get(path).json()["revision"] == 1
+
+
+def test_delete_removes_it(client: httpx.Client, session: dict[str, Any]) -> None:
+    path = f"/sessions/{session['session_id']}"
+    assert client.delete(path).status_code == 204
+    assert client.get(path).status_code == 404
+    assert client.delete(path).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"state": []}, {"state": {}, "extra": 1}, {"ttl_s": 0}, {"metadata": "x"}],
+)
+def test_a_bad_session_body_is_422(client: httpx.Client, body: dict[str, Any]) -> None:
+    answer = client.post("/sessions", json=body)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["code"] == "session_invalid"
+
+
+def test_the_janitor_deletes_expired_sessions_with_their_revisions(
+    client: httpx.Client, engine: Engine, system_beat: CeleryProcess
+) -> None:
+    session_id = client.post("/sessions", json={"ttl_s": 1}).json()["session_id"]
+
+    def rows() -> tuple[int, int]:
+        with engine.connect() as conn:
+            kept = conn.execute(
+                select(func.count()).where(sessions_table.c.id == session_id)
+            ).scalar_one()
+            revised = conn.execute(
+                select(func.count()).where(session_revisions_table.c.session_id == session_id)
+            ).scalar_one()
+        return int(kept), int(revised)
+
+    assert rows() == (1, 1)
+    eventually(rows, "the janitor to delete the expired session", 30, 0.2, (0, 0).__eq__)
