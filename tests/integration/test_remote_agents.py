@@ -204,6 +204,18 @@ def test_streamed_output_and_progress_arrive_as_events_in_order(
     assert progress == sorted(progress) and progress[-1] == 100
 
 
+def test_a_long_call_is_held_by_the_bridge_and_never_reaped(
+    caller: httpx.Client, node: NodeAgent, system_beat: CeleryProcess
+) -> None:
+    """The reaper fails a task running over a second on an instance with no lease; the
+    bridge holds one for itself, so a 3 s call ends as the agent answers it."""
+    text = " ".join(f"w{i}" for i in range(10))
+    task = submit(caller, {"text": text, "delay_ms": 300}).json()
+    done = wait_for_task(caller, task["task_id"], {"succeeded", "failed", "expired"})
+    assert done["status"] == "succeeded", done.get("error")
+    assert done["attempts"] == 1
+
+
 def test_a_4xx_fails_at_once(caller: httpx.Client, node: NodeAgent) -> None:
     task = submit(caller, {"text": "x", "fail_status": 400, "fail_times": 5}).json()
     done = wait_for_task(caller, task["task_id"], {"succeeded", "failed"})

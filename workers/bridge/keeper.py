@@ -97,6 +97,7 @@ class RemoteKeeper:
             self._stop.wait(self.settings.remote_health_interval_s)
 
     def tick(self) -> None:
+        self._hold_own_lease()
         agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol in (HTTP, A2A)}
         for agent_id in set(self.watched) - set(agents):
             self._drop(agent_id)
@@ -124,6 +125,22 @@ class RemoteKeeper:
                 log.info("remote agent %s: %s -> %s", agent_id, before, state)
             self._hold(watched)
         self._consume({q for w in self.watched.values() if w.health.routed for q in _queues(w)})
+
+    def _hold_own_lease(self) -> None:
+        """The bridge's own lease, with no card: it routes nothing, but tells the reaper that
+        the tasks this process is running are held (without it, every call longer than a
+        second was reaped as ``worker_lost``)."""
+        ttl = max(self.settings.remote_lease_ttl_s, 3 * self.settings.remote_health_interval_s)
+        own = Lease(
+            instance=self.consumer.hostname,
+            state=READY,
+            heartbeat_at=now_s(),
+            started_at=self.started_at,
+            lease_ttl_s=ttl,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        leases.renew(self.redis, own)
 
     def _healthy(self, agent: RemoteAgent) -> bool:
         url = agent.url if agent.protocol == A2A else health_url(agent.url)
