@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import secrets
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from broker.registry import leases
 from broker.settings import Settings
 from broker.tenancy import key_store
 from reach import localservices
+from tests.integration import remote
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
@@ -178,3 +180,36 @@ def count_tasks(engine: Engine, tenant: str) -> int:
                 select(func.count()).select_from(tasks_table).where(tasks_table.c.tenant == tenant)
             ).scalar_one()
         )
+
+
+# -- remote agents (tests/integration/remote.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bridge(
+    request: pytest.FixtureRequest,
+    settings: Settings,
+    log_dir: Path,
+    system_workers: list[CeleryProcess],
+) -> Iterator[CeleryProcess]:
+    """A bridge for the test module, its log named after the module."""
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    process = remote.start_bridge(settings, log_dir / f"bridge-{name}.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def ops(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    """An operator's client: registering agents is theirs."""
+    _, token = key_store.create_key(engine, f"ops-{uuid.uuid4().hex[:8]}", ["*"], is_admin=True)
+    with client_for(api, token) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def caller(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    """A tenant's client, allowed every capability."""
+    _, token = key_store.create_key(engine, f"t-{uuid.uuid4().hex[:8]}", ["*"])
+    with client_for(api, token) as http:
+        yield http

@@ -1,5 +1,6 @@
 """What the remote-agent tests share: a bridge worker with its clocks shortened, and a wait
-for an agent to be routed."""
+for an agent to be routed. Their fixtures (``bridge``, ``ops``, ``caller``) are in the
+integration conftest."""
 
 from __future__ import annotations
 

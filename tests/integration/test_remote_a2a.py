@@ -17,14 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine
 
-from broker.settings import Settings
-from broker.tenancy import key_store
 from tests.eventually import eventually
-from tests.integration.conftest import client_for
-from tests.integration.remote import FAST, start_bridge, wait_routed
-from tests.integration.stack import ROOT, CeleryProcess, ServedApp, free_port, wait_for_task
+from tests.integration.remote import FAST, wait_routed
+from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,30 +71,6 @@ def registration(card_url: str, prefix: str, **more: Any) -> dict[str, Any]:
         "capability_prefix": prefix,
         **more,
     }
-
-
-@pytest.fixture(scope="module")
-def bridge(
-    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
-) -> Iterator[CeleryProcess]:
-    process = start_bridge(settings, log_dir / "bridge-a2a.log")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def ops(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
-    """An operator's client: registering agents is theirs."""
-    _, token = key_store.create_key(engine, f"ops-{uuid.uuid4().hex[:8]}", ["*"], is_admin=True)
-    with client_for(api, token) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def caller(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
-    _, token = key_store.create_key(engine, f"t-{uuid.uuid4().hex[:8]}", ["*"])
-    with client_for(api, token) as http:
-        yield http
 
 
 @pytest.fixture(scope="module")
