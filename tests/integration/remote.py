@@ -4,7 +4,9 @@ integration conftest."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -39,3 +41,16 @@ def wait_routed(ops: httpx.Client, agent_id: str, timeout_s: float = 30) -> None
         return [i.get("state") for i in answer.json().get("instances", [])]
 
     eventually(states, f"{agent_id} to be ready", timeout_s, 0.1, lambda s: "ready" in s)
+
+
+def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:
+    """The task's events, read from its stream to the end."""
+    found: list[tuple[str, Any]] = []
+    with caller.stream("GET", f"/tasks/{task_id}/events", timeout=30) as stream:
+        event = None
+        for line in stream.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and event is not None:
+                found.append((event, json.loads(line.split(":", 1)[1])["data"]))
+    return found

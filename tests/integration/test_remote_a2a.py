@@ -5,7 +5,6 @@ a2a-sdk's server side) in a process of its own."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.eventually import eventually
-from tests.integration.remote import FAST, wait_routed
+from tests.integration.remote import FAST, events_of, wait_routed
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,19 +87,6 @@ def agent(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[A
 def submit(caller: httpx.Client, skill: str, payload: Any, **envelope: Any) -> httpx.Response:
     body = {"capability": f"travel.{skill}", "payload": payload, **envelope}
     return caller.post("/tasks", json=body)
-
-
-def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:
-    """The task's events, read from its stream to the end."""
-    found = []
-    with caller.stream("GET", f"/tasks/{task_id}/events", timeout=30) as stream:
-        event = None
-        for line in stream.iter_lines():
-            if line.startswith("event:"):
-                event = line.split(":", 1)[1].strip()
-            elif line.startswith("data:") and event is not None:
-                found.append((event, json.loads(line.split(":", 1)[1])["data"]))
-    return found
 
 
 def test_each_skill_becomes_a_capability_under_the_prefix_with_its_description(

@@ -22,7 +22,7 @@ from standardwebhooks import Webhook
 
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Reply, always
-from tests.integration.remote import FAST, wait_routed
+from tests.integration.remote import FAST, events_of, wait_routed
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,19 +105,6 @@ def node(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[No
 
 def submit(caller: httpx.Client, payload: dict[str, Any], **envelope: Any) -> httpx.Response:
     return caller.post("/tasks", json={"capability": "text.upper", "payload": payload, **envelope})
-
-
-def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:
-    """The task's events, read from its stream to the end."""
-    found = []
-    with caller.stream("GET", f"/tasks/{task_id}/events", timeout=30) as stream:
-        event = None
-        for line in stream.iter_lines():
-            if line.startswith("event:"):
-                event = line.split(":", 1)[1].strip()
-            elif line.startswith("data:") and event is not None:
-                found.append((event, json.loads(line.split(":", 1)[1])["data"]))
-    return found
 
 
 def test_registering_answers_the_secret_once_and_shows_the_agent_like_any_other(
