@@ -166,7 +166,8 @@ async def write(
             )
         if patch is not None:
             merged = merge_patch({"state": current.state, "metadata": current.metadata}, patch)
-            state, metadata = merged["state"], merged["metadata"]
+            # Both are objects: a patch that removes one (null) leaves it empty.
+            state, metadata = merged.get("state", {}), merged.get("metadata", {})
         new_state = current.state if state is None else state
         new_metadata = current.metadata if metadata is None else metadata
         if not isinstance(new_state, dict) or not isinstance(new_metadata, dict):

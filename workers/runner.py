@@ -43,6 +43,7 @@ from workers.timelimit import SoftTimeLimit, soft_limit
 log = logging.getLogger("reach.worker")
 THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
+DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -190,10 +191,16 @@ class Runner:
         outcome = self._call(spec, ctx, claimed.payload, claimed_at)
         if isinstance(outcome, Succeeded):
             return self.finish(Finish.succeeded(tid, outcome.result))
-        if not outcome.expired and ctx.time_left_s() == 0 and outcome.error["code"] != "cancelled":
-            # A failure that comes once the deadline has passed is the deadline's, as a late
-            # result is: the agent was cut short (a remote one may stop at the deadline it was
-            # sent, a moment before the broker does).
+        left = ctx.time_left_s()
+        if (
+            not outcome.expired
+            and left is not None
+            and left <= DEADLINE_SLACK_S
+            and outcome.error["code"] != "cancelled"
+        ):
+            # A failure at the deadline is the deadline's, as a late result is: the agent was
+            # cut short (a remote one may stop at the deadline it was sent, by a clock that
+            # reads milliseconds, a moment before the broker does).
             outcome = Failed(timed_out(outcome.error), expired=True)
         if outcome.expired:
             return self.finish(Finish.expired(tid, outcome.error))

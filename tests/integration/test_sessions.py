@@ -99,6 +99,18 @@ def test_a_merge_patch_sets_replaces_and_removes_members(
     assert again.json()["revision"] == 3
 
 
+def test_a_patch_removing_state_or_metadata_leaves_them_empty(
+    client: httpx.Client, session: dict[str, Any]
+) -> None:
+    path = f"/sessions/{session['session_id']}"
+    answer = client.patch(path, json={"state": None, "metadata": None}, headers={"If-Match": '"1"'})
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["state"], answer.json()["metadata"]) == ({}, {})
+    wrong = client.patch(path, json={"state": [1]}, headers={"If-Match": '"2"'})
+    assert wrong.status_code == 422
+    assert wrong.json()["code"] == "session_invalid"
+
+
 def test_revisions_are_kept_newest_first(client: httpx.Client, session: dict[str, Any]) -> None:
     path = f"/sessions/{session['session_id']}"
     for revision in (1, 2, 3):

@@ -54,8 +54,7 @@ from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
 from broker.remote.connections import AiohttpTransport
 from broker.webhooks import signing
-from workers.aio import CallTimedOut
-from workers.bridge.http_agent import DEADLINE_SLACK_S, RETRIED_STATUSES
+from workers.bridge.http_agent import RETRIED_STATUSES
 from workers.sdk.context import Context
 
 log = logging.getLogger("reach.bridge")
@@ -143,19 +142,7 @@ async def call(
     agent: Agent, transport: AiohttpTransport, skill: str, ctx: Context, payload: Any
 ) -> Any:
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
-    failure at the task's deadline is the deadline's: the task ends ``expired``."""
-    try:
-        return await _call(agent, transport, skill, ctx, payload)
-    except AgentFailure as exc:
-        left = ctx.time_left_s()
-        if left is not None and left <= DEADLINE_SLACK_S:
-            raise CallTimedOut(f"the deadline passed during the call ({exc.code})") from None
-        raise
-
-
-async def _call(
-    agent: Agent, transport: AiohttpTransport, skill: str, ctx: Context, payload: Any
-) -> Any:
+    failure at the deadline ends the task ``expired``: the runner's rule for every agent."""
     try:
         client, streams = await agent.client(transport)
     except a2a_card.CardUnavailable as exc:

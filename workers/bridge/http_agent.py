@@ -26,13 +26,11 @@ import aiohttp
 
 from broker.errors import AgentFailure, Retryable
 from broker.webhooks import signing
-from workers.aio import CallTimedOut
 from workers.sdk.context import Context
 
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 MAX_ANSWER_BYTES = 16 * 2**20  # a JSON answer, or one SSE event
 ACCEPT = "text/event-stream, application/json"
-DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 
 
 @dataclass(frozen=True)
@@ -74,21 +72,8 @@ async def call(
     session: aiohttp.ClientSession, endpoint: Endpoint, ctx: Context, payload: Any
 ) -> Any:
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
-    failure at the task's deadline is the deadline's, and the task ends ``expired``: the
-    agent may stop at the ``deadline_at`` it was sent a moment before the broker would (its
-    clock reads milliseconds), and say so with ``deadline_exceeded``."""
-    try:
-        return await _call(session, endpoint, ctx, payload)
-    except AgentFailure as exc:
-        left = ctx.time_left_s()
-        if left is not None and (left <= DEADLINE_SLACK_S or exc.code == "deadline_exceeded"):
-            raise CallTimedOut(f"the deadline passed during the call ({exc.code})") from None
-        raise
-
-
-async def _call(
-    session: aiohttp.ClientSession, endpoint: Endpoint, ctx: Context, payload: Any
-) -> Any:
+    failure at the deadline (the agent may stop at the ``deadline_at`` it was sent) ends the
+    task ``expired``: the runner's rule for every agent."""
     body = request_body(ctx, payload)
     headers = request_headers(endpoint, ctx, body)
     try:
