@@ -7,10 +7,9 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from api.services import services
+from api.services import Services
 from api.sse import EventStreamResponse
 from broker.observability import metrics
 from broker.tasks import queries
@@ -23,28 +22,22 @@ from broker.tasks.submission import Accepted
 STORE_CHECK_S = 2.0
 
 
-async def _final_row(request: Request, tenant: str, task_id: uuid.UUID) -> TaskRow | None:
+async def _final_row(svc: Services, tenant: str, task_id: uuid.UUID) -> TaskRow | None:
     """The task if Postgres has it final, its final event appended to the log first (refused
     when the log has it already): a worker that died between its two writes left it out."""
-    state = services(request)
-    row = await queries.get_task(state.engine, tenant, task_id)
+    row = await queries.get_task(svc.engine, tenant, task_id)
     if row is None or row["status"] not in FINAL:
         return None
-    await append_final(request, row)
+    await svc.event_log.append_final_async(row)
     return row
 
 
-async def append_final(request: Request, row: TaskRow) -> None:
-    """The task's final event, into its log (which takes only the first)."""
-    await services(request).event_log.append_final_async(row)
-
-
-def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> FinalFromStore:
+def _final_from_store(svc: Services, tenant: str, task_id: uuid.UUID) -> FinalFromStore:
     """For a quiet stream: the final event, now in the log, or None while the task runs. The
     event returned stands in for the log's only when the log was lost meanwhile."""
 
     async def final(last_seq: int) -> Event | None:
-        row = await _final_row(request, tenant, task_id)
+        row = await _final_row(svc, tenant, task_id)
         if row is None:
             return None
         return Event(
@@ -59,7 +52,7 @@ def _final_from_store(request: Request, tenant: str, task_id: uuid.UUID) -> Fina
 
 
 def event_stream(
-    request: Request,
+    svc: Services,
     tenant: str,
     task_id: uuid.UUID,
     *,
@@ -68,13 +61,12 @@ def event_stream(
     headers: dict[str, str] | None = None,
     started: float | None = None,
 ) -> EventStreamResponse:
-    settings = services(request).settings
-    hub: EventHub = services(request).hub
-    events = hub.events(
+    settings = svc.settings
+    events = svc.hub.events(
         str(task_id),
         after=after,
         quiet_s=min(2.0, settings.sse_ping_s),
-        final_from_store=_final_from_store(request, tenant, task_id),
+        final_from_store=_final_from_store(svc, tenant, task_id),
     )
     return EventStreamResponse(
         events,
@@ -87,7 +79,7 @@ def event_stream(
 
 
 async def wait_until_final(
-    request: Request, tenant: str, task_id: uuid.UUID, timeout_s: float
+    svc: Services, tenant: str, task_id: uuid.UUID, timeout_s: float
 ) -> dict[str, Any] | None:
     """The task (as rendered) once final, or None when ``timeout_s`` passes first.
 
@@ -95,12 +87,12 @@ async def wait_until_final(
     Postgres whenever pub/sub has been quiet for a while. The final event carries the task as
     the worker wrote it, so the usual path reads nothing more.
     """
-    hub: EventHub = services(request).hub
+    hub: EventHub = svc.hub
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
     async def final_task() -> dict[str, Any] | None:
-        row = await _final_row(request, tenant, task_id)
+        row = await _final_row(svc, tenant, task_id)
         return render(row) if row is not None else None
 
     async with hub.listen(str(task_id)) as live:
@@ -120,7 +112,7 @@ async def wait_until_final(
 
 
 async def answer(
-    request: Request, tenant: str, envelope: Envelope, accepted: Accepted, *, started: float
+    svc: Services, tenant: str, envelope: Envelope, accepted: Accepted, *, started: float
 ) -> Response:
     """The answer to a submit, in the envelope's ``reply_mode``: ``async`` 202 with the task;
     ``sync`` 200 with the finished task if it finishes within the wait, else 202; ``stream``
@@ -130,20 +122,20 @@ async def answer(
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if envelope.reply_mode == "stream":
-        return event_stream(request, tenant, row["id"], headers=headers, started=started)
+        return event_stream(svc, tenant, row["id"], headers=headers, started=started)
     if envelope.reply_mode == "sync":
-        finished = await wait_until_final(
-            request, tenant, row["id"], _sync_wait_s(request, envelope)
-        )
+        finished = await wait_until_final(svc, tenant, row["id"], sync_wait_s(svc, envelope))
         metrics.sync_round_trip.observe(time.perf_counter() - started)
         if finished is not None:
             return JSONResponse(finished, status_code=200, headers=headers)
-        row = await queries.get_task(services(request).engine, tenant, row["id"]) or row
+        row = await queries.get_task(svc.engine, tenant, row["id"]) or row
     return JSONResponse(render(row), status_code=202, headers=headers)
 
 
-def _sync_wait_s(request: Request, envelope: Envelope) -> float:
-    settings = services(request).settings
+def sync_wait_s(svc: Services, envelope: Envelope) -> float:
+    """How long a sync submit waits: the server's maximum, or less when the deadline is
+    nearer."""
+    settings = svc.settings
     if envelope.deadline_ms is None:
         return settings.sync_max_wait_s
     return min(settings.sync_max_wait_s, envelope.deadline_ms / 1000)

@@ -65,7 +65,7 @@ async def submit_task(request: Request, caller: Metered) -> Response:
     )
     accepted = await state.intake.submit(caller, envelope, trace_id=request.state.trace_id)
     metrics.submit_duration.observe(time.perf_counter() - started)
-    return await replies.answer(request, caller.tenant, envelope, accepted, started=started)
+    return await replies.answer(state, caller.tenant, envelope, accepted, started=started)
 
 
 @router.get(
@@ -89,7 +89,7 @@ async def task_events(
                 "Last-Event-ID must be an event id this stream sent", code="invalid_last_event_id"
             )
         after = int(last_event_id.strip())
-    return replies.event_stream(request, caller.tenant, tid, after=after)
+    return replies.event_stream(services(request), caller.tenant, tid, after=after)
 
 
 @router.get("/tasks/{task_id}", response_model=TaskResource, responses=ERROR_RESPONSES)
