@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors, system_gauges
+from api import a2a, errors, system_gauges
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
 from api.services import Services
@@ -61,6 +61,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(callbacks.router)
     app.include_router(sessions.router)
+    a2a.mount(app, svc)
     return app
 
 

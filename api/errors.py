@@ -111,6 +111,11 @@ def problem(
 
 async def _reach_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, errors.ReachError)
+    return problem_response(request, exc)
+
+
+def problem_response(request: Request, exc: errors.ReachError) -> JSONResponse:
+    """The problem+json answer to a refusal, with the headers its status calls for."""
     status = status_for(exc)
     details = dict(exc.details)
     headers = {}

@@ -32,7 +32,7 @@ async def _final_row(svc: Services, tenant: str, task_id: uuid.UUID) -> TaskRow 
     return row
 
 
-def _final_from_store(svc: Services, tenant: str, task_id: uuid.UUID) -> FinalFromStore:
+def final_from_store(svc: Services, tenant: str, task_id: uuid.UUID) -> FinalFromStore:
     """For a quiet stream: the final event, now in the log, or None while the task runs. The
     event returned stands in for the log's only when the log was lost meanwhile."""
 
@@ -66,7 +66,7 @@ def event_stream(
         str(task_id),
         after=after,
         quiet_s=min(2.0, settings.sse_ping_s),
-        final_from_store=_final_from_store(svc, tenant, task_id),
+        final_from_store=final_from_store(svc, tenant, task_id),
     )
     return EventStreamResponse(
         events,

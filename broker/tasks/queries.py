@@ -59,12 +59,14 @@ async def list_tasks(
     tenant: str,
     *,
     capability: str | None,
-    status: str | None,
+    status: str | Sequence[str] | None,
     limit: int,
     cursor: str | None,
     patterns: Sequence[str],
+    session_id: str | None = None,
 ) -> tuple[list[TaskRow], str | None]:
-    """Newest first, a page at a time (``broker.db.paging``)."""
+    """Newest first, a page at a time (``broker.db.paging``). ``status``: one, or any of
+    several."""
     query = select(tasks).where(
         tasks.c.tenant == tenant,
         tasks.c.expires_at > func.now(),
@@ -72,8 +74,12 @@ async def list_tasks(
     )
     if capability is not None:
         query = query.where(tasks.c.capability == capability)
-    if status is not None:
+    if isinstance(status, str):
         query = query.where(tasks.c.status == status)
+    elif status is not None:
+        query = query.where(tasks.c.status.in_(list(status)))
+    if session_id is not None:
+        query = query.where(tasks.c.session_id == session_id)
     async with engine.connect() as conn:
         rows, next_cursor = await newest_first(conn, query, tasks.c.id, limit=limit, cursor=cursor)
     return cast(list[TaskRow], rows), next_cursor

@@ -1,0 +1,431 @@
+"""Agent-Reach as an A2A 1.0 server, on ``a2a-sdk``'s route factories (JSON-RPC and HTTP+JSON).
+
+A2A tasks are our tasks: the request handler below submits, reads, lists, cancels and streams
+them through the same intake, tables and event log as the HTTP API, so any API process serves
+any of them, and a key sees exactly what it sees there. The SDK's in-memory task store and
+queue manager are not used. Every route takes the caller's bearer key first, and its body within
+the API's size and depth limits, before the SDK parses it. The mapping is
+``broker.facades.a2a``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any
+
+from a2a.server.context import ServerCallContext
+from a2a.server.request_handlers.request_handler import RequestHandler
+from a2a.server.routes import (
+    add_a2a_routes_to_fastapi,
+    create_jsonrpc_routes,
+    create_rest_routes,
+)
+from a2a.server.routes.common import DefaultServerCallContextBuilder
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    HTTPAuthSecurityScheme,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
+    ListTasksRequest,
+    ListTasksResponse,
+    Message,
+    SecurityRequirement,
+    SecurityScheme,
+    SendMessageRequest,
+    StringList,
+    SubscribeToTaskRequest,
+    Task,
+    TaskPushNotificationConfig,
+)
+from a2a.utils.errors import (
+    A2AError,
+    InternalError,
+    InvalidParamsError,
+    PushNotificationNotSupportedError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from google.protobuf.json_format import MessageToDict
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from api import errors, replies
+from api.deps import authenticate, read_json_body
+from api.services import Services
+from broker import jsonbody
+from broker.errors import NotFound, ReachError
+from broker.facades import a2a as mapping
+from broker.registry import cards
+from broker.remote.a2a_json import to_json
+from broker.tasks import queries
+from broker.tasks.envelope import parse_envelope
+from broker.tasks.resource import FINAL, TaskRow, parse_task_id, render
+from broker.tenancy.keys import Principal
+
+CARD_PATH = "/.well-known/agent-card.json"
+JSONRPC_PATH = "/a2a/jsonrpc"
+REST_PATH = "/a2a/rest"
+BEARER = "bearer"
+LIST_PAGE_DEFAULT = 50
+JSON_PARSE_ERROR, INVALID_REQUEST = -32700, -32600
+
+
+def _principal(context: ServerCallContext) -> Principal:
+    principal = context.state.get("principal")
+    if not isinstance(principal, Principal):  # the routes authenticate before the SDK runs
+        raise InternalError(message="the request was not authenticated")
+    return principal
+
+
+def _a2a_error(exc: ReachError) -> A2AError:
+    """Our refusal as an A2A error, keeping our stable code in ``data``."""
+    data = {"code": exc.code, **{k: v for k, v in exc.details.items() if _plain(v)}}
+    if isinstance(exc, NotFound) and exc.code == "task_not_found":
+        return TaskNotFoundError(message=exc.message, data=data)
+    if exc.code in {"no_agent_available", "rate_limited", "overloaded", "unavailable"}:
+        return InternalError(message=exc.message, data=data)
+    return InvalidParamsError(message=exc.message, data=data)
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool | list | dict) or value is None
+
+
+class ReachRequestHandler(RequestHandler):
+    """The A2A methods on our tasks. ``contextId`` is the session."""
+
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
+
+    # -- sending -------------------------------------------------------------------------
+
+    async def _submit(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> tuple[Principal, TaskRow]:
+        caller = _principal(context)
+        if params.message.task_id:
+            raise UnsupportedOperationError(
+                message="a task here takes one message: send a new message, without taskId"
+            )
+        if params.configuration.HasField("task_push_notification_config"):
+            raise PushNotificationNotSupportedError(
+                message="set push notifications on the task once it exists "
+                "(CreateTaskPushNotificationConfig)"
+            )
+        request_metadata = to_json(params.metadata) if params.HasField("metadata") else {}
+        try:
+            fields = mapping.envelope_fields(params.message, request_metadata)
+        except mapping.NotAnEnvelope as exc:
+            raise InvalidParamsError(message=str(exc)) from None
+        if params.message.message_id:
+            # A message resent with the same id is the same request: A2A's idempotency.
+            fields["idempotency_key"] = f"a2a:{params.message.message_id}"[:255]
+        fields["source"] = "a2a"
+        try:
+            await self.svc.door.take(caller.tenant)
+            envelope = parse_envelope(fields)
+            accepted = await self.svc.intake.submit(
+                caller, envelope, trace_id=context.state.get("trace_id") or uuid.uuid4().hex
+            )
+        except ReachError as exc:
+            raise _a2a_error(exc) from None
+        return caller, accepted.row
+
+    async def on_message_send(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> Task | Message:
+        """Blocking: our sync mode (the task once final, or as it stands when the wait ends).
+        ``return_immediately``: our async mode."""
+        caller, row = await self._submit(params, context)
+        if params.configuration.return_immediately:
+            return mapping.task_of(render(row))
+        wait_s = self.svc.settings.sync_max_wait_s
+        finished = await replies.wait_until_final(self.svc, caller.tenant, row["id"], wait_s)
+        if finished is not None:
+            return mapping.task_of(finished)
+        current = await queries.get_task(self.svc.engine, caller.tenant, row["id"])
+        return mapping.task_of(render(current or row))
+
+    async def on_message_send_stream(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Any]:
+        caller, row = await self._submit(params, context)
+        rendered = render(row)
+        yield mapping.task_of(rendered)
+        async for event in self._events(caller, rendered, after=0):
+            yield event
+
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Any]:
+        """The task as it stands, then its events from there on."""
+        caller = _principal(context)
+        row = await self._visible(caller, params.id)
+        if row["status"] in FINAL:
+            raise UnsupportedOperationError(message=f"the task is already {row['status']}")
+        log = await self.svc.hub.read_log(str(row["id"]), 0)
+        rendered = render(row)
+        yield mapping.task_of(rendered)
+        after = log[-1].seq if log else 0
+        mapper = mapping.EventMapper(rendered["task_id"], rendered.get("session_id") or "")
+        mapper.outputs = sum(1 for event in log if event.type == "output")
+        async for event in self._events(caller, rendered, after=after, mapper=mapper):
+            yield event
+
+    async def _events(
+        self,
+        caller: Principal,
+        task: Mapping[str, Any],
+        *,
+        after: int,
+        mapper: mapping.EventMapper | None = None,
+    ) -> AsyncGenerator[mapping.StreamEvent]:
+        mapper = mapper or mapping.EventMapper(task["task_id"], task.get("session_id") or "")
+        final_from_store = replies.final_from_store(self.svc, caller.tenant, task["task_id"])
+        async for event in self.svc.hub.events(
+            task["task_id"], after=after, final_from_store=final_from_store
+        ):
+            if event is None:
+                continue
+            for a2a_event in mapper.map(event.type, event.data):
+                yield a2a_event
+
+    # -- reading and cancelling ----------------------------------------------------------
+
+    async def _visible(self, caller: Principal, task_id: str) -> TaskRow:
+        tid = parse_task_id(task_id)
+        row = (
+            None
+            if tid is None
+            else await queries.get_task(self.svc.engine, caller.tenant, tid, patterns=caller.sees)
+        )
+        if row is None:
+            raise TaskNotFoundError
+        return row
+
+    async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task:
+        return mapping.task_of(render(await self._visible(_principal(context), params.id)))
+
+    async def on_list_tasks(
+        self, params: ListTasksRequest, context: ServerCallContext
+    ) -> ListTasksResponse:
+        caller = _principal(context)
+        statuses = mapping.STATUSES_OF.get(params.status) if params.status else None
+        if params.status and statuses is None:
+            return ListTasksResponse(page_size=0)  # INPUT_REQUIRED and the like: none here
+        limit = min(params.page_size or LIST_PAGE_DEFAULT, self.svc.settings.list_page_max)
+        try:
+            rows, next_cursor = await queries.list_tasks(
+                self.svc.engine,
+                caller.tenant,
+                capability=None,
+                status=statuses,
+                limit=limit,
+                cursor=params.page_token or None,
+                patterns=caller.sees,
+                session_id=params.context_id or None,
+            )
+        except ReachError as exc:
+            raise _a2a_error(exc) from None
+        return ListTasksResponse(
+            tasks=[mapping.task_of(render(row)) for row in rows],
+            next_page_token=next_cursor or "",
+            page_size=limit,
+            total_size=len(rows),
+        )
+
+    async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
+        caller = _principal(context)
+        tid = parse_task_id(params.id)
+        row = None if tid is None else await self.svc.canceller.cancel_task(caller, tid)
+        if row is None:
+            current = await self._visible(caller, params.id)
+            raise TaskNotCancelableError(message=f"the task is already {current['status']}")
+        return mapping.task_of(render(row))
+
+    # -- push notifications (the task's callback) -------------------------------------------
+
+    async def on_create_task_push_notification_config(
+        self, params: TaskPushNotificationConfig, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_get_task_push_notification_config(
+        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        raise PushNotificationNotSupportedError
+
+    async def on_list_task_push_notification_configs(
+        self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
+    ) -> ListTaskPushNotificationConfigsResponse:
+        raise PushNotificationNotSupportedError
+
+    async def on_delete_task_push_notification_config(
+        self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> None:
+        raise PushNotificationNotSupportedError
+
+    # -- the cards -----------------------------------------------------------------------
+
+    async def on_get_extended_agent_card(
+        self, params: GetExtendedAgentCardRequest, context: ServerCallContext
+    ) -> AgentCard:
+        caller = _principal(context)
+        base = str(context.state.get("base_url", "")).rstrip("/")
+        card = public_card(base)
+        card.skills.extend(await skills(self.svc, caller))
+        return card
+
+
+async def skills(svc: Services, caller: Principal) -> list[AgentSkill]:
+    """One skill per capability the key may see, described by one of its cards."""
+    known = await cards.known_capabilities(svc.engine)
+    found: list[AgentSkill] = []
+    for capability, served_by in known.items():
+        if not caller.may_see(capability):
+            continue
+        first = served_by[0]
+        document = await cards.card(
+            svc.engine, svc.card_cache, (first["agent_id"], first["version"], capability)
+        )
+        found.append(skill_of(capability, document or {}))
+    return found
+
+
+def skill_of(capability: str, card: Mapping[str, Any]) -> AgentSkill:
+    tags = [t["tag"] for t in card.get("tags") or [] if isinstance(t, dict) and "tag" in t]
+    return AgentSkill(
+        id=capability,
+        name=card.get("display_name") or capability,
+        description=card.get("description") or f"Runs the capability {capability}.",
+        tags=tags or [capability],
+        input_modes=["application/json", "text/plain"],
+        output_modes=["application/json"],
+    )
+
+
+def public_card(base_url: str) -> AgentCard:
+    """The card anyone may read: how to call, and that a bearer key is required. Its skills
+    are on the extended card, per key."""
+    return AgentCard(
+        name="Agent-Reach",
+        description=(
+            "A task broker for agents: each skill is a capability. Name it in the message's "
+            "metadata.capability; the payload is the first data part, else the text."
+        ),
+        version="1.0.0",
+        supported_interfaces=[
+            AgentInterface(
+                url=base_url + JSONRPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0"
+            ),
+            AgentInterface(
+                url=base_url + REST_PATH, protocol_binding="HTTP+JSON", protocol_version="1.0"
+            ),
+        ],
+        capabilities=AgentCapabilities(
+            streaming=True, push_notifications=False, extended_agent_card=True
+        ),
+        security_schemes={
+            BEARER: SecurityScheme(
+                http_auth_security_scheme=HTTPAuthSecurityScheme(
+                    scheme="Bearer", description="An Agent-Reach API key"
+                )
+            )
+        },
+        security_requirements=[SecurityRequirement(schemes={BEARER: StringList(list=[])})],
+        default_input_modes=["application/json", "text/plain"],
+        default_output_modes=["application/json"],
+    )
+
+
+class _ContextBuilder(DefaultServerCallContextBuilder):
+    """The SDK's context, carrying the key the route authenticated, the trace id and the base
+    URL (for the extended card)."""
+
+    def build(self, request: Request) -> ServerCallContext:
+        context = super().build(request)
+        context.state["principal"] = request.state.principal
+        context.state["trace_id"] = getattr(request.state, "trace_id", None)
+        context.state["base_url"] = str(request.base_url)
+        return context
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
+    """The endpoint behind our key check and body limits: a request the API would refuse is
+    refused here the same way (problem+json), before the SDK parses anything. A JSON-RPC body
+    that is not acceptable JSON gets JSON-RPC's answer: -32700 when it does not parse, -32600
+    when it breaks a limit (too deep, a number out of range), our ``code`` in ``data``."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            request.state.principal = await authenticate(request)
+            if request.method != "POST":
+                return await endpoint(request)
+            raw = await read_json_body(request, svc.settings.max_body_bytes)
+        except ReachError as exc:
+            return errors.problem_response(request, exc)
+        try:
+            jsonbody.parse(raw, max_depth=svc.settings.max_json_depth)
+        except ReachError as exc:
+            if not json_rpc:
+                return errors.problem_response(request, exc)
+            rpc_code = JSON_PARSE_ERROR if exc.code == "invalid_json" else INVALID_REQUEST
+            error = {"code": rpc_code, "message": exc.message, "data": {"code": exc.code}}
+            return JSONResponse({"jsonrpc": "2.0", "id": None, "error": error})
+        request._body = raw  # the SDK reads it again: Starlette keeps it here
+        return await endpoint(request)
+
+    return guarded
+
+
+def _guard(routes: list[BaseRoute], svc: Services, *, json_rpc: bool) -> list[BaseRoute]:
+    """Each route behind ``_guarded``. The REST factory's ``/{tenant}`` mount (A2A's tenant in
+    the path) is left out: at the root it would take every unknown path, and a key's tenant
+    is its own here, never one a path names."""
+    guarded: list[BaseRoute] = []
+    for route in routes:
+        if isinstance(route, Route):
+            methods = sorted(m for m in route.methods or () if m != "HEAD")
+            endpoint = _guarded(route.endpoint, svc, json_rpc=json_rpc)
+            guarded.append(Route(route.path, endpoint, methods=methods))
+    return guarded
+
+
+def mount(app: FastAPI, svc: Services) -> None:
+    handler = ReachRequestHandler(svc)
+    builder = _ContextBuilder()
+
+    async def agent_card(request: Request) -> JSONResponse:
+        """The public A2A agent card: where to call and how to sign in."""
+        return JSONResponse(MessageToDict(public_card(str(request.base_url).rstrip("/"))))
+
+    add_a2a_routes_to_fastapi(
+        app,
+        agent_card_routes=[Route(CARD_PATH, agent_card, methods=["GET"])],
+        jsonrpc_routes=_guard(
+            list(create_jsonrpc_routes(handler, JSONRPC_PATH, context_builder=builder)),
+            svc,
+            json_rpc=True,
+        ),
+        rest_routes=_guard(
+            create_rest_routes(handler, context_builder=builder, path_prefix=REST_PATH),
+            svc,
+            json_rpc=False,
+        ),
+    )

@@ -1,0 +1,216 @@
+"""Our tasks as A2A 1.0 sees them, and A2A messages as our envelopes (the A2A facade).
+
+- A2A task id = our task id; ``contextId`` = our session id ("" for a task without one).
+- States: queued SUBMITTED, running WORKING, succeeded COMPLETED, failed FAILED, cancelled
+  CANCELED, expired FAILED (its error code says ``timeout``).
+- A message picks its capability with ``metadata.capability``; its payload is its first data
+  part (a JSON object), else ``{"text": <its text parts, joined by newlines>}``.
+- The result is the data artifact ``result``; each ``output`` event is an update of the
+  artifact ``output`` (appended after the first); ``progress`` is a WORKING status whose
+  message says how far along it is.
+
+Pure: protobuf in, protobuf out; the facade's handler does the I/O.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping
+from datetime import datetime
+from typing import Any
+
+from a2a.types import (
+    Artifact,
+    Message,
+    Part,
+    Role,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+)
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import ParseDict
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from broker.remote.a2a_json import to_json
+from broker.tasks.events import OUTPUT, PROGRESS, STATUS
+
+STATES: Mapping[str, TaskState] = {
+    "queued": TaskState.TASK_STATE_SUBMITTED,
+    "running": TaskState.TASK_STATE_WORKING,
+    "succeeded": TaskState.TASK_STATE_COMPLETED,
+    "failed": TaskState.TASK_STATE_FAILED,
+    "cancelled": TaskState.TASK_STATE_CANCELED,
+    "expired": TaskState.TASK_STATE_FAILED,
+}
+# ListTasks' status filter, back to ours (FAILED is both failed and expired).
+STATUSES_OF: Mapping[TaskState, tuple[str, ...]] = {
+    TaskState.TASK_STATE_SUBMITTED: ("queued",),
+    TaskState.TASK_STATE_WORKING: ("running",),
+    TaskState.TASK_STATE_COMPLETED: ("succeeded",),
+    TaskState.TASK_STATE_FAILED: ("failed", "expired"),
+    TaskState.TASK_STATE_CANCELED: ("cancelled",),
+}
+RESULT_ARTIFACT, OUTPUT_ARTIFACT = "result", "output"
+
+
+class NotAnEnvelope(ValueError):
+    """The message does not say what to run, or with what."""
+
+
+def envelope_fields(message: Message, request_metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The envelope's fields a message gives: ``capability`` (from the message's metadata, or
+    the request's), ``payload`` and ``session_id`` (its ``contextId``)."""
+    metadata = to_json(message.metadata) if message.HasField("metadata") else {}
+    capability = metadata.get("capability") or request_metadata.get("capability")
+    if not isinstance(capability, str) or not capability:
+        raise NotAnEnvelope("name the capability to run in the message's metadata.capability")
+    fields: dict[str, Any] = {"capability": capability, "payload": payload_of(message)}
+    if message.context_id:
+        fields["session_id"] = message.context_id
+    return fields
+
+
+def payload_of(message: Message) -> dict[str, Any]:
+    for part in message.parts:
+        if part.HasField("data"):
+            value = to_json(part.data)
+            if not isinstance(value, dict):
+                raise NotAnEnvelope("a data part must hold a JSON object (the payload)")
+            return value
+    texts = [part.text for part in message.parts if part.HasField("text")]
+    if not texts:
+        raise NotAnEnvelope("the message has neither a data part nor a text part")
+    return {"text": "\n".join(texts)}
+
+
+def _data(value: Any) -> Part:
+    return Part(data=ParseDict(value, struct_pb2.Value()))
+
+
+def _struct(value: Mapping[str, Any]) -> struct_pb2.Struct:
+    return ParseDict(dict(value), struct_pb2.Struct())
+
+
+def _timestamp(iso_time: str | None) -> Timestamp | None:
+    if not iso_time:
+        return None
+    stamp = Timestamp()
+    stamp.FromDatetime(datetime.fromisoformat(iso_time))
+    return stamp
+
+
+def _agent_says(task: Mapping[str, Any], text: str) -> Message:
+    return Message(
+        message_id=str(uuid.uuid4()),
+        role=Role.ROLE_AGENT,
+        task_id=task["task_id"],
+        context_id=task.get("session_id") or "",
+        parts=[Part(text=text)],
+    )
+
+
+def status_of(task: Mapping[str, Any]) -> TaskStatus:
+    """The task's A2A status: its state, when it last moved, and a message that says why it
+    failed or how far along it is."""
+    status = task["status"]
+    status_proto = TaskStatus(state=STATES[status])
+    moved = task.get("finished_at") or task.get("started_at") or task.get("created_at")
+    if (stamp := _timestamp(moved)) is not None:
+        status_proto.timestamp.CopyFrom(stamp)
+    error, progress = task.get("error"), task.get("progress")
+    if error:
+        status_proto.message.CopyFrom(_agent_says(task, f"{error['code']}: {error['message']}"))
+    elif status == "running" and progress:
+        status_proto.message.CopyFrom(_agent_says(task, progress_text(progress)))
+    return status_proto
+
+
+def progress_text(progress: Mapping[str, Any]) -> str:
+    percent, message = progress.get("percent"), progress.get("message")
+    shown = f"{percent:g}%" if isinstance(percent, int | float) else ""
+    return f"{shown} {message}".strip() if message else shown
+
+
+def result_artifact(result: Any) -> Artifact:
+    return Artifact(artifact_id=RESULT_ARTIFACT, name=RESULT_ARTIFACT, parts=[_data(result)])
+
+
+def task_of(task: Mapping[str, Any]) -> Task:
+    """Our task (as the HTTP API renders it) as an A2A task. Its metadata keeps what A2A has
+    no field for: the capability, the error, the progress, the agent that ran it."""
+    a2a = Task(
+        id=task["task_id"],
+        context_id=task.get("session_id") or "",
+        status=status_of(task),
+        metadata=_struct(
+            {
+                "capability": task["capability"],
+                "reach": {
+                    name: task.get(name)
+                    for name in ("status", "error", "progress", "agent", "attempts", "trace_id")
+                },
+            }
+        ),
+    )
+    if task["status"] == "succeeded":
+        a2a.artifacts.append(result_artifact(task.get("result")))
+    return a2a
+
+
+StreamEvent = Task | TaskStatusUpdateEvent | TaskArtifactUpdateEvent
+
+
+class EventMapper:
+    """A task's events (``broker.tasks.events``) as A2A stream events, in order. One per
+    stream: it knows whether the ``output`` artifact has begun."""
+
+    def __init__(self, task_id: str, context_id: str) -> None:
+        self.task_id, self.context_id = task_id, context_id
+        self.outputs = 0
+
+    def map(self, event_type: str, data: Any) -> Iterator[StreamEvent]:
+        if event_type == STATUS:
+            state = STATES.get(str(data.get("status")), TaskState.TASK_STATE_WORKING)
+            yield self._status(TaskStatus(state=state))
+        elif event_type == PROGRESS:
+            status = TaskStatus(state=TaskState.TASK_STATE_WORKING)
+            status.message.CopyFrom(
+                _agent_says(
+                    {"task_id": self.task_id, "session_id": self.context_id},
+                    progress_text(data),
+                )
+            )
+            yield self._status(status, metadata={"progress": data})
+        elif event_type == OUTPUT:
+            self.outputs += 1
+            artifact = Artifact(
+                artifact_id=OUTPUT_ARTIFACT, name=OUTPUT_ARTIFACT, parts=[_data(data)]
+            )
+            yield TaskArtifactUpdateEvent(
+                task_id=self.task_id,
+                context_id=self.context_id,
+                artifact=artifact,
+                append=self.outputs > 1,
+            )
+        elif event_type in STATES:  # final: the event's data is the task as finished
+            if event_type == "succeeded":
+                yield TaskArtifactUpdateEvent(
+                    task_id=self.task_id,
+                    context_id=self.context_id,
+                    artifact=result_artifact(data.get("result")),
+                    last_chunk=True,
+                )
+            yield self._status(status_of(data))
+
+    def _status(
+        self, status: TaskStatus, metadata: Mapping[str, Any] | None = None
+    ) -> TaskStatusUpdateEvent:
+        event = TaskStatusUpdateEvent(
+            task_id=self.task_id, context_id=self.context_id, status=status
+        )
+        if metadata:
+            event.metadata.CopyFrom(_struct(metadata))
+        return event

@@ -1,0 +1,358 @@
+"""Agent-Reach as an A2A server, driven by ``a2a-sdk``'s own client against the running stack:
+the card and the extended card per key, blocking and non-blocking messages, a streamed
+summary, reads, lists, cancel and resubscribe, and JSON-RPC's error codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import httpx
+import pytest
+from a2a.client import A2ACardResolver, ClientCallContext, ClientConfig, ClientFactory
+from a2a.client.auth import AuthInterceptor, CredentialService
+from a2a.client.client import Client
+from a2a.types import (
+    AgentCard,
+    CancelTaskRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskRequest,
+    ListTasksRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageConfiguration,
+    SendMessageRequest,
+    StreamResponse,
+    SubscribeToTaskRequest,
+    TaskState,
+)
+from a2a.utils.errors import TaskNotFoundError
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import ParseDict
+
+from broker.remote.a2a_json import to_json
+from broker.settings import Settings
+from tests.integration.conftest import KeyMaker
+from tests.integration.stack import CeleryProcess, ServedApp
+
+TEXT = (
+    "Agents advertise capabilities to the broker. The broker routes tasks to queues. "
+    "Workers consume queues and run agents. Results land in Postgres with a TTL. "
+    "Streams show progress and partial output. Callers resume streams after a drop."
+)
+A2A_VERSION = {"A2A-Version": "1.0"}
+
+
+class Key(CredentialService):
+    """The API key for the card's bearer scheme: the SDK's auth interceptor adds it."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def get_credentials(self, scheme: str, context: ClientCallContext | None) -> str | None:
+        return self.token if scheme == "bearer" else None
+
+
+def message(capability: str, *, data: Any = None, text: str | None = None) -> Message:
+    parts = [Part(text=text)] if text is not None else []
+    if data is not None:
+        parts.append(Part(data=ParseDict(data, struct_pb2.Value())))
+    sent = Message(message_id=str(uuid.uuid4()), role=Role.ROLE_USER, parts=parts)
+    sent.metadata.update({"capability": capability})
+    return sent
+
+
+def as_json(value: Any) -> Any:
+    return to_json(value)
+
+
+class Clients:
+    """Opens the SDK's clients, each for a fresh tenant (or the key patterns given), and
+    closes them all with the test's event loop."""
+
+    def __init__(self, api: ServedApp, make_key: KeyMaker) -> None:
+        self.api, self.make_key = api, make_key
+        self.opened: list[httpx.AsyncClient] = []
+
+    async def __call__(
+        self,
+        patterns: list[str] | None = None,
+        *,
+        streaming: bool = False,
+        binding: str = "JSONRPC",
+    ) -> tuple[Client, AgentCard]:
+        _, token = self.make_key(patterns)
+        http = httpx.AsyncClient(timeout=30)
+        self.opened.append(http)
+        card = await A2ACardResolver(http, self.api.url).get_agent_card()
+        config = ClientConfig(
+            streaming=streaming, httpx_client=http, supported_protocol_bindings=[binding]
+        )
+        client = ClientFactory(config).create(card, interceptors=[AuthInterceptor(Key(token))])
+        return client, card
+
+    def run(self, test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        async def then_close() -> None:
+            try:
+                await test()
+            finally:
+                for http in self.opened:
+                    await http.aclose()
+
+        asyncio.run(then_close())
+
+
+@pytest.fixture
+def a2a(api: ServedApp, make_key: KeyMaker, worker: CeleryProcess) -> Clients:
+    return Clients(api, make_key)
+
+
+async def collect(stream: AsyncIterator[StreamResponse]) -> list[StreamResponse]:
+    return [event async for event in stream]
+
+
+def data_of(artifact: Any) -> Any:
+    return as_json(artifact)["parts"][0]["data"]
+
+
+def test_the_public_card_names_both_bindings_and_requires_a_bearer_key(api: ServedApp) -> None:
+    card = httpx.get(f"{api.url}/.well-known/agent-card.json").json()
+    bindings = {i["protocolBinding"]: i["url"] for i in card["supportedInterfaces"]}
+    assert bindings == {
+        "JSONRPC": f"{api.url}/a2a/jsonrpc",
+        "HTTP+JSON": f"{api.url}/a2a/rest",
+    }
+    assert card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["scheme"] == "Bearer"
+    assert card["securityRequirements"] == [{"schemes": {"bearer": {}}}]
+    assert card["capabilities"]["extendedAgentCard"] is True
+    assert "skills" not in card  # per key, on the extended card
+
+
+def test_a_key_limited_to_echo_sees_one_skill(a2a: Clients) -> None:
+    async def run() -> None:
+        client, _ = await a2a(["echo"])
+        extended = await client.get_extended_agent_card(GetExtendedAgentCardRequest())
+        assert [s.id for s in extended.skills] == ["echo"]
+        everything, _ = await a2a()
+        skills = {
+            s.id
+            for s in (
+                await everything.get_extended_agent_card(GetExtendedAgentCardRequest())
+            ).skills
+        }
+        assert {"echo", "text.summarize", "invoice.extract"} <= skills
+
+    a2a.run(run)
+
+
+@pytest.mark.parametrize("binding", ["JSONRPC", "HTTP+JSON"])
+def test_blocking_and_non_blocking_messages_to_echo(a2a: Clients, binding: str) -> None:
+    async def run() -> None:
+        client, _ = await a2a(binding=binding)
+        payload = {"order": 7731, "items": ["tea", "rice"]}
+        events = await collect(
+            client.send_message(SendMessageRequest(message=message("echo", data=payload)))
+        )
+        task = events[-1].task
+        assert task.status.state == TaskState.TASK_STATE_COMPLETED
+        assert data_of(task.artifacts[0]) == payload
+
+        later = await collect(
+            client.send_message(
+                SendMessageRequest(
+                    message=message("echo", text="hello"),
+                    configuration=SendMessageConfiguration(return_immediately=True),
+                )
+            )
+        )
+        first = later[-1].task
+        assert first.status.state in (
+            TaskState.TASK_STATE_SUBMITTED,
+            TaskState.TASK_STATE_WORKING,
+            TaskState.TASK_STATE_COMPLETED,
+        )
+        for _ in range(100):
+            got = await client.get_task(GetTaskRequest(id=first.id))
+            if got.status.state == TaskState.TASK_STATE_COMPLETED:
+                break
+            await asyncio.sleep(0.1)
+        assert got.status.state == TaskState.TASK_STATE_COMPLETED
+        assert data_of(got.artifacts[0]) == {"text": "hello"}
+
+        listed = await client.list_tasks(ListTasksRequest(status=TaskState.TASK_STATE_COMPLETED))
+        assert {t.id for t in listed.tasks} == {task.id, first.id}
+
+    a2a.run(run)
+
+
+def test_a_streamed_summary_arrives_as_artifact_updates_in_order(
+    a2a: Clients,
+) -> None:
+    async def run() -> None:
+        client, _ = await a2a(streaming=True)
+        events = await collect(
+            client.send_message(
+                SendMessageRequest(
+                    message=message("text.summarize", data={"text": TEXT, "max_sentences": 3})
+                )
+            )
+        )
+        assert events[0].HasField("task")
+        outputs = [
+            data_of(e.artifact_update.artifact)
+            for e in events
+            if e.HasField("artifact_update") and e.artifact_update.artifact.artifact_id == "output"
+        ]
+        assert [o["index"] for o in outputs] == [1, 2, 3]
+        result = next(
+            e.artifact_update.artifact
+            for e in events
+            if e.HasField("artifact_update") and e.artifact_update.artifact.artifact_id == "result"
+        )
+        assert data_of(result)["sentences"] == [o["sentence"] for o in outputs]
+        last = events[-1]
+        assert last.status_update.status.state == TaskState.TASK_STATE_COMPLETED
+
+    a2a.run(run)
+
+
+def test_cancel_a_running_task_and_resubscribe_mid_stream(a2a: Clients) -> None:
+    async def run() -> None:
+        client, _ = await a2a(streaming=True)
+        stream = client.send_message(
+            SendMessageRequest(
+                message=message(
+                    "text.summarize", data={"text": TEXT, "max_sentences": 4, "delay_s": 0.5}
+                )
+            )
+        )
+        first = await anext(stream)
+        task_id = first.task.id
+        seen = []
+        async for event in stream:
+            if event.HasField("artifact_update"):
+                seen.append(data_of(event.artifact_update.artifact)["index"])
+                break
+        await stream.aclose()
+
+        resumed = await collect(client.subscribe(SubscribeToTaskRequest(id=task_id)))
+        assert resumed[0].HasField("task")
+        indexes = [
+            data_of(e.artifact_update.artifact)["index"]
+            for e in resumed
+            if e.HasField("artifact_update") and e.artifact_update.artifact.artifact_id == "output"
+        ]
+        assert seen == [1]
+        # No output the client saw before it dropped comes again, and none is missing.
+        assert indexes and indexes[-1] == 4
+        assert indexes == list(range(indexes[0], 5))
+        assert resumed[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
+
+        blocking, _ = await a2a()
+        sleepy = await collect(
+            blocking.send_message(
+                SendMessageRequest(
+                    message=message("test.sleepy", data={"sleep_s": 20}),
+                    configuration=SendMessageConfiguration(return_immediately=True),
+                )
+            )
+        )
+        sleepy_id = sleepy[-1].task.id
+        for _ in range(100):
+            if (await blocking.get_task(GetTaskRequest(id=sleepy_id))).status.state == (
+                TaskState.TASK_STATE_WORKING
+            ):
+                break
+            await asyncio.sleep(0.1)
+        cancelled = await blocking.cancel_task(CancelTaskRequest(id=sleepy_id))
+        assert cancelled.status.state == TaskState.TASK_STATE_CANCELED
+
+    a2a.run(run)
+
+
+def test_another_tenants_task_is_not_found(a2a: Clients) -> None:
+    async def run() -> None:
+        mine, _ = await a2a()
+        theirs, _ = await a2a()
+        events = await collect(
+            mine.send_message(SendMessageRequest(message=message("echo", data={"a": 1})))
+        )
+        with pytest.raises(TaskNotFoundError):
+            await theirs.get_task(GetTaskRequest(id=events[-1].task.id))
+
+    a2a.run(run)
+
+
+def rpc(api: ServedApp, token: str | None, body: Any, **headers: str) -> httpx.Response:
+    sent = {"Content-Type": "application/json", **A2A_VERSION, **headers}
+    if token:
+        sent["Authorization"] = f"Bearer {token}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{api.url}/a2a/jsonrpc", content=content, headers=sent, timeout=30)
+
+
+def test_bad_json_rpc_gets_the_spec_codes_never_a_500(
+    api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    _, token = make_key()
+    cases = [
+        (b"{not json", -32700),
+        ({"jsonrpc": "2.0", "id": 1}, -32600),
+        ({"jsonrpc": "1.0", "id": 1, "method": "GetTask", "params": {}}, -32600),
+        ({"jsonrpc": "2.0", "id": 1, "method": "NoSuchMethod", "params": {}}, -32601),
+        ({"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": 5}}, -32602),
+        (
+            {"jsonrpc": "2.0", "id": 2, "method": "GetTask", "params": {"id": str(uuid.uuid4())}},
+            -32001,
+        ),
+        (
+            {
+                "jsonrpc": "2.0",
+                "id": 3,
+                "method": "SendMessage",
+                "params": {
+                    "message": {"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+                },
+            },
+            -32602,  # no capability named
+        ),
+    ]
+    for body, code in cases:
+        answer = rpc(api, token, body)
+        assert answer.status_code == 200, (body, answer.text)
+        assert answer.json()["error"]["code"] == code, (body, answer.text)
+
+
+def test_without_a_key_it_is_401_problem_json(api: ServedApp) -> None:
+    answer = rpc(api, None, {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {}})
+    assert answer.status_code == 401
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert answer.json()["code"] == "unauthenticated"
+    rest = httpx.get(f"{api.url}/a2a/rest/tasks/{uuid.uuid4()}", headers=A2A_VERSION)
+    assert rest.status_code == 401
+
+
+def test_a_body_past_the_limits_is_refused_before_the_sdk_reads_it(
+    api: ServedApp, make_key: KeyMaker, settings: Settings
+) -> None:
+    _, token = make_key()
+    deep: Any = {}
+    for _ in range(200):
+        deep = {"a": deep}
+    answer = rpc(api, token, {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": deep})
+    assert answer.status_code == 200
+    assert answer.json()["error"]["code"] == -32600
+    assert answer.json()["error"]["data"] == {"code": "json_too_deep"}
+    huge = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "GetTask",
+        "params": {"id": "x" * (settings.max_body_bytes + 1)},
+    }
+    too_large = rpc(api, token, huge)
+    assert too_large.status_code == 413
+    assert too_large.json()["code"] == "body_too_large"
