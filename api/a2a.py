@@ -50,7 +50,6 @@ from a2a.utils.errors import (
     A2AError,
     InternalError,
     InvalidParamsError,
-    PushNotificationNotSupportedError,
     TaskNotCancelableError,
     TaskNotFoundError,
     UnsupportedOperationError,
@@ -74,6 +73,7 @@ from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
 from broker.tasks.resource import FINAL, TaskRow, parse_task_id, render
 from broker.tenancy.keys import Principal
+from broker.webhooks.subscriptions import set_callback, vet_callback
 
 CARD_PATH = "/.well-known/agent-card.json"
 JSONRPC_PATH = "/a2a/jsonrpc"
@@ -120,11 +120,9 @@ class ReachRequestHandler(RequestHandler):
             raise UnsupportedOperationError(
                 message="a task here takes one message: send a new message, without taskId"
             )
+        callback = None
         if params.configuration.HasField("task_push_notification_config"):
-            raise PushNotificationNotSupportedError(
-                message="set push notifications on the task once it exists "
-                "(CreateTaskPushNotificationConfig)"
-            )
+            callback = mapping.callback_of(params.configuration.task_push_notification_config)
         request_metadata = to_json(params.metadata) if params.HasField("metadata") else {}
         try:
             fields = mapping.envelope_fields(params.message, request_metadata)
@@ -138,7 +136,10 @@ class ReachRequestHandler(RequestHandler):
             await self.svc.door.take(caller.tenant)
             envelope = parse_envelope(fields)
             accepted = await self.svc.intake.submit(
-                caller, envelope, trace_id=context.state.get("trace_id") or uuid.uuid4().hex
+                caller,
+                envelope,
+                trace_id=context.state.get("trace_id") or uuid.uuid4().hex,
+                callback=callback,
             )
         except ReachError as exc:
             raise _a2a_error(exc) from None
@@ -261,22 +262,58 @@ class ReachRequestHandler(RequestHandler):
     async def on_create_task_push_notification_config(
         self, params: TaskPushNotificationConfig, context: ServerCallContext
     ) -> TaskPushNotificationConfig:
-        raise PushNotificationNotSupportedError
+        """The task's callback becomes the push config (one per task: a new one replaces
+        it), through the same guard as every callback URL."""
+        caller = _principal(context)
+        row = await self._visible(caller, params.task_id)
+        callback = mapping.callback_of(params)
+        try:
+            await vet_callback(
+                self.svc.engine,
+                self.svc.lookups,
+                caller.tenant,
+                callback["url"],
+                allow=self.svc.settings.webhook_allow,
+            )
+        except ReachError as exc:
+            raise _a2a_error(exc) from None
+        await set_callback(self.svc.engine, caller.tenant, row["id"], callback)
+        return mapping.push_config_of(params.task_id, callback)
+
+    async def _push_config(
+        self, caller: Principal, task_id: str, config_id: str | None
+    ) -> TaskPushNotificationConfig:
+        row = await self._visible(caller, task_id)
+        try:
+            config = mapping.push_config_of(task_id, row["callback"])
+        except mapping.NotAPushConfig:
+            raise InvalidParamsError(message="the task has no such push config") from None
+        if config_id and config.id != config_id:
+            raise InvalidParamsError(message="the task has no such push config")
+        return config
 
     async def on_get_task_push_notification_config(
         self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
     ) -> TaskPushNotificationConfig:
-        raise PushNotificationNotSupportedError
+        return await self._push_config(_principal(context), params.task_id, params.id)
 
     async def on_list_task_push_notification_configs(
         self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
     ) -> ListTaskPushNotificationConfigsResponse:
-        raise PushNotificationNotSupportedError
+        caller = _principal(context)
+        row = await self._visible(caller, params.task_id)
+        if not mapping.is_push(row["callback"]):
+            return ListTaskPushNotificationConfigsResponse()
+        config = mapping.push_config_of(params.task_id, row["callback"])
+        return ListTaskPushNotificationConfigsResponse(configs=[config])
 
     async def on_delete_task_push_notification_config(
         self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
     ) -> None:
-        raise PushNotificationNotSupportedError
+        caller = _principal(context)
+        config = await self._push_config(caller, params.task_id, params.id)
+        row = await self._visible(caller, config.task_id)
+        await set_callback(self.svc.engine, caller.tenant, row["id"], None)
 
     # -- the cards -----------------------------------------------------------------------
 
@@ -336,7 +373,7 @@ def public_card(base_url: str) -> AgentCard:
             ),
         ],
         capabilities=AgentCapabilities(
-            streaming=True, push_notifications=False, extended_agent_card=True
+            streaming=True, push_notifications=True, extended_agent_card=True
         ),
         security_schemes={
             BEARER: SecurityScheme(

@@ -14,6 +14,7 @@ Pure: protobuf in, protobuf out; the facade's handler does the I/O.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator, Mapping
 from datetime import datetime
@@ -21,21 +22,26 @@ from typing import Any
 
 from a2a.types import (
     Artifact,
+    AuthenticationInfo,
     Message,
     Part,
     Role,
+    StreamResponse,
     Task,
     TaskArtifactUpdateEvent,
+    TaskPushNotificationConfig,
     TaskState,
     TaskStatus,
     TaskStatusUpdateEvent,
 )
 from google.protobuf import struct_pb2
-from google.protobuf.json_format import ParseDict
+from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from broker.remote.a2a_json import to_json
 from broker.tasks.events import OUTPUT, PROGRESS, STATUS
+from broker.webhooks.events import FINAL_EVENTS
+from broker.webhooks.events import PROGRESS as PROGRESS_EVENT
 
 STATES: Mapping[str, TaskState] = {
     "queued": TaskState.TASK_STATE_SUBMITTED,
@@ -214,3 +220,64 @@ class EventMapper:
         if metadata:
             event.metadata.CopyFrom(_struct(metadata))
         return event
+
+
+# -- push notifications: an A2A push config is the task's callback ------------------------
+
+PUSH_EVENTS = (*FINAL_EVENTS, PROGRESS_EVENT)
+DEFAULT_PUSH_ID = "default"
+
+
+def callback_of(config: TaskPushNotificationConfig) -> dict[str, Any]:
+    """The task's callback for a push config: every final event and each progress report,
+    delivered as A2A pushes (``push_body``, ``push_headers``)."""
+    a2a: dict[str, Any] = {"id": config.id or DEFAULT_PUSH_ID, "token": config.token or None}
+    if config.HasField("authentication") and config.authentication.scheme:
+        a2a["authentication"] = {
+            "scheme": config.authentication.scheme,
+            "credentials": config.authentication.credentials,
+        }
+    return {"url": config.url, "events": list(PUSH_EVENTS), "a2a": a2a}
+
+
+def push_config_of(task_id: str, callback: Mapping[str, Any] | None) -> TaskPushNotificationConfig:
+    """The push config a task's callback holds (NotAPushConfig when it holds none)."""
+    if not callback or not isinstance(callback.get("a2a"), Mapping):
+        raise NotAPushConfig(task_id)
+    a2a = callback["a2a"]
+    config = TaskPushNotificationConfig(
+        id=a2a["id"], task_id=task_id, url=callback["url"], token=a2a.get("token") or ""
+    )
+    if auth := a2a.get("authentication"):
+        config.authentication.CopyFrom(
+            AuthenticationInfo(scheme=auth["scheme"], credentials=auth.get("credentials", ""))
+        )
+    return config
+
+
+class NotAPushConfig(LookupError):
+    """The task has no A2A push config (no callback, or one set through the HTTP API)."""
+
+
+def is_push(callback: Mapping[str, Any] | None) -> bool:
+    return bool(callback) and isinstance(callback.get("a2a"), Mapping)  # type: ignore[union-attr]
+
+
+def push_body(task: Mapping[str, Any]) -> str:
+    """What a push carries, as the SDK's own sender sends it: a ``StreamResponse`` holding the
+    task as it stands."""
+    return json.dumps(MessageToDict(StreamResponse(task=task_of(task))), separators=(",", ":"))
+
+
+def push_headers(callback: Mapping[str, Any] | None) -> dict[str, str]:
+    """The config's token, and its credentials when it gave some (A2A's push headers)."""
+    if not is_push(callback):
+        return {}
+    a2a = callback["a2a"]  # type: ignore[index]
+    headers: dict[str, str] = {}
+    if a2a.get("token"):
+        headers["X-A2A-Notification-Token"] = a2a["token"]
+    auth = a2a.get("authentication") or {}
+    if auth.get("scheme") and auth.get("credentials"):
+        headers["Authorization"] = f"{auth['scheme']} {auth['credentials']}"
+    return headers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -44,9 +45,17 @@ class Intake:
     dispatcher: Dispatcher
     event_log: EventLog
 
-    async def submit(self, caller: Principal, envelope: Envelope, *, trace_id: str) -> Accepted:
+    async def submit(
+        self,
+        caller: Principal,
+        envelope: Envelope,
+        *,
+        trace_id: str,
+        callback: dict[str, Any] | None = None,
+    ) -> Accepted:
         """The accepted task (or the one its idempotency key already made); raises a
-        ReachError with the code that says why not."""
+        ReachError with the code that says why not. ``callback``: the task's callback as
+        stored, in place of the envelope's (an A2A push config; ``broker.facades.a2a``)."""
         if not any_pattern_allows(caller.capabilities, envelope.capability):
             raise Forbidden(
                 f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
@@ -59,9 +68,11 @@ class Intake:
             cache=self.cards,
         )
         await self.queue_bound.check(queue)
-        if envelope.callback is not None:
+        if callback is None and envelope.callback is not None:
+            callback = envelope.callback.model_dump()
+        if callback is not None:
             allow = self.settings.webhook_allow
-            url = envelope.callback.url
+            url = callback["url"]
             await vet_callback(self.engine, self.lookups, caller.tenant, url, allow=allow)
         accepted = await submission.submit(
             self.inserter,
@@ -72,6 +83,7 @@ class Intake:
             queue=queue,
             trace_id=trace_id,
             settings=self.settings,
+            callback=callback,
         )
         row = accepted.row
         log.info(

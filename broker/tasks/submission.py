@@ -81,7 +81,12 @@ def _ttl_s(envelope: Envelope, settings: Settings) -> int:
 
 
 def _values(
-    principal: Principal, envelope: Envelope, queue: str, trace_id: str, settings: Settings
+    principal: Principal,
+    envelope: Envelope,
+    queue: str,
+    trace_id: str,
+    settings: Settings,
+    callback: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     digest, size = jsonbody.digest(envelope.payload)
     if size > settings.max_payload_bytes:
@@ -110,7 +115,7 @@ def _values(
         "source": envelope.source,
         "metadata": envelope.metadata,
         "idempotency_key": envelope.idempotency_key,
-        "callback": envelope.callback.model_dump() if envelope.callback else None,
+        "callback": callback,
         "result_ttl_s": ttl_s,
         "created_at": now,
         "deadline_at": deadline_at,
@@ -129,8 +134,10 @@ async def submit(
     queue: str,
     trace_id: str,
     settings: Settings,
+    callback: dict[str, Any] | None = None,
 ) -> Accepted:
-    values = _values(principal, envelope, queue, trace_id, settings)
+    """``callback``: the task's callback as stored (``Intake.submit`` gives it)."""
+    values = _values(principal, envelope, queue, trace_id, settings, callback)
     engine = inserter.engine
     for _ in range(2):
         if await inserter.insert(values):

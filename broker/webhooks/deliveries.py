@@ -10,7 +10,7 @@ in flight; past it the claim answers ``Busy``. Attempts whose worker died are th
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,9 +18,11 @@ from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import callback_secrets_table as callback_secrets
+from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
+from broker.facades import a2a
 from broker.webhooks.policy import PENDING, SENDING, Outcome, Verdict, status_after
 
 EXCERPT_MAX = 512
@@ -44,6 +46,8 @@ class Claimed:
     final_attempt: int
     secrets: tuple[str, ...]  # every secret that signs now: the new one first
     disabled: bool  # the subscription was disabled (410) after this was written
+    # Sent besides the signature: an A2A push config's token and credentials.
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ def claim(
         if row is None:
             return None
         valid, disabled = _signing(conn, dict(row._mapping))
+        headers = _callback_headers(conn, row.task_id) if row.webhook_id is None else {}
     return Claimed(
         delivery_id=row.id,
         webhook_id=row.webhook_id,
@@ -109,7 +114,13 @@ def claim(
         final_attempt=row.final_attempt,
         secrets=valid,
         disabled=disabled,
+        headers=headers,
     )
+
+
+def _callback_headers(conn: Connection, task_id: uuid.UUID) -> dict[str, str]:
+    callback = conn.execute(select(tasks.c.callback).where(tasks.c.id == task_id)).scalar()
+    return a2a.push_headers(callback)
 
 
 def _signing(conn: Connection, delivery: dict[str, Any]) -> tuple[tuple[str, ...], bool]:

@@ -19,6 +19,7 @@ from broker.db.models import as_task_row
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
+from broker.facades import a2a
 from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
 from broker.tasks.resource import TaskRow, new_task_id, render
@@ -33,6 +34,14 @@ def body_of(event_type: str, task: TaskRow, at: datetime) -> str:
     """The message body: ``{"type", "timestamp", "data": <the task resource>}``."""
     message = {"type": event_type, "timestamp": iso(at), "data": render(task)}
     return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+
+
+def _body_for(target: Target, task: TaskRow, body: str) -> str:
+    """A task's own callback set as an A2A push config gets A2A's body; every other
+    endpoint gets ``body_of``'s."""
+    if target[0] is None and a2a.is_push(task.get("callback")):
+        return a2a.push_body(render(task))
+    return body
 
 
 def targets(conn: Connection, task: TaskRow, event_type: str) -> list[Target]:
@@ -75,7 +84,9 @@ def fanout(
         if not found:
             return []
         body = body_of(event_type, task, now)
-        values = [_delivery(task, event_type, t, body, now, settings) for t in found]
+        values = [
+            _delivery(task, event_type, t, _body_for(t, task, body), now, settings) for t in found
+        ]
         conn.execute(insert(deliveries).values(values).on_conflict_do_nothing())
         waiting = select(deliveries.c.id).where(
             deliveries.c.task_id == task_id,

@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import callback_secrets_table as callback_secrets
+from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
 from broker.errors import BadRequest
 from broker.registry.capabilities import is_valid_pattern
@@ -177,4 +178,18 @@ async def vet_callback(
         raise BadRequest(
             "create the secret that signs callbacks first: POST /callbacks/secret",
             code="callback_secret_missing",
+        )
+
+
+async def set_callback(
+    engine: AsyncEngine, tenant: str, task_id: uuid.UUID, callback: dict[str, Any] | None
+) -> None:
+    """Set (or, with None, clear) a task's callback after it was accepted: an A2A push config
+    (``broker.facades.a2a``), vetted like any other by ``vet_callback`` first. Events already
+    fanned out keep the endpoints they had."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            update(tasks)
+            .where(tasks.c.id == task_id, tasks.c.tenant == tenant)
+            .values(callback=callback)
         )

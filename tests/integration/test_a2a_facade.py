@@ -17,9 +17,13 @@ from a2a.client.auth import AuthInterceptor, CredentialService
 from a2a.client.client import Client
 from a2a.types import (
     AgentCard,
+    AuthenticationInfo,
     CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
     GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
     GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
     ListTasksRequest,
     Message,
     Part,
@@ -28,15 +32,18 @@ from a2a.types import (
     SendMessageRequest,
     StreamResponse,
     SubscribeToTaskRequest,
+    TaskPushNotificationConfig,
     TaskState,
 )
-from a2a.utils.errors import TaskNotFoundError
+from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
+from standardwebhooks import Webhook
 
 from broker.remote.a2a_json import to_json
 from broker.settings import Settings
 from tests.integration.conftest import KeyMaker
+from tests.integration.receiver import Receiver
 from tests.integration.stack import CeleryProcess, ServedApp
 
 TEXT = (
@@ -84,8 +91,9 @@ class Clients:
         *,
         streaming: bool = False,
         binding: str = "JSONRPC",
+        tenant: str | None = None,
     ) -> tuple[Client, AgentCard]:
-        _, token = self.make_key(patterns)
+        _, token = self.make_key(patterns, tenant)
         http = httpx.AsyncClient(timeout=30)
         self.opened.append(http)
         card = await A2ACardResolver(http, self.api.url).get_agent_card()
@@ -356,3 +364,110 @@ def test_a_body_past_the_limits_is_refused_before_the_sdk_reads_it(
     too_large = rpc(api, token, huge)
     assert too_large.status_code == 413
     assert too_large.json()["code"] == "body_too_large"
+
+
+def callback_secret(api: ServedApp, make_key: KeyMaker, tenant: str) -> str:
+    _, admin = make_key(tenant=tenant, tenant_admin=True)
+    answer = httpx.post(f"{api.url}/callbacks/secret", headers={"Authorization": f"Bearer {admin}"})
+    assert answer.status_code == 201, answer.text
+    secret: str = answer.json()["secret"]
+    return secret
+
+
+def test_a_push_config_sent_with_the_message_delivers_the_finished_task_signed(
+    a2a: Clients, api: ServedApp, make_key: KeyMaker
+) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    secret = callback_secret(api, make_key, tenant)
+
+    async def run() -> None:
+        client, _ = await a2a(tenant=tenant)
+        with Receiver() as receiver:
+            push = TaskPushNotificationConfig(url=receiver.url, token="tok-1")
+            push.authentication.CopyFrom(AuthenticationInfo(scheme="Bearer", credentials="c-1"))
+            sent = await collect(
+                client.send_message(
+                    SendMessageRequest(
+                        message=message("echo", data={"a": 1}),
+                        configuration=SendMessageConfiguration(
+                            return_immediately=True, task_push_notification_config=push
+                        ),
+                    )
+                )
+            )
+            task_id = sent[-1].task.id
+            [call] = await asyncio.to_thread(receiver.wait_for, 1)
+        body = json.loads(call.body)
+        assert body["task"]["id"] == task_id
+        assert body["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+        assert body["task"]["artifacts"][0]["parts"][0]["data"] == {"a": 1}
+        assert call.headers["x-a2a-notification-token"] == "tok-1"
+        assert call.headers["authorization"] == "Bearer c-1"
+        Webhook(secret).verify(call.body, call.headers)  # raises unless signed by the tenant
+
+    a2a.run(run)
+
+
+def test_push_configs_are_created_read_listed_and_deleted_on_a_running_task(
+    a2a: Clients, api: ServedApp, make_key: KeyMaker
+) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    callback_secret(api, make_key, tenant)
+
+    async def run() -> None:
+        client, _ = await a2a(tenant=tenant)
+        with Receiver() as receiver:
+            sent = await collect(
+                client.send_message(
+                    SendMessageRequest(
+                        message=message("test.sleepy", data={"sleep_s": 1.5}),
+                        configuration=SendMessageConfiguration(return_immediately=True),
+                    )
+                )
+            )
+            task_id = sent[-1].task.id
+            created = await client.create_task_push_notification_config(
+                TaskPushNotificationConfig(task_id=task_id, id="mine", url=receiver.url)
+            )
+            assert (created.id, created.task_id, created.url) == ("mine", task_id, receiver.url)
+            got = await client.get_task_push_notification_config(
+                GetTaskPushNotificationConfigRequest(task_id=task_id, id="mine")
+            )
+            assert got.url == receiver.url
+            listed = await client.list_task_push_notification_configs(
+                ListTaskPushNotificationConfigsRequest(task_id=task_id)
+            )
+            assert [c.id for c in listed.configs] == ["mine"]
+            [call] = await asyncio.to_thread(receiver.wait_for, 1)
+            assert json.loads(call.body)["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+        await client.delete_task_push_notification_config(
+            DeleteTaskPushNotificationConfigRequest(task_id=task_id, id="mine")
+        )
+        empty = await client.list_task_push_notification_configs(
+            ListTaskPushNotificationConfigsRequest(task_id=task_id)
+        )
+        assert list(empty.configs) == []
+
+    a2a.run(run)
+
+
+def test_a_push_config_to_a_refused_address_is_invalid_params(
+    a2a: Clients, api: ServedApp, make_key: KeyMaker
+) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    callback_secret(api, make_key, tenant)
+
+    async def run() -> None:
+        client, _ = await a2a(tenant=tenant)
+        sent = await collect(
+            client.send_message(SendMessageRequest(message=message("echo", data={})))
+        )
+        with pytest.raises(InvalidParamsError) as refused:
+            await client.create_task_push_notification_config(
+                TaskPushNotificationConfig(
+                    task_id=sent[-1].task.id, url="http://169.254.169.254/latest/meta-data"
+                )
+            )
+        assert (refused.value.data or {}).get("code") == "url_not_allowed"
+
+    a2a.run(run)

@@ -133,7 +133,10 @@ class Webhooks:
         if not claimed.secrets:
             return policy.Outcome(error="no signing secret for this endpoint", transient=False)
         message_id = deliveries.message_id(claimed.delivery_id)
-        headers = signing.headers(claimed.secrets, message_id, int(time.time()), claimed.body)
+        headers = {
+            **claimed.headers,
+            **signing.headers(claimed.secrets, message_id, int(time.time()), claimed.body),
+        }
         headers["X-Trace-Id"] = claimed.trace_id
         headers["traceparent"] = traceparent(claimed.trace_id)
         return send(
