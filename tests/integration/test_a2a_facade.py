@@ -64,11 +64,15 @@ class Key(CredentialService):
         return self.token if scheme == "bearer" else None
 
 
-def message(capability: str, *, data: Any = None, text: str | None = None) -> Message:
+def message(
+    capability: str, *, data: Any = None, text: str | None = None, context: str = ""
+) -> Message:
     parts = [Part(text=text)] if text is not None else []
     if data is not None:
         parts.append(Part(data=ParseDict(data, struct_pb2.Value())))
-    sent = Message(message_id=str(uuid.uuid4()), role=Role.ROLE_USER, parts=parts)
+    sent = Message(
+        message_id=str(uuid.uuid4()), role=Role.ROLE_USER, parts=parts, context_id=context
+    )
     sent.metadata.update({"capability": capability})
     return sent
 
@@ -471,3 +475,30 @@ def test_a_push_config_to_a_refused_address_is_invalid_params(
         assert (refused.value.data or {}).get("code") == "url_not_allowed"
 
     a2a.run(run)
+
+
+def test_the_context_id_is_the_session_and_lists_filter_by_it(
+    a2a: Clients, api: ServedApp, make_key: KeyMaker
+) -> None:
+    tenant, token = make_key()
+    answer = httpx.post(
+        f"{api.url}/sessions", json={}, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert answer.status_code == 201, answer.text
+    session_id = answer.json()["session_id"]
+
+    async def run() -> None:
+        client, _ = await a2a(tenant=tenant)
+        in_session = message("echo", data={"turn": 1}, context=session_id)
+        done = await collect(client.send_message(SendMessageRequest(message=in_session)))
+        await collect(client.send_message(SendMessageRequest(message=message("echo", data={}))))
+        assert done[-1].task.context_id == session_id
+        listed = await client.list_tasks(ListTasksRequest(context_id=session_id))
+        assert [t.id for t in listed.tasks] == [done[-1].task.id]
+
+    a2a.run(run)
+
+
+def test_the_a2a_routes_show_in_the_openapi_document(api: ServedApp) -> None:
+    paths = httpx.get(f"{api.url}/openapi.json").json()["paths"]
+    assert {"/.well-known/agent-card.json", "/a2a/jsonrpc", "/a2a/rest/message:send"} <= set(paths)
