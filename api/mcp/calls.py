@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from typing import Any
 
@@ -30,7 +31,7 @@ from starlette.requests import Request
 from api import replies
 from api.mcp import tools
 from api.services import Services
-from broker import outages
+from broker import jsonbody, outages
 from broker.errors import ReachError, Unavailable
 from broker.registry import cards
 from broker.tasks import queries
@@ -81,7 +82,12 @@ class Calls:
     ) -> CallToolResult:
         svc = self.svc
         await svc.door.take(caller.tenant)
-        envelope = parse_envelope({"capability": capability, "payload": payload, "source": SOURCE})
+        # The arguments meet the checks a POST body meets (NUL, lone surrogates, NaN, huge
+        # integers, depth): the SDK's parser let them through, Postgres would refuse them.
+        checked = jsonbody.parse(
+            json.dumps(payload).encode(), max_depth=svc.settings.max_json_depth
+        )
+        envelope = parse_envelope({"capability": capability, "payload": checked, "source": SOURCE})
         accepted = await svc.intake.submit(caller, envelope, trace_id=_request(ctx).state.trace_id)
         task_id = accepted.row["id"]
         forwarding = None

@@ -193,6 +193,16 @@ def test_a_payload_the_card_refuses_is_a_tool_error(
     assert answer.structured_content["error"]["code"] == "payload_invalid"
 
 
+def test_arguments_meet_the_checks_a_request_body_meets(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    answer = call(api, tenant[1], "echo", {"text": "a\x00b"})
+
+    assert answer.is_error
+    assert answer.structured_content is not None
+    assert answer.structured_content["error"]["code"] == "invalid_string"
+
+
 def test_another_tenants_task_is_not_found(
     api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
 ) -> None:
@@ -267,6 +277,22 @@ def test_bad_requests_never_get_a_500(
         answers.append(http.delete("/mcp", headers=headers))
 
     assert [a.status_code for a in answers if a.status_code >= 500] == []
+
+
+def test_allowed_hosts_keep_out_other_host_names(
+    settings: Settings, tenant: tuple[str, str]
+) -> None:
+    guarded = settings.model_copy(update={"mcp_allowed_hosts": ["reach.example:*"]})
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    with ServedApp(create_app(guarded)) as api, client_for(api, tenant[1]) as http:
+        other = http.post("/mcp", json=body, headers=accept)
+        named = http.post(
+            "/mcp", json=body, headers={**accept, "Host": f"reach.example:{api.port}"}
+        )
+
+    assert other.status_code == 421
+    assert named.status_code == 200
 
 
 def test_the_openapi_document_shows_the_mcp_endpoint(api: ServedApp) -> None:
