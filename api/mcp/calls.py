@@ -25,6 +25,7 @@ from mcp_types import (
     CallToolResult,
     ListToolsResult,
     PaginatedRequestParams,
+    Tool,
 )
 from starlette.requests import Request
 
@@ -47,6 +48,8 @@ PROGRESS_DRAIN_S = 1.0
 
 
 class Calls:
+    """The handlers the SDK's ``Server`` calls, bound to the app's services."""
+
     def __init__(self, svc: Services) -> None:
         self.svc = svc
 
@@ -73,7 +76,7 @@ class Calls:
         except outages.INFRASTRUCTURE_ERRORS:
             return tools.refusal(Unavailable("a backing service cannot be reached"))
 
-    async def _tools(self, ctx: Context) -> list[Any]:
+    async def _tools(self, ctx: Context) -> list[Tool]:
         known = await cards.latest_cards(self.svc.engine, self.svc.card_cache)
         return [*tools.capability_tools(known, _caller(ctx)), *tools.TASK_TOOLS]
 
