@@ -65,13 +65,13 @@ from api import errors, replies
 from api.deps import authenticate, read_json_body
 from api.services import Services
 from broker import jsonbody
-from broker.errors import NotFound, ReachError
+from broker.errors import Conflict, NotFound, ReachError
 from broker.facades import a2a as mapping
 from broker.registry import cards
 from broker.remote.a2a_json import to_json
 from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
-from broker.tasks.resource import FINAL, TaskRow, parse_task_id, render
+from broker.tasks.resource import FINAL, TaskRow, render
 from broker.tenancy.keys import Principal
 from broker.webhooks.subscriptions import set_callback, vet_callback
 
@@ -207,15 +207,10 @@ class ReachRequestHandler(RequestHandler):
     # -- reading and cancelling ----------------------------------------------------------
 
     async def _visible(self, caller: Principal, task_id: str) -> TaskRow:
-        tid = parse_task_id(task_id)
-        row = (
-            None
-            if tid is None
-            else await queries.get_task(self.svc.engine, caller.tenant, tid, patterns=caller.sees)
-        )
-        if row is None:
-            raise TaskNotFoundError
-        return row
+        try:
+            return await queries.visible_task(self.svc.engine, caller, task_id)
+        except NotFound:
+            raise TaskNotFoundError from None
 
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task:
         return mapping.task_of(render(await self._visible(_principal(context), params.id)))
@@ -249,12 +244,12 @@ class ReachRequestHandler(RequestHandler):
         )
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
-        caller = _principal(context)
-        tid = parse_task_id(params.id)
-        row = None if tid is None else await self.svc.canceller.cancel_task(caller, tid)
-        if row is None:
-            current = await self._visible(caller, params.id)
-            raise TaskNotCancelableError(message=f"the task is already {current['status']}")
+        try:
+            row = await self.svc.canceller.cancel_visible(_principal(context), params.id)
+        except NotFound:
+            raise TaskNotFoundError from None
+        except Conflict as exc:
+            raise TaskNotCancelableError(message=exc.message) from None
         return mapping.task_of(render(row))
 
     # -- push notifications (the task's callback) -------------------------------------------
@@ -328,18 +323,9 @@ class ReachRequestHandler(RequestHandler):
 
 
 async def skills(svc: Services, caller: Principal) -> list[AgentSkill]:
-    """One skill per capability the key may see, described by one of its cards."""
-    known = await cards.known_capabilities(svc.engine)
-    found: list[AgentSkill] = []
-    for capability, served_by in known.items():
-        if not caller.may_see(capability):
-            continue
-        first = served_by[0]
-        document = await cards.card(
-            svc.engine, svc.card_cache, (first["agent_id"], first["version"], capability)
-        )
-        found.append(skill_of(capability, document or {}))
-    return found
+    """One skill per capability the key may run, described by the card advertised last."""
+    latest = await cards.latest_cards(svc.engine, svc.card_cache)
+    return [skill_of(name, card) for name, card in cards.offered(latest, caller).items()]
 
 
 def skill_of(capability: str, card: Mapping[str, Any]) -> AgentSkill:

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import a2a, errors, system_gauges
+from api.mcp import McpFacade
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
 from api.services import Services
@@ -19,6 +20,7 @@ from broker.settings import Settings
 
 def create_app(settings: Settings) -> FastAPI:
     svc = Services.build(settings)
+    mcp = McpFacade(svc)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -26,7 +28,8 @@ def create_app(settings: Settings) -> FastAPI:
             system_gauges.keep_fresh(svc, settings.metrics_refresh_s),
             name="reach-system-gauges",
         )
-        yield
+        async with mcp.running():
+            yield
         gauges.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await gauges
@@ -61,6 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(callbacks.router)
     app.include_router(sessions.router)
+    app.include_router(mcp.router)
     a2a.mount(app, svc)
     return app
 

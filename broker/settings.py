@@ -57,6 +57,12 @@ class Settings(BaseSettings):
 
     # reply_mode sync waits at most this long (and never past the task's deadline).
     sync_max_wait_s: float = Field(30.0, gt=0, le=300)
+    # An MCP tool call waits this long for its task; after it, it answers with the task's id
+    # and status for the model to poll (an MCP host's own request timeout is often 60 s).
+    mcp_wait_s: float = Field(20.0, gt=0, le=300)
+    # The Host names /mcp answers to (``name`` or ``name:*`` for any port), against DNS
+    # rebinding; empty: any, since every call must carry a bearer key a page cannot forge.
+    mcp_allowed_hosts: Annotated[list[str], NoDecode] = []
     # SSE: a ': ping' after this much silence; a client not reading for send_timeout is dropped.
     sse_ping_s: float = Field(15.0, gt=0)
     sse_send_timeout_s: float = Field(30.0, gt=0)
@@ -155,7 +161,12 @@ class Settings(BaseSettings):
     worker_metrics_host: str = "127.0.0.1"
 
     @field_validator(
-        "agents", "webhook_allow", "webhook_schedule_s", "agent_networks", mode="before"
+        "agents",
+        "webhook_allow",
+        "webhook_schedule_s",
+        "agent_networks",
+        "mcp_allowed_hosts",
+        mode="before",
     )
     @classmethod
     def _split_modules(cls, value: object) -> object:

@@ -15,12 +15,12 @@ from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
 from broker import jsonbody
-from broker.errors import BadRequest, Conflict, NotFound
+from broker.errors import BadRequest
 from broker.observability import metrics
 from broker.registry.capabilities import is_valid_name
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope, parse_envelope
-from broker.tasks.resource import Status, TaskRow, parse_task_id, render
+from broker.tasks.resource import Status, render
 from broker.tenancy.keys import Principal
 
 log = logging.getLogger("reach.api")
@@ -81,7 +81,7 @@ async def task_events(
 ) -> EventStreamResponse:
     """SSE: the task's events from the start, or after ``Last-Event-ID``; ends after the final
     event. Opening it on a finished task replays the log."""
-    tid = (await _visible_task(request, caller, task_id))["id"]
+    tid = (await queries.visible_task(services(request).engine, caller, task_id))["id"]
     after = 0
     if last_event_id is not None:
         if not last_event_id.strip().isdigit() or len(last_event_id.strip()) > 18:
@@ -96,21 +96,9 @@ async def task_events(
 async def get_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
     """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
     key's patterns are all 404."""
-    return JSONResponse(render(await _visible_task(request, caller, task_id)))
-
-
-async def _visible_task(request: Request, caller: Principal, task_id: str) -> TaskRow:
-    """The task if this key may see it, else 404 (a task it may not see does not exist)."""
-    tid = parse_task_id(task_id)
-    engine = services(request).engine
-    row = (
-        None
-        if tid is None
-        else await queries.get_task(engine, caller.tenant, tid, patterns=caller.sees)
+    return JSONResponse(
+        render(await queries.visible_task(services(request).engine, caller, task_id))
     )
-    if row is None:
-        raise NotFound("no such task", code="task_not_found")
-    return row
 
 
 @router.get("/tasks", response_model=TaskList, responses=ERROR_RESPONSES)
@@ -143,10 +131,4 @@ async def list_tasks(
 async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
     """Cancel a queued or running task: it ends ``cancelled``. A running agent is told through
     its context, and stopped outright when its card says it is cancellable. 409 if final."""
-    tid = parse_task_id(task_id)
-    canceller = services(request).canceller
-    row = None if tid is None else await canceller.cancel_task(caller, tid)
-    if row is None:
-        current = await _visible_task(request, caller, task_id)
-        raise Conflict(f"the task is already {current['status']}", code="task_final")
-    return JSONResponse(render(row))
+    return JSONResponse(render(await services(request).canceller.cancel_visible(caller, task_id)))

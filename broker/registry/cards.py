@@ -1,15 +1,19 @@
 """The cards agents have advertised, as the broker reads them: one card, the capabilities some
-card has served, and who serves each capability."""
+card has served, who serves each capability, and the card a caller is shown of each."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
 from broker.db.models import agent_cards_table as cards
+from broker.registry.capabilities import any_pattern_allows
+from broker.tenancy.keys import Principal
 
 CardKey = tuple[str, str, str]  # agent_id, version, capability
 
@@ -46,3 +50,31 @@ async def known_capabilities(engine: AsyncEngine) -> dict[str, list[dict[str, An
     for r in rows:
         found.setdefault(r.capability, []).append({"agent_id": r.agent_id, "version": r.version})
     return found
+
+
+async def latest_cards(engine: AsyncEngine, cache: TimedCache) -> dict[str, dict[str, Any]]:
+    """Each capability some card has served, with the card advertised last for it: what the
+    protocol facades show a caller of a capability (its description and input schema)."""
+    found, value = cache.get("latest_cards")
+    if found:
+        return value  # type: ignore[no-any-return]
+    query = (
+        select(cards.c.capability, cards.c.card)
+        .ext(distinct_on(cards.c.capability))
+        .order_by(cards.c.capability, cards.c.last_seen_at.desc(), cards.c.version.desc())
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    return cache.put("latest_cards", {r.capability: r.card for r in rows})  # type: ignore[no-any-return]
+
+
+def offered(
+    latest: Mapping[str, Mapping[str, Any]], caller: Principal
+) -> dict[str, Mapping[str, Any]]:
+    """Of ``latest_cards``, the capabilities ``caller`` may run: what the protocol facades
+    offer a key (its A2A skills, its MCP tools)."""
+    return {
+        capability: card
+        for capability, card in latest.items()
+        if any_pattern_allows(caller.capabilities, capability)
+    }

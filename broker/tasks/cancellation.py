@@ -18,12 +18,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from broker.cache import TimedCache
 from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
+from broker.errors import Conflict
 from broker.registry import cards as card_reads
 from broker.registry.model import capability_of
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.events import EventLog
-from broker.tasks.queries import allowed_by
-from broker.tasks.resource import CANCEL, TaskRow, task_error
+from broker.tasks.queries import allowed_by, visible_task
+from broker.tasks.resource import CANCEL, TaskRow, parse_task_id, task_error
 from broker.tenancy.keys import Principal
 from broker.webhooks.events import event_for_status
 
@@ -77,6 +78,16 @@ class Canceller:
     cards: TimedCache
     dispatcher: Dispatcher
     event_log: EventLog
+
+    async def cancel_visible(self, caller: Principal, task_id: str) -> TaskRow:
+        """The cancelled task; ``task_not_found`` when the key may not see it, ``task_final``
+        when it has ended already."""
+        tid = parse_task_id(task_id)
+        row = None if tid is None else await self.cancel_task(caller, tid)
+        if row is None:
+            current = await visible_task(self.engine, caller, task_id)
+            raise Conflict(f"the task is already {current['status']}", code="task_final")
+        return row
 
     async def cancel_task(self, caller: Principal, task_id: uuid.UUID) -> TaskRow | None:
         """The cancelled row; None when nothing was cancelled (see ``cancel``)."""

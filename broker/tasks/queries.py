@@ -16,7 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from broker.db.models import as_task_row
 from broker.db.models import tasks_table as tasks
 from broker.db.paging import newest_first
-from broker.tasks.resource import TaskRow
+from broker.errors import NotFound
+from broker.tasks.resource import TaskRow, parse_task_id
+from broker.tenancy.keys import Principal
 
 EVERY_CAPABILITY = ("*",)
 
@@ -52,6 +54,16 @@ async def get_task(
     async with engine.connect() as conn:
         row = (await conn.execute(query)).first()
     return as_task_row(row) if row is not None else None
+
+
+async def visible_task(engine: AsyncEngine, caller: Principal, task_id: str) -> TaskRow:
+    """The task if this key may see it, else ``task_not_found``: unknown, expired, other
+    tenants' ids and tasks of capabilities outside the key's patterns do not exist for it."""
+    tid = parse_task_id(task_id)
+    row = None if tid is None else await get_task(engine, caller.tenant, tid, patterns=caller.sees)
+    if row is None:
+        raise NotFound("no such task", code="task_not_found")
+    return row
 
 
 async def list_tasks(

@@ -1,0 +1,141 @@
+"""The MCP server's two handlers: ``tools/list`` and ``tools/call``, on the API's services.
+
+The caller was authenticated before the request reached the SDK (``api.mcp.route``) and
+rides on the request's state. A capability's tool submits through the same intake as
+``POST /tasks`` (after a token of the tenant's rate, as a submit takes), then waits as a sync
+submit does; its task's ``progress`` events go to the client as progress notifications
+when the call carries a progress token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from typing import Any
+
+from mcp.server.context import ServerRequestContext
+from mcp.server.session import ServerSession
+from mcp.shared.exceptions import MCPError
+from mcp_types import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    CallToolRequestParams,
+    CallToolResult,
+    ListToolsResult,
+    PaginatedRequestParams,
+    Tool,
+)
+from starlette.requests import Request
+
+from api import replies
+from api.mcp import tools
+from api.services import Services
+from broker import jsonbody, outages
+from broker.errors import ReachError, Unavailable
+from broker.registry import cards
+from broker.tasks import queries
+from broker.tasks.envelope import parse_envelope
+from broker.tasks.events import PROGRESS
+from broker.tasks.resource import render
+from broker.tenancy.keys import Principal
+
+Context = ServerRequestContext[Any, Any]
+SOURCE = "mcp"  # the tasks' ``source``: where they came from, for the audit
+# After the task has ended, how long its progress notifications still sent may take.
+PROGRESS_DRAIN_S = 1.0
+
+
+class Calls:
+    """The handlers the SDK's ``Server`` calls, bound to the app's services."""
+
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
+
+    async def list_tools(
+        self, ctx: Context, params: PaginatedRequestParams | None
+    ) -> ListToolsResult:
+        return ListToolsResult(tools=await self._tools(ctx))
+
+    async def call_tool(self, ctx: Context, params: CallToolRequestParams) -> CallToolResult:
+        caller = _caller(ctx)
+        arguments = params.arguments or {}
+        try:
+            if params.name == tools.GET_TASK:
+                task = await queries.visible_task(self.svc.engine, caller, _task_id(arguments))
+                return tools.task_view(render(task))
+            if params.name == tools.CANCEL_TASK:
+                task = await self.svc.canceller.cancel_visible(caller, _task_id(arguments))
+                return tools.task_view(render(task))
+            if params.name not in {tool.name for tool in await self._tools(ctx)}:
+                raise MCPError(INVALID_PARAMS, f"no tool {params.name!r}")
+            return await self._run(ctx, caller, params.name, arguments)
+        except ReachError as exc:
+            return tools.refusal(exc)
+        except outages.INFRASTRUCTURE_ERRORS:
+            return tools.refusal(Unavailable("a backing service cannot be reached"))
+
+    async def _tools(self, ctx: Context) -> list[Tool]:
+        known = await cards.latest_cards(self.svc.engine, self.svc.card_cache)
+        return [*tools.capability_tools(known, _caller(ctx)), *tools.TASK_TOOLS]
+
+    async def _run(
+        self, ctx: Context, caller: Principal, capability: str, payload: dict[str, Any]
+    ) -> CallToolResult:
+        svc = self.svc
+        await svc.door.take(caller.tenant)
+        # The arguments meet the checks a POST body meets (NUL, lone surrogates, NaN, huge
+        # integers, depth): the SDK's parser let them through, Postgres would refuse them.
+        checked = jsonbody.parse(
+            json.dumps(payload).encode(), max_depth=svc.settings.max_json_depth
+        )
+        envelope = parse_envelope({"capability": capability, "payload": checked, "source": SOURCE})
+        accepted = await svc.intake.submit(caller, envelope, trace_id=_request(ctx).state.trace_id)
+        task_id = accepted.row["id"]
+        forwarding = None
+        if ctx.meta and ctx.meta.get("progress_token") is not None:
+            forwarding = asyncio.create_task(_forward_progress(svc, task_id, ctx.session))
+        try:
+            finished = await replies.wait_until_final(
+                svc, caller.tenant, task_id, svc.settings.mcp_wait_s
+            )
+            if finished is not None and forwarding is not None:
+                await asyncio.wait({forwarding}, timeout=PROGRESS_DRAIN_S)
+        finally:
+            if forwarding is not None:
+                forwarding.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await forwarding
+        if finished is not None:
+            return tools.outcome(finished, ctx.protocol_version)
+        row = await queries.get_task(svc.engine, caller.tenant, task_id) or accepted.row
+        return tools.still_running(render(row))
+
+
+async def _forward_progress(svc: Services, task_id: uuid.UUID, session: ServerSession) -> None:
+    """Each ``progress`` event of the task as an MCP progress notification (percent of 100),
+    until its final event."""
+    async for event in svc.hub.events(str(task_id)):
+        if event is not None and event.type == PROGRESS:
+            data = event.data
+            await session.report_progress(float(data["percent"]), 100, data.get("message"))
+
+
+def _request(ctx: Context) -> Request:
+    """The HTTP request the call came in (``api.mcp.route`` serves no other transport)."""
+    if not isinstance(ctx.request, Request):
+        raise MCPError(INTERNAL_ERROR, "the MCP server is served over HTTP only")
+    return ctx.request
+
+
+def _caller(ctx: Context) -> Principal:
+    caller: Principal = _request(ctx).state.caller
+    return caller
+
+
+def _task_id(arguments: dict[str, Any]) -> str:
+    task_id = arguments.get("task_id")
+    if not isinstance(task_id, str):
+        raise MCPError(INVALID_PARAMS, "task_id (a string) is required")
+    return task_id

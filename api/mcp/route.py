@@ -1,0 +1,121 @@
+"""``/mcp``: the SDK's streamable HTTP transport (stateless) behind our own route.
+
+The route is an ordinary FastAPI route, so a request meets what every other request meets:
+the bearer key is checked by ``authenticate`` (401 problem+json before the SDK sees it), the
+trace id and the waiting limit apply, and ``/openapi.json`` documents it. Its answer hands
+the request to the SDK's session manager untouched (the body unread), with the caller on the
+request's state for the tool handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from mcp.server import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from starlette.types import Receive, Scope, Send
+
+from api.deps import authenticate
+from api.mcp.calls import Calls
+from api.schemas import ERROR_RESPONSES
+from api.services import Services
+from broker.settings import Settings
+from broker.tenancy.keys import Principal
+
+PATH = "/mcp"
+Caller = Annotated[Principal, Depends(authenticate)]
+INSTRUCTIONS = (
+    "Agent-Reach runs each tool as a task on an agent. A call that has not finished within "
+    "its wait answers with the task's id and status: poll it with reach_get_task."
+)
+JSON_RPC_REQUEST = {
+    "type": "object",
+    "required": ["jsonrpc", "method"],
+    "properties": {
+        "jsonrpc": {"const": "2.0"},
+        "id": {"type": ["string", "integer"]},
+        "method": {"type": "string", "examples": ["tools/list", "tools/call"]},
+        "params": {"type": "object"},
+    },
+}
+
+
+class McpFacade:
+    """The MCP server and its session manager; ``running()`` belongs in the app's lifespan."""
+
+    def __init__(self, svc: Services) -> None:
+        calls = Calls(svc)
+        server: Server[object] = Server(
+            "agent-reach",
+            version="0.1.0",
+            instructions=INSTRUCTIONS,
+            on_list_tools=calls.list_tools,
+            on_call_tool=calls.call_tool,
+        )
+        self.manager = StreamableHTTPSessionManager(
+            app=server,
+            stateless=True,
+            security_settings=_host_check(svc.settings),
+            max_request_body_size=svc.settings.max_body_bytes,
+        )
+        self.router = self._router()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with self.manager.run():
+            yield
+
+    def _router(self) -> APIRouter:
+        router = APIRouter(tags=["mcp"])
+
+        async def mcp(request: Request, caller: Caller) -> Response:
+            """MCP over streamable HTTP, stateless: one JSON-RPC request per POST, answered as
+            JSON or as an SSE stream that carries its progress notifications. Tools: one per
+            capability the key may run, plus ``reach_get_task`` and ``reach_cancel_task``."""
+            request.state.caller = caller
+            return _HandedOver(self.manager)
+
+        router.add_api_route(
+            PATH,
+            mcp,
+            methods=["POST"],
+            responses={
+                **ERROR_RESPONSES,
+                200: {"content": {"application/json": {}, "text/event-stream": {}}},
+            },
+            openapi_extra={
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": JSON_RPC_REQUEST}},
+                }
+            },
+        )
+        # POST only: stateless, there is no stream for GET to open nor a session to DELETE
+        # (the SDK would hold a GET open for nothing); both get 405 as the spec allows.
+        return router
+
+
+class _HandedOver(Response):
+    """The answer the SDK's transport writes itself."""
+
+    def __init__(self, manager: StreamableHTTPSessionManager) -> None:
+        super().__init__()
+        self.manager = manager
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.manager.handle_request(scope, receive, send)
+
+
+def _host_check(settings: Settings) -> TransportSecuritySettings:
+    """Host (and Origin) names checked against ``mcp_allowed_hosts``, when it lists any."""
+    hosts = settings.mcp_allowed_hosts
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=bool(hosts),
+        allowed_hosts=hosts,
+        allowed_origins=[f"{scheme}://{host}" for host in hosts for scheme in ("http", "https")],
+    )

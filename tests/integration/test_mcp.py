@@ -1,0 +1,304 @@
+"""The MCP facade at /mcp, driven by the `mcp` SDK's own client over streamable HTTP against
+the real API and worker: both the 2026-07-28 protocol (what the client picks by default) and
+the handshake era (what most hosts still speak)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult, TextContent
+
+from api.app import create_app
+from broker.settings import Settings
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.stack import CeleryProcess, ServedApp
+
+MODES = ["auto", "legacy"]  # auto: the client probes and speaks 2026-07-28 to us
+TASK_TOOLS = {"reach_get_task", "reach_cancel_task"}
+THREE_SENTENCES = (
+    "Agent-Reach brokers tasks for agents. It routes each capability to a live worker. "
+    "Results come back through polling, waiting, streams or webhooks."
+)
+
+
+@asynccontextmanager
+async def connected(api: ServedApp, token: str | None, mode: str = "auto") -> AsyncIterator[Client]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = httpx2.Timeout(30, read=60)
+    async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http:
+        transport = streamable_http_client(f"{api.url}/mcp", http_client=http)
+        async with Client(transport, mode=mode) as client:
+            yield client
+
+
+def call(
+    api: ServedApp, token: str, name: str, arguments: dict[str, Any], mode: str = "auto"
+) -> CallToolResult:
+    async def one() -> CallToolResult:
+        async with connected(api, token, mode) as client:
+            return await client.call_tool(name, arguments)
+
+    return asyncio.run(one())
+
+
+def tool_names(api: ServedApp, token: str) -> set[str]:
+    async def listed() -> set[str]:
+        async with connected(api, token) as client:
+            return {tool.name for tool in (await client.list_tools()).tools}
+
+    return asyncio.run(listed())
+
+
+def text_json(result: CallToolResult) -> Any:
+    first = result.content[0]
+    assert isinstance(first, TextContent)
+    return json.loads(first.text)
+
+
+@pytest.fixture(scope="module")
+def impatient_api(settings: Settings) -> Iterator[ServedApp]:
+    """An API whose MCP calls wait half a second for their task."""
+    with ServedApp(create_app(settings.model_copy(update={"mcp_wait_s": 0.5}))) as served:
+        yield served
+
+
+def started_sleeper(api: ServedApp, token: str, sleep_s: float) -> str:
+    """A test.sleepy task, called through MCP, that outlasts the call's wait: its task id."""
+    answer = call(api, token, "test.sleepy", {"sleep_s": sleep_s})
+    assert not answer.is_error
+    assert answer.structured_content is not None
+    assert set(answer.structured_content) == {"task_id", "status"}
+    assert answer.structured_content["status"] in {"queued", "running"}
+    task_id: str = answer.structured_content["task_id"]
+    return task_id
+
+
+def polled(api: ServedApp, token: str, task_id: str, status: str) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        found = call(api, token, "reach_get_task", {"task_id": task_id}).structured_content
+        assert isinstance(found, dict)
+        return found
+
+    return eventually(read, f"task {task_id} {status}", until=lambda t: t["status"] == status)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_tools_are_the_capabilities_and_echo_answers_its_payload(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess, mode: str
+) -> None:
+    payload = {"greeting": "hello over MCP", "n": 3, "nested": {"ok": True}}
+
+    async def session() -> tuple[str, dict[str, Any], CallToolResult]:
+        async with connected(api, tenant[1], mode) as client:
+            listed = {tool.name: tool for tool in (await client.list_tools()).tools}
+            answer = await client.call_tool("echo", payload)
+            return client.protocol_version, listed, answer
+
+    version, listed, answer = asyncio.run(session())
+
+    assert (version == "2026-07-28") == (mode == "auto")
+    assert {"echo", "text.summarize", *TASK_TOOLS} <= set(listed)
+    summarize = listed["text.summarize"]
+    assert summarize.input_schema["required"] == ["text"]
+    assert summarize.description is not None and "summar" in summarize.description.lower()
+    assert not answer.is_error
+    assert answer.structured_content == payload
+    assert text_json(answer) == payload
+
+
+def test_a_key_limited_to_echo_sees_one_capability_tool(api: ServedApp, make_key: KeyMaker) -> None:
+    _, token = make_key(["echo"])
+
+    assert tool_names(api, token) == {"echo", *TASK_TOOLS}
+
+
+def test_a_call_outlasting_its_wait_answers_the_task_id_to_poll(
+    impatient_api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    task_id = started_sleeper(impatient_api, tenant[1], sleep_s=2)
+
+    task = polled(impatient_api, tenant[1], task_id, "succeeded")
+
+    assert task["task_id"] == task_id
+    assert task["capability"] == "test.sleepy"
+    assert task["result"]["slept"] is True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_progress_events_arrive_as_progress_notifications(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess, mode: str
+) -> None:
+    seen: list[tuple[float, float | None, str | None]] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        seen.append((value, total, message))
+
+    async def session() -> CallToolResult:
+        async with connected(api, tenant[1], mode) as client:
+            payload = {"text": THREE_SENTENCES, "max_sentences": 3, "delay_s": 0.3}
+            return await client.call_tool("text.summarize", payload, progress_callback=progress)
+
+    answer = asyncio.run(session())
+
+    assert not answer.is_error
+    assert answer.structured_content is not None
+    assert len(answer.structured_content["sentences"]) == 3
+    assert [message for _, _, message in seen] == [f"sentence {i} of 3" for i in (1, 2, 3)]
+    assert [(value, total) for value, total, _ in seen] == [(33, 100), (67, 100), (100, 100)]
+
+
+def test_reach_cancel_task_cancels_a_running_task(
+    impatient_api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    task_id = started_sleeper(impatient_api, tenant[1], sleep_s=20)
+    polled(impatient_api, tenant[1], task_id, "running")
+
+    cancelled = call(impatient_api, tenant[1], "reach_cancel_task", {"task_id": task_id})
+
+    assert not cancelled.is_error
+    assert cancelled.structured_content is not None
+    assert cancelled.structured_content["status"] == "cancelled"
+    assert polled(impatient_api, tenant[1], task_id, "cancelled")["error"]["code"] == "cancelled"
+
+
+def test_a_failed_task_is_a_tool_error_carrying_its_error(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    answer = call(api, tenant[1], "echo", {"fail": "bad_invoice", "message": "no total"})
+
+    assert answer.is_error
+    assert answer.structured_content is not None
+    assert answer.structured_content["status"] == "failed"
+    assert answer.structured_content["error"]["code"] == "bad_invoice"
+
+
+def test_a_payload_the_card_refuses_is_a_tool_error(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    answer = call(api, tenant[1], "text.summarize", {"max_sentences": 2})
+
+    assert answer.is_error
+    assert answer.structured_content is not None
+    assert answer.structured_content["error"]["code"] == "payload_invalid"
+
+
+def test_arguments_meet_the_checks_a_request_body_meets(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    answer = call(api, tenant[1], "echo", {"text": "a\x00b"})
+
+    assert answer.is_error
+    assert answer.structured_content is not None
+    assert answer.structured_content["error"]["code"] == "invalid_string"
+
+
+def test_another_tenants_task_is_not_found(
+    api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    _, owner = make_key()
+    _, stranger = make_key()
+    with client_for(api, owner) as http:
+        task_id = http.post("/tasks", json={"capability": "echo", "payload": {}}).json()["task_id"]
+
+    for tool in ("reach_get_task", "reach_cancel_task"):
+        answer = call(api, stranger, tool, {"task_id": task_id})
+        assert answer.is_error
+        assert answer.structured_content == {
+            "error": {"code": "task_not_found", "message": "no such task"}
+        }
+    with client_for(api, owner) as http:
+        assert http.get(f"/tasks/{task_id}").json()["status"] != "cancelled"
+
+
+def test_tool_calls_take_the_tenants_rate_tokens(
+    settings: Settings, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    slow = settings.model_copy(update={"rate_limit_per_s": 0.001, "rate_limit_burst": 1})
+    _, token = make_key()
+    with ServedApp(create_app(slow)) as api:
+        first = call(api, token, "echo", {"i": 1})
+        second = call(api, token, "echo", {"i": 2})
+        reading = call(api, token, "reach_get_task", {"task_id": str(uuid.uuid4())})
+
+    assert first.structured_content == {"i": 1}
+    assert second.is_error
+    assert second.structured_content is not None
+    assert second.structured_content["error"]["code"] == "rate_limited"
+    assert reading.structured_content is not None
+    assert reading.structured_content["error"]["code"] == "task_not_found"  # not rate_limited
+
+
+@pytest.mark.parametrize("token", [None, "rk_nosuchkey_secret", "not-a-key"])
+def test_no_key_or_a_bad_key_is_401(api: ServedApp, token: str | None) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    with client_for(api, token) as http:
+        answer = http.post("/mcp", json=body, headers={"Accept": "application/json"})
+
+    assert answer.status_code == 401
+    assert answer.headers["www-authenticate"] == "Bearer"
+    assert answer.json()["code"] == "unauthenticated"
+
+
+BAD_BODIES = [
+    b"{",
+    b"[]",
+    b'"tools/list"',
+    b'{"jsonrpc":"2.0","id":1,"method":"no/such/method"}',
+    b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"no.such.tool"}}',
+    b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"reach_get_task"}}',
+    b'{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+    b'"params":{"name":"reach_get_task","arguments":{"task_id":"../../etc"}}}',
+    b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":[1]}}',
+]
+
+
+@pytest.mark.parametrize("version", [None, "2025-11-25", "2026-07-28", "1999-01-01"])
+def test_bad_requests_never_get_a_500(
+    api: ServedApp, tenant: tuple[str, str], version: str | None
+) -> None:
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    if version is not None:
+        headers["MCP-Protocol-Version"] = version
+    with client_for(api, tenant[1]) as http:
+        answers = [http.post("/mcp", content=body, headers=headers) for body in BAD_BODIES]
+        answers.append(http.post("/mcp", content=b"{}", headers={"Content-Type": "text/plain"}))
+        answers.append(http.get("/mcp", headers=headers))  # stateless: no stream to open
+        answers.append(http.delete("/mcp", headers=headers))
+
+    assert [a.status_code for a in answers if a.status_code >= 500] == []
+
+
+def test_allowed_hosts_keep_out_other_host_names(
+    settings: Settings, tenant: tuple[str, str]
+) -> None:
+    guarded = settings.model_copy(update={"mcp_allowed_hosts": ["reach.example:*"]})
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    with ServedApp(create_app(guarded)) as api, client_for(api, tenant[1]) as http:
+        other = http.post("/mcp", json=body, headers=accept)
+        named = http.post(
+            "/mcp", json=body, headers={**accept, "Host": f"reach.example:{api.port}"}
+        )
+
+    assert other.status_code == 421
+    assert named.status_code == 200
+
+
+def test_the_openapi_document_shows_the_mcp_endpoint(api: ServedApp) -> None:
+    with httpx.Client(base_url=api.url) as http:
+        spec = http.get("/openapi.json").json()
+
+    post = spec["paths"]["/mcp"]["post"]
+    assert "mcp" in post["tags"]
+    assert "401" in post["responses"]
