@@ -40,6 +40,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
 from standardwebhooks import Webhook
 
+from api.app import create_app
 from broker.remote.a2a_json import to_json
 from broker.settings import Settings
 from tests.integration.conftest import KeyMaker
@@ -502,3 +503,38 @@ def test_the_context_id_is_the_session_and_lists_filter_by_it(
 def test_the_a2a_routes_show_in_the_openapi_document(api: ServedApp) -> None:
     paths = httpx.get(f"{api.url}/openapi.json").json()["paths"]
     assert {"/.well-known/agent-card.json", "/a2a/jsonrpc", "/a2a/rest/message:send"} <= set(paths)
+
+
+def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_another(
+    a2a: Clients, settings: Settings, make_key: KeyMaker
+) -> None:
+    """A2A tasks live in our tables and event log, not in an API process's memory."""
+    with ServedApp(create_app(settings)) as other:
+        elsewhere = Clients(other, make_key)
+
+        async def run() -> None:
+            tenant = f"t-{uuid.uuid4().hex[:8]}"
+            here, _ = await a2a(tenant=tenant)
+            there, _ = await elsewhere(tenant=tenant, streaming=True)
+            # Long enough (about 1.5 s) to be still running when the other process subscribes.
+            slow_summary = {"text": TEXT, "max_sentences": 4, "delay_s": 0.5}
+            sent = await collect(
+                here.send_message(
+                    SendMessageRequest(
+                        message=message(
+                            "text.summarize",
+                            data={"text": TEXT, "max_sentences": 2, "delay_s": 0.3},
+                        ),
+                        configuration=SendMessageConfiguration(return_immediately=True),
+                    )
+                )
+            )
+            task_id = sent[-1].task.id
+            streamed = await collect(there.subscribe(SubscribeToTaskRequest(id=task_id)))
+            assert streamed[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
+            read = await there.get_task(GetTaskRequest(id=task_id))
+            assert read.status.state == TaskState.TASK_STATE_COMPLETED
+            for http in elsewhere.opened:
+                await http.aclose()
+
+        a2a.run(run)
