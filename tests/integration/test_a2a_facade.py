@@ -521,10 +521,7 @@ def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_anothe
             sent = await collect(
                 here.send_message(
                     SendMessageRequest(
-                        message=message(
-                            "text.summarize",
-                            data={"text": TEXT, "max_sentences": 2, "delay_s": 0.3},
-                        ),
+                        message=message("text.summarize", data=slow_summary),
                         configuration=SendMessageConfiguration(return_immediately=True),
                     )
                 )
