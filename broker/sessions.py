@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from broker import jsonbody
 from broker.db.models import session_revisions_table as revisions
 from broker.db.models import sessions_table as sessions
-from broker.errors import BadRequest, NotFound, ReachError
+from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.timestamps import iso
 
 ID_PREFIX = "sess_"
@@ -28,6 +28,19 @@ PATCHABLE = ("state", "metadata")
 
 class SessionNotFound(NotFound):
     code = "session_not_found"
+
+
+class SessionNotLive(InvalidEnvelope):
+    """An envelope's ``session_id`` names no live session of the caller's tenant: the envelope
+    cannot be processed (422), where a session route answers 404 with the same code."""
+
+    code = "session_not_found"
+
+
+class SessionLimitReached(Conflict):
+    """The tenant holds as many live sessions as it may (409): delete one, or let one expire."""
+
+    code = "session_limit_reached"
 
 
 class SessionTooLarge(BadRequest):
@@ -104,7 +117,10 @@ async def create(
     metadata: dict[str, Any],
     ttl_s: int,
     max_bytes: int,
+    max_per_tenant: int,
 ) -> dict[str, Any]:
+    """A new session at revision 1; SessionLimitReached when the tenant already holds
+    ``max_per_tenant`` live ones (expired ones do not count: the janitor deletes them)."""
     check_size(state, metadata, max_bytes)
     values = {
         "id": new_id(),
@@ -116,6 +132,20 @@ async def create(
         "expires_at": _expiry(ttl_s),
     }
     async with engine.begin() as conn:
+        # Serialises a tenant's concurrent creations, so the limit holds.
+        await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"sess:{tenant}"))))
+        live = await conn.scalar(
+            select(func.count()).select_from(
+                select(sessions.c.id)
+                .where(sessions.c.tenant == tenant, sessions.c.expires_at > func.now())
+                .limit(max_per_tenant)
+                .subquery()
+            )
+        )
+        if (live or 0) >= max_per_tenant:
+            raise SessionLimitReached(
+                f"a tenant may hold {max_per_tenant} live sessions", max_sessions=max_per_tenant
+            )
         row = (await conn.execute(insert(sessions).values(values).returning(sessions))).one()
         await _keep_revision(conn, row, task_id=None)
     return render(row)
