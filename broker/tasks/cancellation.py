@@ -2,7 +2,7 @@
 Redis tells a running agent through its context. The task id is also published on
 ``CANCELS_CHANNEL``: a worker running the task's coroutine cancels it there and then. Whatever
 the agent does afterwards cannot move the task: every later write is conditional on
-``running``."""
+``running`` (its session's too). A cancelled turn lets its session's next one go."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.registry import cards as card_reads
 from broker.registry.model import capability_of
+from broker.tasks import turns
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.events import EventLog
 from broker.tasks.queries import allowed_by
@@ -88,10 +89,20 @@ class Canceller:
             pipe.publish(CANCELS_CHANNEL, str(row["id"]))
             await pipe.execute()
         await self._stop_if_cancellable(row)
+        await self._release_next_turn(row)
         event = event_for_status(row["status"])
         await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)
         await self.event_log.append_final_async(row)
         return row
+
+    async def _release_next_turn(self, row: TaskRow) -> None:
+        place = turns.of_row(row)
+        if place is None:
+            return
+        async with self.engine.connect() as conn:
+            due = await conn.run_sync(turns.next_due, *place)
+        if due is not None:
+            await anyio.to_thread.run_sync(self.dispatcher.run, due)
 
     async def _stop_if_cancellable(self, row: TaskRow) -> None:
         if row["agent_id"] is None or row["agent_version"] is None:

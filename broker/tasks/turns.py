@@ -11,10 +11,12 @@
   of the session's next turn (``next_due``). A turn submitted meanwhile needs no message from
   it: its own message goes out after its commit, so its claim sees the final state. A second
   message is harmless: one claim from ``queued`` wins.
-- The sweeper republishes a queued task that is due and was accepted a while ago, parked or
-  not (``execution.stale_queued``): the safety net for a release lost between commit and
-  publish. A parked task past its deadline is expired by the sweeper too, which releases the
-  next.
+- The sweeper republishes a queued task that is due and was accepted a while ago
+  (``execution.stale_queued``): the safety net for a release lost between commit and publish.
+  It does so for any task when its queue is empty; in a busy queue only for one whose message
+  a worker dropped (``mark_dropped``), once per drop, so a queue nobody consumes never fills
+  with copies. A parked task past its deadline is expired by the sweeper too, which releases
+  the next.
 
 An earlier turn stops holding the line when it is final, or when its row has expired (it
 reads as gone everywhere, and the janitor deletes it).
@@ -27,11 +29,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import redis
 from sqlalchemy import Connection, bindparam, exists, func, or_, select, update
 
 from broker.db.models import sessions_table as sessions
 from broker.db.models import tasks_table as tasks
 from broker.tasks.resource import QUEUED, RUNNING
+
+DROPPED_KEY = "reach:dropped:{}"
+DROPPED_TTL_S = 24 * 3600  # longer than any turn waits for the one before it to finish
 
 # The session's next turn, while the session is live and the caller's; no row otherwise.
 # Its row stays locked until the insert commits: the next submit to the session waits.
@@ -116,3 +122,14 @@ def of_row(row: Any) -> tuple[str, int] | None:
     if row["session_id"] is None or row["session_turn"] is None:
         return None
     return row["session_id"], row["session_turn"]
+
+
+def mark_dropped(client: redis.Redis, task_id: uuid.UUID) -> None:
+    """A worker dropped a message of this task without running it, the task not final:
+    parked, most likely (or already running, by another message)."""
+    client.set(DROPPED_KEY.format(task_id), 1, ex=DROPPED_TTL_S)
+
+
+def take_dropped(client: redis.Redis, task_id: uuid.UUID) -> bool:
+    """Whether a message of this task was dropped since this was last asked."""
+    return bool(client.delete(DROPPED_KEY.format(task_id)))
