@@ -6,6 +6,7 @@ the agent does afterwards cannot move the task: every later write is conditional
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from broker.tasks.resource import CANCEL, TaskRow, task_error
 from broker.tenancy.keys import Principal
 from broker.webhooks.events import event_for_status
 
+log = logging.getLogger("reach.api")
 FLAG_TTL_S = 24 * 3600
 CANCELS_CHANNEL = "reach:cancels"
 
@@ -89,20 +91,24 @@ class Canceller:
             pipe.publish(CANCELS_CHANNEL, str(row["id"]))
             await pipe.execute()
         await self._stop_if_cancellable(row)
-        await self._release_next_turn(row)
         event = event_for_status(row["status"])
         await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)
         await self.event_log.append_final_async(row)
+        await self._release_next_turn(row)
         return row
 
     async def _release_next_turn(self, row: TaskRow) -> None:
+        """The cancelled task's session may run its next turn (``turns``)."""
         place = turns.of_row(row)
         if place is None:
             return
-        async with self.engine.connect() as conn:
-            due = await conn.run_sync(turns.next_due, *place)
-        if due is not None:
-            await anyio.to_thread.run_sync(self.dispatcher.run, due)
+        try:
+            async with self.engine.connect() as conn:
+                due = await conn.run_sync(turns.next_due, *place)
+            if due is not None:
+                await anyio.to_thread.run_sync(self.dispatcher.run, due)
+        except Exception:  # the cancel stands; the sweeper publishes the next turn
+            log.exception("could not release the turn after task %s", row["id"])
 
     async def _stop_if_cancellable(self, row: TaskRow) -> None:
         if row["agent_id"] is None or row["agent_version"] is None:
