@@ -165,9 +165,11 @@ class Runner:
             final = execution.final_row(self.engine, tid)
             if final is not None and self.announce(final):
                 log.warning("task %s was final without its final event; announced it", task_id)
-            if final is None:  # queued, waiting for its turn (or running, by another message)
+            if final is None:  # parked (see turns), or running by another message, or gone
                 turns.mark_dropped(self.redis, tid)
-            log.info("task %s not claimable (final, cancelled, or not its turn); skipped", task_id)
+                log.info("task %s waiting for its turn, running already, or gone; skipped", task_id)
+            else:
+                log.info("task %s not queued any more; skipped", task_id)
             return "skipped"
         logs.bind(trace_id=claimed.trace_id, tenant=claimed.tenant)
         log.info("task claimed", extra={"attempt": claimed.attempt})

@@ -321,7 +321,7 @@ def test_the_sweeper_publishes_a_waiting_turn_whose_release_was_lost(
     wait_for_task(client, first, {"running"})
     second = submit(client, "chat.reply", {"text": "after"}, session_id)
     eventually(
-        lambda: f"task {second} not claimable" in turn_worker.output(),
+        lambda: f"task {second} waiting for its turn" in turn_worker.output(),
         "the second turn's message to be dropped",
     )
     # when the first ends without releasing it (its worker died between commit and publish)
