@@ -43,6 +43,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "webhook_disabled": 409,
     "delivery_not_redeliverable": 409,
     "delivery_expired": 409,
+    "session_limit_reached": 409,
     "body_timeout": 408,
     "rate_limited": 429,
     "revision_conflict": 412,
@@ -82,6 +83,10 @@ PROBLEM_JSON = "application/problem+json"
 
 
 def status_for(exc: errors.ReachError) -> int:
+    if isinstance(exc, errors.InvalidEnvelope):
+        # An envelope that names what is not there cannot be processed: 422, where the
+        # resource's own route says 404 with the same code (session_not_found).
+        return 422
     if exc.code in STATUS_BY_CODE:
         return STATUS_BY_CODE[exc.code]
     return next((s for cls, s in STATUS_BY_CLASS if isinstance(exc, cls)), 500)

@@ -4,21 +4,29 @@ A write names the revision it read (``If-Match``); a stale one is refused with t
 revision (412 ``revision_conflict``), so two writers never lose each other's work. Each
 revision is kept with the task that wrote it, when a task did. Every write extends the idle
 TTL; an expired session reads as gone. One tenant never sees another's (404).
+
+The reads and the compare-and-set take a connection of either kind: the API (async) runs
+them with ``AsyncConnection.run_sync``, the workers (``ctx.session``) on their own.
+The order its tasks run in is ``broker.tasks.turns``'s.
 """
 
 from __future__ import annotations
 
 import secrets
+import uuid
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Engine, delete, func, insert, select, text, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy import Connection, Engine, delete, func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import jsonbody
 from broker.db.models import session_revisions_table as revisions
 from broker.db.models import sessions_table as sessions
-from broker.errors import BadRequest, NotFound, ReachError
+from broker.db.models import tasks_table as tasks
+from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
+from broker.tasks.resource import RUNNING
 from broker.timestamps import iso
 
 ID_PREFIX = "sess_"
@@ -28,6 +36,19 @@ PATCHABLE = ("state", "metadata")
 
 class SessionNotFound(NotFound):
     code = "session_not_found"
+
+
+class SessionNotLive(InvalidEnvelope):
+    """An envelope's ``session_id`` names no live session of the caller's tenant: the envelope
+    cannot be processed (422), where a session route answers 404 with the same code."""
+
+    code = "session_not_found"
+
+
+class SessionLimitReached(Conflict):
+    """The tenant holds as many live sessions as it may (409): delete one, or let one expire."""
+
+    code = "session_limit_reached"
 
 
 class SessionTooLarge(BadRequest):
@@ -48,6 +69,12 @@ class PreconditionRequired(ReachError):
 
 class SessionInvalid(BadRequest):
     code = "session_invalid"
+
+
+class TaskNotRunning(Conflict):
+    """A task wrote to its session after it stopped running (cancelled, say)."""
+
+    code = "task_not_running"
 
 
 def new_id() -> str:
@@ -104,7 +131,10 @@ async def create(
     metadata: dict[str, Any],
     ttl_s: int,
     max_bytes: int,
+    max_per_tenant: int,
 ) -> dict[str, Any]:
+    """A new session at revision 1; SessionLimitReached when the tenant already holds
+    ``max_per_tenant`` live ones (expired ones do not count: the janitor deletes them)."""
     check_size(state, metadata, max_bytes)
     values = {
         "id": new_id(),
@@ -116,25 +146,40 @@ async def create(
         "expires_at": _expiry(ttl_s),
     }
     async with engine.begin() as conn:
+        # Serialises a tenant's concurrent creations, so the limit holds.
+        await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"sess:{tenant}"))))
+        live = await conn.scalar(
+            select(func.count()).select_from(
+                select(sessions.c.id)
+                .where(sessions.c.tenant == tenant, sessions.c.expires_at > func.now())
+                .limit(max_per_tenant)
+                .subquery()
+            )
+        )
+        if (live or 0) >= max_per_tenant:
+            raise SessionLimitReached(
+                f"a tenant may hold {max_per_tenant} live sessions", max_sessions=max_per_tenant
+            )
         row = (await conn.execute(insert(sessions).values(values).returning(sessions))).one()
-        await _keep_revision(conn, row, task_id=None)
+        await conn.execute(_revision_kept(row, task_id=None))
     return render(row)
 
 
 async def get(engine: AsyncEngine, tenant: str, session_id: str) -> dict[str, Any]:
     async with engine.connect() as conn:
-        row = await _live(conn, tenant, session_id)
+        row = await conn.run_sync(live, tenant, session_id)
     return render(row)
 
 
-async def _live(conn: AsyncConnection, tenant: str, session_id: str) -> Any:
-    row = (
-        await conn.execute(
-            select(sessions).where(
-                sessions.c.tenant == tenant,
-                sessions.c.id == session_id[:ID_MAX],
-                sessions.c.expires_at > func.now(),
-            )
+def live(conn: Connection, tenant: str, session_id: str) -> Any:
+    """The session's row while it is live and the tenant's; SessionNotFound otherwise. On a
+    connection of either kind (async callers: ``AsyncConnection.run_sync``), like
+    ``compare_and_set``: the API and the workers share one implementation."""
+    row = conn.execute(
+        select(sessions).where(
+            sessions.c.tenant == tenant,
+            sessions.c.id == session_id[:ID_MAX],
+            sessions.c.expires_at > func.now(),
         )
     ).first()
     if row is None:
@@ -152,51 +197,111 @@ async def write(
     metadata: dict[str, Any] | None = None,
     patch: dict[str, Any] | None = None,
     max_bytes: int,
-    task_id: Any = None,
 ) -> dict[str, Any]:
-    """The next revision: ``state`` (and ``metadata``) replaced, or ``patch`` (RFC 7396)
-    applied to the session, only while ``revision`` is the current one. The revision kept
-    names ``task_id`` when a task wrote it."""
+    """``compare_and_set`` for the API, in a transaction of its own."""
     async with engine.begin() as conn:
-        current = await _live(conn, tenant, session_id)
-        if current.revision != revision:
-            raise RevisionConflict(
-                f"the session is at revision {current.revision}, not {revision}",
-                current_revision=current.revision,
+        row = await conn.run_sync(
+            lambda sync: compare_and_set(
+                sync,
+                tenant,
+                session_id,
+                revision=revision,
+                state=state,
+                metadata=metadata,
+                patch=patch,
+                max_bytes=max_bytes,
             )
-        if patch is not None:
-            merged = merge_patch({"state": current.state, "metadata": current.metadata}, patch)
-            # Both are objects: a patch that removes one (null) leaves it empty.
-            state, metadata = merged.get("state", {}), merged.get("metadata", {})
-        new_state = current.state if state is None else state
-        new_metadata = current.metadata if metadata is None else metadata
-        if not isinstance(new_state, dict) or not isinstance(new_metadata, dict):
-            raise SessionInvalid("state and metadata are JSON objects")
-        check_size(new_state, new_metadata, max_bytes)
-        row = (
-            await conn.execute(
-                update(sessions)
-                .where(
-                    sessions.c.tenant == tenant,
-                    sessions.c.id == current.id,
-                    sessions.c.revision == revision,
-                )
-                .values(
-                    revision=revision + 1,
-                    state=new_state,
-                    metadata=new_metadata,
-                    updated_at=func.now(),
-                    expires_at=_expiry(sessions.c.ttl_s),
-                )
-                .returning(sessions)
-            )
-        ).first()
-        if row is None:  # another writer moved it between the read and the write
-            raise RevisionConflict(
-                f"the session moved past revision {revision}", current_revision=revision + 1
-            )
-        await _keep_revision(conn, row, task_id=task_id)
+        )
     return render(row)
+
+
+def compare_and_set(
+    conn: Connection,
+    tenant: str,
+    session_id: str,
+    *,
+    revision: int,
+    state: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    patch: dict[str, Any] | None = None,
+    max_bytes: int,
+    task_id: uuid.UUID | None = None,
+) -> Any:
+    """The next revision's row: ``state`` (and ``metadata``) replaced, or ``patch`` (RFC
+    7396) applied to the session, only while ``revision`` is the current one
+    (RevisionConflict otherwise). Extends the idle TTL; keeps the revision, naming
+    ``task_id`` when a task wrote it, and then only while that task is running
+    (TaskNotRunning otherwise): a cancelled turn's agent, still at work, cannot write under
+    the next turn. Call it in a transaction; it commits with the caller's."""
+    if task_id is not None:
+        _hold_running(conn, task_id)
+    current = live(conn, tenant, session_id)
+    if current.revision != revision:
+        raise RevisionConflict(
+            f"the session is at revision {current.revision}, not {revision}",
+            current_revision=current.revision,
+        )
+    if patch is not None:
+        merged = merge_patch({"state": current.state, "metadata": current.metadata}, patch)
+        # Both are objects: a patch that removes one (null) leaves it empty.
+        state, metadata = merged.get("state", {}), merged.get("metadata", {})
+    new_state = current.state if state is None else state
+    new_metadata = current.metadata if metadata is None else metadata
+    if not isinstance(new_state, dict) or not isinstance(new_metadata, dict):
+        raise SessionInvalid("state and metadata are JSON objects")
+    check_size(new_state, new_metadata, max_bytes)
+    row = conn.execute(
+        update(sessions)
+        .where(
+            sessions.c.tenant == tenant,
+            sessions.c.id == current.id,
+            sessions.c.revision == revision,
+        )
+        .values(
+            revision=revision + 1,
+            state=new_state,
+            metadata=new_metadata,
+            updated_at=func.now(),
+            expires_at=_expiry(sessions.c.ttl_s),
+        )
+        .returning(sessions)
+    ).first()
+    if row is None:  # another writer moved it between the read and the write
+        raise RevisionConflict(
+            f"the session moved past revision {revision}", current_revision=revision + 1
+        )
+    conn.execute(_revision_kept(row, task_id=task_id))
+    return row
+
+
+def _hold_running(conn: Connection, task_id: uuid.UUID) -> None:
+    """The task is running, and stays so until the caller's transaction ends: a cancel
+    waits for the write, so the next turn, released after it, reads what was written."""
+    held = conn.execute(
+        select(tasks.c.id)
+        .where(tasks.c.id == task_id, tasks.c.status == RUNNING)
+        .with_for_update(read=True)
+    ).first()
+    if held is None:
+        raise TaskNotRunning("the task is no longer running: its session write is refused")
+
+
+def snapshot_of(session_id: Any, tenant: Any) -> Any:
+    """``{"revision", "state"}`` of the live session ``session_id`` of ``tenant`` (columns of
+    an enclosing statement), or null: what a claim reads for ``ctx.session``."""
+    return (
+        select(
+            func.jsonb_build_object(
+                "revision", sessions.c.revision, "state", sessions.c.state, type_=JSONB
+            )
+        )
+        .where(
+            sessions.c.id == session_id,
+            sessions.c.tenant == tenant,
+            sessions.c.expires_at > func.now(),
+        )
+        .scalar_subquery()
+    )
 
 
 async def remove(engine: AsyncEngine, tenant: str, session_id: str) -> None:
@@ -217,7 +322,7 @@ async def history(
 ) -> list[dict[str, Any]]:
     """The last ``limit`` revisions, newest first, each with the task that wrote it."""
     async with engine.connect() as conn:
-        current = await _live(conn, tenant, session_id)
+        current = await conn.run_sync(live, tenant, session_id)
         rows = (
             await conn.execute(
                 select(revisions)
@@ -237,15 +342,13 @@ async def history(
     ]
 
 
-async def _keep_revision(conn: AsyncConnection, row: Any, *, task_id: Any) -> None:
-    await conn.execute(
-        insert(revisions).values(
-            session_id=row.id,
-            revision=row.revision,
-            tenant=row.tenant,
-            state=row.state,
-            task_id=task_id,
-        )
+def _revision_kept(row: Any, *, task_id: Any) -> Any:
+    return insert(revisions).values(
+        session_id=row.id,
+        revision=row.revision,
+        tenant=row.tenant,
+        state=row.state,
+        task_id=task_id,
     )
 
 

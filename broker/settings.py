@@ -119,11 +119,13 @@ class Settings(BaseSettings):
     # webhooks worker needs more processes than this (docker-compose runs 8).
     webhook_max_inflight_per_tenant: int = Field(4, gt=0)
 
-    # Sessions: the idle TTL a new one gets (every write extends it), its ceiling, and the
-    # most its state and metadata may hold together.
+    # Sessions: the idle TTL a new one gets (every write extends it), its ceiling, the most
+    # its state and metadata may hold together, and the most live ones a tenant may hold
+    # (409 session_limit_reached beyond it), so one tenant cannot fill the table.
     session_ttl_s: int = Field(24 * 3600, gt=0)
     session_max_ttl_s: int = Field(30 * 24 * 3600, gt=0)
     session_max_bytes: int = Field(256 * 1024, gt=0)
+    session_max_per_tenant: int = Field(10_000, gt=0)
 
     # Remote agents (PUT /agents/{agent_id}). Their endpoints are registered by operators and
     # may be internal: the networks listed here may be reached, besides public addresses; the

@@ -25,7 +25,7 @@ from broker.tenancy import key_store
 from reach import localservices, migrate
 
 DATA_DIR = Path(".reach")
-CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize"
+CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize,chat.reply"
 ASYNC_QUEUES = "llm.complete"  # async agents: one process on the threads pool
 DEMO_STREAM = (
     '{"capability": "llm.complete", "reply_mode": "stream",'

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from broker.observability import logs
-from workers.sdk import AgentFailure, Context, Retryable, agent
+from workers.sdk import AgentFailure, Context, Retryable, SessionConflict, agent
 
 
 @agent.capability("test.boom", agent_id="test-boom", version="0.0.1")
@@ -36,6 +36,7 @@ def context(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
         "attempt": ctx.attempt,
         "time_left_s": ctx.time_left_s(),
         "session_id": ctx.session_id,
+        "session": None if ctx.session is None else ctx.session.revision,
         "metadata": ctx.metadata,
     }
 
@@ -234,3 +235,65 @@ async def _lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 agent.capability("test.async-idem", agent_id="test-async-idem", idempotent=True)(_lives)
 agent.capability("test.async-once", agent_id="test-async-once")(_lives)
+
+
+# --- session turns: ``ctx.session`` and the order of a session's tasks ------------------------
+
+GATE_KEY = "reach:test:gate:{}"
+
+
+def _wait_for_gate(payload: dict[str, Any], ctx: Context) -> None:
+    """Until the Redis key of ``payload["gate"]`` exists (none: at once), or a cancel."""
+    if "gate" not in payload:
+        return
+    client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
+    while not client.exists(GATE_KEY.format(payload["gate"])) and not ctx.cancelled:
+        time.sleep(0.02)
+
+
+def _log_turn(state: dict[str, Any], text: str) -> None:
+    state.setdefault("log", []).append(text)
+
+
+@agent.capability("test.turn", agent_id="test-turn", version="0.0.1", timeout_s=60)
+def turn(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """A session's turn. Waits until the Redis key of ``gate`` exists (or it is cancelled),
+    then appends ``text`` to ``state["log"]``: with ``ctx.session.mutate`` (``write``:
+    "mutate", the default), or with one ``update`` at the revision read ("update"), which
+    reports a conflict instead of raising it; then fails with ``fail`` as its code if given."""
+    assert ctx.session is not None
+    read_revision = ctx.session.revision
+    _wait_for_gate(payload, ctx)
+    outcome: dict[str, Any] = {"read_revision": read_revision}
+    if "text" in payload:
+        if payload.get("write", "mutate") == "update":
+            state = {**ctx.session.state, "log": [*ctx.session.state.get("log", [])]}
+            _log_turn(state, payload["text"])
+            try:
+                ctx.session.update(state)
+            except SessionConflict as conflict:
+                outcome["conflict"] = conflict.current_revision
+        else:
+            ctx.session.mutate(lambda state: _log_turn(state, payload["text"]))
+    if payload.get("fail"):
+        raise AgentFailure("this turn fails", code=str(payload["fail"]))
+    return {**outcome, "revision": ctx.session.revision, "state": ctx.session.state}
+
+
+@agent.capability("test.turn-async", agent_id="test-turn-async", version="0.0.1", timeout_s=60)
+async def turn_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """``test.turn`` as an async handler, writing with the async twins."""
+    assert ctx.session is not None
+    read_revision = ctx.session.revision
+    await asyncio.to_thread(_wait_for_gate, payload, ctx)
+    outcome: dict[str, Any] = {"read_revision": read_revision}
+    if payload.get("write", "mutate") == "update":
+        state = {**ctx.session.state, "log": [*ctx.session.state.get("log", [])]}
+        _log_turn(state, payload["text"])
+        try:
+            await ctx.session.update_async(state)
+        except SessionConflict as conflict:
+            outcome["conflict"] = conflict.current_revision
+    else:
+        await ctx.session.mutate_async(lambda state: _log_turn(state, payload["text"]))
+    return {**outcome, "revision": ctx.session.revision, "state": ctx.session.state}

@@ -10,9 +10,9 @@ import os
 import tempfile
 from typing import Any
 
-from workers.sdk import AgentFailure, Context, Retryable, agent
+from workers.sdk import AgentFailure, Context, Retryable, SessionConflict, agent
 
-__all__ = ["AgentFailure", "Context", "Retryable", "agent", "app"]
+__all__ = ["AgentFailure", "Context", "Retryable", "SessionConflict", "agent", "app"]
 
 _app: Any = None
 

@@ -30,7 +30,7 @@ from broker.outages import AGENT_TRANSIENT_ERRORS
 from broker.registry import leases
 from broker.registry.model import capability_of
 from broker.settings import Settings
-from broker.tasks import cancellation, events, execution, retry
+from broker.tasks import cancellation, events, execution, retry, turns
 from broker.tasks.events import EVENTS_SLACK_S
 from broker.tasks.execution import Claim, Claimed, Finish
 from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
@@ -38,6 +38,8 @@ from workers import faults
 from workers.aio import CallCancelled, Calls, CallTimedOut
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
+from workers.sdk.session import Session
+from workers.session_store import SessionStore
 from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
@@ -163,10 +165,17 @@ class Runner:
             final = execution.final_row(self.engine, tid)
             if final is not None and self.announce(final):
                 log.warning("task %s was final without its final event; announced it", task_id)
-            log.info("task %s not queued any more; skipped", task_id)
+            if final is None:  # parked (see turns), or running by another message, or gone
+                turns.mark_dropped(self.redis, tid)
+                log.info("task %s waiting for its turn, running already, or gone; skipped", task_id)
+            else:
+                log.info("task %s not queued any more; skipped", task_id)
             return "skipped"
         logs.bind(trace_id=claimed.trace_id, tenant=claimed.tenant)
         log.info("task claimed", extra={"attempt": claimed.attempt})
+        if claimed.session_id is not None and claimed.session is None:
+            gone = task_error("session_not_found", "its session expired or was deleted")
+            return self.finish(Finish.failed(tid, gone))
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
 
         def publish(event_type: str, data: Any) -> None:
@@ -183,6 +192,7 @@ class Runner:
             deadline_at=claimed.deadline_at,
             session_id=claimed.session_id,
             metadata=claimed.metadata,
+            session=self._session_of(claimed),
             _progress_sink=lambda p: self._progress(tid, p, publish),
             _readiness_sink=self._readiness_sink(instance, spec.name),
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
@@ -215,6 +225,18 @@ class Runner:
         if decision.retry and self._retry(claimed, outcome.error, decision.delay_s, publish):
             return "retrying"
         return self.finish(Finish.failed(tid, outcome.error))
+
+    def _session_of(self, claimed: Claimed) -> Session | None:
+        if claimed.session_id is None or claimed.session is None:
+            return None
+        store = SessionStore(
+            self.engine,
+            claimed.tenant,
+            claimed.session_id,
+            claimed.task_id,
+            self.settings.session_max_bytes,
+        )
+        return store.session(claimed.session)
 
     def _retry(
         self,
@@ -262,12 +284,26 @@ class Runner:
             extra={"status": row["status"], "code": (row["error"] or {}).get("code")},
         )
         self.announce(row)
+        self._release_next_turn(row)
         for hook in self.on_final:
             try:
                 hook(row)
             except Exception:  # the task is final either way; a hook must not undo that
                 log.exception("final hook %r failed for task %s", hook, row["id"])
         return str(row["status"])
+
+    def _release_next_turn(self, row: TaskRow) -> None:
+        """A session's task went final: the session's next turn may run (``turns``)."""
+        place = turns.of_row(row)
+        if place is None or self.republish is None:
+            return
+        try:
+            with self.engine.connect() as conn:
+                due = turns.next_due(conn, *place)
+            if due is not None:
+                self.republish(due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0)
+        except Exception:  # the task is final either way; the sweeper publishes the next turn
+            log.exception("could not release the turn after task %s", row["id"])
 
     def announce(self, row: TaskRow) -> bool:
         """Append the final event of a final task row; False when its log had one already."""

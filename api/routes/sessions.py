@@ -23,6 +23,7 @@ Caller = Annotated[Principal, Depends(authenticate)]
 Metered = Annotated[Principal, Depends(metered)]
 IfMatch = Annotated[str | None, Header(alias="If-Match")]
 REVISIONS_MAX = 100
+CREATES = {**ERROR_RESPONSES, 409: {"description": "The tenant's live sessions are at the limit"}}
 WRITES = {
     **ERROR_RESPONSES,
     412: {"description": "Stale If-Match"},
@@ -70,13 +71,14 @@ def _answer(session: dict[str, Any], status_code: int = 200) -> JSONResponse:
 @router.post(
     "/sessions",
     status_code=201,
-    responses=ERROR_RESPONSES,
+    responses=CREATES,
     openapi_extra={
         "requestBody": {"content": {"application/json": {"schema": NewSession.model_json_schema()}}}
     },
 )
 async def create_session(request: Request, caller: Metered) -> JSONResponse:
-    """A new session (``state``, ``metadata``, ``ttl_s``: all optional), at revision 1."""
+    """A new session (``state``, ``metadata``, ``ttl_s``: all optional), at revision 1; 409
+    ``session_limit_reached`` when the tenant holds as many live ones as it may."""
     settings = services(request).settings
     raw = await read_json_body(request, settings.session_max_bytes + 64 * 1024)
     given = _validated(
@@ -90,6 +92,7 @@ async def create_session(request: Request, caller: Metered) -> JSONResponse:
         metadata=given.metadata,
         ttl_s=ttl_s,
         max_bytes=settings.session_max_bytes,
+        max_per_tenant=settings.session_max_per_tenant,
     )
     return _answer(created, 201)
 

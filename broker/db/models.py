@@ -66,6 +66,8 @@ class Task(Base):
     priority: Mapped[int | None] = mapped_column(SmallInteger)
     trace_id: Mapped[str] = mapped_column(String(32))
     session_id: Mapped[str | None] = mapped_column(String(128))
+    # Its place in its session's order (``broker.tasks.turns``): 1, 2, ... as accepted.
+    session_turn: Mapped[int | None] = mapped_column(Integer)
     source: Mapped[str | None] = mapped_column(String(128))
     meta: Mapped[Any] = mapped_column("metadata", JSONB, server_default=text("'{}'::jsonb"))
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
@@ -90,6 +92,13 @@ class Task(Base):
         Index("ix_tasks_expires_at", "expires_at"),
         # The measured figures of GET /capabilities read the last minutes of finished tasks.
         Index("ix_tasks_finished_at", "finished_at"),
+        # A session's earlier turns that are not final yet: what a claim and a release ask.
+        Index(
+            "ix_tasks_session_id_session_turn",
+            "session_id",
+            "session_turn",
+            postgresql_where=text("session_id IS NOT NULL"),
+        ),
         # The database decides idempotency, not a read-then-write.
         Index(
             "uq_tasks_idempotency",
@@ -182,6 +191,8 @@ class Session(Base):
     state: Mapped[Any] = mapped_column(JSONB)
     meta: Mapped[Any] = mapped_column("metadata", JSONB)
     ttl_s: Mapped[int] = mapped_column(Integer)
+    # Turns handed out to its tasks so far: the next task accepted takes turns + 1.
+    turns: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(TZ)

@@ -9,6 +9,7 @@ backpressure  the token bucket and the queue depth bound
 submission    the row (idempotently), then the message
 dispatch      publishing to Celery: the run message, the system tasks' names
 execution     what a worker does to a row: claim, progress, finish, retry, expire
+turns         a session's tasks one at a time, in the order accepted: take, wait, release
 cancellation  cancelling (the use case)
 events        the per-task event log in Redis, and the final event
 eventhub      live events in the API: one pub/sub connection per process

@@ -2,10 +2,11 @@
 Redis tells a running agent through its context. The task id is also published on
 ``CANCELS_CHANNEL``: a worker running the task's coroutine cancels it there and then. Whatever
 the agent does afterwards cannot move the task: every later write is conditional on
-``running``."""
+``running`` (its session's too). A cancelled turn lets its session's next one go."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from broker.db.models import tasks_table as tasks
 from broker.errors import Conflict
 from broker.registry import cards as card_reads
 from broker.registry.model import capability_of
+from broker.tasks import turns
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.events import EventLog
 from broker.tasks.queries import allowed_by, visible_task
@@ -28,6 +30,7 @@ from broker.tasks.resource import CANCEL, TaskRow, parse_task_id, task_error
 from broker.tenancy.keys import Principal
 from broker.webhooks.events import event_for_status
 
+log = logging.getLogger("reach.api")
 FLAG_TTL_S = 24 * 3600
 CANCELS_CHANNEL = "reach:cancels"
 
@@ -102,7 +105,21 @@ class Canceller:
         event = event_for_status(row["status"])
         await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)
         await self.event_log.append_final_async(row)
+        await self._release_next_turn(row)
         return row
+
+    async def _release_next_turn(self, row: TaskRow) -> None:
+        """The cancelled task's session may run its next turn (``turns``)."""
+        place = turns.of_row(row)
+        if place is None:
+            return
+        try:
+            async with self.engine.connect() as conn:
+                due = await conn.run_sync(turns.next_due, *place)
+            if due is not None:
+                await anyio.to_thread.run_sync(self.dispatcher.run, due)
+        except Exception:  # the cancel stands; the sweeper publishes the next turn
+            log.exception("could not release the turn after task %s", row["id"])
 
     async def _stop_if_cancellable(self, row: TaskRow) -> None:
         if row["agent_id"] is None or row["agent_version"] is None:

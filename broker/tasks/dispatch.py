@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 
 from broker.settings import Settings
+from broker.tasks.turns import Due
 
 RUN_TASK = "reach.run"
 PURGE_TASK = "reach.purge_expired"
@@ -177,6 +178,12 @@ class Dispatcher:
         # same call as the task's first event (``redis_run_message``). Otherwise: ``send_run``.
         broker = settings.celery_broker_url
         self.direct = broker == settings.redis_url and broker.startswith(("redis://", "rediss://"))
+
+    def run(self, due: Due) -> None:
+        """Publish the run message of a session's turn that came due (``turns``)."""
+        send_run(
+            self.app, due.task_id, due.queue, trace_id=due.trace_id, deadline_at=due.deadline_at
+        )
 
     def announce(self, task_id: uuid.UUID, event_type: str) -> None:
         send_announce(self.app, task_id, event_type)

@@ -37,6 +37,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
+from broker import sessions
 from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
@@ -54,6 +55,7 @@ from broker.tasks.resource import (
     TaskRow,
     task_error,
 )
+from broker.tasks.turns import IS_DUE
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Claimed:
     queue: str
     max_attempts: int | None
     tenant: str
+    # {"revision", "state"} of its session as the claim found it; None without a live one.
+    session: dict[str, Any] | None = None
 
 
 def _expiry() -> Any:
@@ -88,7 +92,11 @@ _TENANT_SUBSCRIBES = (
 
 # What a claim reads back, each column labelled with the name ``Claimed`` gives it.
 _RENAMED = {"task_id": "id", "attempt": "attempts"}
-_CLAIMED_COLUMNS = [tasks.c[_RENAMED.get(f.name, f.name)].label(f.name) for f in fields(Claimed)]
+_CLAIMED_COLUMNS = [
+    tasks.c[_RENAMED.get(f.name, f.name)].label(f.name)
+    for f in fields(Claimed)
+    if f.name != "session"
+] + [sessions.snapshot_of(tasks.c.session_id, tasks.c.tenant).label("session")]
 
 
 def _rows(name: str, *columns: Any) -> TableValuedAlias:
@@ -123,6 +131,7 @@ _CLAIM = (
         in_sources(CLAIM),
         tasks.c.expires_at > func.now(),
         or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
+        IS_DUE,
     )
     .values(
         status=CLAIM.target,
@@ -156,8 +165,9 @@ class Claim:
 def claim(
     engine: Engine, task_id: uuid.UUID, *, agent_id: str, version: str, instance: str
 ) -> Claimed | None:
-    """Move queued -> running and take the payload in one statement; None if not queued
-    (or past its deadline: see ``expire_overdue``)."""
+    """Move queued -> running and take the payload in one statement; None if not queued,
+    past its deadline (see ``expire_overdue``) or waiting for an earlier turn of its session
+    (``turns``)."""
     return claim_many(engine, [Claim(task_id, agent_id, version, instance)])[0]
 
 
@@ -357,12 +367,14 @@ def overdue_queued(engine: Engine, *, limit: int) -> list[uuid.UUID]:
 
 
 def stale_queued(engine: Engine, *, older_than_s: float, limit: int) -> list[dict[str, Any]]:
-    """Queued tasks accepted a while ago: candidates for a message the broker lost."""
+    """Queued tasks accepted a while ago: candidates for a message the broker lost. A turn
+    still waiting for an earlier one of its session is not: its message would be dropped."""
     query = (
-        select(tasks.c.id, tasks.c.queue, tasks.c.trace_id, tasks.c.deadline_at)
+        select(tasks.c.id, tasks.c.queue, tasks.c.trace_id, tasks.c.deadline_at, tasks.c.session_id)
         .where(
             tasks.c.status == QUEUED,
             tasks.c.created_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s),
+            IS_DUE,
         )
         .order_by(tasks.c.created_at)
         .limit(limit)

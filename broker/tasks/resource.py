@@ -70,6 +70,7 @@ class TaskRow(TypedDict):
     priority: int | None
     trace_id: str
     session_id: str | None
+    session_turn: int | None
     source: str | None
     metadata: dict[str, Any]
     idempotency_key: str | None

@@ -2,7 +2,8 @@
 
 The row is committed before the message goes out, so a worker can never see a message
 whose row is not yet visible. If the publish fails, the row is removed again and the caller
-gets 503: nothing is accepted that is not on its way.
+gets 503: nothing is accepted that is not on its way. A task of a session takes its turn in
+the transaction that inserts it (``turns``), so it goes in alone, not in a group.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker import jsonbody
+from broker import jsonbody, sessions
 from broker.db.models import tasks_table as tasks
 from broker.errors import BadRequest, Unavailable
 from broker.grouping import Grouped
 from broker.observability import metrics
 from broker.settings import Settings
-from broker.tasks import events
+from broker.tasks import events, turns
 from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
 from broker.tasks.resource import QUEUED, TaskRow, new_task_id
@@ -140,7 +141,11 @@ async def submit(
     values = _values(principal, envelope, queue, trace_id, settings, callback)
     engine = inserter.engine
     for _ in range(2):
-        if await inserter.insert(values):
+        if values["session_id"] is not None:
+            inserted = await _insert_turn(engine, values)
+        else:
+            inserted = await inserter.insert(values)
+        if inserted:
             break
         replayed = await _replay(engine, values)
         if replayed is not None:
@@ -180,6 +185,27 @@ async def submit(
         await _withdraw(engine, row["id"])
         raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
     return Accepted(row=row, replayed=False)
+
+
+async def _insert_turn(engine: AsyncEngine, values: dict[str, Any]) -> bool:
+    """Insert a session's task with the session's next turn (set in ``values``), in one
+    transaction; False when its idempotency key was already taken (no turn is used up).
+    SessionNotLive when the session is unknown, expired or another tenant's."""
+    async with engine.connect() as conn:
+        turn = await conn.scalar(
+            turns.ALLOCATE, {"turn_session": values["session_id"], "turn_tenant": values["tenant"]}
+        )
+        if turn is None:
+            raise sessions.SessionNotLive(
+                "session_id names no live session of this tenant",
+                errors=[{"field": "session_id", "message": "no live session of this tenant"}],
+            )
+        values["session_turn"] = turn
+        if (await conn.execute(_INSERT, values)).first() is None:
+            await conn.rollback()
+            return False
+        await conn.commit()
+    return True
 
 
 async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | None:

@@ -197,19 +197,20 @@ def test_the_trace_the_session_and_the_task_reach_the_agent(
     caller: httpx.Client, agent: A2AAgent
 ) -> None:
     trace_id = uuid.uuid4().hex
+    session_id = caller.post("/sessions").json()["session_id"]
     answer = caller.post(
         "/tasks",
         json={
             "capability": "travel.echo",
             "payload": {"x": 1},
             "reply_mode": "sync",
-            "session_id": "trip-42",
+            "session_id": session_id,
         },
         headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"},
     )
     assert answer.status_code == 200, answer.text
     seen = agent.stats()
-    assert seen["last_message"]["context_id"] == "trip-42"
+    assert seen["last_message"]["context_id"] == session_id
     assert seen["last_message"]["metadata"]["skill"] == "echo"
     assert seen["last_message"]["metadata"]["reach"]["task_id"] == answer.json()["task_id"]
     headers = seen["last_request"]["headers"]

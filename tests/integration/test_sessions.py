@@ -12,7 +12,9 @@ import httpx
 import pytest
 from sqlalchemy import Engine, func, select
 
+from api.app import create_app
 from broker.db.models import session_revisions_table, sessions_table
+from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import CeleryProcess, ServedApp
@@ -197,3 +199,21 @@ def test_the_janitor_deletes_expired_sessions_with_their_revisions(
 
     assert rows() == (1, 1)
     eventually(rows, "the janitor to delete the expired session", 30, 0.2, (0, 0).__eq__)
+
+
+def test_a_tenant_may_hold_only_so_many_live_sessions(
+    settings: Settings, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    # given an API that lets a tenant hold 3 live sessions
+    capped = settings.model_copy(update={"session_max_per_tenant": 3})
+    with ServedApp(create_app(capped)) as api, client_for(api, tenant[1]) as client:
+        made = [client.post("/sessions").json()["session_id"] for _ in range(3)]
+        # when it asks for a fourth, expect 409 session_limit_reached and no session made
+        refused = client.post("/sessions")
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["code"] == "session_limit_reached"
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        # and once one is deleted, expect room for one more
+        assert client.delete(f"/sessions/{made[0]}").status_code == 204
+        assert client.post("/sessions").status_code == 201
+        assert client.post("/sessions").status_code == 409

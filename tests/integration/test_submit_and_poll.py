@@ -126,13 +126,14 @@ def test_a_payload_failing_the_agents_schema_is_refused_at_the_door(
 
 def test_the_handler_sees_its_task_trace_attempt_and_deadline(client: httpx.Client) -> None:
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    session_id = client.post("/sessions").json()["session_id"]
     response = client.post(
         "/tasks",
         json={
             "capability": "test.context",
             "payload": {},
             "deadline_ms": 60_000,
-            "session_id": "sess_1",
+            "session_id": session_id,
             "metadata": {"k": "v"},
         },
         headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"},
@@ -144,7 +145,7 @@ def test_the_handler_sees_its_task_trace_attempt_and_deadline(client: httpx.Clie
     assert seen["trace_id"] == trace
     assert seen["attempt"] == 1
     assert 0 < seen["time_left_s"] <= 60
-    assert seen["session_id"] == "sess_1"
+    assert seen["session_id"] == session_id
     assert seen["metadata"] == {"k": "v"}
 
 
@@ -154,7 +155,7 @@ def test_the_accepted_task_is_the_row_postgres_holds(client: httpx.Client) -> No
         "capability": "test.nobody-serves-this",
         "payload": {"n": 1},
         "queue_if_unavailable": True,
-        "session_id": "s-1",
+        "session_id": client.post("/sessions").json()["session_id"],
         "metadata": {"team": "billing"},
         "deadline_ms": 60_000,
         "result_ttl_s": 600,

@@ -24,7 +24,7 @@ from tests import compose_file as compose
 from tests.compose_file import COMPOSE_FILE, ROOT
 
 # The example capabilities, one worker service each (the contract).
-CAPABILITIES = {"echo", "invoice.extract", "text.summarize", "llm.complete"}
+CAPABILITIES = {"echo", "invoice.extract", "text.summarize", "chat.reply", "llm.complete"}
 # Async agents: their worker runs on the threads pool with this many at once.
 ASYNC_CAPABILITIES = {"llm.complete": "500"}
 # The internal queues, each consumed by a worker of its own (service: queue).

@@ -3,6 +3,7 @@
 from broker.errors import AgentFailure, Retryable
 from workers.sdk.agent import AgentRegistry, CapabilitySpec, agent
 from workers.sdk.context import Context
+from workers.sdk.session import Session, SessionConflict
 
 __all__ = [
     "AgentFailure",
@@ -10,5 +11,7 @@ __all__ = [
     "CapabilitySpec",
     "Context",
     "Retryable",
+    "Session",
+    "SessionConflict",
     "agent",
 ]

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from broker.observability.tracing import traceparent
+from workers.sdk.session import Session
 
 ProgressSink = Callable[[dict[str, Any]], object]
 ReadinessSink = Callable[[bool, float], object]
@@ -25,6 +26,8 @@ class Context:
     deadline_at: datetime | None = None
     session_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The task's session as its claim read it (``workers.sdk.session``); None without one.
+    session: Session | None = None
     _progress_sink: ProgressSink | None = field(default=None, repr=False)
     _readiness_sink: ReadinessSink | None = field(default=None, repr=False)
     _output_sink: OutputSink | None = field(default=None, repr=False)

@@ -7,7 +7,10 @@
 - A queued task past its deadline is expired (its message may have expired in the broker).
 - A queued task whose queue is empty in the broker long after it was accepted (the API died
   between commit and publish; Redis restarted without persistence) is published again. A
-  duplicate message is harmless: only one claim from ``queued`` can succeed.
+  duplicate message is harmless: only one claim from ``queued`` can succeed. A session's turn
+  that came due is published again even when its queue holds messages, if a worker dropped
+  its message while it waited (``broker.tasks.turns``): once per message dropped. A turn
+  still waiting for an earlier one is left alone.
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
   with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
   which stops every worker, and would do it again each sweep after an operator deleted it.
@@ -32,7 +35,7 @@ from broker.observability import metrics
 from broker.registry import leases
 from broker.registry.capabilities import is_valid_name
 from broker.registry.model import capability_of, lease_key
-from broker.tasks import events, execution, retry
+from broker.tasks import events, execution, retry, turns
 from broker.tasks.dispatch import queue_depths
 from broker.tasks.resource import QUEUED, task_error
 from workers.runner import Runner
@@ -102,7 +105,13 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
             refused += _refuse(runner, rows)
             continue
         if queue_depths(app, [queue])[queue] > 0:
-            continue  # messages are waiting: these rows are most likely among them
+            # Messages are waiting: these rows are most likely among them, but for a turn
+            # whose message was dropped while it waited.
+            rows = [
+                row
+                for row in rows
+                if row["session_id"] is not None and turns.take_dropped(runner.redis, row["id"])
+            ]
         for row in rows:
             if _first_republish(runner.redis, row["id"], older_than_s):
                 assert runner.republish is not None

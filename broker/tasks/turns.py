@@ -1,0 +1,135 @@
+"""Turns: the tasks of one session run one at a time, in the order they were accepted.
+
+- Accepting a session task takes the session's next turn (``ALLOCATE``) in the transaction
+  that inserts the task. Concurrent submits to one session wait for each other on the
+  session's row, so turn order is commit order is acceptance order, and no turn becomes
+  visible before the turns below it.
+- A claim succeeds only when the task's turn is due (``IS_DUE``): no earlier turn of its
+  session is queued or running. A message whose claim fails so is dropped and its task stays
+  ``queued``, parked: it holds no worker slot while it waits.
+- Whoever moves a session task to a final state publishes, after the commit, the run message
+  of the session's next turn (``next_due``). A turn submitted meanwhile needs no message from
+  it: its own message goes out after its commit, so its claim sees the final state. A second
+  message is harmless: one claim from ``queued`` wins.
+- The sweeper republishes a queued task that is due and was accepted a while ago
+  (``execution.stale_queued``): the safety net for a release lost between commit and publish.
+  It does so for any task when its queue is empty; in a busy queue only for one whose message
+  a worker dropped (``mark_dropped``), once per drop, so a queue nobody consumes never fills
+  with copies. A parked task past its deadline is expired by the sweeper too, which releases
+  the next.
+
+An earlier turn stops holding the line when it is final, or when its row has expired (it
+reads as gone everywhere, and the janitor deletes it).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import redis
+from sqlalchemy import Connection, bindparam, exists, func, or_, select, update
+
+from broker.db.models import sessions_table as sessions
+from broker.db.models import tasks_table as tasks
+from broker.tasks.resource import QUEUED, RUNNING
+
+DROPPED_KEY = "reach:dropped:{}"
+DROPPED_TTL_S = 24 * 3600  # longer than any turn waits for the one before it to finish
+
+# The session's next turn, while the session is live and the caller's; no row otherwise.
+# Its row stays locked until the insert commits: the next submit to the session waits.
+ALLOCATE = (
+    update(sessions)
+    .where(
+        sessions.c.id == bindparam("turn_session"),
+        sessions.c.tenant == bindparam("turn_tenant"),
+        sessions.c.expires_at > func.now(),
+    )
+    .values(turns=sessions.c.turns + 1)
+    .returning(sessions.c.turns)
+)
+
+
+def _waiting_or_running(table: Any) -> Any:
+    return (
+        or_(table.c.status == QUEUED, table.c.status == RUNNING),
+        table.c.expires_at > func.now(),
+    )
+
+
+_earlier = tasks.alias("earlier")
+# True for a task without a session, or whose session has no earlier turn left to run.
+IS_DUE = or_(
+    tasks.c.session_id.is_(None),
+    ~exists().where(
+        _earlier.c.session_id == tasks.c.session_id,
+        _earlier.c.session_turn < tasks.c.session_turn,
+        *_waiting_or_running(_earlier),
+    ),
+)
+
+_HEAD = (
+    select(
+        tasks.c.id,
+        tasks.c.status,
+        tasks.c.session_turn,
+        tasks.c.queue,
+        tasks.c.trace_id,
+        tasks.c.deadline_at,
+    )
+    .where(
+        tasks.c.session_id == bindparam("session"),
+        tasks.c.session_turn.is_not(None),
+        *_waiting_or_running(tasks),
+    )
+    .order_by(tasks.c.session_turn)
+    .limit(1)
+)
+
+
+@dataclass(frozen=True)
+class Due:
+    """The turn to publish: what its run message carries."""
+
+    task_id: uuid.UUID
+    queue: str
+    trace_id: str
+    deadline_at: datetime | None
+
+
+def due_after(finished_turn: int, head: Any) -> Due | None:
+    """The session's lowest unfinished turn (``head``, or None) is due now that turn
+    ``finished_turn`` is final, when it is queued and comes after it. A head below it is
+    another's to release (it was the line, not the finished one); a running head is going."""
+    if head is None or head.status != QUEUED or head.session_turn <= finished_turn:
+        return None
+    return Due(head.id, head.queue, head.trace_id, head.deadline_at)
+
+
+def next_due(conn: Connection, session_id: str, finished_turn: int) -> Due | None:
+    """The turn to publish after ``finished_turn`` of ``session_id`` went final (committed
+    before this is called), if any. Async callers run it with ``AsyncConnection.run_sync``."""
+    head = conn.execute(_HEAD, {"session": session_id}).first()
+    return due_after(finished_turn, head)
+
+
+def of_row(row: Any) -> tuple[str, int] | None:
+    """(session, turn) of a final task row whose release may be due; None for a task
+    outside any session's order."""
+    if row["session_id"] is None or row["session_turn"] is None:
+        return None
+    return row["session_id"], row["session_turn"]
+
+
+def mark_dropped(client: redis.Redis, task_id: uuid.UUID) -> None:
+    """A worker dropped a message of this task without running it, the task not final:
+    parked, most likely (or already running, by another message)."""
+    client.set(DROPPED_KEY.format(task_id), 1, ex=DROPPED_TTL_S)
+
+
+def take_dropped(client: redis.Redis, task_id: uuid.UUID) -> bool:
+    """Whether a message of this task was dropped since this was last asked."""
+    return bool(client.delete(DROPPED_KEY.format(task_id)))

@@ -1,0 +1,447 @@
+"""Turns through the real API, Postgres, Redis and Celery workers: a task's ``session_id``
+must name a live session of its tenant, and the tasks of one session run one at a time, in
+the order they were accepted, each seeing what the one before it wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import Engine, func, select, update
+
+from broker.db.models import sessions_table, tasks_table
+from broker.settings import Settings
+from tests.agents import GATE_KEY
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.stack import (
+    CeleryProcess,
+    ServedApp,
+    start_worker,
+    submit_many,
+    wait_for_task,
+)
+
+
+def new_session(client: httpx.Client, **body: Any) -> str:
+    answer = client.post("/sessions", json=body)
+    assert answer.status_code == 201, answer.text
+    session_id: str = answer.json()["session_id"]
+    return session_id
+
+
+def turns_taken(engine: Engine, session_id: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(sessions_table.c.turns).where(sessions_table.c.id == session_id)
+            ).scalar_one()
+        )
+
+
+def assert_session_not_found(answer: httpx.Response) -> None:
+    assert answer.status_code == 422, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert answer.json()["code"] == "session_not_found"
+
+
+# -- session_id must name a live session of the caller's tenant ------------------------------
+
+
+def test_an_unknown_session_is_422_and_nothing_is_written(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    answer = client.post(
+        "/tasks", json={"capability": "echo", "payload": {}, "session_id": "sess_nobody"}
+    )
+    assert_session_not_found(answer)
+    assert count_tasks(engine, tenant[0]) == 0
+
+
+def test_another_tenants_session_is_422_and_takes_no_turn(
+    api: ServedApp, client: httpx.Client, engine: Engine, make_key: KeyMaker
+) -> None:
+    session_id = new_session(client)
+    stranger_tenant, token = make_key()
+    with client_for(api, token) as stranger:
+        answer = stranger.post(
+            "/tasks", json={"capability": "echo", "payload": {}, "session_id": session_id}
+        )
+    assert_session_not_found(answer)
+    assert count_tasks(engine, stranger_tenant) == 0
+    assert turns_taken(engine, session_id) == 0
+
+
+def test_an_expired_session_is_422(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    session_id = new_session(client, ttl_s=1)
+    eventually(
+        lambda: client.get(f"/sessions/{session_id}").status_code,
+        "the session to expire",
+        10,
+        0.1,
+        (404).__eq__,
+    )
+    answer = client.post(
+        "/tasks", json={"capability": "echo", "payload": {}, "session_id": session_id}
+    )
+    assert_session_not_found(answer)
+    assert count_tasks(engine, tenant[0]) == 0
+
+
+def test_an_idempotent_replay_takes_no_second_turn(client: httpx.Client, engine: Engine) -> None:
+    session_id = new_session(client)
+    envelope = {
+        "capability": "test.nobody",
+        "payload": {},
+        "queue_if_unavailable": True,
+        "session_id": session_id,
+        "idempotency_key": "turn-once",
+        "deadline_ms": 2000,  # not left at the head of its session's line
+    }
+    first = client.post("/tasks", json=envelope)
+    again = client.post("/tasks", json=envelope)
+    assert first.status_code == again.status_code == 202, again.text
+    assert first.json()["task_id"] == again.json()["task_id"]
+    assert turns_taken(engine, session_id) == 1
+    with engine.connect() as conn:
+        turn = conn.execute(
+            select(tasks_table.c.session_turn).where(tasks_table.c.id == first.json()["task_id"])
+        ).scalar_one()
+    assert turn == 1
+
+
+@pytest.mark.parametrize("session_id", ["", "x" * 129, "with space"])
+def test_a_malformed_session_id_is_envelope_invalid(client: httpx.Client, session_id: str) -> None:
+    answer = client.post(
+        "/tasks", json={"capability": "echo", "payload": {}, "session_id": session_id}
+    )
+    assert answer.status_code == 422
+    assert answer.json()["code"] == "envelope_invalid"
+
+
+# -- turns in order ----------------------------------------------------------------------------
+
+TURN_QUEUES = "chat.reply,test.turn,test.turn-async"
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+@pytest.fixture(scope="module")
+def turn_worker(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    """A worker of its own for the session capabilities: prefork, 2 processes."""
+    process = start_worker(settings, TURN_QUEUES, "turns", log_dir)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def gates(redis_url: str) -> Iterator[Callable[[str], None]]:
+    """Opens a gate ``test.turn`` waits at."""
+    client = redis.Redis.from_url(redis_url)
+
+    def open_gate(gate: str) -> None:
+        client.set(GATE_KEY.format(gate), 1, ex=300)
+
+    yield open_gate
+    client.close()
+
+
+def submit(
+    client: httpx.Client, capability: str, payload: dict[str, Any], session_id: str, **more: Any
+) -> str:
+    envelope = {"capability": capability, "payload": payload, "session_id": session_id, **more}
+    answer = client.post("/tasks", json=envelope)
+    assert answer.status_code == 202, answer.text
+    task_id: str = answer.json()["task_id"]
+    return task_id
+
+
+def rows_by_turn(engine: Engine, task_ids: list[str]) -> list[Any]:
+    """The tasks' rows, in their session's order."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                select(tasks_table)
+                .where(tasks_table.c.id.in_(task_ids))
+                .order_by(tasks_table.c.session_turn)
+            )
+        )
+
+
+def assert_one_at_a_time(rows: list[Any]) -> None:
+    """Each turn that ran started after the one before it had finished."""
+    ran = [r for r in rows if r.started_at is not None]
+    for before, after in itertools.pairwise(ran):
+        assert after.started_at >= before.finished_at, (before.session_turn, after.session_turn)
+
+
+def session_of(client: httpx.Client, session_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = client.get(f"/sessions/{session_id}").json()
+    return found
+
+
+def said_by_user(session: dict[str, Any]) -> list[str]:
+    return [m["text"] for m in session["state"].get("history", []) if m["role"] == "user"]
+
+
+def twenty_turns_at_once(
+    api: ServedApp, token: str, client: httpx.Client, engine: Engine
+) -> list[Any]:
+    """Given a session, when 20 chat.reply turns are submitted at once, expect each to run
+    after the one before it finished, in the order they were accepted, each seeing what the
+    one before wrote; returns their rows."""
+    session_id = new_session(client)
+    texts = [f"message {i}" for i in range(20)]
+    envelopes: list[dict[str, object]] = [
+        {"capability": "chat.reply", "payload": {"text": t}, "session_id": session_id}
+        for t in texts
+    ]
+    answers = asyncio.run(submit_many(api, token, envelopes, concurrency=20))
+    assert [a.status_code for a in answers] == [202] * 20, [a.text for a in answers]
+    ids = [a.json()["task_id"] for a in answers]
+    done = {i: wait_for_task(client, i, FINAL, timeout_s=90) for i in ids}
+    assert {d["status"] for d in done.values()} == {"succeeded"}, done
+    rows = rows_by_turn(engine, ids)
+    assert [r.session_turn for r in rows] == list(range(1, 21))
+    # expect the history in turn order, every message once, at one revision per turn
+    session = session_of(client, session_id)
+    assert session["revision"] == 21
+    assert said_by_user(session) == [r.payload["text"] for r in rows]
+    assert sorted(said_by_user(session)) == sorted(texts)
+    for row in rows:
+        result: Any = done[str(row.id)]["result"]
+        assert result["turn"] == row.session_turn
+        if row.session_turn > 1:  # it saw the turn before it
+            assert result["reply"].endswith(
+                f"(before that: {rows[row.session_turn - 2].payload['text']})"
+            )
+    assert_one_at_a_time(rows)
+    # and each revision kept names the turn that wrote it
+    kept = client.get(f"/sessions/{session_id}/revisions", params={"limit": 20}).json()
+    assert [r["task_id"] for r in reversed(kept["revisions"])] == [str(r.id) for r in rows]
+    return rows
+
+
+def test_twenty_turns_submitted_at_once_run_in_the_order_accepted(
+    api: ServedApp,
+    tenant: tuple[str, str],
+    client: httpx.Client,
+    engine: Engine,
+    turn_worker: CeleryProcess,
+) -> None:
+    twenty_turns_at_once(api, tenant[1], client, engine)
+
+
+def test_two_workers_serving_one_session_keep_its_order(
+    api: ServedApp,
+    tenant: tuple[str, str],
+    client: httpx.Client,
+    engine: Engine,
+    settings: Settings,
+    log_dir: Path,
+    turn_worker: CeleryProcess,
+) -> None:
+    # given a second worker on the same queues, on the threads pool (claims in groups)
+    second = start_worker(
+        settings, TURN_QUEUES, "turns-threads", log_dir, concurrency=8, pool="threads"
+    )
+    try:
+        rows = twenty_turns_at_once(api, tenant[1], client, engine)
+    finally:
+        second.stop()
+    # expect both to have served the session
+    assert len({r.instance for r in rows}) == 2, {r.instance for r in rows}
+
+
+def test_a_turn_whose_deadline_passes_while_it_waits_ends_expired_and_the_next_runs(
+    client: httpx.Client,
+    engine: Engine,
+    turn_worker: CeleryProcess,
+    system_beat: CeleryProcess,
+    gates: Callable[[str], None],
+) -> None:
+    # given a turn holding the line, then one with a short deadline, then another
+    session_id = new_session(client)
+    gate = secrets.token_hex(4)
+    first = submit(client, "test.turn", {"gate": gate, "text": "one"}, session_id)
+    wait_for_task(client, first, {"running"})
+    late = submit(client, "chat.reply", {"text": "too late"}, session_id, deadline_ms=500)
+    last = submit(client, "chat.reply", {"text": "three"}, session_id)
+    # when the deadline passes while it waits, expect it expired, the first still running
+    expired = wait_for_task(client, late, FINAL)
+    assert expired["status"] == "expired"
+    assert expired["error"]["code"] == "deadline_exceeded"  # type: ignore[index]
+    assert client.get(f"/tasks/{first}").json()["status"] == "running"
+    # and once the first is done, expect the last to run, after it
+    gates(gate)
+    assert wait_for_task(client, first, FINAL)["status"] == "succeeded"
+    assert wait_for_task(client, last, FINAL)["status"] == "succeeded"
+    session = session_of(client, session_id)
+    assert session["state"]["log"] == ["one"]
+    assert said_by_user(session) == ["three"]
+    assert_one_at_a_time(rows_by_turn(engine, [first, last]))
+
+
+def test_a_first_turn_that_expires_waiting_for_an_agent_lets_the_next_run(
+    client: httpx.Client, turn_worker: CeleryProcess, system_beat: CeleryProcess
+) -> None:
+    # given a first turn no agent serves, with a deadline, and a second behind it
+    session_id = new_session(client)
+    nobody = {"queue_if_unavailable": True, "deadline_ms": 1000}
+    first = submit(client, "test.nobody", {}, session_id, **nobody)
+    second = submit(client, "chat.reply", {"text": "hello"}, session_id)
+    # expect the first expired (by the sweeper) and the second run after it
+    assert wait_for_task(client, first, FINAL)["status"] == "expired"
+    done = wait_for_task(client, second, FINAL)
+    assert done["status"] == "succeeded"
+    assert done["result"]["turn"] == 1  # type: ignore[index]
+
+
+def test_the_sweeper_publishes_a_waiting_turn_whose_release_was_lost(
+    client: httpx.Client,
+    engine: Engine,
+    turn_worker: CeleryProcess,
+    system_beat: CeleryProcess,
+    gates: Callable[[str], None],
+) -> None:
+    # given a running turn and a second one whose message was dropped while it waited
+    session_id = new_session(client)
+    gate = secrets.token_hex(4)
+    first = submit(client, "test.turn", {"gate": gate}, session_id)
+    wait_for_task(client, first, {"running"})
+    second = submit(client, "chat.reply", {"text": "after"}, session_id)
+    eventually(
+        lambda: f"task {second} waiting for its turn" in turn_worker.output(),
+        "the second turn's message to be dropped",
+    )
+    # when the first ends without releasing it (its worker died between commit and publish)
+    with engine.begin() as conn:
+        conn.execute(
+            update(tasks_table)
+            .where(tasks_table.c.id == first)
+            .values(status="succeeded", finished_at=func.now())
+        )
+    gates(gate)  # its handler stops; its late result is not taken
+    # expect the sweeper to publish the second again, and it runs
+    done = wait_for_task(client, second, FINAL)
+    assert done["status"] == "succeeded"
+    assert client.get(f"/tasks/{first}").json()["status"] == "succeeded"
+
+
+def test_a_failed_and_a_cancelled_turn_let_the_next_go(
+    client: httpx.Client, engine: Engine, turn_worker: CeleryProcess
+) -> None:
+    # given a turn that fails, one that runs until cancelled, then two waiting
+    session_id = new_session(client)
+    failing = submit(client, "test.turn", {"fail": "nope"}, session_id)
+    held = submit(client, "test.turn", {"gate": secrets.token_hex(4), "text": "held"}, session_id)
+    third = submit(client, "chat.reply", {"text": "three"}, session_id)
+    fourth = submit(client, "test.turn", {"text": "four"}, session_id)
+    assert wait_for_task(client, failing, FINAL)["status"] == "failed"
+    wait_for_task(client, held, {"running"})
+    # when the waiting fourth and then the running second are cancelled
+    assert client.post(f"/tasks/{fourth}/cancel").json()["status"] == "cancelled"
+    assert client.get(f"/tasks/{third}").json()["status"] == "queued"
+    assert client.post(f"/tasks/{held}/cancel").json()["status"] == "cancelled"
+    # expect the third to run, after the cancelled one, and nothing of theirs in the session
+    assert wait_for_task(client, third, FINAL)["status"] == "succeeded"
+    session = session_of(client, session_id)
+    assert said_by_user(session) == ["three"]
+    assert "log" not in session["state"]  # the cancelled agent's write was refused
+    assert session["revision"] == 2
+    rows = rows_by_turn(engine, [failing, held, third, fourth])
+    assert [r.status for r in rows] == ["failed", "cancelled", "succeeded", "cancelled"]
+    assert_one_at_a_time(rows)
+
+
+def test_a_deleted_session_fails_its_turns(
+    client: httpx.Client, turn_worker: CeleryProcess, gates: Callable[[str], None]
+) -> None:
+    session_id = new_session(client)
+    gate = secrets.token_hex(4)
+    first = submit(client, "test.turn", {"gate": gate, "text": "one"}, session_id)
+    wait_for_task(client, first, {"running"})
+    second = submit(client, "chat.reply", {"text": "two"}, session_id)
+    assert client.delete(f"/sessions/{session_id}").status_code == 204
+    gates(gate)
+    for task_id in (first, second):
+        done = wait_for_task(client, task_id, FINAL)
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "session_not_found"  # type: ignore[index]
+
+
+# -- ctx.session ----------------------------------------------------------------------------
+
+
+def test_ctx_session_is_none_without_a_session_and_read_at_the_claim_with_one(
+    client: httpx.Client,
+) -> None:
+    plain = client.post("/tasks", json={"capability": "test.context", "payload": {}})
+    assert wait_for_task(client, plain.json()["task_id"], FINAL)["result"]["session"] is None  # type: ignore[index]
+    session_id = new_session(client)
+    client.put(f"/sessions/{session_id}", json={"state": {"a": 1}}, headers={"If-Match": '"1"'})
+    with_one = submit(client, "test.context", {}, session_id)
+    assert wait_for_task(client, with_one, FINAL)["result"]["session"] == 2  # type: ignore[index]
+
+
+@pytest.mark.parametrize("capability", ["test.turn", "test.turn-async"])
+def test_an_update_at_a_revision_someone_moved_past_raises_session_conflict(
+    client: httpx.Client,
+    turn_worker: CeleryProcess,
+    gates: Callable[[str], None],
+    capability: str,
+) -> None:
+    # given a turn that read revision 1 and waits
+    session_id = new_session(client, state={"log": []})
+    gate = secrets.token_hex(4)
+    payload = {"gate": gate, "text": "mine", "write": "update"}
+    task_id = submit(client, capability, payload, session_id)
+    wait_for_task(client, task_id, {"running"})
+    # when the API writes revision 2 meanwhile and the turn then updates
+    path = f"/sessions/{session_id}"
+    assert client.put(
+        path, json={"state": {"log": ["api"]}}, headers={"If-Match": '"1"'}
+    ).is_success
+    gates(gate)
+    # expect SessionConflict naming revision 2, and the API's write kept
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "succeeded", done
+    assert done["result"]["read_revision"] == 1  # type: ignore[index]
+    assert done["result"]["conflict"] == 2  # type: ignore[index]
+    assert session_of(client, session_id)["state"] == {"log": ["api"]}
+    assert session_of(client, session_id)["revision"] == 2
+
+
+@pytest.mark.parametrize("capability", ["test.turn", "test.turn-async"])
+def test_mutate_reads_again_after_a_conflict_and_writes_on_top(
+    client: httpx.Client,
+    turn_worker: CeleryProcess,
+    gates: Callable[[str], None],
+    capability: str,
+) -> None:
+    session_id = new_session(client, state={"log": []})
+    gate = secrets.token_hex(4)
+    task_id = submit(client, capability, {"gate": gate, "text": "mine"}, session_id)
+    wait_for_task(client, task_id, {"running"})
+    path = f"/sessions/{session_id}"
+    assert client.put(
+        path, json={"state": {"log": ["api"]}}, headers={"If-Match": '"1"'}
+    ).is_success
+    gates(gate)
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "succeeded", done
+    assert done["result"]["revision"] == 3  # type: ignore[index]
+    session = session_of(client, session_id)
+    assert (session["revision"], session["state"]) == (3, {"log": ["api", "mine"]})
+    kept = client.get(f"{path}/revisions", params={"limit": 1}).json()["revisions"]
+    assert kept[0]["task_id"] == task_id
