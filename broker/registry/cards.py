@@ -39,10 +39,13 @@ async def served_capabilities(engine: AsyncEngine, cache: TimedCache) -> frozens
 
 
 async def known_capabilities(engine: AsyncEngine) -> dict[str, list[dict[str, Any]]]:
-    query = select(cards.c.capability, cards.c.agent_id, cards.c.version)
+    """capability -> [{"agent_id", "version", "tenants"}] of every card."""
+    query = select(cards.c.capability, cards.c.agent_id, cards.c.version, cards.c.card["tenants"])
     async with engine.connect() as conn:
         rows = (await conn.execute(query.order_by(cards.c.capability))).all()
     found: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        found.setdefault(r.capability, []).append({"agent_id": r.agent_id, "version": r.version})
+    for capability, agent_id, version, tenants in rows:
+        found.setdefault(capability, []).append(
+            {"agent_id": agent_id, "version": version, "tenants": tenants}
+        )
     return found
