@@ -254,3 +254,26 @@ def test_a_hint_picks_its_instance_only_while_it_is_ready() -> None:
     draining = candidate("bot", "1.0.0", "a@h", state=DRAINING)
     assert rules.hinted([draining, other], NOW) is None
     assert Rules(hint="zz@h").hinted([ready, other], NOW) is None
+
+
+# --- where a request nothing live serves waits (queue_if_unavailable) -------------------------
+
+
+def test_a_request_waits_in_the_queue_of_a_card_that_would_serve_it() -> None:
+    def waits(target: str | None, tenant: str = "t1", policy: Policy = POLICY) -> str | None:
+        parsed = parse_target(target) if target is not None else None
+        rules = policy.rules(tenant=tenant, capability="text.upper", target=parsed, hint=None)
+        return policy.waiting_queue(rules, "text.upper")
+
+    # pinned: that version's card queue, never the capability's (another version takes it)
+    assert waits("bot@2.0.0") == card_queue("text.upper", "bot", "2.0.0")
+    # a channel: its heaviest version
+    assert waits("bot@canary") == card_queue("text.upper", "bot", "1.0.0")
+    # untargeted, with a card hidden from the tenant and one revoked: a card it may use
+    assert waits(None) in {card_queue("text.upper", "bot", v) for v in ("1.0.0", "2.0.0")}
+    # every card of the capability would serve it: the capability's own queue
+    open_policy = Policy(cards=(KnownCard("bot", "1.0.0", "text.upper"),))
+    assert waits(None, policy=open_policy) == "text.upper"
+    # only a card the tenant may not use: nowhere
+    only_hidden = Policy(cards=(KnownCard("secret", "1.0.0", "text.upper", tenants=("acme",)),))
+    assert waits(None, policy=only_hidden) is None
