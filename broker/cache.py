@@ -21,6 +21,10 @@ class TimedCache:
             return True, hit[1]
         return False, None
 
+    def forget(self, key: Any) -> None:
+        """Drop ``key``: the next reader reads it again (after this process wrote it)."""
+        self._entries.pop(key, None)
+
     def put(self, key: Any, value: Any) -> Any:
         if len(self._entries) > 10_000:
             self._entries.clear()

@@ -10,6 +10,7 @@
     │                         a tenant-wide setting, an operator action)
     ├── NotFound              no such resource for this tenant (also: another tenant's, or
     │                         one outside the key's patterns)
+    ├── Gone                  it existed and never will again (a revoked version)
     ├── Conflict              the resource is in a state that does not allow this
     ├── Unavailable           a dependency (Postgres, Redis, the queue) cannot be reached
     └── AgentFailure          raised by agent code: the task fails with ``code``
@@ -63,6 +64,10 @@ class Forbidden(ReachError):
 
 class NotFound(ReachError):
     code = "not_found"
+
+
+class Gone(ReachError):
+    code = "gone"
 
 
 class Conflict(ReachError):

@@ -60,6 +60,23 @@ def pool(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     return {"slept_s": sleep_s}
 
 
+@agent.capability(
+    "test.addr",
+    agent_id="test-addr",
+    # The address tests run workers of several versions of this agent.
+    version=os.environ.get("REACH_TEST_ADDR_VERSION", "1.0.0"),
+)
+def addressed(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Answers at once: which version ran it is the task's ``agent``."""
+    return {}
+
+
+@agent.capability("test.hidden", agent_id="test-hidden", version="1.0.0", tenants=["hidden-owner"])
+def hidden(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Only the tenant ``hidden-owner`` may use or see it."""
+    return {}
+
+
 @agent.capability("test.late", agent_id="test-late", version="0.0.1")
 def late(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     return {"ran": True}

@@ -4,6 +4,13 @@ from the task path, so an idle worker stays live), and given up on drain or shut
 Each renewal also applies readiness: a capability whose readiness callable says no, or that an
 agent marked not ready through the SDK, is removed from routing and its queues stop being
 consumed until it is ready again; the worker itself stays up.
+
+A revoked version is dropped for good: the renewal leaves its card out (``leases.renew``), and
+the keeper then stops serving that capability. Revocations in Postgres are read at start too,
+so a worker of a revoked version started after Redis lost the set serves nothing of it.
+
+Each card has three queues: the capability's, the card's, and this instance's own (hints). On
+drain the tasks waiting in the instance's queues move to their cards' queues.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from celery import bootsteps
 
 from broker.db.engines import sync_engine
 from broker.observability import metrics
-from broker.registry import leases
+from broker.registry import leases, revocations
 from broker.registry.model import (
     DRAINING,
     OFFLINE,
@@ -32,6 +39,7 @@ from broker.registry.model import (
 )
 from broker.settings import Settings
 from broker.tasks import execution
+from broker.tasks.dispatch import send_run
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 
 log = logging.getLogger("reach.lease")
@@ -66,14 +74,23 @@ class LeaseKeeper:
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reach-lease", daemon=True)
+        self.started = False
 
     def start(self) -> None:
         if not self.specs:
             return
+        self.started = True
         leases.advertise_cards(self.engine, [s.card.document() for s in self.specs])
         self.redis.delete(drain_key(self.instance))  # a restart is not still draining
-        for spec in self.specs:  # so routing can pick this card when several serve it
+        versions = [(s.card.agent_id, s.card.version) for s in self.specs]
+        revoked = revocations.revoked_among(self.engine, versions)
+        for spec in [s for s in self.specs if (s.card.agent_id, s.card.version) in revoked]:
+            log.warning("%s: %s %s is revoked", self.instance, spec.card.agent_id, spec.name)
+            self.consumer.cancel_task_queue(spec.name)
+            self._drop(spec)
+        for spec in self.specs:  # so routing can pick this card, or this instance (a hint)
             self.consumer.add_task_queue(spec.card.ref().queue())
+            self.consumer.add_task_queue(spec.card.ref().instance_queue(self.instance))
         self.renew()
         leases.record_instance(self.engine, self.lease, READY)
         self._thread.start()
@@ -123,7 +140,25 @@ class LeaseKeeper:
 
     def renew(self) -> None:
         self.lease = replace(self.lease, heartbeat_at=now_s(), active=self._holding())
-        leases.renew(self.redis, self.lease)
+        written = leases.renew(self.redis, self.lease)
+        revoked = [
+            (spec, card)
+            for spec, card in zip(self.specs, self.lease.cards, strict=True)
+            if card not in written.cards
+        ]
+        for spec, card in revoked:
+            log.warning("%s: %s %s is revoked", self.instance, card.agent_id, card.version)
+            if card.ready and self.lease.state == READY:
+                self._toggle_queues(spec, consume=False)
+            self._drop(spec)
+
+    def _drop(self, spec: CapabilitySpec) -> None:
+        """Stop serving ``spec`` for good (its version is revoked)."""
+        at = self.specs.index(spec)
+        self.specs.pop(at)
+        cards = list(self.lease.cards)
+        cards.pop(at)
+        self.lease = replace(self.lease, cards=tuple(cards))
 
     def _apply_readiness(self) -> None:
         flagged = leases.not_ready_flags(self.redis, self.instance, [s.name for s in self.specs])
@@ -137,7 +172,8 @@ class LeaseKeeper:
 
     def _toggle_queues(self, spec: CapabilitySpec, *, consume: bool) -> None:
         log.info("%s: %s %s", self.instance, "resuming" if consume else "pausing", spec.name)
-        for queue in (spec.name, spec.card.ref().queue()):
+        ref = spec.card.ref()
+        for queue in (spec.name, ref.queue(), ref.instance_queue(self.instance)):
             action = self.consumer.add_task_queue if consume else self.consumer.cancel_task_queue
             # call_soon runs it on the consumer's own loop: its queues are not thread-safe.
             self.consumer.call_soon(action, queue)
@@ -145,7 +181,7 @@ class LeaseKeeper:
     def begin_drain(self, *, stop_consuming: bool = True) -> None:
         """Stop taking work: leave routing, stop consuming, finish what is held.
         On warm shutdown Celery stops consuming itself (``stop_consuming=False``)."""
-        if self.lease.state in (DRAINING, OFFLINE) or not self.specs:
+        if self.lease.state in (DRAINING, OFFLINE) or not self.started:
             return
         log.info("%s: draining", self.instance)
         self.lease = replace(self.lease, state=DRAINING)
@@ -155,14 +191,31 @@ class LeaseKeeper:
                 self._toggle_queues(spec, consume=False)
         self.renew()
         leases.record_instance(self.engine, self.lease, DRAINING)
+        self._rehome_hinted()
+
+    def _rehome_hinted(self) -> None:
+        """Tasks hinted to this instance that it will not take now wait in their cards'
+        queues (their messages left here find them gone, or claim them once)."""
+        for spec in self.specs:
+            ref = spec.card.ref()
+            own = ref.instance_queue(self.instance)
+            for row in execution.rehome(self.engine, own, ref.queue()):
+                send_run(
+                    self.consumer.app,
+                    row["id"],
+                    ref.queue(),
+                    trace_id=row["trace_id"],
+                    deadline_at=row["deadline_at"],
+                )
 
     def go_offline(self) -> None:
-        if not self.specs or self.lease.state == OFFLINE:
+        if not self.started or self.lease.state == OFFLINE:
             return
         self._stop.set()
         self.lease = replace(self.lease, state=OFFLINE)
         leases.release(self.redis, self.lease)
         leases.record_instance(self.engine, self.lease, OFFLINE)
+        self._rehome_hinted()  # any routed here while the drain began
         log.info("%s: offline", self.instance)
 
     @staticmethod

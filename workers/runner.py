@@ -28,7 +28,7 @@ from broker.grouping import ThreadGrouped
 from broker.observability import logs, metrics
 from broker.outages import AGENT_TRANSIENT_ERRORS
 from broker.registry import leases
-from broker.registry.model import capability_of
+from broker.registry.model import capability_of, home_queue
 from broker.settings import Settings
 from broker.tasks import cancellation, events, execution, retry, turns
 from broker.tasks.events import EVENTS_SLACK_S
@@ -245,7 +245,12 @@ class Runner:
         delay_s: float,
         publish: Callable[[str, Any], None],
     ) -> bool:
-        if self.republish is None or execution.requeue(self.engine, claimed.task_id, err) is None:
+        # A hinted task goes again to any instance of its card: affinity is a preference.
+        home = home_queue(claimed.queue)
+        if (
+            self.republish is None
+            or execution.requeue(self.engine, claimed.task_id, err, queue=home) is None
+        ):
             return False
         metrics.task_retries.labels(capability_of(claimed.queue)).inc()
         log.info("task will run again", extra={"delay_s": round(delay_s, 3), "code": err["code"]})
@@ -258,9 +263,7 @@ class Runner:
                 "error": err,
             },
         )
-        self.republish(
-            claimed.task_id, claimed.queue, claimed.trace_id, claimed.deadline_at, delay_s
-        )
+        self.republish(claimed.task_id, home, claimed.trace_id, claimed.deadline_at, delay_s)
         return True
 
     def _progress(self, tid: uuid.UUID, progress: dict[str, Any], publish: Any) -> None:

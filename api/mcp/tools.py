@@ -9,7 +9,7 @@ tools (``reach_get_task``, ``reach_cancel_task``) is not offered.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mcp_types import CallToolResult, TextContent, Tool
@@ -47,8 +47,10 @@ TASK_TOOLS = [
 ]
 
 
-def capability_tools(cards: Mapping[str, Mapping[str, Any]], caller: Principal) -> list[Tool]:
-    """A tool per capability ``caller`` may run, from the card advertised last for it."""
+def capability_tools(
+    cards: Mapping[str, Sequence[Mapping[str, Any]]], caller: Principal
+) -> list[Tool]:
+    """A tool per capability ``caller`` may run, from the newest card it may see."""
     return [
         _tool(capability, card)
         for capability, card in offered(cards, caller).items()

@@ -13,7 +13,7 @@ from api.schemas import ERROR_RESPONSES
 from api.services import services
 from broker import jsonbody
 from broker.errors import Forbidden, NotFound
-from broker.registry import cards, views
+from broker.registry import cards, channels, policy, revocations, views
 from broker.registry.model import card_queue, drain_key, lease_key, live_key
 from broker.remote import a2a_card, registration
 from broker.tenancy.keys import Principal
@@ -23,6 +23,7 @@ router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
 DRAIN_FLAG_TTL_S = 24 * 3600
 REGISTRATION_MAX_BYTES = 512 * 1024
+CHANNEL_MAX_BYTES = 16 * 1024
 
 
 @router.get("/agents", responses=ERROR_RESPONSES)
@@ -43,6 +44,56 @@ async def get_agent(agent_id: str, request: Request, caller: Caller) -> dict[str
     if not found:
         raise NotFound("no such agent", code="agent_not_found")
     return found[0]
+
+
+@router.put("/agents/{agent_id}/channels/{channel}", responses=ERROR_RESPONSES)
+async def put_channel(
+    agent_id: str, channel: str, request: Request, caller: Caller
+) -> dict[str, Any]:
+    """Set a channel: ``{"versions": {"2.3.1": 90, "2.4.0": 10}}``, weights of versions the
+    agent has and that are not revoked. A target ``<agent_id>@<channel>`` routes by it;
+    ``stable`` is also what untargeted requests use. Admin only."""
+    _require_admin(caller, "setting channels")
+    channels.check_name(channel)
+    state = services(request)
+    raw = await read_json_body(request, CHANNEL_MAX_BYTES)
+    weights = channels.parse_weights(jsonbody.parse(raw, max_depth=4))
+    answer = await channels.put(state.engine, agent_id, channel, weights)
+    policy.forget(state.card_cache)
+    return answer
+
+
+@router.delete("/agents/{agent_id}/channels/{channel}", status_code=204, responses=ERROR_RESPONSES)
+async def delete_channel(agent_id: str, channel: str, request: Request, caller: Caller) -> Response:
+    """Remove a channel (without ``stable``, every version serves by its card's weight).
+    Admin only."""
+    _require_admin(caller, "removing channels")
+    state = services(request)
+    if not await channels.remove(state.engine, agent_id, channel):
+        raise NotFound("no such channel of this agent", code="channel_not_found")
+    policy.forget(state.card_cache)
+    return Response(status_code=204)
+
+
+@router.post("/agents/{agent_id}/versions/{version}/revoke", responses=ERROR_RESPONSES)
+async def revoke_version(
+    agent_id: str, version: str, request: Request, caller: Caller
+) -> dict[str, Any]:
+    """Take a version out of routing for good (lifecycle ``revoked``): no request is routed
+    to it, a target naming it is 410 ``version_revoked``, and its instances' lease renewals
+    drop it. There is no undo: deploy a new version. Admin only."""
+    _require_admin(caller, "revoking versions")
+    state = services(request)
+    answer = await revocations.revoke(
+        state.engine, state.redis, agent_id, version, by=caller.key_id
+    )
+    policy.forget(state.card_cache)
+    return answer
+
+
+def _require_admin(caller: Principal, what: str) -> None:
+    if not caller.is_admin:
+        raise Forbidden(f"{what} needs an admin key", code="admin_required")
 
 
 @router.post(
@@ -119,14 +170,15 @@ async def deregister_agent(agent_id: str, request: Request, caller: Caller) -> R
 
 @router.get("/capabilities", responses=ERROR_RESPONSES)
 async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
-    """Each capability the key's patterns allow: live instances, and figures from the last 5
-    minutes of the caller's tenant's tasks. Queue depth, shared by every tenant, is shown to
-    operator keys only."""
+    """Each capability the key's patterns allow and some card its tenant may use serves: live
+    instances, and figures from the last 5 minutes of the caller's tenant's tasks. Queue
+    depth, shared by every tenant, is shown to operator keys only."""
     state = services(request)
     known = await cards.known_capabilities(state.engine)
-    shown = {capability: by for capability, by in known.items() if caller.may_see(capability)}
+    allowed = {capability: by for capability, by in known.items() if caller.may_see(capability)}
+    shown = views.capabilities_seen_by(allowed, caller)
     depths = await _queue_depths(request, shown) if caller.is_admin else None
-    found = await views.capabilities(state.engine, state.redis, shown, caller.tenant, depths)
+    found = await views.capabilities(state.engine, state.redis, shown, caller, depths)
     return {"capabilities": found}
 
 

@@ -52,8 +52,9 @@ class Task(Base):
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64))
     capability: Mapped[str] = mapped_column(String(128))
-    # The queue it was published to: the capability that serves the request.
-    queue: Mapped[str] = mapped_column(String(128))
+    # The queue it was published to: the capability's, a card's or an instance's
+    # (``broker.registry.model``).
+    queue: Mapped[str] = mapped_column(String(512))
     status: Mapped[str] = mapped_column(String(16))
     payload: Mapped[Any] = mapped_column(JSONB)
     payload_digest: Mapped[str] = mapped_column(String(64))
@@ -159,6 +160,31 @@ class AgentInstance(Base):
     started_at: Mapped[datetime] = mapped_column(TZ)
     last_seen_at: Mapped[datetime] = mapped_column(TZ)
     stopped_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
+class AgentChannel(Base):
+    """A named channel of an agent (``stable``, ``canary``): the weight of each version in
+    the traffic routed through it. Set by operators."""
+
+    __tablename__ = "agent_channels"
+
+    agent_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    channel: Mapped[str] = mapped_column(String(63), primary_key=True)
+    # {"2.3.1": 90, "2.4.0": 10}
+    versions: Mapped[Any] = mapped_column(JSONB)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class AgentRevocation(Base):
+    """A version taken out of routing for good: no route picks it, its instances' leases
+    drop it."""
+
+    __tablename__ = "agent_revocations"
+
+    agent_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    revoked_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    revoked_by: Mapped[str] = mapped_column(String(64))
 
 
 class RemoteAgent(Base):
@@ -336,6 +362,8 @@ tasks_table = cast(Table, Task.__table__)
 agent_cards_table = cast(Table, AgentCard.__table__)
 agent_instances_table = cast(Table, AgentInstance.__table__)
 remote_agents_table = cast(Table, RemoteAgent.__table__)
+agent_channels_table = cast(Table, AgentChannel.__table__)
+agent_revocations_table = cast(Table, AgentRevocation.__table__)
 sessions_table = cast(Table, Session.__table__)
 session_revisions_table = cast(Table, SessionRevision.__table__)
 api_keys_table = cast(Table, ApiKey.__table__)

@@ -3,16 +3,16 @@ card has served, who serves each capability, and the card a caller is shown of e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
 from broker.db.models import agent_cards_table as cards
 from broker.registry.capabilities import any_pattern_allows
+from broker.registry.model import visible_to
 from broker.tenancy.keys import Principal
 
 CardKey = tuple[str, str, str]  # agent_id, version, capability
@@ -43,38 +43,46 @@ async def served_capabilities(engine: AsyncEngine, cache: TimedCache) -> frozens
 
 
 async def known_capabilities(engine: AsyncEngine) -> dict[str, list[dict[str, Any]]]:
-    query = select(cards.c.capability, cards.c.agent_id, cards.c.version)
+    """capability -> [{"agent_id", "version", "tenants"}] of every card."""
+    query = select(cards.c.capability, cards.c.agent_id, cards.c.version, cards.c.card["tenants"])
     async with engine.connect() as conn:
         rows = (await conn.execute(query.order_by(cards.c.capability))).all()
     found: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        found.setdefault(r.capability, []).append({"agent_id": r.agent_id, "version": r.version})
+    for capability, agent_id, version, tenants in rows:
+        found.setdefault(capability, []).append(
+            {"agent_id": agent_id, "version": version, "tenants": tenants}
+        )
     return found
 
 
-async def latest_cards(engine: AsyncEngine, cache: TimedCache) -> dict[str, dict[str, Any]]:
-    """Each capability some card has served, with the card advertised last for it: what the
-    protocol facades show a caller of a capability (its description and input schema)."""
+async def latest_cards(engine: AsyncEngine, cache: TimedCache) -> dict[str, list[dict[str, Any]]]:
+    """Each capability some card has served, with its cards, the one advertised last first:
+    what the protocol facades show a caller of a capability (``offered``)."""
     found, value = cache.get("latest_cards")
     if found:
         return value  # type: ignore[no-any-return]
-    query = (
-        select(cards.c.capability, cards.c.card)
-        .ext(distinct_on(cards.c.capability))
-        .order_by(cards.c.capability, cards.c.last_seen_at.desc(), cards.c.version.desc())
+    query = select(cards.c.capability, cards.c.card).order_by(
+        cards.c.capability, cards.c.last_seen_at.desc(), cards.c.version.desc()
     )
     async with engine.connect() as conn:
         rows = (await conn.execute(query)).all()
-    return cache.put("latest_cards", {r.capability: r.card for r in rows})  # type: ignore[no-any-return]
+    latest: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        latest.setdefault(row.capability, []).append(row.card)
+    return cache.put("latest_cards", latest)  # type: ignore[no-any-return]
 
 
 def offered(
-    latest: Mapping[str, Mapping[str, Any]], caller: Principal
+    latest: Mapping[str, Sequence[Mapping[str, Any]]], caller: Principal
 ) -> dict[str, Mapping[str, Any]]:
-    """Of ``latest_cards``, the capabilities ``caller`` may run: what the protocol facades
-    offer a key (its A2A skills, its MCP tools)."""
-    return {
-        capability: card
-        for capability, card in latest.items()
-        if any_pattern_allows(caller.capabilities, capability)
-    }
+    """Of ``latest_cards``, the capabilities ``caller`` may run, each with the newest card its
+    tenant may see (a card's ``tenants``): what the protocol facades offer a key (its A2A
+    skills, its MCP tools). A capability only hidden cards serve is not offered."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for capability, documents in latest.items():
+        if not any_pattern_allows(caller.capabilities, capability):
+            continue
+        visible = (d for d in documents if visible_to(d.get("tenants"), caller.tenant))
+        if (document := next(visible, None)) is not None:
+            found[capability] = document
+    return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,9 +12,11 @@ from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_instances_table as instances
+from broker.registry import revocations
 from broker.registry.model import (
     OFFLINE,
     READY,
+    CardRef,
     Lease,
     drain_key,
     lease_key,
@@ -82,11 +85,33 @@ def record_instance(engine: Engine, lease: Lease, state: str) -> None:
         conn.execute(statement)
 
 
-def renew(client: redis.Redis, lease: Lease) -> None:
-    """Write the lease and index each ready capability until the lease expires, atomically."""
+def renew(client: redis.Redis, lease: Lease) -> Lease:
+    """Write the lease and index each ready capability until the lease expires, atomically;
+    the lease as written. A card of a revoked version is left out of both, in the same
+    transaction as the check (a revocation between the two retries it)."""
+    if not lease.cards:
+        _write(client.pipeline(transaction=True), lease, ())
+        return lease
+    names = [revocations.member(c.agent_id, c.version) for c in lease.cards]
+    with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(revocations.REVOKED_KEY)  # type: ignore[no-untyped-call]
+                flags = pipe.smismember(revocations.REVOKED_KEY, names)
+                revoked = tuple(c for c, gone in zip(lease.cards, flags, strict=True) if gone)
+                kept = replace(lease, cards=tuple(c for c in lease.cards if c not in revoked))
+                pipe.multi()
+                _write(pipe, kept, revoked)
+                return kept
+            except redis.WatchError:
+                continue
+
+
+def _write(pipe: Any, lease: Lease, revoked: tuple[CardRef, ...]) -> None:
     expires_at = lease.heartbeat_at + lease.lease_ttl_s
-    pipe = client.pipeline(transaction=True)
     pipe.set(lease_key(lease.instance), lease.to_json(), px=int(lease.lease_ttl_s * 1000))
+    for card in revoked:
+        pipe.zrem(live_key(card.capability), lease.instance)
     for card in lease.cards:
         if lease.state == READY and card.ready:
             pipe.zadd(live_key(card.capability), {lease.instance: expires_at})

@@ -19,6 +19,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
+from broker.registry.addresses import is_agent_id, is_version
 from broker.registry.capabilities import is_reserved, is_valid_name
 from broker.tasks.retry import DEFAULT_MAX_ATTEMPTS
 
@@ -60,9 +61,34 @@ def card_queue(capability: str, agent_id: str, version: str) -> str:
     return f"{capability}@{agent_id}@{version}"
 
 
+def instance_queue(card_queue: str, instance: str) -> str:
+    """The queue of one instance serving one card: where a hinted request goes (affinity).
+    Agent ids and versions have no ``@``, so the instance is everything after the third."""
+    return f"{card_queue}@{instance}"
+
+
 def capability_of(queue: str) -> str:
     """The capability a queue serves: itself, or the part before ``@`` of a card queue."""
     return queue.partition("@")[0]
+
+
+def instance_of(queue: str) -> str | None:
+    """The instance of an instance queue; None for any other queue."""
+    parts = queue.split("@", 3)
+    return parts[3] if len(parts) == 4 else None
+
+
+def home_queue(queue: str) -> str:
+    """Where a task goes again (a retry, a lost worker's task): an instance queue's card
+    queue, since that instance may be gone; any other queue itself."""
+    parts = queue.split("@", 3)
+    return "@".join(parts[:3]) if len(parts) == 4 else queue
+
+
+def visible_to(tenants: tuple[str, ...] | list[str] | None, tenant: str) -> bool:
+    """Whether a card naming ``tenants`` (None: every tenant) may be used and seen by
+    ``tenant``."""
+    return tenants is None or tenant in tenants
 
 
 @dataclass(frozen=True)
@@ -75,9 +101,16 @@ class CardRef:
     weight: float = 1.0
     cost_per_call: float = 0.0
     ready: bool = True
+    tenants: tuple[str, ...] | None = None  # who may route to it; None: every tenant
 
     def queue(self) -> str:
         return card_queue(self.capability, self.agent_id, self.version)
+
+    def instance_queue(self, instance: str) -> str:
+        return instance_queue(self.queue(), instance)
+
+    def visible_to(self, tenant: str) -> bool:
+        return visible_to(self.tenants, tenant)
 
 
 @dataclass(frozen=True)
@@ -87,8 +120,9 @@ class Card:
     and stored (schema ``CARD_SCHEMA_VERSION``).
 
     ``weight`` is the traffic weight among cards serving the same capability (a canary takes
-    0.05); ``tags`` are extra routing tags with their weights; ``extra`` keeps any other field
-    an agent declares, for the card's readers."""
+    0.05); ``tags`` are extra routing tags with their weights; ``tenants`` names the tenants
+    that may route to the card and see it (None: every tenant); ``extra`` keeps any other
+    field an agent declares, for the card's readers."""
 
     capability: str
     agent_id: str
@@ -109,6 +143,7 @@ class Card:
     cost_per_call: float = 0.0
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    tenants: tuple[str, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,6 +154,17 @@ class Card:
                 else ""
             )
             raise ValueError(f"invalid capability name: {self.capability!r}{why}")
+        if not is_agent_id(self.agent_id):
+            raise ValueError(
+                f"invalid agent id {self.agent_id!r}: 1-64 lowercase letters, digits, '-' or "
+                "'_', starting with a letter or digit"
+            )
+        if not is_version(self.version):
+            raise ValueError(
+                f"invalid version {self.version!r}: it starts with a digit, then up to 63 of "
+                "[0-9A-Za-z.+_-]"
+            )
+        check_tenants(self.tenants)
         for schema in (self.input_schema, self.output_schema):
             if schema is not None:
                 Draft202012Validator.check_schema(schema)
@@ -137,11 +183,18 @@ class Card:
         extra = {name: value for name, value in given.items() if name not in known}
         chosen = {name: value for name, value in given.items() if name in known}
         chosen["tags"] = tuple(dict(chosen.get("tags") or {}).items())
+        if chosen.get("tenants") is not None:
+            chosen["tenants"] = tuple(chosen["tenants"])
         return cls(capability=capability, **chosen, extra=extra)
 
     def ref(self) -> CardRef:
         return CardRef(
-            self.agent_id, self.version, self.capability, self.weight, self.cost_per_call
+            self.agent_id,
+            self.version,
+            self.capability,
+            self.weight,
+            self.cost_per_call,
+            tenants=self.tenants,
         )
 
     def document(self) -> dict[str, Any]:
@@ -168,6 +221,7 @@ class Card:
             "cancellable": self.cancellable,
             "lease_ttl_s": self.lease_ttl_s,
             "max_attempts": self.max_attempts,
+            "tenants": list(self.tenants) if self.tenants is not None else None,
             "extra": self.extra,
         }
 
@@ -201,8 +255,26 @@ class Lease:
     @classmethod
     def from_json(cls, raw: str | bytes) -> Lease:
         data: dict[str, Any] = json.loads(raw)
-        data["cards"] = tuple(CardRef(**c) for c in data.get("cards", []))
+        data["cards"] = tuple(_card_ref(c) for c in data.get("cards", []))
         return cls(**data)
+
+
+def _card_ref(data: dict[str, Any]) -> CardRef:
+    tenants = data.get("tenants")
+    return CardRef(**{**data, "tenants": tuple(tenants) if tenants is not None else None})
+
+
+TENANTS_MAX = 100
+
+
+def check_tenants(tenants: tuple[str, ...] | None) -> None:
+    """ValueError unless ``tenants`` is None or 1 to ``TENANTS_MAX`` tenant names."""
+    if tenants is None:
+        return
+    if not tenants or len(tenants) > TENANTS_MAX:
+        raise ValueError(f"tenants: 1 to {TENANTS_MAX} names (leave it out for every tenant)")
+    if not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tenants):
+        raise ValueError("tenants: each a name of 1 to 64 characters")
 
 
 def now_s() -> float:

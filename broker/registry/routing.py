@@ -4,13 +4,22 @@ choice (seed 000 §3.3).
 
 score = match x health x cost x weight, sampled in proportion, never always the top: the
 lesser cards keep getting some traffic, so their health figures stay fresh.
+
+``Rules`` narrow the candidates first: a card the caller's tenant may not see, or a revoked
+version, never serves; a target keeps one agent (and its version, or its channel's
+versions); an agent with a ``stable`` channel serves untargeted requests with that channel's
+versions only. Where a channel governs an agent, its weights split the agent's traffic
+between versions exactly as set (the instances of a version share its part). A hint sends
+the request to the named instance's own queue while that instance may serve it.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -18,6 +27,7 @@ from redis.commands.core import AsyncScript
 from broker.registry.capabilities import any_pattern_allows, prefix_chain
 from broker.registry.model import LEASE_PREFIX, READY, SUSPECT, CardRef, Lease, live_key, now_s
 
+T = TypeVar("T")
 EXACT_MATCH, PREFIX_MATCH = 1.0, 0.6
 SUSPECT_FACTOR = 0.3
 # A recovered instance takes traffic gradually: 0.2 for its first minute, 0.5 for the second.
@@ -36,6 +46,60 @@ class Route:
     queue: str
     card: CardRef
     candidates: tuple[Candidate, ...]
+    instance: str | None = None  # the hinted instance, when it took the request
+
+
+Shares = Mapping[str, float]  # version -> weight
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What narrows a request's candidates beyond its capability (see the module docstring).
+    ``tenant`` None applies no visibility (the read side's counts for operators)."""
+
+    tenant: str | None = None
+    revoked: frozenset[tuple[str, str]] = frozenset()
+    stable: Mapping[str, Shares] = field(default_factory=dict)  # agent_id -> its stable channel
+    agent_id: str | None = None  # a target's agent
+    versions: Shares | None = None  # a target's version ({v: 1}) or channel; None: any
+    hint: str | None = None
+
+    def admits(self, card: CardRef) -> bool:
+        return (
+            (self.tenant is None or card.visible_to(self.tenant))
+            and (card.agent_id, card.version) not in self.revoked
+            and (self.agent_id is None or card.agent_id == self.agent_id)
+        )
+
+    def shares(self, agent_id: str) -> Shares | None:
+        """The version weights that govern ``agent_id``'s traffic, if any."""
+        return self.versions if self.agent_id is not None else self.stable.get(agent_id)
+
+    def narrow(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        kept = []
+        for c in candidates:
+            if not self.admits(c.card):
+                continue
+            shares = self.shares(c.card.agent_id)
+            if shares is None or shares.get(c.card.version, 0) > 0:
+                kept.append(c)
+        return kept
+
+    def hinted(self, candidates: Sequence[Candidate], now: float) -> Candidate | None:
+        """The hinted instance's candidate while it is ready (not draining, not late)."""
+        if self.hint is None:
+            return None
+        return next(
+            (
+                c
+                for c in candidates
+                if c.lease.instance == self.hint and c.lease.observed_state(now) == READY
+            ),
+            None,
+        )
+
+
+NO_RULES = Rules()
 
 
 def success_band(success_rate: float | None) -> float:
@@ -73,14 +137,38 @@ def choose(
     now: float,
     success_rates: Mapping[tuple[str, str], float],
     rng: random.Random | None = None,
+    rules: Rules = NO_RULES,
 ) -> Candidate:
-    """Weighted random choice by score; equal chances when every score is zero."""
-    scores = [
-        score(c, requested=requested, now=now, success_rates=success_rates) for c in candidates
+    """Weighted random choice by score; equal chances when every score is zero.
+
+    In two steps that together are the plain choice by score: the agent, by the sum of its
+    candidates' scores; then the candidate within it. An agent a channel governs takes the
+    second step by version first, by the channel's weights, so the split between versions is
+    the one set, whatever the count, health or warm-up of their instances."""
+    pick = rng or random
+    scored = [
+        (c, score(c, requested=requested, now=now, success_rates=success_rates)) for c in candidates
     ]
-    if sum(scores) <= 0:
-        scores = [1.0] * len(candidates)
-    return (rng or random).choices(list(candidates), weights=scores, k=1)[0]
+    by_agent: dict[str, list[tuple[Candidate, float]]] = {}
+    for c, s in scored:
+        by_agent.setdefault(c.card.agent_id, []).append((c, s))
+    agent_id = _weighted(pick, list(by_agent), [sum(s for _, s in g) for g in by_agent.values()])
+    group = by_agent[agent_id]
+    shares = rules.shares(agent_id)
+    if shares is not None:
+        versions = sorted({c.card.version for c, _ in group})
+        version = _weighted(pick, versions, [shares.get(v, 0.0) for v in versions])
+        group = [(c, s) for c, s in group if c.card.version == version]
+    return _weighted(pick, [c for c, _ in group], [s for _, s in group])
+
+
+def _weighted(pick: random.Random | ModuleType, items: list[T], weights: list[float]) -> T:
+    if len(items) == 1:
+        return items[0]
+    if sum(weights) <= 0:
+        weights = [1.0] * len(items)
+    chosen: T = pick.choices(items, weights=weights, k=1)[0]
+    return chosen
 
 
 def serving(lease: Lease, capability: str, now: float) -> CardRef | None:
@@ -144,28 +232,54 @@ async def resolve(
     success_rates: Mapping[tuple[str, str], float] | None = None,
     rng: random.Random | None = None,
     known: tuple[float, list[Candidate]] | None = None,
+    rules: Rules = NO_RULES,
 ) -> Route | None:
     """The route for ``requested``, or None when no capability on its chain is both live and
     allowed by the key patterns ``allowed`` (a key allowed only ``text.summarize.fr`` must not
-    reach the ``text.summarize`` agent by falling back).
+    reach the ``text.summarize`` agent by falling back), with a candidate ``rules`` admit.
     ``known``: (when, candidates) for ``requested`` itself, already read by the caller."""
     now = known[0] if known is not None else now_s()
     for capability in prefix_chain(requested):
         if not any_pattern_allows(allowed, capability):
             continue
         if known is not None and capability == requested:
-            candidates = known[1]
+            live = known[1]
         else:
-            candidates = await live_candidates(redis, capability, now)
+            live = await live_candidates(redis, capability, now)
+        candidates = rules.narrow(live)
         if not candidates:
             continue
+        hinted = rules.hinted(candidates, now)
+        if hinted is not None:
+            return Route(
+                capability=capability,
+                queue=hinted.card.instance_queue(hinted.lease.instance),
+                card=hinted.card,
+                candidates=tuple(candidates),
+                instance=hinted.lease.instance,
+            )
         chosen = choose(
-            candidates, requested=requested, now=now, success_rates=success_rates or {}, rng=rng
+            candidates,
+            requested=requested,
+            now=now,
+            success_rates=success_rates or {},
+            rng=rng,
+            rules=rules,
         )
-        distinct_cards = {(c.card.agent_id, c.card.version) for c in candidates}
-        # One card: the capability's own queue. Several: the chosen card's queue.
-        queue = capability if len(distinct_cards) == 1 else chosen.card.queue()
         return Route(
-            capability=capability, queue=queue, card=chosen.card, candidates=tuple(candidates)
+            capability=capability,
+            queue=capability if _one_card(live, rules) else chosen.card.queue(),
+            card=chosen.card,
+            candidates=tuple(candidates),
         )
     return None
+
+
+def _one_card(live: Sequence[Candidate], rules: Rules) -> bool:
+    """Whether the capability's own queue is the place: every live instance serves the one
+    card, and nothing pins the request to a version (a version started later would take
+    from the capability's queue too). Otherwise the chosen card's queue."""
+    distinct = {(c.card.agent_id, c.card.version) for c in live}
+    if len(distinct) != 1 or rules.agent_id is not None:
+        return False
+    return next(iter(distinct))[0] not in rules.stable

@@ -137,6 +137,7 @@ def documents(agent_id: str, registration: Registration, card: AgentCard) -> lis
             cancellable=True,  # CancelTask
             display_name=skill.name[:DISPLAY_NAME_MAX] or None,
             description=description[:DESCRIPTION_MAX] or None,
+            tenants=tuple(registration.tenants) if registration.tenants else None,
         )
         shown.append({**ours.document(), "endpoint": {"protocol": A2A, "skill": skill.id}})
     return shown

@@ -10,7 +10,6 @@ any other agent, once a bridge holds its lease.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,14 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import remote_agents_table as remote_agents
 from broker.errors import InvalidEnvelope
-from broker.registry import leases
-from broker.registry.model import Card
+from broker.registry import addresses, leases
+from broker.registry.model import Card, check_tenants
 from broker.webhooks import signing
 from broker.webhooks.ssrf import URL_MAX, Guard, HostUnresolved, UrlNotAllowed
 
 HTTP, A2A = "http", "a2a"
-AGENT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
-VERSION = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
+VERSION = rf"^{addresses.VERSION.pattern}$"
 MAX_CAPABILITIES = 64
 
 
@@ -70,6 +68,9 @@ class CapabilityIn(BaseModel):
     max_attempts: int = Field(3, ge=1, le=20)
     weight: float = Field(1.0, ge=0, le=1000)
     max_payload_bytes: int | None = Field(None, gt=0)
+    tenants: list[str] | None = Field(
+        None, description="The tenants that may use and see it; the registration's otherwise."
+    )
 
 
 class Registration(BaseModel):
@@ -82,6 +83,9 @@ class Registration(BaseModel):
     capabilities: list[CapabilityIn] | None = Field(None, min_length=1, max_length=MAX_CAPABILITIES)
     capability_prefix: str | None = Field(None, max_length=64)
     description: str | None = Field(None, max_length=2000)
+    tenants: list[str] | None = Field(
+        None, description="The tenants that may use and see its cards (default: every tenant)."
+    )
 
     @model_validator(mode="after")
     def _fits_protocol(self) -> Registration:
@@ -94,12 +98,14 @@ class Registration(BaseModel):
         names = [c.capability for c in self.capabilities or []]
         if len(set(names)) != len(names):
             raise ValueError("a capability is listed twice")
+        for tenants in [self.tenants, *(c.tenants for c in self.capabilities or [])]:
+            check_tenants(_tenants(tenants))
         return self
 
 
 def parse(agent_id: str, body: Any) -> Registration:
     """The registration, or RegistrationInvalid (422) saying what is wrong."""
-    if not AGENT_ID.fullmatch(agent_id):
+    if not addresses.is_agent_id(agent_id):
         raise RegistrationInvalid(
             "an agent id is 1-64 lowercase letters, digits, '-' or '_', starting with a "
             "letter or digit"
@@ -134,6 +140,7 @@ def cards_of(agent_id: str, registration: Registration) -> list[Card]:
                     weight=c.weight,
                     max_payload_bytes=c.max_payload_bytes,
                     max_attempts=c.max_attempts,
+                    tenants=_tenants(c.tenants or registration.tenants),
                 )
             )
         except SchemaError as exc:
@@ -141,6 +148,10 @@ def cards_of(agent_id: str, registration: Registration) -> list[Card]:
         except ValueError as exc:  # the name, a limit
             raise RegistrationInvalid(f"{c.capability}: {exc}") from None
     return cards
+
+
+def _tenants(given: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(given) if given is not None else None
 
 
 async def check_endpoint(guard: Guard, url: str) -> None:
@@ -300,4 +311,5 @@ def card_from_document(document: dict[str, Any]) -> Card:
         weight=float(document.get("tags", [{}])[0].get("weight", 1.0)),
         max_payload_bytes=constraints.get("max_payload_bytes"),
         max_attempts=int(document.get("max_attempts") or 3),
+        tenants=_tenants(document.get("tenants")),
     )

@@ -1,9 +1,10 @@
 """Deciding, before anything is written, where a request goes and whether its payload fits.
 
-Route to the most specific live capability the caller's key allows (see ``routing``); none is
-503 ``no_agent_available`` unless the envelope asks to wait in the queue of a capability some
-card has served (a name nobody ever served would only leave a list in Redis behind). The
-payload is checked against the chosen card's input schema and size limit.
+Route to the most specific live capability the caller's key allows (see ``routing``), by the
+rules of the request (``policy``: its target, hint, channels, revoked versions, the cards its
+tenant may use); none is 503 ``no_agent_available`` unless the envelope asks to wait in the
+queue of a card that would serve it (a name nobody ever served would only leave a list in
+Redis behind). The payload is checked against the chosen card's input schema and size limit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from broker.cache import TimedCache
 from broker.errors import BadRequest, InvalidEnvelope, Unavailable
 from broker.grouping import Grouped
 from broker.observability import metrics
-from broker.registry import cards, figures, routing
+from broker.registry import cards, figures, policy, routing
 from broker.registry.model import LEASE_PREFIX, live_key, now_s
 from broker.tasks.backpressure import BUCKET_LUA, TokenBucket
 from broker.tasks.envelope import Envelope
@@ -100,6 +101,7 @@ class Door:
 async def admit(
     envelope: Envelope,
     *,
+    tenant: str,
     allowed: Sequence[str],
     door: Door,
     engine: AsyncEngine,
@@ -109,13 +111,22 @@ async def admit(
     rate was taken before the body was read (``Door.take``). ``allowed``: the caller's key
     patterns, which bound the fallback up the prefix chain as they bound the capability asked
     for."""
+    known_policy = await policy.current(engine, cache)
+    rules = known_policy.rules(
+        tenant=tenant, capability=envelope.capability, target=envelope.address, hint=envelope.hint
+    )
     known = await door.live(envelope.capability)
     rates = await figures.success_rates(engine, cache)
     route = await routing.resolve(
-        door.redis, envelope.capability, allowed=allowed, success_rates=rates, known=known
+        door.redis,
+        envelope.capability,
+        allowed=allowed,
+        success_rates=rates,
+        known=known,
+        rules=rules,
     )
     if route is None:
-        return await _unrouted(envelope, engine, cache)
+        return await _unrouted(envelope, known_policy, rules, engine, cache)
     key = (route.card.agent_id, route.card.version, route.card.capability)
     document = await cards.card(engine, cache, key)
     if document is not None:
@@ -123,14 +134,24 @@ async def admit(
     return route.queue
 
 
-async def _unrouted(envelope: Envelope, engine: AsyncEngine, cache: TimedCache) -> str:
+async def _unrouted(
+    envelope: Envelope,
+    known_policy: policy.Policy,
+    rules: routing.Rules,
+    engine: AsyncEngine,
+    cache: TimedCache,
+) -> str:
     """The queue to wait in when nothing the key allows is live, or 503 no_agent_available.
-    Read only on this path: a routed request costs no extra query."""
+    Read only on this path: a routed request costs no extra query. A capability only cards
+    the tenant may not see serve reads as one nobody ever served."""
     served = envelope.capability in await cards.served_capabilities(engine, cache)
     if envelope.queue_if_unavailable and served:
-        return envelope.capability
+        waiting = known_policy.waiting_queue(rules, envelope.capability)
+        if waiting is not None:
+            return waiting
     metrics.routing_failures.labels(envelope.capability if served else UNKNOWN_LABEL).inc()
-    detail = "or a capability it falls back to" if served else "(no agent has ever served it)"
+    seen = served and known_policy.serves(envelope.capability, rules.tenant)
+    detail = "or a capability it falls back to" if seen else "(no agent has ever served it)"
     raise Unavailable(
         f"no live agent serves {envelope.capability!r} {detail}",
         code="no_agent_available",

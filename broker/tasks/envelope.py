@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from broker.errors import InvalidEnvelope
+from broker.registry.addresses import AddressInvalid, Target, parse_target
 from broker.registry.capabilities import is_reserved, is_valid_name
 from broker.tasks.resource import FAILED, SUCCEEDED
 from broker.webhooks.events import check_events, event_for_status
@@ -50,6 +51,24 @@ class Envelope(BaseModel):
     result_ttl_s: int | None = Field(
         None, gt=0, description="How long the result is kept; capped by the server's maximum."
     )
+    target: str | None = Field(
+        None,
+        description="Pin to one agent: <agent_id>@<version>, <agent_id>@<channel> or "
+        "agent://<tenant>/<agent_id>@<version|channel> (the tenant must be the caller's).",
+        examples=["invoice-extractor@2.3.1"],
+    )
+    hint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        pattern=_PRINTABLE,
+        description="An instance to prefer (affinity): it serves the request while ready.",
+    )
+
+    @property
+    def address(self) -> Target | None:
+        """The parsed target (valid: ``parse_envelope`` checked it)."""
+        return parse_target(self.target) if self.target is not None else None
 
     @field_validator("capability")
     @classmethod
@@ -75,10 +94,19 @@ def parse_envelope(data: Any) -> Envelope:
             errors=[{"field": "", "message": "must be a JSON object"}],
         )
     try:
-        return Envelope.model_validate(data)
+        envelope = Envelope.model_validate(data)
     except ValidationError as exc:
         errors = [
             {"field": ".".join(str(p) for p in err["loc"])[:200], "message": err["msg"]}
             for err in exc.errors(include_input=False, include_url=False)
         ]
         raise InvalidEnvelope("the envelope is not valid", errors=errors) from None
+    try:
+        envelope.address  # noqa: B018  # parsed here, so a bad target is a 422 of its own
+    except AddressInvalid as exc:
+        raise InvalidEnvelope(
+            "the target is not an agent address",
+            code="target_invalid",
+            errors=[{"field": "target", "message": str(exc)}],
+        ) from None
+    return envelope

@@ -301,22 +301,39 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
 
 
 def requeue(
-    engine: Engine, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
+    engine: Engine,
+    task_id: uuid.UUID,
+    error: dict[str, Any],
+    *,
+    attempt: int | None = None,
+    queue: str | None = None,
 ) -> TaskRow | None:
     """running -> queued for another attempt, keeping the last error visible. ``attempt``:
-    only if the row is still at that attempt (see ``fail``)."""
+    only if the row is still at that attempt (see ``fail``). ``queue``: where it now waits,
+    when not where it waited before (an instance's queue: that instance may be gone)."""
     guard = [tasks.c.id == task_id, in_sources(RETRY)]
     if attempt is not None:
         guard.append(tasks.c.attempts == attempt)
-    query = (
-        update(tasks)
-        .where(*guard)
-        .values(status=RETRY.target, error=error, instance=None)
-        .returning(*tasks.c)
-    )
+    values: dict[str, Any] = {"status": RETRY.target, "error": error, "instance": None}
+    if queue is not None:
+        values["queue"] = queue
+    query = update(tasks).where(*guard).values(values).returning(*tasks.c)
     with engine.begin() as conn:
         row = conn.execute(query).first()
     return as_task_row(row) if row is not None else None
+
+
+def rehome(engine: Engine, queue: str, home: str) -> list[dict[str, Any]]:
+    """Queued tasks of ``queue`` (an instance's, that stopped taking work) now wait in
+    ``home``: (id, trace_id, deadline_at) of each, to publish there."""
+    query = (
+        update(tasks)
+        .where(tasks.c.queue == queue, tasks.c.status == QUEUED)
+        .values(queue=home)
+        .returning(tasks.c.id, tasks.c.trace_id, tasks.c.deadline_at)
+    )
+    with engine.begin() as conn:
+        return [dict(r._mapping) for r in conn.execute(query)]
 
 
 def final_row(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:

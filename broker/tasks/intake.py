@@ -62,6 +62,7 @@ class Intake:
             )
         queue = await admit(
             envelope,
+            tenant=caller.tenant,
             allowed=caller.capabilities,
             door=self.door,
             engine=self.engine,

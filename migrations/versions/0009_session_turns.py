@@ -1,7 +1,7 @@
 """session turns: each session task's place in its session's order
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 Create Date: 2026-12-01 05:00:00
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0009"
-down_revision: str | None = "0007"
+down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

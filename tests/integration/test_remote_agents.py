@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from standardwebhooks import Webhook
 
 from tests.eventually import eventually
@@ -331,3 +332,40 @@ def test_a_killed_agent_is_refused_within_the_lease_and_served_again_once_back(
         lambda answer: answer.status_code == 200,
     )
     assert back.json()["result"] == {"text": "BACK"}
+
+
+def test_a_remote_agents_tenants_hide_it_and_a_revoked_version_leaves_its_lease(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess, redis_url: str
+) -> None:
+    reply = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": 1}')
+    with Receiver(always(reply)) as receiver:
+        # Given an agent only another tenant may use, and one every tenant may
+        hidden = registration(receiver.url, capability="test.remote-hidden")
+        hidden["tenants"] = ["someone-else"]
+        assert ops.put("/agents/remote-hidden", json=hidden).status_code == 201
+        public = registration(receiver.url, capability="test.remote-revoked")
+        assert ops.put("/agents/remote-revoked", json=public).status_code == 201
+        wait_routed(ops, "remote-revoked")
+        # Then the hidden one is 404 to this tenant, as agent and as target
+        assert caller.get("/agents/remote-hidden").json()["code"] == "agent_not_found"
+        assert ops.get("/agents/remote-hidden").json()["cards"][0]["tenants"] == ["someone-else"]
+        envelope = {"capability": "test.remote-hidden", "payload": {}, "reply_mode": "sync"}
+        targeted = caller.post("/tasks", json={**envelope, "target": "remote-hidden@1.0.0"})
+        assert targeted.status_code == 404
+        assert targeted.json()["code"] == "agent_not_found"
+        # When the public one's version is revoked
+        envelope = {"capability": "test.remote-revoked", "payload": {}, "reply_mode": "sync"}
+        assert caller.post("/tasks", json=envelope).status_code == 200
+        assert ops.post("/agents/remote-revoked/versions/1.0.0/revoke").status_code == 200
+        # Then the bridge's lease for it lists no card, and no request reaches it
+        client = redis.Redis.from_url(redis_url)
+
+        def cards_in_lease() -> list[Any] | None:
+            raw = client.get("reach:lease:remote-revoked@remote")
+            return list(json.loads(raw)["cards"]) if raw else None
+
+        eventually(cards_in_lease, "the bridge's lease to drop the card", until=lambda c: c == [])
+        refused = caller.post("/tasks", json=envelope)
+        assert (refused.status_code, refused.json()["code"]) == (503, "no_agent_available")
+        pinned = caller.post("/tasks", json={**envelope, "target": "remote-revoked@1.0.0"})
+        assert (pinned.status_code, pinned.json()["code"]) == (410, "version_revoked")

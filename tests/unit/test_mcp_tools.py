@@ -8,14 +8,20 @@ from api.mcp import tools
 from broker.tasks.backpressure import RateLimited
 from broker.tenancy.keys import Principal
 
-CARDS: dict[str, dict[str, Any]] = {
-    "echo": {"description": "Return the payload.", "display_name": "echo", "input_schema": None},
-    "invoice.extract": {
-        "description": None,
-        "display_name": "Invoice extractor",
-        "input_schema": {"properties": {"text": {"type": "string"}}, "required": ["text"]},
-    },
-    "reach_get_task": {"description": "an agent's own", "input_schema": None},
+CARDS: dict[str, list[dict[str, Any]]] = {
+    "echo": [
+        {"description": "Only for acme.", "input_schema": None, "tenants": ["acme"]},
+        {"description": "Return the payload.", "display_name": "echo", "input_schema": None},
+    ],
+    "invoice.extract": [
+        {
+            "description": None,
+            "display_name": "Invoice extractor",
+            "input_schema": {"properties": {"text": {"type": "string"}}, "required": ["text"]},
+        }
+    ],
+    "test.hidden": [{"description": "acme's own", "input_schema": None, "tenants": ["acme"]}],
+    "reach_get_task": [{"description": "an agent's own", "input_schema": None}],
 }
 
 
@@ -26,6 +32,16 @@ def key(*patterns: str) -> Principal:
 def test_a_tool_per_capability_the_key_may_run_named_as_the_capability() -> None:
     assert [t.name for t in tools.capability_tools(CARDS, key("invoice.*"))] == ["invoice.extract"]
     assert [t.name for t in tools.capability_tools(CARDS, key("*"))] == ["echo", "invoice.extract"]
+
+
+def test_a_tenant_is_offered_only_what_its_cards_let_it_see() -> None:
+    acme = Principal(key_id="k", tenant="acme", capabilities=("*",))
+    shown = {t.name: t.description for t in tools.capability_tools(CARDS, acme)}
+    assert shown == {
+        "echo": "Only for acme.",
+        "invoice.extract": "Invoice extractor",
+        "test.hidden": "acme's own",
+    }
 
 
 def test_the_tool_takes_the_cards_description_and_an_object_schema() -> None:

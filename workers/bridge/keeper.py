@@ -11,7 +11,9 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
   task's thread;
 - dampens what it saw (``broker.remote.health``), and while the agent counts as up renews its
   lease and consumes its queues; once it does not, gives up both, so routing answers 503
-  ``no_agent_available`` at once and queued tasks wait for it.
+  ``no_agent_available`` at once and queued tasks wait for it;
+- reads the revoked versions: a revoked agent's cards leave its lease and its queues are no
+  longer consumed (the renewal itself drops them too, ``leases.renew``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import redis
 from celery import bootsteps
 
 from broker.db.engines import sync_engine
-from broker.registry import leases
+from broker.registry import leases, revocations
 from broker.registry.model import OFFLINE, READY, Lease, now_s
 from broker.remote import a2a_card
 from broker.remote.health import Dampening, Health
@@ -76,6 +78,7 @@ class RemoteKeeper:
             timeout=settings.remote_health_timeout_s, follow_redirects=False, trust_env=False
         )
         self.watched: dict[str, Watched] = {}
+        self.revoked: set[tuple[str, str]] = set()
         self.consumed: set[str] = set()
         self.started_at = now_s()
         self._stop = threading.Event()
@@ -99,6 +102,9 @@ class RemoteKeeper:
     def tick(self) -> None:
         self._hold_own_lease()
         agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol in (HTTP, A2A)}
+        self.revoked = revocations.revoked_among(
+            self.engine, [(a.agent_id, a.version) for a in agents.values()]
+        )
         for agent_id in set(self.watched) - set(agents):
             self._drop(agent_id)
         for agent_id, agent in agents.items():
@@ -124,7 +130,14 @@ class RemoteKeeper:
             if state != before:
                 log.info("remote agent %s: %s -> %s", agent_id, before, state)
             self._hold(watched)
-        self._consume({q for w in self.watched.values() if w.health.routed for q in _queues(w)})
+        self._consume(
+            {
+                q
+                for w in self.watched.values()
+                if w.health.routed and (w.agent.agent_id, w.agent.version) not in self.revoked
+                for q in _queues(w)
+            }
+        )
 
     def _hold_own_lease(self) -> None:
         """The bridge's own lease, with no card: it routes nothing, but tells the reaper that
@@ -164,7 +177,11 @@ class RemoteKeeper:
             lease_ttl_s=self.settings.remote_lease_ttl_s,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            cards=tuple(card.ref() for card in watched.agent.cards),
+            cards=tuple(
+                card.ref()
+                for card in watched.agent.cards
+                if (card.agent_id, card.version) not in self.revoked
+            ),
         )
 
     def _hold(self, watched: Watched) -> None:
@@ -198,7 +215,13 @@ class RemoteKeeper:
 
 
 def _queues(watched: Watched) -> list[str]:
-    return [q for card in watched.agent.cards for q in (card.capability, card.ref().queue())]
+    """The capability's, the card's and the agent's own queue (a hint) of each card."""
+    instance = remote_instance(watched.agent.agent_id)
+    return [
+        q
+        for card in watched.agent.cards
+        for q in (card.capability, card.ref().queue(), card.ref().instance_queue(instance))
+    ]
 
 
 def bridge_step(settings: Settings, registry: RemoteRegistry) -> type[bootsteps.StartStopStep]:

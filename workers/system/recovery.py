@@ -11,6 +11,8 @@
   that came due is published again even when its queue holds messages, if a worker dropped
   its message while it waited (``broker.tasks.turns``): once per message dropped. A turn
   still waiting for an earlier one is left alone.
+- A queued task waiting in the queue of an instance that holds no ready lease (a hint to an
+  instance that died or drained before taking it) moves to its card's queue.
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
   with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
   which stops every worker, and would do it again each sweep after an operator deleted it.
@@ -34,7 +36,15 @@ from celery import Celery
 from broker.observability import metrics
 from broker.registry import leases
 from broker.registry.capabilities import is_valid_name
-from broker.registry.model import capability_of, lease_key
+from broker.registry.model import (
+    READY,
+    Lease,
+    capability_of,
+    home_queue,
+    instance_of,
+    lease_key,
+    now_s,
+)
 from broker.tasks import events, execution, retry, turns
 from broker.tasks.dispatch import queue_depths
 from broker.tasks.resource import QUEUED, task_error
@@ -58,14 +68,17 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
         lost = task_error("worker_lost", why, retryable=bool(card.get("idempotent")))
         if card.get("idempotent") and row["attempts"] < limit and runner.republish is not None:
             # Only the attempt read above: a newer one (after another recovery) is not lost.
-            if execution.requeue(runner.engine, row["id"], lost, attempt=row["attempts"]):
+            home = home_queue(row["queue"])  # not the lost instance's own queue
+            if execution.requeue(
+                runner.engine, row["id"], lost, attempt=row["attempts"], queue=home
+            ):
                 runner.events.append(
                     row["id"],
                     events.STATUS,
                     {"status": QUEUED, "error": lost},
                     trace_id=row["trace_id"],
                 )
-                runner.republish(row["id"], row["queue"], row["trace_id"], None, 0.0)
+                runner.republish(row["id"], home, row["trace_id"], None, 0.0)
                 counts["requeued"] += 1
                 metrics.lost_tasks.labels("requeued").inc()
             continue
@@ -104,6 +117,9 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
         if not is_valid_name(capability_of(queue)):
             refused += _refuse(runner, rows)
             continue
+        if instance_of(queue) is not None and not _ready(runner, instance_of(queue)):
+            republished += rehome(runner, queue)
+            continue
         if queue_depths(app, [queue])[queue] > 0:
             # Messages are waiting: these rows are most likely among them, but for a turn
             # whose message was dropped while it waited.
@@ -120,6 +136,22 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
     if expired or republished or refused:
         log.warning("sweep: %d expired, %d republished, %d refused", expired, republished, refused)
     return {"expired": expired, "republished": republished, "refused": refused}
+
+
+def _ready(runner: Runner, instance: str | None) -> bool:
+    raw = runner.redis.get(lease_key(instance or ""))
+    return raw is not None and Lease.from_json(raw).observed_state(now_s()) == READY
+
+
+def rehome(runner: Runner, queue: str) -> int:
+    """Move the queued tasks of an instance's queue to its card's queue (the instance stopped
+    taking work); how many. What is left in the instance's queue is harmless: a message
+    finds its task no longer queued, or claims it once."""
+    assert runner.republish is not None
+    moved = execution.rehome(runner.engine, queue, home_queue(queue))
+    for row in moved:
+        runner.republish(row["id"], home_queue(queue), row["trace_id"], row["deadline_at"], 0.0)
+    return len(moved)
 
 
 def _refuse(runner: Runner, rows: list[dict[str, Any]]) -> int:

@@ -1,0 +1,171 @@
+"""What routing needs from Postgres beyond the leases, read at most once per cache period:
+the cards (who may see each), the channels and the revoked versions (``Policy``). From it
+and an envelope, ``rules`` makes the ``routing.Rules`` of one request, settling its target.
+
+Answers to a target:
+
+- a tenant in ``agent://<tenant>/...`` other than the caller's, an agent that does not exist,
+  one whose cards this tenant may not see, or one that serves nothing on the capability's
+  prefix chain: 404 ``agent_not_found``, all with the same body (it does not even echo the
+  address, so no two of them can be told apart);
+- a version it does not have: the same 404; a revoked version: 410 ``version_revoked``;
+- a channel it does not have: 404 ``channel_not_found`` (``@stable`` without a ``stable``
+  channel is any version);
+- nothing live for it: 503 ``no_agent_available`` as for any request (or it waits in the
+  card's queue with ``queue_if_unavailable``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker.cache import TimedCache
+from broker.db.models import agent_cards_table as cards
+from broker.db.models import agent_channels_table as channels
+from broker.db.models import agent_revocations_table as revocations
+from broker.errors import Gone, NotFound
+from broker.registry.addresses import STABLE, Target
+from broker.registry.capabilities import prefix_chain
+from broker.registry.model import card_queue, visible_to
+from broker.registry.routing import Rules, Shares
+
+CACHE_KEY = "routing_policy"
+
+
+@dataclass(frozen=True)
+class KnownCard:
+    agent_id: str
+    version: str
+    capability: str
+    tenants: tuple[str, ...] | None = None
+
+    def visible_to(self, tenant: str) -> bool:
+        return visible_to(self.tenants, tenant)
+
+
+@dataclass(frozen=True)
+class Policy:
+    cards: tuple[KnownCard, ...] = ()
+    channels: Mapping[str, Mapping[str, Shares]] = field(default_factory=dict)
+    revoked: frozenset[tuple[str, str]] = frozenset()
+
+    def serves(self, capability: str, tenant: str | None) -> bool:
+        """Whether a card of ``capability`` the tenant may see exists."""
+        return any(
+            c.capability == capability and (tenant is None or c.visible_to(tenant))
+            for c in self.cards
+        )
+
+    def stable(self) -> dict[str, Shares]:
+        return {a: found[STABLE] for a, found in self.channels.items() if STABLE in found}
+
+    def rules(
+        self, *, tenant: str, capability: str, target: Target | None, hint: str | None
+    ) -> Rules:
+        """The rules of one request; NotFound or Gone when its target cannot be used."""
+        rules = Rules(tenant=tenant, revoked=self.revoked, stable=self.stable(), hint=hint)
+        if target is None:
+            return rules
+        return Rules(
+            tenant=tenant,
+            revoked=self.revoked,
+            hint=hint,
+            agent_id=target.agent_id,
+            versions=self._pin(target, tenant, capability),
+        )
+
+    def _pin(self, target: Target, tenant: str, capability: str) -> Shares | None:
+        chain = set(prefix_chain(capability))
+        usable = [
+            c
+            for c in self.cards
+            if c.agent_id == target.agent_id and c.capability in chain and c.visible_to(tenant)
+        ]
+        if target.tenant not in (None, tenant) or not usable:
+            raise _no_agent(capability)
+        if target.version is not None:
+            if not any(c.version == target.version for c in usable):
+                raise _no_agent(capability)
+            if (target.agent_id, target.version) in self.revoked:
+                raise Gone(
+                    f"version {target.version} of {target.agent_id} is revoked",
+                    code="version_revoked",
+                )
+            return {target.version: 1.0}
+        assert target.channel is not None
+        found = self.channels.get(target.agent_id, {}).get(target.channel)
+        if found is None and target.channel != STABLE:
+            raise NotFound(
+                f"{target.agent_id} has no channel {target.channel!r}", code="channel_not_found"
+            )
+        return found
+
+    def waiting_queue(self, rules: Rules, capability: str) -> str | None:
+        """Where a request nothing live serves waits (``queue_if_unavailable``): the
+        capability's queue when every card of it would serve the request (no pin, no
+        channel, none hidden or revoked), else the queue of the heaviest card that would;
+        None when no card would."""
+        of_capability = [c for c in self.cards if c.capability == capability]
+        usable = [
+            c
+            for c in of_capability
+            if (rules.tenant is None or c.visible_to(rules.tenant))
+            and (c.agent_id, c.version) not in rules.revoked
+            and (rules.agent_id is None or c.agent_id == rules.agent_id)
+            and ((s := rules.shares(c.agent_id)) is None or s.get(c.version, 0) > 0)
+        ]
+        if not usable:
+            return None
+        if (
+            len(usable) == len(of_capability)
+            and rules.agent_id is None
+            and not any(c.agent_id in rules.stable for c in usable)
+        ):
+            return capability
+        best = max(
+            usable,
+            key=lambda c: ((rules.shares(c.agent_id) or {}).get(c.version, 0.0), c.version),
+        )
+        return card_queue(capability, best.agent_id, best.version)
+
+
+def _no_agent(capability: str) -> NotFound:
+    return NotFound(
+        f"no agent this key may use matches the target for {capability!r}",
+        code="agent_not_found",
+    )
+
+
+async def current(engine: AsyncEngine, cache: TimedCache) -> Policy:
+    """The policy, read from Postgres at most once per cache period."""
+    found, value = cache.get(CACHE_KEY)
+    if found:
+        return value  # type: ignore[no-any-return]
+    card_query = select(
+        cards.c.agent_id, cards.c.version, cards.c.capability, cards.c.card["tenants"]
+    )
+    async with engine.connect() as conn:
+        card_rows = (await conn.execute(card_query)).all()
+        channel_rows = (await conn.execute(select(channels))).all()
+        revoked_rows = (await conn.execute(select(revocations))).all()
+    by_agent: dict[str, dict[str, Shares]] = {}
+    for r in channel_rows:
+        by_agent.setdefault(r.agent_id, {})[r.channel] = dict(r.versions)
+    policy = Policy(
+        cards=tuple(
+            KnownCard(a, v, c, tuple(t) if isinstance(t, list) else None)
+            for a, v, c, t in card_rows
+        ),
+        channels=by_agent,
+        revoked=frozenset((r.agent_id, r.version) for r in revoked_rows),
+    )
+    return cache.put(CACHE_KEY, policy)  # type: ignore[no-any-return]
+
+
+def forget(cache: TimedCache) -> None:
+    """After this process changed a channel or revoked a version: read again at once."""
+    cache.forget(CACHE_KEY)
