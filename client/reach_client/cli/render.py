@@ -54,8 +54,9 @@ def status(value: str) -> str:
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
     shown = Table(title=title, title_justify="left", header_style="bold")
-    for column in columns:
-        shown.add_column(column, overflow="fold")
+    for index, column in enumerate(columns):
+        # The first column is the id people copy: never folded.
+        shown.add_column(column, overflow="fold", no_wrap=index == 0)
     for row in rows:
         shown.add_row(*("-" if cell is None else str(cell) for cell in row))
     return shown
