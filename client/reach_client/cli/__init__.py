@@ -67,7 +67,3 @@ def main(argv: list[str] | None = None) -> int:
     except ReachError as exc:
         print(f"reach: {exc}", file=sys.stderr)
         return exits.API_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())
