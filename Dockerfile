@@ -15,13 +15,17 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
-# Only what the wheel needs; pyproject.toml names README.md as the readme.
+# Only what the wheels need; each pyproject.toml names its README.md as the readme.
+# The client distribution first: the project depends on it, and it owns the `reach` command.
+COPY client/pyproject.toml client/README.md ./client/
+COPY client/reach_client ./client/reach_client
 COPY pyproject.toml README.md ./
 COPY broker ./broker
 COPY workers ./workers
 COPY api ./api
+COPY reach ./reach
 COPY migrations ./migrations
-RUN pip install .
+RUN pip install ./client .
 
 # ---- runtime ----
 FROM python:3.11-slim

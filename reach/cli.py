@@ -1,4 +1,5 @@
-"""``reach``: the operator's command line.
+"""``reach``: the operator's commands, added to the ``reach`` command of the client
+distribution (``reach_client.cli``) through the ``reach.commands`` entry point.
 
 reach migrate                          apply the schema migrations
 reach keys create --tenant T --capabilities 'invoice.*,echo' [--tenant-admin] [--admin]
@@ -13,15 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from broker.db.engines import sync_engine
-from broker.errors import ReachError
-from broker.settings import Settings
-from broker.tenancy import key_store
-from reach import migrate
+if TYPE_CHECKING:
+    from broker.settings import Settings
+
+# The server's modules are imported when an operator command runs, not when `reach submit`
+# builds its parser: a user's command should not pay for SQLAlchemy and Celery.
+Command = Callable[[argparse.Namespace, "Settings"], int]
 
 
 def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    from broker.db.engines import sync_engine
+    from broker.tenancy import key_store
+
     patterns = [p.strip() for p in args.capabilities.split(",") if p.strip()]
     key_id, token = key_store.create_key(
         sync_engine(settings),
@@ -39,6 +46,9 @@ def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
+    from broker.db.engines import sync_engine
+    from broker.tenancy import key_store
+
     if key_store.revoke_key(sync_engine(settings), args.key_id):
         print(f"revoked {args.key_id}")
         return 0
@@ -47,12 +57,17 @@ def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _keys_list(args: argparse.Namespace, settings: Settings) -> int:
+    from broker.db.engines import sync_engine
+    from broker.tenancy import key_store
+
     for row in key_store.list_keys(sync_engine(settings), args.tenant):
         print(json.dumps(row, default=str))
     return 0
 
 
 def _migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from reach import migrate
+
     migrate.upgrade(settings.database_url)
     print("migrated to head")
     return 0
@@ -64,17 +79,35 @@ def _dev(args: argparse.Namespace, settings: Settings) -> int:
     return run_dev_stack(port=args.port, flower_port=args.flower_port)
 
 
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="reach", description="Agent-Reach operator commands")
-    sub = root.add_subparsers(dest="command", required=True)
-    sub.add_parser("migrate", help="apply the schema migrations").set_defaults(run=_migrate)
+def _operator(command: Command) -> Callable[[argparse.Namespace], int]:
+    """The handler: the server's settings from the environment, and a refusal printed with
+    its code (exit status 2)."""
+
+    def handle(args: argparse.Namespace) -> int:
+        from broker.errors import ReachError
+        from broker.settings import Settings
+
+        try:
+            return command(args, Settings())
+        except ReachError as exc:
+            print(f"error ({exc.code}): {exc.message}", file=sys.stderr)
+            return 2
+
+    return handle
+
+
+def register(sub: Any) -> None:
+    """Add ``migrate``, ``dev`` and ``keys`` to the ``reach`` command's subparsers."""
+    sub.add_parser("migrate", help="apply the schema migrations (operator)").set_defaults(
+        handler=_operator(_migrate)
+    )
 
     dev = sub.add_parser("dev", help="run API, worker, beat and Flower on this machine")
     dev.add_argument("--port", type=int, default=8000)
     dev.add_argument("--flower-port", type=int, default=5555)
-    dev.set_defaults(run=_dev)
+    dev.set_defaults(handler=_operator(_dev))
 
-    key_cmds = sub.add_parser("keys", help="create, revoke and list API keys")
+    key_cmds = sub.add_parser("keys", help="create, revoke and list API keys (operator)")
     key_sub = key_cmds.add_subparsers(dest="keys_command", required=True)
     create = key_sub.add_parser("create", help="create a key (printed once)")
     create.add_argument("--tenant", required=True)
@@ -88,24 +121,20 @@ def parser() -> argparse.ArgumentParser:
         "--admin", action="store_true", help="operator key: tenant admin, and the infrastructure"
     )
     create.add_argument("--name")
-    create.set_defaults(run=_keys_create)
+    create.set_defaults(handler=_operator(_keys_create))
     revoke = key_sub.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
-    revoke.set_defaults(run=_keys_revoke)
+    revoke.set_defaults(handler=_operator(_keys_revoke))
     listing = key_sub.add_parser("list", help="list keys (never their secrets)")
     listing.add_argument("--tenant")
-    listing.set_defaults(run=_keys_list)
-    return root
+    listing.set_defaults(handler=_operator(_keys_list))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        code: int = args.run(args, Settings())
-    except ReachError as exc:
-        print(f"error ({exc.code}): {exc.message}", file=sys.stderr)
-        return 2
-    return code
+    """The whole ``reach`` command (``python -m reach.cli`` runs it too)."""
+    from reach_client.cli import main as reach_main
+
+    return reach_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Make ``.venv`` with the project installed, using only the Python that runs this file.
 
-Shared by ``scripts/dev.py`` and ``scripts/test.py``: reinstalls only when pyproject changed.
+Shared by ``scripts/dev.py`` and ``scripts/test.py``: reinstalls only when a pyproject changed.
+The client distribution (``client/``, which owns the ``reach`` command) goes in with the
+project, in one pip call: the project depends on it, and no index has it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def ensure_venv(extras: str) -> Path:
     if not venv_python().exists():
         print(f"creating {VENV} ...", flush=True)
         venv.create(VENV, with_pip=True)
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    manifests = (ROOT / "pyproject.toml", ROOT / "client" / "pyproject.toml")
+    wanted = hashlib.sha256(b"".join(m.read_bytes() for m in manifests)).hexdigest()
     # "dev" includes "embedded": either stamp, if current, covers a request for "embedded".
     covering = [extras, "dev"] if extras == "embedded" else [extras]
     if any(_stamp(name).exists() and _stamp(name).read_text() == wanted for name in covering):
@@ -34,9 +37,21 @@ def ensure_venv(extras: str) -> Path:
     print(f"installing agent-reach[{extras}] into {VENV} ...", flush=True)
     pip = [str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     subprocess.run([*pip, "setuptools>=77"], check=True)  # the build backend's floor
-    subprocess.run([*pip, "-e", f"{ROOT}[{extras}]"], check=True)
+    subprocess.run([*pip, "-e", str(ROOT / "client"), "-e", f"{ROOT}[{extras}]"], check=True)
+    if not _console_script("reach").exists():
+        # A venv made before the client owned `reach`: upgrading the project removed the
+        # script its old version had, after the client had put its own there.
+        subprocess.run([*pip, "--no-deps", "--force-reinstall", "-e", str(ROOT / "client")])
     _stamp(extras).write_text(wanted)
     return venv_python()
+
+
+def _console_script(name: str) -> Path:
+    return (
+        VENV
+        / ("Scripts" if os.name == "nt" else "bin")
+        / (name + (".exe" if os.name == "nt" else ""))
+    )
 
 
 def _stamp(extras: str) -> Path:

@@ -8,7 +8,7 @@ BIN = Path(sys.executable).parent
 CHECKS = [
     [str(BIN / "ruff"), "check", "."],
     [str(BIN / "ruff"), "format", "--check", "."],
-    [str(BIN / "mypy"), "broker", "workers", "api", "reach"],
+    [str(BIN / "mypy"), "broker", "workers", "api", "reach", "client/reach_client"],
     [str(BIN / "lint-imports")],
 ]
 

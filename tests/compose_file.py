@@ -129,9 +129,10 @@ def interpolation_default(value: str) -> tuple[str, str] | None:
     return (found.group(1), found.group(2)) if found else None
 
 
-def module_file(dotted: str) -> Path | None:
-    """The source file of a project module (``a.b`` -> a/b.py or a/b/__init__.py), or None."""
-    base = ROOT.joinpath(*dotted.split("."))
+def module_file(dotted: str, root: Path = ROOT) -> Path | None:
+    """The source file of a module under ``root`` (``a.b`` -> a/b.py or a/b/__init__.py), or
+    None."""
+    base = root.joinpath(*dotted.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate

@@ -221,17 +221,32 @@ def test_reach_is_a_console_script_whose_target_exists() -> None:
     # given the commands that run `reach`
     users = {n: argv for n, argv in compose.all_commands().items() if argv and argv[0] == "reach"}
     assert users, "nothing runs `reach` (migrate should)"
-    # when pyproject's [project.scripts] entry for it is resolved
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    # when the client distribution's [project.scripts] entry for it is resolved (the image
+    # installs ./client, which owns the command)
+    client = ROOT / "client"
+    scripts = tomllib.loads((client / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     target = scripts.get("scripts", {}).get("reach")
-    assert target, "`reach` is not in [project.scripts]"
+    assert target, "`reach` is not in client/pyproject.toml's [project.scripts]"
     module, _, attr = target.partition(":")
-    path = compose.module_file(module)
+    path = compose.module_file(module, client)
     # expect the module file to exist and to define the function
     assert path is not None, f"reach -> {target}: {module} has no source file"
     assert compose.defines_top_level(path.read_text(encoding="utf-8"), attr), (
         f"{module} lacks {attr}"
     )
+
+
+def test_the_operator_commands_join_reach_through_their_entry_point() -> None:
+    # given the project's entry points in the `reach.commands` group (migrate is one)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    group = project.get("entry-points", {}).get("reach.commands", {})
+    assert group, "the project registers no `reach.commands`: `reach migrate` would not exist"
+    for target in group.values():
+        module, _, attr = target.partition(":")
+        path = compose.module_file(module)
+        # expect each to name a function that exists
+        assert path is not None, f"{target}: {module} has no source file"
+        assert compose.defines_top_level(path.read_text(encoding="utf-8"), attr), target
 
 
 def test_uvicorn_target_module_and_factory_exist() -> None:

@@ -1,0 +1,75 @@
+"""The Python client of Agent-Reach: ``Reach`` (blocking) and ``AsyncReach`` (asyncio), the
+same surface on both; typed resources in ``reach_client.models``; one error tree in
+``reach_client.errors``; ``reach_client.webhooks.verify`` for the calls the broker signs."""
+
+from reach_client.async_client import AsyncReach
+from reach_client.client import Reach
+from reach_client.errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    ConflictError,
+    InternalServerError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    PreconditionRequiredError,
+    RateLimitError,
+    ReachError,
+    RevisionConflictError,
+    TaskFailedError,
+    UnavailableError,
+    WaitTimeoutError,
+    WebhookVerificationError,
+)
+from reach_client.models import (
+    Agent,
+    Capability,
+    Delivery,
+    Event,
+    Page,
+    Progress,
+    Session,
+    SessionRevision,
+    Task,
+    TaskError,
+    Webhook,
+    WebhookEvent,
+)
+from reach_client.version import VERSION as __version__
+
+__all__ = [
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "Agent",
+    "AsyncReach",
+    "AuthenticationError",
+    "Capability",
+    "ConflictError",
+    "Delivery",
+    "Event",
+    "InternalServerError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "Page",
+    "PermissionDeniedError",
+    "PreconditionRequiredError",
+    "Progress",
+    "RateLimitError",
+    "Reach",
+    "ReachError",
+    "RevisionConflictError",
+    "Session",
+    "SessionRevision",
+    "Task",
+    "TaskError",
+    "TaskFailedError",
+    "UnavailableError",
+    "WaitTimeoutError",
+    "Webhook",
+    "WebhookEvent",
+    "WebhookVerificationError",
+    "__version__",
+]

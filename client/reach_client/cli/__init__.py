@@ -1,0 +1,69 @@
+"""``reach``: the command line. The user's commands are here; other distributions add
+command groups through the ``reach.commands`` entry-point group (the server registers its
+operator commands, ``reach migrate``, ``reach keys ...``, ``reach dev``, that way).
+
+An entry point names ``register(subparsers)``: it adds its parsers, each with a ``handler``
+default taking the parsed arguments and returning the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import entry_points
+
+from reach_client.cli import exits
+from reach_client.config import ConfigurationError
+from reach_client.errors import APIConnectionError, APIStatusError, ReachError
+
+PLUGIN_GROUP = "reach.commands"
+EPILOG = """configuration: --url/--api-key, else REACH_URL and REACH_API_KEY, else the profile
+(--profile or REACH_PROFILE, default "default") of ~/.config/reach/config.toml.
+
+exit status: 0 done or succeeded, 1 task failed, 2 usage, 3 task expired, 4 task cancelled,
+6 the API refused (its problem code is printed), 7 the API could not be reached, 130 interrupted."""
+
+
+def parser() -> argparse.ArgumentParser:
+    from reach_client.cli import resources, tasks
+    from reach_client.cli.arguments import common
+
+    root = argparse.ArgumentParser(
+        prog="reach",
+        description="Agent-Reach from the command line.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    shared = common()
+    tasks.register(sub, shared)
+    resources.register(sub, shared)
+    for entry in entry_points(group=PLUGIN_GROUP):
+        try:
+            entry.load()(sub)
+        except Exception as exc:  # a broken plugin must not take the user's commands down
+            print(f"reach: the {entry.name!r} commands are unavailable: {exc}", file=sys.stderr)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        print("interrupted (a submitted task goes on)", file=sys.stderr)
+        return exits.INTERRUPTED
+    except ConfigurationError as exc:
+        print(f"reach: {exc.detail}", file=sys.stderr)
+        return exits.USAGE
+    except APIConnectionError as exc:
+        print(f"reach: cannot reach the API: {exc.detail}", file=sys.stderr)
+        return exits.UNREACHABLE
+    except APIStatusError as exc:
+        print(f"reach: {exc}", file=sys.stderr)
+        for problem in exc.problem.get("errors") or []:
+            print(f"  {problem}", file=sys.stderr)
+        return exits.API_ERROR
+    except ReachError as exc:
+        print(f"reach: {exc}", file=sys.stderr)
+        return exits.API_ERROR

@@ -1,0 +1,52 @@
+"""What every user command shares: where the API is (``--url``, ``--api-key``, ``--profile``,
+else ``REACH_URL``, ``REACH_API_KEY``, ``REACH_PROFILE`` and the profile file), ``--json``,
+and JSON arguments given inline, as ``@file`` or as ``@-`` (stdin)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from reach_client.client import Reach
+
+
+def common() -> argparse.ArgumentParser:
+    shared = argparse.ArgumentParser(add_help=False)
+    where = shared.add_argument_group("connection")
+    where.add_argument("--url", help="the API's base URL [REACH_URL, else the profile]")
+    where.add_argument("--api-key", help="the API key [REACH_API_KEY, else the profile]")
+    where.add_argument("--profile", help="a profile of ~/.config/reach/config.toml [REACH_PROFILE]")
+    shared.add_argument(
+        "--json", action="store_true", help="print JSON only on stdout (for scripts)"
+    )
+    return shared
+
+
+def open_client(args: argparse.Namespace) -> Reach:
+    return Reach(args.url, args.api_key, profile=args.profile)
+
+
+def json_argument(text: str) -> Any:
+    """``argparse`` type: JSON, ``@path`` to read it from a file, ``@-`` from stdin."""
+    try:
+        if text == "@-":
+            text = sys.stdin.read()
+        elif text.startswith("@"):
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        return json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+
+
+def json_object(text: str) -> dict[str, Any]:
+    value = json_argument(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]

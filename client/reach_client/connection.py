@@ -1,0 +1,87 @@
+"""The boundary with httpx, shared by both clients: the settings of a client, how a plan's
+``Request`` becomes an httpx request, and httpx's exceptions translated to ours in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from reach_client.config import resolve
+from reach_client.errors import APIConnectionError, APITimeoutError
+from reach_client.plans import Request, Response
+from reach_client.retries import RetryPolicy
+from reach_client.version import VERSION
+
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    base_url: str
+    api_key: str
+    timeout: httpx.Timeout
+    policy: RetryPolicy
+
+    @classmethod
+    def of(
+        cls,
+        base_url: str | None,
+        api_key: str | None,
+        profile: str | None,
+        timeout: float | httpx.Timeout | None,
+        max_retries: int,
+    ) -> Settings:
+        found = resolve(base_url, api_key, profile)
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
+        elif not isinstance(timeout, httpx.Timeout):
+            timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        return cls(found.base_url, found.api_key, timeout, RetryPolicy(max_retries=max_retries))
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "Authorization": f"Bearer {self.api_key}",
+            "User-Agent": f"agent-reach-client/{VERSION}",
+            "Accept": "application/json",
+        }
+
+
+def build(settings: Settings, request: Request) -> dict[str, Any]:
+    """Keyword arguments of ``httpx.Client.build_request`` for ``request``."""
+    headers = {**settings.headers(), **request.headers}
+    content = request.content()
+    if content is not None:
+        headers.setdefault("Content-Type", "application/json")
+    timeout = settings.timeout
+    if request.timeout_s is not None:
+        base = settings.timeout
+        timeout = httpx.Timeout(
+            connect=base.connect, read=request.timeout_s, write=request.timeout_s, pool=base.pool
+        )
+    return {
+        "method": request.method,
+        "url": settings.base_url + request.path,
+        "params": dict(request.params),
+        "headers": headers,
+        "content": content,
+        "timeout": timeout,
+    }
+
+
+def response_of(answer: httpx.Response) -> Response:
+    return Response(answer.status_code, answer.headers, answer.content)
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """httpx's transport errors as ``APITimeoutError`` / ``APIConnectionError``."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise APITimeoutError(f"no answer in time: {exc}") from exc
+    except httpx.TransportError as exc:
+        raise APIConnectionError(f"{type(exc).__name__}: {exc}") from exc

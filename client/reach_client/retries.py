@@ -1,0 +1,62 @@
+"""When a request is tried again, and after how long: pure, so it is tested without a clock.
+
+Retried: no answer at all (connection refused or reset, timeout), 408, 429, 502, 503 and 504.
+A request that may have changed something is retried only when it carries an idempotency key
+(the server then answers a repeat with the first outcome): GET, PUT and DELETE always, POST
+and PATCH only with ``Idempotency-Key``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+
+RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 2
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+    # A Retry-After past this is not waited for: the error goes to the caller instead.
+    max_retry_after_s: float = 60.0
+
+    def backoff_s(self, retry: int, rng: random.Random | None = None) -> float:
+        """The wait before retry number ``retry`` (1, 2, ...): doubling from the initial
+        delay, capped, less up to a quarter at random so that many clients spread out."""
+        base = min(self.initial_delay_s * 2.0 ** (retry - 1), self.max_delay_s)
+        return base * (1 - 0.25 * (rng or random).random())
+
+    def delay_s(self, retry: int, retry_after: str | None) -> float | None:
+        """How long to wait before retry ``retry``: the server's ``Retry-After`` when it gives
+        one, else the backoff. None when the server asks for longer than we would wait."""
+        asked = parse_retry_after(retry_after)
+        if asked is None:
+            return self.backoff_s(retry)
+        return asked if asked <= self.max_retry_after_s else None
+
+
+def may_retry(method: str, has_idempotency_key: bool) -> bool:
+    return method.upper() in IDEMPOTENT_METHODS or has_idempotency_key
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds from ``Retry-After``: delta-seconds or an HTTP date (RFC 9110 10.2.3)."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())

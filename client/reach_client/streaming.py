@@ -1,0 +1,82 @@
+"""A task's event stream: SSE frames decoded, and the bookkeeping that lets a dropped
+connection resume with ``Last-Event-ID`` so that no event is missed and none comes twice.
+Pure: the clients own the sockets."""
+
+from __future__ import annotations
+
+from reach_client.errors import APIConnectionError, APIStatusError, ReachError
+from reach_client.models import Event
+from reach_client.operations.tasks import events_request
+from reach_client.plans import Request
+from reach_client.retries import RETRY_STATUSES, RetryPolicy
+
+
+class SSEDecoder:
+    """Lines of ``text/event-stream`` (WHATWG HTML 9.2) in, events out. Comments
+    (``: ping``) and frames without data are skipped."""
+
+    def __init__(self) -> None:
+        self._id = ""
+        self._type = ""
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> Event | None:
+        """The event a blank line completes, else None."""
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "id" and "\0" not in value:
+            self._id = value
+        elif name == "event":
+            self._type = value
+        elif name == "data":
+            self._data.append(value)
+        return None
+
+    def _dispatch(self) -> Event | None:
+        data, event_type = "\n".join(self._data), self._type or "message"
+        self._data, self._type = [], ""
+        return Event.from_sse(self._id, event_type, data) if data else None
+
+
+class Resume:
+    """What one stream of a task has delivered. ``request()`` opens (or reopens) it after the
+    last event seen; ``accept`` drops anything already delivered; the stream is ``done`` after
+    the final event. ``dropped`` says how long to wait before reconnecting, or raises once
+    ``policy.max_retries`` reconnects in a row brought nothing new."""
+
+    def __init__(self, task_id: str, policy: RetryPolicy, after: int | None = None) -> None:
+        self.task_id = task_id
+        self.policy = policy
+        self.last_id = after
+        self.done = False
+        self.failures = 0
+
+    def request(self) -> Request:
+        return events_request(self.task_id, self.last_id)
+
+    def accept(self, event: Event) -> bool:
+        if self.last_id is not None and event.id <= self.last_id:
+            return False
+        self.last_id = event.id
+        self.failures = 0
+        self.done = event.final
+        return True
+
+    def dropped(self, error: ReachError | None) -> float:
+        """The pause before reconnecting after ``error`` (None: the server ended the stream
+        before the final event)."""
+        if isinstance(error, APIStatusError) and error.status not in RETRY_STATUSES:
+            raise error
+        self.failures += 1
+        if self.failures > self.policy.max_retries:
+            raise error or APIConnectionError(
+                f"the event stream of task {self.task_id} kept ending before its final event"
+            )
+        asked = error.retry_after_s if isinstance(error, APIStatusError) else None
+        if asked is not None and asked <= self.policy.max_retry_after_s:
+            return asked
+        return self.policy.backoff_s(self.failures)

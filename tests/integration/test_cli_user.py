@@ -1,0 +1,144 @@
+"""The ``reach`` command's user side, run as installed (the console script, in a subprocess)
+against the running stack; ``reach tasks watch`` in a pseudo-terminal, as a person sees it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from reach_client import Reach
+
+from tests.integration.stack import CeleryProcess, ServedApp
+
+REACH = str(Path(sys.executable).parent / "reach")
+TEXT = "Queues decouple callers. Agents advertise cards. Leases expire. Streams resume."
+
+
+@pytest.fixture
+def env(api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess) -> dict[str, str]:
+    """The environment of a user of a fresh tenant: the URL and key, and no profile file."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    return {
+        **base,
+        "REACH_URL": api.url,
+        "REACH_API_KEY": tenant[1],
+        "REACH_CONFIG": "/nonexistent/reach.toml",
+    }
+
+
+def reach(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [REACH, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_submit_wait_json_prints_only_the_succeeded_task(env: dict[str, str]) -> None:
+    done = reach(env, "submit", "echo", "--payload", '{"a": 1}', "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    task = json.loads(done.stdout)  # stdout holds the JSON and nothing else
+    assert (task["status"], task["result"], task["capability"]) == ("succeeded", {"a": 1}, "echo")
+
+
+def test_exit_status_says_failed_and_expired(env: dict[str, str]) -> None:
+    failed = reach(env, "submit", "echo", "--payload", '{"fail": "boom"}', "--wait", "--json")
+    assert failed.returncode == 1, failed.stderr
+    assert json.loads(failed.stdout)["error"]["code"] == "boom"
+    expired = reach(env, "submit", "test.short-fuse", "--wait", "--json")
+    assert expired.returncode == 3, expired.stderr
+    assert json.loads(expired.stdout)["status"] == "expired"
+
+
+def test_submit_stream_json_prints_every_event_once_in_order(env: dict[str, str]) -> None:
+    payload = json.dumps({"text": TEXT, "max_sentences": 2})
+    streamed = reach(env, "submit", "text.summarize", "--payload", payload, "--stream", "--json")
+    assert streamed.returncode == 0, streamed.stderr
+    events = [json.loads(line) for line in streamed.stdout.splitlines()]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["type"] for e in events if e["type"] == "output"] == ["output", "output"]
+    assert events[-1]["type"] == "succeeded"
+
+
+def test_watch_draws_the_progress_bar_and_the_outputs_in_a_terminal(
+    env: dict[str, str], api: ServedApp, tenant: tuple[str, str]
+) -> None:
+    with Reach(api.url, tenant[1]) as client:
+        task = client.tasks.submit(
+            "text.summarize", {"text": TEXT, "max_sentences": 3, "delay_s": 0.3}
+        )
+    screen = run_in_terminal([REACH, "tasks", "watch", task.task_id], env)
+    assert "100%" in screen, screen
+    assert "━" in screen, screen  # the bar itself
+    assert "Queues decouple callers." in screen and '"index": 3' in screen, screen
+    assert "succeeded" in screen, screen
+
+
+def run_in_terminal(argv: list[str], env: dict[str, str]) -> str:
+    """Run ``argv`` with a pseudo-terminal as its stdout and stderr; all it wrote."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        argv,
+        env={**env, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"},
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+    )
+    os.close(terminal)
+    written = bytearray()
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(controller)
+    assert process.wait(timeout=60) == 0, written.decode(errors="replace")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", written.decode(errors="replace"))
+
+
+def test_lists_are_tables_and_json(env: dict[str, str]) -> None:
+    submitted = json.loads(reach(env, "submit", "echo", "--json").stdout)
+    listed = reach(env, "tasks", "list", "--json")
+    assert [t["task_id"] for t in json.loads(listed.stdout)] == [submitted["task_id"]]
+    table = reach(env, "tasks", "list")
+    assert table.returncode == 0 and submitted["task_id"] in table.stdout
+    agents = reach(env, "agents")
+    assert agents.returncode == 0 and "echo" in agents.stdout
+    capabilities = json.loads(reach(env, "capabilities", "--json").stdout)
+    assert "echo" in {c["capability"] for c in capabilities}
+
+
+def test_sessions_and_a_stale_revision_is_an_api_error(env: dict[str, str]) -> None:
+    created = json.loads(reach(env, "sessions", "create", "--state", '{"n": 1}', "--json").stdout)
+    sid = created["session_id"]
+    updated = reach(env, "sessions", "update", sid, "--state", '{"n": 2}', "--revision", "1")
+    assert updated.returncode == 0, updated.stderr
+    stale = reach(env, "sessions", "update", sid, "--state", '{"n": 3}', "--revision", "1")
+    assert stale.returncode == 6
+    assert "revision_conflict" in stale.stderr and stale.stdout == ""
+    revisions = json.loads(reach(env, "sessions", "revisions", sid, "--json").stdout)
+    assert [r["revision"] for r in revisions] == [2, 1]
+
+
+def test_webhooks_create_list_and_delete(env: dict[str, str]) -> None:
+    created = reach(env, "webhooks", "create", "http://127.0.0.1:9/hook", "--json")
+    hook = json.loads(created.stdout)
+    assert hook["secret"].startswith("whsec_")
+    listed = reach(env, "webhooks", "list", "--json")
+    assert [h["webhook_id"] for h in json.loads(listed.stdout)] == [hook["webhook_id"]]
+    assert reach(env, "webhooks", "delete", hook["webhook_id"]).returncode == 0
+    gone = reach(env, "webhooks", "get", hook["webhook_id"])
+    assert gone.returncode == 6 and "webhook_not_found" in gone.stderr
+
+
+def test_without_a_key_it_is_a_usage_error(env: dict[str, str]) -> None:
+    del env["REACH_API_KEY"]
+    result = reach(env, "tasks", "list")
+    assert result.returncode == 2 and "REACH_API_KEY" in result.stderr

@@ -1,0 +1,202 @@
+"""The client's pure parts: error mapping, retry timing, SSE decoding, stream resumption, and
+the plans driven by hand (no socket), so each rule is checked on its own."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import httpx
+import pytest
+import standardwebhooks.webhooks as standard
+from reach_client import errors
+from reach_client.models import Event, Task
+from reach_client.operations import tasks
+from reach_client.plans import Plan, Request, Response, Sleep, send
+from reach_client.retries import RetryPolicy, may_retry, parse_retry_after
+from reach_client.streaming import Resume, SSEDecoder
+from reach_client.webhooks import verify
+
+POLICY = RetryPolicy(max_retries=2)
+TASK = {"task_id": "t1", "capability": "echo", "status": "running", "trace_id": "tr"}
+
+
+def answer(status: int, body: bytes = b"{}", **headers: str) -> Response:
+    return Response(status, httpx.Headers(headers), body)
+
+
+def drive(plan: Plan[object], answers: list[Response | Exception]) -> tuple[object, list[object]]:
+    """Run ``plan`` against scripted answers; its result and every step it took."""
+    steps: list[object] = []
+    try:
+        step = next(plan)
+        while True:
+            steps.append(step)
+            if isinstance(step, Sleep):
+                step = plan.send(None)
+                continue
+            given = answers.pop(0)
+            step = plan.throw(given) if isinstance(given, Exception) else plan.send(given)
+    except StopIteration as done:
+        return done.value, steps
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [
+        (401, "unauthenticated", errors.AuthenticationError),
+        (403, "capability_not_allowed", errors.PermissionDeniedError),
+        (404, "task_not_found", errors.NotFoundError),
+        (409, "task_final", errors.ConflictError),
+        (412, "revision_conflict", errors.RevisionConflictError),
+        (428, "precondition_required", errors.PreconditionRequiredError),
+        (429, "rate_limited", errors.RateLimitError),
+        (503, "overloaded", errors.UnavailableError),
+        (422, "payload_invalid", errors.InvalidRequestError),
+        (413, "payload_too_large", errors.InvalidRequestError),
+        (500, "internal", errors.InternalServerError),
+    ],
+)
+def test_a_problem_maps_to_its_error_class(status: int, code: str, kind: type) -> None:
+    problem = {"code": code, "detail": "d", "trace_id": "abc", "current_revision": 7}
+    found = errors.from_problem(status, problem)
+    assert type(found) is kind
+    assert (found.code, found.status, found.detail, found.trace_id) == (code, status, "d", "abc")
+
+
+def test_a_revision_conflict_names_the_current_revision() -> None:
+    found = errors.from_problem(412, {"code": "revision_conflict", "current_revision": 4})
+    assert isinstance(found, errors.RevisionConflictError) and found.current_revision == 4
+
+
+def test_a_body_that_is_not_a_problem_still_maps_by_status() -> None:
+    found = errors.from_problem(502, "<html>bad gateway</html>", trace_id="from-header")
+    assert isinstance(found, errors.InternalServerError)
+    assert (found.code, found.trace_id) == ("http_502", "from-header")
+
+
+def test_backoff_doubles_is_capped_and_jittered_down_by_at_most_a_quarter() -> None:
+    policy = RetryPolicy(initial_delay_s=0.5, max_delay_s=8)
+    rng = random.Random(7)
+    for retry, base in ((1, 0.5), (2, 1.0), (3, 2.0), (6, 8.0), (10, 8.0)):
+        delay = policy.backoff_s(retry, rng)
+        assert base * 0.75 <= delay <= base
+
+
+def test_retry_after_is_seconds_or_an_http_date_and_too_long_is_not_waited() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    assert parse_retry_after("3") == 3.0
+    assert parse_retry_after(format_datetime(now + timedelta(seconds=30)), now) == 30.0
+    assert parse_retry_after("soon") is None
+    assert POLICY.delay_s(1, "2") == 2.0
+    assert POLICY.delay_s(1, "3600") is None
+    assert 0.375 <= (POLICY.delay_s(1, None) or 0) <= 0.5
+
+
+def test_only_requests_safe_to_repeat_are_retried() -> None:
+    assert may_retry("GET", False) and may_retry("PUT", False) and may_retry("DELETE", False)
+    assert not may_retry("POST", False) and may_retry("POST", True)
+    assert not may_retry("PATCH", False)
+
+
+def test_a_503_is_retried_after_retry_after_with_the_very_same_request() -> None:
+    request = Request("POST", "/tasks", body={}, headers={"Idempotency-Key": "k1"})
+    refused = answer(503, b'{"code": "overloaded"}', **{"Retry-After": "1"})
+    result, steps = drive(send(request, POLICY), [refused, answer(202, b'{"ok": 1}')])
+    assert steps == [request, Sleep(1.0), request]
+    assert isinstance(result, Response) and result.status == 202
+
+
+def test_a_post_without_a_key_is_not_retried() -> None:
+    request = Request("POST", "/sessions", body={})
+    with pytest.raises(errors.UnavailableError):
+        drive(send(request, POLICY), [answer(503, b'{"code": "overloaded"}')])
+
+
+def test_connection_errors_are_retried_until_the_budget_is_spent() -> None:
+    request = Request("GET", "/tasks/t1")
+    lost = [errors.APIConnectionError("reset") for _ in range(3)]
+    with pytest.raises(errors.APIConnectionError):
+        drive(send(request, POLICY), list(lost))
+    _, steps = drive(send(request, POLICY), [lost[0], answer(200)])
+    assert [type(s) for s in steps] == [Request, Sleep, Request]
+
+
+def test_wait_polls_until_final_and_gives_up_with_the_task_when_time_runs_out() -> None:
+    clock = iter([0.0, 0.1, 0.3, 0.6, 1.2]).__next__
+    running = answer(200, b'{"task_id": "t1", "capability": "echo", "status": "running"}')
+    with pytest.raises(errors.WaitTimeoutError) as caught:
+        drive(tasks.wait(POLICY, "t1", 1.0, clock), [running] * 4)
+    assert caught.value.task.status == "running"
+    done = answer(200, b'{"task_id": "t1", "capability": "echo", "status": "succeeded"}')
+    result, steps = drive(tasks.wait(POLICY, "t1", None), [running, done])
+    assert isinstance(result, Task) and result.status == "succeeded"
+    assert [type(s) for s in steps] == [Request, Sleep, Request]
+
+
+def test_a_sync_submit_the_caller_would_not_wait_out_is_asked_again_in_async_mode() -> None:
+    clock = iter([0.0, 5.0, 5.0, 5.0]).__next__
+    queued = answer(202, b'{"task_id": "t1", "capability": "echo", "status": "queued"}')
+    plan = tasks.run(POLICY, {"capability": "echo", "payload": {}}, "k1", 5.0, clock)
+    with pytest.raises(errors.WaitTimeoutError):
+        drive(plan, [errors.APITimeoutError(), queued, queued])
+
+
+def test_the_sse_decoder_reads_frames_and_skips_pings() -> None:
+    decoder = SSEDecoder()
+    lines = [
+        ": ping",
+        "",
+        "id: 4",
+        "event: output",
+        'data: {"seq": 4, "type": "output", "data": {"x": 1}, "trace_id": "t", "at": 1.5}',
+        "",
+    ]
+    found = [e for e in map(decoder.feed, lines) if e is not None]
+    assert found == [Event(id=4, type="output", data={"x": 1}, trace_id="t", at=1.5)]
+
+
+def event(seq: int, kind: str = "output") -> Event:
+    return Event(id=seq, type=kind, data={})
+
+
+def test_resume_asks_after_the_last_event_and_never_delivers_one_twice() -> None:
+    resume = Resume("t1", POLICY)
+    assert "Last-Event-ID" not in resume.request().headers
+    assert [resume.accept(event(n)) for n in (1, 2)] == [True, True]
+    assert resume.request().headers["Last-Event-ID"] == "2"
+    assert resume.accept(event(2)) is False
+    assert resume.accept(event(3, "succeeded")) and resume.done
+
+
+def test_resume_gives_up_after_reconnects_that_bring_nothing() -> None:
+    resume = Resume("t1", POLICY)
+    resume.dropped(None)
+    resume.dropped(errors.APIConnectionError("reset"))
+    with pytest.raises(errors.APIConnectionError):
+        resume.dropped(None)
+    with pytest.raises(errors.NotFoundError):
+        Resume("t1", POLICY).dropped(errors.from_problem(404, {"code": "task_not_found"}))
+
+
+def test_verify_returns_the_event_and_refuses_anything_else() -> None:
+    secret = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    body = (
+        b'{"type": "task.succeeded", "timestamp": "x", "data": '
+        + str(TASK).replace("'", '"').encode()
+        + b"}"
+    )
+    now = datetime.now(UTC)
+    signature = standard.Webhook(secret).sign("msg_1", now, body.decode())
+    headers = {
+        "webhook-id": "msg_1",
+        "webhook-timestamp": str(int(now.timestamp())),
+        "webhook-signature": signature,
+    }
+    found = verify(secret, body, headers)
+    assert found.type == "task.succeeded" and found.task and found.task.task_id == "t1"
+    with pytest.raises(errors.WebhookVerificationError):
+        verify(secret, body + b" ", headers)
+    with pytest.raises(errors.WebhookVerificationError):
+        verify(secret, body, {**headers, "webhook-signature": "garbage"})
