@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import a2a, errors, system_gauges
+from api import a2a, console, errors, system_gauges
 from api.mcp import McpFacade
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
@@ -66,6 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(sessions.router)
     app.include_router(mcp.router)
     a2a.mount(app, svc)
+    console.mount(app)
     return app
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -93,12 +93,20 @@ async def task_events(
 
 
 @router.get("/tasks/{task_id}", response_model=TaskResource, responses=ERROR_RESPONSES)
-async def get_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
+async def get_task(
+    task_id: str,
+    request: Request,
+    caller: Caller,
+    include: Annotated[Literal["payload"] | None, Query()] = None,
+) -> JSONResponse:
     """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
-    key's patterns are all 404."""
-    return JSONResponse(
-        render(await queries.visible_task(services(request).engine, caller, task_id))
-    )
+    key's patterns are all 404. ``include=payload`` adds the envelope's ``payload`` (the
+    console shows it and submits it again)."""
+    row = await queries.visible_task(services(request).engine, caller, task_id)
+    resource = render(row)
+    if include == "payload":
+        resource["payload"] = row["payload"]
+    return JSONResponse(resource)
 
 
 @router.get("/tasks", response_model=TaskList, responses=ERROR_RESPONSES)

@@ -167,3 +167,17 @@ def test_the_accepted_task_is_the_row_postgres_holds(client: httpx.Client) -> No
         assert polled.status_code == 200
         assert polled.json() == accepted.json()
         assert accepted.json()["attempts"] == 0 and accepted.json()["status"] == "queued"
+
+
+def test_the_payload_is_shown_only_when_asked_for(client: httpx.Client) -> None:
+    # Given a task
+    task_id = client.post("/tasks", json={"capability": "echo", "payload": {"n": 1}}).json()[
+        "task_id"
+    ]
+    # Then the resource leaves the payload out, unless include=payload asks for it
+    assert "payload" not in client.get(f"/tasks/{task_id}").json()
+    assert client.get(f"/tasks/{task_id}", params={"include": "payload"}).json()["payload"] == {
+        "n": 1
+    }
+    # And nothing else may be included
+    assert client.get(f"/tasks/{task_id}", params={"include": "secret"}).status_code == 422

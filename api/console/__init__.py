@@ -1,0 +1,39 @@
+"""``/console``: the web console, plain files shipped in this package.
+
+The page is static (HTML, a few ES modules and CSS); it signs in with an API key kept in the
+browser's ``sessionStorage`` and does everything through the same HTTP API as any client,
+with ``Authorization: Bearer``, so a key sees in the console exactly what it may see anywhere.
+Nothing is fetched from elsewhere: the content security policy allows this origin only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import FileResponse
+from starlette.staticfiles import StaticFiles
+
+STATIC = Path(__file__).resolve().parent / "static"
+HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/console")
+async def console() -> FileResponse:
+    """The console's single page; its views are addressed by the fragment (``#/tasks``)."""
+    return FileResponse(STATIC / "index.html", headers=HEADERS)
+
+
+def mount(app: FastAPI) -> None:
+    app.include_router(router)
+    app.mount("/console/static", StaticFiles(directory=STATIC), name="console-static")

@@ -1,0 +1,67 @@
+// Capabilities: live instances, queue depth (operator keys), success rate and run times.
+
+import { get } from "./api.js";
+import { alertBox, h } from "./dom.js";
+
+const REFRESH_MS = 5000;
+
+export function renderCapabilities(main) {
+  const body = h("tbody");
+  const problem = h("div", { "aria-live": "polite" });
+  const windowNote = h("p", { class: "muted" });
+  let timer = null;
+  let stopped = false;
+  main.append(
+    h("h1", {}, "Capabilities"),
+    windowNote,
+    problem,
+    h("div", { class: "scroll" }, h("table", { class: "capabilities" },
+      h("thead", {}, h("tr", {}, ["Capability", "Served by", "Live instances", "Queue depth",
+        "Tasks", "Success rate", "p50 run", "p95 run", ""].map((t) => h("th", { scope: "col" }, t)))),
+      body)),
+  );
+
+  async function refresh() {
+    try {
+      const found = await get("capabilities");
+      if (stopped) return;
+      problem.replaceChildren();
+      const first = found.capabilities[0];
+      windowNote.textContent = first
+        ? `Figures from your tenant's tasks of the last ${Math.round(first.window_s / 60)} minutes.`
+        : "No capability is served yet.";
+      body.replaceChildren(...found.capabilities.map(row));
+    } catch (error) {
+      if (!stopped) problem.replaceChildren(alertBox(error));
+    }
+    if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
+  }
+
+  refresh();
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+  };
+}
+
+function row(c) {
+  const m = c.measured ?? {};
+  const name = encodeURIComponent(c.capability);
+  return h("tr", { "data-capability": c.capability },
+    h("th", { scope: "row" }, c.capability),
+    h("td", {}, c.cards.map((card) => `${card.agent_id}@${card.version}`).join(", ")),
+    h("td", { class: c.live_instances ? "" : "warn" }, String(c.live_instances)),
+    h("td", {}, c.queue_depth === undefined ? "—" : String(c.queue_depth)),
+    h("td", {}, String(m.tasks ?? 0)),
+    h("td", {}, m.success_rate === null || m.success_rate === undefined ? "—" : `${(100 * m.success_rate).toFixed(1)}%`),
+    h("td", {}, seconds(m.p50_run_s)),
+    h("td", {}, seconds(m.p95_run_s)),
+    h("td", {}, h("a", { href: `#/tasks?capability=${name}` }, "Tasks"), " ",
+      h("a", { href: `#/submit?capability=${name}` }, "Submit")),
+  );
+}
+
+function seconds(value) {
+  if (value === null || value === undefined) return "—";
+  return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
+}

@@ -1,0 +1,143 @@
+// Tasks: filtered by capability and status, a page at a time, statuses refreshed live.
+
+import { FINAL, get, query } from "./api.js";
+import { alertBox, badge, h, when } from "./dom.js";
+
+const STATUSES = ["queued", "running", ...FINAL];
+const REFRESH_MS = 2000;
+
+export function renderTasks(main, params) {
+  const filters = {
+    capability: params.get("capability") ?? "",
+    status: params.get("status") ?? "",
+  };
+  const cursors = [null]; // the cursor of each page shown so far; the last is the current one
+  const body = h("tbody");
+  const problem = h("div", { "aria-live": "polite" });
+  const older = h("button", { type: "button", onclick: () => page(+1) }, "Older");
+  const newer = h("button", { type: "button", onclick: () => page(-1) }, "Newer");
+  let next = null;
+  let stopped = false;
+  let timer = null;
+
+  const capability = h("input", {
+    id: "filter-capability",
+    name: "capability",
+    list: "known-capabilities",
+    value: filters.capability,
+    placeholder: "any",
+  });
+  const known = h("datalist", { id: "known-capabilities" });
+  const status = h(
+    "select",
+    { id: "filter-status", name: "status" },
+    h("option", { value: "" }, "any"),
+    STATUSES.map((s) => h("option", { value: s, selected: s === filters.status }, s)),
+  );
+  const form = h(
+    "form",
+    { class: "filters", onsubmit: applyFilters },
+    h("div", {}, h("label", { for: "filter-capability" }, "Capability"), capability, known),
+    h("div", {}, h("label", { for: "filter-status" }, "Status"), status),
+    h("button", { type: "submit" }, "Filter"),
+  );
+  main.append(
+    h("h1", {}, "Tasks"),
+    form,
+    problem,
+    h(
+      "div",
+      { class: "scroll" },
+      h(
+        "table",
+        { class: "tasks" },
+        h(
+          "thead",
+          {},
+          h(
+            "tr",
+            {},
+            ["Task", "Capability", "Status", "Progress", "Created", "Finished"].map((t) =>
+              h("th", { scope: "col" }, t),
+            ),
+          ),
+        ),
+        body,
+      ),
+    ),
+    h("nav", { class: "pager", "aria-label": "Pages" }, newer, older),
+  );
+
+  function applyFilters(event) {
+    event.preventDefault();
+    const wanted = { capability: capability.value.trim(), status: status.value };
+    window.location.hash = `#/tasks${query(wanted)}`;
+  }
+
+  function page(step) {
+    if (step > 0 && next) cursors.push(next);
+    if (step < 0 && cursors.length > 1) cursors.pop();
+    refresh();
+  }
+
+  async function refresh() {
+    clearTimeout(timer);
+    const cursor = cursors[cursors.length - 1];
+    try {
+      const found = await get(`tasks${query({ ...filters, limit: 20, cursor })}`);
+      if (stopped) return;
+      problem.replaceChildren();
+      next = found.next_cursor;
+      show(found.tasks);
+    } catch (error) {
+      if (stopped) return;
+      problem.replaceChildren(alertBox(error));
+    }
+    older.disabled = !next;
+    newer.disabled = cursors.length <= 1;
+    timer = setTimeout(refresh, REFRESH_MS);
+  }
+
+  function show(tasks) {
+    const rows = new Map([...body.rows].map((row) => [row.dataset.taskId, row]));
+    const same = tasks.length === rows.size && tasks.every((t) => rows.has(t.task_id));
+    if (!same) {
+      body.replaceChildren(...tasks.map(row));
+      if (!tasks.length) body.append(h("tr", {}, h("td", { colspan: 6 }, "No tasks.")));
+      return;
+    }
+    for (const task of tasks) {
+      const current = rows.get(task.task_id);
+      if (current.dataset.version !== version(task)) current.replaceWith(row(task));
+    }
+  }
+
+  get("capabilities")
+    .then((found) => {
+      known.replaceChildren(...found.capabilities.map((c) => h("option", { value: c.capability })));
+    })
+    .catch(() => {});
+  refresh();
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+  };
+}
+
+function version(task) {
+  return `${task.status}|${task.progress?.percent ?? ""}|${task.finished_at ?? ""}`;
+}
+
+function row(task) {
+  const percent = task.progress?.percent;
+  return h(
+    "tr",
+    { "data-task-id": task.task_id, "data-version": version(task) },
+    h("td", {}, h("a", { href: `#/tasks/${task.task_id}`, class: "mono" }, task.task_id)),
+    h("td", {}, task.capability),
+    h("td", {}, badge(task.status)),
+    h("td", {}, percent === undefined ? "—" : `${percent}%`),
+    h("td", {}, when(task.created_at)),
+    h("td", {}, when(task.finished_at)),
+  );
+}
