@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from chromium import ensure_chromium
+
 BIN = Path(sys.executable).parent
 CHECKS = [
     [str(BIN / "ruff"), "check", "."],
@@ -18,4 +20,7 @@ for check in CHECKS:
     )
     if subprocess.run(check).returncode != 0:
         sys.exit(1)
+# Before pytest (whose per-test timeout an install could outlast): the browser tests need it.
+browser, why_not = ensure_chromium()
+print(f"+ chromium: {browser or why_not}", flush=True)
 sys.exit(subprocess.run([sys.executable, "-m", "pytest", *sys.argv[1:]]).returncode)
