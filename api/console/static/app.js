@@ -4,9 +4,11 @@ import { get, session } from "./api.js";
 import { alertBox, h } from "./dom.js";
 import { renderAgents } from "./agents.js";
 import { renderCapabilities } from "./capabilities.js";
+import { renderSessions } from "./sessions.js";
 import { renderSubmit } from "./submit.js";
 import { renderTask } from "./task.js";
 import { renderTasks } from "./tasks.js";
+import { renderWebhook, renderWebhooks } from "./webhooks.js";
 
 const main = document.getElementById("main");
 const nav = document.getElementById("nav");
@@ -20,6 +22,9 @@ function route() {
   if (parts[0] === "submit") return () => renderSubmit(main, params);
   if (parts[0] === "capabilities") return () => renderCapabilities(main);
   if (parts[0] === "agents") return () => renderAgents(main);
+  if (parts[0] === "webhooks" && parts[1]) return () => renderWebhook(main, decodeURIComponent(parts[1]));
+  if (parts[0] === "webhooks") return () => renderWebhooks(main);
+  if (parts[0] === "sessions") return () => renderSessions(main, params);
   return () => renderTasks(main, params);
 }
 

@@ -15,6 +15,7 @@ from broker.tenancy import key_store
 from tests.integration.conftest import client_for
 from tests.integration.console.conftest import NARROW, WIDE, Console
 from tests.integration.console.test_console import TEXT
+from tests.integration.receiver import Receiver, Reply
 from tests.integration.stack import ROOT, ServedApp, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -36,9 +37,19 @@ def fits(page: Page) -> bool:
 def test_every_page_reads_at_1280_and_390_px_without_errors(
     console: Console, api: ServedApp, engine: Engine, shots: Path
 ) -> None:
+    receiver = Receiver(lambda n: Reply(400) if n == 1 else Reply(200))
     # An operator's key: the capabilities page shows queue depths, the agents page instances.
     _, key = key_store.create_key(engine, "console-shots", ["*"], is_admin=True)
-    with client_for(api, key) as http:
+    with receiver, client_for(api, key) as http:
+        webhook = http.post(
+            "/webhooks", json={"url": receiver.url, "events": ["task.succeeded", "task.failed"]}
+        ).json()["webhook_id"]
+        session = http.post("/sessions", json={"state": {"cart": ["tea"]}}).json()["session_id"]
+        http.put(
+            f"/sessions/{session}",
+            json={"state": {"cart": ["tea", "milk"]}},
+            headers={"If-Match": '"1"'},
+        )
         summary = http.post(
             "/tasks",
             json={"capability": "text.summarize", "payload": {"text": TEXT, "max_sentences": 3}},
@@ -49,6 +60,7 @@ def test_every_page_reads_at_1280_and_390_px_without_errors(
         http.post("/tasks", json={"capability": "test.sleepy", "payload": {"sleep_s": 0.2}})
         for task_id in (summary, failed):
             wait_for_task(http, task_id, FINAL)
+        receiver.wait_for(3)  # the three tasks succeeded or failed
 
     page = console.page
     pages = {
@@ -59,6 +71,9 @@ def test_every_page_reads_at_1280_and_390_px_without_errors(
         "submit": ("#/submit?capability=text.summarize", "Submit a task"),
         "capabilities": ("#/capabilities", "Capabilities"),
         "agents": ("#/agents", "Agents"),
+        "webhooks": ("#/webhooks", "Webhooks"),
+        "webhook": (f"#/webhooks/{webhook}", "http://127.0.0.1"),
+        "session": (f"#/sessions?id={session}", "Sessions"),
     }
     for size, viewport in (("1280", WIDE), ("390", NARROW)):
         page.set_viewport_size(viewport)
@@ -80,6 +95,10 @@ def test_every_page_reads_at_1280_and_390_px_without_errors(
                 expect(page.locator("tr[data-capability='text.summarize']")).to_be_visible()
             if name == "agents":
                 expect(page.locator("article[data-agent-id='summarizer']")).to_be_visible()
+            if name == "webhook":
+                expect(page.locator("article.delivery")).to_have_count(3)
+            if name == "session":
+                expect(page.locator("#revisions > li")).to_have_count(2)
             if name == "submit":
                 expect(page.get_by_label("max_sentences")).to_be_visible()
             if name == "tasks":

@@ -1,0 +1,66 @@
+"""The console's webhooks and sessions pages, in Chromium against the running stack."""
+
+from __future__ import annotations
+
+from playwright.sync_api import expect
+
+from tests.integration.conftest import client_for
+from tests.integration.console.conftest import Console
+from tests.integration.receiver import Receiver, Reply
+from tests.integration.stack import ServedApp
+
+
+def test_a_failed_delivery_is_shown_with_its_attempt_and_redelivered(
+    console: Console, key: str, api: ServedApp
+) -> None:
+    # Given a subscription whose receiver refuses the first request and takes the next
+    with (
+        Receiver(lambda n: Reply(400) if n == 1 else Reply(200)) as receiver,
+        client_for(api, key) as http,
+    ):
+        webhook = http.post(
+            "/webhooks", json={"url": receiver.url, "events": ["task.succeeded"]}
+        ).json()
+        task_id = http.post("/tasks", json={"capability": "echo", "payload": {}}).json()["task_id"]
+        page = console.page
+        console.sign_in(key)
+        page.get_by_role("link", name="Webhooks").click()
+        page.get_by_role("link", name=receiver.url).click()
+
+        # Then its delivery shows as failed, with the 400 of its one attempt
+        delivery = page.locator("article.delivery").filter(has_text=task_id)
+        expect(delivery.locator("h3 .badge")).to_have_text("failed")
+        expect(delivery.locator("td.status-code")).to_have_text(["400"])
+
+        # When it is redelivered, it succeeds on a second attempt with the same message
+        delivery.get_by_role("button", name="Redeliver").click()
+        expect(delivery.locator("h3 .badge")).to_have_text("succeeded")
+        expect(delivery.locator("td.status-code")).to_have_text(["400", "200"])
+        expect(delivery.get_by_role("button", name="Redeliver")).to_have_count(0)
+        first, second = receiver.wait_for(2)
+    assert first.headers["webhook-id"] == second.headers["webhook-id"]
+    assert webhook["webhook_id"] in page.url
+    assert console.errors == []
+
+
+def test_a_session_shows_its_state_and_revisions(
+    console: Console, key: str, api: ServedApp
+) -> None:
+    with client_for(api, key) as http:
+        session = http.post("/sessions", json={"state": {"step": 1}}).json()
+        sid = session["session_id"]
+        updated = http.put(
+            f"/sessions/{sid}", json={"state": {"step": 2}}, headers={"If-Match": '"1"'}
+        )
+        assert updated.status_code == 200
+    page = console.page
+    console.sign_in(key)
+    page.get_by_role("link", name="Sessions").click()
+    page.get_by_label("Session id").fill(sid)
+    page.get_by_role("button", name="Show").click()
+
+    expect(page.locator("#session-revision")).to_have_text("2")
+    expect(page.locator("#revisions > li")).to_have_count(2)
+    expect(page.locator("#revisions > li").first).to_contain_text("by the API")
+    expect(page.locator("details").first).to_contain_text('"step": 2')
+    assert console.errors == []
