@@ -51,7 +51,7 @@ function card(agent, drain) {
     h("div", { class: "scroll" }, h("table", {},
       h("caption", {}, "Instances"),
       h("thead", {}, h("tr", {}, ["Instance", "State", "Last heartbeat", "Active", "Capabilities", ""].map((t) => h("th", { scope: "col" }, t)))),
-      h("tbody", {}, agent.instances.length ? agent.instances.map((i) => h("tr", {},
+      h("tbody", {}, agent.instances.length ? agent.instances.map((i) => h("tr", { "data-instance": i.instance },
         h("td", { class: "mono" }, i.instance ?? "—"),
         h("td", {}, badge(i.state)),
         h("td", {}, `${i.seconds_since_heartbeat.toFixed(1)} s ago`),
