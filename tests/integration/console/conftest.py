@@ -1,6 +1,10 @@
 """The console in a real browser: Playwright driving Debian's Chromium, headless, against the
-running stack (uvicorn API, Celery worker, Postgres, Redis). One browser for the session, a
-fresh context (so a fresh ``sessionStorage``) per test."""
+running stack (uvicorn API, Celery worker, Postgres, Redis). One browser for this package's
+tests, a fresh context (so a fresh ``sessionStorage``) per test.
+
+Playwright's sync API keeps an event loop marked running on the main thread for as long as it
+is started, and ``asyncio.run`` refuses to run beside it: so it lives for this package only,
+and every later test finds the main thread free again."""
 
 from __future__ import annotations
 
@@ -33,13 +37,13 @@ def _chromium() -> Path:
     return Path(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def playwright() -> Iterator[Playwright]:
     with sync_playwright() as found:
         yield found
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(playwright: Playwright) -> Iterator[Browser]:
     launched = playwright.chromium.launch(executable_path=str(_chromium()), headless=True)
     yield launched
