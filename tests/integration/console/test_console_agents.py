@@ -37,3 +37,26 @@ def test_an_agent_goes_offline_on_its_page_when_its_worker_is_killed(
     finally:
         doomed.stop()
     assert console.errors == []
+
+
+def test_an_operator_drains_an_instance_from_the_agents_page(
+    console: Console, engine: Engine, settings: Settings, log_dir: Path
+) -> None:
+    _, key = key_store.create_key(engine, "console-ops", ["*"], is_admin=True)
+    name = f"console-drained-{time.monotonic_ns() % 10**6}"
+    drained = start_worker(settings, "test.pool", name, log_dir, concurrency=1)
+    try:
+        console.sign_in(key)
+        console.page.get_by_role("link", name="Agents").click()
+        row = console.page.locator(
+            f"article[data-agent-id='test-pool'] tr[data-instance^='{name}@']"
+        )
+        expect(row.locator(".badge")).to_have_text("ready")
+
+        row.get_by_role("button", name="Drain").click()
+        expect(console.page.get_by_role("status")).to_contain_text(f"Drain requested for {name}@")
+        # Holding nothing, it stops taking work and goes offline: the page follows
+        expect(row.locator(".badge")).to_have_text("offline", timeout=30_000)
+    finally:
+        drained.stop()
+    assert console.errors == []
