@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import a2a, console, errors, system_gauges
+from api import a2a, console, contract, errors, system_gauges
 from api.mcp import McpFacade
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
@@ -40,7 +40,9 @@ def create_app(settings: Settings) -> FastAPI:
         title="Agent-Reach",
         version="0.1.0",
         summary="Send an envelope to a capability; poll, wait, stream or be called back.",
+        description=contract.DESCRIPTION,
         lifespan=lifespan,
+        generate_unique_id_function=contract.operation_id,
     )
     app.state.services = svc
     errors.install(app)
@@ -67,6 +69,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(mcp.router)
     a2a.mount(app, svc)
     console.mount(app)
+    contract.install(app)
     return app
 
 

@@ -6,6 +6,7 @@ The HTTP status of each code is this one table; codes not listed fall back to th
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from broker import errors, outages
 
@@ -133,14 +135,36 @@ def problem_response(request: Request, exc: errors.ReachError) -> JSONResponse:
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     if status in (429, 503):
-        headers["Retry-After"] = str(details.pop("retry_after_s", 1))
+        # Whole seconds, as RFC 9110 has it: a wait under a second reads as 1.
+        headers["Retry-After"] = str(max(1, math.ceil(details.pop("retry_after_s", 1))))
     return problem(request, status, exc.code, exc.message, headers=headers, **details)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return problem(request, exc.status_code, code, str(exc.detail), headers=exc.headers)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
+    return problem(request, exc.status_code, code, str(exc.detail), headers=headers)
+
+
+METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method of the path, not only those of the route that answered: a path served by
+    two routes (``GET /tasks`` and ``POST /tasks``) allows both. Asked of the routes
+    themselves (a router included in the app matches for its own routes)."""
+    routes = request.app.router.routes
+    allowed = [
+        method
+        for method in METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes
+        )
+    ]
+    return ", ".join(allowed)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

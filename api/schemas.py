@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Progress(BaseModel):
@@ -40,6 +40,9 @@ class TaskResource(BaseModel):
     started_at: str | None = None
     finished_at: str | None = None
     expires_at: str
+    payload: Any = Field(
+        default=None, description="The envelope's payload: with include=payload only"
+    )
 
 
 class TaskList(BaseModel):
@@ -47,7 +50,14 @@ class TaskList(BaseModel):
     next_cursor: str | None
 
 
+class ProblemField(BaseModel):
+    field: str
+    message: str
+
+
 class Problem(BaseModel):
+    """RFC 9457 problem details; ``code`` is stable, ``errors`` lists each invalid field."""
+
     type: str
     title: str
     status: int
@@ -55,21 +65,16 @@ class Problem(BaseModel):
     code: str
     trace_id: str | None = None
     instance: str | None = None
+    errors: list[ProblemField] | None = None
 
 
-_problem = {"model": Problem, "content": {"application/problem+json": {}}}
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {**_problem, "description": description}
-    for status, description in {
-        400: "Malformed request",
-        401: "Missing or invalid API key",
-        403: "Not for this key: a capability outside its patterns (capability_not_allowed),"
-        " a tenant-wide setting (tenant_admin_required), an operator action (admin_required)",
-        404: "No such resource for this tenant, or none this key's patterns let it see",
-        408: "The body did not arrive in time",
-        413: "Body or payload too large",
-        422: "Envelope or parameters invalid",
-        429: "Over the tenant's rate; retry after Retry-After",
-        503: "A backing service is unavailable; retry after Retry-After",
-    }.items()
-}
+class StreamEvent(BaseModel):
+    """The JSON of an SSE frame's ``data`` line. ``seq`` is also the frame's ``id`` and
+    ``type`` its ``event``: status, progress, output, then one final succeeded, failed,
+    cancelled or expired (whose ``data`` is the task)."""
+
+    seq: int
+    type: str
+    data: Any
+    trace_id: str | None = None
+    at: float

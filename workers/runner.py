@@ -7,7 +7,6 @@ and outputs go to the task's event log as they happen.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import logging
 import os
@@ -15,7 +14,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -48,7 +46,6 @@ log = logging.getLogger("reach.worker")
 THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
-RUNNING_EVENT_THREADS = 4  # a process's threads writing running events beside the handlers
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -68,7 +65,6 @@ class Runner:
         self._events: events.EventLog | None = None
         self._claims: ThreadGrouped[Claim, Claimed | None] | None = None
         self._finishes: ThreadGrouped[Finish, TaskRow | None] | None = None
-        self._background: ThreadPoolExecutor | None = None
         self._pid = 0
         self._crash_after_finish = faults.crash_after_finish()
         self._crash_after_group = faults.crash_after_group()
@@ -103,8 +99,6 @@ class Runner:
         self._finishes = ThreadGrouped(
             self._finish_many, max_items=GROUP_MAX_TASKS, name="finishes", retry_alone=True
         )
-        # Writes a task need not wait for (its ``running`` event): off the path to its result.
-        self._background = ThreadPoolExecutor(RUNNING_EVENT_THREADS, "reach-running-event")
         self._pid = os.getpid()
 
     @property
@@ -130,14 +124,11 @@ class Runner:
         assert self._claims is not None
         return self._claims(claim)
 
-    def finish(self, finish: Finish, *, after: Future[None] | None = None) -> str:
-        """Write a final state (grouped with others in flight), then announce it, once the
-        task's events before it (``after``) are in its log."""
+    def finish(self, finish: Finish) -> str:
+        """Write a final state (grouped with others in flight), then announce it."""
         self._connect()
         assert self._finishes is not None
-        row = self._finishes(finish)
-        _settled(after)
-        return self.finalize(row)
+        return self.finalize(self._finishes(finish))
 
     def _claim_many(self, claims: list[Claim]) -> list[Claimed | None]:
         claimed = execution.claim_many(self.engine, claims)
@@ -187,22 +178,12 @@ class Runner:
             return self.finish(Finish.failed(tid, gone))
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
 
-        def append(event_type: str, data: Any) -> None:
+        def publish(event_type: str, data: Any) -> None:
             self.events.append(tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s)
 
-        # The running event goes out beside the handler, not before it: every later event of
-        # the task (an output, a progress report, the final one) waits for it, so the log's
-        # order holds, and the handler's start waits for no round trip.
-        running_data = {"status": RUNNING, "attempt": claimed.attempt, "instance": instance}
-        assert self._background is not None
-        running: Future[None] = self._background.submit(
-            contextvars.copy_context().run, append, events.STATUS, running_data
+        publish(
+            events.STATUS, {"status": RUNNING, "attempt": claimed.attempt, "instance": instance}
         )
-
-        def publish(event_type: str, data: Any) -> None:
-            _settled(running)
-            append(event_type, data)
-
         ctx = Context(
             task_id=tid,
             capability=claimed.capability,
@@ -219,7 +200,7 @@ class Runner:
         )
         outcome = self._call(spec, ctx, claimed.payload, claimed_at)
         if isinstance(outcome, Succeeded):
-            return self.finish(Finish.succeeded(tid, outcome.result), after=running)
+            return self.finish(Finish.succeeded(tid, outcome.result))
         left = ctx.time_left_s()
         if (
             not outcome.expired
@@ -232,7 +213,7 @@ class Runner:
             # reads milliseconds, a moment before the broker does).
             outcome = Failed(timed_out(outcome.error), expired=True)
         if outcome.expired:
-            return self.finish(Finish.expired(tid, outcome.error), after=running)
+            return self.finish(Finish.expired(tid, outcome.error))
         decision = retry.decide(
             retryable=outcome.error["retryable"],
             attempt=claimed.attempt,
@@ -243,7 +224,7 @@ class Runner:
         )
         if decision.retry and self._retry(claimed, outcome.error, decision.delay_s, publish):
             return "retrying"
-        return self.finish(Finish.failed(tid, outcome.error), after=running)
+        return self.finish(Finish.failed(tid, outcome.error))
 
     def _session_of(self, claimed: Claimed) -> Session | None:
         if claimed.session_id is None or claimed.session is None:
@@ -415,18 +396,6 @@ class Runner:
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")
         return result
-
-
-def _settled(write: Future[None] | None) -> None:
-    """Wait for an event written in the background. One that failed (Redis away) is logged,
-    not raised: events are how a task is watched, its state is in Postgres, and readers of a
-    log with a gap look there (``broker.tasks.eventhub``)."""
-    if write is None:
-        return
-    try:
-        write.result()
-    except Exception:
-        log.warning("a task event could not be written", exc_info=True)
 
 
 def timed_out(cause: dict[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import Receive, Scope, Send
 
+from api.contract import AUTHENTICATED, answers, json_body
 from api.deps import authenticate
 from api.mcp.calls import Calls
-from api.schemas import ERROR_RESPONSES
 from api.services import Services
 from broker.settings import Settings
 from broker.tenancy.keys import Principal
@@ -42,6 +42,14 @@ JSON_RPC_REQUEST = {
         "method": {"type": "string", "examples": ["tools/list", "tools/call"]},
         "params": {"type": "object"},
     },
+}
+
+MCP_REFUSALS = {
+    400: "Not a JSON-RPC message, or a bad request for the transport",
+    406: "Accept must name both application/json and text/event-stream",
+    413: "The body is larger than the server takes",
+    415: "Content-Type must be application/json",
+    421: "The Host is not one this server answers for",
 }
 
 
@@ -85,15 +93,19 @@ class McpFacade:
             mcp,
             methods=["POST"],
             responses={
-                **ERROR_RESPONSES,
-                200: {"content": {"application/json": {}, "text/event-stream": {}}},
+                200: {
+                    "description": "The JSON-RPC response, as JSON or as an SSE stream",
+                    "content": {"application/json": {"schema": {}}, "text/event-stream": {}},
+                },
+                202: {"description": "A notification or a response, accepted"},
+                # The SDK's transport answers these itself, with a JSON-RPC error body.
+                **{
+                    status: {"description": what, "content": {"application/json": {}}}
+                    for status, what in MCP_REFUSALS.items()
+                },
+                **answers(*AUTHENTICATED),
             },
-            openapi_extra={
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": JSON_RPC_REQUEST}},
-                }
-            },
+            openapi_extra=json_body(JSON_RPC_REQUEST),
         )
         # POST only: stateless, there is no stream for GET to open nor a session to DELETE
         # (the SDK would hold a GET open for nothing); both get 405 as the spec allows.

@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, Response
 
+from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body, model_schema
 from api.deps import authenticate, read_json_body
-from api.schemas import ERROR_RESPONSES
 from api.services import services
 from broker import jsonbody
 from broker.errors import Forbidden, NotFound
-from broker.registry import cards, channels, policy, revocations, views
+from broker.registry import addresses, cards, channels, policy, revocations, views
 from broker.registry.model import card_queue, drain_key, lease_key, live_key
 from broker.remote import a2a_card, registration
 from broker.tenancy.keys import Principal
@@ -24,9 +24,15 @@ Caller = Annotated[Principal, Depends(authenticate)]
 DRAIN_FLAG_TTL_S = 24 * 3600
 REGISTRATION_MAX_BYTES = 512 * 1024
 CHANNEL_MAX_BYTES = 16 * 1024
+# Path parameters as the grammar of ``broker.registry.addresses`` has them: anything else
+# names nothing (404), or the database refused it (422 invalid_data).
+AgentId = Annotated[str, Path(json_schema_extra={"pattern": f"^{addresses.AGENT_ID.pattern}$"})]
+Version = Annotated[str, Path(json_schema_extra={"pattern": f"^{addresses.VERSION.pattern}$"})]
+Channel = Annotated[str, Path(json_schema_extra={"pattern": f"^{addresses.CHANNEL.pattern}$"})]
+ADMIN = "Not an admin key (admin_required)"
 
 
-@router.get("/agents", responses=ERROR_RESPONSES)
+@router.get("/agents", responses=answers(*AUTHENTICATED))
 async def list_agents(request: Request, caller: Caller) -> dict[str, Any]:
     """Every agent that advertised a card, with its instances and their state. A key other
     than an operator's sees only agents of capabilities its patterns allow, and no instance's
@@ -35,8 +41,8 @@ async def list_agents(request: Request, caller: Caller) -> dict[str, Any]:
     return {"agents": views.seen_by(await views.agents(state.engine, state.redis), caller)}
 
 
-@router.get("/agents/{agent_id}", responses=ERROR_RESPONSES)
-async def get_agent(agent_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+@router.get("/agents/{agent_id}", responses=answers(*AUTHENTICATED, 404, 422))
+async def get_agent(agent_id: AgentId, request: Request, caller: Caller) -> dict[str, Any]:
     """An agent's cards and instances: state and seconds since the last heartbeat."""
     state = services(request)
     found = await views.agents(state.engine, state.redis, agent_id=agent_id)
@@ -46,9 +52,22 @@ async def get_agent(agent_id: str, request: Request, caller: Caller) -> dict[str
     return found[0]
 
 
-@router.put("/agents/{agent_id}/channels/{channel}", responses=ERROR_RESPONSES)
+@router.put(
+    "/agents/{agent_id}/channels/{channel}",
+    responses=answers(
+        *AUTHENTICATED,
+        *JSON_BODY,
+        403,
+        404,
+        422,
+        s403=ADMIN,
+        s422="The channel or its weights are not valid, or name a version the agent lacks or"
+        " that is revoked (channel_invalid)",
+    ),
+    openapi_extra=json_body(channels.WEIGHTS_SCHEMA),
+)
 async def put_channel(
-    agent_id: str, channel: str, request: Request, caller: Caller
+    agent_id: AgentId, channel: Channel, request: Request, caller: Caller
 ) -> dict[str, Any]:
     """Set a channel: ``{"versions": {"2.3.1": 90, "2.4.0": 10}}``, weights of versions the
     agent has and that are not revoked. A target ``<agent_id>@<channel>`` routes by it;
@@ -63,8 +82,14 @@ async def put_channel(
     return answer
 
 
-@router.delete("/agents/{agent_id}/channels/{channel}", status_code=204, responses=ERROR_RESPONSES)
-async def delete_channel(agent_id: str, channel: str, request: Request, caller: Caller) -> Response:
+@router.delete(
+    "/agents/{agent_id}/channels/{channel}",
+    status_code=204,
+    responses=answers(*AUTHENTICATED, 403, 404, 422, s403=ADMIN),
+)
+async def delete_channel(
+    agent_id: AgentId, channel: Channel, request: Request, caller: Caller
+) -> Response:
     """Remove a channel (without ``stable``, every version serves by its card's weight).
     Admin only."""
     _require_admin(caller, "removing channels")
@@ -75,9 +100,12 @@ async def delete_channel(agent_id: str, channel: str, request: Request, caller: 
     return Response(status_code=204)
 
 
-@router.post("/agents/{agent_id}/versions/{version}/revoke", responses=ERROR_RESPONSES)
+@router.post(
+    "/agents/{agent_id}/versions/{version}/revoke",
+    responses=answers(*AUTHENTICATED, 403, 404, 422, s403=ADMIN),
+)
 async def revoke_version(
-    agent_id: str, version: str, request: Request, caller: Caller
+    agent_id: AgentId, version: Version, request: Request, caller: Caller
 ) -> dict[str, Any]:
     """Take a version out of routing for good (lifecycle ``revoked``): no request is routed
     to it, a target naming it is 410 ``version_revoked``, and its instances' lease renewals
@@ -97,10 +125,12 @@ def _require_admin(caller: Principal, what: str) -> None:
 
 
 @router.post(
-    "/agents/{agent_id}/instances/{instance}/drain", status_code=202, responses=ERROR_RESPONSES
+    "/agents/{agent_id}/instances/{instance}/drain",
+    status_code=202,
+    responses=answers(*AUTHENTICATED, 403, 404, 422, s403=ADMIN),
 )
 async def drain_instance(
-    agent_id: str, instance: str, request: Request, caller: Caller
+    agent_id: AgentId, instance: str, request: Request, caller: Caller
 ) -> JSONResponse:
     """Stop an instance taking work; it finishes what it holds, then goes offline. Admin only."""
     if not caller.is_admin:
@@ -114,17 +144,22 @@ async def drain_instance(
 
 @router.put(
     "/agents/{agent_id}",
-    responses={**ERROR_RESPONSES, 201: {"description": "Registered; the answer holds the secret"}},
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": registration.Registration.model_json_schema()}
-            },
-        }
+    responses={
+        200: {"description": "Updated"},
+        201: {"description": "Registered; the answer holds the secret, shown once"},
+        **answers(
+            *AUTHENTICATED,
+            *JSON_BODY,
+            403,
+            422,
+            s403=ADMIN,
+            s422="The registration is not valid (registration_invalid), its endpoint is not"
+            " allowed (endpoint_not_allowed), or its card cannot be read",
+        ),
     },
+    openapi_extra=json_body(model_schema(registration.Registration)),
 )
-async def register_agent(agent_id: str, request: Request, caller: Caller) -> JSONResponse:
+async def register_agent(agent_id: AgentId, request: Request, caller: Caller) -> JSONResponse:
     """Register (201) or update (200) an agent the broker reaches over the network: an
     ``http`` agent with the capabilities it lists, an ``a2a`` agent by its card's URL, each
     skill as ``<capability_prefix>.<skill id>``. The first answer carries ``secret``, once:
@@ -149,8 +184,12 @@ async def register_agent(agent_id: str, request: Request, caller: Caller) -> JSO
     return JSONResponse(registered.view(), status_code=201 if registered.created else 200)
 
 
-@router.delete("/agents/{agent_id}", status_code=204, responses=ERROR_RESPONSES)
-async def deregister_agent(agent_id: str, request: Request, caller: Caller) -> Response:
+@router.delete(
+    "/agents/{agent_id}",
+    status_code=204,
+    responses=answers(*AUTHENTICATED, 403, 404, 422, s403=ADMIN),
+)
+async def deregister_agent(agent_id: AgentId, request: Request, caller: Caller) -> Response:
     """Remove a remote agent: routing stops at once, the bridge stops calling it. Admin
     only; a worker's agent goes away by stopping its worker."""
     if not caller.is_admin:
@@ -168,7 +207,7 @@ async def deregister_agent(agent_id: str, request: Request, caller: Caller) -> R
     return Response(status_code=204)
 
 
-@router.get("/capabilities", responses=ERROR_RESPONSES)
+@router.get("/capabilities", responses=answers(*AUTHENTICATED))
 async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
     """Each capability the key's patterns allow and some card its tenant may use serves: live
     instances, and figures from the last 5 minutes of the caller's tenant's tasks. Queue

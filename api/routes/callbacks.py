@@ -13,9 +13,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from api.contract import AUTHENTICATED, answers
 from api.deps import authenticate, metered
-from api.routes.webhooks import parse_id, reaches, send_again
-from api.schemas import ERROR_RESPONSES
+from api.routes.webhooks import REDELIVERED, REDELIVERY, parse_id, reaches, send_again
 from api.services import services
 from broker.errors import Forbidden, NotFound
 from broker.tasks import queries
@@ -30,7 +30,7 @@ Metered = Annotated[Principal, Depends(metered)]  # routes that do real work tak
 TASK_DELIVERIES_MAX = 100
 
 
-@router.post("/callbacks/secret", status_code=201, responses=ERROR_RESPONSES)
+@router.post("/callbacks/secret", status_code=201, responses=answers(*AUTHENTICATED, 403))
 async def create_callback_secret(request: Request, caller: Metered) -> JSONResponse:
     """Create (or rotate) the secret that signs this tenant's task callbacks; shown once.
     After a rotation the previous secret keeps signing until ``previous_secret_expires_at``.
@@ -48,7 +48,7 @@ async def create_callback_secret(request: Request, caller: Metered) -> JSONRespo
     return JSONResponse(body, status_code=201)
 
 
-@router.get("/tasks/{task_id}/deliveries", responses=ERROR_RESPONSES)
+@router.get("/tasks/{task_id}/deliveries", responses=answers(*AUTHENTICATED, 404))
 async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     """Every delivery of the task's events (its callback and matching subscriptions), each
     with its attempts. Kept after the task itself expires, for the delivery log's lifetime."""
@@ -63,7 +63,7 @@ async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dic
 @router.post(
     "/tasks/{task_id}/deliveries/{delivery_id}/redeliver",
     status_code=202,
-    responses=ERROR_RESPONSES,
+    responses={**REDELIVERED, **REDELIVERY},
 )
 async def redeliver_for_task(
     task_id: str, delivery_id: str, request: Request, caller: Metered

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
+from api.contract import answers
 from api.errors import problem
 from api.services import services
 
@@ -31,7 +32,11 @@ async def _redis(request: Request) -> None:
     await services(request).redis.ping()
 
 
-@router.get("/readyz", response_model=None)
+@router.get(
+    "/readyz",
+    response_model=None,
+    responses=answers(503, s503="A dependency is unavailable (not_ready); retry after Retry-After"),
+)
 async def readyz(request: Request) -> dict[str, Any] | JSONResponse:
     """Ready to take work: Postgres and Redis both answer."""
     checks = {"postgres": _postgres, "redis": _redis}

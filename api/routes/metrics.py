@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.schemas import ERROR_RESPONSES
+from api.contract import BEARER, answers
 from api.services import services
 from broker.errors import NotFound, Unauthenticated
 
@@ -33,7 +33,23 @@ def _authorize(request: Request) -> None:
         raise Unauthenticated("the metrics token is required: Authorization: Bearer <token>")
 
 
-@router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition format",
+            "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+        },
+        **answers(
+            401,
+            404,
+            s401="The metrics token is required",
+            s404="Metrics are not served: no metrics token is set",
+        ),
+    },
+    openapi_extra={"security": [{BEARER: []}]},
+)
 async def prometheus_metrics(request: Request) -> Response:
     """Prometheus text format. Holds no tenant data: counts by route, capability and code."""
     _authorize(request)

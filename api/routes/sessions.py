@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
-from api.schemas import ERROR_RESPONSES
 from api.services import services
 from broker import jsonbody, sessions
 from broker.tenancy.keys import Principal
@@ -21,18 +21,40 @@ from broker.tenancy.keys import Principal
 router = APIRouter(tags=["sessions"])
 Caller = Annotated[Principal, Depends(authenticate)]
 Metered = Annotated[Principal, Depends(metered)]
-IfMatch = Annotated[str | None, Header(alias="If-Match")]
+# Required in the document (api.contract): without it a write is 428, not 422.
+IfMatch = Annotated[
+    str | None,
+    Header(
+        alias="If-Match",
+        description='The revision the write is based on: "<revision>"',
+        json_schema_extra={"pattern": "\\S"},
+    ),
+]
 REVISIONS_MAX = 100
-CREATES = {**ERROR_RESPONSES, 409: {"description": "The tenant's live sessions are at the limit"}}
+ETAG = {"ETag": header('The session\'s revision: "<revision>"')}
+SESSION = {"description": "The session", "headers": ETAG}
+INVALID = "The body is not valid (session_invalid), or the database refused a value in it"
+TOO_LARGE = "Body too large, or the session would be (session_too_large)"
+CREATES = {
+    201: {"description": "The session, at revision 1", "headers": ETAG},
+    **answers(
+        *AUTHENTICATED,
+        *JSON_BODY,
+        409,
+        422,
+        s409="The tenant's live sessions are at the limit (session_limit_reached)",
+        s413=TOO_LARGE,
+        s422=INVALID,
+    ),
+}
 WRITES = {
-    **ERROR_RESPONSES,
-    412: {"description": "Stale If-Match"},
-    428: {"description": "No If-Match"},
+    200: SESSION,
+    **answers(*AUTHENTICATED, *JSON_BODY, 404, 412, 422, 428, s413=TOO_LARGE, s422=INVALID),
 }
 
 
 class NewSession(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as sent
 
     state: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -40,10 +62,21 @@ class NewSession(BaseModel):
 
 
 class Replacement(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as sent
 
     state: dict[str, Any]
     metadata: dict[str, Any] | None = None
+
+
+PATCH_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "state": {"type": ["object", "null"]},
+        "metadata": {"type": ["object", "null"]},
+    },
+    "description": "A JSON merge patch (RFC 7396) of the session's state and metadata",
+}
 
 
 async def _body(request: Request) -> Any:
@@ -73,7 +106,10 @@ def _answer(session: dict[str, Any], status_code: int = 200) -> JSONResponse:
     status_code=201,
     responses=CREATES,
     openapi_extra={
-        "requestBody": {"content": {"application/json": {"schema": NewSession.model_json_schema()}}}
+        "requestBody": {
+            "required": False,
+            "content": {"application/json": {"schema": model_schema(NewSession)}},
+        }
     },
 )
 async def create_session(request: Request, caller: Metered) -> JSONResponse:
@@ -97,7 +133,7 @@ async def create_session(request: Request, caller: Metered) -> JSONResponse:
     return _answer(created, 201)
 
 
-@router.get("/sessions/{session_id}", responses=ERROR_RESPONSES)
+@router.get("/sessions/{session_id}", responses={200: SESSION, **answers(*AUTHENTICATED, 404, 422)})
 async def get_session(session_id: str, request: Request, caller: Caller) -> JSONResponse:
     """The session; ``ETag`` is its revision. Unknown, expired and other tenants' are 404."""
     return _answer(await sessions.get(services(request).engine, caller.tenant, session_id))
@@ -106,12 +142,7 @@ async def get_session(session_id: str, request: Request, caller: Caller) -> JSON
 @router.put(
     "/sessions/{session_id}",
     responses=WRITES,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": Replacement.model_json_schema()}},
-        }
-    },
+    openapi_extra=json_body(model_schema(Replacement)),
 )
 async def replace_session(
     session_id: str, request: Request, caller: Metered, if_match: IfMatch = None
@@ -134,12 +165,7 @@ async def replace_session(
 @router.patch(
     "/sessions/{session_id}",
     responses=WRITES,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/merge-patch+json": {"schema": {"type": "object"}}},
-        }
-    },
+    openapi_extra=json_body(PATCH_SCHEMA, "application/merge-patch+json"),
 )
 async def patch_session(
     session_id: str, request: Request, caller: Metered, if_match: IfMatch = None
@@ -148,8 +174,15 @@ async def patch_session(
     ``state.cart``. Only ``state`` and ``metadata`` may be patched."""
     revision = sessions.revision_of(if_match)
     patch = await _body(request)
-    if not isinstance(patch, dict) or set(patch) - set(sessions.PATCHABLE):
-        raise sessions.SessionInvalid("a patch is an object of state and metadata")
+    # The patch is checked whole before the revision: a malformed one is 422 at any revision.
+    if (
+        not isinstance(patch, dict)
+        or set(patch) - set(sessions.PATCHABLE)
+        or any(v is not None and not isinstance(v, dict) for v in patch.values())
+    ):
+        raise sessions.SessionInvalid(
+            "a patch is an object of state and metadata, each an object or null"
+        )
     written = await sessions.write(
         services(request).engine,
         caller.tenant,
@@ -161,13 +194,15 @@ async def patch_session(
     return _answer(written)
 
 
-@router.delete("/sessions/{session_id}", status_code=204, responses=ERROR_RESPONSES)
+@router.delete(
+    "/sessions/{session_id}", status_code=204, responses=answers(*AUTHENTICATED, 404, 422)
+)
 async def delete_session(session_id: str, request: Request, caller: Metered) -> Response:
     await sessions.remove(services(request).engine, caller.tenant, session_id)
     return Response(status_code=204)
 
 
-@router.get("/sessions/{session_id}/revisions", responses=ERROR_RESPONSES)
+@router.get("/sessions/{session_id}/revisions", responses=answers(*AUTHENTICATED, 404, 422))
 async def list_revisions(
     session_id: str,
     request: Request,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -10,14 +11,24 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import replies
+from api.contract import (
+    AUTHENTICATED,
+    EVENT_STREAM,
+    JSON_BODY,
+    answers,
+    header,
+    json_body,
+    model_schema,
+)
 from api.deps import authenticate, metered, read_json_body
-from api.schemas import ERROR_RESPONSES, TaskList, TaskResource
+from api.schemas import TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
 from broker import jsonbody
+from broker.db.paging import CURSOR_PATTERN
 from broker.errors import BadRequest
 from broker.observability import metrics
-from broker.registry.capabilities import is_valid_name
+from broker.registry.capabilities import NAME_MAX, NAME_PATTERN, is_valid_name
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope, parse_envelope
 from broker.tasks.resource import Status, render
@@ -27,6 +38,22 @@ log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
 Metered = Annotated[Principal, Depends(metered)]
+LAST_EVENT_ID_PATTERN = "^[0-9]{1,18}$"
+LAST_EVENT_ID = re.compile(LAST_EVENT_ID_PATTERN)
+TASK = {"$ref": "#/components/schemas/TaskResource"}
+LOCATION = {"Location": header("The task: /tasks/{task_id}")}
+SUBMITTED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "sync: the task, finished within the wait. stream: its events",
+        "headers": LOCATION,
+        "content": {"application/json": {"schema": TASK}, **EVENT_STREAM},
+    },
+    202: {
+        "description": "async, or sync not finished within the wait: the task as it stands",
+        "headers": LOCATION,
+        "content": {"application/json": {"schema": TASK}},
+    },
+}
 
 
 def _merge_idempotency_header(data: Any, header: str | None) -> Any:
@@ -44,13 +71,23 @@ def _merge_idempotency_header(data: Any, header: str | None) -> Any:
     "/tasks",
     status_code=202,
     response_model=TaskResource,
-    responses=ERROR_RESPONSES,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": Envelope.model_json_schema()}},
-        }
+    responses={
+        **SUBMITTED,
+        **answers(
+            *AUTHENTICATED,
+            *JSON_BODY,
+            403,
+            404,
+            409,
+            410,
+            422,
+            s404="The target names no agent this key may see (agent_not_found)",
+            s409="The idempotency key's task is being released; retry (conflict_retry)",
+            s503="No live agent serves the capability (no_agent_available), the queue is full"
+            " or unavailable, or the server is overloaded; retry after Retry-After",
+        ),
     },
+    openapi_extra=json_body(model_schema(Envelope)),
 )
 async def submit_task(request: Request, caller: Metered) -> Response:
     """Submit an envelope. ``async``: 202 with the task at once, poll ``Location``.
@@ -70,21 +107,30 @@ async def submit_task(request: Request, caller: Metered) -> Response:
 
 @router.get(
     "/tasks/{task_id}/events",
-    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+    responses={
+        200: {"description": "The task's events", "content": EVENT_STREAM},
+        **answers(*AUTHENTICATED, 400, 404),
+    },
     response_class=EventStreamResponse,
 )
 async def task_events(
     task_id: str,
     request: Request,
     caller: Caller,
-    last_event_id: Annotated[str | None, Header()] = None,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            description="Resume after this event id (a seq this stream sent)",
+            json_schema_extra={"pattern": LAST_EVENT_ID_PATTERN},
+        ),
+    ] = None,
 ) -> EventStreamResponse:
     """SSE: the task's events from the start, or after ``Last-Event-ID``; ends after the final
     event. Opening it on a finished task replays the log."""
     tid = (await queries.visible_task(services(request).engine, caller, task_id))["id"]
     after = 0
     if last_event_id is not None:
-        if not last_event_id.strip().isdigit() or len(last_event_id.strip()) > 18:
+        if LAST_EVENT_ID.fullmatch(last_event_id.strip()) is None:
             raise BadRequest(
                 "Last-Event-ID must be an event id this stream sent", code="invalid_last_event_id"
             )
@@ -92,12 +138,17 @@ async def task_events(
     return replies.event_stream(services(request), caller.tenant, tid, after=after)
 
 
-@router.get("/tasks/{task_id}", response_model=TaskResource, responses=ERROR_RESPONSES)
+@router.get(
+    "/tasks/{task_id}", response_model=TaskResource, responses=answers(*AUTHENTICATED, 404, 422)
+)
 async def get_task(
     task_id: str,
     request: Request,
     caller: Caller,
-    include: Annotated[Literal["payload"] | None, Query()] = None,
+    include: Annotated[
+        Literal["payload"] | None,
+        Query(description="payload: add the envelope's payload to the task"),
+    ] = None,
 ) -> JSONResponse:
     """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
     key's patterns are all 404. ``include=payload`` adds the envelope's ``payload`` (the
@@ -109,14 +160,24 @@ async def get_task(
     return JSONResponse(resource)
 
 
-@router.get("/tasks", response_model=TaskList, responses=ERROR_RESPONSES)
+@router.get("/tasks", response_model=TaskList, responses=answers(*AUTHENTICATED, 400, 422))
 async def list_tasks(
     request: Request,
     caller: Caller,
-    capability: Annotated[str | None, Query(max_length=128)] = None,
+    capability: Annotated[
+        str | None, Query(max_length=NAME_MAX, json_schema_extra={"pattern": NAME_PATTERN})
+    ] = None,
     status: Status | None = None,
-    limit: Annotated[int, Query(ge=1)] = 50,
-    cursor: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[
+        int, Query(ge=1, description="At most this many; the server caps it (list_page_max)")
+    ] = 50,
+    cursor: Annotated[
+        str | None,
+        Query(
+            description="A next_cursor this API issued",
+            json_schema_extra={"pattern": CURSOR_PATTERN},
+        ),
+    ] = None,
 ) -> JSONResponse:
     """The tenant's tasks of capabilities the key's patterns allow, newest first; pass
     ``next_cursor`` back as ``cursor`` for more."""
@@ -135,7 +196,11 @@ async def list_tasks(
     return JSONResponse({"tasks": [render(r) for r in rows], "next_cursor": next_cursor})
 
 
-@router.post("/tasks/{task_id}/cancel", response_model=TaskResource, responses=ERROR_RESPONSES)
+@router.post(
+    "/tasks/{task_id}/cancel",
+    response_model=TaskResource,
+    responses=answers(*AUTHENTICATED, 404, 409, s409="The task is final already (task_final)"),
+)
 async def cancel_task(task_id: str, request: Request, caller: Caller) -> JSONResponse:
     """Cancel a queued or running task: it ends ``cancelled``. A running agent is told through
     its context, and stopped outright when its card says it is cancellable. 409 if final."""

@@ -15,10 +15,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
-from api.schemas import ERROR_RESPONSES
 from api.services import services
 from broker import jsonbody
+from broker.db.paging import CURSOR_PATTERN
 from broker.errors import BadRequest, Forbidden, NotFound
 from broker.registry.capabilities import patterns_cover
 from broker.tasks.resource import parse_task_id
@@ -30,6 +31,16 @@ router = APIRouter(tags=["webhooks"])
 Caller = Annotated[Principal, Depends(authenticate)]
 Metered = Annotated[Principal, Depends(metered)]  # routes that do real work take a token
 SPEC_MAX_BYTES = 16 * 1024
+REDELIVERY = answers(
+    *AUTHENTICATED,
+    404,
+    409,
+    s409="The webhook is disabled, the delivery cannot be sent again (delivery_not_redeliverable)"
+    " or its message expired with the task (delivery_expired)",
+)
+REDELIVERED: dict[int | str, dict[str, Any]] = {
+    202: {"description": "The delivery, sent once more"}
+}
 
 
 def parse_id(raw: str, what: str) -> uuid.UUID:
@@ -69,7 +80,25 @@ async def _spec(request: Request) -> WebhookSpec:
         ) from None
 
 
-@router.post("/webhooks", status_code=201, responses=ERROR_RESPONSES)
+@router.post(
+    "/webhooks",
+    status_code=201,
+    responses={
+        201: {
+            "description": "The subscription with its signing secret, shown once",
+            "headers": {"Location": header("The subscription: /webhooks/{webhook_id}")},
+        },
+        **answers(
+            *AUTHENTICATED,
+            *JSON_BODY,
+            403,
+            422,
+            s422="The webhook is not valid (webhook_invalid), its URL is not allowed"
+            " (url_not_allowed), or the tenant has as many as it may (webhook_limit_reached)",
+        ),
+    },
+    openapi_extra=json_body(model_schema(WebhookSpec)),
+)
 async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
     """Subscribe a URL to task events (``url``, ``events``, ``capabilities`` patterns,
     ``description``). The answer holds the signing ``secret``: it is never shown again.
@@ -90,19 +119,19 @@ async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
     return JSONResponse({**render(row), "secret": secret}, status_code=201, headers=headers)
 
 
-@router.get("/webhooks", responses=ERROR_RESPONSES)
+@router.get("/webhooks", responses=answers(*AUTHENTICATED))
 async def list_webhooks(request: Request, caller: Caller) -> dict[str, Any]:
     """The subscriptions this key reaches (a tenant has at most a few dozen)."""
     rows = await subscriptions.list_for(services(request).engine, caller.tenant)
     return {"webhooks": [render(r) for r in rows if reaches(caller, r)]}
 
 
-@router.get("/webhooks/{webhook_id}", responses=ERROR_RESPONSES)
+@router.get("/webhooks/{webhook_id}", responses=answers(*AUTHENTICATED, 404))
 async def get_webhook(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
     return render(await _webhook(request, caller, webhook_id))
 
 
-@router.delete("/webhooks/{webhook_id}", status_code=204, responses=ERROR_RESPONSES)
+@router.delete("/webhooks/{webhook_id}", status_code=204, responses=answers(*AUTHENTICATED, 404))
 async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> Response:
     """Remove the subscription and its delivery log; attempts still due are dropped."""
     # A filter never changes, so the subscription read is still the one removed.
@@ -112,7 +141,7 @@ async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> R
     return Response(status_code=204)
 
 
-@router.post("/webhooks/{webhook_id}/rotate-secret", responses=ERROR_RESPONSES)
+@router.post("/webhooks/{webhook_id}/rotate-secret", responses=answers(*AUTHENTICATED, 404))
 async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> dict[str, Any]:
     """A new secret, shown once; the old one keeps signing (alongside) for the grace period."""
     state = services(request)
@@ -129,13 +158,13 @@ async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> d
     return {**render(row), "secret": secret}
 
 
-@router.get("/webhooks/{webhook_id}/deliveries", responses=ERROR_RESPONSES)
+@router.get("/webhooks/{webhook_id}/deliveries", responses=answers(*AUTHENTICATED, 400, 404, 422))
 async def webhook_deliveries(
     webhook_id: str,
     request: Request,
     caller: Caller,
     limit: Annotated[int, Query(ge=1)] = 50,
-    cursor: Annotated[str | None, Query(max_length=64)] = None,
+    cursor: Annotated[str | None, Query(json_schema_extra={"pattern": CURSOR_PATTERN})] = None,
 ) -> dict[str, Any]:
     """Its deliveries, newest first, each with every attempt: time, status code, error,
     latency and the address connected to."""
@@ -154,7 +183,7 @@ async def webhook_deliveries(
 @router.post(
     "/webhooks/{webhook_id}/deliveries/{delivery_id}/redeliver",
     status_code=202,
-    responses=ERROR_RESPONSES,
+    responses={**REDELIVERED, **REDELIVERY},
 )
 async def redeliver(
     webhook_id: str, delivery_id: str, request: Request, caller: Metered

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import uuid
 from typing import Any
 
@@ -14,12 +15,19 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from broker.errors import BadRequest
 
+# 16 bytes in unpadded URL-safe base64; the OpenAPI document states the same pattern.
+CURSOR_PATTERN = "^[A-Za-z0-9_-]{22}$"
+CURSOR = re.compile(CURSOR_PATTERN)
+
 
 def encode_cursor(last_id: uuid.UUID) -> str:
     return base64.urlsafe_b64encode(last_id.bytes).decode().rstrip("=")
 
 
 def decode_cursor(cursor: str) -> uuid.UUID:
+    # Exactly what encode_cursor writes: the decoder alone would skip stray characters.
+    if CURSOR.fullmatch(cursor) is None:
+        raise BadRequest("cursor is not one this API issued", code="invalid_cursor")
     try:
         return uuid.UUID(bytes=base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError):

@@ -25,6 +25,10 @@ STABLE = "stable"
 SCHEME = "agent://"
 TARGET_MAX = 256
 _TENANT = re.compile(r"[^/]{1,64}")
+# The grammar above as one pattern, for the OpenAPI document (with TARGET_MAX).
+TARGET_PATTERN = (
+    rf"^(?:agent://{_TENANT.pattern}/)?{AGENT_ID.pattern}@(?:{VERSION.pattern}|{CHANNEL.pattern})$"
+)
 
 
 class AddressInvalid(ValueError):

@@ -28,6 +28,12 @@ _PATTERN = re.compile(rf"\*|(?:{_SEGMENT}\.)*(?:{_SEGMENT}|\*)")
 RESERVED_PREFIX = "reach"
 _FOREIGN_STEMS = ("celery", "unacked")
 _FOREIGN_SEGMENTS = frozenset({"pidbox"})
+# The same rules as one ECMA-262 pattern, for the OpenAPI document (with NAME_MAX as its
+# maxLength): the reserved names are refused by the lookahead.
+NAME_PATTERN = (
+    r"^(?!reach(?:\.|$)|celery|unacked|(?:[^.]*\.)*pidbox(?:\.|$))"
+    rf"{_SEGMENT}(?:\.{_SEGMENT}){{0,7}}$"
+)
 
 
 def is_valid_name(name: str) -> bool:
@@ -42,6 +48,10 @@ def is_reserved(name: str) -> bool:
         or segments[0].startswith(_FOREIGN_STEMS)
         or not _FOREIGN_SEGMENTS.isdisjoint(segments)
     )
+
+
+# A key's or a filter's capability pattern as one ECMA-262 pattern (with NAME_MAX).
+PATTERN_PATTERN = rf"^(?:{_PATTERN.pattern})$"
 
 
 def is_valid_pattern(pattern: str) -> bool:

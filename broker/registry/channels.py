@@ -19,11 +19,29 @@ from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_channels_table as channels
 from broker.db.models import agent_revocations_table as revocations
 from broker.errors import InvalidEnvelope, NotFound
-from broker.registry.addresses import is_channel, is_version
+from broker.registry.addresses import VERSION, is_channel, is_version
 from broker.timestamps import iso
 
 MAX_VERSIONS = 16
 MAX_WEIGHT = 1_000_000
+# The body parse_weights accepts, for the OpenAPI document.
+WEIGHTS_SCHEMA = {
+    "type": "object",
+    "required": ["versions"],
+    "additionalProperties": False,
+    "properties": {
+        "versions": {
+            "type": "object",
+            "minProperties": 1,
+            "maxProperties": MAX_VERSIONS,
+            "propertyNames": {"pattern": f"^{VERSION.pattern}$"},
+            "additionalProperties": {"type": "number", "minimum": 0, "maximum": MAX_WEIGHT},
+            "not": {"additionalProperties": {"maximum": 0}},
+            "description": "Weights of versions the agent has and that are not revoked;"
+            " at least one above 0",
+        }
+    },
+}
 
 
 class ChannelInvalid(InvalidEnvelope):

@@ -7,10 +7,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from broker.errors import InvalidEnvelope
-from broker.registry.addresses import AddressInvalid, Target, parse_target
-from broker.registry.capabilities import is_reserved, is_valid_name
+from broker.registry.addresses import (
+    TARGET_MAX,
+    TARGET_PATTERN,
+    AddressInvalid,
+    Target,
+    parse_target,
+)
+from broker.registry.capabilities import NAME_MAX, NAME_PATTERN, is_reserved, is_valid_name
 from broker.tasks.resource import FAILED, SUCCEEDED
-from broker.webhooks.events import check_events, event_for_status
+from broker.webhooks.events import EVENTS_SCHEMA, check_events, event_for_status
 
 ReplyMode = Literal["async", "sync", "stream"]
 _PRINTABLE = r"^[\x21-\x7e]+$"
@@ -22,6 +28,7 @@ class Callback(BaseModel):
     events: list[str] = Field(
         default_factory=lambda: [event_for_status(SUCCEEDED), event_for_status(FAILED)],
         max_length=16,
+        json_schema_extra=EVENTS_SCHEMA,
     )
 
     @field_validator("events")
@@ -34,7 +41,11 @@ class Envelope(BaseModel):
     # strict: JSON types as sent; "45000" is not a number and true is not a priority.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    capability: str = Field(max_length=128, examples=["invoice.extract"])
+    capability: str = Field(
+        max_length=NAME_MAX,
+        examples=["invoice.extract"],
+        json_schema_extra={"pattern": NAME_PATTERN},
+    )
     payload: dict[str, Any] = Field(examples=[{"text": "Invoice No: INV-1\nTotal: USD 10.00"}])
     reply_mode: ReplyMode = "async"
     deadline_ms: int | None = Field(None, gt=0, le=7 * 24 * 3600 * 1000)
@@ -53,6 +64,8 @@ class Envelope(BaseModel):
     )
     target: str | None = Field(
         None,
+        # Stated, not checked here: parse_envelope refuses as target_invalid.
+        json_schema_extra={"pattern": TARGET_PATTERN, "maxLength": TARGET_MAX},
         description="Pin to one agent: <agent_id>@<version>, <agent_id>@<channel> or "
         "agent://<tenant>/<agent_id>@<version|channel> (the tenant must be the caller's).",
         examples=["invoice-extractor@2.3.1"],

@@ -25,9 +25,11 @@ from typing import Any
 import redis
 
 from broker.grouping import Grouped, ThreadGrouped
-from broker.tasks.resource import FINAL, TaskRow, render
+from broker.tasks.resource import FINAL, STATUSES, TaskRow, render
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
+# Every type a stream carries: the three above, then one final event named after the status.
+STREAM_EVENT_TYPES = (STATUS, PROGRESS, OUTPUT, *(s for s in STATUSES if s in FINAL))
 LOG_MAX_EVENTS = 10_000
 CHANNEL_PREFIX = "reach:task:"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from broker.tasks.resource import FINAL, STATUSES
 
@@ -16,6 +17,11 @@ def event_for_status(status: str) -> str:
 
 FINAL_EVENTS = tuple(event_for_status(status) for status in STATUSES if status in FINAL)
 EVENT_TYPES = (*FINAL_EVENTS, PROGRESS)
+# What check_events accepts, for the OpenAPI document.
+EVENTS_SCHEMA: dict[str, Any] = {
+    "minItems": 1,
+    "items": {"type": "string", "enum": list(EVENT_TYPES)},
+}
 
 
 def check_events(events: Iterable[str]) -> list[str]:

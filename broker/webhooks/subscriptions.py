@@ -20,10 +20,10 @@ from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
 from broker.errors import BadRequest
-from broker.registry.capabilities import is_valid_pattern
+from broker.registry.capabilities import NAME_MAX, PATTERN_PATTERN, is_valid_pattern
 from broker.tasks.resource import new_task_id
 from broker.timestamps import iso
-from broker.webhooks.events import FINAL_EVENTS, check_events
+from broker.webhooks.events import EVENTS_SCHEMA, FINAL_EVENTS, check_events
 from broker.webhooks.signing import new_secret
 from broker.webhooks.ssrf import HostLookups
 
@@ -34,9 +34,16 @@ class WebhookSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     url: str = Field(max_length=2048, examples=["https://example.com/hooks/reach"])
-    events: list[str] = Field(default_factory=lambda: list(FINAL_EVENTS), max_length=16)
+    events: list[str] = Field(
+        default_factory=lambda: list(FINAL_EVENTS), max_length=16, json_schema_extra=EVENTS_SCHEMA
+    )
     capabilities: list[str] = Field(
-        default_factory=list, max_length=32, description="Capability patterns; empty: all."
+        default_factory=list,
+        max_length=32,
+        description="Capability patterns; empty: all.",
+        json_schema_extra={
+            "items": {"type": "string", "maxLength": NAME_MAX, "pattern": PATTERN_PATTERN}
+        },
     )
     description: str | None = Field(None, max_length=256)
 

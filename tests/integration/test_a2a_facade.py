@@ -128,6 +128,14 @@ async def collect(stream: AsyncIterator[StreamResponse]) -> list[StreamResponse]
     return [event async for event in stream]
 
 
+async def sent_at_once(client: Client, sent: Message) -> str:
+    """Send with ``return_immediately`` (a non-streaming client): the new task's id."""
+    request = SendMessageRequest(
+        message=sent, configuration=SendMessageConfiguration(return_immediately=True)
+    )
+    return (await collect(client.send_message(request)))[-1].task.id
+
+
 def data_of(artifact: Any) -> Any:
     return as_json(artifact)["parts"][0]["data"]
 
@@ -266,15 +274,7 @@ def test_cancel_a_running_task_and_resubscribe_mid_stream(a2a: Clients) -> None:
         assert resumed[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
 
         blocking, _ = await a2a()
-        sleepy = await collect(
-            blocking.send_message(
-                SendMessageRequest(
-                    message=message("test.sleepy", data={"sleep_s": 20}),
-                    configuration=SendMessageConfiguration(return_immediately=True),
-                )
-            )
-        )
-        sleepy_id = sleepy[-1].task.id
+        sleepy_id = await sent_at_once(blocking, message("test.sleepy", data={"sleep_s": 20}))
         for _ in range(100):
             if (await blocking.get_task(GetTaskRequest(id=sleepy_id))).status.state == (
                 TaskState.TASK_STATE_WORKING
@@ -371,19 +371,20 @@ def test_a_body_past_the_limits_is_refused_before_the_sdk_reads_it(
     assert too_large.json()["code"] == "body_too_large"
 
 
-def callback_secret(api: ServedApp, make_key: KeyMaker, tenant: str) -> str:
+@pytest.fixture
+def signed_tenant(api: ServedApp, make_key: KeyMaker) -> tuple[str, str]:
+    """A fresh tenant with its callback secret (its tenant admin made it): (tenant, secret)."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
     _, admin = make_key(tenant=tenant, tenant_admin=True)
     answer = httpx.post(f"{api.url}/callbacks/secret", headers={"Authorization": f"Bearer {admin}"})
     assert answer.status_code == 201, answer.text
-    secret: str = answer.json()["secret"]
-    return secret
+    return tenant, answer.json()["secret"]
 
 
 def test_a_push_config_sent_with_the_message_delivers_the_finished_task_signed(
-    a2a: Clients, api: ServedApp, make_key: KeyMaker
+    a2a: Clients, signed_tenant: tuple[str, str]
 ) -> None:
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    secret = callback_secret(api, make_key, tenant)
+    tenant, secret = signed_tenant
 
     async def run() -> None:
         client, _ = await a2a(tenant=tenant)
@@ -414,23 +415,14 @@ def test_a_push_config_sent_with_the_message_delivers_the_finished_task_signed(
 
 
 def test_push_configs_are_created_read_listed_and_deleted_on_a_running_task(
-    a2a: Clients, api: ServedApp, make_key: KeyMaker
+    a2a: Clients, signed_tenant: tuple[str, str]
 ) -> None:
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    callback_secret(api, make_key, tenant)
+    tenant, _ = signed_tenant
 
     async def run() -> None:
         client, _ = await a2a(tenant=tenant)
         with Receiver() as receiver:
-            sent = await collect(
-                client.send_message(
-                    SendMessageRequest(
-                        message=message("test.sleepy", data={"sleep_s": 1.5}),
-                        configuration=SendMessageConfiguration(return_immediately=True),
-                    )
-                )
-            )
-            task_id = sent[-1].task.id
+            task_id = await sent_at_once(client, message("test.sleepy", data={"sleep_s": 1.5}))
             created = await client.create_task_push_notification_config(
                 TaskPushNotificationConfig(task_id=task_id, id="mine", url=receiver.url)
             )
@@ -457,10 +449,9 @@ def test_push_configs_are_created_read_listed_and_deleted_on_a_running_task(
 
 
 def test_a_push_config_to_a_refused_address_is_invalid_params(
-    a2a: Clients, api: ServedApp, make_key: KeyMaker
+    a2a: Clients, signed_tenant: tuple[str, str]
 ) -> None:
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    callback_secret(api, make_key, tenant)
+    tenant, _ = signed_tenant
 
     async def run() -> None:
         client, _ = await a2a(tenant=tenant)
@@ -518,15 +509,7 @@ def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_anothe
             there, _ = await elsewhere(tenant=tenant, streaming=True)
             # Long enough (about 1.5 s) to be still running when the other process subscribes.
             slow_summary = {"text": TEXT, "max_sentences": 4, "delay_s": 0.5}
-            sent = await collect(
-                here.send_message(
-                    SendMessageRequest(
-                        message=message("text.summarize", data=slow_summary),
-                        configuration=SendMessageConfiguration(return_immediately=True),
-                    )
-                )
-            )
-            task_id = sent[-1].task.id
+            task_id = await sent_at_once(here, message("text.summarize", data=slow_summary))
             streamed = await collect(there.subscribe(SubscribeToTaskRequest(id=task_id)))
             assert streamed[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
             read = await there.get_task(GetTaskRequest(id=task_id))

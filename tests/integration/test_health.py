@@ -27,5 +27,7 @@ def test_the_openapi_document_describes_the_envelope(api: ServedApp) -> None:
         spec = http.get("/openapi.json").json()
         docs = http.get("/docs")
     body = spec["paths"]["/tasks"]["post"]["requestBody"]["content"]["application/json"]
-    assert set(body["schema"]["required"]) == {"capability", "payload"}
+    assert body["schema"] == {"$ref": "#/components/schemas/Envelope"}
+    envelope = spec["components"]["schemas"]["Envelope"]
+    assert set(envelope["required"]) == {"capability", "payload"}
     assert docs.status_code == 200
