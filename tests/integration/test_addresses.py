@@ -24,7 +24,8 @@ from sqlalchemy import Engine, func, select
 
 from api.app import create_app
 from broker.db.models import tasks_table as tasks
-from broker.registry.model import card_queue, lease_key
+from broker.registry import revocations
+from broker.registry.model import LEASE_PREFIX, card_queue, lease_key, live_key
 from broker.settings import Settings
 from broker.tenancy import key_store
 from tests.eventually import eventually
@@ -270,6 +271,38 @@ def test_a_revoked_version_gets_no_traffic_and_its_lease_drops_it(
     refused = admin.put("/agents/test-addr/channels/stable", json={"versions": {"2.0.0": 1}})
     assert refused.status_code == 422
     assert refused.json()["code"] == "channel_invalid"
+
+
+def test_a_revocation_outlives_a_redis_that_lost_it(
+    versions: dict[str, str],
+    admin: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+) -> None:
+    # Given 2.0.0 revoked, and Redis's copy of the revocation lost
+    assert admin.post("/agents/test-addr/versions/2.0.0/revoke").status_code == 200
+    client = redis.Redis.from_url(redis_url)
+    client.srem(revocations.REVOKED_KEY, revocations.member("test-addr", "2.0.0"))
+    # When a worker of 2.0.0 starts
+    late = start_version(settings, log_dir, "2.0.0", "v2late")
+    try:
+        # Then it reads the revocation from Postgres and its lease never offers 2.0.0
+        def its_lease() -> dict[str, Any] | None:
+            keys = client.keys(f"{LEASE_PREFIX}v2late-*")
+            raw = client.get(keys[0]) if keys else None
+            return json.loads(raw) if raw else None
+
+        lease = eventually(its_lease, "the late worker's lease")
+        assert lease["cards"] == []
+        assert "test-addr test.addr is revoked" in late.log_path.read_text()
+        assert lease["instance"] not in redis_members(client, live_key(CAPABILITY))
+    finally:
+        late.stop()
+
+
+def redis_members(client: redis.Redis, key: str) -> set[str]:
+    return {m.decode() for m in client.zrange(key, 0, -1)}
 
 
 # --- targets that cannot be used ---------------------------------------------------------------
