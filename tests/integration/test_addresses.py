@@ -131,6 +131,39 @@ def test_a_hinted_instance_takes_the_task_while_ready_and_another_once_it_draine
         b.stop()
 
 
+def test_a_task_hinted_to_an_instance_that_died_moves_to_its_cards_queue(
+    admin: httpx.Client,
+    caller: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    engine: Engine,
+    system_beat: CeleryProcess,  # the sweeper
+) -> None:
+    doomed = start_version(settings, log_dir, "1.0.0", "hint-dead")
+    alive = start_version(settings, log_dir, "1.0.0", "hint-alive")
+    try:
+        hinted = live_instance(admin, "1.0.0", "hint-dead")
+        other = live_instance(admin, "1.0.0", "hint-alive")
+        # Given the hinted instance killed while its lease still says ready
+        doomed.kill_hard()
+        answer = caller.post(
+            "/tasks", json={"capability": CAPABILITY, "payload": {}, "hint": hinted}
+        )
+        assert answer.status_code == 202, answer.text
+        task_id = answer.json()["task_id"]
+        # (routed to its own queue: the lease had not expired yet)
+        with engine.connect() as conn:
+            queue = conn.scalar(select(tasks.c.queue).where(tasks.c.id == uuid.UUID(task_id)))
+        assert queue is not None and queue.endswith(hinted)
+        # Then the sweeper moves it to its card's queue once the lease is gone, and it runs there
+        done = wait_for_task(caller, task_id, FINAL)
+        assert done["status"] == "succeeded"
+        assert done["agent"]["instance"] == other
+    finally:
+        doomed.stop()  # closes its log
+        alive.stop()
+
+
 # --- two versions, for the rest of the module --------------------------------------------------
 
 
