@@ -50,6 +50,21 @@ class TaskList(BaseModel):
     next_cursor: str | None
 
 
+class SessionResource(BaseModel):
+    session_id: str
+    revision: int
+    state: dict[str, Any]
+    metadata: dict[str, Any]
+    created_at: str
+    updated_at: str
+    expires_at: str
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionResource]
+    next_cursor: str | None
+
+
 class ProblemField(BaseModel):
     field: str
     message: str

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, delete, func, insert, select, text, update
@@ -25,6 +26,7 @@ from broker import jsonbody
 from broker.db.models import session_revisions_table as revisions
 from broker.db.models import sessions_table as sessions
 from broker.db.models import tasks_table as tasks
+from broker.db.paging import newest_created_first
 from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.tasks.resource import RUNNING
 from broker.timestamps import iso
@@ -169,6 +171,19 @@ async def get(engine: AsyncEngine, tenant: str, session_id: str) -> dict[str, An
     async with engine.connect() as conn:
         row = await conn.run_sync(live, tenant, session_id)
     return render(row)
+
+
+async def list_live(
+    engine: AsyncEngine, tenant: str, *, limit: int, cursor: str | None
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The tenant's live sessions, newest first, a page at a time (``broker.db.paging``: a
+    session's id is random, so its pages go by creation time)."""
+    query = select(sessions).where(sessions.c.tenant == tenant, sessions.c.expires_at > func.now())
+    async with engine.connect() as conn:
+        rows, next_cursor = await newest_created_first(
+            conn, query, sessions.c.created_at, sessions.c.id, limit=limit, cursor=cursor
+        )
+    return [render(SimpleNamespace(**row)) for row in rows], next_cursor
 
 
 def live(conn: Connection, tenant: str, session_id: str) -> Any:

@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
+from api.schemas import SessionList
 from api.services import services
 from broker import jsonbody, sessions
+from broker.db.paging import CREATED_CURSOR_PATTERN
 from broker.tenancy.keys import Principal
 
 router = APIRouter(tags=["sessions"])
@@ -131,6 +133,33 @@ async def create_session(request: Request, caller: Metered) -> JSONResponse:
         max_per_tenant=settings.session_max_per_tenant,
     )
     return _answer(created, 201)
+
+
+@router.get("/sessions", response_model=SessionList, responses=answers(*AUTHENTICATED, 400, 422))
+async def list_sessions(
+    request: Request,
+    caller: Caller,
+    limit: Annotated[
+        int, Query(ge=1, description="At most this many; the server caps it (list_page_max)")
+    ] = 50,
+    cursor: Annotated[
+        str | None,
+        Query(
+            description="A next_cursor this API issued",
+            json_schema_extra={"pattern": CREATED_CURSOR_PATTERN},
+        ),
+    ] = None,
+) -> JSONResponse:
+    """The tenant's live sessions, newest first (by creation); pass ``next_cursor`` back as
+    ``cursor`` for more. Expired ones are not listed."""
+    state = services(request)
+    found, next_cursor = await sessions.list_live(
+        state.engine,
+        caller.tenant,
+        limit=min(limit, state.settings.list_page_max),
+        cursor=cursor,
+    )
+    return JSONResponse({"sessions": found, "next_cursor": next_cursor})
 
 
 @router.get("/sessions/{session_id}", responses={200: SESSION, **answers(*AUTHENTICATED, 404, 422)})

@@ -24,13 +24,13 @@ from api.deps import authenticate, metered, read_json_body
 from api.schemas import TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
-from broker import jsonbody
+from broker import jsonbody, sessions
 from broker.db.paging import CURSOR_PATTERN
 from broker.errors import BadRequest
 from broker.observability import metrics
 from broker.registry.capabilities import NAME_MAX, NAME_PATTERN, is_valid_name
 from broker.tasks import queries
-from broker.tasks.envelope import Envelope, parse_envelope
+from broker.tasks.envelope import SESSION_ID_PATTERN, Envelope, parse_envelope
 from broker.tasks.resource import Status, render
 from broker.tenancy.keys import Principal
 
@@ -168,6 +168,15 @@ async def list_tasks(
         str | None, Query(max_length=NAME_MAX, json_schema_extra={"pattern": NAME_PATTERN})
     ] = None,
     status: Status | None = None,
+    session_id: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=sessions.ID_MAX,
+            pattern=SESSION_ID_PATTERN,
+            description="Only the tasks of this session (none for another tenant's)",
+        ),
+    ] = None,
     limit: Annotated[
         int, Query(ge=1, description="At most this many; the server caps it (list_page_max)")
     ] = 50,
@@ -180,7 +189,7 @@ async def list_tasks(
     ] = None,
 ) -> JSONResponse:
     """The tenant's tasks of capabilities the key's patterns allow, newest first; pass
-    ``next_cursor`` back as ``cursor`` for more."""
+    ``next_cursor`` back as ``cursor`` for more. ``session_id``: only that session's."""
     if capability is not None and not is_valid_name(capability):
         raise BadRequest("capability is not a valid name", code="invalid_parameter")
     state = services(request)
@@ -192,6 +201,7 @@ async def list_tasks(
         limit=min(limit, state.settings.list_page_max),
         cursor=cursor,
         patterns=caller.sees,
+        session_id=session_id,
     )
     return JSONResponse({"tasks": [render(r) for r in rows], "next_cursor": next_cursor})
 

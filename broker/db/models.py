@@ -226,6 +226,8 @@ class Session(Base):
     __table_args__ = (
         Index("ix_sessions_tenant_id", "tenant", "id"),
         Index("ix_sessions_expires_at", "expires_at"),
+        # A tenant's sessions newest first, a page at a time (``GET /sessions``).
+        Index("ix_sessions_tenant_created_at_id", "tenant", "created_at", "id"),
     )
 
 

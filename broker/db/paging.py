@@ -1,6 +1,10 @@
-"""Keyset paging, newest first. Ids are UUIDv7, so id order is creation order, and the cursor
-is the last id of a page, encoded: a page never skips or repeats a row however many are
-written meanwhile."""
+"""Keyset paging, newest first: a page never skips or repeats a row however many are written
+meanwhile.
+
+Two keys. Ids that are UUIDv7 are in creation order already, and the cursor is the last id
+of a page, encoded (``newest_first``). Ids that are not (a session's is random) page on
+``(created_at, id)``, and the cursor is both (``newest_created_first``). Every string of a
+cursor's documented pattern decodes, so a client's well-formed cursor is never refused."""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ import base64
 import binascii
 import re
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Column, Select
+from sqlalchemy import Column, Select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from broker.errors import BadRequest
@@ -18,6 +23,15 @@ from broker.errors import BadRequest
 # 16 bytes in unpadded URL-safe base64; the OpenAPI document states the same pattern.
 CURSOR_PATTERN = "^[A-Za-z0-9_-]{22}$"
 CURSOR = re.compile(CURSOR_PATTERN)
+# 8 bytes of microseconds since the epoch in URL-safe base64 (11 characters), then the id
+# itself: ids that page this way are drawn from the same alphabet (``broker.sessions``).
+CREATED_CURSOR_PATTERN = "^[A-Za-z0-9_-]{12,139}$"
+CREATED_CURSOR = re.compile(CREATED_CURSOR_PATTERN)
+_AT_CHARS = 11
+_ID = re.compile("^[A-Za-z0-9_-]{1,128}$")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_FIRST_US = (datetime.min.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
+_LAST_US = (datetime.max.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
 
 
 def encode_cursor(last_id: uuid.UUID) -> str:
@@ -50,3 +64,46 @@ async def newest_first(
     more = len(rows) > limit
     rows = rows[:limit]
     return rows, encode_cursor(rows[-1]["id"]) if more else None
+
+
+def encode_created_cursor(created_at: datetime, last_id: str) -> str:
+    if _ID.fullmatch(last_id) is None:
+        raise ValueError(f"an id that pages by creation time is URL-safe: {last_id!r}")
+    micros = (created_at - _EPOCH) // timedelta(microseconds=1)
+    at = base64.urlsafe_b64encode(micros.to_bytes(8, "big", signed=True)).decode().rstrip("=")
+    return at + last_id
+
+
+def decode_created_cursor(cursor: str) -> tuple[datetime, str]:
+    """``(created_at, id)`` of any string of the documented pattern: a time beyond what a
+    datetime holds is taken as the nearest one it does (nothing is older or newer)."""
+    if CREATED_CURSOR.fullmatch(cursor) is None:
+        raise BadRequest("cursor is not one this API issued", code="invalid_cursor")
+    # 11 characters carry 66 bits: the decoder drops the 2 past the 8 bytes.
+    raw = base64.urlsafe_b64decode(cursor[:_AT_CHARS] + "=")
+    micros = min(max(int.from_bytes(raw, "big", signed=True), _FIRST_US), _LAST_US)
+    return _EPOCH + timedelta(microseconds=micros), cursor[_AT_CHARS:]
+
+
+async def newest_created_first(
+    conn: AsyncConnection,
+    query: Select[Any],
+    created_column: Column[datetime],
+    id_column: Column[str],
+    *,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """``newest_first`` for rows whose ids are not in creation order: by ``created_column``,
+    ties broken by ``id_column``."""
+    key = tuple_(created_column, id_column)
+    if cursor is not None:
+        query = query.where(key < tuple_(*decode_created_cursor(cursor)))
+    query = query.order_by(created_column.desc(), id_column.desc()).limit(limit + 1)
+    rows = [dict(r._mapping) for r in await conn.execute(query)]
+    more = len(rows) > limit
+    rows = rows[:limit]
+    if not more:
+        return rows, None
+    last = rows[-1]
+    return rows, encode_created_cursor(last[created_column.name], last[id_column.name])

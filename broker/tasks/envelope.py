@@ -20,6 +20,8 @@ from broker.webhooks.events import EVENTS_SCHEMA, check_events, event_for_status
 
 ReplyMode = Literal["async", "sync", "stream"]
 _PRINTABLE = r"^[\x21-\x7e]+$"
+# What a session id may be wherever one is given (its length: ``broker.sessions.ID_MAX``).
+SESSION_ID_PATTERN = _PRINTABLE
 
 
 class Callback(BaseModel):
@@ -50,7 +52,7 @@ class Envelope(BaseModel):
     reply_mode: ReplyMode = "async"
     deadline_ms: int | None = Field(None, gt=0, le=7 * 24 * 3600 * 1000)
     idempotency_key: str | None = Field(None, min_length=1, max_length=255, pattern=_PRINTABLE)
-    session_id: str | None = Field(None, min_length=1, max_length=128, pattern=_PRINTABLE)
+    session_id: str | None = Field(None, min_length=1, max_length=128, pattern=SESSION_ID_PATTERN)
     callback: Callback | None = None
     priority: int | None = Field(None, ge=0, le=9)
     max_attempts: int | None = Field(None, ge=1, le=20)

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import re
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 
-from broker.db.paging import CURSOR_PATTERN, decode_cursor, encode_cursor
+from broker.db.paging import (
+    CREATED_CURSOR_PATTERN,
+    CURSOR_PATTERN,
+    decode_created_cursor,
+    decode_cursor,
+    encode_created_cursor,
+    encode_cursor,
+)
 from broker.errors import BadRequest
 from broker.registry.addresses import TARGET_MAX, TARGET_PATTERN, AddressInvalid, parse_target
 from broker.registry.capabilities import NAME_MAX, NAME_PATTERN, is_valid_name
@@ -79,3 +87,32 @@ def test_a_cursor_off_the_documented_pattern_is_refused(cursor: str) -> None:
     with pytest.raises(BadRequest) as refused:
         decode_cursor(cursor)
     assert refused.value.code == "invalid_cursor"
+
+
+def test_a_created_cursor_this_api_issued_matches_the_documented_pattern() -> None:
+    at = datetime(2026, 12, 1, 10, 39, 40, 71325, tzinfo=UTC)
+    cursor = encode_created_cursor(at, "sess_Ab-_9zQ")
+    assert re.fullmatch(CREATED_CURSOR_PATTERN, cursor)
+    assert decode_created_cursor(cursor) == (at, "sess_Ab-_9zQ")
+
+
+@pytest.mark.parametrize(
+    "cursor", ["A" * 12, "_" * 12, "-" * 139, "AAAAAAAAAAA" + "sess_x", "z" * 11 + "Z"]
+)
+def test_every_string_of_the_created_cursor_pattern_decodes(cursor: str) -> None:
+    # A client's well-formed cursor is never refused (schemathesis holds the API to that).
+    at, last_id = decode_created_cursor(cursor)
+    assert at.tzinfo is not None
+    assert last_id == cursor[11:]
+
+
+@pytest.mark.parametrize("cursor", ["", "A" * 11, "A" * 140, "A" * 11 + "sess!", "A" * 12 + "\n"])
+def test_a_created_cursor_off_the_documented_pattern_is_refused(cursor: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        decode_created_cursor(cursor)
+    assert refused.value.code == "invalid_cursor"
+
+
+def test_an_id_outside_the_cursor_alphabet_is_not_encoded() -> None:
+    with pytest.raises(ValueError):
+        encode_created_cursor(datetime.now(UTC), "sess a")

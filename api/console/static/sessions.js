@@ -1,26 +1,72 @@
-// Sessions: one session's state and revision, and the revisions with the tasks that wrote them.
-// (The API lists no sessions: a session is looked up by its id.)
+// Sessions: the tenant's live sessions, newest first, a page at a time; one session's state
+// and revision, the revisions with the tasks that wrote them, and a link to its tasks.
 
-import { get } from "./api.js";
+import { get, query } from "./api.js";
 import { alertBox, collapsible, definitionList, h, when } from "./dom.js";
 
 export function renderSessions(main, params) {
   const wanted = params.get("id") ?? "";
-  const input = h("input", { id: "session-id", name: "id", value: wanted, required: true, class: "mono" });
+  const input = h("input", { id: "session-id", name: "id", value: wanted, required: true, class: "mono", spellcheck: "false" });
   const problem = h("div", { "aria-live": "polite" });
-  const shown = h("div");
   main.append(
     h("h1", {}, "Sessions"),
     h("form", { class: "filters", onsubmit: (event) => {
       event.preventDefault();
-      window.location.hash = `#/sessions?id=${encodeURIComponent(input.value.trim())}`;
+      window.location.hash = `#/sessions${query({ id: input.value.trim() })}`;
     } }, h("div", {}, h("label", { for: "session-id" }, "Session id"), input),
     h("button", { type: "submit" }, "Show")),
     problem,
-    shown,
   );
-  if (!wanted) return;
-  const id = encodeURIComponent(wanted);
+  if (wanted) showSession(main, wanted, problem);
+  else listSessions(main, problem);
+}
+
+function listSessions(main, problem) {
+  const body = h("tbody");
+  const older = h("button", { type: "button", onclick: () => page(+1) }, "Older");
+  const newer = h("button", { type: "button", onclick: () => page(-1) }, "Newer");
+  const cursors = [null]; // the cursor of each page shown so far; the last is the current one
+  let next = null;
+  main.append(
+    h("div", { class: "scroll" }, h("table", { id: "sessions", class: "sessions" },
+      h("thead", {}, h("tr", {}, ["Session", "Revision", "Updated", "Expires"].map((t) => h("th", { scope: "col" }, t)))),
+      body)),
+    h("nav", { class: "pager", "aria-label": "Pages" }, newer, older),
+  );
+
+  function page(step) {
+    if (step > 0 && next) cursors.push(next);
+    if (step < 0 && cursors.length > 1) cursors.pop();
+    refresh();
+  }
+
+  async function refresh() {
+    try {
+      const found = await get(`sessions${query({ limit: 20, cursor: cursors[cursors.length - 1] })}`);
+      problem.replaceChildren();
+      next = found.next_cursor;
+      body.replaceChildren(...found.sessions.map((s) => h("tr", { "data-session-id": s.session_id },
+        h("td", {}, h("a", { href: `#/sessions${query({ id: s.session_id })}`, class: "mono" }, s.session_id)),
+        h("td", {}, String(s.revision)),
+        h("td", {}, when(s.updated_at)),
+        h("td", {}, when(s.expires_at)),
+      )));
+      if (!found.sessions.length) body.append(h("tr", {}, h("td", { colspan: 4 }, "No live session.")));
+    } catch (error) {
+      problem.replaceChildren(alertBox(error));
+    }
+    older.disabled = !next;
+    newer.disabled = cursors.length <= 1;
+  }
+
+  refresh();
+}
+
+function showSession(main, sessionId, problem) {
+  const shown = h("div");
+  main.prepend(h("p", {}, h("a", { href: "#/sessions" }, "← Sessions")));
+  main.append(shown);
+  const id = encodeURIComponent(sessionId);
   Promise.all([get(`sessions/${id}`), get(`sessions/${id}/revisions`)])
     .then(([session, history]) => {
       shown.replaceChildren(
@@ -30,6 +76,7 @@ export function renderSessions(main, params) {
           ["Created", when(session.created_at)],
           ["Updated", when(session.updated_at)],
           ["Expires", when(session.expires_at)],
+          ["Tasks", h("a", { id: "session-tasks", href: `#/tasks${query({ session_id: session.session_id })}` }, "Tasks of this session")],
         ]),
         collapsible("State", session.state),
         Object.keys(session.metadata ?? {}).length ? collapsible("Metadata", session.metadata, false) : "",

@@ -1,4 +1,4 @@
-// Tasks: filtered by capability and status, a page at a time, statuses refreshed live.
+// Tasks: filtered by capability, status and session, a page at a time, statuses refreshed live.
 
 import { FINAL, get, query } from "./api.js";
 import { alertBox, badge, h, when } from "./dom.js";
@@ -10,6 +10,7 @@ export function renderTasks(main, params) {
   const filters = {
     capability: params.get("capability") ?? "",
     status: params.get("status") ?? "",
+    session_id: params.get("session_id") ?? "",
   };
   const cursors = [null]; // the cursor of each page shown so far; the last is the current one
   const body = h("tbody");
@@ -34,15 +35,31 @@ export function renderTasks(main, params) {
     h("option", { value: "" }, "any"),
     STATUSES.map((s) => h("option", { value: s, selected: s === filters.status }, s)),
   );
+  const session = h("input", {
+    id: "filter-session",
+    name: "session_id",
+    value: filters.session_id,
+    placeholder: "any",
+    spellcheck: "false",
+  });
   const form = h(
     "form",
     { class: "filters", onsubmit: applyFilters },
     h("div", {}, h("label", { for: "filter-capability" }, "Capability"), capability, known),
     h("div", {}, h("label", { for: "filter-status" }, "Status"), status),
+    h("div", {}, h("label", { for: "filter-session" }, "Session"), session),
     h("button", { type: "submit" }, "Filter"),
   );
   main.append(
     h("h1", {}, "Tasks"),
+    filters.session_id
+      ? h(
+          "p",
+          {},
+          "Of the session ",
+          h("a", { href: `#/sessions${query({ id: filters.session_id })}`, class: "mono" }, filters.session_id),
+        )
+      : "",
     form,
     problem,
     h(
@@ -70,7 +87,11 @@ export function renderTasks(main, params) {
 
   function applyFilters(event) {
     event.preventDefault();
-    const wanted = { capability: capability.value.trim(), status: status.value };
+    const wanted = {
+      capability: capability.value.trim(),
+      status: status.value,
+      session_id: session.value.trim(),
+    };
     window.location.hash = `#/tasks${query(wanted)}`;
   }
 

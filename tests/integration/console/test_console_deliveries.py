@@ -64,3 +64,46 @@ def test_a_session_shows_its_state_and_revisions(
     expect(page.locator("#revisions > li").first).to_contain_text("by the API")
     expect(page.locator("details").first).to_contain_text('"step": 2')
     assert console.errors == []
+
+
+def test_the_sessions_page_lists_a_session_whose_tasks_link_lists_exactly_its_tasks(
+    console: Console, key: str, api: ServedApp
+) -> None:
+    # Given two sessions of a fresh tenant, each with tasks, and a task in no session
+    with client_for(api, key) as http:
+        sid = http.post("/sessions", json={"state": {"step": 1}}).json()["session_id"]
+        http.put(f"/sessions/{sid}", json={"state": {"step": 2}}, headers={"If-Match": '"1"'})
+        other = http.post("/sessions").json()["session_id"]
+
+        def submit(**envelope: str) -> str:
+            answer = http.post("/tasks", json={"capability": "echo", "payload": {}, **envelope})
+            assert answer.status_code == 202, answer.text
+            task_id: str = answer.json()["task_id"]
+            return task_id
+
+        ours = [submit(session_id=sid), submit(session_id=sid)]
+        submit(session_id=other)
+        submit()
+    page = console.page
+    console.sign_in(key)
+
+    # When the sessions page is opened, expect both sessions, newest first
+    page.get_by_role("link", name="Sessions").click()
+    rows = page.locator("#sessions tbody tr")
+    expect(rows).to_have_count(2)
+    assert rows.evaluate_all("rows => rows.map((r) => r.dataset.sessionId)") == [other, sid]
+    expect(page.locator(f"tr[data-session-id='{sid}'] td").nth(1)).to_have_text("2")
+
+    # And clicking one shows its detail
+    page.get_by_role("link", name=sid).click()
+    expect(page.locator("#session-revision")).to_have_text("2")
+    expect(page.locator("#revisions > li")).to_have_count(2)
+
+    # And its tasks link lists exactly its tasks, the filter kept in the URL
+    page.get_by_role("link", name="Tasks of this session").click()
+    expect(page.get_by_label("Session")).to_have_value(sid)
+    tasks = page.locator("tr[data-task-id]")
+    expect(tasks).to_have_count(2)
+    assert tasks.evaluate_all("rows => rows.map((r) => r.dataset.taskId)") == ours[::-1]
+    assert f"session_id={sid}" in page.url
+    assert console.errors == []

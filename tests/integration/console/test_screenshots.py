@@ -73,6 +73,7 @@ def test_every_page_reads_at_1280_and_390_px_without_errors(
         "agents": ("#/agents", "Agents"),
         "webhooks": ("#/webhooks", "Webhooks"),
         "webhook": (f"#/webhooks/{webhook}", "http://127.0.0.1"),
+        "sessions": ("#/sessions", "Sessions"),
         "session": (f"#/sessions?id={session}", "Sessions"),
     }
     for size, viewport in (("1280", WIDE), ("390", NARROW)):
@@ -97,6 +98,8 @@ def test_every_page_reads_at_1280_and_390_px_without_errors(
                 expect(page.locator("article[data-agent-id='summarizer']")).to_be_visible()
             if name == "webhook":
                 expect(page.locator("article.delivery")).to_have_count(3)
+            if name == "sessions":
+                expect(page.locator(f"tr[data-session-id='{session}']")).to_be_visible()
             if name == "session":
                 expect(page.locator("#revisions > li")).to_have_count(2)
             if name == "submit":
