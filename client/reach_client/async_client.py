@@ -189,12 +189,22 @@ class Tasks:
         return await self._client._run(tasks.cancel(self._policy, task_id))
 
     def list(
-        self, *, capability: str | None = None, status: str | None = None, limit: int | None = None
+        self,
+        *,
+        capability: str | None = None,
+        status: str | None = None,
+        session_id: str | None = None,
+        limit: int | None = None,
     ) -> AsyncIterator[Task]:
         """Every task that matches, newest first, fetched ``limit`` per page as you iterate."""
         return self._client._items(
             lambda cursor: tasks.page(
-                self._policy, capability=capability, status=status, limit=limit, cursor=cursor
+                self._policy,
+                capability=capability,
+                status=status,
+                session_id=session_id,
+                limit=limit,
+                cursor=cursor,
             )
         )
 
@@ -203,11 +213,17 @@ class Tasks:
         *,
         capability: str | None = None,
         status: str | None = None,
+        session_id: str | None = None,
         limit: int | None = None,
         cursor: str | None = None,
     ) -> Page[Task]:
         plan = tasks.page(
-            self._policy, capability=capability, status=status, limit=limit, cursor=cursor
+            self._policy,
+            capability=capability,
+            status=status,
+            session_id=session_id,
+            limit=limit,
+            cursor=cursor,
         )
         return await self._client._run(plan)
 
@@ -225,6 +241,17 @@ class Sessions:
         ttl_s: int | None = None,
     ) -> Session:
         return await self._client._run(sessions.create(self._policy, state, metadata, ttl_s))
+
+    def list(self, *, limit: int | None = None) -> AsyncIterator[Session]:
+        """The tenant's live sessions, newest first, fetched ``limit`` per page as you iterate."""
+        return self._client._items(
+            lambda cursor: sessions.page(self._policy, limit=limit, cursor=cursor)
+        )
+
+    async def list_page(
+        self, *, limit: int | None = None, cursor: str | None = None
+    ) -> Page[Session]:
+        return await self._client._run(sessions.page(self._policy, limit=limit, cursor=cursor))
 
     async def get(self, session_id: str) -> Session:
         return await self._client._run(sessions.get(self._policy, session_id))
@@ -252,7 +279,7 @@ class Sessions:
 
     async def revisions(
         self, session_id: str, *, limit: int | None = None
-    ) -> list[SessionRevision]:
+    ) -> builtins.list[SessionRevision]:
         return await self._client._run(sessions.revisions(self._policy, session_id, limit))
 
 

@@ -187,12 +187,22 @@ class Tasks:
         return self._client._run(tasks.cancel(self._policy, task_id))
 
     def list(
-        self, *, capability: str | None = None, status: str | None = None, limit: int | None = None
+        self,
+        *,
+        capability: str | None = None,
+        status: str | None = None,
+        session_id: str | None = None,
+        limit: int | None = None,
     ) -> Iterator[Task]:
         """Every task that matches, newest first, fetched ``limit`` per page as you iterate."""
         return self._client._items(
             lambda cursor: tasks.page(
-                self._policy, capability=capability, status=status, limit=limit, cursor=cursor
+                self._policy,
+                capability=capability,
+                status=status,
+                session_id=session_id,
+                limit=limit,
+                cursor=cursor,
             )
         )
 
@@ -201,11 +211,17 @@ class Tasks:
         *,
         capability: str | None = None,
         status: str | None = None,
+        session_id: str | None = None,
         limit: int | None = None,
         cursor: str | None = None,
     ) -> Page[Task]:
         plan = tasks.page(
-            self._policy, capability=capability, status=status, limit=limit, cursor=cursor
+            self._policy,
+            capability=capability,
+            status=status,
+            session_id=session_id,
+            limit=limit,
+            cursor=cursor,
         )
         return self._client._run(plan)
 
@@ -223,6 +239,15 @@ class Sessions:
         ttl_s: int | None = None,
     ) -> Session:
         return self._client._run(sessions.create(self._policy, state, metadata, ttl_s))
+
+    def list(self, *, limit: int | None = None) -> Iterator[Session]:
+        """The tenant's live sessions, newest first, fetched ``limit`` per page as you iterate."""
+        return self._client._items(
+            lambda cursor: sessions.page(self._policy, limit=limit, cursor=cursor)
+        )
+
+    def list_page(self, *, limit: int | None = None, cursor: str | None = None) -> Page[Session]:
+        return self._client._run(sessions.page(self._policy, limit=limit, cursor=cursor))
 
     def get(self, session_id: str) -> Session:
         return self._client._run(sessions.get(self._policy, session_id))
@@ -244,7 +269,9 @@ class Sessions:
     def delete(self, session_id: str) -> None:
         self._client._run(sessions.delete(self._policy, session_id))
 
-    def revisions(self, session_id: str, *, limit: int | None = None) -> list[SessionRevision]:
+    def revisions(
+        self, session_id: str, *, limit: int | None = None
+    ) -> builtins.list[SessionRevision]:
         return self._client._run(sessions.revisions(self._policy, session_id, limit))
 
 

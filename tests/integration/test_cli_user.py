@@ -127,6 +127,21 @@ def test_sessions_and_a_stale_revision_is_an_api_error(env: dict[str, str]) -> N
     assert [r["revision"] for r in revisions] == [2, 1]
 
 
+def test_sessions_list_and_the_tasks_of_one_session(env: dict[str, str]) -> None:
+    first = json.loads(reach(env, "sessions", "create", "--json").stdout)["session_id"]
+    second = json.loads(reach(env, "sessions", "create", "--json").stdout)["session_id"]
+    listed = json.loads(reach(env, "sessions", "list", "--json").stdout)
+    assert [s["session_id"] for s in listed] == [second, first]  # newest first
+    table = reach(env, "sessions", "list")
+    assert table.returncode == 0 and second in table.stdout
+    submitted = reach(env, "submit", "echo", "--payload", '{"n": 1}', "--session", first, "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    reach(env, "submit", "echo", "--payload", '{"n": 2}', "--json")  # in no session
+    of_first = json.loads(reach(env, "tasks", "list", "--session", first, "--json").stdout)
+    assert [t["task_id"] for t in of_first] == [json.loads(submitted.stdout)["task_id"]]
+    assert json.loads(reach(env, "tasks", "list", "--session", second, "--json").stdout) == []
+
+
 def test_webhooks_create_list_and_delete(env: dict[str, str]) -> None:
     created = reach(env, "webhooks", "create", "http://127.0.0.1:9/hook", "--json")
     hook = json.loads(created.stdout)

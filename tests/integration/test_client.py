@@ -213,6 +213,35 @@ def test_list_pages_through_every_task(account: tuple[str, str]) -> None:
     assert len(pages) == 3 and "cursor" in str(pages[-1].url)
 
 
+def test_sessions_are_listed_and_a_sessions_tasks_are_only_its_own(
+    account: tuple[str, str],
+) -> None:
+    with Reach(*account) as reach:
+        made = [reach.sessions.create({"n": i}).session_id for i in range(3)]
+        assert [s.session_id for s in reach.sessions.list(limit=2)] == made[::-1]
+        page = reach.sessions.list_page(limit=2)
+        assert [s.session_id for s in page.items] == made[:0:-1] and page.next_cursor
+        mine = reach.tasks.submit("echo", {"n": 1}, session_id=made[0])
+        reach.tasks.submit("echo", {"n": 2})
+        listed = [t.task_id for t in reach.tasks.list(session_id=made[0])]
+        assert listed == [mine.task_id]
+        assert reach.tasks.list_page(session_id=made[1]).items == []
+
+
+def test_the_async_client_lists_sessions_and_a_sessions_tasks(account: tuple[str, str]) -> None:
+    async def scenario() -> tuple[list[str], list[str], str, str]:
+        async with AsyncReach(*account) as reach:
+            session = await reach.sessions.create()
+            task = await reach.tasks.submit("echo", {}, session_id=session.session_id)
+            sessions = [s.session_id async for s in reach.sessions.list()]
+            listed = [t.task_id async for t in reach.tasks.list(session_id=session.session_id)]
+        return sessions, listed, session.session_id, task.task_id
+
+    sessions, listed, session_id, task_id = asyncio.run(scenario())
+    assert sessions == [session_id]
+    assert listed == [task_id]
+
+
 def test_cancel_ends_a_running_task_and_a_second_cancel_conflicts(
     account: tuple[str, str],
 ) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 from reach_client.client import Reach
 
+PAGE_MAX = 100  # a page the server serves whole (its list_page_max, by default)
+
 
 def common() -> argparse.ArgumentParser:
     shared = argparse.ArgumentParser(add_help=False)

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from reach_client.cli import exits, render
-from reach_client.cli.arguments import comma_list, json_object, open_client
+from reach_client.cli.arguments import PAGE_MAX, comma_list, json_object, open_client
 from reach_client.models import Session, Webhook
 
 
@@ -34,6 +34,8 @@ def _sessions(sub: Any, common: argparse.ArgumentParser) -> None:
     verbs = sub.add_parser("sessions", help="conversation state with revisions").add_subparsers(
         dest="verb", required=True, metavar="VERB"
     )
+    listing = _verb(verbs, common, "list", "the live sessions, newest first", run_session_list)
+    listing.add_argument("--limit", type=int, default=20, help="how many to show [20]")
     create = _verb(verbs, common, "create", "a new session (revision 1)", run_session_create)
     create.add_argument("--state", type=json_object, default={})
     create.add_argument("--metadata", type=json_object)
@@ -124,6 +126,22 @@ def show_session(args: argparse.Namespace, session: Session) -> int:
     out.print(f"session {session.session_id}  revision {session.revision}")
     out.print(f"expires {render.when(session.expires_at)}")
     out.print_json(json.dumps(session.state, ensure_ascii=False))
+    return exits.OK
+
+
+def run_session_list(args: argparse.Namespace) -> int:
+    with open_client(args) as reach:
+        found = reach.sessions.list(limit=min(max(args.limit, 1), PAGE_MAX))
+        shown = list(itertools.islice(found, max(args.limit, 0)))
+    if args.json:
+        render.emit_json([s.raw for s in shown])
+        return exits.OK
+    rows = [
+        (s.session_id, s.revision, render.when(s.updated_at), render.when(s.expires_at))
+        for s in shown
+    ]
+    columns = ("session", "revision", "updated", "expires")
+    render.stdout().print(render.table(None, columns, rows))
     return exits.OK
 
 

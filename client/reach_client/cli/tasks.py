@@ -7,11 +7,9 @@ import itertools
 from typing import Any
 
 from reach_client.cli import exits, render
-from reach_client.cli.arguments import json_object, open_client
+from reach_client.cli.arguments import PAGE_MAX, json_object, open_client
 from reach_client.cli.follow import follow
 from reach_client.models import FINAL, Task
-
-PAGE_MAX = 100
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -46,6 +44,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     listing = verbs.add_parser("list", parents=[common], help="the tenant's tasks, newest first")
     listing.add_argument("--capability")
     listing.add_argument("--status", choices=sorted({"queued", "running", *FINAL}))
+    listing.add_argument("--session", dest="session_id", help="only this session's tasks")
     listing.add_argument("--limit", type=int, default=20, help="how many to show [20]")
     listing.set_defaults(handler=run_list)
     for verb, handler, text in (
@@ -119,7 +118,10 @@ def run_cancel(args: argparse.Namespace) -> int:
 def run_list(args: argparse.Namespace) -> int:
     with open_client(args) as reach:
         found = reach.tasks.list(
-            capability=args.capability, status=args.status, limit=min(args.limit, PAGE_MAX)
+            capability=args.capability,
+            status=args.status,
+            session_id=args.session_id,
+            limit=min(args.limit, PAGE_MAX),
         )
         tasks = list(itertools.islice(found, max(args.limit, 0)))
     if args.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from reach_client.models import Session, SessionRevision
+from reach_client.models import Page, Session, SessionRevision
 from reach_client.plans import Plan, Request, path, query, send
 from reach_client.retries import RetryPolicy
 
@@ -26,6 +26,17 @@ def create(
         body["ttl_s"] = ttl_s
     answer = yield from send(Request("POST", "/sessions", body=body), policy)
     return Session.from_json(answer.json())
+
+
+def page(
+    policy: RetryPolicy, *, limit: int | None = None, cursor: str | None = None
+) -> Plan[Page[Session]]:
+    """A page of the tenant's live sessions, newest first."""
+    answer = yield from send(
+        Request("GET", "/sessions", params=query(limit=limit, cursor=cursor)), policy
+    )
+    doc = answer.json()
+    return Page([Session.from_json(s) for s in doc["sessions"]], doc.get("next_cursor"))
 
 
 def get(policy: RetryPolicy, session_id: str) -> Plan[Session]:

@@ -122,10 +122,13 @@ def page(
     *,
     capability: str | None = None,
     status: str | None = None,
+    session_id: str | None = None,
     limit: int | None = None,
     cursor: str | None = None,
 ) -> Plan[Page[Task]]:
-    params = query(capability=capability, status=status, limit=limit, cursor=cursor)
+    params = query(
+        capability=capability, status=status, session_id=session_id, limit=limit, cursor=cursor
+    )
     answer = yield from send(Request("GET", "/tasks", params=params), policy)
     doc = answer.json()
     return Page([Task.from_json(t) for t in doc["tasks"]], doc.get("next_cursor"))
