@@ -1,4 +1,4 @@
-"""capability series: an index on a tenant's tasks by serving capability and finished_at
+"""capability series: an index of a tenant's finished tasks by serving capability, finished_at
 
 Revision ID: 0011
 Revises: 0010
@@ -29,6 +29,7 @@ def upgrade() -> None:
             "tasks",
             ["tenant", sa.text("split_part(queue, '@', 1)"), "finished_at"],
             unique=False,
+            postgresql_where=sa.text("finished_at IS NOT NULL"),
             postgresql_concurrently=True,
         )
 
