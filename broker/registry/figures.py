@@ -110,7 +110,7 @@ async def capability_series(
 ) -> dict[str, Any]:
     """The tenant's tasks of ``capability`` over the last ``window_s``, in buckets of
     ``step_s`` by when they finished: per bucket (every one, an empty one as zeros) the tasks
-    that ran, how many succeeded and failed (the rest were cancelled or expired after they started),
+    that ran, how many succeeded and failed (the rest were cancelled or expired once started),
     and the median and 95th percentile of their run time (started to finished) and total time
     (accepted to finished), None without tasks; ``total``: the same over every bucket."""
     params = {"tenant": tenant, "capability": capability, "window_s": window_s, "step_s": step_s}
