@@ -42,6 +42,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "delivery_not_found": 404,
     "version_not_found": 404,
     "channel_not_found": 404,
+    "capability_not_found": 404,
     "version_revoked": 410,
     "conflict_retry": 409,
     "task_final": 409,

@@ -65,6 +65,28 @@ class SessionList(BaseModel):
     next_cursor: str | None
 
 
+class SeriesFigures(BaseModel):
+    tasks: int = Field(description="Tasks that ran and finished: succeeded, failed or stopped")
+    succeeded: int
+    failed: int
+    p50_run_s: float | None = Field(description="Median run time, started to finished")
+    p95_run_s: float | None
+    p50_total_s: float | None = Field(description="Median total time, accepted to finished")
+    p95_total_s: float | None
+
+
+class SeriesBucket(SeriesFigures):
+    start_at: str = Field(description="The bucket holds tasks finished from here for step_s")
+
+
+class CapabilitySeries(BaseModel):
+    capability: str
+    window_s: int
+    step_s: int
+    total: SeriesFigures
+    buckets: list[SeriesBucket]
+
+
 class ProblemField(BaseModel):
     field: str
     message: str

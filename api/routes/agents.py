@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body, model_schema
 from api.deps import authenticate, read_json_body
+from api.schemas import CapabilitySeries
 from api.services import services
 from broker import jsonbody
 from broker.errors import Forbidden, NotFound
-from broker.registry import addresses, cards, channels, policy, revocations, views
+from broker.registry import addresses, channels, figures, policy, revocations, views
+from broker.registry.capabilities import NAME_MAX, NAME_PATTERN
 from broker.registry.model import card_queue, drain_key, lease_key, live_key
 from broker.remote import a2a_card, registration
 from broker.tenancy.keys import Principal
@@ -29,6 +31,9 @@ CHANNEL_MAX_BYTES = 16 * 1024
 AgentId = Annotated[str, Path(json_schema_extra={"pattern": f"^{addresses.AGENT_ID.pattern}$"})]
 Version = Annotated[str, Path(json_schema_extra={"pattern": f"^{addresses.VERSION.pattern}$"})]
 Channel = Annotated[str, Path(json_schema_extra={"pattern": f"^{addresses.CHANNEL.pattern}$"})]
+CapabilityName = Annotated[
+    str, Path(json_schema_extra={"pattern": NAME_PATTERN, "maxLength": NAME_MAX})
+]
 ADMIN = "Not an admin key (admin_required)"
 
 
@@ -213,12 +218,58 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
     instances, and figures from the last 5 minutes of the caller's tenant's tasks. Queue
     depth, shared by every tenant, is shown to operator keys only."""
     state = services(request)
-    known = await cards.known_capabilities(state.engine)
-    allowed = {capability: by for capability, by in known.items() if caller.may_see(capability)}
-    shown = views.capabilities_seen_by(allowed, caller)
+    shown = await views.capabilities_shown(state.engine, caller)
     depths = await _queue_depths(request, shown) if caller.is_admin else None
     found = await views.capabilities(state.engine, state.redis, shown, caller, depths)
     return {"capabilities": found}
+
+
+@router.get(
+    "/capabilities/{capability}/series",
+    response_model=CapabilitySeries,
+    responses=answers(
+        *AUTHENTICATED,
+        404,
+        422,
+        s404="No such capability, or none this key is shown (capability_not_found)",
+        s422="window_s or step_s is not a whole number within its bounds (invalid_parameter)",
+    ),
+)
+async def get_capability_series(
+    capability: CapabilityName,
+    request: Request,
+    caller: Caller,
+    window_s: Annotated[
+        int,
+        Query(
+            ge=figures.SERIES_WINDOW_MIN_S,
+            le=figures.SERIES_WINDOW_MAX_S,
+            description="How far back, in seconds: the buckets cover at least this much",
+        ),
+    ] = figures.SERIES_WINDOW_S,
+    step_s: Annotated[
+        int,
+        Query(
+            ge=figures.SERIES_STEP_MIN_S,
+            le=figures.SERIES_STEP_MAX_S,
+            description="Each bucket's length in seconds; buckets start at multiples of it",
+        ),
+    ] = figures.SERIES_STEP_S,
+) -> JSONResponse:
+    """The caller's tenant's tasks of a capability over the last ``window_s`` (an hour), in
+    buckets of ``step_s`` (a minute) by when they finished, oldest first, the last one still
+    filling. Per bucket, and in ``total`` over them all: the tasks that ran, how many
+    succeeded and failed, and p50/p95 of their run time (started to finished) and total time
+    (accepted to finished); a bucket without tasks has zeros and null times. Shown for the
+    capabilities ``GET /capabilities`` lists, and counted the same way (by the capability
+    that served each task)."""
+    state = services(request)
+    if capability not in await views.capabilities_shown(state.engine, caller):
+        raise NotFound("no such capability", code="capability_not_found")
+    series = await figures.capability_series(
+        state.engine, caller.tenant, capability, window_s=window_s, step_s=step_s
+    )
+    return JSONResponse(series)
 
 
 async def _queue_depths(request: Request, known: dict[str, list[dict[str, Any]]]) -> dict[str, int]:

@@ -93,6 +93,16 @@ class Task(Base):
         Index("ix_tasks_expires_at", "expires_at"),
         # The measured figures of GET /capabilities read the last minutes of finished tasks.
         Index("ix_tasks_finished_at", "finished_at"),
+        # A capability's series (GET /capabilities/{capability}/series): one tenant's tasks
+        # of the capability that served them (``broker.registry.figures``), by finished_at.
+        # Finished ones only: a submission does not pay for it, the finish does.
+        Index(
+            "ix_tasks_tenant_served_finished_at",
+            "tenant",
+            text("split_part(queue, '@', 1)"),
+            "finished_at",
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
         # A session's earlier turns that are not final yet: what a claim and a release ask.
         Index(
             "ix_tasks_session_id_session_turn",

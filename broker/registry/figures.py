@@ -1,15 +1,21 @@
 """What the broker measured of agents and capabilities from the tasks they finished (never from
-what an agent says of itself), over the last ``WINDOW_S`` seconds."""
+what an agent says of itself): figures over the last ``WINDOW_S`` seconds, and a capability's
+series over a longer window, bucket by bucket.
+
+A task counts for the capability that served it, the part of its queue before ``@`` (a task
+asked of ``invoice.extract.zh`` and served by ``invoice.extract`` counts for the latter), and
+only once it ran: a task cancelled or expired while queued has no run time."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Row, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
-from broker.tasks.resource import SUCCEEDED
+from broker.tasks.resource import FAILED, SUCCEEDED
+from broker.timestamps import iso
 
 WINDOW_S = 300
 
@@ -53,4 +59,78 @@ async def capability_figures(engine: AsyncEngine, tenant: str) -> dict[str, dict
             "p95_run_s": round(float(r.p95_s), 4),
         }
         for r in rows
+    }
+
+
+SERIES_WINDOW_S = 3600
+SERIES_STEP_S = 60
+# What a caller may ask: at most a day of minutes (1441 buckets).
+SERIES_WINDOW_MIN_S, SERIES_WINDOW_MAX_S = 60, 24 * 3600
+SERIES_STEP_MIN_S, SERIES_STEP_MAX_S = 60, 3600
+# Buckets are aligned on multiples of the step since the epoch, so a refresh moves the axis
+# by whole buckets and a bucket's start never shifts. The first bucket is the one holding
+# ``now() - window``, the last the one holding ``now()`` (still filling): each one whole.
+SERIES_QUERY = text(
+    "WITH axis AS ("
+    "  SELECT generate_series("
+    "    date_bin(make_interval(secs => :step_s), now() - make_interval(secs => :window_s),"
+    "             TIMESTAMPTZ 'epoch'),"
+    "    date_bin(make_interval(secs => :step_s), now(), TIMESTAMPTZ 'epoch'),"
+    "    make_interval(secs => :step_s)) AS start_at"
+    "), ran AS ("
+    "  SELECT date_bin(make_interval(secs => :step_s), finished_at, TIMESTAMPTZ 'epoch')"
+    "           AS start_at, status,"
+    "         extract(epoch FROM finished_at - started_at) AS run_s,"
+    "         extract(epoch FROM finished_at - created_at) AS total_s"
+    "  FROM tasks"
+    # Spelled as ix_tasks_tenant_served_finished_at has it, so that the planner uses it.
+    "  WHERE tenant = :tenant AND split_part(queue, '@', 1) = :capability"
+    "    AND started_at IS NOT NULL"
+    "    AND finished_at >= date_bin(make_interval(secs => :step_s),"
+    "                                now() - make_interval(secs => :window_s),"
+    "                                TIMESTAMPTZ 'epoch')"
+    ")"
+    " SELECT axis.start_at, grouping(axis.start_at) = 1 AS is_total,"
+    "  count(ran.status) AS tasks,"
+    "  count(*) FILTER (WHERE ran.status = :succeeded) AS succeeded,"
+    "  count(*) FILTER (WHERE ran.status = :failed) AS failed,"
+    "  percentile_cont(0.5) WITHIN GROUP (ORDER BY ran.run_s) AS p50_run_s,"
+    "  percentile_cont(0.95) WITHIN GROUP (ORDER BY ran.run_s) AS p95_run_s,"
+    "  percentile_cont(0.5) WITHIN GROUP (ORDER BY ran.total_s) AS p50_total_s,"
+    "  percentile_cont(0.95) WITHIN GROUP (ORDER BY ran.total_s) AS p95_total_s"
+    " FROM axis LEFT JOIN ran ON ran.start_at = axis.start_at"
+    " GROUP BY GROUPING SETS ((axis.start_at), ())"
+    " ORDER BY axis.start_at"
+).bindparams(succeeded=SUCCEEDED, failed=FAILED)
+_FIGURES = ("p50_run_s", "p95_run_s", "p50_total_s", "p95_total_s")
+
+
+async def capability_series(
+    engine: AsyncEngine, tenant: str, capability: str, *, window_s: int, step_s: int
+) -> dict[str, Any]:
+    """The tenant's tasks of ``capability`` over the last ``window_s``, in buckets of
+    ``step_s`` by when they finished: per bucket (every one, an empty one as zeros) the tasks
+    that ran, how many succeeded and failed (the rest were cancelled or expired once started),
+    and the median and 95th percentile of their run time (started to finished) and total time
+    (accepted to finished), None without tasks; ``total``: the same over every bucket."""
+    params = {"tenant": tenant, "capability": capability, "window_s": window_s, "step_s": step_s}
+    async with engine.connect() as conn:
+        rows = (await conn.execute(SERIES_QUERY, params)).all()
+    (total,) = [r for r in rows if r.is_total]
+    return {
+        "capability": capability,
+        "window_s": window_s,
+        "step_s": step_s,
+        "total": _bucket(total),
+        "buckets": [{"start_at": iso(r.start_at), **_bucket(r)} for r in rows if not r.is_total],
+    }
+
+
+def _bucket(row: Row[Any]) -> dict[str, Any]:
+    figures = {name: getattr(row, name) for name in _FIGURES}
+    return {
+        "tasks": row.tasks,
+        "succeeded": row.succeeded,
+        "failed": row.failed,
+        **{name: None if v is None else round(float(v), 4) for name, v in figures.items()},
     }

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_instances_table as instances
+from broker.registry import cards as stored_cards
 from broker.registry import channels, figures, revocations, routing
 from broker.registry.model import (
     DRAINING,
@@ -200,6 +201,16 @@ async def instance_exists(engine: AsyncEngine, agent_id: str, instance: str) -> 
     async with engine.connect() as conn:
         served = (await conn.execute(query)).scalar_one_or_none()
     return served is not None and any(c["agent_id"] == agent_id for c in served)
+
+
+async def capabilities_shown(
+    engine: AsyncEngine, caller: Principal
+) -> dict[str, list[dict[str, Any]]]:
+    """Each capability this key is shown, with its cards it is shown: one its patterns allow
+    and some card its tenant may use serves. Any other reads as one nobody serves."""
+    known = await stored_cards.known_capabilities(engine)
+    allowed = {capability: by for capability, by in known.items() if caller.may_see(capability)}
+    return capabilities_seen_by(allowed, caller)
 
 
 def capabilities_seen_by(

@@ -1,6 +1,8 @@
-// Capabilities: live instances, queue depth (operator keys), success rate and run times.
+// Capabilities: live instances, queue depth (operator keys), success rate and run times, and
+// each one's last hour in a chart (chart.js), all refreshed together.
 
 import { get } from "./api.js";
+import { duration, seriesChart } from "./chart.js";
 import { alertBox, h } from "./dom.js";
 
 const REFRESH_MS = 5000;
@@ -9,6 +11,8 @@ export function renderCapabilities(main) {
   const body = h("tbody");
   const problem = h("div", { "aria-live": "polite" });
   const windowNote = h("p", { class: "muted" });
+  const charts = h("div", { class: "charts" });
+  const idle = h("p", { class: "muted" });
   let timer = null;
   let stopped = false;
   main.append(
@@ -19,6 +23,10 @@ export function renderCapabilities(main) {
       h("thead", {}, h("tr", {}, ["Capability", "Served by", "Live instances", "Queue depth",
         "Tasks", "Success rate", "p50 run", "p95 run", ""].map((t) => h("th", { scope: "col" }, t)))),
       body)),
+    h("h2", {}, "The last hour"),
+    h("p", { class: "muted" }, "Your tenant's tasks finished per minute, and their run times."),
+    charts,
+    idle,
   );
 
   async function refresh() {
@@ -31,10 +39,24 @@ export function renderCapabilities(main) {
         ? `Figures from your tenant's tasks of the last ${Math.round(first.window_s / 60)} minutes.`
         : "No capability is served yet.";
       body.replaceChildren(...found.capabilities.map(row));
+      await showCharts(found.capabilities);
     } catch (error) {
       if (!stopped) problem.replaceChildren(alertBox(error));
     }
     if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
+  }
+
+  // A chart for each capability that finished tasks in the hour; the others in one line.
+  async function showCharts(capabilities) {
+    const series = await Promise.allSettled(capabilities.map((c) => get(
+      `capabilities/${encodeURIComponent(c.capability)}/series`)));
+    if (stopped) return;
+    const quiet = series.filter((s) => s.status === "fulfilled" && !s.value.total.tasks);
+    charts.replaceChildren(...series.filter((s) => !quiet.includes(s)).map((s) => (
+      s.status === "fulfilled" ? seriesChart(s.value) : alertBox(s.reason))));
+    idle.textContent = quiet.length
+      ? `No tasks in the last hour: ${quiet.map((s) => s.value.capability).join(", ")}.`
+      : "";
   }
 
   refresh();
@@ -54,14 +76,9 @@ function row(c) {
     h("td", {}, c.queue_depth === undefined ? "—" : String(c.queue_depth)),
     h("td", {}, String(m.tasks ?? 0)),
     h("td", {}, m.success_rate === null || m.success_rate === undefined ? "—" : `${(100 * m.success_rate).toFixed(1)}%`),
-    h("td", {}, seconds(m.p50_run_s)),
-    h("td", {}, seconds(m.p95_run_s)),
+    h("td", {}, duration(m.p50_run_s)),
+    h("td", {}, duration(m.p95_run_s)),
     h("td", {}, h("a", { href: `#/tasks?capability=${name}` }, "Tasks"), " ",
       h("a", { href: `#/submit?capability=${name}` }, "Submit")),
   );
-}
-
-function seconds(value) {
-  if (value === null || value === undefined) return "—";
-  return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
 }

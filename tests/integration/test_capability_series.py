@@ -1,0 +1,219 @@
+"""``GET /capabilities/{capability}/series``: a capability's last hour, minute by minute, from
+tasks a real worker ran; scoped like ``GET /capabilities``; its query on the index made for it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from itertools import pairwise
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, text
+
+from broker.registry import figures
+from broker.tasks.resource import FAILED, SUCCEEDED
+from broker.tenancy import key_store
+from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.stack import ServedApp, wait_for_task
+from tests.integration.webhook_client import submit
+
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+INDEX = "ix_tasks_tenant_served_finished_at"
+
+
+@pytest.fixture
+def operator(api: ServedApp, engine: Engine, tenant: tuple[str, str]) -> Iterator[httpx.Client]:
+    """An operator key of ``client``'s tenant: it sees every card, hidden ones too."""
+    _, token = key_store.create_key(engine, tenant[0], ["*"], is_admin=True)
+    with client_for(api, token) as http:
+        yield http
+
+
+def run(client: httpx.Client, capability: str = "echo", **payload: Any) -> dict[str, Any]:
+    task = submit(client, capability, payload=payload)
+    return wait_for_task(client, task["task_id"], FINAL)
+
+
+def series(client: httpx.Client, capability: str = "echo", **params: Any) -> httpx.Response:
+    return client.get(f"/capabilities/{capability}/series", params=params)
+
+
+def at(value: str) -> datetime:
+    return datetime.fromisoformat(value)
+
+
+def minute_of(value: str) -> str:
+    """The start of the minute ``value`` falls in, written as the API writes a bucket's start."""
+    return at(value).replace(second=0, microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Postgres's ``percentile_cont``: linear between the two nearest ranks."""
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def seconds(task: dict[str, Any], since: str) -> float:
+    return (at(task["finished_at"]) - at(task[since])).total_seconds()
+
+
+def problem(response: httpx.Response) -> tuple[int, str | None, str | None]:
+    is_problem = response.headers["content-type"] == "application/problem+json"
+    body = response.json() if is_problem else {}
+    return response.status_code, body.get("code"), body.get("detail")
+
+
+def test_the_series_counts_each_task_in_the_minute_it_finished_with_its_outcome_and_times(
+    client: httpx.Client,
+) -> None:
+    # Given three echo tasks that succeeded and one that failed, run by the worker
+    tasks = [run(client, i=i) for i in range(3)] + [run(client, fail="out_of_paper")]
+    assert Counter(t["status"] for t in tasks) == {SUCCEEDED: 3, FAILED: 1}
+
+    # When the tenant asks for the last hour, minute by minute (the defaults)
+    found = series(client).json()
+
+    # Then the axis is whole: 61 minutes, one after the other, the last holding now
+    buckets = found["buckets"]
+    assert (found["capability"], found["window_s"], found["step_s"]) == ("echo", 3600, 60)
+    assert len(buckets) == 61
+    starts = [at(b["start_at"]) for b in buckets]
+    assert all(b - a == timedelta(minutes=1) for a, b in pairwise(starts))
+    assert all(s.second == 0 and s.microsecond == 0 for s in starts)
+    # ... each task counted in the minute it finished, succeeded and failed apart
+    expected = Counter(minute_of(t["finished_at"]) for t in tasks)
+    assert {b["start_at"]: b["tasks"] for b in buckets if b["tasks"]} == expected
+    failed_in = minute_of(tasks[-1]["finished_at"])
+    assert sum(b["failed"] for b in buckets) == 1
+    assert next(b for b in buckets if b["start_at"] == failed_in)["failed"] == 1
+    assert all(b["succeeded"] + b["failed"] == b["tasks"] for b in buckets)
+    # ... empty minutes as zeros with no times, and times wherever tasks finished
+    empty = [b for b in buckets if not b["tasks"]]
+    assert len(empty) == 61 - len(expected)
+    assert all(b["succeeded"] == b["failed"] == 0 for b in empty)
+    assert all(b["p50_run_s"] is b["p95_total_s"] is None for b in empty)
+    assert all(b["p50_run_s"] is not None for b in buckets if b["tasks"])
+    # ... and the total over the hour: the counts, and the percentiles of the tasks' own times
+    total = found["total"]
+    assert (total["tasks"], total["succeeded"], total["failed"]) == (4, 3, 1)
+    runs = [seconds(t, "started_at") for t in tasks]
+    totals = [seconds(t, "created_at") for t in tasks]
+    assert total["p50_run_s"] == pytest.approx(percentile(runs, 0.5), abs=1e-4)
+    assert total["p95_run_s"] == pytest.approx(percentile(runs, 0.95), abs=1e-4)
+    assert total["p50_total_s"] == pytest.approx(percentile(totals, 0.5), abs=1e-4)
+    assert total["p95_total_s"] == pytest.approx(percentile(totals, 0.95), abs=1e-4)
+    assert 0 <= total["p50_run_s"] <= total["p95_run_s"] <= total["p95_total_s"]
+
+
+def test_hourly_buckets_count_the_same_tasks_and_agree_with_the_capabilities_figures(
+    client: httpx.Client,
+) -> None:
+    # Given two echo tasks run a moment ago, one asked of a longer name that echo served
+    asked = [run(client, i=1), run(client, "echo.shouty", i=2)]
+    assert [t["capability"] for t in asked] == ["echo", "echo.shouty"]
+    assert all(t["status"] == SUCCEEDED for t in asked)
+
+    # When the tenant asks for a day in hours
+    found = series(client, window_s=86400, step_s=3600).json()
+
+    # Then 25 whole hours hold both tasks: counted, like the table's figures, for echo
+    assert len(found["buckets"]) == 25
+    assert all(at(b["start_at"]).minute == 0 for b in found["buckets"])
+    assert sum(b["tasks"] for b in found["buckets"]) == found["total"]["tasks"] == 2
+    measured = next(
+        c for c in client.get("/capabilities").json()["capabilities"] if c["capability"] == "echo"
+    )["measured"]
+    assert measured["tasks"] == 2
+
+
+def test_another_tenants_tasks_are_not_counted(
+    client: httpx.Client, api: ServedApp, make_key: KeyMaker
+) -> None:
+    # Given another tenant that ran three echo tasks, and this one that ran one
+    _, stranger = make_key()
+    with client_for(api, stranger) as other:
+        for i in range(3):
+            run(other, i=i)
+        assert series(other).json()["total"]["tasks"] == 3
+    run(client, i=0)
+
+    # When this tenant reads echo's series, then it counts its own task only
+    assert series(client).json()["total"]["tasks"] == 1
+
+
+def test_a_capability_the_key_is_not_shown_is_404_like_an_unknown_one(
+    api: ServedApp, make_key: KeyMaker, client: httpx.Client, operator: httpx.Client
+) -> None:
+    _, echo_only = make_key(["echo"])
+    with client_for(api, echo_only) as limited:
+        unknown = problem(series(limited, "no.such"))
+        # A capability outside the key's patterns, one only another tenant's card serves,
+        # and a name outside the grammar all read as unknown
+        outside = problem(series(limited, "invoice.extract"))
+        assert series(limited, "echo").status_code == 200
+    hidden = problem(series(client, "test.hidden"))
+    malformed = problem(series(client, "Not-A-Name"))
+
+    assert unknown == (404, "capability_not_found", "no such capability")
+    assert outside == hidden == malformed == unknown
+    # An operator sees every card, so the hidden capability's (empty) series too
+    shown = series(operator, "test.hidden")
+    assert shown.status_code == 200
+    assert shown.json()["total"]["tasks"] == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"window_s": 59},
+        {"window_s": 86401},
+        {"window_s": "an hour"},
+        {"step_s": 0},
+        {"step_s": 3601},
+        {"step_s": 1.5},
+        {"step_s": ""},
+    ],
+)
+def test_a_window_or_step_out_of_bounds_is_422_invalid_parameter(
+    client: httpx.Client, params: dict[str, Any]
+) -> None:
+    status, code, _ = problem(series(client, **params))
+    assert (status, code) == (422, "invalid_parameter")
+
+
+# A week of many tenants' tasks, 40 capabilities each served by a capability or a card queue.
+MANY_TASKS = text(
+    "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
+    " payload_size, trace_id, result_ttl_s, created_at, started_at, finished_at, expires_at)"
+    " SELECT gen_random_uuid(), 'plan-' || (i % 50), c,"
+    "  CASE WHEN i % 3 = 0 THEN c || '@agent@1.0.0' ELSE c END, 'succeeded', '{}', 'd', 2,"
+    "  'trace', 60, f - interval '2 seconds', f - interval '1 second', f, f + interval '1 day'"
+    " FROM (SELECT i, 'plan' || (i % 40) || '.run' AS c,"
+    "             now() - (i % 10080) * interval '1 minute' AS f"
+    "       FROM generate_series(1, :n) AS i) AS g"
+)
+
+
+def test_the_series_query_reads_the_index_made_for_it(engine: Engine) -> None:
+    # Given a table of many tenants' tasks over a week, its statistics fresh (all of it
+    # rolled back at the end: nothing is left for other tests)
+    explain = text("EXPLAIN " + figures.SERIES_QUERY.text)
+    params = {"tenant": "plan-7", "capability": "plan7.run", "window_s": 3600, "step_s": 60}
+    with engine.connect() as conn:
+        conn.execute(MANY_TASKS, {"n": 50_000})
+        conn.execute(text("ANALYZE tasks"))
+        # When the series query of one tenant's capability is planned
+        plan = "\n".join(
+            conn.execute(explain, {**params, "succeeded": SUCCEEDED, "failed": FAILED}).scalars()
+        )
+        conn.rollback()
+    # Then it is one range of the index: tenant, serving capability and finished_at bounded
+    assert f"Index Scan using {INDEX} on tasks" in plan, plan
+    cond = next(line for line in plan.splitlines() if "Index Cond" in line)
+    assert "tenant" in cond and "split_part" in cond and "finished_at >=" in cond, plan
