@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
+from api.paging import LIMIT_DEFAULT, CreatedCursor, Limit
 from api.schemas import SessionList
 from api.services import services
 from broker import jsonbody, sessions
-from broker.db.paging import CREATED_CURSOR_PATTERN
 from broker.tenancy.keys import Principal
 
 router = APIRouter(tags=["sessions"])
@@ -139,16 +139,8 @@ async def create_session(request: Request, caller: Metered) -> JSONResponse:
 async def list_sessions(
     request: Request,
     caller: Caller,
-    limit: Annotated[
-        int, Query(ge=1, description="At most this many; the server caps it (list_page_max)")
-    ] = 50,
-    cursor: Annotated[
-        str | None,
-        Query(
-            description="A next_cursor this API issued",
-            json_schema_extra={"pattern": CREATED_CURSOR_PATTERN},
-        ),
-    ] = None,
+    limit: Limit = LIMIT_DEFAULT,
+    cursor: CreatedCursor = None,
 ) -> JSONResponse:
     """The tenant's live sessions, newest first (by creation); pass ``next_cursor`` back as
     ``cursor`` for more. Expired ones are not listed."""

@@ -21,11 +21,11 @@ from api.contract import (
     model_schema,
 )
 from api.deps import authenticate, metered, read_json_body
+from api.paging import LIMIT_DEFAULT, Cursor, Limit
 from api.schemas import TaskList, TaskResource
 from api.services import services
 from api.sse import EventStreamResponse
 from broker import jsonbody, sessions
-from broker.db.paging import CURSOR_PATTERN
 from broker.errors import BadRequest
 from broker.observability import metrics
 from broker.registry.capabilities import NAME_MAX, NAME_PATTERN, is_valid_name
@@ -177,16 +177,8 @@ async def list_tasks(
             description="Only the tasks of this session (none for another tenant's)",
         ),
     ] = None,
-    limit: Annotated[
-        int, Query(ge=1, description="At most this many; the server caps it (list_page_max)")
-    ] = 50,
-    cursor: Annotated[
-        str | None,
-        Query(
-            description="A next_cursor this API issued",
-            json_schema_extra={"pattern": CURSOR_PATTERN},
-        ),
-    ] = None,
+    limit: Limit = LIMIT_DEFAULT,
+    cursor: Cursor = None,
 ) -> JSONResponse:
     """The tenant's tasks of capabilities the key's patterns allow, newest first; pass
     ``next_cursor`` back as ``cursor`` for more. ``session_id``: only that session's."""

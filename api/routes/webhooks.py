@@ -11,15 +11,15 @@ import uuid
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
+from api.paging import LIMIT_DEFAULT, Cursor, Limit
 from api.services import services
 from broker import jsonbody
-from broker.db.paging import CURSOR_PATTERN
 from broker.errors import BadRequest, Forbidden, NotFound
 from broker.registry.capabilities import patterns_cover
 from broker.tasks.resource import parse_task_id
@@ -163,8 +163,8 @@ async def webhook_deliveries(
     webhook_id: str,
     request: Request,
     caller: Caller,
-    limit: Annotated[int, Query(ge=1)] = 50,
-    cursor: Annotated[str | None, Query(json_schema_extra={"pattern": CURSOR_PATTERN})] = None,
+    limit: Limit = LIMIT_DEFAULT,
+    cursor: Cursor = None,
 ) -> dict[str, Any]:
     """Its deliveries, newest first, each with every attempt: time, status code, error,
     latency and the address connected to."""
