@@ -1,44 +1,30 @@
 // Agents: cards, versions, channels, instances with state and last heartbeat; drain (operators).
 
 import { get, post } from "./api.js";
-import { alertBox, badge, collapsible, h } from "./dom.js";
+import { badge, collapsible, h } from "./dom.js";
+import { act, poll } from "./live.js";
 
 const REFRESH_MS = 5000;
 
 export function renderAgents(main) {
   const list = h("div", { class: "agents" });
   const problem = h("div", { "aria-live": "polite" });
-  let timer = null;
-  let stopped = false;
-  main.append(h("h1", {}, "Agents"), problem, list);
+  const status = h("div", { "aria-live": "polite" });
+  main.append(h("h1", {}, "Agents"), problem, status, list);
 
-  async function refresh() {
-    try {
-      const found = await get("agents");
-      if (stopped) return;
+  const drain = (agentId, instance) => act(
+    () => post(`agents/${encodeURIComponent(agentId)}/instances/${encodeURIComponent(instance)}/drain`),
+    `Drain requested for ${instance}.`, status, () => live.refresh());
+  const live = poll({
+    every: REFRESH_MS,
+    read: () => get("agents"),
+    show: (found) => {
       list.replaceChildren(...found.agents.map((agent) => card(agent, drain)));
       if (!found.agents.length) list.append(h("p", {}, "No agent has advertised a card yet."));
-    } catch (error) {
-      if (!stopped) problem.replaceChildren(alertBox(error));
-    }
-    if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
-  }
-
-  async function drain(agentId, instance) {
-    try {
-      await post(`agents/${encodeURIComponent(agentId)}/instances/${encodeURIComponent(instance)}/drain`);
-      problem.replaceChildren(h("p", { class: "note", role: "status" }, `Drain requested for ${instance}.`));
-      refresh();
-    } catch (error) {
-      problem.replaceChildren(alertBox(error));
-    }
-  }
-
-  refresh();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-  };
+    },
+    problem,
+  });
+  return live.stop;
 }
 
 function card(agent, drain) {

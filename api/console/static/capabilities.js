@@ -4,6 +4,7 @@
 import { get } from "./api.js";
 import { duration, seriesChart } from "./chart.js";
 import { alertBox, h } from "./dom.js";
+import { poll } from "./live.js";
 
 const REFRESH_MS = 5000;
 
@@ -13,8 +14,6 @@ export function renderCapabilities(main) {
   const windowNote = h("p", { class: "muted" });
   const charts = h("div", { class: "charts" });
   const idle = h("p", { class: "muted" });
-  let timer = null;
-  let stopped = false;
   main.append(
     h("h1", {}, "Capabilities"),
     windowNote,
@@ -29,41 +28,31 @@ export function renderCapabilities(main) {
     idle,
   );
 
-  async function refresh() {
-    try {
+  const live = poll({
+    every: REFRESH_MS,
+    read: async () => {
       const found = await get("capabilities");
-      if (stopped) return;
-      problem.replaceChildren();
-      const first = found.capabilities[0];
+      // A chart for each capability that finished tasks in the hour; the others in one line.
+      const series = await Promise.allSettled(found.capabilities.map((c) => get(
+        `capabilities/${encodeURIComponent(c.capability)}/series`)));
+      return { capabilities: found.capabilities, series };
+    },
+    show: ({ capabilities, series }) => {
+      const first = capabilities[0];
       windowNote.textContent = first
         ? `Figures from your tenant's tasks of the last ${Math.round(first.window_s / 60)} minutes.`
         : "No capability is served yet.";
-      body.replaceChildren(...found.capabilities.map(row));
-      await showCharts(found.capabilities);
-    } catch (error) {
-      if (!stopped) problem.replaceChildren(alertBox(error));
-    }
-    if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
-  }
-
-  // A chart for each capability that finished tasks in the hour; the others in one line.
-  async function showCharts(capabilities) {
-    const series = await Promise.allSettled(capabilities.map((c) => get(
-      `capabilities/${encodeURIComponent(c.capability)}/series`)));
-    if (stopped) return;
-    const quiet = series.filter((s) => s.status === "fulfilled" && !s.value.total.tasks);
-    charts.replaceChildren(...series.filter((s) => !quiet.includes(s)).map((s) => (
-      s.status === "fulfilled" ? seriesChart(s.value) : alertBox(s.reason))));
-    idle.textContent = quiet.length
-      ? `No tasks in the last hour: ${quiet.map((s) => s.value.capability).join(", ")}.`
-      : "";
-  }
-
-  refresh();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-  };
+      body.replaceChildren(...capabilities.map(row));
+      const quiet = series.filter((s) => s.status === "fulfilled" && !s.value.total.tasks);
+      charts.replaceChildren(...series.filter((s) => !quiet.includes(s)).map((s) => (
+        s.status === "fulfilled" ? seriesChart(s.value) : alertBox(s.reason))));
+      idle.textContent = quiet.length
+        ? `No tasks in the last hour: ${quiet.map((s) => s.value.capability).join(", ")}.`
+        : "";
+    },
+    problem,
+  });
+  return live.stop;
 }
 
 function row(c) {

@@ -3,6 +3,7 @@
 
 import { get, query } from "./api.js";
 import { alertBox, collapsible, definitionList, h, when } from "./dom.js";
+import { pager, poll } from "./live.js";
 
 export function renderSessions(main, params) {
   const wanted = params.get("id") ?? "";
@@ -18,33 +19,23 @@ export function renderSessions(main, params) {
     problem,
   );
   if (wanted) showSession(main, wanted, problem);
-  else listSessions(main, problem);
+  else return listSessions(main, problem);
 }
 
 function listSessions(main, problem) {
   const body = h("tbody");
-  const older = h("button", { type: "button", onclick: () => page(+1) }, "Older");
-  const newer = h("button", { type: "button", onclick: () => page(-1) }, "Newer");
-  const cursors = [null]; // the cursor of each page shown so far; the last is the current one
-  let next = null;
+  const pages = pager(() => listing.refresh());
   main.append(
     h("div", { class: "scroll" }, h("table", { id: "sessions", class: "sessions" },
       h("thead", {}, h("tr", {}, ["Session", "Revision", "Updated", "Expires"].map((t) => h("th", { scope: "col" }, t)))),
       body)),
-    h("nav", { class: "pager", "aria-label": "Pages" }, newer, older),
+    pages.nav,
   );
 
-  function page(step) {
-    if (step > 0 && next) cursors.push(next);
-    if (step < 0 && cursors.length > 1) cursors.pop();
-    refresh();
-  }
-
-  async function refresh() {
-    try {
-      const found = await get(`sessions${query({ limit: 20, cursor: cursors[cursors.length - 1] })}`);
-      problem.replaceChildren();
-      next = found.next_cursor;
+  const listing = poll({
+    read: () => get(`sessions${query({ limit: 20, cursor: pages.cursor() })}`),
+    show: (found) => {
+      pages.shown(found.next_cursor);
       body.replaceChildren(...found.sessions.map((s) => h("tr", { "data-session-id": s.session_id },
         h("td", {}, h("a", { href: `#/sessions${query({ id: s.session_id })}`, class: "mono" }, s.session_id)),
         h("td", {}, String(s.revision)),
@@ -52,14 +43,10 @@ function listSessions(main, problem) {
         h("td", {}, when(s.expires_at)),
       )));
       if (!found.sessions.length) body.append(h("tr", {}, h("td", { colspan: 4 }, "No live session.")));
-    } catch (error) {
-      problem.replaceChildren(alertBox(error));
-    }
-    older.disabled = !next;
-    newer.disabled = cursors.length <= 1;
-  }
-
-  refresh();
+    },
+    problem,
+  });
+  return listing.stop;
 }
 
 function showSession(main, sessionId, problem) {

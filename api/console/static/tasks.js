@@ -1,7 +1,8 @@
 // Tasks: filtered by capability, status and session, a page at a time, statuses refreshed live.
 
 import { FINAL, get, query } from "./api.js";
-import { alertBox, badge, h, when } from "./dom.js";
+import { badge, h, when } from "./dom.js";
+import { pager, poll } from "./live.js";
 
 const STATUSES = ["queued", "running", ...FINAL];
 const REFRESH_MS = 2000;
@@ -12,14 +13,9 @@ export function renderTasks(main, params) {
     status: params.get("status") ?? "",
     session_id: params.get("session_id") ?? "",
   };
-  const cursors = [null]; // the cursor of each page shown so far; the last is the current one
   const body = h("tbody");
   const problem = h("div", { "aria-live": "polite" });
-  const older = h("button", { type: "button", onclick: () => page(+1) }, "Older");
-  const newer = h("button", { type: "button", onclick: () => page(-1) }, "Newer");
-  let next = null;
-  let stopped = false;
-  let timer = null;
+  const pages = pager(() => live.refresh());
 
   const capability = h("input", {
     id: "filter-capability",
@@ -82,7 +78,7 @@ export function renderTasks(main, params) {
         body,
       ),
     ),
-    h("nav", { class: "pager", "aria-label": "Pages" }, newer, older),
+    pages.nav,
   );
 
   function applyFilters(event) {
@@ -95,33 +91,9 @@ export function renderTasks(main, params) {
     window.location.hash = `#/tasks${query(wanted)}`;
   }
 
-  function page(step) {
-    if (step > 0 && next) cursors.push(next);
-    if (step < 0 && cursors.length > 1) cursors.pop();
-    refresh();
-  }
-
-  async function refresh() {
-    clearTimeout(timer);
-    const cursor = cursors[cursors.length - 1];
-    try {
-      const found = await get(`tasks${query({ ...filters, limit: 20, cursor })}`);
-      if (stopped) return;
-      problem.replaceChildren();
-      next = found.next_cursor;
-      show(found.tasks);
-    } catch (error) {
-      if (stopped) return;
-      problem.replaceChildren(alertBox(error));
-    }
-    older.disabled = !next;
-    newer.disabled = cursors.length <= 1;
-    timer = setTimeout(refresh, REFRESH_MS);
-  }
-
   function show(tasks) {
     const rows = new Map([...body.rows].map((row) => [row.dataset.taskId, row]));
-    const same = tasks.length === rows.size && tasks.every((t) => rows.has(t.task_id));
+    const same = tasks.length > 0 && tasks.length === rows.size && tasks.every((t) => rows.has(t.task_id));
     if (!same) {
       body.replaceChildren(...tasks.map(row));
       if (!tasks.length) body.append(h("tr", {}, h("td", { colspan: 6 }, "No tasks.")));
@@ -138,11 +110,16 @@ export function renderTasks(main, params) {
       known.replaceChildren(...found.capabilities.map((c) => h("option", { value: c.capability })));
     })
     .catch(() => {});
-  refresh();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-  };
+  const live = poll({
+    every: REFRESH_MS,
+    read: () => get(`tasks${query({ ...filters, limit: 20, cursor: pages.cursor() })}`),
+    show: (found) => {
+      pages.shown(found.next_cursor);
+      show(found.tasks);
+    },
+    problem,
+  });
+  return live.stop;
 }
 
 function version(task) {

@@ -2,7 +2,8 @@
 // status code, error and latency; redeliver a failed or dead one.
 
 import { get, post, query } from "./api.js";
-import { alertBox, badge, h, when } from "./dom.js";
+import { badge, h, when } from "./dom.js";
+import { act, pager, poll } from "./live.js";
 
 const REFRESH_MS = 3000;
 const REDELIVERABLE = ["failed", "dead"];
@@ -17,8 +18,9 @@ export function renderWebhooks(main) {
       h("thead", {}, h("tr", {}, ["URL", "Events", "Capabilities", "Status", "Created"].map((t) => h("th", { scope: "col" }, t)))),
       body)),
   );
-  get("webhooks")
-    .then((found) => {
+  return poll({
+    read: () => get("webhooks"),
+    show: (found) => {
       body.replaceChildren(...found.webhooks.map((w) => h("tr", { "data-webhook-id": w.webhook_id },
         h("td", {}, h("a", { href: `#/webhooks/${w.webhook_id}` }, w.url), w.description ? h("div", { class: "muted" }, w.description) : ""),
         h("td", {}, (w.events ?? []).join(", ")),
@@ -27,65 +29,38 @@ export function renderWebhooks(main) {
         h("td", {}, when(w.created_at)),
       )));
       if (!found.webhooks.length) body.append(h("tr", {}, h("td", { colspan: 5 }, "No subscription.")));
-    })
-    .catch((error) => problem.replaceChildren(alertBox(error)));
+    },
+    problem,
+  }).stop;
 }
 
 export function renderWebhook(main, webhookId) {
+  const id = encodeURIComponent(webhookId);
   const problem = h("div", { "aria-live": "polite" });
+  const status = h("div", { "aria-live": "polite" });
   const title = h("h1", {}, "Webhook");
   const list = h("div", { class: "deliveries" });
-  const older = h("button", { type: "button", onclick: () => page(+1) }, "Older");
-  const newer = h("button", { type: "button", onclick: () => page(-1) }, "Newer");
-  const cursors = [null];
-  let next = null;
-  let timer = null;
-  let stopped = false;
-  main.append(h("p", {}, h("a", { href: "#/webhooks" }, "← Webhooks")), title, problem,
-    h("h2", {}, "Deliveries"), list, h("nav", { class: "pager", "aria-label": "Pages" }, newer, older));
+  const pages = pager(() => live.refresh());
+  main.append(h("p", {}, h("a", { href: "#/webhooks" }, "← Webhooks")), title, problem, status,
+    h("h2", {}, "Deliveries"), list, pages.nav);
 
-  function page(step) {
-    if (step > 0 && next) cursors.push(next);
-    if (step < 0 && cursors.length > 1) cursors.pop();
-    refresh();
-  }
-
-  async function refresh() {
-    clearTimeout(timer);
-    try {
-      const id = encodeURIComponent(webhookId);
-      const [webhook, found] = await Promise.all([
-        get(`webhooks/${id}`),
-        get(`webhooks/${id}/deliveries${query({ limit: 20, cursor: cursors[cursors.length - 1] })}`),
-      ]);
-      if (stopped) return;
+  const redeliver = (deliveryId) => act(
+    () => post(`webhooks/${id}/deliveries/${deliveryId}/redeliver`), "Sent again.", status, () => live.refresh());
+  const live = poll({
+    every: REFRESH_MS,
+    read: () => Promise.all([
+      get(`webhooks/${id}`),
+      get(`webhooks/${id}/deliveries${query({ limit: 20, cursor: pages.cursor() })}`),
+    ]),
+    show: ([webhook, found]) => {
       title.replaceChildren(webhook.url, " ", badge(webhook.status));
-      next = found.next_cursor;
+      pages.shown(found.next_cursor);
       list.replaceChildren(...found.deliveries.map((d) => delivery(d, redeliver)));
       if (!found.deliveries.length) list.append(h("p", {}, "No delivery yet."));
-    } catch (error) {
-      if (!stopped) problem.replaceChildren(alertBox(error));
-    }
-    older.disabled = !next;
-    newer.disabled = cursors.length <= 1;
-    if (!stopped) timer = setTimeout(refresh, REFRESH_MS);
-  }
-
-  async function redeliver(deliveryId) {
-    try {
-      await post(`webhooks/${encodeURIComponent(webhookId)}/deliveries/${deliveryId}/redeliver`);
-      problem.replaceChildren(h("p", { class: "note", role: "status" }, "Sent again."));
-      refresh();
-    } catch (error) {
-      problem.replaceChildren(alertBox(error));
-    }
-  }
-
-  refresh();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-  };
+    },
+    problem,
+  });
+  return live.stop;
 }
 
 function delivery(d, redeliver) {

@@ -166,3 +166,36 @@ def test_resubmitting_a_task_runs_it_again_with_the_same_payload(
     assert again["capability"] == "echo"
     assert again["payload"] == {"n": 7}
     assert console.errors == []
+
+
+def test_the_task_list_pages_older_and_newer_and_filters_by_status(
+    console: Console, key: str, api: ServedApp
+) -> None:
+    with client_for(api, key) as http:
+        ids = [
+            http.post("/tasks", json={"capability": "echo", "payload": {"n": n}}).json()["task_id"]
+            for n in range(23)
+        ]
+        for task_id in ids:
+            wait_for_task(http, task_id, {"succeeded"})
+    page = console.page
+    rows = page.locator("tbody tr[data-task-id]")
+    older = page.get_by_role("button", name="Older")
+    newer = page.get_by_role("button", name="Newer")
+    console.sign_in(key)
+    # The newest 20 first, then the 3 older ones, then the newest 20 again
+    expect(rows).to_have_count(20)
+    assert rows.first.get_attribute("data-task-id") == ids[-1]
+    expect(newer).to_be_disabled()
+    older.click()
+    expect(rows).to_have_count(3)
+    assert [r.get_attribute("data-task-id") for r in rows.all()] == ids[2::-1]
+    expect(older).to_be_disabled()
+    newer.click()
+    expect(rows).to_have_count(20)
+    expect(newer).to_be_disabled()
+    # A status no task has lists none
+    page.get_by_label("Status").select_option("failed")
+    page.get_by_role("button", name="Filter").click()
+    expect(page.get_by_text("No tasks.")).to_be_visible()
+    assert console.errors == []
