@@ -110,4 +110,8 @@ def test_every_page_reads_at_1280_and_390_px_without_errors(
             # The long lists (every test agent) are shown as far as the window goes.
             whole = name not in ("capabilities", "agents")
             page.screenshot(path=shots / f"{name}-{size}.png", full_page=whole)
+            if name == "capabilities":  # below the long table: the last hour's charts
+                charts = page.locator(".charts")
+                expect(charts.locator("svg")).to_have_count(3)  # echo, summarize, sleepy
+                charts.screenshot(path=shots / f"capability-charts-{size}.png")
     assert console.errors == []
