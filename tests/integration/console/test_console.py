@@ -199,3 +199,35 @@ def test_the_task_list_pages_older_and_newer_and_filters_by_status(
     page.get_by_role("button", name="Filter").click()
     expect(page.get_by_text("No tasks.")).to_be_visible()
     assert console.errors == []
+
+
+def test_every_page_is_reached_and_used_with_the_keyboard_alone(console: Console, key: str) -> None:
+    page = console.page
+    console.sign_in(key)
+    expect(page.get_by_role("heading", name="Tasks")).to_be_visible()
+
+    def tab_to(name: str, attribute: str = "textContent") -> None:
+        for _ in range(40):
+            page.keyboard.press("Tab")
+            if page.evaluate(f"(document.activeElement.{attribute} ?? '').trim()") == name:
+                return
+        raise AssertionError(f"Tab never reached {name!r}")
+
+    for link, heading in [
+        ("Capabilities", "Capabilities"),
+        ("Agents", "Agents"),
+        ("Webhooks", "Webhooks"),
+        ("Sessions", "Sessions"),
+        ("Submit", "Submit a task"),
+        ("Tasks", "Tasks"),
+    ]:
+        tab_to(link)
+        page.keyboard.press("Enter")
+        expect(page.get_by_role("heading", level=1)).to_contain_text(heading)
+    # The filters too: a status chosen and applied with keys only
+    tab_to("filter-status", "id")
+    page.keyboard.press("End")  # the last status
+    tab_to("Filter")
+    page.keyboard.press("Enter")
+    expect(page).to_have_url(re.compile(r"status=\w+"))
+    assert console.errors == []
