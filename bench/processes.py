@@ -126,7 +126,12 @@ class Children:
 
 
 def wait_until(
-    ready: Callable[[], bool], *, timeout_s: float, what: str, child: Child | None = None
+    ready: Callable[[], bool],
+    *,
+    timeout_s: float,
+    what: str,
+    child: Child | None = None,
+    every_s: float = 0.05,
 ) -> None:
     """Poll ``ready`` until it holds; fail early when ``child`` exits, late after the timeout."""
     deadline = time.monotonic() + timeout_s
@@ -136,7 +141,7 @@ def wait_until(
         if time.monotonic() > deadline:
             tail = child.output()[-4000:] if child is not None else ""
             raise RuntimeError(f"timed out after {timeout_s:.0f}s {what}\n{tail}")
-        time.sleep(0.05)
+        time.sleep(every_s)
 
 
 def celery_worker(

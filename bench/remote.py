@@ -236,6 +236,14 @@ def bridged(stores: Stores, children: Children, plan: Plan, base: str) -> dict[s
         )
         _reset(base)
         bridge = _bridge(children, env, plan.remote_slots, "bench-bridge-b")
+        # Its CPU from its first call on: booting (imports, Celery's start) is not a call's.
+        wait_until(
+            lambda: (_stats(base) or {}).get("first_at") is not None,
+            timeout_s=60,
+            what="the bridge's first call",
+            child=bridge,
+            every_s=0.005,
+        )
         cpu_at_start = bridge.cpu_s()
         with peak_rss(bridge) as peak:
             counts = wait_final(stack.stores.libpq_url, "bench-remote", submitted["accepted"])
