@@ -3,6 +3,7 @@ routes that do work), and the body read within its size and time limits."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 import anyio
@@ -38,6 +39,9 @@ async def authenticate(request: Request) -> Principal:
     )
 
 
+SMALL_BODY_BYTES = 4096  # a body this small that has arrived is read before the token
+
+
 async def metered(
     request: Request, caller: Annotated[Principal, Depends(authenticate)]
 ) -> Principal:
@@ -45,6 +49,32 @@ async def metered(
     none is left): for the routes that do real work, before their body is read."""
     await services(request).door.take(caller.tenant)
     return caller
+
+
+async def read_metered_body(request: Request, caller: Principal, limit: int) -> tuple[bytes, bool]:
+    """The body, and whether the tenant's token was taken (``metered``): a caller out of
+    tokens is refused before its body is read, whatever the body does.
+
+    Except for a small body already here whole: it is read in one step without waiting, and
+    its token is then taken in the same Redis call as the route lookup (``Door.live``),
+    one round trip fewer. Reading at most ``SMALL_BODY_BYTES`` that have arrived costs less
+    than the authentication every refused request pays anyway, and a body still on its way
+    is not waited for: the token comes first, as for any other body."""
+    door = services(request).door
+    declared = request.headers.get("content-length", "")
+    if not (declared.isdigit() and int(declared) <= SMALL_BODY_BYTES):
+        await door.take(caller.tenant)
+        return await read_json_body(request, limit), True
+    reading = asyncio.ensure_future(read_json_body(request, limit))
+    await asyncio.sleep(0)  # a body that has arrived is read in this one step
+    if reading.done() and reading.exception() is None:
+        return reading.result(), False
+    try:
+        await door.take(caller.tenant)
+    except BaseException:
+        reading.cancel()
+        raise
+    return await reading, True
 
 
 async def read_json_body(request: Request, limit: int) -> bytes:

@@ -93,11 +93,14 @@ class Calls:
         timeout_s: float | None,
         claimed_at: float,
         cancelled: Callable[[], bool],
+        started: Callable[[], None] | None = None,
     ) -> Any:
         """Run ``call`` on the loop and wait for it, at most ``timeout_s``; the caller's
         context goes with it. ``claimed_at`` (monotonic): when the task's claim began; a
         cancel since then was heard if the subscription was up before. Otherwise
-        ``cancelled`` (the task's flag) is asked, once the call is known to the listener."""
+        ``cancelled`` (the task's flag) is asked, once the call is known to the listener.
+        ``started``: run on this thread while the coroutine starts; if it raises, the
+        coroutine is cancelled."""
         loop = self._started()
         values = list(contextvars.copy_context().items())
         future = asyncio.run_coroutine_threadsafe(_in_context(values, call), loop)
@@ -106,6 +109,12 @@ class Calls:
             heard = self._recent.pop(task_id, False) is None
             since = self._listening_since
         try:
+            if started is not None:
+                try:
+                    started()
+                except BaseException:
+                    future.cancel()
+                    raise
             if heard or ((since is None or since > claimed_at) and cancelled()):
                 future.cancel()
             return future.result(timeout=timeout_s)

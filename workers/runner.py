@@ -178,12 +178,15 @@ class Runner:
             return self.finish(Finish.failed(tid, gone))
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
 
-        def publish(event_type: str, data: Any) -> None:
-            self.events.append(tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s)
-
-        publish(
-            events.STATUS, {"status": RUNNING, "attempt": claimed.attempt, "instance": instance}
+        running = Running(
+            lambda event_type, data: self.events.append(
+                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s
+            ),
+            {"status": RUNNING, "attempt": claimed.attempt, "instance": instance},
         )
+        publish = running.publish
+        if not spec.is_async:  # an async handler's goes out while its coroutine starts
+            running.announce()
         ctx = Context(
             task_id=tid,
             capability=claimed.capability,
@@ -198,7 +201,10 @@ class Runner:
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
         )
-        outcome = self._call(spec, ctx, claimed.payload, claimed_at)
+        outcome = self._call(spec, ctx, claimed.payload, claimed_at, running.announce)
+        # Sent now if the handler never started (an invalid payload); raises if it failed,
+        # whatever the handler's coroutine, cancelled then, came to.
+        running.announce()
         if isinstance(outcome, Succeeded):
             return self.finish(Finish.succeeded(tid, outcome.result))
         left = ctx.time_left_s()
@@ -327,7 +333,14 @@ class Runner:
 
         return apply
 
-    def _call(self, spec: CapabilitySpec, ctx: Context, payload: Any, claimed_at: float) -> Outcome:
+    def _call(
+        self,
+        spec: CapabilitySpec,
+        ctx: Context,
+        payload: Any,
+        claimed_at: float,
+        announce: Callable[[], None],
+    ) -> Outcome:
         validator = spec.validator
         if validator is not None:
             problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
@@ -338,7 +351,8 @@ class Runner:
                 return Failed(task_error("payload_invalid", detail))
         limits = [t for t in (spec.card.timeout_s, ctx.time_left_s()) if t is not None]
         with metrics.task_run.labels(spec.name).time():
-            return self._invoke(spec, ctx, payload, min(limits) if limits else None, claimed_at)
+            limit_s = min(limits) if limits else None
+            return self._invoke(spec, ctx, payload, limit_s, claimed_at, announce)
 
     def _invoke(
         self,
@@ -347,9 +361,10 @@ class Runner:
         payload: Any,
         limit_s: float | None,
         claimed_at: float,
+        announce: Callable[[], None],
     ) -> Outcome:
         try:
-            result = self._result_of(spec, ctx, payload, limit_s, claimed_at)
+            result = self._result_of(spec, ctx, payload, limit_s, claimed_at, announce)
         except (SoftTimeLimit, CallTimedOut):
             return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
         except CallCancelled:
@@ -377,6 +392,7 @@ class Runner:
         payload: Any,
         limit_s: float | None,
         claimed_at: float,
+        announce: Callable[[], None],
     ) -> Any:
         """What the handler came to. An async handler runs on the process's event loop and is
         cancelled when its time is up. A sync one is interrupted by SIGALRM where it runs in
@@ -386,7 +402,12 @@ class Runner:
             call = _awaited(spec, ctx, payload)
             cancelled = lambda: ctx.cancelled  # noqa: E731
             return self.calls.run(
-                ctx.task_id, call, timeout_s=limit_s, claimed_at=claimed_at, cancelled=cancelled
+                ctx.task_id,
+                call,
+                timeout_s=limit_s,
+                claimed_at=claimed_at,
+                cancelled=cancelled,
+                started=announce,
             )
         started = time.monotonic()
         with soft_limit(limit_s):
@@ -396,6 +417,40 @@ class Runner:
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")
         return result
+
+
+class Running:
+    """A task's ``running`` event, sent once, and every later event of the task after it.
+
+    For an async handler it goes out while the handler's coroutine starts on the event loop
+    (``Calls.run``'s ``started``), not before: the Redis round trip and the hop to the loop
+    overlap. Events the handler sends meanwhile wait for it, so the log stays in order. If it
+    cannot be sent, ``announce`` raises, as it did before the handler started.
+    """
+
+    def __init__(self, append: Callable[[str, Any], Any], data: dict[str, Any]) -> None:
+        self._append = append
+        self._data = data
+        self._lock = threading.Lock()
+        self._sent = threading.Event()
+        self._error: BaseException | None = None
+
+    def announce(self) -> None:
+        """Send it, once; raises (each time) when that failed."""
+        with self._lock:
+            if not self._sent.is_set():
+                try:
+                    self._append(events.STATUS, self._data)
+                except BaseException as exc:
+                    self._error = exc
+                finally:
+                    self._sent.set()  # the handler's events go on (and meet the same error)
+            if self._error is not None:
+                raise self._error
+
+    def publish(self, event_type: str, data: Any) -> None:
+        self._sent.wait()
+        self._append(event_type, data)
 
 
 def timed_out(cause: dict[str, Any]) -> dict[str, Any]:

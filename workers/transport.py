@@ -6,11 +6,13 @@ hundreds of tasks in flight, every one of those round trips means winning the GI
 the main thread took messages at about 200 a second with the queue full and half its slots
 free (``docs/performance.md``).
 
-Here, once a ``BRPOP`` answers, one script takes up to ``BATCH`` more messages from the same
-list and records each as unacked, atomically, exactly as ``QoS.append`` would (the same
-unacked hash entry, the same index score). So there is no moment at which a message is
-neither in its list nor in the unacked hash, where kombu's own pair of round trips has one.
-The prefetch limit still holds: a batch never takes more than the free slots.
+Here, once a ``BRPOP`` answers, one script records that message as unacked and takes up to
+``BATCH`` more from the same list, recording each, atomically, exactly as ``QoS.append``
+would (the same unacked hash entry, the same index score): the others are never neither in
+their list nor in the unacked hash. The script is sent before the first message is handed to
+the pool and its answer read after, so that task does not wait for a round trip (kombu's
+record made a sync call wait about half a millisecond more). The prefetch limit still holds:
+a batch never takes more than the free slots.
 
 It also shares one client per connection pool where kombu made one per call (below).
 
@@ -29,18 +31,22 @@ from kombu.transport import virtual
 
 BATCH = 32  # messages one script call takes at most, beyond the one BRPOP gave
 
-# KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] how many, ARGV[2] the
-# time. Each message is recorded as kombu's QoS.append records it: [message, exchange, key].
+# KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] the message BRPOP gave,
+# ARGV[2] how many more to take, ARGV[3] the time. Each message is recorded as kombu's
+# QoS.append records it: [message, exchange, routing key].
 _TAKE = """
-local items = redis.call('RPOP', KEYS[1], ARGV[1])
-if not items then return {} end
-for _, item in ipairs(items) do
+local function record(item)
   local properties = cjson.decode(item)['properties']
   local tag, delivery = properties['delivery_tag'], properties['delivery_info']
-  redis.call('ZADD', KEYS[3], ARGV[2], tag)
+  redis.call('ZADD', KEYS[3], ARGV[3], tag)
   redis.call('HSET', KEYS[2], tag, '[' .. item .. ',' .. cjson.encode(delivery['exchange'])
     .. ',' .. cjson.encode(delivery['routing_key']) .. ']')
 end
+record(ARGV[1])
+if tonumber(ARGV[2]) < 1 then return {} end
+local items = redis.call('RPOP', KEYS[1], ARGV[2])
+if not items then return {} end
+for _, item in ipairs(items) do record(item) end
 return items
 """
 
@@ -96,28 +102,59 @@ class Channel(kombu_redis.Channel):
             key, item = answer
             queue = key.decode().rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
-            self.connection._deliver(json.loads(item), queue)
+            message = json.loads(item)
+            if self.global_keyprefix:  # kombu's own way: QoS.append records it, alone
+                self.connection._deliver(message, queue)
+            else:
+                self._deliver_and_take(key, item, message, queue)
         finally:
             self._in_poll = None  # type: ignore[assignment]
             self._flush_brpop_reauth()  # type: ignore[no-untyped-call]
-        self._take_more(key, queue)
         return True
 
-    def _take_more(self, key: bytes, queue: str) -> None:
-        """Deliver up to ``BATCH`` more messages of the list that just answered, recorded as
-        unacked by the script that takes them."""
+    def _deliver_and_take(self, key: bytes, item: bytes, message: Any, queue: str) -> None:
+        """Deliver the message BRPOP gave, and up to ``BATCH`` more of its list, in one round
+        trip that is sent before the first is delivered and read after.
+
+        kombu records a message as unacked in a round trip of its own before it hands it on,
+        and the task waited for it. Here the script that records it (and takes and records
+        the others) is already in Redis's hands when the task starts, so the record still
+        precedes the task's ack, but nothing waits for its answer."""
         qos = self.qos
-        count = min(BATCH, qos.room())
-        if count <= 0 or self.global_keyprefix:
-            return
-        script = self.__dict__.get("_take_script")
-        if script is None:
-            script = self.__dict__["_take_script"] = self.client.register_script(_TAKE)
+        count = max(0, min(BATCH, qos.room() - 1))  # the first takes one of the free slots
+        connection = self.client.connection
         keys = [key, qos.unacked_key, qos.unacked_index_key]
-        for item in script(keys=keys, args=[count, time.time()]):
-            message = json.loads(item)
+        connection.send_command("EVAL", _TAKE, len(keys), *keys, item, count, time.time())
+        tag = message["properties"]["delivery_tag"]
+        qos.recorded.add(tag)
+        try:
+            self.connection._deliver(message, queue)
+        except BaseException:
+            qos.recorded.discard(tag)
+            self._put_back_taken(connection)
+            raise
+        try:
+            taken = self.client.parse_response(connection, "EVAL")
+        except self.connection_errors:
+            connection.disconnect()  # the next poll connects again
+            raise
+        for more in taken:
+            message = json.loads(more)
             qos.recorded.add(message["properties"]["delivery_tag"])
             self.connection._deliver(message, queue)
+
+    def _put_back_taken(self, connection: Any) -> None:
+        """The first message was not delivered: the others the script took go back to the
+        front of their list (recorded as unacked, they would wait for the visibility
+        timeout)."""
+        try:
+            taken = self.client.parse_response(connection, "EVAL")
+        except Exception:
+            connection.disconnect()
+            return
+        for more in taken:
+            tag = json.loads(more)["properties"]["delivery_tag"]
+            self.qos.restore_by_tag(tag, leftmost=True)
 
 
 class Transport(kombu_redis.Transport):

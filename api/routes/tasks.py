@@ -20,7 +20,7 @@ from api.contract import (
     json_body,
     model_schema,
 )
-from api.deps import authenticate, metered, read_json_body
+from api.deps import authenticate, read_metered_body
 from api.paging import LIMIT_DEFAULT, Cursor, Limit
 from api.schemas import TaskList, TaskResource
 from api.services import services
@@ -37,7 +37,6 @@ from broker.tenancy.keys import Principal
 log = logging.getLogger("reach.api")
 router = APIRouter(tags=["tasks"])
 Caller = Annotated[Principal, Depends(authenticate)]
-Metered = Annotated[Principal, Depends(metered)]
 LAST_EVENT_ID_PATTERN = "^[0-9]{1,18}$"
 LAST_EVENT_ID = re.compile(LAST_EVENT_ID_PATTERN)
 TASK = {"$ref": "#/components/schemas/TaskResource"}
@@ -89,18 +88,20 @@ def _merge_idempotency_header(data: Any, header: str | None) -> Any:
     },
     openapi_extra=json_body(model_schema(Envelope)),
 )
-async def submit_task(request: Request, caller: Metered) -> Response:
+async def submit_task(request: Request, caller: Caller) -> Response:
     """Submit an envelope. ``async``: 202 with the task at once, poll ``Location``.
     ``sync``: 200 with the finished task if it finishes within the wait, else 202.
     ``stream``: the task's events as ``text/event-stream``."""
     started = time.perf_counter()
     state = services(request)
-    raw = await read_json_body(request, state.settings.max_body_bytes)
+    raw, token_taken = await read_metered_body(request, caller, state.settings.max_body_bytes)
     data = jsonbody.parse(raw, max_depth=state.settings.max_json_depth)
     envelope = parse_envelope(
         _merge_idempotency_header(data, request.headers.get("idempotency-key"))
     )
-    accepted = await state.intake.submit(caller, envelope, trace_id=request.state.trace_id)
+    accepted = await state.intake.submit(
+        caller, envelope, trace_id=request.state.trace_id, metered=token_taken
+    )
     metrics.submit_duration.observe(time.perf_counter() - started)
     return await replies.answer(state, caller.tenant, envelope, accepted, started=started)
 

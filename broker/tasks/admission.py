@@ -48,6 +48,27 @@ return waits
 """
     ).encode(),
 )
+# A tenant's token and then the live leases of a capability, for requests arriving together, in
+# one Redis call: KEYS[2i-1] the bucket, KEYS[2i] the live index; {wait, leases} each, with no
+# leases read for a request that got no token.
+_METERED_LEASES = AsyncScript(
+    None,  # type: ignore[arg-type]
+    (
+        BUCKET_LUA
+        + routing.LIVE_LEASES_LUA
+        + """
+local rate, burst, now, prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local answers = {}
+for i = 1, #KEYS / 2 do
+  local wait = take_token(KEYS[2 * i - 1], rate, burst, now)
+  local leases = {}
+  if wait == 0 then leases = live_leases(KEYS[2 * i], ARGV[3], prefix) end
+  answers[i] = {tostring(wait), leases}
+end
+return answers
+"""
+    ).encode(),
+)
 # The live leases of the capabilities asked for together, in one Redis call.
 _LEASES = AsyncScript(
     None,  # type: ignore[arg-type]
@@ -65,7 +86,9 @@ return answers
 class Door:
     """The two checks at the door, each grouped over the requests arriving together
     (``grouping``): the tenant's rate, taken before anything slow (reading the body, resolving
-    a host name), and the capability's live leases, once the envelope is read."""
+    a host name), and the capability's live leases, once the envelope is read. A request
+    whose small body had already arrived whole takes both in one call (``live`` with
+    ``metering``; ``api.deps.read_metered_body`` says why that is as safe)."""
 
     def __init__(self, redis: Redis, bucket: TokenBucket) -> None:
         self.redis = redis
@@ -76,20 +99,37 @@ class Door:
         self._leases = Grouped(
             self._leases_many, max_items=GROUP_MAX_REQUESTS, name="leases", retry_alone=True
         )
+        self._metered = Grouped(
+            self._metered_many, max_items=GROUP_MAX_REQUESTS, name="door+leases", retry_alone=False
+        )
 
     async def take(self, tenant: str) -> None:
         """Take one of the tenant's tokens, or raise RateLimited."""
         self.bucket.check(await self._tokens(tenant))
 
-    async def live(self, capability: str) -> tuple[float, list[routing.Candidate]]:
-        """(when, live candidates) for the capability itself."""
-        now, leases = await self._leases(capability)
+    async def live(
+        self, capability: str, *, metering: str | None = None
+    ) -> tuple[float, list[routing.Candidate]]:
+        """(when, live candidates) for the capability itself. ``metering``: the tenant whose
+        token is taken first, in the same Redis call (RateLimited when none is left)."""
+        if metering is None:
+            now, leases = await self._leases(capability)
+        else:
+            wait, now, leases = await self._metered((metering, capability))
+            self.bucket.check(wait)
         return now, routing.candidates_from(leases, capability, now)
 
     async def _take_many(self, tenants: list[str]) -> list[float]:
         keys = [self.bucket.key(tenant) for tenant in tenants]
         args = [self.bucket.rate_per_s, self.bucket.burst, now_s()]
         return [float(w) for w in await _TOKENS(keys=keys, args=args, client=self.redis)]
+
+    async def _metered_many(self, asks: list[tuple[str, str]]) -> list[tuple[float, float, Any]]:
+        now = now_s()
+        keys = [k for tenant, cap in asks for k in (self.bucket.key(tenant), live_key(cap))]
+        args: list[float | str] = [self.bucket.rate_per_s, self.bucket.burst, now, LEASE_PREFIX]
+        answers = await _METERED_LEASES(keys=keys, args=args, client=self.redis)
+        return [(float(wait), now, leases) for wait, leases in answers]
 
     async def _leases_many(self, capabilities: list[str]) -> list[tuple[float, Any]]:
         now = now_s()
@@ -106,16 +146,19 @@ async def admit(
     door: Door,
     engine: AsyncEngine,
     cache: TimedCache,
+    metered: bool = True,
 ) -> str:
     """The queue to publish to; raises when the request cannot be served as sent. The tenant's
-    rate was taken before the body was read (``Door.take``). ``allowed``: the caller's key
+    rate was taken before the body was read (``Door.take``), or, when not ``metered``, is
+    taken here, in the call that reads the live leases. ``allowed``: the caller's key
     patterns, which bound the fallback up the prefix chain as they bound the capability asked
     for."""
+    # First: a request whose token is taken here is refused before anything else is read.
+    known = await door.live(envelope.capability, metering=None if metered else tenant)
     known_policy = await policy.current(engine, cache)
     rules = known_policy.rules(
         tenant=tenant, capability=envelope.capability, target=envelope.address, hint=envelope.hint
     )
-    known = await door.live(envelope.capability)
     rates = await figures.success_rates(engine, cache)
     route = await routing.resolve(
         door.redis,

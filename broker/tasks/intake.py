@@ -4,7 +4,8 @@ accepted task. The HTTP API calls it; so will every other front door.
 The order keeps the cheap checks first and the slow one last: the key's patterns (memory),
 the route and the payload (Redis, cached cards), the queue's depth (cached), then the
 callback's host name (a DNS lookup), then the insert and the publish. The tenant's rate token
-is taken before the envelope is even read (``Door.take``).
+is taken before the envelope is even read (``Door.take``), or, for a small body that had
+arrived whole, in the route lookup's own Redis call (``api.deps.read_metered_body``).
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ class Intake:
         *,
         trace_id: str,
         callback: dict[str, Any] | None = None,
+        metered: bool = True,
     ) -> Accepted:
         """The accepted task (or the one its idempotency key already made); raises a
         ReachError with the code that says why not. ``callback``: the task's callback as
-        stored, in place of the envelope's (an A2A push config; ``broker.facades.a2a``)."""
+        stored, in place of the envelope's (an A2A push config; ``broker.facades.a2a``).
+        ``metered``: the tenant's token was taken already; if not, it is taken with the
+        route lookup, before anything else reaches Redis or Postgres."""
         if not any_pattern_allows(caller.capabilities, envelope.capability):
             raise Forbidden(
                 f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
@@ -67,6 +71,7 @@ class Intake:
             door=self.door,
             engine=self.engine,
             cache=self.cards,
+            metered=metered,
         )
         await self.queue_bound.check(queue)
         if callback is None and envelope.callback is not None:

@@ -123,6 +123,12 @@ def test_an_async_generator_streams_its_items_in_order(
     events = read_stream(client, "GET", f"/tasks/{task_id}/events")
     outputs = [e["data"]["data"] for e in events if e.get("event") == "output"]  # type: ignore[index]
     assert [o["i"] for o in outputs] == [0, 1, 2, 3, 4]
+    # The running event goes out while the coroutine starts; its first output, yielded at
+    # once, still comes after it.
+    statuses = [e["data"]["data"]["status"] for e in events if e.get("event") == "status"]  # type: ignore[index]
+    kinds = [e.get("event") for e in events]
+    assert statuses == ["queued", "running"]
+    assert kinds == ["status", "status", *["output"] * 5, "succeeded"]
     done = client.get(f"/tasks/{task_id}").json()
     assert done["status"] == "succeeded"
     assert [o["i"] for o in done["result"]["outputs"]] == [0, 1, 2, 3, 4]

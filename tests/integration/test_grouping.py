@@ -100,3 +100,22 @@ def test_the_door_reads_the_live_leases_of_requests_arriving_together_in_one_cal
     answers, calls = asyncio.run(_counting(own_redis, body))
     assert calls == 1
     assert [candidates for _, candidates in answers] == [[], [], []]  # nobody serves them here
+
+
+def test_the_door_takes_tokens_and_reads_leases_of_requests_arriving_together_in_one_call(
+    own_redis: str,
+) -> None:
+    """Given a tenant with two tokens and four small requests arriving together, when each
+    takes its token with its route lookup, I expect one Redis call, two answered with the
+    live leases and two refused."""
+    tenant = f"door-{uuid.uuid4().hex[:6]}"
+
+    async def body(client: AsyncRedis) -> list[Any]:
+        door = Door(client, TokenBucket(rate_per_s=0.001, burst=2))
+        asks = [door.live(c, metering=tenant) for c in ("echo", "a.b", "echo", "a.b")]
+        return list(await asyncio.gather(*asks, return_exceptions=True))
+
+    answers, calls = asyncio.run(_counting(own_redis, body))
+    assert calls == 1
+    assert [a[1] for a in answers[:2]] == [[], []]  # nobody serves them here
+    assert all(isinstance(a, RateLimited) for a in answers[2:])

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
@@ -110,3 +111,25 @@ def test_acks_share_one_client_instead_of_making_one_per_message(
         monkeypatch.undo()
         assert not redis.Redis.from_url(own_redis).hlen(channel.qos.unacked_key)
     assert len(made) <= 2, len(made)
+
+
+def test_a_delivery_that_fails_puts_back_what_its_batch_took(own_redis: str) -> None:
+    """Given five queued messages and a consumer whose first delivery fails, I expect the
+    four its batch took back in the list at once, not left unacked until the visibility
+    timeout, and all five there again once the consumer closes."""
+    publish(own_redis, 5)
+    client = redis.Redis.from_url(own_redis)
+
+    def refuse(_: Any, message: Any) -> None:
+        raise RuntimeError("delivery failed")
+
+    with Connection(own_redis, transport=TRANSPORT) as conn:
+        channel = conn.channel()
+        channel.basic_qos(0, 10, False)
+        with Consumer(channel, [QUEUE], callbacks=[refuse]):
+            with pytest.raises(RuntimeError, match="delivery failed"):
+                conn.drain_events(timeout=2)
+            assert client.llen("intake.test") == 4
+            assert client.hlen(channel.qos.unacked_key) == 1  # the one delivered
+    assert client.llen("intake.test") == 5
+    assert client.hlen("unacked") == 0
