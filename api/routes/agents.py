@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body, model_schema
-from api.deps import authenticate, read_json_body
+from api.deps import authenticate, metered, read_json_body
 from api.schemas import CapabilitySeries
 from api.services import services
 from broker import jsonbody
@@ -23,6 +23,7 @@ from broker.webhooks.ssrf import Guard
 
 router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
+Metered = Annotated[Principal, Depends(metered)]  # routes that do real work take a token
 DRAIN_FLAG_TTL_S = 24 * 3600
 REGISTRATION_MAX_BYTES = 512 * 1024
 CHANNEL_MAX_BYTES = 16 * 1024
@@ -238,7 +239,7 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
 async def get_capability_series(
     capability: CapabilityName,
     request: Request,
-    caller: Caller,
+    caller: Metered,  # an aggregate over up to a day of tasks: real work, a token
     window_s: Annotated[
         int,
         Query(

@@ -253,6 +253,19 @@ def test_webhook_registration_takes_a_token(
     assert answers[2].json()["code"] == "rate_limited"
 
 
+def test_a_capabilitys_series_takes_a_token_and_its_list_does_not(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    api = stack_for(rate_limit_per_s=0.001, rate_limit_burst=2)
+    _, token = make_key()
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        series = [http.get("/capabilities/echo/series") for _ in range(3)]
+        listed = http.get("/capabilities")
+    assert [a.status_code for a in series] == [200, 200, 429]
+    assert series[2].json()["code"] == "rate_limited"
+    assert listed.status_code == 200
+
+
 def test_unknown_keys_cost_a_bounded_number_of_queries(
     stack_for: Callable[..., ServedApp], make_key: KeyMaker
 ) -> None:
