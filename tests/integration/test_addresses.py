@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +100,24 @@ def without_trace(body: dict[str, Any]) -> dict[str, Any]:
 # --- hint (two instances of one version, started for this test alone) ------------------------
 
 
+@contextmanager
+def ready_instances(
+    admin: httpx.Client, settings: Settings, log_dir: Path, *names: str
+) -> Iterator[list[tuple[CeleryProcess, str]]]:
+    """A worker of test-addr 1.0.0 for each name, once ready: (its process, its instance)."""
+    with ExitStack() as stack:
+        started = []
+        for name in names:
+            process = start_version(settings, log_dir, "1.0.0", name)
+            stack.callback(process.stop)
+            started.append(process)
+        yield [(p, live_instance(admin, "1.0.0", n)) for p, n in zip(started, names, strict=True)]
+
+
 def test_a_hinted_instance_takes_the_task_while_ready_and_another_once_it_drained(
     admin: httpx.Client, caller: httpx.Client, settings: Settings, log_dir: Path
 ) -> None:
-    a = start_version(settings, log_dir, "1.0.0", "hint-a")
-    b = start_version(settings, log_dir, "1.0.0", "hint-b")
-    try:
-        hinted = live_instance(admin, "1.0.0", "hint-a")
-        other = live_instance(admin, "1.0.0", "hint-b")
+    with ready_instances(admin, settings, log_dir, "hint-a", "hint-b") as [(_, hinted), (_, other)]:
         # Given two ready instances, when ten tasks name one of them as their hint
         ran_on = {run(caller, hint=hinted)["agent"]["instance"] for _ in range(10)}
         # Then that instance ran every one of them (unhinted, both would have)
@@ -126,9 +137,6 @@ def test_a_hinted_instance_takes_the_task_while_ready_and_another_once_it_draine
         assert ran_on == {other}
         # And a hint naming no instance at all is the usual choice
         assert run(caller, hint="nobody@nowhere")["agent"]["instance"] == other
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_task_hinted_to_an_instance_that_died_moves_to_its_cards_queue(
@@ -139,11 +147,8 @@ def test_a_task_hinted_to_an_instance_that_died_moves_to_its_cards_queue(
     engine: Engine,
     system_beat: CeleryProcess,  # the sweeper
 ) -> None:
-    doomed = start_version(settings, log_dir, "1.0.0", "hint-dead")
-    alive = start_version(settings, log_dir, "1.0.0", "hint-alive")
-    try:
-        hinted = live_instance(admin, "1.0.0", "hint-dead")
-        other = live_instance(admin, "1.0.0", "hint-alive")
+    with ready_instances(admin, settings, log_dir, "hint-dead", "hint-alive") as found:
+        [(doomed, hinted), (_, other)] = found
         # Given the hinted instance killed while its lease still says ready
         doomed.kill_hard()
         answer = caller.post(
@@ -159,9 +164,6 @@ def test_a_task_hinted_to_an_instance_that_died_moves_to_its_cards_queue(
         done = wait_for_task(caller, task_id, FINAL)
         assert done["status"] == "succeeded"
         assert done["agent"]["instance"] == other
-    finally:
-        doomed.stop()  # closes its log
-        alive.stop()
 
 
 # --- two versions, for the rest of the module --------------------------------------------------

@@ -194,7 +194,7 @@ def said_by_user(session: dict[str, Any]) -> list[str]:
     return [m["text"] for m in session["state"].get("history", []) if m["role"] == "user"]
 
 
-def twenty_turns_at_once(
+def assert_twenty_turns_run_in_order(
     api: ServedApp, token: str, client: httpx.Client, engine: Engine
 ) -> list[Any]:
     """Given a session, when 20 chat.reply turns are submitted at once, expect each to run
@@ -239,7 +239,7 @@ def test_twenty_turns_submitted_at_once_run_in_the_order_accepted(
     engine: Engine,
     turn_worker: CeleryProcess,
 ) -> None:
-    twenty_turns_at_once(api, tenant[1], client, engine)
+    assert_twenty_turns_run_in_order(api, tenant[1], client, engine)
 
 
 def test_two_workers_serving_one_session_keep_its_order(
@@ -256,7 +256,7 @@ def test_two_workers_serving_one_session_keep_its_order(
         settings, TURN_QUEUES, "turns-threads", log_dir, concurrency=8, pool="threads"
     )
     try:
-        rows = twenty_turns_at_once(api, tenant[1], client, engine)
+        rows = assert_twenty_turns_run_in_order(api, tenant[1], client, engine)
     finally:
         second.stop()
     # expect both to have served the session
