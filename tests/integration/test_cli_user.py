@@ -54,6 +54,35 @@ def test_exit_status_says_failed_and_expired(env: dict[str, str]) -> None:
     assert json.loads(expired.stdout)["status"] == "expired"
 
 
+def test_a_wait_that_runs_out_exits_5_and_the_task_goes_on(env: dict[str, str]) -> None:
+    slow = '{"sleep_s": 30}'
+    waited = reach(
+        env, "submit", "test.sleepy", "--payload", slow, "--wait", "--timeout", "1", "--json"
+    )
+    assert waited.returncode == 5, waited.stderr
+    assert "is still" in waited.stderr
+    first = json.loads(waited.stdout)  # the task as it is when the wait ran out
+    assert first["status"] in ("queued", "running")
+    assert reach(env, "tasks", "cancel", first["task_id"]).returncode == 0
+    streamed = reach(
+        env, "submit", "test.sleepy", "--payload", slow, "--stream", "--json", "--timeout", "1"
+    )
+    assert streamed.returncode == 5, streamed.stderr
+    events = [json.loads(line) for line in streamed.stdout.splitlines()]  # the events so far
+    assert [(e["type"], e["data"]["status"]) for e in events] == [
+        ("status", "queued"),
+        ("status", "running"),
+    ]
+    task_id = streamed.stderr.split("task ", 1)[1].split()[0]
+    watched = reach(env, "tasks", "watch", task_id, "--timeout", "1", "--json")
+    assert watched.returncode == 5, watched.stderr
+    assert reach(env, "tasks", "cancel", task_id).returncode == 0
+    # A timeout the task beats changes nothing
+    done = reach(env, "submit", "echo", "--payload", "{}", "--wait", "--timeout", "60", "--json")
+    assert done.returncode == 0, done.stderr
+    assert reach(env, "submit", "echo", "--wait", "--timeout", "0").returncode == 2
+
+
 def test_submit_stream_json_prints_every_event_once_in_order(env: dict[str, str]) -> None:
     payload = json.dumps({"text": TEXT, "max_sentences": 2})
     streamed = reach(env, "submit", "text.summarize", "--payload", payload, "--stream", "--json")

@@ -52,3 +52,14 @@ def json_object(text: str) -> dict[str, Any]:
 
 def comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def seconds(text: str) -> float:
+    """A positive number of seconds (``--timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0: {text!r}")
+    return value

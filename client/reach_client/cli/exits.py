@@ -6,6 +6,7 @@
 2     usage: bad arguments, bad JSON, no API key or URL configured
 3     the task ``expired`` (its deadline or its time limit passed)
 4     the task was ``cancelled``
+5     ``--timeout`` ran out while the task was still queued or running (it goes on)
 6     the API refused the request (the problem's code is printed)
 7     the API could not be reached (connection refused, timeout)
 130   interrupted (Ctrl-C); a task already submitted goes on
@@ -19,6 +20,7 @@ FAILED = 1
 USAGE = 2
 EXPIRED = 3
 CANCELLED = 4
+STILL_RUNNING = 5
 API_ERROR = 6
 UNREACHABLE = 7
 INTERRUPTED = 130

@@ -5,6 +5,10 @@ itself when the connection drops."""
 from __future__ import annotations
 
 import json
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -33,16 +37,50 @@ def describe(event: Event) -> str:
     return json.dumps(data, ensure_ascii=False) if data is not None else ""
 
 
-def follow(reach: Reach, task: Task, *, as_json: bool, events_as_json: bool) -> Task:
-    """Follow ``task`` to its end and return it finished.
+class StillRunning(Exception):
+    """The wait ran out before the task ended (``--timeout``); the task goes on."""
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[float]:
+    """The monotonic deadline; ``StillRunning`` raised in this (the main) thread once it
+    passes, even while it waits on the stream (SIGALRM, where the platform has it; elsewhere
+    the caller checks the deadline between events)."""
+    if seconds is None:
+        yield float("inf")
+        return
+    deadline = time.monotonic() + seconds
+    if not hasattr(signal, "setitimer"):
+        yield deadline
+        return
+
+    def ran_out(signum: int, frame: object) -> None:
+        raise StillRunning
+
+    previous = signal.signal(signal.SIGALRM, ran_out)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield deadline
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def follow(
+    reach: Reach, task: Task, *, as_json: bool, events_as_json: bool, timeout: float | None = None
+) -> Task:
+    """Follow ``task`` to its end and return it finished; ``StillRunning`` after ``timeout``
+    seconds.
 
     ``as_json`` leaves stdout to JSON: with ``events_as_json`` each event as one JSON line,
     else nothing here (the caller prints the finished task)."""
     out = render.stdout()
     finished = task
-    with progress_bar() as bar:
+    with progress_bar() as bar, time_limit(timeout) as deadline:
         row = bar.add_task("", total=100, status=task.status)
         for event in reach.tasks.stream(task.task_id):
+            if time.monotonic() > deadline:
+                raise StillRunning
             if events_as_json:
                 render.emit_json_line(event.raw)
             if event.type == "status" and isinstance(event.data, dict):

@@ -7,8 +7,8 @@ import itertools
 from typing import Any
 
 from reach_client.cli import exits, render
-from reach_client.cli.arguments import PAGE_MAX, json_object, open_client
-from reach_client.cli.follow import follow
+from reach_client.cli.arguments import PAGE_MAX, json_object, open_client, seconds
+from reach_client.cli.follow import StillRunning, follow
 from reach_client.models import FINAL, Task
 
 
@@ -18,7 +18,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="submit a task",
         description="Submit a task; with --wait or --stream, follow it to its end and exit "
-        "with its outcome (0 succeeded, 1 failed, 3 expired, 4 cancelled).",
+        "with its outcome (0 succeeded, 1 failed, 3 expired, 4 cancelled; 5 still running "
+        "when --timeout ran out).",
     )
     submit.add_argument("capability")
     submit.add_argument(
@@ -27,6 +28,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     how = submit.add_mutually_exclusive_group()
     how.add_argument("--wait", action="store_true", help="wait for the task, then print it")
     how.add_argument("--stream", action="store_true", help="print its events as they come")
+    submit.add_argument("--timeout", type=seconds, help="with --wait or --stream: stop after S s")
     submit.add_argument("--idempotency-key")
     submit.add_argument("--deadline-ms", type=int)
     submit.add_argument("--session", dest="session_id")
@@ -55,6 +57,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         command = verbs.add_parser(verb, parents=[common], help=text)
         command.add_argument("task_id")
         command.set_defaults(handler=handler)
+        if verb == "watch":
+            command.add_argument("--timeout", type=seconds, help="stop watching after S s")
 
 
 def show(args: argparse.Namespace, task: Task) -> None:
@@ -83,8 +87,23 @@ def run_submit(args: argparse.Namespace) -> int:
         if not args.json:
             render.stderr().print(f"submitted task {task.task_id}")
         events_as_json = args.json and args.stream
-        finished = follow(reach, task, as_json=args.json, events_as_json=events_as_json)
+        try:
+            finished = follow(
+                reach, task, as_json=args.json, events_as_json=events_as_json, timeout=args.timeout
+            )
+        except StillRunning:
+            now = reach.tasks.get(task.task_id)
+            return still_running(args, now, events_printed=events_as_json)
         return finish(args, finished, events_printed=events_as_json)
+
+
+def still_running(args: argparse.Namespace, task: Task, *, events_printed: bool) -> int:
+    """The task as it is when the wait ran out (unless its events were the output), and exit
+    status 5: it goes on."""
+    render.stderr().print(f"task {task.task_id} is still {task.status} after {args.timeout:g} s")
+    if not events_printed:
+        show(args, task)
+    return exits.STILL_RUNNING
 
 
 def finish(args: argparse.Namespace, task: Task, *, events_printed: bool) -> int:
@@ -99,7 +118,13 @@ def finish(args: argparse.Namespace, task: Task, *, events_printed: bool) -> int
 def run_watch(args: argparse.Namespace) -> int:
     with open_client(args) as reach:
         task = reach.tasks.get(args.task_id)
-        finished = follow(reach, task, as_json=args.json, events_as_json=args.json)
+        try:
+            finished = follow(
+                reach, task, as_json=args.json, events_as_json=args.json, timeout=args.timeout
+            )
+        except StillRunning:
+            now = reach.tasks.get(task.task_id)
+            return still_running(args, now, events_printed=args.json)
         return finish(args, finished, events_printed=args.json)
 
 
