@@ -58,11 +58,13 @@ export function pager(onPage) {
   };
 }
 
-// Run an action (a POST); say `done` in `status`, or the problem, then call `after`.
+// Run an action (a POST); say `done` in `status` (text, or a function of the answer giving
+// what to show), or the problem, then call `after`.
 export async function act(request, done, status, after = () => {}) {
   try {
-    await request();
-    status.replaceChildren(h("p", { class: "note", role: "status" }, done));
+    const answer = await request();
+    status.replaceChildren(h("p", { class: "note", role: "status" },
+      typeof done === "function" ? done(answer) : done));
     after();
   } catch (error) {
     status.replaceChildren(alertBox(error));

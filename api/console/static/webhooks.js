@@ -1,37 +1,90 @@
 // Webhooks: the tenant's subscriptions; one subscription's deliveries with every attempt's
 // status code, error and latency; redeliver a failed or dead one.
 
-import { get, post, query } from "./api.js";
+import { get, post, query, remove } from "./api.js";
 import { badge, h, when } from "./dom.js";
 import { act, pager, poll } from "./live.js";
 
 const REFRESH_MS = 3000;
 const REDELIVERABLE = ["failed", "dead"];
 
+const EVENTS = ["task.succeeded", "task.failed", "task.cancelled", "task.expired", "task.progress"];
+const FINAL_EVENTS = EVENTS.filter((e) => e !== "task.progress");
+
+// A secret is shown once, when it is made: the API never shows it again.
+function secretShown(text, answer) {
+  return [text, " Its signing secret, shown this once: ",
+    h("code", { id: "webhook-secret" }, answer.secret)];
+}
+
 export function renderWebhooks(main) {
   const problem = h("div", { "aria-live": "polite" });
+  const status = h("div", { "aria-live": "polite" });
   const body = h("tbody");
+  const url = h("input", { id: "webhook-url", name: "url", type: "url", required: true,
+    placeholder: "https://example.com/hooks/reach", spellcheck: "false" });
+  const capabilities = h("input", { id: "webhook-capabilities", name: "capabilities",
+    placeholder: "all; or patterns, comma-separated (invoice.*)", spellcheck: "false" });
+  const description = h("input", { id: "webhook-description", name: "description", maxlength: 256 });
+  const events = EVENTS.map((e) => h("input", { type: "checkbox", name: "events", value: e,
+    id: `event-${e}`, checked: FINAL_EVENTS.includes(e) }));
+  const form = h("form", { class: "card webhook-form", onsubmit: create },
+    h("h2", {}, "New subscription"),
+    h("label", { for: "webhook-url" }, "URL"), url,
+    h("fieldset", {}, h("legend", {}, "Events"),
+      events.map((box) => h("div", {}, box, " ", h("label", { for: box.id }, box.value)))),
+    h("label", { for: "webhook-capabilities" }, "Capabilities"), capabilities,
+    h("label", { for: "webhook-description" }, "Description"), description,
+    h("div", {}, h("button", { type: "submit" }, "Subscribe")),
+  );
   main.append(
     h("h1", {}, "Webhooks"),
     problem,
+    status,
     h("div", { class: "scroll" }, h("table", {},
-      h("thead", {}, h("tr", {}, ["URL", "Events", "Capabilities", "Status", "Created"].map((t) => h("th", { scope: "col" }, t)))),
+      h("thead", {}, h("tr", {}, ["URL", "Events", "Capabilities", "Status", "Created", ""].map((t) => h("th", { scope: "col" }, t)))),
       body)),
+    form,
   );
-  return poll({
+
+  function create(event) {
+    event.preventDefault();
+    const spec = {
+      url: url.value.trim(),
+      events: events.filter((box) => box.checked).map((box) => box.value),
+      capabilities: capabilities.value.split(",").map((c) => c.trim()).filter(Boolean),
+    };
+    if (description.value.trim()) spec.description = description.value.trim();
+    act(() => post("webhooks", spec), (made) => secretShown(`Subscribed ${made.url}.`, made),
+      status, () => {
+        form.reset();
+        live.refresh();
+      });
+  }
+
+  function unsubscribe(w) {
+    if (!window.confirm(`Delete the subscription to ${w.url}? Its deliveries stop.`)) return;
+    act(() => remove(`webhooks/${encodeURIComponent(w.webhook_id)}`), `Deleted ${w.url}.`, status,
+      () => live.refresh());
+  }
+
+  const live = poll({
     read: () => get("webhooks"),
     show: (found) => {
       body.replaceChildren(...found.webhooks.map((w) => h("tr", { "data-webhook-id": w.webhook_id },
         h("td", {}, h("a", { href: `#/webhooks/${w.webhook_id}` }, w.url), w.description ? h("div", { class: "muted" }, w.description) : ""),
         h("td", {}, (w.events ?? []).join(", ")),
-        h("td", {}, (w.capabilities ?? ["*"]).join(", ")),
+        h("td", {}, (w.capabilities?.length ? w.capabilities : ["*"]).join(", ")),
         h("td", {}, badge(w.status), w.disabled_reason ? h("div", { class: "muted" }, w.disabled_reason) : ""),
         h("td", {}, when(w.created_at)),
+        h("td", {}, h("button", { type: "button", class: "danger", onclick: () => unsubscribe(w),
+          "aria-label": `Delete ${w.url}` }, "Delete")),
       )));
-      if (!found.webhooks.length) body.append(h("tr", {}, h("td", { colspan: 5 }, "No subscription.")));
+      if (!found.webhooks.length) body.append(h("tr", {}, h("td", { colspan: 6 }, "No subscription.")));
     },
     problem,
-  }).stop;
+  });
+  return live.stop;
 }
 
 export function renderWebhook(main, webhookId) {
@@ -41,7 +94,11 @@ export function renderWebhook(main, webhookId) {
   const title = h("h1", {}, "Webhook");
   const list = h("div", { class: "deliveries" });
   const pages = pager(() => live.refresh());
+  const rotate = () => act(() => post(`webhooks/${id}/rotate-secret`),
+    (rotated) => secretShown("A new secret signs from now on (the old one signs beside it for a grace period).", rotated),
+    status);
   main.append(h("p", {}, h("a", { href: "#/webhooks" }, "← Webhooks")), title, problem, status,
+    h("div", { class: "actions" }, h("button", { type: "button", onclick: rotate }, "Rotate secret")),
     h("h2", {}, "Deliveries"), list, pages.nav);
 
   const redeliver = (deliveryId) => act(

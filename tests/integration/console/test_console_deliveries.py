@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from playwright.sync_api import expect
+from standardwebhooks import Webhook
 
 from tests.integration.conftest import client_for
 from tests.integration.console.conftest import Console
@@ -106,4 +107,44 @@ def test_the_sessions_page_lists_a_session_whose_tasks_link_lists_exactly_its_ta
     expect(tasks).to_have_count(2)
     assert tasks.evaluate_all("rows => rows.map((r) => r.dataset.taskId)") == ours[::-1]
     assert f"session_id={sid}" in page.url
+    assert console.errors == []
+
+
+def test_a_subscription_made_in_the_console_signs_with_the_secret_it_showed_once(
+    console: Console, key: str, api: ServedApp
+) -> None:
+    page = console.page
+    with Receiver() as receiver, client_for(api, key) as http:
+        console.sign_in(key)
+        page.get_by_role("link", name="Webhooks").click()
+        # When a subscription is made from the form (the final events are ticked already)
+        page.get_by_label("URL").fill(receiver.url)
+        page.get_by_label("task.progress").check()
+        page.get_by_label("Capabilities").fill("echo")
+        page.get_by_role("button", name="Subscribe").click()
+        secret = page.locator("#webhook-secret").inner_text()
+        assert secret.startswith("whsec_")
+        row = page.locator("tbody tr[data-webhook-id]")
+        expect(row).to_have_count(1)
+        expect(row.locator("td").nth(1)).to_contain_text("task.progress")
+        (made,) = http.get("/webhooks").json()["webhooks"]
+        assert (made["url"], made["capabilities"]) == (receiver.url, ["echo"])
+
+        # Then a task's callback is signed with the secret the page showed
+        http.post("/tasks", json={"capability": "echo", "payload": {"n": 1}})
+        (call,) = receiver.wait_for(1)
+        Webhook(secret).verify(call.body, call.headers)
+
+        # And a rotation shows a new one, once
+        row.get_by_role("link", name=receiver.url).click()
+        page.get_by_role("button", name="Rotate secret").click()
+        expect(page.get_by_role("status")).to_contain_text("A new secret signs from now on")
+        assert page.locator("#webhook-secret").inner_text() not in ("", secret)
+
+        # And deleting it (after a confirmation) leaves none
+        page.get_by_role("link", name="← Webhooks").click()
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.get_by_role("button", name=f"Delete {receiver.url}").click()
+        expect(page.get_by_text("No subscription.")).to_be_visible()
+        assert http.get("/webhooks").json()["webhooks"] == []
     assert console.errors == []
