@@ -2,8 +2,11 @@
 
 import { FINAL, events, get, post } from "./api.js";
 import { alertBox, badge, collapsible, definitionList, h, pretty, when } from "./dom.js";
+import { act, poll } from "./live.js";
+import { delivery } from "./webhooks.js";
 
 const RECONNECT_MS = 1000;
+const DELIVERIES_MS = 3000;
 
 export function renderTask(main, taskId) {
   const stop = new AbortController();
@@ -19,6 +22,8 @@ export function renderTask(main, taskId) {
   const outputs = h("ol", { id: "outputs", class: "outputs" });
   const timeline = h("ol", { id: "timeline", class: "timeline" });
   const live = h("span", { id: "stream-state", class: "muted" }, "connecting…");
+  const deliveries = h("div", { id: "deliveries", class: "deliveries" });
+  const deliveryStatus = h("div", { "aria-live": "polite" });
   let task = null;
 
   main.append(
@@ -27,7 +32,8 @@ export function renderTask(main, taskId) {
     actions,
     problem,
     h("div", { class: "progress" }, h("label", { for: "task-progress" }, "Progress"), bar, barLabel),
-    h("div", { class: "columns" }, h("div", {}, fields, failure, payload, result),
+    h("div", { class: "columns" }, h("div", {}, fields, failure, payload, result,
+      h("section", {}, h("h2", {}, "Deliveries"), deliveryStatus, deliveries)),
       h("div", {},
         h("section", {}, h("h2", {}, "Outputs"), outputs),
         h("section", {}, h("h2", {}, "Timeline ", live), timeline))),
@@ -154,6 +160,23 @@ export function renderTask(main, taskId) {
     }
   }
 
+  // Its callback's deliveries and its subscriptions' (the final one comes after the end).
+  const id = encodeURIComponent(taskId);
+  const redeliver = (deliveryId) => act(
+    () => post(`tasks/${id}/deliveries/${deliveryId}/redeliver`), "Sent again.", deliveryStatus,
+    () => sent.refresh());
+  const sent = poll({
+    every: DELIVERIES_MS,
+    read: () => get(`tasks/${id}/deliveries`, { signal: stop.signal }),
+    show: (found) => {
+      deliveries.replaceChildren(...found.deliveries.map((d) => delivery(d, redeliver)));
+      if (!found.deliveries.length) {
+        deliveries.append(h("p", { class: "muted" }, "No callback or subscription has been sent this task's events."));
+      }
+    },
+    problem: deliveryStatus,
+  });
+
   get(`tasks/${encodeURIComponent(taskId)}?include=payload`, { signal: stop.signal })
     .then((found) => {
       show(found);
@@ -162,7 +185,10 @@ export function renderTask(main, taskId) {
     .catch((error) => {
       if (!stop.signal.aborted) problem.replaceChildren(alertBox(error));
     });
-  return () => stop.abort();
+  return () => {
+    stop.abort();
+    sent.stop();
+  };
 }
 
 function summary(type, data) {

@@ -120,7 +120,7 @@ export function renderWebhook(main, webhookId) {
   return live.stop;
 }
 
-function delivery(d, redeliver) {
+export function delivery(d, redeliver) {
   return h("article", { class: "card delivery", "data-delivery-id": d.delivery_id },
     h("h3", {}, d.event_type, " ", badge(d.status), " ",
       h("span", { class: "muted" }, `${d.attempt_count} attempt${d.attempt_count === 1 ? "" : "s"}`)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from playwright.sync_api import expect
 from standardwebhooks import Webhook
 
-from tests.integration.conftest import client_for
+from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.console.conftest import Console
 from tests.integration.receiver import Receiver, Reply
 from tests.integration.stack import ServedApp
@@ -147,4 +147,36 @@ def test_a_subscription_made_in_the_console_signs_with_the_secret_it_showed_once
         page.get_by_role("button", name=f"Delete {receiver.url}").click()
         expect(page.get_by_text("No subscription.")).to_be_visible()
         assert http.get("/webhooks").json()["webhooks"] == []
+    assert console.errors == []
+
+
+def test_a_tasks_page_shows_its_callback_delivery_and_redelivers_it(
+    console: Console, api: ServedApp, make_key: KeyMaker
+) -> None:
+    # Given a tenant with a callback secret, and a task whose callback refuses the first call
+    _, key = make_key(tenant_admin=True)
+    with (
+        Receiver(lambda n: Reply(400) if n == 1 else Reply(200)) as receiver,
+        client_for(api, key) as http,
+    ):
+        assert http.post("/callbacks/secret").status_code == 201
+        envelope = {
+            "capability": "echo",
+            "payload": {},
+            "callback": {"url": receiver.url, "events": ["task.succeeded"]},
+        }
+        task_id = http.post("/tasks", json=envelope).json()["task_id"]
+        page = console.page
+        console.sign_in(key)
+        console.open(f"#/tasks/{task_id}")
+        # Then its page shows the delivery failed with the 400 of its one attempt
+        delivery = page.locator("#deliveries article.delivery")
+        expect(delivery.locator("h3 .badge")).to_have_text("failed")
+        expect(delivery.locator("td.status-code")).to_have_text(["400"])
+        # When it is redelivered from there, it succeeds on a second attempt
+        delivery.get_by_role("button", name="Redeliver").click()
+        expect(delivery.locator("h3 .badge")).to_have_text("succeeded")
+        expect(delivery.locator("td.status-code")).to_have_text(["400", "200"])
+        first, second = receiver.wait_for(2)
+    assert first.headers["webhook-id"] == second.headers["webhook-id"]
     assert console.errors == []
