@@ -42,6 +42,7 @@ export async function call(method, path, body, { signal } = {}) {
 
 export const get = (path, options) => call("GET", path, undefined, options);
 export const post = (path, body, options) => call("POST", path, body, options);
+export const put = (path, body, options) => call("PUT", path, body, options);
 export const remove = (path, options) => call("DELETE", path, undefined, options);
 
 export function query(params) {
