@@ -10,7 +10,16 @@ from fastapi.responses import JSONResponse, Response
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
-from api.schemas import CapabilitySeries
+from api.schemas import (
+    AgentList,
+    AgentResource,
+    CapabilityList,
+    CapabilitySeries,
+    ChannelSet,
+    DrainRequested,
+    RemoteAgent,
+    Revocation,
+)
 from api.services import services
 from broker import jsonbody
 from broker.errors import Forbidden, NotFound
@@ -38,28 +47,34 @@ CapabilityName = Annotated[
 ADMIN = "Not an admin key (admin_required)"
 
 
-@router.get("/agents", responses=answers(*AUTHENTICATED))
-async def list_agents(request: Request, caller: Caller) -> dict[str, Any]:
+@router.get("/agents", response_model=AgentList, responses=answers(*AUTHENTICATED))
+async def list_agents(request: Request, caller: Caller) -> JSONResponse:
     """Every agent that advertised a card, with its instances and their state. A key other
     than an operator's sees only agents of capabilities its patterns allow, and no instance's
     name, host or process id."""
     state = services(request)
-    return {"agents": views.seen_by(await views.agents(state.engine, state.redis), caller)}
+    found = views.seen_by(await views.agents(state.engine, state.redis), caller)
+    return JSONResponse({"agents": found})
 
 
-@router.get("/agents/{agent_id}", responses=answers(*AUTHENTICATED, 404, 422))
-async def get_agent(agent_id: AgentId, request: Request, caller: Caller) -> dict[str, Any]:
+@router.get(
+    "/agents/{agent_id}",
+    response_model=AgentResource,
+    responses=answers(*AUTHENTICATED, 404, 422),
+)
+async def get_agent(agent_id: AgentId, request: Request, caller: Caller) -> JSONResponse:
     """An agent's cards and instances: state and seconds since the last heartbeat."""
     state = services(request)
     found = await views.agents(state.engine, state.redis, agent_id=agent_id)
     found = views.seen_by(found, caller)
     if not found:
         raise NotFound("no such agent", code="agent_not_found")
-    return found[0]
+    return JSONResponse(found[0])
 
 
 @router.put(
     "/agents/{agent_id}/channels/{channel}",
+    response_model=ChannelSet,
     responses=answers(
         *AUTHENTICATED,
         *JSON_BODY,
@@ -74,7 +89,7 @@ async def get_agent(agent_id: AgentId, request: Request, caller: Caller) -> dict
 )
 async def put_channel(
     agent_id: AgentId, channel: Channel, request: Request, caller: Caller
-) -> dict[str, Any]:
+) -> JSONResponse:
     """Set a channel: ``{"versions": {"2.3.1": 90, "2.4.0": 10}}``, weights of versions the
     agent has and that are not revoked. A target ``<agent_id>@<channel>`` routes by it;
     ``stable`` is also what untargeted requests use. Admin only."""
@@ -85,7 +100,7 @@ async def put_channel(
     weights = channels.parse_weights(jsonbody.parse(raw, max_depth=4))
     answer = await channels.put(state.engine, agent_id, channel, weights)
     policy.forget(state.card_cache)
-    return answer
+    return JSONResponse(answer)
 
 
 @router.delete(
@@ -108,11 +123,12 @@ async def delete_channel(
 
 @router.post(
     "/agents/{agent_id}/versions/{version}/revoke",
+    response_model=Revocation,
     responses=answers(*AUTHENTICATED, 403, 404, 422, s403=ADMIN),
 )
 async def revoke_version(
     agent_id: AgentId, version: Version, request: Request, caller: Caller
-) -> dict[str, Any]:
+) -> JSONResponse:
     """Take a version out of routing for good (lifecycle ``revoked``): no request is routed
     to it, a target naming it is 410 ``version_revoked``, and its instances' lease renewals
     drop it. There is no undo: deploy a new version. Admin only."""
@@ -122,7 +138,7 @@ async def revoke_version(
         state.engine, state.redis, agent_id, version, by=caller.key_id
     )
     policy.forget(state.card_cache)
-    return answer
+    return JSONResponse(answer)
 
 
 def _require_admin(caller: Principal, what: str) -> None:
@@ -133,6 +149,7 @@ def _require_admin(caller: Principal, what: str) -> None:
 @router.post(
     "/agents/{agent_id}/instances/{instance}/drain",
     status_code=202,
+    response_model=DrainRequested,
     responses=answers(*AUTHENTICATED, 403, 404, 422, s403=ADMIN),
 )
 async def drain_instance(
@@ -151,8 +168,11 @@ async def drain_instance(
 @router.put(
     "/agents/{agent_id}",
     responses={
-        200: {"description": "Updated"},
-        201: {"description": "Registered; the answer holds the secret, shown once"},
+        200: {"description": "Updated", "model": RemoteAgent},
+        201: {
+            "description": "Registered; the answer holds the secret, shown once",
+            "model": RemoteAgent,
+        },
         **answers(
             *AUTHENTICATED,
             *JSON_BODY,
@@ -213,8 +233,8 @@ async def deregister_agent(agent_id: AgentId, request: Request, caller: Caller) 
     return Response(status_code=204)
 
 
-@router.get("/capabilities", responses=answers(*AUTHENTICATED))
-async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
+@router.get("/capabilities", response_model=CapabilityList, responses=answers(*AUTHENTICATED))
+async def list_capabilities(request: Request, caller: Caller) -> JSONResponse:
     """Each capability the key's patterns allow and some card its tenant may use serves: live
     instances, and figures from the last 5 minutes of the caller's tenant's tasks. Queue
     depth, shared by every tenant, is shown to operator keys only."""
@@ -222,7 +242,7 @@ async def list_capabilities(request: Request, caller: Caller) -> dict[str, Any]:
     shown = await views.capabilities_shown(state.engine, caller)
     depths = await _queue_depths(request, shown) if caller.is_admin else None
     found = await views.capabilities(state.engine, state.redis, shown, caller, depths)
-    return {"capabilities": found}
+    return JSONResponse({"capabilities": found})
 
 
 @router.get(

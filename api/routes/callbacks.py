@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from api.contract import AUTHENTICATED, answers
 from api.deps import authenticate, metered
 from api.routes.webhooks import REDELIVERED, REDELIVERY, parse_id, reaches, send_again
+from api.schemas import CallbackSecret, TaskDeliveries
 from api.services import services
 from broker.errors import Forbidden, NotFound
 from broker.tasks import queries
@@ -30,7 +31,12 @@ Metered = Annotated[Principal, Depends(metered)]  # routes that do real work tak
 TASK_DELIVERIES_MAX = 100
 
 
-@router.post("/callbacks/secret", status_code=201, responses=answers(*AUTHENTICATED, 403))
+@router.post(
+    "/callbacks/secret",
+    status_code=201,
+    response_model=CallbackSecret,
+    responses=answers(*AUTHENTICATED, 403),
+)
 async def create_callback_secret(request: Request, caller: Metered) -> JSONResponse:
     """Create (or rotate) the secret that signs this tenant's task callbacks; shown once.
     After a rotation the previous secret keeps signing until ``previous_secret_expires_at``.
@@ -48,8 +54,12 @@ async def create_callback_secret(request: Request, caller: Metered) -> JSONRespo
     return JSONResponse(body, status_code=201)
 
 
-@router.get("/tasks/{task_id}/deliveries", responses=answers(*AUTHENTICATED, 404))
-async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dict[str, Any]:
+@router.get(
+    "/tasks/{task_id}/deliveries",
+    response_model=TaskDeliveries,
+    responses=answers(*AUTHENTICATED, 404),
+)
+async def task_deliveries(task_id: str, request: Request, caller: Caller) -> JSONResponse:
     """Every delivery of the task's events (its callback and matching subscriptions), each
     with its attempts. Kept after the task itself expires, for the delivery log's lifetime."""
     state = services(request)
@@ -57,7 +67,7 @@ async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dic
     rows, _ = await delivery_log.page(state.engine, caller.tenant, scope, limit=TASK_DELIVERIES_MAX)
     if not rows and await queries.get_task(state.engine, caller.tenant, tid) is None:
         raise NotFound("no such task", code="task_not_found")
-    return {"deliveries": rows}
+    return JSONResponse({"deliveries": rows})
 
 
 @router.post(
@@ -67,7 +77,7 @@ async def task_deliveries(task_id: str, request: Request, caller: Caller) -> dic
 )
 async def redeliver_for_task(
     task_id: str, delivery_id: str, request: Request, caller: Metered
-) -> dict[str, Any]:
+) -> JSONResponse:
     """Send a failed or dead delivery of this task once more (its callback's too)."""
     _, scope = await _deliveries_seen(request, caller, task_id)
     return await send_again(request, caller.tenant, parse_id(delivery_id, "delivery"), scope)

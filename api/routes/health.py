@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -11,6 +10,7 @@ from sqlalchemy import text
 
 from api.contract import answers
 from api.errors import problem
+from api.schemas import Readiness
 from api.services import services
 
 router = APIRouter(tags=["health"])
@@ -34,10 +34,10 @@ async def _redis(request: Request) -> None:
 
 @router.get(
     "/readyz",
-    response_model=None,
+    response_model=Readiness,
     responses=answers(503, s503="A dependency is unavailable (not_ready); retry after Retry-After"),
 )
-async def readyz(request: Request) -> dict[str, Any] | JSONResponse:
+async def readyz(request: Request) -> JSONResponse:
     """Ready to take work: Postgres and Redis both answer."""
     checks = {"postgres": _postgres, "redis": _redis}
     results: dict[str, str] = {}
@@ -48,7 +48,7 @@ async def readyz(request: Request) -> dict[str, Any] | JSONResponse:
         except Exception as exc:
             results[name] = f"unavailable: {type(exc).__name__}"
     if all(v == "ok" for v in results.values()):
-        return {"status": "ready", "checks": results}
+        return JSONResponse({"status": "ready", "checks": results})
     return problem(
         request,
         503,

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
 from api.paging import LIMIT_DEFAULT, CreatedCursor, Limit
-from api.schemas import SessionList
+from api.schemas import SessionList, SessionResource, SessionRevisions
 from api.services import services
 from broker import jsonbody, sessions
 from broker.tenancy.keys import Principal
@@ -34,11 +34,11 @@ IfMatch = Annotated[
 ]
 REVISIONS_MAX = 100
 ETAG = {"ETag": header('The session\'s revision: "<revision>"')}
-SESSION = {"description": "The session", "headers": ETAG}
+SESSION = {"description": "The session", "headers": ETAG, "model": SessionResource}
 INVALID = "The body is not valid (session_invalid), or the database refused a value in it"
 TOO_LARGE = "Body too large, or the session would be (session_too_large)"
 CREATES = {
-    201: {"description": "The session, at revision 1", "headers": ETAG},
+    201: {"description": "The session, at revision 1", "headers": ETAG, "model": SessionResource},
     **answers(
         *AUTHENTICATED,
         *JSON_BODY,
@@ -223,13 +223,17 @@ async def delete_session(session_id: str, request: Request, caller: Metered) -> 
     return Response(status_code=204)
 
 
-@router.get("/sessions/{session_id}/revisions", responses=answers(*AUTHENTICATED, 404, 422))
+@router.get(
+    "/sessions/{session_id}/revisions",
+    response_model=SessionRevisions,
+    responses=answers(*AUTHENTICATED, 404, 422),
+)
 async def list_revisions(
     session_id: str,
     request: Request,
     caller: Caller,
     limit: Annotated[int, Query(ge=1, le=REVISIONS_MAX)] = 20,
-) -> dict[str, Any]:
+) -> JSONResponse:
     """The last revisions, newest first, each with the task that wrote it (null: the API)."""
     found = await sessions.history(services(request).engine, caller.tenant, session_id, limit=limit)
-    return {"session_id": session_id, "revisions": found}
+    return JSONResponse({"session_id": session_id, "revisions": found})

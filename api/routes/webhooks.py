@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
 from api.paging import LIMIT_DEFAULT, Cursor, Limit
+from api.schemas import Delivery, DeliveryPage, WebhookList, WebhookResource, WebhookWithSecret
 from api.services import services
 from broker import jsonbody
 from broker.errors import BadRequest, Forbidden, NotFound
@@ -39,7 +40,7 @@ REDELIVERY = answers(
     " or its message expired with the task (delivery_expired)",
 )
 REDELIVERED: dict[int | str, dict[str, Any]] = {
-    202: {"description": "The delivery, sent once more"}
+    202: {"description": "The delivery, sent once more", "model": Delivery}
 }
 
 
@@ -83,6 +84,7 @@ async def _spec(request: Request) -> WebhookSpec:
 @router.post(
     "/webhooks",
     status_code=201,
+    response_model=WebhookWithSecret,
     responses={
         201: {
             "description": "The subscription with its signing secret, shown once",
@@ -119,16 +121,20 @@ async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
     return JSONResponse({**render(row), "secret": secret}, status_code=201, headers=headers)
 
 
-@router.get("/webhooks", responses=answers(*AUTHENTICATED))
-async def list_webhooks(request: Request, caller: Caller) -> dict[str, Any]:
+@router.get("/webhooks", response_model=WebhookList, responses=answers(*AUTHENTICATED))
+async def list_webhooks(request: Request, caller: Caller) -> JSONResponse:
     """The subscriptions this key reaches (a tenant has at most a few dozen)."""
     rows = await subscriptions.list_for(services(request).engine, caller.tenant)
-    return {"webhooks": [render(r) for r in rows if reaches(caller, r)]}
+    return JSONResponse({"webhooks": [render(r) for r in rows if reaches(caller, r)]})
 
 
-@router.get("/webhooks/{webhook_id}", responses=answers(*AUTHENTICATED, 404))
-async def get_webhook(webhook_id: str, request: Request, caller: Caller) -> dict[str, Any]:
-    return render(await _webhook(request, caller, webhook_id))
+@router.get(
+    "/webhooks/{webhook_id}",
+    response_model=WebhookResource,
+    responses=answers(*AUTHENTICATED, 404),
+)
+async def get_webhook(webhook_id: str, request: Request, caller: Caller) -> JSONResponse:
+    return JSONResponse(render(await _webhook(request, caller, webhook_id)))
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, responses=answers(*AUTHENTICATED, 404))
@@ -141,8 +147,12 @@ async def delete_webhook(webhook_id: str, request: Request, caller: Caller) -> R
     return Response(status_code=204)
 
 
-@router.post("/webhooks/{webhook_id}/rotate-secret", responses=answers(*AUTHENTICATED, 404))
-async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> dict[str, Any]:
+@router.post(
+    "/webhooks/{webhook_id}/rotate-secret",
+    response_model=WebhookWithSecret,
+    responses=answers(*AUTHENTICATED, 404),
+)
+async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> JSONResponse:
     """A new secret, shown once; the old one keeps signing (alongside) for the grace period."""
     state = services(request)
     webhook = await _webhook(request, caller, webhook_id)
@@ -155,17 +165,21 @@ async def rotate_secret(webhook_id: str, request: Request, caller: Metered) -> d
     if rotated is None:
         raise NotFound("no such webhook", code="webhook_not_found")
     row, secret = rotated
-    return {**render(row), "secret": secret}
+    return JSONResponse({**render(row), "secret": secret})
 
 
-@router.get("/webhooks/{webhook_id}/deliveries", responses=answers(*AUTHENTICATED, 400, 404, 422))
+@router.get(
+    "/webhooks/{webhook_id}/deliveries",
+    response_model=DeliveryPage,
+    responses=answers(*AUTHENTICATED, 400, 404, 422),
+)
 async def webhook_deliveries(
     webhook_id: str,
     request: Request,
     caller: Caller,
     limit: Limit = LIMIT_DEFAULT,
     cursor: Cursor = None,
-) -> dict[str, Any]:
+) -> JSONResponse:
     """Its deliveries, newest first, each with every attempt: time, status code, error,
     latency and the address connected to."""
     state = services(request)
@@ -177,7 +191,7 @@ async def webhook_deliveries(
         limit=min(limit, state.settings.list_page_max),
         cursor=cursor,
     )
-    return {"deliveries": rows, "next_cursor": next_cursor}
+    return JSONResponse({"deliveries": rows, "next_cursor": next_cursor})
 
 
 @router.post(
@@ -187,7 +201,7 @@ async def webhook_deliveries(
 )
 async def redeliver(
     webhook_id: str, delivery_id: str, request: Request, caller: Metered
-) -> dict[str, Any]:
+) -> JSONResponse:
     """Send a failed or dead delivery once more, with the same webhook-id and body."""
     webhook = await _webhook(request, caller, webhook_id)
     scope = delivery_log.of_webhook(webhook["id"])
@@ -196,11 +210,11 @@ async def redeliver(
 
 async def send_again(
     request: Request, tenant: str, delivery_id: uuid.UUID, scope: Any
-) -> dict[str, Any]:
+) -> JSONResponse:
     """Redeliver within ``scope`` and answer with the delivery as it now stands."""
     state = services(request)
     attempt = await delivery_log.redeliver(state.engine, tenant, delivery_id, scope)
     # A publish lost here is not lost for good: the sweep republishes late deliveries.
     await anyio.to_thread.run_sync(state.dispatcher.deliver, delivery_id, attempt)
     rows, _ = await delivery_log.page(state.engine, tenant, delivery_log.only(delivery_id), limit=1)
-    return rows[0]
+    return JSONResponse(rows[0], status_code=202)

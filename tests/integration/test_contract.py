@@ -2,6 +2,10 @@
 finds nothing; and a client generated from the document by openapi-python-client submits a
 task and reads it back.
 
+The operator's routes (registering, draining, revoking, channels) and the operator's view of
+agents and capabilities are run again with an operator key, against an API of a database and
+Redis of their own: what it registers, drains or revokes never reaches the session's agents.
+
 The protocol facades are left out of schemathesis: the A2A routes (``/a2a/*`` and the agent
 card) are a2a-sdk's, and ``POST /mcp`` hands the request to the MCP SDK's transport; both
 answer by their own protocol's rules (JSON-RPC errors, the MCP transport's Accept and
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -22,29 +27,63 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from pydantic import SecretStr
 
 from api.app import create_app
+from broker.db.engines import sync_engine
 from broker.settings import Settings
+from broker.tenancy import key_store
+from reach import localservices, migrate
 from tests.eventually import eventually
-from tests.integration.conftest import KeyMaker
+from tests.integration.conftest import KeyMaker, advertise_test_cards
 from tests.integration.stack import BIN, CeleryProcess, ServedApp
 
 FACADES = r"^/(a2a/|\.well-known/|mcp$)"
+# What an operator's key does or sees differently: every other route answers it as any key.
+OPERATED = r"^/(agents|capabilities)"
 EXAMPLES_PER_OPERATION = 25
 METRICS_TOKEN = SecretStr("contract-metrics-token")
 RUN_LIMIT_S = 600  # bounds a hang only; the run takes about three minutes
 
 
+def _quick(settings: Settings, **update: Any) -> Settings:
+    """Settings whose sync and MCP waits are short: a generated sync submit of a task no agent
+    takes waits at most a second, not thirty."""
+    waits = {"sync_max_wait_s": 1, "mcp_wait_s": 1, "metrics_token": METRICS_TOKEN}
+    return settings.model_copy(update={**waits, **update})
+
+
 @pytest.fixture(scope="module")
 def contract_api(settings: Settings) -> Iterator[ServedApp]:
-    """An API whose sync and MCP waits are short: a generated sync submit of a task no agent
-    takes waits at most a second, not thirty."""
-    quick = settings.model_copy(
-        update={"sync_max_wait_s": 1, "mcp_wait_s": 1, "metrics_token": METRICS_TOKEN}
-    )
-    with ServedApp(create_app(quick)) as served:
+    with ServedApp(create_app(_quick(settings))) as served:
         yield served
+
+
+@pytest.fixture(scope="module")
+def operator_api(
+    services: localservices.Services, settings: Settings
+) -> Iterator[tuple[ServedApp, str]]:
+    """An API on a database and a Redis db of its own, holding the test agents' cards, and an
+    operator's key to it: the generated registrations, drains and revocations stay there."""
+    name = f"reach_contract_{secrets.token_hex(3)}"
+    database_url = localservices.create_database(services.database_url, name)
+    redis_url = localservices.claim_redis_db(services.redis_url)
+    try:
+        migrate.upgrade(database_url)
+        own = _quick(settings, database_url=database_url, redis_url=redis_url)
+        engine = sync_engine(own)
+        try:
+            advertise_test_cards(engine)
+            _, token = key_store.create_key(engine, "ops-contract", ["*"], is_admin=True)
+        finally:
+            engine.dispose()
+        with ServedApp(create_app(own)) as served:
+            yield served, token
+    finally:
+        with redis.Redis.from_url(redis_url) as client:
+            client.flushdb()
+        localservices.drop_database(services.database_url, name)
 
 
 # Answers the document states that the generated data cannot avoid, per operation. Each is
@@ -91,6 +130,21 @@ checks.positive_data_acceptance.expected-statuses = [
 ]
 """
 
+# The operator's pass: its writes refused on what exists, which no schema can state.
+OPERATOR_CONFIG = """
+[generation]
+allow-x00 = false
+
+[[operations]]
+include-path-regex = "^/agents/"
+include-method = "PUT"
+# 422: a registration's endpoint outside the allowed networks or an A2A card that cannot be
+# read; channel weights of versions the agent does not have (channel_invalid).
+checks.positive_data_acceptance.expected-statuses = [
+    "2xx", "3xx", "401", "403", "404", "422", "429", "5xx",
+]
+"""
+
 
 @pytest.mark.timeout(RUN_LIMIT_S + 60)
 def test_schemathesis_finds_nothing_with_every_check(
@@ -99,30 +153,54 @@ def test_schemathesis_finds_nothing_with_every_check(
     # Given a live stack and a tenant-admin key of a fresh tenant (not an operator's: the
     # generated requests must not drain or revoke the session's own test agents)
     _, token = make_key(tenant_admin=True)
-    config = tmp_path / "schemathesis.toml"
-    config.write_text(textwrap.dedent(CONFIG))
     # When schemathesis runs every check on every operation but the facades
-    run = subprocess.run(
+    run = _schemathesis(
+        contract_api, token, tmp_path, CONFIG, "--workers", "2", "--exclude-path-regex", FACADES
+    )
+    # Then it passes clean
+    assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
+
+
+@pytest.mark.timeout(RUN_LIMIT_S + 60)
+def test_schemathesis_finds_nothing_in_what_an_operator_does_and_sees(
+    operator_api: tuple[ServedApp, str], tmp_path: Path
+) -> None:
+    # Given an API of its own and an operator's key (agents registered, no instance live)
+    served, token = operator_api
+    # When schemathesis runs every check on the agents' and capabilities' operations
+    # (one worker: ten operations, and no two threads in hypothesis's ast.parse on 3.11)
+    run = _schemathesis(
+        served, token, tmp_path, OPERATOR_CONFIG, "--workers", "1", "--include-path-regex", OPERATED
+    )
+    # Then the operator's answers (registrations, revocations, instance names, each card's
+    # tenants, queue depths) are as the document says
+    assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
+
+
+def _schemathesis(
+    served: ServedApp, token: str, folder: Path, config_text: str, *selection: str
+) -> subprocess.CompletedProcess[str]:
+    """Schemathesis with every check and phase on the operations ``selection`` picks."""
+    config = folder / "schemathesis.toml"
+    config.write_text(textwrap.dedent(config_text))
+    return subprocess.run(
         [
             str(BIN / "schemathesis"),
             "--config-file",
             str(config),
             "run",
-            f"{contract_api.url}/openapi.json",
+            f"{served.url}/openapi.json",
             "--checks",
             "all",
             "--phases",
             "examples,coverage,fuzzing,stateful",
             "--max-examples",
             str(EXAMPLES_PER_OPERATION),
-            "--exclude-path-regex",
-            FACADES,
+            *selection,
             "--header",
             f"Authorization: Bearer {token}",
             "--seed",
             "18",
-            "--workers",
-            "2",
             "--request-timeout",
             "30",
             "--no-color",
@@ -130,10 +208,8 @@ def test_schemathesis_finds_nothing_with_every_check(
         capture_output=True,
         text=True,
         timeout=RUN_LIMIT_S,
-        cwd=tmp_path,
+        cwd=folder,
     )
-    # Then it passes clean
-    assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
 
 
 def test_a_generated_client_submits_and_reads_a_task(
