@@ -22,7 +22,7 @@ export function renderWebhooks(main) {
   const status = h("div", { "aria-live": "polite" });
   const body = h("tbody");
   const url = h("input", { id: "webhook-url", name: "url", type: "url", required: true,
-    placeholder: "https://example.com/hooks/reach", spellcheck: "false" });
+    placeholder: "where the events are POSTed (an https URL)", spellcheck: "false" });
   const capabilities = h("input", { id: "webhook-capabilities", name: "capabilities",
     placeholder: "all; or patterns, comma-separated (invoice.*)", spellcheck: "false" });
   const description = h("input", { id: "webhook-description", name: "description", maxlength: 256 });
