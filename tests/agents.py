@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -184,9 +185,10 @@ _barriers: dict[str, tuple[list[int], asyncio.Event]] = {}
 @agent.capability("test.async", agent_id="test-async", version="0.0.1", timeout_s=20)
 async def async_sleep(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """Awaits ``sleep_s``. With ``barrier`` and ``n``, first waits until ``n`` tasks of that
-    barrier are in flight in this process at once (or fails after ``wait_s``). With ``mark``,
+    barrier are in flight in this process at once (or fails after ``wait_s``), and counts the
+    process's threads then. With ``mark``,
     writes to that Redis key whether its coroutine was cancelled."""
-    peers = 0
+    peers = threads = 0
     if ctx.attempt <= int(payload.get("fail_times", 0)):
         raise Retryable(f"not yet (attempt {ctx.attempt})", code="upstream_busy", delay_s=0.05)
     try:
@@ -197,12 +199,18 @@ async def async_sleep(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
                 everyone.set()
             await asyncio.wait_for(everyone.wait(), float(payload.get("wait_s", 120)))
             peers = arrived[0]
+            threads = threading.active_count()
         await asyncio.sleep(float(payload.get("sleep_s", 0)))
     except asyncio.CancelledError:
         if "mark" in payload:
             await asyncio.to_thread(_mark, payload["mark"], "cancelled")
         raise
-    return {"peers": peers, "pid": os.getpid(), "cancelled_seen": ctx.cancelled}
+    return {
+        "peers": peers,
+        "pid": os.getpid(),
+        "cancelled_seen": ctx.cancelled,
+        "threads": threads,  # the process's threads with all of the barrier's in flight
+    }
 
 
 def _mark(key: str, value: str) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis
@@ -58,6 +58,26 @@ async def _in_context(values: list[tuple[contextvars.ContextVar[Any], Any]], cal
     return await call
 
 
+class _LoopTask:
+    """A task on the loop that another thread (the cancel listener) may cancel."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+
+    def cancel(self) -> bool:
+        self._task.get_loop().call_soon_threadsafe(self._task.cancel)
+        return True
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    # A call cut short (its time ran out) is not awaited any more: what it came to is read
+    # here, so asyncio does not log it as never retrieved.
+    if not task.cancelled():
+        task.exception()
+
+
 class Calls:
     """The process's event loop (started on first use, again in a forked child) and the
     coroutines running on it, by task id, so a cancel can reach them."""
@@ -67,7 +87,7 @@ class Calls:
         self._lock = threading.Lock()
         self._pid = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._running: dict[uuid.UUID, concurrent.futures.Future[Any]] = {}
+        self._running: dict[uuid.UUID, concurrent.futures.Future[Any] | _LoopTask] = {}
         self._recent: OrderedDict[uuid.UUID, None] = OrderedDict()
         self._listening_since: float | None = None  # monotonic; None: not subscribed
 
@@ -128,6 +148,50 @@ class Calls:
         finally:
             with self._lock:
                 self._running.pop(task_id, None)
+
+    async def arun(
+        self,
+        task_id: uuid.UUID,
+        call: Coroutine[Any, Any, Any],
+        *,
+        timeout_s: float | None,
+        claimed_at: float,
+        cancelled: Callable[[], Awaitable[bool]],
+        started: Callable[[], Awaitable[None]],
+    ) -> Any:
+        """``run`` for a caller that is itself a coroutine on the loop (the threads pool's
+        direct path, ``workers.pool``): the call runs as a task of its own, with a copy of
+        the caller's context, and no thread waits for it."""
+        task = asyncio.get_running_loop().create_task(call)
+        task.add_done_callback(_retrieved)
+        with self._lock:
+            self._running[task_id] = _LoopTask(task)
+            heard = self._recent.pop(task_id, False) is None
+            since = self._listening_since
+        try:
+            try:
+                await started()
+            except BaseException:
+                task.cancel()
+                raise
+            if heard or ((since is None or since > claimed_at) and await cancelled()):
+                task.cancel()
+            done, _ = await asyncio.wait((task,), timeout=timeout_s)
+            if not done:
+                task.cancel()
+                raise CallTimedOut(f"the handler ran past {timeout_s:.3f}s")
+            try:
+                return task.result()
+            except asyncio.CancelledError:
+                raise CallCancelled("the caller cancelled the task") from None
+        finally:
+            with self._lock:
+                self._running.pop(task_id, None)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The process's event loop, started if it was not."""
+        return self._started()
 
     @property
     def in_flight(self) -> int:

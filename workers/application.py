@@ -25,6 +25,7 @@ from broker.tasks.dispatch import (
     send_run,
 )
 from workers.lease_keeper import lease_step
+from workers.pool import Direct, use_direct_pool
 from workers.runner import Runner
 from workers.sdk.agent import AgentRegistry, agent
 from workers.system import recovery
@@ -98,6 +99,9 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     load_agents(settings.agents)
     app.conf.task_time_limit = hard_time_limit_s(settings, registry)
     runner = Runner(settings, registry)
+    if not settings.otel:  # Celery's tracer makes the OTel spans: with them, every task uses it
+        app.reach_direct = Direct(runner)  # -P threads: async handlers without a thread
+    signals.worker_init.connect(use_direct_pool, weak=False)
     webhooks = register_webhooks(app, settings, lambda: runner.engine)
     runner.on_final.append(webhooks.on_final)
     runner.on_progress.append(webhooks.on_progress)

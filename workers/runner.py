@@ -7,24 +7,27 @@ and outputs go to the task's event log as they happen.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import jsonbody
-from broker.db.engines import sync_engine
+from broker.db.engines import async_engine, sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
-from broker.grouping import ThreadGrouped
+from broker.grouping import Grouped, ThreadGrouped
 from broker.observability import logs, metrics
 from broker.outages import AGENT_TRANSIENT_ERRORS
 from broker.registry import leases
@@ -44,6 +47,7 @@ from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
 THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
+DIRECT_DB_POOL = 4  # and of its event loop, for the tasks it runs directly (grouped)
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 FinalHook = Callable[[TaskRow], None]
@@ -70,6 +74,12 @@ class Runner:
         self._crash_after_group = faults.crash_after_group()
         self._connect_lock = threading.Lock()
         self.calls = Calls(settings.redis_url)  # async handlers: the loop and what runs on it
+        # The loop's own, for tasks run on it directly (``run_async``).
+        self._aengine: AsyncEngine | None = None
+        self._aredis: aioredis.Redis | None = None
+        self._aevents: events.EventLog | None = None
+        self._aclaims: Grouped[Claim, Claimed | None] | None = None
+        self._afinishes: Grouped[Finish, TaskRow | None] | None = None
 
     def _connect(self) -> None:
         # One engine and client per process: a prefork child must not reuse its parent's
@@ -100,6 +110,35 @@ class Runner:
             self._finish_many, max_items=GROUP_MAX_TASKS, name="finishes", retry_alone=True
         )
         self._pid = os.getpid()
+
+    def _connect_async(self) -> None:
+        """The event loop's own engine, Redis client and groups (``run_async``), made on
+        the loop, once."""
+        if self._aengine is not None:
+            return
+        self._aengine = async_engine(self.settings, pool_size=DIRECT_DB_POOL)
+        self._aredis = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
+        self._aevents = events.EventLog(self._aredis, self.settings.result_ttl_s)
+        self._aclaims = Grouped(
+            self._claim_many_async, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True
+        )
+        self._afinishes = Grouped(
+            self._finish_many_async, max_items=GROUP_MAX_TASKS, name="finishes", retry_alone=True
+        )
+
+    async def _claim_many_async(self, claims: list[Claim]) -> list[Claimed | None]:
+        assert self._aengine is not None
+        claimed = await execution.claim_many_async(self._aengine, claims)
+        if "claims" in self._crash_after_group and len(claims) > 1:
+            faults.crash()  # tests only: as in ``_claim_many``
+        return claimed
+
+    async def _finish_many_async(self, finishes: list[Finish]) -> list[TaskRow | None]:
+        assert self._aengine is not None
+        rows = await execution.finish_many_async(self._aengine, finishes)
+        if "finishes" in self._crash_after_group and len(finishes) > 1:
+            faults.crash()  # tests only: as in ``_finish_many``
+        return rows
 
     @property
     def engine(self) -> Engine:
@@ -157,36 +196,103 @@ class Runner:
         claimed_at = time.monotonic()
         claimed = self.claim(Claim(tid, spec.card.agent_id, spec.card.version, instance))
         if claimed is None:
-            overdue = execution.expire_overdue(self.engine, tid)
-            if overdue is not None:
-                return self.finalize(overdue)
-            # A redelivered message of a finished task: its worker may have died between the
-            # final write and the final event, so the event goes out now (once: see events).
-            final = execution.final_row(self.engine, tid)
-            if final is not None and self.announce(final):
-                log.warning("task %s was final without its final event; announced it", task_id)
-            if final is None:  # parked (see turns), or running by another message, or gone
-                turns.mark_dropped(self.redis, tid)
-                log.info("task %s waiting for its turn, running already, or gone; skipped", task_id)
-            else:
-                log.info("task %s not queued any more; skipped", task_id)
-            return "skipped"
+            return self._unclaimed(tid)
+        gone = self._begin(claimed)
+        if gone is not None:
+            return self.finish(gone)
+        running, ctx = self._prepare(claimed, spec, instance)
+        if not spec.is_async:  # an async handler's goes out while its coroutine starts
+            running.announce()
+        outcome = self._call(spec, ctx, claimed.payload, claimed_at, running.announce)
+        # Sent now if the handler never started (an invalid payload); raises if it failed,
+        # whatever the handler's coroutine, cancelled then, came to.
+        running.announce()
+        finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
+        if retry_in_s is not None and self._retry(claimed, finish, retry_in_s, running.publish):
+            return "retrying"
+        return self.finish(finish)
+
+    async def run_async(self, task_id: str, queue: str, *, instance: str) -> str:
+        """``run`` for an async handler, as a coroutine on the process's event loop (the
+        threads pool's direct path, ``workers.pool``): the claim, the events and the finish
+        go out from the loop, grouped with the other calls in flight, and no thread waits.
+        The rare paths (a task not claimed, a retry, a session's next turn) run in a thread."""
+        with logs.bound(task_id=task_id, capability=capability_of(queue), instance=instance):
+            tid = uuid.UUID(task_id)
+            spec = self.registry.for_queue(queue)
+            if spec is None or not spec.is_async:
+                raise LookupError(f"no async handler serves {queue!r} here")
+            self._connect_async()
+            assert self._aclaims is not None
+            claimed_at = time.monotonic()
+            claimed = await self._aclaims(
+                Claim(tid, spec.card.agent_id, spec.card.version, instance)
+            )
+            if claimed is None:
+                return await asyncio.to_thread(self._unclaimed, tid)
+            gone = self._begin(claimed)
+            if gone is not None:
+                return await self.finish_async(gone)
+            running, ctx = self._prepare(claimed, spec, instance, direct=True)
+            outcome = await self._call_async(spec, ctx, claimed.payload, claimed_at, running)
+            await running.announce_async()  # as in ``_run``
+            finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
+            if retry_in_s is not None and await asyncio.to_thread(
+                self._retry, claimed, finish, retry_in_s, running.publish
+            ):
+                return "retrying"
+            return await self.finish_async(finish)
+
+    def _unclaimed(self, tid: uuid.UUID) -> str:
+        """A message whose task could not be claimed: expired before it started, final
+        already, or not to run now."""
+        overdue = execution.expire_overdue(self.engine, tid)
+        if overdue is not None:
+            return self.finalize(overdue)
+        # A redelivered message of a finished task: its worker may have died between the
+        # final write and the final event, so the event goes out now (once: see events).
+        final = execution.final_row(self.engine, tid)
+        if final is not None and self.announce(final):
+            log.warning("task %s was final without its final event; announced it", tid)
+        if final is None:  # parked (see turns), or running by another message, or gone
+            turns.mark_dropped(self.redis, tid)
+            log.info("task %s waiting for its turn, running already, or gone; skipped", tid)
+        else:
+            log.info("task %s not queued any more; skipped", tid)
+        return "skipped"
+
+    def _begin(self, claimed: Claimed) -> Finish | None:
+        """A claimed task's log fields; the failure to write instead, when its session is
+        gone."""
         logs.bind(trace_id=claimed.trace_id, tenant=claimed.tenant)
         log.info("task claimed", extra={"attempt": claimed.attempt})
         if claimed.session_id is not None and claimed.session is None:
             gone = task_error("session_not_found", "its session expired or was deleted")
-            return self.finish(Finish.failed(tid, gone))
-        ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
+            return Finish.failed(claimed.task_id, gone)
+        return None
 
+    def _prepare(
+        self, claimed: Claimed, spec: CapabilitySpec, instance: str, *, direct: bool = False
+    ) -> tuple[Running, Context]:
+        """The task's ``running`` event and the context its handler gets. ``direct``: the
+        task runs on the event loop, and its events are appended from there."""
+        tid = claimed.task_id
+        ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
+        append_async = None
+        if direct:
+            aevents = self._aevents
+            assert aevents is not None
+            append_async = lambda event_type, data: aevents.append_async(  # noqa: E731
+                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s
+            )
         running = Running(
             lambda event_type, data: self.events.append(
                 tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s
             ),
             {"status": RUNNING, "attempt": claimed.attempt, "instance": instance},
+            append_async=append_async,
         )
         publish = running.publish
-        if not spec.is_async:  # an async handler's goes out while its coroutine starts
-            running.announce()
         ctx = Context(
             task_id=tid,
             capability=claimed.capability,
@@ -201,12 +307,20 @@ class Runner:
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
         )
-        outcome = self._call(spec, ctx, claimed.payload, claimed_at, running.announce)
-        # Sent now if the handler never started (an invalid payload); raises if it failed,
-        # whatever the handler's coroutine, cancelled then, came to.
-        running.announce()
+        if direct:
+            ctx._async_output_sink = lambda chunk: running.publish_async(
+                events.OUTPUT, self._checked(chunk)
+            )
+        return running, ctx
+
+    def _conclude(
+        self, outcome: Outcome, ctx: Context, claimed: Claimed, spec: CapabilitySpec
+    ) -> tuple[Finish, float | None]:
+        """The final write an outcome calls for, and when it is a failure that may be tried
+        again, the delay before the next attempt (None: it is not retried)."""
+        tid = claimed.task_id
         if isinstance(outcome, Succeeded):
-            return self.finish(Finish.succeeded(tid, outcome.result))
+            return Finish.succeeded(tid, outcome.result), None
         left = ctx.time_left_s()
         if (
             not outcome.expired
@@ -219,7 +333,7 @@ class Runner:
             # reads milliseconds, a moment before the broker does).
             outcome = Failed(timed_out(outcome.error), expired=True)
         if outcome.expired:
-            return self.finish(Finish.expired(tid, outcome.error))
+            return Finish.expired(tid, outcome.error), None
         decision = retry.decide(
             retryable=outcome.error["retryable"],
             attempt=claimed.attempt,
@@ -228,9 +342,7 @@ class Runner:
             now=datetime.now(UTC),
             requested_delay_s=outcome.delay_s,
         )
-        if decision.retry and self._retry(claimed, outcome.error, decision.delay_s, publish):
-            return "retrying"
-        return self.finish(Finish.failed(tid, outcome.error))
+        return Finish.failed(tid, outcome.error), decision.delay_s if decision.retry else None
 
     def _session_of(self, claimed: Claimed) -> Session | None:
         if claimed.session_id is None or claimed.session is None:
@@ -247,10 +359,12 @@ class Runner:
     def _retry(
         self,
         claimed: Claimed,
-        err: dict[str, Any],
+        failed: Finish,
         delay_s: float,
         publish: Callable[[str, Any], None],
     ) -> bool:
+        """Queue the task again after ``failed``'s error; False when it cannot be."""
+        err = failed.outcome
         # A hinted task goes again to any instance of its card: affinity is a preference.
         home = home_queue(claimed.queue)
         if (
@@ -285,6 +399,24 @@ class Runner:
         """Announce a final state: its event, then the hooks. Returns the status."""
         if row is None:  # moved to a final state by someone else (cancelled), who announced it
             return "skipped"
+        self._finished(row)
+        self.announce(row)
+        self._release_next_turn(row)
+        return self._hooks(row)
+
+    async def finish_async(self, finish: Finish) -> str:
+        """``finish`` from the event loop (``run_async``)."""
+        assert self._afinishes is not None and self._aevents is not None
+        row = await self._afinishes(finish)
+        if row is None:
+            return "skipped"
+        self._finished(row)
+        await self._aevents.append_final_async(row)
+        if turns.of_row(row) is not None:
+            await asyncio.to_thread(self._release_next_turn, row)
+        return self._hooks(row)
+
+    def _finished(self, row: TaskRow) -> None:
         if self._crash_after_finish and capability_of(row["queue"]) in self._crash_after_finish:
             faults.crash()  # tests only: see workers.faults
         metrics.tasks_finished.labels(capability_of(row["queue"]), row["status"]).inc()
@@ -292,8 +424,8 @@ class Runner:
             "task finished",
             extra={"status": row["status"], "code": (row["error"] or {}).get("code")},
         )
-        self.announce(row)
-        self._release_next_turn(row)
+
+    def _hooks(self, row: TaskRow) -> str:
         for hook in self.on_final:
             try:
                 hook(row)
@@ -341,44 +473,50 @@ class Runner:
         claimed_at: float,
         announce: Callable[[], None],
     ) -> Outcome:
-        validator = spec.validator
-        if validator is not None:
-            problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
-            if problems:
-                detail = "; ".join(
-                    f"{'/'.join(map(str, p.path)) or '<root>'}: {p.message}" for p in problems[:10]
-                )
-                return Failed(task_error("payload_invalid", detail))
-        limits = [t for t in (spec.card.timeout_s, ctx.time_left_s()) if t is not None]
+        invalid = _invalid(spec, payload)
+        if invalid is not None:
+            return invalid
         with metrics.task_run.labels(spec.name).time():
-            limit_s = min(limits) if limits else None
-            return self._invoke(spec, ctx, payload, limit_s, claimed_at, announce)
+            try:
+                limit_s = _limit_s(spec, ctx)
+                result = self._result_of(spec, ctx, payload, limit_s, claimed_at, announce)
+            except Exception as exc:
+                return _failure(exc, spec, ctx)
+        return self._succeeded(result)
 
-    def _invoke(
+    async def _call_async(
         self,
         spec: CapabilitySpec,
         ctx: Context,
         payload: Any,
-        limit_s: float | None,
         claimed_at: float,
-        announce: Callable[[], None],
+        running: Running,
     ) -> Outcome:
-        try:
-            result = self._result_of(spec, ctx, payload, limit_s, claimed_at, announce)
-        except (SoftTimeLimit, CallTimedOut):
-            return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
-        except CallCancelled:
-            return Failed(task_error("cancelled", "cancelled by the caller"))
-        except Retryable as exc:
-            return Failed(task_error(exc.code, exc.message, retryable=True), delay_s=exc.delay_s)
-        except AgentFailure as exc:
-            return Failed(task_error(exc.code, exc.message, retryable=exc.retryable))
-        except AGENT_TRANSIENT_ERRORS as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            return Failed(task_error("transient_error", message, retryable=True))
-        except Exception as exc:
-            log.exception("agent %s failed on task %s", spec.card.agent_id, ctx.task_id)
-            return Failed(task_error("agent_error", f"{type(exc).__name__}: {exc}"))
+        """``_call`` on the event loop: the handler's coroutine runs as a task of its own."""
+        invalid = _invalid(spec, payload)
+        if invalid is not None:
+            return invalid
+        tid = ctx.task_id
+
+        async def cancelled() -> bool:
+            assert self._aredis is not None
+            return bool(await self._aredis.exists(cancellation.flag_key(tid)))
+
+        with metrics.task_run.labels(spec.name).time():
+            try:
+                result = await self.calls.arun(
+                    tid,
+                    _awaited(spec, ctx, payload),
+                    timeout_s=_limit_s(spec, ctx),
+                    claimed_at=claimed_at,
+                    cancelled=cancelled,
+                    started=running.announce_async,
+                )
+            except Exception as exc:
+                return _failure(exc, spec, ctx)
+        return self._succeeded(result)
+
+    def _succeeded(self, result: Any) -> Outcome:
         try:
             self._checked(result)
         except (BadRequest, TypeError, ValueError) as exc:
@@ -426,13 +564,23 @@ class Running:
     (``Calls.run``'s ``started``), not before: the Redis round trip and the hop to the loop
     overlap. Events the handler sends meanwhile wait for it, so the log stays in order. If it
     cannot be sent, ``announce`` raises, as it did before the handler started.
+    ``append_async``: the task runs on the event loop itself, which sends it
+    (``announce_async``) and the handler's outputs (``publish_async``).
     """
 
-    def __init__(self, append: Callable[[str, Any], Any], data: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        append: Callable[[str, Any], Any],
+        data: dict[str, Any],
+        *,
+        append_async: Callable[[str, Any], Awaitable[Any]] | None = None,
+    ) -> None:
         self._append = append
+        self._append_async = append_async
         self._data = data
         self._lock = threading.Lock()
         self._sent = threading.Event()
+        self._sent_here = asyncio.Event() if append_async is not None else None
         self._error: BaseException | None = None
 
     def announce(self) -> None:
@@ -448,9 +596,65 @@ class Running:
             if self._error is not None:
                 raise self._error
 
+    async def announce_async(self) -> None:
+        """``announce`` from the event loop, which is the only caller then."""
+        assert self._append_async is not None and self._sent_here is not None
+        if not self._sent.is_set():
+            try:
+                await self._append_async(events.STATUS, self._data)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._sent.set()
+                self._sent_here.set()
+        if self._error is not None:
+            raise self._error
+
     def publish(self, event_type: str, data: Any) -> None:
         self._sent.wait()
         self._append(event_type, data)
+
+    async def publish_async(self, event_type: str, data: Any) -> None:
+        assert self._append_async is not None and self._sent_here is not None
+        await self._sent_here.wait()
+        await self._append_async(event_type, data)
+
+
+def _invalid(spec: CapabilitySpec, payload: Any) -> Failed | None:
+    """The failure of a payload its capability's schema refuses; None when it is valid."""
+    validator = spec.validator
+    if validator is None:
+        return None
+    problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
+    if not problems:
+        return None
+    detail = "; ".join(
+        f"{'/'.join(map(str, p.path)) or '<root>'}: {p.message}" for p in problems[:10]
+    )
+    return Failed(task_error("payload_invalid", detail))
+
+
+def _limit_s(spec: CapabilitySpec, ctx: Context) -> float | None:
+    """How long the handler may run: its agent's timeout or the time left to the deadline."""
+    limits = [t for t in (spec.card.timeout_s, ctx.time_left_s()) if t is not None]
+    return min(limits) if limits else None
+
+
+def _failure(exc: Exception, spec: CapabilitySpec, ctx: Context) -> Failed:
+    """What a handler that raised ``exc`` (or was stopped) came to."""
+    if isinstance(exc, (SoftTimeLimit, CallTimedOut)):
+        return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
+    if isinstance(exc, CallCancelled):
+        return Failed(task_error("cancelled", "cancelled by the caller"))
+    if isinstance(exc, Retryable):
+        return Failed(task_error(exc.code, exc.message, retryable=True), delay_s=exc.delay_s)
+    if isinstance(exc, AgentFailure):
+        return Failed(task_error(exc.code, exc.message, retryable=exc.retryable))
+    if isinstance(exc, AGENT_TRANSIENT_ERRORS):
+        message = f"{type(exc).__name__}: {exc}"
+        return Failed(task_error("transient_error", message, retryable=True))
+    log.exception("agent %s failed on task %s", spec.card.agent_id, ctx.task_id, exc_info=exc)
+    return Failed(task_error("agent_error", f"{type(exc).__name__}: {exc}"))
 
 
 def timed_out(cause: dict[str, Any]) -> dict[str, Any]:

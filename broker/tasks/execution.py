@@ -13,7 +13,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -36,6 +36,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker import sessions
 from broker.db.models import as_task_row, in_sources
@@ -152,6 +153,12 @@ def _autocommit(engine: Engine) -> Iterator[Connection]:
         yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
+@contextlib.asynccontextmanager
+async def _autocommit_async(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    async with engine.connect() as conn:
+        yield await conn.execution_options(isolation_level="AUTOCOMMIT")
+
+
 @dataclass(frozen=True)
 class Claim:
     """A claim of one task by one agent instance."""
@@ -174,9 +181,22 @@ def claim(
 def claim_many(engine: Engine, claims: list[Claim]) -> list[Claimed | None]:
     """``claim`` for each, in one statement. A task named twice is claimed once, by the
     first: the others get None, as a redelivered message of a running task does."""
-    rows = [{**c.__dict__, "task_id": str(c.task_id)} for c in claims]
     with _autocommit(engine) as conn:
-        found = {r.task_id: Claimed(**r._mapping) for r in conn.execute(_CLAIM, _params(rows))}
+        return _claimed(claims, conn.execute(_CLAIM, _claim_params(claims)))
+
+
+async def claim_many_async(engine: AsyncEngine, claims: list[Claim]) -> list[Claimed | None]:
+    """``claim_many`` from an event loop: the same statement."""
+    async with _autocommit_async(engine) as conn:
+        return _claimed(claims, await conn.execute(_CLAIM, _claim_params(claims)))
+
+
+def _claim_params(claims: list[Claim]) -> dict[str, Any]:
+    return _params([{**c.__dict__, "task_id": str(c.task_id)} for c in claims])
+
+
+def _claimed(claims: list[Claim], rows: Any) -> list[Claimed | None]:
+    found = {r.task_id: Claimed(**r._mapping) for r in rows}
     return [found.pop(c.task_id, None) for c in claims]
 
 
@@ -267,16 +287,34 @@ def finish_many(engine: Engine, finishes: list[Finish]) -> list[TaskRow | None]:
     longer running: cancelled, say). One statement for each kind of move among them: one in
     all, at most three (a success, a failure, an overrun; the rare recovery's own). A task
     named twice is finished once, by the first."""
+    found: dict[uuid.UUID, TaskRow] = {}
+    with _autocommit(engine) as conn:
+        for statement, params in _finish_statements(finishes):
+            for r in conn.execute(statement, params):
+                found[r.id] = as_task_row(r)
+    return [found.pop(f.task_id, None) for f in finishes]
+
+
+async def finish_many_async(engine: AsyncEngine, finishes: list[Finish]) -> list[TaskRow | None]:
+    """``finish_many`` from an event loop: the same statements."""
+    found: dict[uuid.UUID, TaskRow] = {}
+    async with _autocommit_async(engine) as conn:
+        for statement, params in _finish_statements(finishes):
+            for r in await conn.execute(statement, params):
+                found[r.id] = as_task_row(r)
+    return [found.pop(f.task_id, None) for f in finishes]
+
+
+def _finish_statements(finishes: list[Finish]) -> list[tuple[Any, dict[str, Any]]]:
+    """One statement and its rows for each kind of move among ``finishes``."""
     kinds: dict[tuple[Move, bool], list[dict[str, Any]]] = {}
     for f in finishes:
         row = {"task_id": str(f.task_id), "outcome": {"v": f.outcome}, "attempt": f.attempt}
         kinds.setdefault((f.move, f.attempt is not None), []).append(row)
-    found: dict[uuid.UUID, TaskRow] = {}
-    with _autocommit(engine) as conn:
-        for (move, of_attempt), rows in kinds.items():
-            for r in conn.execute(_finish_statement(move, of_attempt), _params(rows)):
-                found[r.id] = as_task_row(r)
-    return [found.pop(f.task_id, None) for f in finishes]
+    return [
+        (_finish_statement(move, of_attempt), _params(rows))
+        for (move, of_attempt), rows in kinds.items()
+    ]
 
 
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:

@@ -76,6 +76,8 @@ def test_500_async_tasks_are_in_flight_at_once_in_one_process(
     results = [d["result"] for d in done]
     assert {r["peers"] for r in results} == {500}  # type: ignore[index]
     assert len({r["pid"] for r in results}) == 1  # type: ignore[index]
+    # And no thread each: the pool hands an async handler's task to the event loop.
+    assert max(r["threads"] for r in results) < 50  # type: ignore[index]
 
 
 def test_an_async_handler_past_its_timeout_is_cancelled_and_expires(

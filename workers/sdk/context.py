@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -15,6 +15,7 @@ from workers.sdk.session import Session
 ProgressSink = Callable[[dict[str, Any]], object]
 ReadinessSink = Callable[[bool, float], object]
 OutputSink = Callable[[Any], object]
+AsyncOutputSink = Callable[[Any], Awaitable[object]]
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Context:
     _readiness_sink: ReadinessSink | None = field(default=None, repr=False)
     _output_sink: OutputSink | None = field(default=None, repr=False)
     _cancel_probe: Callable[[], bool] | None = field(default=None, repr=False)
+    # Set when the task runs on the event loop itself (the threads pool's direct path): its
+    # outputs are appended from the loop, with no thread per chunk.
+    _async_output_sink: AsyncOutputSink | None = field(default=None, repr=False)
 
     def time_left_s(self) -> float | None:
         """Seconds until the task's deadline, or None when it has none."""
@@ -69,9 +73,12 @@ class Context:
         await asyncio.to_thread(self.progress, percent, message)
 
     async def emit_async(self, chunk: Any) -> None:
-        """``emit`` for an async handler: the write runs off the event loop. Chunks awaited
-        one after another arrive in that order."""
-        await asyncio.to_thread(self.emit, chunk)
+        """``emit`` for an async handler: the write does not block the event loop. Chunks
+        awaited one after another arrive in that order."""
+        if self._async_output_sink is not None:
+            await self._async_output_sink(chunk)
+        else:
+            await asyncio.to_thread(self.emit, chunk)
 
     def not_ready(self, for_s: float = 30.0) -> None:
         """This agent cannot take more work for a while (say its model is rate-limited): its

@@ -1,0 +1,69 @@
+"""Which messages the threads pool hands to the event loop (``workers.pool``), and when a
+worker gets that pool."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from celery.concurrency import prefork, thread
+
+from broker.tasks.dispatch import RUN_TASK
+from workers.pool import Direct, TaskPool, use_direct_pool
+from workers.sdk.agent import AgentRegistry
+from workers.sdk.context import Context
+
+registry = AgentRegistry()
+
+
+@registry.capability("unit.async", agent_id="unit-async", version="1.0.0")
+async def waits(ctx: Context, payload: Any) -> Any:
+    return payload
+
+
+@registry.capability("unit.sync", agent_id="unit-sync", version="1.0.0")
+def blocks(ctx: Context, payload: Any) -> Any:
+    return payload
+
+
+direct = Direct(SimpleNamespace(registry=registry))  # type: ignore[arg-type]
+
+
+def message(name: str, body: Any, content_type: str = "application/json") -> tuple[Any, ...]:
+    raw = json.dumps(body).encode() if not isinstance(body, bytes) else body
+    return (name, "id-1", {"hostname": "async@box"}, memoryview(raw), content_type, "utf-8")
+
+
+def run_body(queue: str) -> list[Any]:
+    return [["7d3f3c2e-1f7a-4b8e-9c55-0f8a1f0f3d11", queue], {}, {}]
+
+
+def test_an_async_handlers_run_message_goes_to_the_loop() -> None:
+    taken = direct.take(message(RUN_TASK, run_body("unit.async")))
+    assert taken == ("7d3f3c2e-1f7a-4b8e-9c55-0f8a1f0f3d11", "unit.async", "async@box")
+
+
+def test_a_sync_handlers_and_an_unknown_queues_go_to_a_thread() -> None:
+    assert direct.take(message(RUN_TASK, run_body("unit.sync"))) is None
+    assert direct.take(message(RUN_TASK, run_body("unit.nobody"))) is None
+
+
+def test_other_tasks_and_bodies_it_cannot_read_go_to_a_thread() -> None:
+    assert direct.take(message("reach.purge_expired", [[], {}, {}])) is None
+    assert direct.take(message(RUN_TASK, b"not json")) is None
+    assert direct.take(message(RUN_TASK, [["only-one"], {}, {}])) is None
+    assert direct.take(message(RUN_TASK, run_body("unit.async"), "application/x-yaml")) is None
+    assert direct.take(None) is None
+
+
+def test_a_worker_started_with_the_threads_pool_gets_the_direct_pool() -> None:
+    threads = SimpleNamespace(pool_cls=thread.TaskPool)
+    use_direct_pool(sender=threads)
+    assert threads.pool_cls is TaskPool
+    by_name = SimpleNamespace(pool_cls="threads")
+    use_direct_pool(sender=by_name)
+    assert by_name.pool_cls is TaskPool
+    forks = SimpleNamespace(pool_cls=prefork.TaskPool)
+    use_direct_pool(sender=forks)
+    assert forks.pool_cls is prefork.TaskPool
