@@ -295,7 +295,8 @@ def model_table(result: dict[str, Any]) -> str:
         ratio = _ratio(reach, best_of(a_threads, a_gevent))
         shown = f"{ratio:.2f}x" if ratio is not None else "—"
         lines.append([name, unit, _cell(a_threads), _cell(a_gevent), _cell(reach), shown])
-    a_noop = result["baseline_a"]["throughput"]["tasks_per_s"]
+    # The phase alone (``python -m bench.model``) runs no bare prefork to compare with.
+    a_noop = result.get("baseline_a", {}).get("throughput", {}).get("tasks_per_s")
     noop = m["noop_threads"]["tasks_per_s"]
     ratio = _ratio(noop, a_noop)
     lines.append(

@@ -5,6 +5,7 @@ one, so acks, and restores of what was never acked, work as they always did."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from tests.eventually import eventually
 
 QUEUE = Queue("intake.test", Exchange("intake.test", type="direct"), routing_key="intake.test")
 TRANSPORT = "workers.transport:Transport"
@@ -132,4 +135,54 @@ def test_a_delivery_that_fails_puts_back_what_its_batch_took(own_redis: str) -> 
             assert client.llen("intake.test") == 4
             assert client.hlen(channel.qos.unacked_key) == 1  # the one delivered
     assert client.llen("intake.test") == 5
+    assert client.hlen("unacked") == 0
+
+
+def execs(client: redis.Redis) -> int:
+    """MULTI/EXEC transactions the Redis server has run (an ack is one in kombu)."""
+    return int(client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
+
+
+def ack_from_threads(messages: list[Any]) -> None:
+    """Ack each from a thread of its own, as the threads pool and the event loop do."""
+    threads = [threading.Thread(target=m.ack) for m in messages]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_acks_from_other_threads_go_out_together(own_redis: str) -> None:
+    publish(own_redis, 60)
+    client = redis.Redis.from_url(own_redis)
+    with consuming(own_redis, prefetch=60) as (channel, received):
+        acks = channel.qos.acks
+        with acks._sending:  # a group in flight: the acks that come meanwhile wait for it
+            before = execs(client)
+            ack_from_threads(received[:50])
+            assert client.hlen(channel.qos.unacked_key) == 60
+        eventually(lambda: client.hlen(channel.qos.unacked_key) == 10, "the acks to go out")
+        assert execs(client) - before <= 2  # kombu alone: 50
+        assert channel.qos.room() == 50  # and their prefetch slots are free again
+    assert client.llen("intake.test") == 10  # the ten never acked went back
+
+
+class Asleep(threading.Event):
+    """An event that never wakes its waiter: the acks' thread stays asleep."""
+
+    def set(self) -> None:
+        pass
+
+
+def test_acks_still_waiting_when_the_consumer_closes_go_out_before_it_puts_back(
+    own_redis: str,
+) -> None:
+    publish(own_redis, 30)
+    client = redis.Redis.from_url(own_redis)
+    with consuming(own_redis, prefetch=30) as (channel, received):
+        channel.qos.acks._waiting = Asleep()
+        ack_from_threads(received[:20])
+        assert client.hlen(channel.qos.unacked_key) == 30  # none sent yet
+    # the 20 acked are gone for good; only the 10 never acked went back to the queue
+    assert client.llen("intake.test") == 10
     assert client.hlen("unacked") == 0
