@@ -15,8 +15,7 @@ record made a sync call wait about half a millisecond more). The prefetch limit 
 a batch never takes more than the free slots.
 
 It also shares one client per connection pool where kombu made one per call (below), and
-sends the acks of the pool's threads and event loop in groups, from a thread of their own
-(``Acks``).
+sends acks in groups, from a thread of their own (``Acks``).
 
 Used by the workers when the broker is Redis (``broker_transport``); the API only publishes.
 """
@@ -57,13 +56,13 @@ return items
 
 
 class Acks:
-    """Acks from the pool's threads and the event loop, sent by a thread of their own, all
-    that are waiting in one round trip.
+    """Acks, sent by a thread of their own, all that are waiting in one round trip.
 
-    kombu acks each message in a round trip of its own, in the thread that acks: with the
-    threads pool's direct path that was the event loop, which every call in flight waited
-    on. An ack that has not gone out yet when the process dies leaves its message unacked, as
-    dying a moment earlier would: it is delivered again and finds its task final.
+    kombu acks each message in a round trip of its own, in the thread that acks: Celery's
+    consumer thread, the one that also takes every message in. Here that thread only notes
+    the ack. An ack that has not gone out yet when the process dies leaves its message
+    unacked, as dying a moment earlier would: it is delivered again and finds its task final.
+    A consumer that closes sends the waiting acks before it puts back what was not acked.
     """
 
     def __init__(self, qos: QoS) -> None:
@@ -109,7 +108,7 @@ class Acks:
 
 class QoS(kombu_redis.QoS):
     """Messages the batch script recorded as unacked are only noted in memory on delivery;
-    acks from any thread but the consumer's go out in groups (``Acks``)."""
+    acks go out in groups (``Acks``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
@@ -117,10 +116,7 @@ class QoS(kombu_redis.QoS):
         self.acks = Acks(self)
 
     def ack(self, delivery_tag: str) -> None:
-        if threading.current_thread() is threading.main_thread():
-            super().ack(delivery_tag)  # type: ignore[no-untyped-call]
-        else:
-            self.acks.put(delivery_tag)
+        self.acks.put(delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> None:
         self.acks.flush()  # an acked message is not put back
