@@ -14,8 +14,7 @@ the pool and its answer read after, so that task does not wait for a round trip 
 record made a sync call wait about half a millisecond more). The prefetch limit still holds:
 a batch never takes more than the free slots.
 
-It also shares one client per connection pool where kombu made one per call (below), and
-sends acks in groups, from a thread of their own (``Acks``).
+It also shares one client per connection pool where kombu made one per call (below).
 
 Used by the workers when the broker is Redis (``broker_transport``); the API only publishes.
 """
@@ -23,8 +22,6 @@ Used by the workers when the broker is Redis (``broker_transport``); the API onl
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
 from queue import Empty
 from typing import Any
@@ -32,7 +29,6 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-log = logging.getLogger("reach.worker")
 BATCH = 32  # messages one script call takes at most, beyond the one BRPOP gave
 
 # KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] the message BRPOP gave,
@@ -55,76 +51,12 @@ return items
 """
 
 
-class Acks:
-    """Acks, sent by a thread of their own, all that are waiting in one round trip.
-
-    kombu acks each message in a round trip of its own, in the thread that acks: Celery's
-    consumer thread, the one that also takes every message in. Here that thread only notes
-    the ack. An ack that has not gone out yet when the process dies leaves its message
-    unacked, as dying a moment earlier would: it is delivered again and finds its task final.
-    A consumer that closes sends the waiting acks before it puts back what was not acked.
-    """
-
-    def __init__(self, qos: QoS) -> None:
-        self.qos = qos
-        self._lock = threading.Lock()
-        self._sending = threading.Lock()
-        self._tags: list[str] = []
-        self._waiting = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def put(self, tag: str) -> None:
-        with self._lock:
-            self._tags.append(tag)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="reach-acks", daemon=True)
-                self._thread.start()
-        self._waiting.set()
-
-    def _run(self) -> None:
-        while True:
-            self._waiting.wait()
-            self._waiting.clear()
-            self.flush()
-
-    def flush(self) -> None:
-        """Send every ack waiting now (and return when they are sent)."""
-        with self._sending:
-            with self._lock:
-                tags, self._tags = self._tags, []
-            if not tags:
-                return
-            qos = self.qos
-            try:
-                with qos.channel.conn_or_acquire() as client:
-                    pipe = client.pipeline()
-                    pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags)
-                    pipe.execute()
-            except Exception:  # they stay unacked in Redis, and come again after the timeout
-                log.exception("%d acks could not be sent", len(tags))
-            for tag in tags:  # their prefetch slots are free either way
-                virtual.QoS.ack(qos, tag)  # type: ignore[no-untyped-call]
-
-
 class QoS(kombu_redis.QoS):
-    """Messages the batch script recorded as unacked are only noted in memory on delivery;
-    acks go out in groups (``Acks``)."""
+    """Messages the batch script recorded as unacked are only noted in memory on delivery."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self.recorded: set[str] = set()
-        self.acks = Acks(self)
-
-    def ack(self, delivery_tag: str) -> None:
-        self.acks.put(delivery_tag)
-
-    def restore_unacked(self, client: Any = None) -> None:
-        self.acks.flush()  # an acked message is not put back
-        super().restore_unacked(client)  # type: ignore[no-untyped-call]
-
-    def restore_unacked_once(self, stderr: Any = None) -> Any:
-        self.acks.flush()
-        return super().restore_unacked_once(stderr)  # type: ignore[no-untyped-call]
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self.recorded:

@@ -5,7 +5,6 @@ one, so acks, and restores of what was never acked, work as they always did."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,8 +12,6 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
-
-from tests.eventually import eventually
 
 QUEUE = Queue("intake.test", Exchange("intake.test", type="direct"), routing_key="intake.test")
 TRANSPORT = "workers.transport:Transport"
@@ -68,7 +65,7 @@ def test_a_batch_takes_no_more_than_the_free_slots_and_records_each_as_kombu_wou
         # acked, they leave the unacked records
         for message in received[:4]:
             message.ack()
-        eventually(lambda: client.hlen(channel.qos.unacked_key) == 6, "four acks")
+        assert client.hlen(channel.qos.unacked_key) == 6
     # and the six never acked go back to the queue when the consumer closes
     assert client.llen("intake.test") == 46
     assert client.hlen("unacked") == 0
@@ -111,7 +108,6 @@ def test_acks_share_one_client_instead_of_making_one_per_message(
         monkeypatch.setattr(redis.Redis, "__init__", counting)
         for message in received:
             message.ack()
-        channel.qos.acks.flush()
         monkeypatch.undo()
         assert not redis.Redis.from_url(own_redis).hlen(channel.qos.unacked_key)
     assert len(made) <= 2, len(made)
@@ -136,54 +132,4 @@ def test_a_delivery_that_fails_puts_back_what_its_batch_took(own_redis: str) -> 
             assert client.llen("intake.test") == 4
             assert client.hlen(channel.qos.unacked_key) == 1  # the one delivered
     assert client.llen("intake.test") == 5
-    assert client.hlen("unacked") == 0
-
-
-def execs(client: redis.Redis) -> int:
-    """MULTI/EXEC transactions the Redis server has run (an ack is one in kombu)."""
-    return int(client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
-
-
-def ack_from_threads(messages: list[Any]) -> None:
-    """Ack each from a thread of its own, as a threads worker's tasks may."""
-    threads = [threading.Thread(target=m.ack) for m in messages]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-
-def test_acks_go_out_together(own_redis: str) -> None:
-    publish(own_redis, 60)
-    client = redis.Redis.from_url(own_redis)
-    with consuming(own_redis, prefetch=60) as (channel, received):
-        acks = channel.qos.acks
-        with acks._sending:  # a group in flight: the acks that come meanwhile wait for it
-            before = execs(client)
-            ack_from_threads(received[:50])
-            assert client.hlen(channel.qos.unacked_key) == 60
-        eventually(lambda: client.hlen(channel.qos.unacked_key) == 10, "the acks to go out")
-        assert execs(client) - before <= 2  # kombu alone: 50
-        assert channel.qos.room() == 50  # and their prefetch slots are free again
-    assert client.llen("intake.test") == 10  # the ten never acked went back
-
-
-class Asleep(threading.Event):
-    """An event that never wakes its waiter: the acks' thread stays asleep."""
-
-    def set(self) -> None:
-        pass
-
-
-def test_acks_still_waiting_when_the_consumer_closes_go_out_before_it_puts_back(
-    own_redis: str,
-) -> None:
-    publish(own_redis, 30)
-    client = redis.Redis.from_url(own_redis)
-    with consuming(own_redis, prefetch=30) as (channel, received):
-        channel.qos.acks._waiting = Asleep()
-        ack_from_threads(received[:20])
-        assert client.hlen(channel.qos.unacked_key) == 30  # none sent yet
-    # the 20 acked are gone for good; only the 10 never acked went back to the queue
-    assert client.llen("intake.test") == 10
     assert client.hlen("unacked") == 0
