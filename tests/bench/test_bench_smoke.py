@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from bench import report as report_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -106,6 +108,10 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
     noop = model["noop_threads"]
     assert noop["accepted"] == noop["succeeded"] == plan["tasks"]
     assert positive(noop["tasks_per_s"])
+    # ``python -m bench.model`` prints the phase's table alone, with no prefork run beside it
+    alone = report_module.model_table({"model": model}).splitlines()
+    noop_row = next(line for line in alone if line.startswith("| noop throughput"))
+    assert "—" in noop_row and report_module._cell(noop["tasks_per_s"]) in noop_row
 
 
 @pytest.mark.timeout(660)
