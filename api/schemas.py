@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from broker.tasks.resource import Status
+
 
 class Progress(BaseModel):
     percent: float
@@ -34,7 +36,7 @@ class AgentRef(BaseModel):
 class TaskResource(BaseModel):
     task_id: str
     capability: str
-    status: str
+    status: Status
     progress: Progress | None = None
     result: Any = None
     error: TaskError | None = None

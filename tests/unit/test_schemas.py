@@ -10,6 +10,7 @@ from api import schemas
 from broker.registry import model, views
 from broker.registry.model import Card
 from broker.remote.registration import A2A, HTTP
+from broker.tasks.resource import STATUSES
 from broker.webhooks.events import EVENT_TYPES
 from broker.webhooks.policy import DELIVERY_STATUSES
 
@@ -24,6 +25,8 @@ def test_the_closed_sets_are_the_brokers() -> None:
     assert set(get_args(schemas.Lifecycle)) == {*INSTANCE_STATES, views.REVOKED}
     protocols = schemas.RemoteEndpoint.model_fields["protocol"].annotation
     assert set(get_args(protocols)) == {HTTP, A2A}
+    statuses = schemas.TaskResource.model_fields["status"].annotation
+    assert set(get_args(statuses)) == set(STATUSES)
 
 
 def test_a_card_view_has_every_field_of_a_card_document() -> None:
