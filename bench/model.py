@@ -15,7 +15,6 @@ tasks; its CPU per task.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -23,16 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from tempfile import mkdtemp
 from typing import Any
 
 import httpx
 
-from bench import bareapp, baseline, loadgen, report
-from bench.environment import Stores, fresh_stores
+from bench import alone, bareapp, baseline, loadgen, report
+from bench.environment import Stores
 from bench.machine import Meter
-from bench.plan import Plan, full, quick
+from bench.plan import Plan
 from bench.processes import BIN, Child, Children, celery_worker, child_env, free_port, wait_until
 from bench.reach import throughput, wait_final
 from bench.stack import running_stack
@@ -226,22 +223,17 @@ def _figures(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.model``: this phase alone, at the full run's size."""
-    parser = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="the CI size")
-    args = parser.parse_args(argv)
-    plan = quick() if args.quick else full()
-    with fresh_stores() as stores, Children(Path(mkdtemp(prefix="bench-model-"))) as children:
-        result = {"model": measure(stores, children, plan, _progress, Meter())}
-    print(
-        f"Model latency: {plan.model_tasks} tasks, each one call to a model answering after"
-        f" {MODEL_DELAY_S * 1000:.0f} ms"
+    return alone.run(
+        argv,
+        key="model",
+        description=__doc__,
+        measure=measure,
+        title=lambda plan: (
+            f"Model latency: {plan.model_tasks} tasks, each one call to a model answering"
+            f" after {MODEL_DELAY_S * 1000:.0f} ms"
+        ),
+        table=report.model_table,
     )
-    print(report.model_table(result))
-    return 0
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

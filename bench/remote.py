@@ -17,23 +17,20 @@ submitted together, and the most the agent saw open at once.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-from tempfile import mkdtemp
 from typing import Any
 
 import aiohttp
 import httpx
 
-from bench import loadgen, report
-from bench.environment import Stores, fresh_stores
+from bench import alone, loadgen, report
+from bench.environment import Stores
 from bench.machine import Meter
 from bench.model import peak_rss
-from bench.plan import Plan, full, quick
+from bench.plan import Plan
 from bench.processes import BIN, Children, child_env, free_port, wait_until
 from bench.reach import wait_final
 from bench.stack import running_stack
@@ -279,22 +276,17 @@ def bridged(stores: Stores, children: Children, plan: Plan, base: str) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.remote``: this phase alone, at the full run's size."""
-    parser = argparse.ArgumentParser(prog="python -m bench.remote", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="the CI size")
-    args = parser.parse_args(argv)
-    plan = quick() if args.quick else full()
-    with fresh_stores() as stores, Children(Path(mkdtemp(prefix="bench-remote-"))) as children:
-        result = {"remote": measure(stores, children, plan, _progress, Meter())}
-    print(
-        f"Remote agent: {plan.remote_tasks} calls to an HTTP agent answering after"
-        f" {REMOTE_DELAY_S * 1000:.0f} ms, {plan.remote_slots} at once"
+    return alone.run(
+        argv,
+        key="remote",
+        description=__doc__,
+        measure=measure,
+        title=lambda plan: (
+            f"Remote agent: {plan.remote_tasks} calls to an HTTP agent answering after"
+            f" {REMOTE_DELAY_S * 1000:.0f} ms, {plan.remote_slots} at once"
+        ),
+        table=report.remote_table,
     )
-    print(report.remote_table(result))
-    return 0
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
