@@ -160,8 +160,23 @@ def fragile_postgres() -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("capability", "payload", "pool"),
+    [
+        ("echo", {}, None),
+        # an async handler on the threads pool: its tasks run on the event loop (workers.pool)
+        ("test.async", {"sleep_s": 0.2}, "threads"),
+    ],
+    ids=["prefork", "async-on-the-loop"],
+)
 def test_postgres_stopped_and_started_under_load(
-    fragile_postgres: tuple[str, Path], settings: Settings, log_dir: Path, own_redis: str
+    fragile_postgres: tuple[str, Path],
+    settings: Settings,
+    log_dir: Path,
+    own_redis: str,
+    capability: str,
+    payload: dict[str, float],
+    pool: str | None,
 ) -> None:
     import pgserver
 
@@ -169,7 +184,12 @@ def test_postgres_stopped_and_started_under_load(
     outage_settings = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
     _, token = key_store.create_key(sync_engine(outage_settings), "outage", ["*"])
     work = start_worker(
-        outage_settings, "echo,reach.maintenance", f"outage-{uuid.uuid4().hex[:4]}", log_dir
+        outage_settings,
+        f"{capability},reach.maintenance",
+        f"outage-{uuid.uuid4().hex[:4]}",
+        log_dir,
+        concurrency=20 if pool else 2,
+        pool=pool,
     )
     beat = start_beat(outage_settings, log_dir, name="outage-beat")
     codes: list[int] = []
@@ -184,7 +204,8 @@ def test_postgres_stopped_and_started_under_load(
 
             def burst(n: int) -> None:
                 for i in range(n):
-                    response = http.post("/tasks", json={"capability": "echo", "payload": {"i": i}})
+                    envelope = {"capability": capability, "payload": {**payload, "i": i}}
+                    response = http.post("/tasks", json=envelope)
                     codes.append(response.status_code)
                     if response.status_code == 202:
                         accepted.append(response.json()["task_id"])
