@@ -26,12 +26,12 @@ from typing import Any
 import aiohttp
 import httpx
 
-from bench import alone, loadgen, report
+from bench import alone, loadgen, machine, report
 from bench.environment import Stores
 from bench.machine import Meter
 from bench.model import peak_rss
 from bench.plan import Plan
-from bench.processes import BIN, Children, child_env, free_port, wait_until
+from bench.processes import BIN, Child, Children, child_env, free_port, wait_until
 from bench.reach import wait_final
 from bench.stack import running_stack
 from bench.stats import latency_ms, rate
@@ -62,10 +62,10 @@ def measure(
     try:
         progress(f"remote agent, direct: {plan.remote_tasks} calls, {plan.remote_slots} at once")
         with meter.phase("remote.direct"):
-            figures["direct"] = asyncio.run(direct(base, plan))
+            figures["direct"] = asyncio.run(direct(base, plan, agent))
         progress(f"remote agent, through the bridge -c {plan.remote_slots}")
         with meter.phase("remote.bridge"):
-            figures["bridge"] = bridged(stores, children, plan, base)
+            figures["bridge"] = bridged(stores, children, plan, base, agent)
     finally:
         children.stop(agent)
     return figures
@@ -95,8 +95,9 @@ def _body(i: int) -> dict[str, Any]:
     }
 
 
-async def direct(base: str, plan: Plan) -> dict[str, Any]:
-    """The agent called straight from one event loop: the best a caller could do."""
+async def direct(base: str, plan: Plan, agent: Child) -> dict[str, Any]:
+    """The agent called straight from one event loop: the best a caller could do. CPU per
+    call: this process's (the caller's) and the agent's."""
     _reset(base)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -116,8 +117,10 @@ async def direct(base: str, plan: Plan) -> dict[str, Any]:
         await asyncio.gather(*(one(-i - 1) for i in range(min(50, plan.remote_slots))))  # warm
         _reset(base)
         started = time.perf_counter()
+        cpu_at_start = time.process_time(), agent.cpu_s()
         await asyncio.gather(*(gated(i) for i in range(plan.remote_tasks)))
         elapsed = time.perf_counter() - started
+        caller_s, agent_s = time.process_time() - cpu_at_start[0], agent.cpu_s() - cpu_at_start[1]
         in_flight_max = (_stats(base) or {}).get("in_flight_max", 0)
         samples = []
         for i in range(plan.remote_round_trips):
@@ -130,6 +133,8 @@ async def direct(base: str, plan: Plan) -> dict[str, Any]:
         "tasks_per_s": rate(plan.remote_tasks, elapsed),
         "in_flight_max": in_flight_max,
         "added_latency": latency_ms(samples, (50, 99)),
+        "caller_cpu_ms_per_task": round(caller_s * 1000 / plan.remote_tasks, 3),
+        "agent_cpu_ms_per_task": round(agent_s * 1000 / plan.remote_tasks, 3),
     }
 
 
@@ -182,7 +187,9 @@ def _bridge(children: Children, env: dict[str, str], slots: int, name: str) -> A
     )
 
 
-def bridged(stores: Stores, children: Children, plan: Plan, base: str) -> dict[str, Any]:
+def bridged(
+    stores: Stores, children: Children, plan: Plan, base: str, agent: Child
+) -> dict[str, Any]:
     """The agent registered and served by one bridge process. The N tasks are queued while
     no bridge runs (the agent's lease still holds), then a fresh bridge takes them: so the
     figure is what one bridge process does with ``slots`` calls to make at once, not how
@@ -241,11 +248,13 @@ def bridged(stores: Stores, children: Children, plan: Plan, base: str) -> dict[s
             child=bridge,
             every_s=0.005,
         )
-        cpu_at_start = bridge.cpu_s()
+        cpu_at_start = bridge.cpu_s(), agent.cpu_s(), machine.services_cpu()
         with peak_rss(bridge) as peak:
             counts = wait_final(stack.stores.libpq_url, "bench-remote", submitted["accepted"])
             finished_at = time.time()
-        cpu_s = bridge.cpu_s() - cpu_at_start
+        cpu_s = bridge.cpu_s() - cpu_at_start[0]
+        agent_s = agent.cpu_s() - cpu_at_start[1]
+        services_s = machine.services_cpu_since(cpu_at_start[2])
         stats = _stats(base) or {}
         elapsed = finished_at - (stats.get("first_at") or finished_at)
         samples = []
@@ -269,6 +278,9 @@ def bridged(stores: Stores, children: Children, plan: Plan, base: str) -> dict[s
         "in_flight_max": stats.get("in_flight_max", 0),
         "bridge_rss_peak_mb": peak["mb"],
         "bridge_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
+        # Postgres and Redis are shared: rough, as in the throughput figure
+        "services_cpu_ms_per_task": round(services_s * 1000 / max(1, done), 3),
+        "agent_cpu_ms_per_task": round(agent_s * 1000 / max(1, done), 3),
         "added_latency": latency_ms(samples, (50, 99)),
         "held": held,
     }

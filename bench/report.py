@@ -240,8 +240,27 @@ def remote_table(result: dict[str, Any]) -> str:
     )
     lines.append(["bridge RSS holding them", "MB", "—", _cell(held["bridge_rss_peak_mb"]), "—"])
     lines.append(["bridge RSS at the peak", "MB", "—", _cell(bridge["bridge_rss_peak_mb"]), "—"])
-    lines.append(["bridge CPU per call", "ms", "—", _cell(bridge["bridge_cpu_ms_per_task"]), "—"])
+    # Every process's CPU per call, during the calls: what the cores have to give. A direct
+    # call needs no Postgres or Redis.
+    cpu = (
+        ("CPU per call: caller / bridge", "caller_cpu_ms_per_task", "bridge_cpu_ms_per_task"),
+        ("CPU per call: the agent", "agent_cpu_ms_per_task", "agent_cpu_ms_per_task"),
+        ("CPU per call: Postgres + Redis", None, "services_cpu_ms_per_task"),
+    )
+    whole: list[float | None] = [0.0, 0.0]  # None: a part was not measured (an older run)
+    for name, of_direct, of_bridge in cpu:
+        d = direct.get(of_direct) if of_direct else 0.0
+        b = bridge.get(of_bridge)
+        whole = [_plus(whole[0], d), _plus(whole[1], b)]
+        lines.append([name, "ms", _cell(d or None), _cell(b), "—"])
+    ratio = _ratio(whole[1], whole[0])
+    shown = f"{ratio:.2f}x" if ratio is not None else "—"
+    lines.append(["CPU per call: all of them", "ms", _cell(whole[0]), _cell(whole[1]), shown])
     return _markdown(lines)
+
+
+def _plus(total: float | None, part: float | None) -> float | None:
+    return None if total is None or part is None else total + part
 
 
 def model_targets(m: dict[str, Any], target: Any) -> list[dict[str, Any]]:

@@ -129,6 +129,10 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert 0 < held["in_flight_max"] <= plan["remote_slots"]
     assert positive(bridge["bridge_rss_peak_mb"])
     assert positive(bridge["bridge_cpu_ms_per_task"])
+    assert positive(bridge["agent_cpu_ms_per_task"])
+    assert positive(bridge["services_cpu_ms_per_task"])
+    assert positive(direct["caller_cpu_ms_per_task"])
+    assert positive(direct["agent_cpu_ms_per_task"])
     named = [c["target"] for c in report["targets"] if c["target"].startswith("remote agent")]
     assert len(named) == 3
 
