@@ -224,7 +224,7 @@ class ReachRequestHandler(RequestHandler):
             return ListTasksResponse(page_size=0)  # INPUT_REQUIRED and the like: none here
         limit = min(params.page_size or LIST_PAGE_DEFAULT, self.svc.settings.list_page_max)
         try:
-            rows, next_cursor = await queries.list_tasks(
+            found, next_cursor = await queries.list_tasks(
                 self.svc.engine,
                 caller.tenant,
                 capability=None,
@@ -232,15 +232,16 @@ class ReachRequestHandler(RequestHandler):
                 limit=limit,
                 cursor=params.page_token or None,
                 patterns=caller.sees,
+                max_bytes=self.svc.settings.list_page_max_bytes,
                 session_id=params.context_id or None,
             )
         except ReachError as exc:
             raise _a2a_error(exc) from None
         return ListTasksResponse(
-            tasks=[mapping.task_of(render(row)) for row in rows],
+            tasks=[mapping.task_of(task) for task in found],
             next_page_token=next_cursor or "",
             page_size=limit,
-            total_size=len(rows),
+            total_size=len(found),
         )
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:

@@ -26,7 +26,7 @@ from broker import jsonbody
 from broker.db.models import session_revisions_table as revisions
 from broker.db.models import sessions_table as sessions
 from broker.db.models import tasks_table as tasks
-from broker.db.paging import newest_created_first
+from broker.db.paging import Budget, first_rows, json_bytes, newest_created_first
 from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.tasks.resource import RUNNING
 from broker.timestamps import iso
@@ -174,14 +174,22 @@ async def get(engine: AsyncEngine, tenant: str, session_id: str) -> dict[str, An
 
 
 async def list_live(
-    engine: AsyncEngine, tenant: str, *, limit: int, cursor: str | None
+    engine: AsyncEngine, tenant: str, *, limit: int, cursor: str | None, max_bytes: int
 ) -> tuple[list[dict[str, Any]], str | None]:
     """The tenant's live sessions, newest first, a page at a time (``broker.db.paging``: a
-    session's id is random, so its pages go by creation time)."""
+    session's id is random, so its pages go by creation time), with at most ``max_bytes`` of
+    state and metadata (and at least one session)."""
     query = select(sessions).where(sessions.c.tenant == tenant, sessions.c.expires_at > func.now())
+    budget = Budget(max_bytes, json_bytes("state", "metadata"))
     async with engine.connect() as conn:
         rows, next_cursor = await newest_created_first(
-            conn, query, sessions.c.created_at, sessions.c.id, limit=limit, cursor=cursor
+            conn,
+            query,
+            sessions.c.created_at,
+            sessions.c.id,
+            limit=limit,
+            cursor=cursor,
+            budget=budget,
         )
     return [render(SimpleNamespace(**row)) for row in rows], next_cursor
 
@@ -333,25 +341,21 @@ async def remove(engine: AsyncEngine, tenant: str, session_id: str) -> None:
 
 
 async def history(
-    engine: AsyncEngine, tenant: str, session_id: str, *, limit: int
+    engine: AsyncEngine, tenant: str, session_id: str, *, limit: int, max_bytes: int
 ) -> list[dict[str, Any]]:
-    """The last ``limit`` revisions, newest first, each with the task that wrote it."""
+    """The last ``limit`` revisions, newest first, each with the task that wrote it; fewer
+    when their states would pass ``max_bytes`` (the newest one always)."""
+    budget = Budget(max_bytes, json_bytes("state"))
     async with engine.connect() as conn:
         current = await conn.run_sync(live, tenant, session_id)
-        rows = (
-            await conn.execute(
-                select(revisions)
-                .where(revisions.c.session_id == current.id)
-                .order_by(revisions.c.revision.desc())
-                .limit(limit)
-            )
-        ).all()
+        query = select(revisions).where(revisions.c.session_id == current.id)
+        rows, _ = await first_rows(conn, query, [revisions.c.revision], limit=limit, budget=budget)
     return [
         {
-            "revision": r.revision,
-            "state": r.state,
-            "task_id": str(r.task_id) if r.task_id else None,
-            "created_at": iso(cast(datetime, r.created_at)),
+            "revision": r["revision"],
+            "state": r["state"],
+            "task_id": str(r["task_id"]) if r["task_id"] else None,
+            "created_at": iso(cast(datetime, r["created_at"])),
         }
         for r in rows
     ]

@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     max_payload_bytes: int = Field(1 * MiB, gt=0)
     max_json_depth: int = Field(32, gt=0, le=500)
     list_page_max: int = Field(100, gt=0)
+    # ... and at most this many bytes of the JSON its rows carry (a session's state, a task's
+    # result...), so one request cannot make the API read and send a hundred large values.
+    # A page ends before the row that would pass it, and always holds one row.
+    list_page_max_bytes: int = Field(1 * MiB, gt=0)
 
     janitor_interval_s: float = Field(60.0, gt=0)
     janitor_batch: int = Field(1000, gt=0)

@@ -150,6 +150,7 @@ async def list_sessions(
         caller.tenant,
         limit=min(limit, state.settings.list_page_max),
         cursor=cursor,
+        max_bytes=state.settings.list_page_max_bytes,
     )
     return JSONResponse({"sessions": found, "next_cursor": next_cursor})
 
@@ -234,6 +235,14 @@ async def list_revisions(
     caller: Caller,
     limit: Annotated[int, Query(ge=1, le=REVISIONS_MAX)] = 20,
 ) -> JSONResponse:
-    """The last revisions, newest first, each with the task that wrote it (null: the API)."""
-    found = await sessions.history(services(request).engine, caller.tenant, session_id, limit=limit)
+    """The last revisions, newest first, each with the task that wrote it (null: the API);
+    fewer when their states would pass the page's byte budget (list_page_max_bytes)."""
+    state = services(request)
+    found = await sessions.history(
+        state.engine,
+        caller.tenant,
+        session_id,
+        limit=limit,
+        max_bytes=state.settings.list_page_max_bytes,
+    )
     return JSONResponse({"session_id": session_id, "revisions": found})

@@ -186,7 +186,7 @@ async def list_tasks(
     if capability is not None and not is_valid_name(capability):
         raise BadRequest("capability is not a valid name", code="invalid_parameter")
     state = services(request)
-    rows, next_cursor = await queries.list_tasks(
+    found, next_cursor = await queries.list_tasks(
         state.engine,
         caller.tenant,
         capability=capability,
@@ -194,9 +194,10 @@ async def list_tasks(
         limit=min(limit, state.settings.list_page_max),
         cursor=cursor,
         patterns=caller.sees,
+        max_bytes=state.settings.list_page_max_bytes,
         session_id=session_id,
     )
-    return JSONResponse({"tasks": [render(r) for r in rows], "next_cursor": next_cursor})
+    return JSONResponse({"tasks": found, "next_cursor": next_cursor})
 
 
 @router.post(

@@ -4,7 +4,10 @@ meanwhile.
 Two keys. Ids that are UUIDv7 are in creation order already, and the cursor is the last id
 of a page, encoded (``newest_first``). Ids that are not (a session's is random) page on
 ``(created_at, id)``, and the cursor is both (``newest_created_first``). Every string of a
-cursor's documented pattern decodes, so a client's well-formed cursor is never refused."""
+cursor's documented pattern decodes, so a client's well-formed cursor is never refused.
+
+A page may also have a byte budget (``Budget``): it ends before the row that would pass it,
+with a cursor to that row, and always holds one row, so paging goes on."""
 
 from __future__ import annotations
 
@@ -12,10 +15,23 @@ import base64
 import binascii
 import re
 import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Column, Select, tuple_
+from sqlalchemy import (
+    Column,
+    ColumnElement,
+    Select,
+    Subquery,
+    Text,
+    cast,
+    func,
+    or_,
+    select,
+    tuple_,
+)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from broker.errors import BadRequest
@@ -32,6 +48,31 @@ _ID = re.compile("^[A-Za-z0-9_-]{1,128}$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _FIRST_US = (datetime.min.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
 _LAST_US = (datetime.max.replace(tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
+# The columns a budgeted page adds to its rows, dropped before they are returned.
+_AT, _BYTES_SO_FAR, _CANDIDATES = "page_row", "page_bytes", "page_candidates"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most ``max_bytes`` of what a page shows, measured by ``row_bytes`` on each row of
+    the page's candidates (the page's query as a subquery)."""
+
+    max_bytes: int
+    row_bytes: Callable[[Subquery], ColumnElement[int]]
+
+
+def json_bytes(*names: str) -> Callable[[Subquery], ColumnElement[int]]:
+    """A row's bytes: the text of these JSON columns, as long as the API's answer has them.
+
+    ``octet_length(col::text)`` rather than ``pg_column_size(col)``: the stored size is after
+    compression, and JSON a tenant chose to compress well (a megabyte of one letter) would
+    count a hundredth of what it costs to send."""
+
+    def measure(rows: Subquery) -> ColumnElement[int]:
+        sizes = [func.coalesce(func.octet_length(cast(rows.c[n], Text)), 0) for n in names]
+        return sum(sizes[1:], sizes[0])
+
+    return measure
 
 
 def encode_cursor(last_id: uuid.UUID) -> str:
@@ -55,14 +96,12 @@ async def newest_first(
     *,
     limit: int,
     cursor: str | None,
+    budget: Budget | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """One page of ``query``'s rows, and the cursor of the next page (None on the last)."""
     if cursor is not None:
         query = query.where(id_column < decode_cursor(cursor))
-    query = query.order_by(id_column.desc()).limit(limit + 1)
-    rows = [dict(r._mapping) for r in await conn.execute(query)]
-    more = len(rows) > limit
-    rows = rows[:limit]
+    rows, more = await first_rows(conn, query, [id_column], limit=limit, budget=budget)
     return rows, encode_cursor(rows[-1]["id"]) if more else None
 
 
@@ -93,17 +132,69 @@ async def newest_created_first(
     *,
     limit: int,
     cursor: str | None,
+    budget: Budget | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """``newest_first`` for rows whose ids are not in creation order: by ``created_column``,
     ties broken by ``id_column``."""
     key = tuple_(created_column, id_column)
     if cursor is not None:
         query = query.where(key < tuple_(*decode_created_cursor(cursor)))
-    query = query.order_by(created_column.desc(), id_column.desc()).limit(limit + 1)
-    rows = [dict(r._mapping) for r in await conn.execute(query)]
-    more = len(rows) > limit
-    rows = rows[:limit]
+    keys: list[Column[Any]] = [created_column, id_column]
+    rows, more = await first_rows(conn, query, keys, limit=limit, budget=budget)
     if not more:
         return rows, None
     last = rows[-1]
     return rows, encode_created_cursor(last[created_column.name], last[id_column.name])
+
+
+async def first_rows(
+    conn: AsyncConnection,
+    query: Select[Any],
+    keys: Sequence[Column[Any]],
+    *,
+    limit: int,
+    budget: Budget | None,
+) -> tuple[list[dict[str, Any]], bool]:
+    """The first rows of ``query``, newest ``keys`` first, at most ``limit`` of them and
+    within ``budget``; and whether more follow."""
+    query = query.order_by(*(k.desc() for k in keys)).limit(limit + 1)
+    if budget is None:
+        rows = [dict(r._mapping) for r in await conn.execute(query)]
+        return rows[:limit], len(rows) > limit
+    rows = [dict(r._mapping) for r in await conn.execute(_within(query, keys, limit, budget))]
+    candidates = rows[0].pop(_CANDIDATES) if rows else 0
+    for row in rows[1:]:
+        del row[_CANDIDATES]
+    return rows, len(rows) < candidates
+
+
+def _within(
+    query: Select[Any], keys: Sequence[Column[Any]], limit: int, budget: Budget
+) -> Select[Any]:
+    """``query`` (ordered, limit + 1 rows) cut where its running byte count passes the
+    budget, each row with the number of candidates.
+
+    The sizes are summed in SQL over the candidates, which the inner LIMIT bounds: Postgres
+    measures at most limit + 1 rows, and a row past the budget never leaves it. Measured in
+    an outer query, not beside the columns, so a plan that sorts cannot measure every row
+    of the tenant's before its LIMIT."""
+    candidates = query.subquery("candidates")
+    order = [candidates.c[k.name].desc() for k in keys]
+    sized = select(
+        candidates,
+        func.row_number().over(order_by=order).label(_AT),
+        func.sum(budget.row_bytes(candidates))
+        .over(order_by=order, rows=(None, 0))
+        .label(_BYTES_SO_FAR),
+        func.count().over().label(_CANDIDATES),
+    ).subquery("sized")
+    shown = [sized.c[column.key] for column in candidates.c]
+    return (
+        select(*shown, sized.c[_CANDIDATES])
+        .where(
+            sized.c[_AT] <= limit,
+            # The first row always: a row larger than the budget pages on alone.
+            or_(sized.c[_AT] == 1, sized.c[_BYTES_SO_FAR] <= budget.max_bytes),
+        )
+        .order_by(sized.c[_AT])
+    )

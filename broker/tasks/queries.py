@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import ColumnElement, false, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import as_task_row
 from broker.db.models import tasks_table as tasks
-from broker.db.paging import newest_first
+from broker.db.paging import Budget, json_bytes, newest_first
 from broker.errors import NotFound
-from broker.tasks.resource import TaskRow, parse_task_id
+from broker.tasks.resource import SHOWN_COLUMNS, SHOWN_JSON, TaskRow, parse_task_id, render
 from broker.tenancy.keys import Principal
 
 EVERY_CAPABILITY = ("*",)
@@ -75,11 +75,15 @@ async def list_tasks(
     limit: int,
     cursor: str | None,
     patterns: Sequence[str],
+    max_bytes: int,
     session_id: str | None = None,
-) -> tuple[list[TaskRow], str | None]:
-    """Newest first, a page at a time (``broker.db.paging``). ``status``: one, or any of
-    several."""
-    query = select(tasks).where(
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The task resources, newest first, a page at a time (``broker.db.paging``) of at most
+    ``max_bytes`` of their JSON (and at least one task). ``status``: one, or any of several.
+
+    Only the columns the resource shows are read: a payload of up to a megabyte a task is
+    not, since a listing never shows it."""
+    query = select(*(tasks.c[name] for name in SHOWN_COLUMNS)).where(
         tasks.c.tenant == tenant,
         tasks.c.expires_at > func.now(),
         allowed_by(patterns, tasks.c.capability),
@@ -92,6 +96,10 @@ async def list_tasks(
         query = query.where(tasks.c.status.in_(list(status)))
     if session_id is not None:
         query = query.where(tasks.c.session_id == session_id)
+    budget = Budget(max_bytes, json_bytes(*SHOWN_JSON))
     async with engine.connect() as conn:
-        rows, next_cursor = await newest_first(conn, query, tasks.c.id, limit=limit, cursor=cursor)
-    return cast(list[TaskRow], rows), next_cursor
+        rows, next_cursor = await newest_first(
+            conn, query, tasks.c.id, limit=limit, cursor=cursor, budget=budget
+        )
+    # The shown columns are all ``render`` reads of a row.
+    return [render(cast(TaskRow, row)) for row in rows], next_cursor

@@ -121,6 +121,11 @@ def parse_task_id(raw: str) -> uuid.UUID | None:
 _AS_STORED = ("capability", "status", "progress", "result", "error", "attempts")
 _AS_STORED_AFTER_AGENT = ("trace_id", "session_id", "metadata")
 _TIMES = ("created_at", "started_at", "finished_at", "expires_at")
+_AGENT = ("agent_id", "agent_version", "instance")
+# Every column ``render`` reads: what a listing selects (not the payload, nor the callback).
+SHOWN_COLUMNS = ("id", *_AS_STORED, *_AGENT, *_AS_STORED_AFTER_AGENT, *_TIMES)
+# Those that hold JSON, which a listing's byte budget counts.
+SHOWN_JSON = ("progress", "result", "error", "metadata")
 
 
 def render(row: TaskRow) -> dict[str, Any]:

@@ -62,7 +62,9 @@ async def page(
     cursor: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Deliveries matching ``scope``, newest first, each with its attempts."""
-    query = select(deliveries).where(deliveries.c.tenant == tenant, scope)
+    # Not the body: it carries the task's result, of any size, and the log never shows it.
+    shown = [c for c in deliveries.c if c.name != "body"]
+    query = select(*shown).where(deliveries.c.tenant == tenant, scope)
     async with engine.connect() as conn:
         rows, next_cursor = await newest_first(
             conn, query, deliveries.c.id, limit=limit, cursor=cursor

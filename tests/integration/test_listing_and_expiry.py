@@ -60,6 +60,41 @@ def test_the_page_size_is_bounded(client: httpx.Client, settings: Settings) -> N
     assert len(response.json()["tasks"]) <= settings.list_page_max
 
 
+def test_tasks_whose_results_pass_the_byte_budget_come_in_shorter_pages(
+    settings: Settings, tenant: tuple[str, str], client: httpx.Client
+) -> None:
+    # Given echo tasks whose results are 3 KB of JSON, but for one of 10 KB
+    sizes = [3000, 3000, 10_000, 3000, 3000]
+    made = [
+        client.post("/tasks", json={"capability": "echo", "payload": {"blob": "x" * n}}).json()[
+            "task_id"
+        ]
+        for n in sizes
+    ]
+    for task_id in made:
+        wait_for_task(client, task_id, {"succeeded"})
+    newest_first = made[::-1]
+    # When an API whose pages hold 7.5 KB lists them
+    budgeted = settings.model_copy(update={"list_page_max_bytes": 7_500})
+    with ServedApp(create_app(budgeted)) as api, client_for(api, tenant[1]) as small:
+        pages = every_task_page(small)
+    # Then two a page, the large one alone (it passes the budget by itself), each once
+    assert pages == [newest_first[:2], newest_first[2:3], newest_first[3:]]
+    # And with the default budget, one page as before
+    assert every_task_page(client) == [newest_first]
+
+
+def every_task_page(client: httpx.Client) -> list[list[str]]:
+    pages: list[list[str]] = []
+    cursor = None
+    while True:
+        answer = client.get("/tasks", params={"cursor": cursor} if cursor else {})
+        assert answer.status_code == 200, answer.text
+        pages.append([t["task_id"] for t in answer.json()["tasks"]])
+        if (cursor := answer.json()["next_cursor"]) is None:
+            return pages
+
+
 def test_the_same_idempotency_key_and_payload_returns_the_first_task(
     client: httpx.Client, engine: Engine, tenant: tuple[str, str]
 ) -> None:

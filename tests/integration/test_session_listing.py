@@ -140,6 +140,64 @@ def test_the_page_size_is_capped_by_the_settings(
         assert [s["session_id"] for s in rest["sessions"]] == [made[0]]
 
 
+# State of about 3 KB (as JSON text), and a page budget that holds two of them but not three.
+SOME_STATE = {"blob": "x" * 3000}
+LARGE_STATE = {"blob": "x" * 10_000}
+TWO_AND_A_HALF = 7_500
+
+
+def test_sessions_whose_state_passes_the_byte_budget_come_in_shorter_pages(
+    settings: Settings, tenant: tuple[str, str], client: httpx.Client
+) -> None:
+    # Given five sessions of 3 KB each
+    made = [new_session(client, state=SOME_STATE) for _ in range(5)]
+    # When an API whose pages hold 7.5 KB lists them, expect two a page, each once, in order
+    budgeted = settings.model_copy(update={"list_page_max_bytes": TWO_AND_A_HALF})
+    with ServedApp(create_app(budgeted)) as api, client_for(api, tenant[1]) as small:
+        pages = every_page(small, "/sessions", "sessions")
+    assert [len(p) for p in pages] == [2, 2, 1]
+    assert [s for page in pages for s in page] == made[::-1]
+    # And with the default budget, one page as before
+    assert every_page(client, "/sessions", "sessions") == [made[::-1]]
+
+
+def test_a_session_larger_than_the_byte_budget_is_listed_alone_and_paging_goes_on(
+    settings: Settings, tenant: tuple[str, str], client: httpx.Client
+) -> None:
+    # Given a 10 KB session between 3 KB ones, under a budget of 7.5 KB
+    first, large, last = (new_session(client, state=s) for s in (SOME_STATE, LARGE_STATE, {}))
+    budgeted = settings.model_copy(update={"list_page_max_bytes": TWO_AND_A_HALF})
+    with ServedApp(create_app(budgeted)) as api, client_for(api, tenant[1]) as small:
+        # When they are listed, expect the first page to end before the large one, which
+        # comes alone on the next, with a cursor to the rest
+        assert every_page(small, "/sessions", "sessions") == [[last], [large], [first]]
+
+
+def test_revisions_are_listed_within_the_byte_budget_the_newest_always(
+    settings: Settings, tenant: tuple[str, str], client: httpx.Client
+) -> None:
+    session = f"/sessions/{new_session(client, state=SOME_STATE)}"
+    path = f"{session}/revisions"
+
+    def write(revision: int, state: dict[str, Any]) -> None:
+        headers = {"If-Match": f'"{revision}"'}
+        answer = client.put(session, json={"state": state}, headers=headers)
+        assert answer.status_code == 200, answer.text
+
+    budgeted = settings.model_copy(update={"list_page_max_bytes": TWO_AND_A_HALF})
+    with ServedApp(create_app(budgeted)) as api, client_for(api, tenant[1]) as small:
+        # Given three revisions of 3 KB states, when an API whose pages hold 7.5 KB lists
+        # them, expect the newest two
+        write(1, SOME_STATE)
+        write(2, SOME_STATE)
+        assert [r["revision"] for r in small.get(path).json()["revisions"]] == [3, 2]
+        # Given a fourth of 10 KB, expect it alone: it passes the budget by itself
+        write(3, LARGE_STATE)
+        assert [r["revision"] for r in small.get(path).json()["revisions"]] == [4]
+    # And with the default budget, all four
+    assert [r["revision"] for r in client.get(path).json()["revisions"]] == [4, 3, 2, 1]
+
+
 @pytest.mark.parametrize(
     ("params", "status", "code"),
     [

@@ -13,6 +13,7 @@ ENV_NAMES = (
     "REDIS_URL",
     "REACH_BROKER_URL",
     "REACH_MAX_PAYLOAD_BYTES",
+    "REACH_LIST_PAGE_MAX_BYTES",
     "REACH_METRICS_TOKEN",
     "REACH_METRICS_PUBLIC",
     "REACH_METRICS_REFRESH_S",
@@ -100,6 +101,17 @@ def test_given_a_payload_limit_from_the_env_expect_the_body_limit_to_follow(
     settings = Settings()
     assert settings.max_payload_bytes == 1000
     assert settings.max_body_bytes > 1000
+
+
+def test_given_a_page_byte_budget_from_the_env_expect_it_used_and_a_mebibyte_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings().list_page_max_bytes == 1024 * 1024
+    monkeypatch.setenv("REACH_LIST_PAGE_MAX_BYTES", "4096")
+    assert Settings().list_page_max_bytes == 4096
+    monkeypatch.setenv("REACH_LIST_PAGE_MAX_BYTES", "0")
+    with pytest.raises(ValidationError):
+        Settings()
 
 
 def test_given_a_short_or_empty_metrics_token_expect_it_refused(

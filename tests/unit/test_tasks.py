@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from sqlalchemy.dialects.postgresql import JSONB
 
 from broker.db.models import tasks_table
 from broker.tasks.resource import (
@@ -18,6 +19,8 @@ from broker.tasks.resource import (
     NEXT,
     QUEUED,
     RUNNING,
+    SHOWN_COLUMNS,
+    SHOWN_JSON,
     STATUSES,
     SUCCEEDED,
     TaskRow,
@@ -240,3 +243,16 @@ def test_given_the_tasks_table_expect_the_row_type_to_name_exactly_its_columns()
     assert set(TaskRow.__annotations__) - returned_with_final_writes == {
         column.name for column in tasks_table.columns
     }
+
+
+def test_given_only_the_shown_columns_expect_the_same_resource() -> None:
+    # A listing reads these columns only (not the payload): render must need no other.
+    row = a_row(payload={"large": "x" * 100}, callback=None)
+    shown = {name: row[name] for name in SHOWN_COLUMNS}
+    assert render(shown) == render(row)
+
+
+def test_given_the_shown_columns_expect_the_byte_budget_to_count_each_json_one() -> None:
+    json_columns = {n for n in SHOWN_COLUMNS if isinstance(tasks_table.c[n].type, JSONB)}
+    assert json_columns == set(SHOWN_JSON)
+    assert "payload" not in SHOWN_COLUMNS
