@@ -1,14 +1,15 @@
 """Async handlers: one event loop per worker process, and the calls in flight on it.
 
-A worker started with the threads pool (``-P threads -c 500``) runs each task in a thread of
-its own; an ``async def`` handler's coroutine runs on the process's one event loop, and the
-task's thread only waits for it. So many handlers awaiting a model share one loop, one
-process, and whatever clients the agent keeps per process (an ``aiohttp`` session).
+An ``async def`` handler's coroutine runs on the process's one event loop. On the threads pool
+(``-P threads -c 500``) the whole task runs there, with no thread of its own
+(``workers.pool``, ``arun``); elsewhere (prefork) the task's thread waits for the coroutine
+(``run``). So many handlers awaiting a model share one loop, one process, and whatever
+clients the agent keeps per process (an ``aiohttp`` session).
 
 Nothing here uses signals. A call ends in one of three ways: it returns (or raises), its time
 runs out (``CallTimedOut``: the coroutine is cancelled, so it sees ``CancelledError`` at its
-``await``), or the caller cancels the task (the coroutine is cancelled the same way, and the
-thread gets ``CallCancelled``). A cancel reaches the process through one Redis pub/sub
+``await``), or the caller cancels the task (the coroutine is cancelled the same way, and its
+waiter gets ``CallCancelled``). A cancel reaches the process through one Redis pub/sub
 subscription (``CANCELS_CHANNEL``), read by a thread of its own.
 
 A cancel is published only after the task's row moved to ``cancelled``, so after any claim

@@ -7,8 +7,8 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
 - checks each agent's health on a small pool of its own, each check bounded by
   ``remote_health_timeout_s``: ``GET <origin>/healthz`` for an ``http`` agent, its card (200,
   and a card the bridge can call) for an ``a2a`` one. In the seeds' bug 5.1, slow pings took
-  the worker's threads and real calls timed out at random; here no check ever runs on a
-  task's thread;
+  the worker's threads and real calls timed out at random; here no check ever runs where a
+  task's call runs;
 - dampens what it saw (``broker.remote.health``), and while the agent counts as up renews its
   lease and consumes its queues; once it does not, gives up both, so routing answers 503
   ``no_agent_available`` at once and queued tasks wait for it;
