@@ -130,7 +130,8 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert positive(bridge["bridge_rss_peak_mb"])
     assert positive(bridge["bridge_cpu_ms_per_task"])
     assert positive(bridge["agent_cpu_ms_per_task"])
-    assert positive(bridge["services_cpu_ms_per_task"])
+    # Postgres's and Redis's CPU is read in 10 ms ticks: a tiny run may see none of them
+    assert bridge["services_cpu_ms_per_task"] >= 0
     assert positive(direct["caller_cpu_ms_per_task"])
     assert positive(direct["agent_cpu_ms_per_task"])
     named = [c["target"] for c in report["targets"] if c["target"].startswith("remote agent")]
