@@ -62,7 +62,7 @@ class RedisResults:
         self.client.close()
 
 
-def _succeeded(value: bytes | None) -> bool:
+def _succeeded(value: bytes | str | None) -> bool:
     return value is not None and json.loads(value).get("status") == "SUCCESS"
 
 

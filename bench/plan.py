@@ -28,6 +28,7 @@ class Plan:
     remote_round_trips: int  # ... calls one at a time, for the latency the bridge adds
     remote_slots: int  # ... calls at once, direct and through the bridge
     remote_hold_s: float  # ... each call of the holding figure (slots calls open at once)
+    remote_curve: tuple[int, ...]  # ... fewer calls at once, direct and through one bridge
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +56,7 @@ def full(tasks: int = 2000, concurrency: int = 2) -> Plan:
         remote_round_trips=30,
         remote_slots=1000,
         remote_hold_s=10.0,
+        remote_curve=(100, 250, 500),
     )
 
 
@@ -79,6 +81,7 @@ def quick(tasks: int = 20, concurrency: int = 2) -> Plan:
         remote_round_trips=3,
         remote_slots=20,
         remote_hold_s=1.0,
+        remote_curve=(10,),
     )
 
 

@@ -9,6 +9,7 @@ the API's memory.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -74,7 +75,7 @@ def measure(
             run = phase(
                 f"accept_{connections}",
                 f"accept rate ({requests} POSTs on {connections} connections)",
-                lambda c=connections, r=requests: accept(stack, c, r),
+                functools.partial(accept, stack, connections, requests),
             )
             figures["accept"].append(run)
             purge(stack, "echo")  # each run starts from an empty queue, below the depth bound

@@ -13,6 +13,10 @@ time (the direct call's round trip, and the sync round trip, minus the delay); t
 the agent saw in flight at once; the bridge's peak RSS and CPU per task. Then the holding
 figure: ``slots`` calls of ``remote_hold_s`` each (long enough for all of them to be open),
 submitted together, and the most the agent saw open at once.
+
+Then the same N tasks through two bridge processes started together (``-n`` names of their
+own, ``slots / 2`` calls at once each), and, both ways, at each of ``remote_curve``'s smaller
+numbers of calls at once: where one bridge process stops keeping up with the agent.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -39,6 +44,7 @@ from bench.stats import latency_ms, rate
 REMOTE_DELAY_S = 0.2
 CAPABILITY = "bench.remote"
 AGENT_ID = "bench-remote"
+ENVELOPE = {"capability": CAPABILITY, "payload": {"i": 0}}
 
 
 def measure(
@@ -65,7 +71,7 @@ def measure(
             figures["direct"] = asyncio.run(direct(base, plan, agent))
         progress(f"remote agent, through the bridge -c {plan.remote_slots}")
         with meter.phase("remote.bridge"):
-            figures["bridge"] = bridged(stores, children, plan, base, agent)
+            figures["bridge"] = bridged(stores, children, plan, base, agent, progress)
     finally:
         children.stop(agent)
     return figures
@@ -187,103 +193,160 @@ def _bridge(children: Children, env: dict[str, str], slots: int, name: str) -> A
     )
 
 
-def bridged(
-    stores: Stores, children: Children, plan: Plan, base: str, agent: Child
-) -> dict[str, Any]:
-    """The agent registered and served by one bridge process. The N tasks are queued while
-    no bridge runs (the agent's lease still holds), then a fresh bridge takes them: so the
-    figure is what one bridge process does with ``slots`` calls to make at once, not how
-    fast the API can feed it."""
-    with running_stack(stores, children, 1, queues="echo") as stack:
-        env = child_env(
+class Bridged:
+    """The agent registered on one stack, and runs of N queued tasks served by bridge
+    processes started afresh for each run."""
+
+    def __init__(self, stores: Stores, children: Children, stack: Any, base: str) -> None:
+        self.children, self.stack, self.base = children, stack, base
+        self.env = child_env(
             REACH_DATABASE_URL=stores.database_url,
             REACH_REDIS_URL=stores.redis_url,
             REACH_REMOTE_HEALTH_INTERVAL_S="1",
         )
-        ops = httpx.Client(
+        self.ops = httpx.Client(
             base_url=stack.url,
             timeout=60,
             headers={"Authorization": f"Bearer {stack.operator_key('bench-remote-ops')}"},
         )
-        trips = httpx.Client(
+        self.trips = httpx.Client(
             base_url=stack.url,
             timeout=60,
             headers={"Authorization": f"Bearer {stack.key('bench-remote-trips')}"},
         )
-        envelope = {"capability": CAPABILITY, "payload": {"i": 0}}
+        self.runs = 0
 
-        def sync_call() -> httpx.Response:
-            return trips.post("/tasks", json={**envelope, "reply_mode": "sync"})
+    def close(self) -> None:
+        self.ops.close()
+        self.trips.close()
 
+    def sync_call(self) -> httpx.Response:
+        return self.trips.post("/tasks", json={**ENVELOPE, "reply_mode": "sync"})
+
+    def register(self, slots: int) -> None:
+        """The agent registered, and served once by a bridge that then stops: its lease
+        holds for the tasks queued next."""
         registration = {
             "version": "1.0.0",
-            "endpoint": {"protocol": "http", "url": f"{base}/run"},
+            "endpoint": {"protocol": "http", "url": f"{self.base}/run"},
             "capabilities": [{"capability": CAPABILITY, "timeout_s": 60, "idempotent": True}],
         }
-        ops.put(f"/agents/{AGENT_ID}", json=registration).raise_for_status()
-        first = _bridge(children, env, plan.remote_slots, "bench-bridge-a")
+        self.ops.put(f"/agents/{AGENT_ID}", json=registration).raise_for_status()
+        first = _bridge(self.children, self.env, slots, "bench-bridge-a")
         wait_until(
-            lambda: sync_call().status_code == 200,
+            lambda: self.sync_call().status_code == 200,
             timeout_s=60,
             what="the bridge to serve the agent",
             child=first,
         )
-        children.stop(first)
+        self.children.stop(first)
+
+    def run(
+        self, agent: Child, tasks: int, slots: int, bridges: int = 1, keep: bool = False
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """N tasks queued while no bridge runs, then ``bridges`` fresh bridge processes
+        (``slots`` calls at once between them) started together take them: the figure is
+        what the bridges do with that many calls to make, not how fast the API feeds them.
+        ``keep``: the bridges are left running (and returned) for more figures."""
+        self.runs += 1
+        tenant = f"bench-remote-{self.runs}"
         submitted = asyncio.run(
             loadgen.accept_rate(
-                stack.port,
-                stack.key("bench-remote"),
-                envelope,
-                connections=64,
-                requests=plan.remote_tasks,
+                self.stack.port, self.stack.key(tenant), ENVELOPE, connections=64, requests=tasks
             )
         )
-        _reset(base)
-        bridge = _bridge(children, env, plan.remote_slots, "bench-bridge-b")
-        # Its CPU from its first call on: booting (imports, Celery's start) is not a call's.
+        _reset(self.base)
+        each = max(1, slots // bridges)
+        started = [
+            _bridge(self.children, self.env, each, f"bench-bridge-{self.runs}{chr(97 + i)}")
+            for i in range(bridges)
+        ]
+        # Their CPU from the first call on: booting (imports, Celery's start) is not a call's.
         wait_until(
-            lambda: (_stats(base) or {}).get("first_at") is not None,
+            lambda: (_stats(self.base) or {}).get("first_at") is not None,
             timeout_s=60,
             what="the bridge's first call",
-            child=bridge,
+            child=started[0],
             every_s=0.005,
         )
-        cpu_at_start = bridge.cpu_s(), agent.cpu_s(), machine.services_cpu()
-        with peak_rss(bridge) as peak:
-            counts = wait_final(stack.stores.libpq_url, "bench-remote", submitted["accepted"])
+        cpu_at_start = (
+            sum(b.cpu_s() for b in started),
+            agent.cpu_s(),
+            machine.services_cpu(),
+        )
+        with peak_rss(started[0]) as peak:
+            counts = wait_final(self.stack.stores.libpq_url, tenant, submitted["accepted"])
             finished_at = time.time()
-        cpu_s = bridge.cpu_s() - cpu_at_start[0]
+        cpu_s = sum(b.cpu_s() for b in started) - cpu_at_start[0]
         agent_s = agent.cpu_s() - cpu_at_start[1]
         services_s = machine.services_cpu_since(cpu_at_start[2])
-        stats = _stats(base) or {}
+        stats = _stats(self.base) or {}
+        if not keep:
+            for bridge in started:
+                self.children.stop(bridge)
         elapsed = finished_at - (stats.get("first_at") or finished_at)
+        done = counts.get("succeeded", 0)
+        return {
+            "slots": slots,
+            "bridges": bridges,
+            "statuses": counts,
+            "succeeded": done,
+            "elapsed_s": round(elapsed, 3),
+            "tasks_per_s": rate(done, elapsed),
+            "in_flight_max": stats.get("in_flight_max", 0),
+            "bridge_rss_peak_mb": peak["mb"],
+            "bridge_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
+            # Postgres and Redis are shared: rough, as in the throughput figure
+            "services_cpu_ms_per_task": round(services_s * 1000 / max(1, done), 3),
+            "agent_cpu_ms_per_task": round(agent_s * 1000 / max(1, done), 3),
+        }, started
+
+    def round_trips(self, count: int) -> dict[str, float]:
         samples = []
-        for _ in range(plan.remote_round_trips):
+        for _ in range(count):
             sent = time.perf_counter()
-            answer = sync_call()
+            answer = self.sync_call()
             if answer.status_code != 200:
                 raise RuntimeError(f"{CAPABILITY} answered {answer.status_code}: {answer.text}")
             samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
-        held = hold(stack, base, plan, bridge)
-        ops.close()
-        trips.close()
-        children.stop(bridge)
-    done = counts.get("succeeded", 0)
-    return {
-        "slots": plan.remote_slots,
-        "statuses": counts,
-        "succeeded": done,
-        "elapsed_s": round(elapsed, 3),
-        "tasks_per_s": rate(done, elapsed),
-        "in_flight_max": stats.get("in_flight_max", 0),
-        "bridge_rss_peak_mb": peak["mb"],
-        "bridge_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
-        # Postgres and Redis are shared: rough, as in the throughput figure
-        "services_cpu_ms_per_task": round(services_s * 1000 / max(1, done), 3),
-        "agent_cpu_ms_per_task": round(agent_s * 1000 / max(1, done), 3),
-        "added_latency": latency_ms(samples, (50, 99)),
-        "held": held,
-    }
+        return latency_ms(samples, (50, 99))
+
+
+def bridged(
+    stores: Stores,
+    children: Children,
+    plan: Plan,
+    base: str,
+    agent: Child,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Through the bridge: the main run (``remote_slots`` calls at once, one bridge process),
+    its round trips and holding figure; then the same with two bridge processes sharing the
+    slots; then one bridge at each of ``remote_curve``'s smaller numbers of calls at once."""
+    with running_stack(stores, children, 1, queues="echo") as stack:
+        runs = Bridged(stores, children, stack, base)
+        try:
+            runs.register(plan.remote_slots)
+            figures, (bridge,) = runs.run(agent, plan.remote_tasks, plan.remote_slots, keep=True)
+            try:
+                figures["added_latency"] = runs.round_trips(plan.remote_round_trips)
+                figures["held"] = hold(stack, base, plan, bridge)
+            finally:
+                children.stop(bridge)
+            progress(f"remote agent, through two bridges -c {plan.remote_slots // 2} each")
+            figures["two_bridges"], _ = runs.run(
+                agent, plan.remote_tasks, plan.remote_slots, bridges=2
+            )
+            curve = []
+            for slots in plan.remote_curve:
+                progress(f"remote agent, {slots} at once: direct, then through the bridge")
+                direct_figures = asyncio.run(direct(base, replace(plan, remote_slots=slots), agent))
+                through, _ = runs.run(agent, plan.remote_tasks, slots)
+                curve.append({"slots": slots, "direct": direct_figures, "bridge": through})
+            figures["curve"] = curve
+        finally:
+            runs.close()
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ the issue's targets checked."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,12 +220,13 @@ def remote_table(result: dict[str, Any]) -> str:
     lines = [
         ["figure", "unit", "direct (aiohttp)", f"bridge -c {bridge['slots']}", "bridge / direct"]
     ]
-    for name, unit, value in (
+    rows: tuple[tuple[str, str, Callable[[dict[str, Any]], Any]], ...] = (
         ("throughput", "calls/s", lambda s: s["tasks_per_s"]),
         ("added latency p50", "ms", lambda s: s["added_latency"]["p50_ms"]),
         ("added latency p99", "ms", lambda s: s["added_latency"]["p99_ms"]),
         ("calls in flight at most", "", lambda s: s["in_flight_max"]),
-    ):
+    )
+    for name, unit, value in rows:
         ratio = _ratio(value(bridge), value(direct))
         shown = f"{ratio:.2f}x" if ratio is not None else "—"
         lines.append([name, unit, _cell(value(direct)), _cell(value(bridge)), shown])
@@ -256,6 +258,58 @@ def remote_table(result: dict[str, Any]) -> str:
     ratio = _ratio(whole[1], whole[0])
     shown = f"{ratio:.2f}x" if ratio is not None else "—"
     lines.append(["CPU per call: all of them", "ms", _cell(whole[0]), _cell(whole[1]), shown])
+    two = bridge.get("two_bridges")
+    if two is not None:
+        each = two["slots"] // two["bridges"]
+        ratio = _ratio(two["tasks_per_s"], direct["tasks_per_s"])
+        lines.append(
+            [
+                f"throughput, {two['bridges']} bridges -c {each} each",
+                "calls/s",
+                _cell(direct["tasks_per_s"]),
+                _cell(two["tasks_per_s"]),
+                f"{ratio:.2f}x" if ratio is not None else "—",
+            ]
+        )
+        lines.append(
+            [
+                f"CPU per call: the {two['bridges']} bridges",
+                "ms",
+                "—",
+                _cell(two["bridge_cpu_ms_per_task"]),
+                "—",
+            ]
+        )
+    table = _markdown(lines)
+    return table + ("\n\n" + remote_curve_table(r) if bridge.get("curve") else "")
+
+
+def remote_curve_table(r: dict[str, Any]) -> str:
+    """Throughput by calls at once: where one bridge process stops keeping up with the
+    agent (its core)."""
+    direct, bridge = r["direct"], r["bridge"]
+    points = [*bridge["curve"], {"slots": bridge["slots"], "direct": direct, "bridge": bridge}]
+    lines = [
+        [
+            "calls at once",
+            "direct calls/s",
+            "one bridge calls/s",
+            "bridge / direct",
+            "bridge CPU per call (ms)",
+        ]
+    ]
+    for point in points:
+        d, b = point["direct"]["tasks_per_s"], point["bridge"]["tasks_per_s"]
+        ratio = _ratio(b, d)
+        lines.append(
+            [
+                _cell(point["slots"]),
+                _cell(d),
+                _cell(b),
+                f"{ratio:.2f}x" if ratio is not None else "—",
+                _cell(point["bridge"]["bridge_cpu_ms_per_task"]),
+            ]
+        )
     return _markdown(lines)
 
 
@@ -301,7 +355,7 @@ def model_table(result: dict[str, Any]) -> str:
         f"Agent-Reach async -c {m['reach']['slots']}",
         "Reach / best A",
     ]
-    figures = [
+    figures: list[tuple[str, str, Callable[[dict[str, Any]], Any], Callable[..., Any]]] = [
         ("throughput", "tasks/s", lambda s: s["tasks_per_s"], max),
         ("added latency p50", "ms", lambda s: s["added_latency"]["p50_ms"], min),
         ("added latency p99", "ms", lambda s: s["added_latency"]["p99_ms"], min),

@@ -124,6 +124,7 @@ def lists(settings: Settings, count: int) -> dict[str, Any]:
                     limit=50,
                     cursor=None,
                     patterns=("*",),
+                    max_bytes=settings.list_page_max_bytes,
                 )
                 samples.append(time.perf_counter() - started)
         finally:

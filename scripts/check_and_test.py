@@ -10,7 +10,7 @@ BIN = Path(sys.executable).parent
 CHECKS = [
     [str(BIN / "ruff"), "check", "."],
     [str(BIN / "ruff"), "format", "--check", "."],
-    [str(BIN / "mypy"), "broker", "workers", "api", "reach", "client/reach_client"],
+    [str(BIN / "mypy"), "broker", "workers", "api", "reach", "client/reach_client", "bench"],
     [str(BIN / "lint-imports")],
 ]
 

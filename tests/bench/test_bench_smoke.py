@@ -136,6 +136,22 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert positive(direct["agent_cpu_ms_per_task"])
     named = [c["target"] for c in report["targets"] if c["target"].startswith("remote agent")]
     assert len(named) == 3
+    # the same N through two bridge processes sharing the slots, started together
+    two = bridge["two_bridges"]
+    assert (two["bridges"], two["slots"]) == (2, plan["remote_slots"])
+    assert two["statuses"] == {"succeeded": plan["remote_tasks"]}
+    assert positive(two["tasks_per_s"]) and positive(two["bridge_cpu_ms_per_task"])
+    assert 0 < two["in_flight_max"] <= plan["remote_slots"]
+    # fewer calls at once, both ways: never more in flight than asked
+    assert [p["slots"] for p in bridge["curve"]] == list(plan["remote_curve"])
+    for point in bridge["curve"]:
+        assert point["direct"]["calls"] == plan["remote_tasks"]
+        assert point["bridge"]["statuses"] == {"succeeded": plan["remote_tasks"]}
+        for figures in (point["direct"], point["bridge"]):
+            assert positive(figures["tasks_per_s"])
+            assert 0 < figures["in_flight_max"] <= point["slots"]
+    table = report_module.remote_table({"remote": remote})
+    assert "| calls at once" in table and "2 bridges" in table
 
 
 @pytest.mark.timeout(300)
@@ -159,3 +175,33 @@ def test_the_latency_breakdown_runs_and_reports_every_part() -> None:
         for cell in cells:
             p50, p95 = (float(x) for x in cell.split("/"))
             assert p95 >= p50
+
+
+@pytest.mark.timeout(300)
+def test_the_retention_measurement_runs_at_a_small_size() -> None:
+    """``python -m bench.retention`` is run by hand at millions of rows; here at 3,000, so that
+    a change to the janitor's or the listing's code cannot leave it broken."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.retention",
+            "--rows",
+            "3000",
+            "--batches",
+            "2",
+            "--samples",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(done.stdout)
+    assert (figures["rows"], figures["expired"]) == (3000, 1500)
+    assert figures["insert"]["samples"] == figures["list"]["samples"] == 5
+    janitor = figures["janitor"]
+    assert janitor["removed"] == 1500, janitor  # every expired row, in two batches of 1,000
+    assert janitor["rows_per_s_while_running"] > 0, janitor
