@@ -14,7 +14,12 @@ the pool and its answer read after, so that task does not wait for a round trip 
 record made a sync call wait about half a millisecond more). The prefetch limit still holds:
 a batch never takes more than the free slots.
 
-It also shares one client per connection pool where kombu made one per call (below).
+It also shares one client per connection pool where kombu made one per call (below), and
+sends acks in batches. kombu removes each acked message from the unacked hash in a round trip
+of its own, on the worker's main thread. When a wave of calls ends together (a bridge with 100
+calls in flight), their acks went one after another before the hub took new messages. Acks
+the hub runs in one turn of its loop now go out as one round trip before it polls again
+(``QoS.ack``).
 
 Used by the workers when the broker is Redis (``broker_transport``); the API only publishes.
 """
@@ -22,12 +27,16 @@ Used by the workers when the broker is Redis (``broker_transport``); the API onl
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+
+log = logging.getLogger("reach.worker")
 
 BATCH = 32  # messages one script call takes at most, beyond the one BRPOP gave
 
@@ -57,6 +66,37 @@ class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self.recorded: set[str] = set()
+        self.acked: list[str] = []  # acked in this turn of the hub's loop, not yet sent
+
+    def ack(self, delivery_tag: str) -> None:
+        """On the hub's thread, note it: ``send_acks`` removes every message acked in this
+        turn of the loop from the unacked hash in one round trip, before the loop polls
+        again. Anywhere else, at once, as kombu does.
+
+        Until it is sent, the message is still recorded as unacked: a process that dies
+        meanwhile has it delivered again, and the runner, finding its task final, only acks
+        it (the same as a death just before kombu's own ack)."""
+        if threading.get_ident() == self.channel.connection.hub_thread:
+            self.acked.append(delivery_tag)
+            return
+        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+
+    def send_acks(self) -> None:
+        acked, self.acked = self.acked, []
+        if not acked:
+            return
+        try:
+            with self.pipe_or_acquire() as pipe:
+                pipe.zrem(self.unacked_index_key, *acked).hdel(self.unacked_key, *acked)
+                pipe.execute()
+        except Exception:  # as kombu's ack_log_error: they stay unacked, and come again
+            log.exception("%d acks not sent: those messages will be delivered again", len(acked))
+        for tag in acked:
+            virtual.QoS.ack(self, tag)  # type: ignore[no-untyped-call]
+
+    def restore_unacked(self, client: Any = None) -> None:
+        self.send_acks()  # acked ones are not restored
+        super().restore_unacked(client)  # type: ignore[no-untyped-call]
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self.recorded:
@@ -74,6 +114,11 @@ class QoS(kombu_redis.QoS):
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
+
+    def close(self) -> None:
+        if self._qos is not None:
+            self._qos.send_acks()
+        super().close()  # type: ignore[no-untyped-call]
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         """One client per connection pool, not one per call. kombu makes a new ``redis.Redis``
@@ -159,3 +204,19 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    hub_thread: int | None = None  # the thread of the hub this transport is registered with
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """The hub's loop runs on the thread that registers its transport (Celery's
+        ``asynloop``); ``send_acks`` runs on each of its turns."""
+        super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
+        self.hub_thread = threading.get_ident()
+        loop.on_tick.add(self.send_acks)
+
+    def send_acks(self) -> None:
+        """Every ack the hub ran in this turn of its loop, one round trip per channel (the
+        hub calls it before it polls)."""
+        for channel in list(self.channels):
+            qos = channel._qos
+            if qos is not None and qos.acked:
+                qos.send_acks()

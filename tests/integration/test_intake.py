@@ -5,6 +5,7 @@ one, so acks, and restores of what was never acked, work as they always did."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.asynchronous import Hub
 
 QUEUE = Queue("intake.test", Exchange("intake.test", type="direct"), routing_key="intake.test")
 TRANSPORT = "workers.transport:Transport"
@@ -111,6 +113,72 @@ def test_acks_share_one_client_instead_of_making_one_per_message(
         monkeypatch.undo()
         assert not redis.Redis.from_url(own_redis).hlen(channel.qos.unacked_key)
     assert len(made) <= 2, len(made)
+
+
+def test_acks_on_the_hubs_thread_go_out_together_when_the_hub_turns(
+    own_redis: str, monkeypatch: Any
+) -> None:
+    """Given 30 messages acked on the thread of the hub the transport is registered with, I
+    expect them still recorded as unacked until the hub's loop turns, then all removed in one
+    round trip; and an ack from another thread removed at once, as kombu does."""
+    publish(own_redis, 31)
+    client = redis.Redis.from_url(own_redis)
+    pipelines = []
+    original = redis.client.Pipeline.execute
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pipelines.append(len(self.command_stack))
+        return original(self, *args, **kwargs)
+
+    with consuming(own_redis, prefetch=100) as (channel, received):
+        assert len(received) == 31
+        hub = Hub()
+        transport = channel.connection
+        transport.register_with_event_loop(transport, hub)
+        try:
+            elsewhere = threading.Thread(target=received[30].ack)
+            elsewhere.start()
+            elsewhere.join()
+            assert client.hlen(channel.qos.unacked_key) == 30  # the other thread's, at once
+
+            monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
+            for message in received[:30]:
+                message.ack()
+            assert client.hlen(channel.qos.unacked_key) == 30  # noted, not yet sent
+            next(hub.create_loop())  # one turn: the acks go before it polls
+            monkeypatch.undo()
+            assert client.hlen(channel.qos.unacked_key) == 0
+            assert client.zcard(channel.qos.unacked_index_key) == 0
+            assert pipelines == [2], pipelines  # one ZREM and one HDEL, for all 30
+        finally:
+            hub.close()
+
+
+def test_acks_not_yet_sent_are_sent_when_the_channel_closes(own_redis: str) -> None:
+    """Given acks noted on the hub's thread and a channel closed before the hub turned, I
+    expect them sent, not restored to the queue as if never acked."""
+    publish(own_redis, 5)
+    client = redis.Redis.from_url(own_redis)
+    with Connection(own_redis, transport=TRANSPORT) as conn:
+        channel = conn.channel()
+        channel.basic_qos(0, 10, False)
+        received: list[Any] = []
+        hub = Hub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        with Consumer(channel, [QUEUE], callbacks=[lambda _, m: received.append(m)]):
+            for _ in range(20):
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    break
+            assert len(received) == 5
+            for message in received:
+                message.ack()
+            assert client.hlen(channel.qos.unacked_key) == 5
+        channel.close()
+        hub.close()
+    assert client.hlen("unacked") == 0
+    assert client.llen("intake.test") == 0
 
 
 def test_a_delivery_that_fails_puts_back_what_its_batch_took(own_redis: str) -> None:
