@@ -83,15 +83,16 @@ def _healthy(base: str) -> bool:
 
 
 @contextmanager
-def peak_rss(child: Child) -> Iterator[dict[str, float]]:
-    """The largest RSS of ``child`` and its descendants while the block runs, in MB."""
+def peak_rss(*children: Child) -> Iterator[dict[str, float]]:
+    """The largest RSS of ``children`` and their descendants together while the block runs,
+    in MB."""
     peak = {"mb": 0.0}
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.wait(RSS_SAMPLE_S):
             total = 0
-            for process in child.family():
+            for process in (p for child in children for p in child.family()):
                 try:
                     total += process.memory_info().rss
                 except Exception:  # gone between listing and reading: not counted  # noqa: S112

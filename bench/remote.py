@@ -274,7 +274,7 @@ class Bridged:
             agent.cpu_s(),
             machine.services_cpu(),
         )
-        with peak_rss(started[0]) as peak:
+        with peak_rss(*started) as peak:
             counts = wait_final(self.stack.stores.libpq_url, tenant, submitted["accepted"])
             finished_at = time.time()
         cpu_s = sum(b.cpu_s() for b in started) - cpu_at_start[0]

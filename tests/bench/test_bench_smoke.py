@@ -142,6 +142,8 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert two["statuses"] == {"succeeded": plan["remote_tasks"]}
     assert positive(two["tasks_per_s"]) and positive(two["bridge_cpu_ms_per_task"])
     assert 0 < two["in_flight_max"] <= plan["remote_slots"]
+    # both processes' memory, so more than one bridge's alone
+    assert two["bridge_rss_peak_mb"] > bridge["bridge_rss_peak_mb"], (two, bridge)
     # fewer calls at once, both ways: never more in flight than asked
     assert [p["slots"] for p in bridge["curve"]] == list(plan["remote_curve"])
     for point in bridge["curve"]:
