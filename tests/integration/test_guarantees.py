@@ -140,9 +140,12 @@ def test_a_task_not_started_before_its_deadline_expires_without_running(
 def test_a_handler_past_its_deadline_is_stopped_and_expired(client: httpx.Client) -> None:
     task = client.post(
         "/tasks",
-        json={"capability": "test.stubborn", "deadline_ms": 800, "payload": {"sleep_s": 10}},
+        # Long enough that a busy CI worker still claims it in time: a claim after the
+        # deadline ends it `deadline_exceeded` without running, which is another test's case.
+        json={"capability": "test.stubborn", "deadline_ms": 3000, "payload": {"sleep_s": 10}},
     ).json()
     done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["started_at"] is not None
     assert done["status"] == "expired"
     assert done["error"]["code"] == "timeout"
 
