@@ -131,7 +131,9 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     )
     signals.worker_process_shutdown.connect(_forget_process_metrics, weak=False)
 
-    @app.task(name=RUN_TASK, bind=True)  # type: ignore[untyped-decorator]
+    @app.task(  # type: ignore[untyped-decorator]
+        name=RUN_TASK, bind=True, Strategy="workers.pool:run_strategy"
+    )
     def run(self: Any, task_id: str, queue: str) -> str:
         try:
             return runner.run(task_id, queue, instance=self.request.hostname or "unknown")

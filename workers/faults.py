@@ -8,6 +8,9 @@ when the runner is built; unset, the crash point is one test of an empty set.
 ``REACH_FAULT_CRASH_AFTER_GROUP``: ``claims`` and/or ``finishes``: the process kills itself
 right after it writes a group of more than one claim (before any of their handlers starts) or
 of more than one final state (before any of their final events).
+
+``REACH_FAULT_DIRECT_FAILS``: capabilities whose runs on the event loop (``workers.pool``)
+fail before their claim, as when Postgres is away: the message must take Celery's way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import signal
 
 CRASH_AFTER_FINISH = "REACH_FAULT_CRASH_AFTER_FINISH"
 CRASH_AFTER_GROUP = "REACH_FAULT_CRASH_AFTER_GROUP"
+DIRECT_FAILS = "REACH_FAULT_DIRECT_FAILS"
 
 
 def _names(variable: str) -> frozenset[str]:
@@ -29,6 +33,10 @@ def crash_after_finish() -> frozenset[str]:
 
 def crash_after_group() -> frozenset[str]:
     return _names(CRASH_AFTER_GROUP)
+
+
+def direct_fails() -> frozenset[str]:
+    return _names(DIRECT_FAILS)
 
 
 def crash() -> None:

@@ -133,7 +133,7 @@ class LeaseKeeper:
         running = execution.running_tasks(
             self.engine, instance=self.instance, started_before_s=2 * self.lease.renew_every_s
         )
-        held = {request.id for request in list(state.active_requests)}
+        held = {request.id for request in list(state.active_requests)} | self._direct_held()
         orphans = [row for row in running if str(row["id"]) not in held]
         if orphans:
             self.on_orphans(orphans)
@@ -218,11 +218,16 @@ class LeaseKeeper:
         self._rehome_hinted()  # any routed here while the drain began
         log.info("%s: offline", self.instance)
 
-    @staticmethod
-    def _holding() -> int:
+    def _direct_held(self) -> set[str]:
+        """The runs the event loop holds without a Celery request (``workers.pool``)."""
+        direct = getattr(self.consumer.app, "reach_direct", None)
+        return direct.held() if direct is not None else set()
+
+    def _holding(self) -> int:
         from celery.worker import state
 
-        return len(state.active_requests) + len(state.reserved_requests)
+        held = {request.id for request in list(state.active_requests)} | self._direct_held()
+        return len(held) + len(state.reserved_requests)
 
 
 def _ready(spec: CapabilitySpec) -> bool:

@@ -9,6 +9,12 @@ among the other calls in flight, and the loop calls Celery's callback (which ack
 when it ends. Everything else (sync handlers, the janitor's and webhooks' tasks) runs in the
 pool's threads as before.
 
+Before the pool, Celery's strategy for the run task turns each message into a ``Request``
+(decoding its body once to look for protocol 1) and the pool decodes the body again. A plain
+run message for an async handler skips that too (``run_strategy``): the body goes to the
+loop as it came, and a quarter of the process's CPU a call with it (the bridge, measured in
+``docs/performance.md``). Runs handed over while the loop is busy start in one turn of it.
+
 Nothing about delivery changes: the message is acked (late) only after the task's final state
 is written, so a process that dies leaves it unacked and it is delivered again; a warm
 shutdown waits for the calls in flight (each has its deadline) before the pool stops. If the
@@ -22,18 +28,23 @@ class in at ``worker_init``, before the pool is made.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import concurrency
 from celery.concurrency import thread
+from celery.worker import strategy as celery_strategy
 
 from broker.tasks.dispatch import RUN_TASK
+from workers import faults
 from workers.runner import Runner
 
 log = logging.getLogger("reach.worker")
@@ -47,13 +58,21 @@ class Direct:
         self.runner = runner
         self._lock = threading.Condition()
         self._in_flight = 0
+        self._held: set[str] = set()
+        self._waiting: list[Any] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._fails = faults.direct_fails()  # tests only: see workers.faults
 
     def take(self, args: tuple[Any, ...] | None) -> tuple[str, str, str] | None:
         """(task id, queue, worker hostname) of a run message whose handler is async here;
         None for any other message."""
         if not args or args[0] != RUN_TASK or args[4] != "application/json":
             return None
-        body = args[3]
+        return self.run_of(args[3], str(args[2].get("hostname") or "unknown"))
+
+    def run_of(self, body: Any, hostname: str) -> tuple[str, str, str] | None:
+        """(task id, queue, hostname) of a run message's JSON body, if its handler is async
+        here."""
         try:
             task_args = json.loads(bytes(body) if not isinstance(body, str) else body)[0]
             task_id, queue = task_args
@@ -62,17 +81,41 @@ class Direct:
         spec = self.runner.registry.for_queue(queue)
         if spec is None or not spec.is_async:
             return None
-        return str(task_id), str(queue), str(args[2].get("hostname") or "unknown")
+        return str(task_id), str(queue), hostname
 
     def submit(
         self, run: tuple[str, str, str], done: Callable[[Any], Any], fallback: Callable[[], Any]
-    ) -> Any:
+    ) -> concurrent.futures.Future[None]:
         """Run it on the loop. ``done``: Celery's callback, with what the tracer would give
-        it; ``fallback``: the message's way through a thread, if the direct path fails."""
+        it; ``fallback``: the message's way through a thread, if the direct path fails. The
+        runs handed over before the loop takes them start in one turn of it."""
+        ended: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._in_flight += 1
-        loop = self.runner.calls.loop
-        return asyncio.run_coroutine_threadsafe(self._run(run, done, fallback), loop)
+            self._held.add(run[0])
+            self._waiting.append((run, done, fallback, ended))
+            wake = len(self._waiting) == 1
+        if wake:
+            self.runner.calls.loop.call_soon_threadsafe(self._start_waiting)
+        return ended
+
+    def _start_waiting(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        loop = asyncio.get_running_loop()
+        for run, done, fallback, ended in waiting:
+            task = loop.create_task(self._run(run, done, fallback))
+            self._tasks.add(task)  # the loop holds its tasks weakly
+            task.add_done_callback(functools.partial(self._ended, ended))
+
+    def _ended(self, ended: concurrent.futures.Future[None], task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        ended.set_result(None)
+
+    def held(self) -> set[str]:
+        """The task ids of the runs in flight here."""
+        with self._lock:
+            return set(self._held)
 
     async def _run(
         self, run: tuple[str, str, str], done: Callable[[Any], Any], fallback: Callable[[], Any]
@@ -81,6 +124,8 @@ class Direct:
         started = time.monotonic()
         try:
             try:
+                if self._fails and queue in self._fails:
+                    raise ConnectionError("fault injected: the direct path fails")
                 status = await self.runner.run_async(task_id, queue, instance=hostname)
             except Exception as exc:
                 log.warning("task %s: the direct path failed (%r); through a thread", task_id, exc)
@@ -93,6 +138,7 @@ class Direct:
         finally:
             with self._lock:
                 self._in_flight -= 1
+                self._held.discard(task_id)
                 self._lock.notify_all()
 
     def wait(self) -> None:
@@ -140,3 +186,58 @@ def use_direct_pool(sender: Any = None, **_: Any) -> None:
     pool_cls = getattr(sender, "pool_cls", None)
     if pool_cls is not None and concurrency.get_implementation(pool_cls) is thread.TaskPool:
         sender.pool_cls = TaskPool
+
+
+def run_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+    """The run task's strategy: Celery's, with a short way for a plain run message (see
+    ``plain``) whose handler is async here. Celery's strategy decodes the body to look for
+    protocol 1, builds a ``Request`` and hands it to the pool, which decodes the body again;
+    the short way hands the body to the event loop as it came, and acks the message when its
+    run ends. The lease keeper counts those runs as held (``Direct.held``)."""
+    default: Callable[..., Any] = celery_strategy.default(task, app, consumer, **kwargs)
+    direct: Direct | None = getattr(app, "reach_direct", None)
+    if direct is None or not isinstance(consumer.pool, TaskPool) or consumer.hub is None:
+        return default
+    revoked = consumer.controller.state.revoked
+    dispatcher = consumer.event_dispatcher
+    hostname = consumer.hostname
+    hub = consumer.hub
+    connection_errors = consumer.connection_errors
+
+    def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **more: Any) -> Any:
+        run = None
+        if body is None and not callbacks and plain(message, revoked, dispatcher):
+            run = direct.run_of(message.body, hostname)
+        if run is None:
+            return default(message, body, ack, reject, callbacks, **more)
+
+        def through_celery() -> None:  # back on the consumer's thread, as it came
+            hub.call_soon(default, message, body, ack, reject, callbacks)
+
+        direct.submit(run, lambda _: ack(log, connection_errors), through_celery)
+        return None
+
+    return handler
+
+
+def plain(message: Any, revoked: Any, dispatcher: Any) -> bool:
+    """Whether a run message may skip Celery's request: JSON, no countdown (Celery's timer
+    holds those), not expired and not revoked (Celery drops those), and task events off
+    (Flower turns them on, and they come from Celery's requests)."""
+    headers = message.headers
+    if message.content_type != "application/json" or headers.get("eta"):
+        return False
+    if headers.get("id") in revoked:
+        return False
+    expires = headers.get("expires")
+    if expires:
+        try:
+            if datetime.fromisoformat(expires) <= datetime.now(UTC):
+                return False
+        except (TypeError, ValueError):
+            return False
+    return not (
+        dispatcher is not None
+        and dispatcher.enabled
+        and (not dispatcher.groups or "task" in dispatcher.groups)
+    )

@@ -218,6 +218,24 @@ def test_a_retryable_failure_of_an_async_handler_runs_again(
     assert done["attempts"] == 3
 
 
+def test_a_run_on_the_loop_for_longer_than_two_renewals_is_held_not_taken_for_lost(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    """Its message skipped Celery's request (``workers.pool.run_strategy``), so no Celery
+    state holds it: the lease keeper must still count it, or its orphan check (a run older
+    than two renewals that no pool process holds) would end it ``worker_lost``."""
+    task_id = submit(client, "test.async", {"sleep_s": 4})
+    wait_for_task(client, task_id, {"running"})
+
+    def counted() -> bool:
+        instances = client.get("/agents/test-async").json()["instances"]
+        return any(i["state"] != "offline" and i["active_tasks"] >= 1 for i in instances)
+
+    eventually(counted, "the worker's lease to count the run")
+    done = wait_for_task(client, task_id, FINAL)
+    assert (done["status"], done["attempts"]) == ("succeeded", 1), done.get("error")
+
+
 def test_progress_of_an_async_handler_reaches_the_task_and_its_stream(
     client: httpx.Client, async_worker: CeleryProcess
 ) -> None:
@@ -343,6 +361,24 @@ def crashed_after_a_group(
         doomed.stop()
         if heir is not None:
             heir.stop()
+
+
+def test_when_the_loop_cannot_run_a_message_it_takes_celerys_way_and_runs_once(
+    client: httpx.Client, settings: Settings, log_dir: Path, redis_url: str
+) -> None:
+    """A run on the event loop that fails before its claim (Postgres away; injected here)
+    goes back to Celery's strategy, then to a pool thread: each task runs once."""
+    queue = "test.async-once"
+    env = {faults.DIRECT_FAILS: queue}
+    worker = start_worker(settings, queue, "direct-fails", log_dir, env, 10, "threads")
+    try:
+        ids = [submit(client, queue, {"sleep_s": 0.05}) for _ in range(5)]
+        done = {t: wait_for_task(client, t, FINAL) for t in ids}
+    finally:
+        worker.stop()
+    assert {(d["status"], d["attempts"]) for d in done.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in ids} == {1}
+    assert (log_dir / "direct-fails.log").read_text().count("the direct path failed") >= 5
 
 
 @pytest.mark.timeout(400)

@@ -1,16 +1,20 @@
-"""Which messages the threads pool hands to the event loop (``workers.pool``), and when a
-worker gets that pool."""
+"""Which messages the threads pool hands to the event loop (``workers.pool``), which of them
+skip Celery's request, and when a worker gets that pool."""
 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
+from celery import Celery
 from celery.concurrency import prefork, thread
+from celery.utils.collections import LimitedSet
+from kombu import Message
 
 from broker.tasks.dispatch import RUN_TASK
-from workers.pool import Direct, TaskPool, use_direct_pool
+from workers.pool import Direct, TaskPool, plain, use_direct_pool
 from workers.sdk.agent import AgentRegistry
 from workers.sdk.context import Context
 
@@ -67,3 +71,47 @@ def test_a_worker_started_with_the_threads_pool_gets_the_direct_pool() -> None:
     forks = SimpleNamespace(pool_cls=prefork.TaskPool)
     use_direct_pool(sender=forks)
     assert forks.pool_cls is prefork.TaskPool
+
+
+# -- which run messages skip Celery's request (``run_strategy``) ----------------------------
+
+app = Celery("unit-strategy", set_as_current=False)
+
+
+def run_message(**options: Any) -> Message:
+    """A run message as Celery builds it, as the worker's consumer receives it."""
+    task_id = "7d3f3c2e-1f7a-4b8e-9c55-0f8a1f0f3d11"
+    built = app.amqp.as_task_v2(task_id, RUN_TASK, args=[task_id, "unit.async"], **options)
+    return Message(
+        body=json.dumps(built.body).encode(),
+        content_type=options.get("content_type", "application/json"),
+        headers=built.headers,
+    )
+
+
+quiet = SimpleNamespace(enabled=True, groups={"worker"})  # Celery's default: no task events
+
+
+def test_a_plain_run_message_skips_celerys_request() -> None:
+    assert plain(run_message(), LimitedSet(), quiet)
+    later = datetime.now(UTC) + timedelta(minutes=5)
+    assert plain(run_message(expires=later.isoformat()), LimitedSet(), quiet)
+
+
+def test_countdowns_expired_and_revoked_messages_take_celerys_way() -> None:
+    assert not plain(run_message(countdown=5), LimitedSet(), quiet)
+    earlier = datetime.now(UTC) - timedelta(seconds=1)
+    assert not plain(run_message(expires=earlier.isoformat()), LimitedSet(), quiet)
+    revoked = LimitedSet()
+    revoked.add("7d3f3c2e-1f7a-4b8e-9c55-0f8a1f0f3d11")
+    assert not plain(run_message(), revoked, quiet)
+    assert not plain(run_message(content_type="application/x-yaml"), LimitedSet(), quiet)
+
+
+def test_with_task_events_on_every_run_takes_celerys_way() -> None:
+    """Flower's ``enable_events`` adds the task group; an empty group set means all."""
+    watched = SimpleNamespace(enabled=True, groups={"worker", "task"})
+    assert not plain(run_message(), LimitedSet(), watched)
+    assert not plain(run_message(), LimitedSet(), SimpleNamespace(enabled=True, groups=set()))
+    assert plain(run_message(), LimitedSet(), SimpleNamespace(enabled=False, groups=set()))
+    assert plain(run_message(), LimitedSet(), None)
