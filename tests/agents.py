@@ -262,6 +262,14 @@ agent.capability("test.async-idem", agent_id="test-async-idem", idempotent=True)
 agent.capability("test.async-once", agent_id="test-async-once")(_lives)
 
 
+@agent.capability("test.sync-idem", agent_id="test-sync-idem", idempotent=True)
+def sync_lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """``_lives`` as a sync handler: a pool thread each."""
+    runs = _runs(ctx)
+    time.sleep(float(payload.get("sleep_s", 60)) if ctx.attempt == 1 else 0.05)
+    return {"runs": runs, "attempt": ctx.attempt}
+
+
 # --- session turns: ``ctx.session`` and the order of a session's tasks ------------------------
 
 GATE_KEY = "reach:test:gate:{}"

@@ -10,10 +10,11 @@ when it ends. Everything else (sync handlers, the janitor's and webhooks' tasks)
 pool's threads as before.
 
 Before the pool, Celery's strategy for the run task turns each message into a ``Request``
-(decoding its body once to look for protocol 1) and the pool decodes the body again. A plain
-run message for an async handler skips that too (``run_strategy``): the body goes to the
-loop as it came, and a quarter of the process's CPU a call with it (the bridge, measured in
-``docs/performance.md``). Runs handed over while the loop is busy start in one turn of it.
+(decoding its body once to look for protocol 1), and its tracer wraps the run. A plain run
+message skips both (``run_strategy``): an async handler's body goes to the loop as it came,
+a sync handler's run to one of the pool's threads, and the message is acked when the run
+ends. That took a sixth of the bridge's CPU a call and a fifth of a noop worker's
+(``docs/performance.md``). Runs handed over while the loop is busy start in one turn of it.
 
 Nothing about delivery changes: the message is acked (late) only after the task's final state
 is written, so a process that dies leaves it unacked and it is delivered again; a warm
@@ -70,18 +71,22 @@ class Direct:
             return None
         return self.run_of(args[3], str(args[2].get("hostname") or "unknown"))
 
-    def run_of(self, body: Any, hostname: str) -> tuple[str, str, str] | None:
+    def run_of(self, body: Any, hostname: str, sync: bool = False) -> tuple[str, str, str] | None:
         """(task id, queue, hostname) of a run message's JSON body, if its handler is async
-        here."""
+        here (``sync``: or a sync handler)."""
         try:
             task_args = json.loads(bytes(body) if not isinstance(body, str) else body)[0]
             task_id, queue = task_args
         except (TypeError, ValueError, IndexError):
             return None  # Celery's tracer reports it
         spec = self.runner.registry.for_queue(queue)
-        if spec is None or not spec.is_async:
+        if spec is None or not (spec.is_async or sync):
             return None
         return str(task_id), str(queue), hostname
+
+    def is_async(self, queue: str) -> bool:
+        spec = self.runner.registry.for_queue(queue)
+        return spec is not None and spec.is_async
 
     def submit(
         self, run: tuple[str, str, str], done: Callable[[Any], Any], fallback: Callable[[], Any]
@@ -141,6 +146,47 @@ class Direct:
                 self._held.discard(task_id)
                 self._lock.notify_all()
 
+    def submit_sync(
+        self,
+        run: tuple[str, str, str],
+        done: Callable[[], Any],
+        fallback: Callable[[], Any],
+        executor: concurrent.futures.Executor,
+    ) -> None:
+        """A sync handler's run, in one of the pool's threads, without Celery's request. A
+        warm shutdown lets the pool's threads finish the runs they started and cancels the
+        rest, whose messages, never acked, come again (Celery's threads pool)."""
+        task_id = run[0]
+        with self._lock:
+            self._held.add(task_id)
+        try:
+            future = executor.submit(self._run_sync, run, done, fallback)
+        except BaseException:
+            self._release(task_id)
+            raise
+        future.add_done_callback(lambda _: self._release(task_id))
+
+    def _run_sync(
+        self, run: tuple[str, str, str], done: Callable[[], Any], fallback: Callable[[], Any]
+    ) -> None:
+        task_id, queue, hostname = run
+        try:
+            if self._fails and queue in self._fails:
+                raise ConnectionError("fault injected: the direct path fails")
+            self.runner.run(task_id, queue, instance=hostname)
+        except Exception as exc:
+            log.warning("task %s: the direct path failed (%r); Celery's way", task_id, exc)
+            fallback()
+            return
+        try:
+            done()
+        except Exception:  # the ack: the message stays unacked and comes again
+            log.exception("task %s: its ack failed", task_id)
+
+    def _release(self, task_id: str) -> None:
+        with self._lock:
+            self._held.discard(task_id)
+
     def wait(self) -> None:
         """Until no call is in flight (a warm shutdown)."""
         with self._lock:
@@ -190,10 +236,11 @@ def use_direct_pool(sender: Any = None, **_: Any) -> None:
 
 def run_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
     """The run task's strategy: Celery's, with a short way for a plain run message (see
-    ``plain``) whose handler is async here. Celery's strategy decodes the body to look for
-    protocol 1, builds a ``Request`` and hands it to the pool, which decodes the body again;
-    the short way hands the body to the event loop as it came, and acks the message when its
-    run ends. The lease keeper counts those runs as held (``Direct.held``)."""
+    ``plain``) whose handler is served here. Celery's strategy decodes the body to look for
+    protocol 1, builds a ``Request`` and hands it to the pool, whose tracer runs it; the short
+    way hands an async handler's run to the event loop and a sync handler's to a pool thread,
+    and acks the message when the run ends. The lease keeper counts those runs as held
+    (``Direct.held``); if one fails before its claim, its message takes Celery's way."""
     default: Callable[..., Any] = celery_strategy.default(task, app, consumer, **kwargs)
     direct: Direct | None = getattr(app, "reach_direct", None)
     if direct is None or not isinstance(consumer.pool, TaskPool) or consumer.hub is None:
@@ -202,19 +249,26 @@ def run_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[
     dispatcher = consumer.event_dispatcher
     hostname = consumer.hostname
     hub = consumer.hub
+    pool = consumer.pool
     connection_errors = consumer.connection_errors
 
     def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **more: Any) -> Any:
         run = None
         if body is None and not callbacks and plain(message, revoked, dispatcher):
-            run = direct.run_of(message.body, hostname)
+            run = direct.run_of(message.body, hostname, sync=True)
         if run is None:
             return default(message, body, ack, reject, callbacks, **more)
 
         def through_celery() -> None:  # back on the consumer's thread, as it came
             hub.call_soon(default, message, body, ack, reject, callbacks)
 
-        direct.submit(run, lambda _: ack(log, connection_errors), through_celery)
+        def acked() -> None:
+            ack(log, connection_errors)
+
+        if direct.is_async(run[1]):
+            direct.submit(run, lambda _: acked(), through_celery)
+        else:
+            direct.submit_sync(run, acked, through_celery, pool.executor)
         return None
 
     return handler

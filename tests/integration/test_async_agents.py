@@ -218,17 +218,18 @@ def test_a_retryable_failure_of_an_async_handler_runs_again(
     assert done["attempts"] == 3
 
 
-def test_a_run_on_the_loop_for_longer_than_two_renewals_is_held_not_taken_for_lost(
-    client: httpx.Client, async_worker: CeleryProcess
+@pytest.mark.parametrize("capability", ["test.async", "test.sync-slow"])
+def test_a_run_for_longer_than_two_renewals_is_held_not_taken_for_lost(
+    client: httpx.Client, async_worker: CeleryProcess, capability: str
 ) -> None:
     """Its message skipped Celery's request (``workers.pool.run_strategy``), so no Celery
     state holds it: the lease keeper must still count it, or its orphan check (a run older
     than two renewals that no pool process holds) would end it ``worker_lost``."""
-    task_id = submit(client, "test.async", {"sleep_s": 4})
+    task_id = submit(client, capability, {"sleep_s": 4})
     wait_for_task(client, task_id, {"running"})
 
     def counted() -> bool:
-        instances = client.get("/agents/test-async").json()["instances"]
+        instances = client.get(f"/agents/{capability.replace('.', '-')}").json()["instances"]
         return any(i["state"] != "offline" and i["active_tasks"] >= 1 for i in instances)
 
     eventually(counted, "the worker's lease to count the run")
@@ -363,14 +364,15 @@ def crashed_after_a_group(
             heir.stop()
 
 
-def test_when_the_loop_cannot_run_a_message_it_takes_celerys_way_and_runs_once(
-    client: httpx.Client, settings: Settings, log_dir: Path, redis_url: str
+@pytest.mark.parametrize("queue", ["test.async-once", "test.sync-idem"])
+def test_a_run_that_fails_before_its_claim_takes_celerys_way_and_runs_once(
+    client: httpx.Client, settings: Settings, log_dir: Path, redis_url: str, queue: str
 ) -> None:
-    """A run on the event loop that fails before its claim (Postgres away; injected here)
-    goes back to Celery's strategy, then to a pool thread: each task runs once."""
-    queue = "test.async-once"
+    """A run without Celery's request that fails before its claim (Postgres away; injected
+    here) goes back to Celery's strategy, then to a pool thread: each task runs once."""
     env = {faults.DIRECT_FAILS: queue}
-    worker = start_worker(settings, queue, "direct-fails", log_dir, env, 10, "threads")
+    name = f"direct-fails-{queue}"
+    worker = start_worker(settings, queue, name, log_dir, env, 10, "threads")
     try:
         ids = [submit(client, queue, {"sleep_s": 0.05}) for _ in range(5)]
         done = {t: wait_for_task(client, t, FINAL) for t in ids}
@@ -378,7 +380,7 @@ def test_when_the_loop_cannot_run_a_message_it_takes_celerys_way_and_runs_once(
         worker.stop()
     assert {(d["status"], d["attempts"]) for d in done.values()} == {("succeeded", 1)}
     assert {runs(redis_url, t) for t in ids} == {1}
-    assert (log_dir / "direct-fails.log").read_text().count("the direct path failed") >= 5
+    assert (log_dir / f"{name}.log").read_text().count("the direct path failed") >= 5
 
 
 @pytest.mark.timeout(400)
@@ -437,7 +439,9 @@ def test_a_crash_right_after_a_group_of_finishes_loses_none_and_runs_none_again(
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_lets_coroutines_in_flight_finish_and_leaves_the_rest_queued(
+@pytest.mark.parametrize("capability", ["test.async-idem", "test.sync-idem"])
+def test_sigterm_lets_runs_in_flight_finish_and_leaves_the_rest_queued(
+    capability: str,
     api: ServedApp,
     make_key,  # type: ignore[no-untyped-def]
     settings: Settings,
@@ -446,11 +450,11 @@ def test_sigterm_lets_coroutines_in_flight_finish_and_leaves_the_rest_queued(
 ) -> None:
     _, token = make_key()
     draining = start_worker(
-        settings, "test.async-idem", "draining", log_dir, concurrency=5, pool="threads"
+        settings, capability, f"draining-{capability}", log_dir, concurrency=5, pool="threads"
     )
     after: CeleryProcess | None = None
     try:
-        envelopes = [{"capability": "test.async-idem", "payload": {"sleep_s": 2}}] * 10
+        envelopes = [{"capability": capability, "payload": {"sleep_s": 2}}] * 10
         responses = asyncio.run(submit_many(api, token, envelopes))
         ids = [r.json()["task_id"] for r in responses]
         with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
@@ -468,7 +472,7 @@ def test_sigterm_lets_coroutines_in_flight_finish_and_leaves_the_rest_queued(
             assert counts["succeeded"] == 5
             assert sum(t["status"] == "queued" for t in drained.values()) == 5
             after = start_worker(
-                settings, "test.async-idem", "after-drain", log_dir, pool="threads"
+                settings, capability, f"after-drain-{capability}", log_dir, pool="threads"
             )
             done = all_final(http, ids, "the queued five run on the next worker", 60)
     finally:

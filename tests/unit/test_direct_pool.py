@@ -53,6 +53,16 @@ def test_a_sync_handlers_and_an_unknown_queues_go_to_a_thread() -> None:
     assert direct.take(message(RUN_TASK, run_body("unit.nobody"))) is None
 
 
+def test_without_celerys_request_a_sync_handlers_run_is_read_too() -> None:
+    body = json.dumps(run_body("unit.sync")).encode()
+    assert direct.run_of(body, "async@box") is None
+    taken = direct.run_of(body, "async@box", sync=True)
+    assert taken == ("7d3f3c2e-1f7a-4b8e-9c55-0f8a1f0f3d11", "unit.sync", "async@box")
+    assert (direct.is_async("unit.sync"), direct.is_async("unit.async")) == (False, True)
+    nobody = json.dumps(run_body("unit.nobody")).encode()
+    assert direct.run_of(nobody, "async@box", sync=True) is None
+
+
 def test_other_tasks_and_bodies_it_cannot_read_go_to_a_thread() -> None:
     assert direct.take(message("reach.purge_expired", [[], {}, {}])) is None
     assert direct.take(message(RUN_TASK, b"not json")) is None
