@@ -25,7 +25,14 @@ from broker import jsonbody
 from broker.errors import Forbidden, NotFound
 from broker.registry import addresses, channels, figures, policy, revocations, views
 from broker.registry.capabilities import NAME_MAX, NAME_PATTERN
-from broker.registry.model import card_queue, drain_key, lease_key, live_key
+from broker.registry.model import (
+    REMOVED_TTL_S,
+    card_queue,
+    drain_key,
+    lease_key,
+    live_key,
+    removed_key,
+)
 from broker.remote import a2a_card, registration
 from broker.tenancy.keys import Principal
 from broker.webhooks.ssrf import Guard
@@ -206,6 +213,8 @@ async def register_agent(agent_id: AgentId, request: Request, caller: Caller) ->
         cards = registration.cards_of(agent_id, given)
         documents = registration.documents(cards, given.endpoint.protocol)
         await registration.check_endpoint(guard, given.endpoint.url)
+    # Renewals may go on (a removal before this one stopped them): see ``leases.renew``
+    await state.redis.delete(removed_key(registration.remote_instance(agent_id)))
     registered = await registration.register(state.engine, agent_id, given, documents)
     return JSONResponse(registered.view(), status_code=201 if registered.created else 200)
 
@@ -229,6 +238,8 @@ async def deregister_agent(agent_id: AgentId, request: Request, caller: Caller) 
     for capability in served:
         pipe.zrem(live_key(capability), instance)
     pipe.delete(lease_key(instance))
+    # A bridge's renewal from a read before the removal is refused (``leases.renew``)
+    pipe.set(removed_key(instance), 1, ex=REMOVED_TTL_S)
     await pipe.execute()
     return Response(status_code=204)
 

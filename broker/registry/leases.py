@@ -22,6 +22,7 @@ from broker.registry.model import (
     lease_key,
     live_key,
     not_ready_key,
+    removed_key,
 )
 
 
@@ -85,18 +86,27 @@ def record_instance(engine: Engine, lease: Lease, state: str) -> None:
         conn.execute(statement)
 
 
-def renew(client: redis.Redis, lease: Lease) -> Lease:
+def renew(client: redis.Redis, lease: Lease, *, removable: bool = False) -> Lease:
     """Write the lease and index each ready capability until the lease expires, atomically;
     the lease as written. A card of a revoked version is left out of both, in the same
-    transaction as the check (a revocation between the two retries it)."""
+    transaction as the check (a revocation between the two retries it). ``removable``: a
+    remote agent's lease, which is not renewed once the agent was removed (``removed_key``):
+    a bridge that read the registration before the removal would otherwise route to it
+    again until its next tick."""
     if not lease.cards:
         _write(client.pipeline(transaction=True), lease, ())
         return lease
     names = [revocations.member(c.agent_id, c.version) for c in lease.cards]
+    removed = removed_key(lease.instance)
     with client.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(revocations.REVOKED_KEY)  # type: ignore[no-untyped-call]
+                pipe.watch(revocations.REVOKED_KEY, *([removed] if removable else []))  # type: ignore[no-untyped-call]
+                if removable and pipe.exists(removed):
+                    gone = replace(lease, state=OFFLINE)
+                    pipe.multi()
+                    _remove(pipe, gone)
+                    return gone
                 flags = pipe.smismember(revocations.REVOKED_KEY, names)
                 revoked = tuple(c for c, gone in zip(lease.cards, flags, strict=True) if gone)
                 kept = replace(lease, cards=tuple(c for c in lease.cards if c not in revoked))
@@ -105,6 +115,13 @@ def renew(client: redis.Redis, lease: Lease) -> Lease:
                 return kept
             except redis.WatchError:
                 continue
+
+
+def _remove(pipe: Any, lease: Lease) -> None:
+    for card in lease.cards:
+        pipe.zrem(live_key(card.capability), lease.instance)
+    pipe.delete(lease_key(lease.instance))
+    pipe.execute()
 
 
 def _write(pipe: Any, lease: Lease, revoked: tuple[CardRef, ...]) -> None:

@@ -29,6 +29,8 @@ LEASE_PREFIX = "reach:lease:"
 LIVE_PREFIX = "reach:live:"
 NOT_READY_PREFIX = "reach:not-ready:"
 DRAIN_PREFIX = "reach:drain:"
+REMOVED_PREFIX = "reach:removed:"
+REMOVED_TTL_S = 600  # far longer than a bridge's tick, which may renew from a stale read
 
 READY, NOT_READY, DRAINING, SUSPECT, OFFLINE = (
     "ready",
@@ -53,6 +55,11 @@ def not_ready_key(instance: str, capability: str) -> str:
 
 def drain_key(instance: str) -> str:
     return DRAIN_PREFIX + instance
+
+
+def removed_key(instance: str) -> str:
+    """Set while a removed remote agent's lease must not be renewed (``leases.renew``)."""
+    return REMOVED_PREFIX + instance
 
 
 def card_queue(capability: str, agent_id: str, version: str) -> str:

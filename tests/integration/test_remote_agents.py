@@ -21,6 +21,9 @@ import pytest
 import redis
 from standardwebhooks import Webhook
 
+from broker.registry import leases
+from broker.registry.model import OFFLINE, READY, CardRef, Lease, lease_key, live_key, now_s
+from broker.remote.registration import remote_instance
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.remote import FAST, events_of, wait_routed
@@ -306,6 +309,36 @@ def test_deregistering_takes_the_agent_out_of_routing(
         assert refused.status_code == 503
         assert refused.json()["code"] == "no_agent_available"
         assert ops.delete("/agents/gone-soon").status_code == 404
+
+
+def test_a_renewal_from_a_read_before_the_removal_does_not_route_to_it_again(
+    ops: httpx.Client, caller: httpx.Client, redis_url: str
+) -> None:
+    """A bridge's tick reads the registrations, checks their health, then renews their
+    leases: a removal in between must win over that renewal."""
+    body = registration("http://127.0.0.1:9/run", capability="test.remote-stale")
+    assert ops.put("/agents/stale-read", json=body).status_code == 201
+    card = CardRef(agent_id="stale-read", version="1.0.0", capability="test.remote-stale")
+    read_before = Lease(
+        instance=remote_instance("stale-read"),
+        state=READY,
+        heartbeat_at=now_s(),
+        started_at=now_s(),
+        lease_ttl_s=30,
+        cards=(card,),
+    )
+    client = redis.Redis.from_url(redis_url)
+    assert leases.renew(client, read_before, removable=True).state == READY
+    assert ops.delete("/agents/stale-read").status_code == 204
+    assert leases.renew(client, read_before, removable=True).state == OFFLINE  # the stale tick
+    assert not client.exists(lease_key(read_before.instance))
+    assert client.zscore(live_key("test.remote-stale"), read_before.instance) is None
+    refused = caller.post("/tasks", json={"capability": "test.remote-stale", "payload": {}})
+    assert (refused.status_code, refused.json()["code"]) == (503, "no_agent_available")
+    # registered again, its renewals count again
+    assert ops.put("/agents/stale-read", json=body).status_code == 201
+    assert leases.renew(client, read_before, removable=True).state == READY
+    assert ops.delete("/agents/stale-read").status_code == 204
 
 
 def test_a_killed_agent_is_refused_within_the_lease_and_served_again_once_back(

@@ -189,7 +189,7 @@ class RemoteKeeper:
         lease = self._lease(watched)
         state = watched.health.state if watched.health.routed else OFFLINE
         if watched.health.routed:
-            leases.renew(self.redis, lease)
+            leases.renew(self.redis, lease, removable=True)
         elif watched.state != OFFLINE:
             leases.release(self.redis, lease)
         if state != watched.state or watched.health.routed:
