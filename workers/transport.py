@@ -208,10 +208,21 @@ class Transport(kombu_redis.Transport):
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         """The hub's loop runs on the thread that registers its transport (Celery's
-        ``asynloop``); ``send_acks`` runs on each of its turns."""
-        super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
+        ``asynloop``); ``send_acks`` runs on each of its turns, first thing in kombu's
+        ``on_poll_start``. Not as a tick callback of its own: the hub keeps those in a set,
+        in no fixed order, and when kombu's ran first it found the prefetch limit still full
+        of acked messages and sent no ``BRPOP``, so the worker waited for its next wake-up
+        (a prefork worker, whose slots are few, by tens of milliseconds a task)."""
         self.hub_thread = threading.get_ident()
-        loop.on_tick.add(self.send_acks)
+        cycle: Any = self.cycle  # kombu's MultiChannelPoller
+        poll_start = cycle.on_poll_start
+
+        def acks_then_poll_start() -> None:
+            self.send_acks()  # the slots they free count for this turn's BRPOP
+            poll_start()
+
+        cycle.on_poll_start = acks_then_poll_start
+        super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
 
     def send_acks(self) -> None:
         """Every ack the hub ran in this turn of its loop, one round trip per channel (the

@@ -154,6 +154,33 @@ def test_acks_on_the_hubs_thread_go_out_together_when_the_hub_turns(
             hub.close()
 
 
+def test_acks_that_free_the_prefetch_limit_are_sent_before_the_next_brpop_is_decided(
+    own_redis: str,
+) -> None:
+    """Given a channel whose prefetch limit is full and whose messages were acked on the
+    hub's thread, I expect kombu's poll start (which sends a ``BRPOP`` only while the limit
+    has room) to find the acks sent and the room free, whatever order the hub runs its tick
+    callbacks in: else the worker waits for its next wake-up with work in the queue."""
+    publish(own_redis, 3)
+    client = redis.Redis.from_url(own_redis)
+    with consuming(own_redis, prefetch=2) as (channel, received):
+        assert len(received) == 2
+        hub = Hub()
+        transport = channel.connection
+        transport.register_with_event_loop(transport, hub)
+        try:
+            for message in received:
+                message.ack()
+            assert not channel.qos.can_consume()  # noted only: the limit looks full
+            channel._in_poll = False
+            transport.cycle.on_poll_start()  # kombu's tick callback, run first
+            assert client.hlen(channel.qos.unacked_key) == 0
+            assert channel.qos.can_consume()
+            assert channel._in_poll  # it asked Redis for more
+        finally:
+            hub.close()
+
+
 def test_acks_not_yet_sent_are_sent_when_the_channel_closes(own_redis: str) -> None:
     """Given acks noted on the hub's thread and a channel closed before the hub turned, I
     expect them sent, not restored to the queue as if never acked."""
