@@ -9,8 +9,9 @@ when the runner is built; unset, the crash point is one test of an empty set.
 right after it writes a group of more than one claim (before any of their handlers starts) or
 of more than one final state (before any of their final events).
 
-``REACH_FAULT_DIRECT_FAILS``: capabilities whose runs on the event loop (``workers.pool``)
-fail before their claim, as when Postgres is away: the message must take Celery's way.
+``REACH_FAULT_DIRECT_FAILS``: capabilities whose runs without Celery's request (on the event
+loop or a pool thread, ``workers.pool``) fail before their claim, as when Postgres is away:
+the message must take Celery's way.
 """
 
 from __future__ import annotations

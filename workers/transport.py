@@ -215,13 +215,14 @@ class Transport(kombu_redis.Transport):
         (a prefork worker, whose slots are few, by tens of milliseconds a task)."""
         self.hub_thread = threading.get_ident()
         cycle: Any = self.cycle  # kombu's MultiChannelPoller
-        poll_start = cycle.on_poll_start
+        if "on_poll_start" not in vars(cycle):  # once, if the transport registers again
+            poll_start = cycle.on_poll_start
 
-        def acks_then_poll_start() -> None:
-            self.send_acks()  # the slots they free count for this turn's BRPOP
-            poll_start()
+            def acks_then_poll_start() -> None:
+                self.send_acks()  # the slots they free count for this turn's BRPOP
+                poll_start()
 
-        cycle.on_poll_start = acks_then_poll_start
+            cycle.on_poll_start = acks_then_poll_start
         super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
 
     def send_acks(self) -> None:
