@@ -8,6 +8,7 @@ import asyncio
 import json
 import secrets
 import signal
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from celery import Celery
 
 from broker.settings import Settings
 from broker.tasks import events
@@ -235,6 +237,35 @@ def test_a_run_for_longer_than_two_renewals_is_held_not_taken_for_lost(
     eventually(counted, "the worker's lease to count the run")
     done = wait_for_task(client, task_id, FINAL)
     assert (done["status"], done["attempts"]) == ("succeeded", 1), done.get("error")
+
+
+def test_with_task_events_on_runs_take_celerys_way_and_show_in_inspect_active(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """Without Celery's request a run is invisible to ``celery inspect active``; Flower turns
+    task events on (``enable_events``), and from then on runs take Celery's way, where its
+    requests make the events and show in ``inspect active``."""
+    worker = start_worker(settings, "test.async", "events", log_dir, concurrency=10, pool="threads")
+    name = f"events@{socket.gethostname()}"
+    control = Celery("test-events", broker=settings.celery_broker_url, set_as_current=False)
+
+    def active_ids() -> set[str]:
+        answers = control.control.inspect(destination=[name], timeout=5).active() or {}
+        return {request["id"] for request in answers.get(name, [])}
+
+    try:
+        quiet = submit(client, "test.async", {"sleep_s": 3})
+        wait_for_task(client, quiet, {"running"})
+        assert quiet not in active_ids()
+        assert control.control.enable_events(destination=[name], reply=True, timeout=5)
+        watched = submit(client, "test.async", {"sleep_s": 3})
+        wait_for_task(client, watched, {"running"})
+        assert watched in active_ids()
+        done = [wait_for_task(client, t, FINAL) for t in (quiet, watched)]
+        assert {(d["status"], d["attempts"]) for d in done} == {("succeeded", 1)}
+    finally:
+        control.close()
+        worker.stop()
 
 
 def test_progress_of_an_async_handler_reaches_the_task_and_its_stream(
