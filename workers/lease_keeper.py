@@ -219,7 +219,7 @@ class LeaseKeeper:
         log.info("%s: offline", self.instance)
 
     def _direct_held(self) -> set[str]:
-        """The runs the event loop holds without a Celery request (``workers.pool``)."""
+        """The runs the pool holds without a Celery request (``workers.pool``)."""
         direct = getattr(self.consumer.app, "reach_direct", None)
         return direct.held() if direct is not None else set()
 

@@ -48,6 +48,19 @@ def consuming(url: str, prefetch: int) -> Iterator[tuple[Any, list[Any]]]:
             yield channel, received
 
 
+@contextmanager
+def turning(channel: Any) -> Iterator[Hub]:
+    """A hub the channel's transport is registered with, as Celery's consumer registers it
+    (the hub's loop then runs on this thread)."""
+    hub = Hub()
+    transport = channel.connection
+    transport.register_with_event_loop(transport, hub)
+    try:
+        yield hub
+    finally:
+        hub.close()
+
+
 def test_a_batch_takes_no_more_than_the_free_slots_and_records_each_as_kombu_would(
     own_redis: str,
 ) -> None:
@@ -133,33 +146,27 @@ def test_acks_on_the_hubs_thread_go_out_together_when_the_hub_turns(
             pipelines.append([(str(c[0][0]), str(c[0][1])) for c in self.command_stack])
         return original(self, *args, **kwargs)
 
-    with consuming(own_redis, prefetch=100) as (channel, received):
+    with consuming(own_redis, prefetch=100) as (channel, received), turning(channel) as hub:
         assert len(received) == 31
-        hub = Hub()
-        transport = channel.connection
-        transport.register_with_event_loop(transport, hub)
-        try:
-            elsewhere = threading.Thread(target=received[30].ack)
-            elsewhere.start()
-            elsewhere.join()
-            assert client.hlen(channel.qos.unacked_key) == 30  # the other thread's, at once
+        elsewhere = threading.Thread(target=received[30].ack)
+        elsewhere.start()
+        elsewhere.join()
+        assert client.hlen(channel.qos.unacked_key) == 30  # the other thread's, at once
 
-            monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
-            for message in received[:30]:
-                message.ack()
-            assert client.hlen(channel.qos.unacked_key) == 30  # noted, not yet sent
-            next(hub.create_loop())  # one turn: the acks go before it polls
-            monkeypatch.undo()
-            assert client.hlen(channel.qos.unacked_key) == 0
-            assert client.zcard(channel.qos.unacked_index_key) == 0
-            unacked = [
-                p for p in pipelines if ("ZREM", channel.qos.unacked_index_key) in p
-            ]  # one ZREM and one HDEL, for all 30
-            assert unacked == [
-                [("ZREM", channel.qos.unacked_index_key), ("HDEL", channel.qos.unacked_key)]
-            ], pipelines
-        finally:
-            hub.close()
+        monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
+        for message in received[:30]:
+            message.ack()
+        assert client.hlen(channel.qos.unacked_key) == 30  # noted, not yet sent
+        next(hub.create_loop())  # one turn: the acks go before it polls
+        monkeypatch.undo()
+        assert client.hlen(channel.qos.unacked_key) == 0
+        assert client.zcard(channel.qos.unacked_index_key) == 0
+        unacked = [
+            p for p in pipelines if ("ZREM", channel.qos.unacked_index_key) in p
+        ]  # one ZREM and one HDEL, for all 30
+        assert unacked == [
+            [("ZREM", channel.qos.unacked_index_key), ("HDEL", channel.qos.unacked_key)]
+        ], pipelines
 
 
 def test_acks_that_free_the_prefetch_limit_are_sent_before_the_next_brpop_is_decided(
@@ -171,22 +178,16 @@ def test_acks_that_free_the_prefetch_limit_are_sent_before_the_next_brpop_is_dec
     callbacks in: else the worker waits for its next wake-up with work in the queue."""
     publish(own_redis, 3)
     client = redis.Redis.from_url(own_redis)
-    with consuming(own_redis, prefetch=2) as (channel, received):
+    with consuming(own_redis, prefetch=2) as (channel, received), turning(channel):
         assert len(received) == 2
-        hub = Hub()
-        transport = channel.connection
-        transport.register_with_event_loop(transport, hub)
-        try:
-            for message in received:
-                message.ack()
-            assert not channel.qos.can_consume()  # noted only: the limit looks full
-            channel._in_poll = False
-            transport.cycle.on_poll_start()  # kombu's tick callback, run first
-            assert client.hlen(channel.qos.unacked_key) == 0
-            assert channel.qos.can_consume()
-            assert channel._in_poll  # it asked Redis for more
-        finally:
-            hub.close()
+        for message in received:
+            message.ack()
+        assert not channel.qos.can_consume()  # noted only: the limit looks full
+        channel._in_poll = False
+        channel.connection.cycle.on_poll_start()  # kombu's tick callback, run first
+        assert client.hlen(channel.qos.unacked_key) == 0
+        assert channel.qos.can_consume()
+        assert channel._in_poll  # it asked Redis for more
 
 
 def test_acks_not_yet_sent_are_sent_when_the_channel_closes(own_redis: str) -> None:
