@@ -194,7 +194,7 @@ class Runner:
             message = f"no agent on {instance} serves {queue!r}"
             return self.finish(Finish.failed(tid, task_error("capability_not_served", message)))
         claimed_at = time.monotonic()
-        claimed = self.claim(Claim(tid, spec.card.agent_id, spec.card.version, instance))
+        claimed = self.claim(_claim_of(tid, spec, instance))
         if claimed is None:
             return self._unclaimed(tid)
         gone = self._begin(claimed)
@@ -225,9 +225,7 @@ class Runner:
             self._connect_async()
             assert self._aclaims is not None
             claimed_at = time.monotonic()
-            claimed = await self._aclaims(
-                Claim(tid, spec.card.agent_id, spec.card.version, instance)
-            )
+            claimed = await self._aclaims(_claim_of(tid, spec, instance))
             if claimed is None:
                 return await asyncio.to_thread(self._unclaimed, tid)
             gone = self._begin(claimed)
@@ -621,6 +619,13 @@ class Running:
         assert self._append_async is not None and self._sent_here is not None
         await self._sent_here.wait()
         await self._append_async(event_type, data)
+
+
+def _claim_of(tid: uuid.UUID, spec: CapabilitySpec, instance: str) -> Claim:
+    """An idempotent agent's claim need not reach the disk before its handler starts
+    (``execution``): a Postgres crash that forgets it only runs the task again."""
+    card = spec.card
+    return Claim(tid, card.agent_id, card.version, instance, durable=not card.idempotent)
 
 
 def _invalid(spec: CapabilitySpec, payload: Any) -> Failed | None:

@@ -389,6 +389,45 @@ def test_a_task_accepted_but_never_published_is_swept_and_runs(
     assert (done["status"], done["result"]) == ("succeeded", {"swept": True})
 
 
+def test_an_idempotent_tasks_claim_forgotten_by_postgres_is_swept_and_runs_again(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    engine: Engine,
+    system_beat: CeleryProcess,
+) -> None:
+    """An idempotent agent's claim is committed without waiting for the disk, so a Postgres
+    crash may forget it while the handler runs. The task must still finish."""
+    worker = start_worker(settings, "test.slow-idem", "forgetful", log_dir)
+    try:
+        task_id = client.post(
+            "/tasks", json={"capability": "test.slow-idem", "payload": {"sleep_s": 2}}
+        ).json()["task_id"]
+        eventually(lambda: runs(redis_url, task_id) == 1, "the handler started")
+        # When Postgres comes back without the claim: queued, as accepted (a while ago)
+        row = tasks_table.c
+        with engine.begin() as conn:
+            forgotten = conn.execute(
+                tasks_table.update()
+                .where(row.id == uuid.UUID(task_id), row.status == "running")
+                .values(
+                    status="queued",
+                    attempts=row.attempts - 1,
+                    started_at=None,
+                    instance=None,
+                    created_at=row.created_at - timedelta(minutes=1),
+                )
+            ).rowcount
+        assert forgotten == 1
+        # Then the run's finish finds it queued and leaves it; the sweeper publishes it again
+        done = wait_for_task(client, task_id, FINAL, timeout_s=60)
+    finally:
+        worker.stop()
+    assert (done["status"], done["attempts"]) == ("succeeded", 1)
+    eventually(lambda: runs(redis_url, task_id) == 2, "it ran again")
+
+
 def test_queued_tasks_survive_the_broker_losing_everything(
     client: httpx.Client,
     settings: Settings,

@@ -166,6 +166,28 @@ def test_given_claims_together_expect_one_statement_to_claim_each_queued_task_on
     assert status_of(engine, running) == "running"
 
 
+@pytest.mark.parametrize(
+    ("durable", "commit"), [((False, False), "off"), ((False, True), "on"), ((True, True), "on")]
+)
+def test_given_claims_expect_their_commit_to_wait_for_the_disk_unless_no_claim_is_durable(
+    engine: Engine, durable: tuple[bool, bool], commit: str
+) -> None:
+    # given two queued tasks, claimed together, durably or not
+    ids = [a_task(engine, "queued", overdue=False) for _ in durable]
+    claims = [
+        execution.Claim(t, "a", "1", "i", durable=d) for t, d in zip(ids, durable, strict=True)
+    ]
+    # when the group's statement runs in a transaction
+    with engine.connect() as conn, conn.begin() as transaction:
+        rows = conn.execute(execution._claim_statement(claims), execution._claim_params(claims))
+        claimed = {r.task_id for r in rows}
+        setting = conn.execute(text("SHOW synchronous_commit")).scalar_one()
+        transaction.rollback()
+    # expect both claimed, and the commit flushed unless every claim may be lost
+    assert claimed == set(ids)
+    assert setting == commit
+
+
 def test_given_finishes_of_every_kind_together_expect_each_to_make_its_own_move(
     engine: Engine,
 ) -> None:
@@ -221,6 +243,7 @@ def test_given_a_large_table_expect_claims_and_finishes_to_find_their_rows_by_pr
             }
             for statement, params in (
                 (execution._CLAIM, claim),
+                (execution._CLAIM_LAZY, claim),
                 (execution._finish_statement(SUCCEED, False), finish),
                 (execution._finish_statement(FAIL, True), finish),
             ):
