@@ -3,10 +3,10 @@ call failed for want of a network or a service, not for a bug.
 
 Two groups decide what is tried again; they never overlap, and they are not the same thing:
 
-    INFRASTRUCTURE_ERRORS    our own Postgres or Redis cannot be reached (SQLAlchemy and
-                             redis-py classes). What we were doing is tried again later (a
-                             Celery message, a group of inserts) or the API answers 503; it is
-                             never counted as the agent's failure.
+    INFRASTRUCTURE_ERRORS    our own Postgres or Redis cannot be reached (SQLAlchemy,
+                             psycopg and redis-py classes). What we were doing is tried again
+                             later (a Celery message, a group of inserts) or the API answers
+                             503; it is never counted as the agent's failure.
     AGENT_TRANSIENT_ERRORS   what an agent's own calls raise when the network failed them (the
                              built-in ``ConnectionError`` and ``TimeoutError``). The task fails
                              with ``transient_error``, retryable: it runs again while attempts
@@ -15,6 +15,7 @@ Two groups decide what is tried again; they never overlap, and they are not the 
 
 from __future__ import annotations
 
+import psycopg
 import redis.exceptions
 import sqlalchemy.exc
 
@@ -22,6 +23,8 @@ import sqlalchemy.exc
 INFRASTRUCTURE_ERRORS = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
+    psycopg.OperationalError,  # a worker's loop statements go out on psycopg alone
+    psycopg.InterfaceError,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
 )

@@ -22,10 +22,9 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import jsonbody
-from broker.db.engines import async_engine, sync_engine
+from broker.db.engines import LoopConnection, sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.grouping import Grouped, ThreadGrouped
 from broker.observability import logs, metrics
@@ -47,7 +46,6 @@ from workers.timelimit import SoftTimeLimit, soft_limit
 
 log = logging.getLogger("reach.worker")
 THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
-DIRECT_DB_POOL = 4  # and of its event loop, for the tasks it runs directly (grouped)
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 FinalHook = Callable[[TaskRow], None]
@@ -75,7 +73,8 @@ class Runner:
         self._connect_lock = threading.Lock()
         self.calls = Calls(settings.redis_url)  # async handlers: the loop and what runs on it
         # The loop's own, for tasks run on it directly (``run_async``).
-        self._aengine: AsyncEngine | None = None
+        self._aclaims_db: LoopConnection | None = None
+        self._afinishes_db: LoopConnection | None = None
         self._aredis: aioredis.Redis | None = None
         self._aevents: events.EventLog | None = None
         self._aclaims: Grouped[Claim, Claimed | None] | None = None
@@ -112,11 +111,14 @@ class Runner:
         self._pid = os.getpid()
 
     def _connect_async(self) -> None:
-        """The event loop's own engine, Redis client and groups (``run_async``), made on
-        the loop, once."""
-        if self._aengine is not None:
+        """The event loop's own Postgres connections, Redis client and groups
+        (``run_async``), made on the loop, once."""
+        if self._aclaims_db is not None:
             return
-        self._aengine = async_engine(self.settings, pool_size=DIRECT_DB_POOL)
+        # One connection each for the claims and the finishes: a group's statement goes out
+        # only when the one before it has come back.
+        self._aclaims_db = LoopConnection(self.settings)
+        self._afinishes_db = LoopConnection(self.settings)
         self._aredis = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
         self._aevents = events.EventLog(self._aredis, self.settings.result_ttl_s)
         self._aclaims = Grouped(
@@ -127,15 +129,15 @@ class Runner:
         )
 
     async def _claim_many_async(self, claims: list[Claim]) -> list[Claimed | None]:
-        assert self._aengine is not None
-        claimed = await execution.claim_many_async(self._aengine, claims)
+        assert self._aclaims_db is not None
+        claimed = await execution.claim_many_async(self._aclaims_db, claims)
         if "claims" in self._crash_after_group and len(claims) > 1:
             faults.crash()  # tests only: as in ``_claim_many``
         return claimed
 
     async def _finish_many_async(self, finishes: list[Finish]) -> list[TaskRow | None]:
-        assert self._aengine is not None
-        rows = await execution.finish_many_async(self._aengine, finishes)
+        assert self._afinishes_db is not None
+        rows = await execution.finish_many_async(self._afinishes_db, finishes)
         if "finishes" in self._crash_after_group and len(finishes) > 1:
             faults.crash()  # tests only: as in ``_finish_many``
         return rows

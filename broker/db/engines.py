@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event, exc
+import psycopg
+from psycopg.rows import DictRow, dict_row
+from psycopg.types.json import Jsonb
+from sqlalchemy import Engine, create_engine, event, exc, make_url
+from sqlalchemy.dialects.postgresql import JSON, JSONB
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from broker.settings import Settings
 
@@ -68,3 +75,55 @@ def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
         pool_recycle=1800,
         pool_use_lifo=True,  # a quiet API keeps using its warmest connection
     )
+
+
+class LoopConnection:
+    """One psycopg connection of an event loop's own, for statements that go out one at a
+    time (a ``Grouped``'s: a worker's claims, its finishes). The statements are SQLAlchemy
+    Core's, compiled once for psycopg; they run without SQLAlchemy's pool, connection and
+    result layers, which cost about as much as the round trip itself on a small statement
+    (``docs/performance.md``). Rows come back as dicts, with psycopg's types, which are the
+    ones SQLAlchemy hands on for these columns.
+
+    Autocommit: each statement is atomic by itself. A connection that broke (Postgres
+    restarted) fails its statement (``INFRASTRUCTURE_ERRORS``) and is opened again for the
+    next one."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]
+        url = make_url(settings.database_url)
+        self._connect_args: tuple[list[Any], dict[str, Any]] = self._dialect.create_connect_args(
+            url
+        )  # type: ignore[no-untyped-call]
+        self._connection: psycopg.AsyncConnection[DictRow] | None = None
+        self._compiled: dict[ClauseElement, tuple[str, SQLCompiler, tuple[str, ...]]] = {}
+
+    async def execute(self, statement: ClauseElement, params: dict[str, Any]) -> list[DictRow]:
+        sql, compiled, json_binds = self._compile(statement)
+        values = dict(compiled.construct_params(params) or {})
+        for name in json_binds:
+            values[name] = Jsonb(values[name])
+        connection = await self._connect()
+        cursor = await connection.execute(sql, values)
+        return await cursor.fetchall() if cursor.description is not None else []
+
+    def _compile(self, statement: ClauseElement) -> tuple[str, SQLCompiler, tuple[str, ...]]:
+        known = self._compiled.get(statement)
+        if known is None:
+            compiled = cast(SQLCompiler, statement.compile(dialect=self._dialect))
+            json_binds = tuple(
+                name for name, bind in compiled.binds.items() if isinstance(bind.type, JSON | JSONB)
+            )
+            known = self._compiled[statement] = (str(compiled), compiled, json_binds)
+        return known
+
+    async def _connect(self) -> psycopg.AsyncConnection[DictRow]:
+        connection = self._connection
+        if connection is None or connection.closed or connection.broken:
+            if connection is not None:
+                await connection.close()
+            args, kwargs = self._connect_args
+            connection = self._connection = await psycopg.AsyncConnection.connect(
+                *args, **kwargs, autocommit=True, row_factory=dict_row
+            )
+        return connection

@@ -21,10 +21,10 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Connection,
@@ -44,9 +44,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker import sessions
+from broker.db.engines import LoopConnection
 from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
@@ -166,12 +166,6 @@ def _autocommit(engine: Engine) -> Iterator[Connection]:
         yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
-@contextlib.asynccontextmanager
-async def _autocommit_async(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    async with engine.connect() as conn:
-        yield await conn.execution_options(isolation_level="AUTOCOMMIT")
-
-
 @dataclass(frozen=True)
 class Claim:
     """A claim of one task by one agent instance. ``durable``: committed to disk before the
@@ -201,11 +195,11 @@ def claim_many(engine: Engine, claims: list[Claim]) -> list[Claimed | None]:
         return _claimed(claims, conn.execute(_claim_statement(claims), _claim_params(claims)))
 
 
-async def claim_many_async(engine: AsyncEngine, claims: list[Claim]) -> list[Claimed | None]:
-    """``claim_many`` from an event loop: the same statement."""
-    async with _autocommit_async(engine) as conn:
-        statement = _claim_statement(claims)
-        return _claimed(claims, await conn.execute(statement, _claim_params(claims)))
+async def claim_many_async(conn: LoopConnection, claims: list[Claim]) -> list[Claimed | None]:
+    """``claim_many`` from an event loop, on its own connection: the same statement."""
+    rows = await conn.execute(_claim_statement(claims), _claim_params(claims))
+    found = {r["task_id"]: Claimed(**r) for r in rows}
+    return [found.pop(c.task_id, None) for c in claims]
 
 
 def _claim_statement(claims: list[Claim]) -> Any:
@@ -326,13 +320,12 @@ def finish_many(engine: Engine, finishes: list[Finish]) -> list[TaskRow | None]:
     return [found.pop(f.task_id, None) for f in finishes]
 
 
-async def finish_many_async(engine: AsyncEngine, finishes: list[Finish]) -> list[TaskRow | None]:
-    """``finish_many`` from an event loop: the same statements."""
+async def finish_many_async(conn: LoopConnection, finishes: list[Finish]) -> list[TaskRow | None]:
+    """``finish_many`` from an event loop, on its own connection: the same statements."""
     found: dict[uuid.UUID, TaskRow] = {}
-    async with _autocommit_async(engine) as conn:
-        for statement, params in _finish_statements(finishes):
-            for r in await conn.execute(statement, params):
-                found[r.id] = as_task_row(r)
+    for statement, params in _finish_statements(finishes):
+        for r in await conn.execute(statement, params):
+            found[r["id"]] = cast(TaskRow, r)
     return [found.pop(f.task_id, None) for f in finishes]
 
 
