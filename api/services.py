@@ -106,6 +106,7 @@ class Services:
 
     async def close(self) -> None:
         await self.hub.close()
+        await self.inserter.close()
         await self.engine.dispose()
         for client in (self.redis, self.broker_redis):
             if client is not None:

@@ -117,8 +117,8 @@ class Runner:
             return
         # One connection each for the claims and the finishes: a group's statement goes out
         # only when the one before it has come back.
-        self._aclaims_db = LoopConnection(self.settings)
-        self._afinishes_db = LoopConnection(self.settings)
+        self._aclaims_db = LoopConnection(self.settings.database_url)
+        self._afinishes_db = LoopConnection(self.settings.database_url)
         self._aredis = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
         self._aevents = events.EventLog(self._aredis, self.settings.result_ttl_s)
         self._aclaims = Grouped(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, cast
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
-from sqlalchemy import Engine, create_engine, event, exc, make_url
+from sqlalchemy import URL, Engine, create_engine, event, exc, make_url
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -87,15 +88,14 @@ class LoopConnection:
 
     Autocommit: each statement is atomic by itself. A connection that broke (Postgres
     restarted) fails its statement (``INFRASTRUCTURE_ERRORS``) and is opened again for the
-    next one."""
+    next one, as it is when used from another event loop than the one it was opened on."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, url: str | URL) -> None:
         self._dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]
-        url = make_url(settings.database_url)
-        self._connect_args: tuple[list[Any], dict[str, Any]] = self._dialect.create_connect_args(
-            url
-        )  # type: ignore[no-untyped-call]
+        args = self._dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
+        self._connect_args: tuple[list[Any], dict[str, Any]] = args
         self._connection: psycopg.AsyncConnection[DictRow] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._compiled: dict[ClauseElement, tuple[str, SQLCompiler, tuple[str, ...]]] = {}
 
     async def execute(self, statement: ClauseElement, params: dict[str, Any]) -> list[DictRow]:
@@ -117,13 +117,20 @@ class LoopConnection:
             known = self._compiled[statement] = (str(compiled), compiled, json_binds)
         return known
 
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None and self._loop is asyncio.get_running_loop():
+            await connection.close()
+
     async def _connect(self) -> psycopg.AsyncConnection[DictRow]:
         connection = self._connection
-        if connection is None or connection.closed or connection.broken:
-            if connection is not None:
+        loop = asyncio.get_running_loop()
+        if connection is None or connection.closed or connection.broken or self._loop is not loop:
+            if connection is not None and self._loop is loop:
                 await connection.close()
             args, kwargs = self._connect_args
             connection = self._connection = await psycopg.AsyncConnection.connect(
                 *args, **kwargs, autocommit=True, row_factory=dict_row
             )
+            self._loop = loop
         return connection

@@ -8,17 +8,20 @@ the transaction that inserts it (``turns``), so it goes in alone, not in a group
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import anyio
-from sqlalchemy import delete, func, select
+from sqlalchemy import bindparam, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.dml import ReturningInsert
 
 from broker import jsonbody, sessions
+from broker.db.engines import LoopConnection
 from broker.db.models import tasks_table as tasks
 from broker.errors import BadRequest, Unavailable
 from broker.grouping import Grouped
@@ -43,16 +46,60 @@ _INSERT = (
 )
 # A new row's columns that ``_values`` does not set: all NULL but these server defaults.
 _NEW_ROW = {column.name: None for column in tasks.c} | {"attempts": 0}
+# The columns ``_values`` sets, in a group's INSERT.
+_COLUMNS = (
+    "id",
+    "tenant",
+    "capability",
+    "queue",
+    "status",
+    "payload",
+    "payload_digest",
+    "payload_size",
+    "max_attempts",
+    "priority",
+    "trace_id",
+    "session_id",
+    "source",
+    "metadata",
+    "idempotency_key",
+    "callback",
+    "result_ttl_s",
+    "created_at",
+    "deadline_at",
+    "expires_at",
+)
 
 GROUP_MAX_ROWS = 100
 
 
+@functools.cache
+def _insert_of(rows: int) -> ReturningInsert[Any]:
+    """``_INSERT`` of ``rows`` rows, one VALUES (...) each, bound as ``<column>_<i>``: built
+    once per size (there are at most ``GROUP_MAX_ROWS``)."""
+    values = [
+        {c: bindparam(f"{c}_{i}", type_=tasks.c[c].type) for c in _COLUMNS} for i in range(rows)
+    ]
+    return (
+        insert(tasks)
+        .values(values)
+        .on_conflict_do_nothing(
+            index_elements=["tenant", "capability", "idempotency_key"],
+            index_where=tasks.c.idempotency_key.is_not(None),
+        )
+        .returning(tasks.c.id)
+    )
+
+
 class GroupInsert:
     """Inserts task rows; rows that arrive together go out in one INSERT ... VALUES (...), (...)
-    (``grouping``): under load, one round trip and one commit for many submits."""
+    (``grouping``): under load, one round trip and one commit for many submits. The groups go
+    out one after another on a psycopg connection of their own (``LoopConnection``), without
+    SQLAlchemy's per-statement layers: half a millisecond of each submit's wait, alone."""
 
     def __init__(self, engine: AsyncEngine, max_rows: int = GROUP_MAX_ROWS) -> None:
         self.engine = engine
+        self._db = LoopConnection(engine.url)
         self._insert = Grouped(
             self._insert_many, max_items=max_rows, name="inserts", retry_alone=True
         )
@@ -61,13 +108,12 @@ class GroupInsert:
         """True when the row went in; False when its idempotency key was already taken."""
         return await self._insert(values)
 
+    async def close(self) -> None:
+        await self._db.close()
+
     async def _insert_many(self, rows: list[dict[str, Any]]) -> list[bool]:
-        async with self.engine.connect() as conn:
-            # One statement is atomic by itself: autocommit saves BEGIN and COMMIT round trips.
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            # Several rows: SQLAlchemy sends one multi-row INSERT ("insertmanyvalues").
-            result = await conn.execute(_INSERT, rows)
-            inserted = {row.id for row in result}
+        params = {f"{c}_{i}": row[c] for i, row in enumerate(rows) for c in _COLUMNS}
+        inserted = {r["id"] for r in await self._db.execute(_insert_of(len(rows)), params)}
         return [row["id"] in inserted for row in rows]
 
 

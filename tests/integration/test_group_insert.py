@@ -10,14 +10,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event, func, select
+from sqlalchemy import func, literal_column, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.engines import async_engine
 from broker.db.models import tasks_table as tasks
 from broker.settings import Settings
 from broker.tasks.resource import new_task_id
-from broker.tasks.submission import GroupInsert
+from broker.tasks.submission import _INSERT, GroupInsert
 
 
 def _row(tenant: str, **changes: Any) -> dict[str, Any]:
@@ -46,25 +46,20 @@ def _row(tenant: str, **changes: Any) -> dict[str, Any]:
     } | changes
 
 
-Body = Callable[[GroupInsert, str, list[str]], Awaitable[None]]
+Body = Callable[[GroupInsert, str], Awaitable[None]]
 
 
 def _run(settings: Settings, body: Body, max_rows: int = 100) -> None:
-    """``body(inserter, tenant, statements)`` on an engine of its own, with a tenant of its own
-    and the SQL statements the engine sent."""
+    """``body(inserter, tenant)`` on an engine of its own, with a tenant of its own."""
     tenant = f"group-{uuid.uuid4().hex[:8]}"
 
     async def main() -> None:
         engine = async_engine(settings)
-        statements: list[str] = []
-        event.listen(
-            engine.sync_engine,
-            "before_cursor_execute",
-            lambda conn, cursor, statement, *rest: statements.append(statement),
-        )
+        inserter = GroupInsert(engine, max_rows=max_rows)
         try:
-            await body(GroupInsert(engine, max_rows=max_rows), tenant, statements)
+            await body(inserter, tenant)
         finally:
+            await inserter.close()
             await engine.dispose()
 
     asyncio.run(main())
@@ -76,20 +71,28 @@ async def _stored(engine: AsyncEngine, tenant: str) -> int:
         return int((await conn.execute(query)).scalar_one())
 
 
+async def _transactions(engine: AsyncEngine, tenant: str) -> int:
+    """How many transactions wrote the tenant's rows (each statement is one: autocommit)."""
+    async with engine.connect() as conn:
+        query = select(func.count(literal_column("xmin::text").distinct())).where(
+            tasks.c.tenant == tenant
+        )
+        return int((await conn.execute(query)).scalar_one())
+
+
 def test_rows_arriving_together_go_out_in_fewer_statements(settings: Settings) -> None:
-    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
+    async def body(inserter: GroupInsert, tenant: str) -> None:
         answers = await asyncio.gather(*(inserter.insert(_row(tenant)) for _ in range(60)))
         assert answers == [True] * 60
-        inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
         # All 60 were waiting before the flusher first ran: one statement for the lot.
-        assert len(inserts) == 1
+        assert await _transactions(inserter.engine, tenant) == 1
         assert await _stored(inserter.engine, tenant) == 60
 
     _run(settings, body)
 
 
 def test_one_idempotency_key_twice_in_one_group_inserts_once(settings: Settings) -> None:
-    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
+    async def body(inserter: GroupInsert, tenant: str) -> None:
         rows = [_row(tenant)] + [_row(tenant, idempotency_key="k-1") for _ in range(2)]
         answers = await asyncio.gather(*(inserter.insert(row) for row in rows))
         assert answers[0] is True
@@ -100,7 +103,7 @@ def test_one_idempotency_key_twice_in_one_group_inserts_once(settings: Settings)
 
 
 def test_a_bad_row_fails_only_its_own_caller(settings: Settings) -> None:
-    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
+    async def body(inserter: GroupInsert, tenant: str) -> None:
         rows = [_row(tenant) for _ in range(6)]
         rows[3]["status"] = "not-a-status"  # the status CHECK constraint refuses it
         answers = await asyncio.gather(
@@ -114,7 +117,7 @@ def test_a_bad_row_fails_only_its_own_caller(settings: Settings) -> None:
 
 
 def test_a_cancelled_caller_does_not_stop_the_others(settings: Settings) -> None:
-    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
+    async def body(inserter: GroupInsert, tenant: str) -> None:
         calls = [asyncio.ensure_future(inserter.insert(_row(tenant))) for _ in range(10)]
         await asyncio.sleep(0)
         calls[5].cancel()
@@ -129,9 +132,43 @@ def test_a_cancelled_caller_does_not_stop_the_others(settings: Settings) -> None
 
 @pytest.mark.parametrize("rows", [1, 250])
 def test_every_caller_is_answered_whatever_the_group_size(settings: Settings, rows: int) -> None:
-    async def body(inserter: GroupInsert, tenant: str, statements: list[str]) -> None:
+    async def body(inserter: GroupInsert, tenant: str) -> None:
         answers = await asyncio.gather(*(inserter.insert(_row(tenant)) for _ in range(rows)))
         assert answers == [True] * rows
         assert await _stored(inserter.engine, tenant) == rows
+        # Groups of at most 100 rows: 100, 100 and 50.
+        assert await _transactions(inserter.engine, tenant) == -(-rows // 100)
+
+    _run(settings, body)
+
+
+def test_a_row_goes_in_as_sqlalchemys_insert_writes_it(settings: Settings) -> None:
+    """The group's INSERT goes out on psycopg alone (``LoopConnection``): the same row, JSON
+    nulls included, as SQLAlchemy's own insert of the same values."""
+
+    async def body(inserter: GroupInsert, tenant: str) -> None:
+        changes = {"payload": None, "callback": None, "deadline_at": datetime.now(UTC)}
+        ours, theirs = _row(tenant, **changes), _row(tenant, **changes)
+        assert await inserter.insert(ours) is True
+        async with inserter.engine.connect() as conn:
+            await conn.execute(_INSERT, [theirs])
+            await conn.commit()
+            rows = {
+                r["id"]: r
+                for r in (await conn.execute(select(tasks).where(tasks.c.tenant == tenant)))
+                .mappings()
+                .all()
+            }
+            null_kinds = select(
+                tasks.c.id, func.jsonb_typeof(tasks.c.payload), func.jsonb_typeof(tasks.c.callback)
+            ).where(tasks.c.tenant == tenant)
+            kinds = {r[0]: tuple(r[1:]) for r in await conn.execute(null_kinds)}
+        own = {"id", "created_at", "deadline_at", "expires_at"}
+        mine, sqlalchemys = rows[ours["id"]], rows[theirs["id"]]
+        assert {k: v for k, v in mine.items() if k not in own} == {
+            k: v for k, v in sqlalchemys.items() if k not in own
+        }
+        assert mine["deadline_at"] == ours["deadline_at"]
+        assert kinds[ours["id"]] == kinds[theirs["id"]] == ("null", "null")
 
     _run(settings, body)

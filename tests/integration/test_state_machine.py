@@ -212,7 +212,7 @@ def test_given_claims_and_finishes_on_a_loop_connection_expect_what_the_engine_g
         ]
 
     async def on_a_loop() -> tuple[list[Any], list[Any]]:
-        conn = LoopConnection(settings)
+        conn = LoopConnection(settings.database_url)
         claimed = await execution.claim_many_async(conn, claims(on_loop))
         return claimed, await execution.finish_many_async(conn, finishes(on_loop))
 
@@ -245,7 +245,7 @@ def test_given_claims_and_finishes_on_a_loop_connection_expect_what_the_engine_g
 def test_given_a_loop_connection_whose_backend_died_expect_one_outage_then_a_new_connection(
     engine: Engine, settings: Settings
 ) -> None:
-    conn = LoopConnection(settings)
+    conn = LoopConnection(settings.database_url)
     backend = select(func.pg_backend_pid().label("pid"))
 
     async def pid() -> int:
