@@ -102,10 +102,17 @@ def test_one_idempotency_key_twice_in_one_group_inserts_once(settings: Settings)
     _run(settings, body)
 
 
-def test_a_bad_row_fails_only_its_own_caller(settings: Settings) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"status": "not-a-status"},  # the status CHECK constraint refuses it
+        {"source": "s" * 129},  # too long for its column: refused, never cut short
+    ],
+)
+def test_a_bad_row_fails_only_its_own_caller(settings: Settings, bad: dict[str, Any]) -> None:
     async def body(inserter: GroupInsert, tenant: str) -> None:
         rows = [_row(tenant) for _ in range(6)]
-        rows[3]["status"] = "not-a-status"  # the status CHECK constraint refuses it
+        rows[3].update(bad)
         answers = await asyncio.gather(
             *(inserter.insert(row) for row in rows), return_exceptions=True
         )
