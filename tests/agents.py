@@ -260,6 +260,9 @@ async def _lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 agent.capability("test.async-idem", agent_id="test-async-idem", idempotent=True)(_lives)
 agent.capability("test.async-once", agent_id="test-async-once")(_lives)
+# Served only by the worker of the test that watches it (``inspect active``): a message on a
+# queue another worker also consumes may run there instead.
+agent.capability("test.async-watched", agent_id="test-async-watched")(_lives)
 
 
 @agent.capability("test.sync-idem", agent_id="test-sync-idem", idempotent=True)

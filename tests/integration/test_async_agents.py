@@ -245,7 +245,8 @@ def test_with_task_events_on_runs_take_celerys_way_and_show_in_inspect_active(
     """Without Celery's request a run is invisible to ``celery inspect active``; Flower turns
     task events on (``enable_events``), and from then on runs take Celery's way, where its
     requests make the events and show in ``inspect active``."""
-    worker = start_worker(settings, "test.async", "events", log_dir, concurrency=10, pool="threads")
+    queue = "test.async-watched"  # this worker's alone: the session's async worker is elsewhere
+    worker = start_worker(settings, queue, "events", log_dir, concurrency=10, pool="threads")
     name = f"events@{socket.gethostname()}"
     control = Celery("test-events", broker=settings.celery_broker_url, set_as_current=False)
 
@@ -254,11 +255,11 @@ def test_with_task_events_on_runs_take_celerys_way_and_show_in_inspect_active(
         return {request["id"] for request in answers.get(name, [])}
 
     try:
-        quiet = submit(client, "test.async", {"sleep_s": 3})
+        quiet = submit(client, queue, {"sleep_s": 3})
         wait_for_task(client, quiet, {"running"})
         assert quiet not in active_ids()
         assert control.control.enable_events(destination=[name], reply=True, timeout=5)
-        watched = submit(client, "test.async", {"sleep_s": 3})
+        watched = submit(client, queue, {"sleep_s": 3})
         wait_for_task(client, watched, {"running"})
         assert watched in active_ids()
         done = [wait_for_task(client, t, FINAL) for t in (quiet, watched)]
