@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
+import psycopg
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -206,5 +207,7 @@ def install(app: FastAPI) -> None:
     # built-in ConnectionError that a client library let through unwrapped.
     for cls in (*outages.INFRASTRUCTURE_ERRORS, sqlalchemy.exc.TimeoutError, ConnectionError):
         app.add_exception_handler(cls, _unavailable)
-    app.add_exception_handler(sqlalchemy.exc.DataError, _data_error)
+    # psycopg's own: the grouped inserts go out on a psycopg connection (``LoopConnection``).
+    for refused in (sqlalchemy.exc.DataError, psycopg.DataError):
+        app.add_exception_handler(refused, _data_error)
     app.add_exception_handler(Exception, _internal)
