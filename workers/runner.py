@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import Engine
 
 from broker import jsonbody
-from broker.db.engines import LoopConnection, sync_engine
+from broker.db.engines import LoopConnection, ThreadConnection, sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.grouping import Grouped, ThreadGrouped
 from broker.observability import logs, metrics
@@ -67,6 +67,10 @@ class Runner:
         self._events: events.EventLog | None = None
         self._claims: ThreadGrouped[Claim, Claimed | None] | None = None
         self._finishes: ThreadGrouped[Finish, TaskRow | None] | None = None
+        # Their own connections: a group's statement goes out only when the one before it
+        # has come back, so one each, without SQLAlchemy's layers (as the loop's below).
+        self._claims_db: ThreadConnection | None = None
+        self._finishes_db: ThreadConnection | None = None
         self._pid = 0
         self._crash_after_finish = faults.crash_after_finish()
         self._crash_after_group = faults.crash_after_group()
@@ -102,6 +106,8 @@ class Runner:
         self._events = events.EventLog(self._redis, self.settings.result_ttl_s)
         # The tasks in flight in this process's threads claim and finish in groups: what
         # arrives while one statement is out goes in the next (on prefork, always alone).
+        self._claims_db = ThreadConnection(self.settings.database_url)
+        self._finishes_db = ThreadConnection(self.settings.database_url)
         self._claims = ThreadGrouped(
             self._claim_many, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True
         )
@@ -172,13 +178,17 @@ class Runner:
         return self.finalize(self._finishes(finish))
 
     def _claim_many(self, claims: list[Claim]) -> list[Claimed | None]:
-        claimed = execution.claim_many(self.engine, claims)
+        self._connect()
+        assert self._claims_db is not None
+        claimed = execution.claim_many(self._claims_db, claims)
         if "claims" in self._crash_after_group and len(claims) > 1:
             faults.crash()  # tests only: a group written, none of its handlers started
         return claimed
 
     def _finish_many(self, finishes: list[Finish]) -> list[TaskRow | None]:
-        rows = execution.finish_many(self.engine, finishes)
+        self._connect()
+        assert self._finishes_db is not None
+        rows = execution.finish_many(self._finishes_db, finishes)
         if "finishes" in self._crash_after_group and len(finishes) > 1:
             faults.crash()  # tests only: a group final in Postgres, none of it announced
         return rows

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import select
+import threading
 import time
 from typing import Any, cast
 
@@ -78,6 +81,46 @@ def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
     )
 
 
+class _Statements:
+    """SQLAlchemy Core statements compiled once for psycopg, and their parameters as psycopg
+    takes them (JSON binds wrapped), for connections that skip SQLAlchemy's layers."""
+
+    def __init__(self, url: str | URL) -> None:
+        self._dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]
+        args = self._dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
+        self.connect_args: tuple[list[Any], dict[str, Any]] = args
+        self._compiled: dict[ClauseElement, tuple[str, SQLCompiler, tuple[str, ...]]] = {}
+
+    def prepare(self, statement: ClauseElement, params: dict[str, Any]) -> tuple[str, Any]:
+        known = self._compiled.get(statement)
+        if known is None:
+            compiled = cast(SQLCompiler, statement.compile(dialect=self._dialect))
+            json_binds = tuple(
+                name for name, bind in compiled.binds.items() if isinstance(bind.type, JSON | JSONB)
+            )
+            known = self._compiled[statement] = (str(compiled), compiled, json_binds)
+        sql, compiled, json_binds = known
+        values = dict(compiled.construct_params(params) or {})
+        for name in json_binds:
+            values[name] = Jsonb(values[name])
+        return sql, values
+
+
+def _gone(connection: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None) -> bool:
+    """Whether an idle connection cannot take a statement: none, closed or broken, or the
+    server spoke while nothing was asked of it (Postgres restarted, or the backend was
+    ended: its last word, an error, waits on the socket). That look costs no round trip,
+    where SQLAlchemy's pre-ping costs one; a connection lost without a word (the network)
+    still fails its next statement once."""
+    if connection is None or connection.closed or connection.broken:
+        return True
+    try:
+        readable, _, _ = select.select([connection.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
 class LoopConnection:
     """One psycopg connection of an event loop's own, for statements that go out one at a
     time (a ``Grouped``'s: a worker's claims, its finishes). The statements are SQLAlchemy
@@ -86,36 +129,21 @@ class LoopConnection:
     (``docs/performance.md``). Rows come back as dicts, with psycopg's types, which are the
     ones SQLAlchemy hands on for these columns.
 
-    Autocommit: each statement is atomic by itself. A connection that broke (Postgres
-    restarted) fails its statement (``INFRASTRUCTURE_ERRORS``) and is opened again for the
-    next one, as it is when used from another event loop than the one it was opened on."""
+    Autocommit: each statement is atomic by itself. A connection found gone before a
+    statement (``_gone``), or used from another event loop than the one it was opened on, is
+    opened again first; one that breaks under a statement fails it
+    (``INFRASTRUCTURE_ERRORS``) and is opened again for the next."""
 
     def __init__(self, url: str | URL) -> None:
-        self._dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]
-        args = self._dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
-        self._connect_args: tuple[list[Any], dict[str, Any]] = args
+        self._statements = _Statements(url)
         self._connection: psycopg.AsyncConnection[DictRow] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._compiled: dict[ClauseElement, tuple[str, SQLCompiler, tuple[str, ...]]] = {}
 
     async def execute(self, statement: ClauseElement, params: dict[str, Any]) -> list[DictRow]:
-        sql, compiled, json_binds = self._compile(statement)
-        values = dict(compiled.construct_params(params) or {})
-        for name in json_binds:
-            values[name] = Jsonb(values[name])
+        sql, values = self._statements.prepare(statement, params)
         connection = await self._connect()
         cursor = await connection.execute(sql, values)
         return await cursor.fetchall() if cursor.description is not None else []
-
-    def _compile(self, statement: ClauseElement) -> tuple[str, SQLCompiler, tuple[str, ...]]:
-        known = self._compiled.get(statement)
-        if known is None:
-            compiled = cast(SQLCompiler, statement.compile(dialect=self._dialect))
-            json_binds = tuple(
-                name for name, bind in compiled.binds.items() if isinstance(bind.type, JSON | JSONB)
-            )
-            known = self._compiled[statement] = (str(compiled), compiled, json_binds)
-        return known
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -125,12 +153,50 @@ class LoopConnection:
     async def _connect(self) -> psycopg.AsyncConnection[DictRow]:
         connection = self._connection
         loop = asyncio.get_running_loop()
-        if connection is None or connection.closed or connection.broken or self._loop is not loop:
+        if self._loop is not loop or _gone(connection):
             if connection is not None and self._loop is loop:
                 await connection.close()
-            args, kwargs = self._connect_args
+            args, kwargs = self._statements.connect_args
             connection = self._connection = await psycopg.AsyncConnection.connect(
                 *args, **kwargs, autocommit=True, row_factory=dict_row
             )
             self._loop = loop
+        assert connection is not None
+        return connection
+
+
+class ThreadConnection:
+    """``LoopConnection`` for threads: one psycopg connection for statements that go out one
+    at a time (a ``ThreadGrouped``'s: a threads or prefork worker's claims, its finishes).
+    A lock keeps it to one statement at a time; a process that forked opens its own."""
+
+    def __init__(self, url: str | URL) -> None:
+        self._statements = _Statements(url)
+        self._connection: psycopg.Connection[DictRow] | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def execute(self, statement: ClauseElement, params: dict[str, Any]) -> list[DictRow]:
+        sql, values = self._statements.prepare(statement, params)
+        with self._lock:
+            cursor = self._connect().execute(sql, values)
+            return cursor.fetchall() if cursor.description is not None else []
+
+    def close(self) -> None:
+        with self._lock:
+            connection, self._connection = self._connection, None
+            if connection is not None and self._pid == os.getpid():
+                connection.close()
+
+    def _connect(self) -> psycopg.Connection[DictRow]:
+        connection = self._connection
+        if self._pid != os.getpid() or _gone(connection):
+            if connection is not None and self._pid == os.getpid():
+                connection.close()
+            args, kwargs = self._statements.connect_args
+            connection = self._connection = psycopg.Connection.connect(
+                *args, **kwargs, autocommit=True, row_factory=dict_row
+            )
+            self._pid = os.getpid()
+        assert connection is not None
         return connection

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, cast
@@ -46,7 +46,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from broker import sessions
-from broker.db.engines import LoopConnection
+from broker.db.engines import LoopConnection, ThreadConnection
 from broker.db.models import as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
@@ -187,19 +187,23 @@ def claim(
     return claim_many(engine, [Claim(task_id, agent_id, version, instance)])[0]
 
 
-def claim_many(engine: Engine, claims: list[Claim]) -> list[Claimed | None]:
+def claim_many(db: Engine | ThreadConnection, claims: list[Claim]) -> list[Claimed | None]:
     """``claim`` for each, in one statement. A task named twice is claimed once, by the
     first: the others get None, as a redelivered message of a running task does. The
-    statement is flushed to disk before it returns if any of them is ``durable``."""
-    with _autocommit(engine) as conn:
-        return _claimed(claims, conn.execute(_claim_statement(claims), _claim_params(claims)))
+    statement is flushed to disk before it returns if any of them is ``durable``. ``db``: an
+    engine, or a worker's own connection for its grouped claims."""
+    statement, params = _claim_statement(claims), _claim_params(claims)
+    if isinstance(db, ThreadConnection):
+        return _claimed(claims, db.execute(statement, params))
+    with _autocommit(db) as conn:
+        rows = conn.execute(statement, params)
+        return _claimed(claims, [cast(Mapping[str, Any], r._mapping) for r in rows])
 
 
 async def claim_many_async(conn: LoopConnection, claims: list[Claim]) -> list[Claimed | None]:
     """``claim_many`` from an event loop, on its own connection: the same statement."""
     rows = await conn.execute(_claim_statement(claims), _claim_params(claims))
-    found = {r["task_id"]: Claimed(**r) for r in rows}
-    return [found.pop(c.task_id, None) for c in claims]
+    return _claimed(claims, rows)
 
 
 def _claim_statement(claims: list[Claim]) -> Any:
@@ -220,8 +224,8 @@ def _claim_params(claims: list[Claim]) -> dict[str, Any]:
     )
 
 
-def _claimed(claims: list[Claim], rows: Any) -> list[Claimed | None]:
-    found = {r.task_id: Claimed(**r._mapping) for r in rows}
+def _claimed(claims: list[Claim], rows: Iterable[Mapping[str, Any]]) -> list[Claimed | None]:
+    found = {r["task_id"]: Claimed(**r) for r in rows}
     return [found.pop(c.task_id, None) for c in claims]
 
 
@@ -307,16 +311,21 @@ def _finish_statement(move: Move, of_attempt: bool) -> Any:
     return update(tasks).where(*guard).values(values).returning(*tasks.c, _TENANT_SUBSCRIBES)
 
 
-def finish_many(engine: Engine, finishes: list[Finish]) -> list[TaskRow | None]:
+def finish_many(db: Engine | ThreadConnection, finishes: list[Finish]) -> list[TaskRow | None]:
     """Each finish's row as it ended, or None where the move did not apply (the task was no
     longer running: cancelled, say). One statement for each kind of move among them: one in
     all, at most three (a success, a failure, an overrun; the rare recovery's own). A task
-    named twice is finished once, by the first."""
+    named twice is finished once, by the first. ``db``: as ``claim_many``'s."""
     found: dict[uuid.UUID, TaskRow] = {}
-    with _autocommit(engine) as conn:
+    if isinstance(db, ThreadConnection):
         for statement, params in _finish_statements(finishes):
-            for r in conn.execute(statement, params):
-                found[r.id] = as_task_row(r)
+            for r in db.execute(statement, params):
+                found[r["id"]] = cast(TaskRow, r)
+        return [found.pop(f.task_id, None) for f in finishes]
+    with _autocommit(db) as conn:
+        for statement, params in _finish_statements(finishes):
+            for row in conn.execute(statement, params):
+                found[row.id] = as_task_row(row)
     return [found.pop(f.task_id, None) for f in finishes]
 
 

@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 from psycopg.types.json import Jsonb
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, select, text
 
-from broker.db.engines import LoopConnection, async_engine
+from broker.db.engines import async_engine
 from broker.db.models import tasks_table
-from broker.outages import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from broker.tasks import cancellation, execution
 from broker.tasks.resource import (
@@ -187,84 +186,6 @@ def test_given_claims_expect_their_commit_to_wait_for_the_disk_unless_no_claim_i
     # expect both claimed, and the commit flushed unless every claim may be lost
     assert claimed == set(ids)
     assert setting == commit
-
-
-def test_given_claims_and_finishes_on_a_loop_connection_expect_what_the_engine_gives(
-    engine: Engine, settings: Settings
-) -> None:
-    """A worker's loop claims and finishes on psycopg alone (``LoopConnection``): the same
-    rows, with the same types, as through SQLAlchemy."""
-    deadline_at = datetime.now(UTC) + timedelta(minutes=5)
-    payload = {"text": "é", "n": [1, 2.5, None]}
-    ids = [
-        a_task_row(engine, tenant=TENANT, payload=payload, deadline_at=deadline_at)
-        for _ in range(4)
-    ]
-    by_engine, on_loop = ids[:2], ids[2:]
-
-    def claims(of: list[uuid.UUID]) -> list[execution.Claim]:
-        return [execution.Claim(t, "agent", "1", "node", durable=False) for t in of]
-
-    def finishes(of: list[uuid.UUID]) -> list[execution.Finish]:
-        return [
-            execution.Finish.succeeded(of[0], {"answer": ["é", 1]}),
-            execution.Finish.failed(of[1], task_error("boom", "it broke"), attempt=1),
-        ]
-
-    async def on_a_loop() -> tuple[list[Any], list[Any]]:
-        conn = LoopConnection(settings.database_url)
-        claimed = await execution.claim_many_async(conn, claims(on_loop))
-        return claimed, await execution.finish_many_async(conn, finishes(on_loop))
-
-    claimed_by_engine = execution.claim_many(engine, claims(by_engine))
-    finished_by_engine = execution.finish_many(engine, finishes(by_engine))
-    claimed_on_loop, finished_on_loop = asyncio.run(on_a_loop())
-
-    own = {"id", "task_id", "trace_id", "created_at", "started_at", "finished_at", "expires_at"}
-
-    def same_but_own(a: Any, b: Any) -> None:
-        """The same keys and types; the same values but each task's own and its moments."""
-        a, b = dict(a), dict(b)
-        assert a.keys() == b.keys()
-        for key in a:
-            assert type(a[key]) is type(b[key]), key
-            if key not in own:
-                assert a[key] == b[key], key
-
-    for ours, theirs in zip(claimed_on_loop, claimed_by_engine, strict=True):
-        assert ours is not None and theirs is not None
-        same_but_own(ours.__dict__, theirs.__dict__)
-        assert ours.payload == payload and ours.deadline_at == deadline_at
-    for row, theirs in zip(finished_on_loop, finished_by_engine, strict=True):
-        assert row is not None and theirs is not None
-        same_but_own(row, theirs)
-    assert [r["status"] for r in finished_on_loop if r] == ["succeeded", "failed"]
-    assert finished_on_loop[0] is not None and finished_on_loop[0]["result"] == {"answer": ["é", 1]}
-
-
-def test_given_a_loop_connection_whose_backend_died_expect_one_outage_then_a_new_connection(
-    engine: Engine, settings: Settings
-) -> None:
-    conn = LoopConnection(settings.database_url)
-    backend = select(func.pg_backend_pid().label("pid"))
-
-    async def pid() -> int:
-        return int((await conn.execute(backend, {}))[0]["pid"])
-
-    async def steps() -> tuple[int, BaseException | None, int]:
-        first = await pid()
-        with engine.connect() as admin:  # what a Postgres restart does to it
-            admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
-        try:
-            await pid()
-            failed = None
-        except Exception as exc:
-            failed = exc
-        return first, failed, await pid()
-
-    first, failed, after = asyncio.run(steps())
-    assert isinstance(failed, INFRASTRUCTURE_ERRORS)  # the run task keeps its message
-    assert after != first
 
 
 def test_given_finishes_of_every_kind_together_expect_each_to_make_its_own_move(
