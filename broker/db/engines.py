@@ -55,6 +55,8 @@ def _ping_when_idle(engine: Engine) -> None:
 
     @event.listens_for(engine, "checkout")
     def ping(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if _gone(dbapi_connection):
+            raise exc.DisconnectionError()
         idle_since = record.info.get("checked_in_at")
         if idle_since is not None and time.monotonic() - idle_since < PING_IF_IDLE_S:
             return
@@ -66,12 +68,14 @@ def _ping_when_idle(engine: Engine) -> None:
 
 
 def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
-    # No pre-ping: it costs a round trip per request. A connection lost with a Postgres
-    # restart fails once (503), and SQLAlchemy then invalidates the whole pool.
+    # No pre-ping: it costs a round trip per request. A connection whose backend ended while
+    # it sat in the pool (a Postgres restart) is seen at checkout without one (``_gone``) and
+    # replaced; one lost without a word fails once (503), and SQLAlchemy then invalidates the
+    # whole pool.
     # Under load many requests hold a connection across an await at once; a pool smaller
     # than that opens and closes an overflow connection per request (a fifth of the API's CPU
     # at 64 connections with 10).
-    return create_async_engine(
+    engine = create_async_engine(
         settings.database_url,
         pool_size=pool_size,
         max_overflow=10,
@@ -79,6 +83,13 @@ def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
         pool_recycle=1800,
         pool_use_lifo=True,  # a quiet API keeps using its warmest connection
     )
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def replace_if_gone(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if _gone(dbapi_connection.driver_connection):
+            raise exc.DisconnectionError()  # the pool drops it and checks out a fresh one
+
+    return engine
 
 
 class _Statements:
