@@ -45,7 +45,8 @@ TEST_QUEUES = ",".join(
 )
 
 # Capabilities whose agent no test starts, yet whose tasks must be able to wait in a queue.
-DORMANT = ("test.nobody", "test.nobody-serves", "test.nobody-serves-this")
+# ``test.nobody-fills``: one test fills its queue, which no other test may have touched.
+DORMANT = ("test.nobody", "test.nobody-serves", "test.nobody-serves-this", "test.nobody-fills")
 
 
 def advertise_test_cards(engine: Engine) -> None:

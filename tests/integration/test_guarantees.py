@@ -286,7 +286,7 @@ def test_a_full_queue_gets_503_overloaded_without_using_the_idempotency_key(
                 http.post(
                     "/tasks",
                     json={
-                        "capability": "test.nobody",
+                        "capability": "test.nobody-fills",  # its queue empty until now
                         "payload": {},
                         "queue_if_unavailable": True,
                         "idempotency_key": "k-1",
