@@ -42,8 +42,12 @@ class EventHub:
         # Set when a subscription is made: the reader sleeps on it while there is none, so a
         # new listener's confirmation is read at once, not after a polling interval.
         self._wake = asyncio.Event()
+        self._leaving: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        for leave in list(self._leaving):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await leave
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -70,13 +74,24 @@ class EventHub:
         try:
             yield queue
         finally:
+            listeners = self._queues.get(name, set())
+            listeners.discard(queue)
+            if not listeners:
+                self._queues.pop(name, None)
+                self._confirmed.pop(name, None)
+                # After the answer: a sync wait's response goes out before the UNSUBSCRIBE.
+                leave = asyncio.create_task(self._unsubscribe_unheard(name))
+                self._leaving.add(leave)  # the loop holds its tasks weakly
+                leave.add_done_callback(self._leaving.discard)
+
+    async def _unsubscribe_unheard(self, name: str) -> None:
+        """Unsubscribe from a channel left by its last listener, unless a new one came."""
+        try:
             async with self._lock:
-                listeners = self._queues.get(name, set())
-                listeners.discard(queue)
-                if not listeners:
-                    self._queues.pop(name, None)
-                    self._confirmed.pop(name, None)
+                if name not in self._queues:
                     await self._pubsub.unsubscribe(name)
+        except Exception:  # left subscribed: its messages find no listener and are dropped
+            log.warning("event hub: unsubscribing %s failed", name, exc_info=True)
 
     async def _read(self) -> None:
         while True:
