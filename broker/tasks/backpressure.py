@@ -9,6 +9,8 @@ both take the last token.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ from redis.asyncio import Redis
 
 from broker.errors import ReachError, Unavailable
 from broker.observability import metrics
+
+log = logging.getLogger("reach.api")
 
 # A Lua function, so that admission can run it in the same script as the route lookup.
 BUCKET_LUA = """
@@ -75,7 +79,9 @@ def redis_depths(client: Redis) -> Depths:
 @dataclass
 class QueueBound:
     """Refuses work for a queue already holding ``max_depth`` messages. Depths come from the
-    broker at most every ``refresh_s``, so a burst of submits costs one broker query.
+    broker at most every ``refresh_s``, so a burst of submits costs one broker query. A depth
+    older than that but not ``stale_s`` answers once more while a fresh one is read beside
+    it: a submit to a quiet API does not wait on the broker for it (0: always read first).
 
     Admission lets only served capabilities through; still, past ``max_tracked`` queues the
     stale ones are forgotten, so no stream of queue names grows this process's memory."""
@@ -83,9 +89,11 @@ class QueueBound:
     depths: Depths
     max_depth: int
     refresh_s: float = 1.0
+    stale_s: float = 5.0
     max_tracked: int = 4096
     _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    _refreshing: set[asyncio.Task[tuple[float, int]]] = field(default_factory=set)
 
     async def check(self, queue: str) -> None:
         seen = await self._depth(queue)
@@ -101,19 +109,33 @@ class QueueBound:
         """The last depth read; one refresh in flight per queue, the others use what is known
         (a burst of submits must not become a burst of broker queries)."""
         seen = self._seen.get(queue)
-        if seen is not None and time.monotonic() - seen[0] <= self.refresh_s:
+        age = time.monotonic() - seen[0] if seen is not None else math.inf
+        if seen is not None and age <= self.refresh_s:
             return seen
         if len(self._locks) >= self.max_tracked:
             self._forget_stale()
         lock = self._locks.setdefault(queue, asyncio.Lock())
-        if seen is not None and lock.locked():
+        if seen is not None and (lock.locked() or age <= self.stale_s):
+            if not lock.locked():
+                refresh = asyncio.create_task(self._read(queue, lock))
+                self._refreshing.add(refresh)  # the loop holds its tasks weakly
+                refresh.add_done_callback(self._refreshed)
             return seen
+        return await self._read(queue, lock)
+
+    async def _read(self, queue: str, lock: asyncio.Lock) -> tuple[float, int]:
         async with lock:
             seen = self._seen.get(queue)
             if seen is None or time.monotonic() - seen[0] > self.refresh_s:
                 depth = (await self.depths([queue]))[queue]
                 seen = self._seen[queue] = (time.monotonic(), depth)
             return seen
+
+    def _refreshed(self, refresh: asyncio.Task[tuple[float, int]]) -> None:
+        self._refreshing.discard(refresh)
+        if not refresh.cancelled() and refresh.exception() is not None:
+            # The broker away: the next submit past ``stale_s`` reads it and answers 503.
+            log.warning("reading a queue depth failed: %r", refresh.exception())
 
     def _forget_stale(self) -> None:
         cutoff = time.monotonic() - self.refresh_s

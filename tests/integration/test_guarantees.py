@@ -255,6 +255,7 @@ def strict_api(settings: Settings, worker: CeleryProcess) -> Iterator[ServedApp]
     # Depths read from the broker on every submit (in service: at most once a second), so
     # each submit below sees the ones before it
     app.state.services.queue_bound.refresh_s = 0
+    app.state.services.queue_bound.stale_s = 0
     with ServedApp(app) as served:
         yield served
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from broker.errors import Unavailable
 from broker.tasks.backpressure import QueueBound
 
 
@@ -20,3 +21,59 @@ def test_given_more_queue_names_than_max_tracked_expect_the_bound_to_hold_no_mor
 
     asyncio.run(main())
     assert bound.tracked <= 8
+
+
+class Depths:
+    """A stand-in broker whose queue holds ``depth`` messages; counts the reads."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.reads = 0
+
+    async def __call__(self, queues: list[str]) -> dict[str, int]:
+        self.reads += 1
+        return dict.fromkeys(queues, self.depth)
+
+
+def test_given_a_depth_past_refresh_but_not_stale_expect_it_used_while_a_fresh_one_is_read() -> (
+    None
+):
+    broker = Depths(0)
+    bound = QueueBound(broker, max_depth=3, refresh_s=0.05, stale_s=60)
+
+    async def main() -> None:
+        await bound.check("q")  # read first: nothing known
+        broker.depth = 5
+        await asyncio.sleep(0.1)
+        await bound.check("q")  # past refresh_s: answered from the last depth (0), not refused
+        assert broker.reads == 1  # the fresh read is beside this submit, not before it
+        await asyncio.sleep(0)  # and lands at the loop's next turn
+        assert broker.reads == 2
+        try:
+            await bound.check("q")  # now it knows the 5
+        except Unavailable as exc:
+            assert exc.code == "overloaded"
+        else:
+            raise AssertionError("a full queue let through")
+
+    asyncio.run(main())
+
+
+def test_given_a_depth_past_stale_or_stale_off_expect_it_read_before_the_answer() -> None:
+    for stale_s in (0.05, 0.0):
+        broker = Depths(0)
+        bound = QueueBound(broker, max_depth=3, refresh_s=0.01, stale_s=stale_s)
+
+        async def main(bound: QueueBound = bound, broker: Depths = broker) -> None:
+            await bound.check("q")
+            broker.depth = 5
+            await asyncio.sleep(0.1)
+            try:
+                await bound.check("q")
+            except Unavailable as exc:
+                assert exc.code == "overloaded"
+            else:
+                raise AssertionError("an old depth let a full queue through")
+            assert broker.reads == 2
+
+        asyncio.run(main())
