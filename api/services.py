@@ -14,6 +14,7 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.callers import KeyCache, PerClientBudget, TenantOfKey
+from broker import redisclients
 from broker.cache import TimedCache
 from broker.db.engines import async_engine
 from broker.settings import Settings
@@ -55,14 +56,14 @@ class Services:
         engine = async_engine(settings)
         # Bounded and blocking: under a burst, requests wait their turn for a connection (up
         # to 10 s) instead of failing once a fixed number are open.
-        pool = aioredis.BlockingConnectionPool.from_url(
+        pool = redisclients.async_blocking_pool(
             settings.redis_url, max_connections=64, timeout=10, socket_timeout=5
         )
         redis = aioredis.Redis(connection_pool=pool)
         broker = settings.celery_broker_url
         broker_redis = None
         if broker != settings.redis_url and broker.startswith(("redis://", "rediss://")):
-            broker_redis = aioredis.from_url(broker, socket_timeout=5)
+            broker_redis = redisclients.async_client(broker, socket_timeout=5)
         dispatcher = Dispatcher(settings)
         bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
         intake = Intake(

@@ -36,6 +36,7 @@ from typing import Any
 
 import redis
 
+from broker import redisclients
 from broker.tasks.cancellation import CANCELS_CHANNEL, flag_key
 
 log = logging.getLogger("reach.worker")
@@ -202,7 +203,7 @@ class Calls:
         """Cancel the running coroutine of each task id published on ``CANCELS_CHANNEL``."""
         while self._pid in (0, pid):
             try:
-                client = redis.Redis.from_url(
+                client = redisclients.sync_client(
                     self.redis_url, socket_keepalive=True, client_name=f"reach-cancels-{pid}"
                 )
                 pubsub = client.pubsub()  # type: ignore[no-untyped-call]

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import redis
 from celery import bootsteps
 
+from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.observability import metrics
 from broker.registry import leases, revocations
@@ -60,7 +60,7 @@ class LeaseKeeper:
         consumed = set(consumer.app.amqp.queues.consume_from or {})
         self.specs = [s for s in registry if s.name in consumed]
         ttl = settings.lease_ttl_s or min((s.card.lease_ttl_s for s in self.specs), default=30.0)
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        self.redis = redisclients.sync_client(settings.redis_url, socket_timeout=5)
         self.engine = sync_engine(settings, pool_size=1)
         self.lease = Lease(
             instance=self.instance,

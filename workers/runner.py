@@ -23,7 +23,7 @@ import redis
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
 
-from broker import jsonbody
+from broker import jsonbody, redisclients
 from broker.db.engines import LoopConnection, ThreadConnection, sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.grouping import Grouped, ThreadGrouped
@@ -102,7 +102,7 @@ class Runner:
             if threaded
             else sync_engine(self.settings)
         )
-        self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
+        self._redis = redisclients.sync_client(self.settings.redis_url, socket_timeout=5)
         self._events = events.EventLog(self._redis, self.settings.result_ttl_s)
         # The tasks in flight in this process's threads claim and finish in groups: what
         # arrives while one statement is out goes in the next (on prefork, always alone).
@@ -125,7 +125,7 @@ class Runner:
         # only when the one before it has come back.
         self._aclaims_db = LoopConnection(self.settings.database_url)
         self._afinishes_db = LoopConnection(self.settings.database_url)
-        self._aredis = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=5)
+        self._aredis = redisclients.async_client(self.settings.redis_url, socket_timeout=5)
         self._aevents = events.EventLog(self._aredis, self.settings.result_ttl_s)
         self._aclaims = Grouped(
             self._claim_many_async, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True

@@ -36,6 +36,8 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from broker import redisclients
+
 log = logging.getLogger("reach.worker")
 
 BATCH = 32  # messages one script call takes at most, beyond the one BRPOP gave
@@ -119,6 +121,12 @@ class Channel(kombu_redis.Channel):
         if self._qos is not None:
             self._qos.send_acks()
         super().close()  # type: ignore[no-untyped-call]
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        """kombu's, without redis-py's announcement of each connection
+        (``broker.redisclients``)."""
+        params = super()._connparams(asynchronous=asynchronous)  # type: ignore[no-untyped-call]
+        return {**params, **redisclients.QUIET}
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         """One client per connection pool, not one per call. kombu makes a new ``redis.Redis``

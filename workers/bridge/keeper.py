@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import redis
 from celery import bootsteps
 
+from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
 from broker.registry.model import OFFLINE, READY, Lease, now_s
@@ -64,7 +64,7 @@ class RemoteKeeper:
         self.settings = settings
         self.registry = registry
         self.engine = sync_engine(settings, pool_size=1, max_overflow=1)
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+        self.redis = redisclients.sync_client(settings.redis_url, socket_timeout=5)
         self.guard = Guard(allow=settings.agent_networks)
         self.policy = Dampening(
             fail_after=settings.remote_fail_after,
