@@ -192,12 +192,7 @@ def claim_many(db: Engine | ThreadConnection, claims: list[Claim]) -> list[Claim
     first: the others get None, as a redelivered message of a running task does. The
     statement is flushed to disk before it returns if any of them is ``durable``. ``db``: an
     engine, or a worker's own connection for its grouped claims."""
-    statement, params = _claim_statement(claims), _claim_params(claims)
-    if isinstance(db, ThreadConnection):
-        return _claimed(claims, db.execute(statement, params))
-    with _autocommit(db) as conn:
-        rows = conn.execute(statement, params)
-        return _claimed(claims, [cast(Mapping[str, Any], r._mapping) for r in rows])
+    return _claimed(claims, _rows_of(db, [(_claim_statement(claims), _claim_params(claims))]))
 
 
 async def claim_many_async(conn: LoopConnection, claims: list[Claim]) -> list[Claimed | None]:
@@ -222,6 +217,21 @@ def _claim_params(claims: list[Claim]) -> dict[str, Any]:
             for c in claims
         ]
     )
+
+
+def _rows_of(
+    db: Engine | ThreadConnection, statements: list[tuple[Any, dict[str, Any]]]
+) -> Iterator[Mapping[str, Any]]:
+    """The rows the statements return, in turn, each statement atomic by itself: on a
+    worker's own connection, or on one of the engine's."""
+    if isinstance(db, ThreadConnection):
+        for statement, params in statements:
+            yield from db.execute(statement, params)
+        return
+    with _autocommit(db) as conn:
+        for statement, params in statements:
+            for row in conn.execute(statement, params):
+                yield cast(Mapping[str, Any], row._mapping)
 
 
 def _claimed(claims: list[Claim], rows: Iterable[Mapping[str, Any]]) -> list[Claimed | None]:
@@ -316,16 +326,7 @@ def finish_many(db: Engine | ThreadConnection, finishes: list[Finish]) -> list[T
     longer running: cancelled, say). One statement for each kind of move among them: one in
     all, at most three (a success, a failure, an overrun; the rare recovery's own). A task
     named twice is finished once, by the first. ``db``: as ``claim_many``'s."""
-    found: dict[uuid.UUID, TaskRow] = {}
-    if isinstance(db, ThreadConnection):
-        for statement, params in _finish_statements(finishes):
-            for r in db.execute(statement, params):
-                found[r["id"]] = cast(TaskRow, r)
-        return [found.pop(f.task_id, None) for f in finishes]
-    with _autocommit(db) as conn:
-        for statement, params in _finish_statements(finishes):
-            for row in conn.execute(statement, params):
-                found[row.id] = as_task_row(row)
+    found = {r["id"]: cast(TaskRow, dict(r)) for r in _rows_of(db, _finish_statements(finishes))}
     return [found.pop(f.task_id, None) for f in finishes]
 
 
