@@ -107,6 +107,7 @@ class Services:
 
     async def close(self) -> None:
         await self.hub.close()
+        await self.queue_bound.close()
         await self.inserter.close()
         await self.engine.dispose()
         for client in (self.redis, self.broker_redis):

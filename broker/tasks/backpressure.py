@@ -131,6 +131,10 @@ class QueueBound:
                 seen = self._seen[queue] = (time.monotonic(), depth)
             return seen
 
+    async def close(self) -> None:
+        """Wait for the depths being read beside requests (before their clients close)."""
+        await asyncio.gather(*self._refreshing, return_exceptions=True)
+
     def _refreshed(self, refresh: asyncio.Task[tuple[float, int]]) -> None:
         self._refreshing.discard(refresh)
         if not refresh.cancelled() and refresh.exception() is not None:

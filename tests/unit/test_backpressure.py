@@ -77,3 +77,29 @@ def test_given_a_depth_past_stale_or_stale_off_expect_it_read_before_the_answer(
             assert broker.reads == 2
 
         asyncio.run(main())
+
+
+def test_given_a_depth_read_beside_a_request_expect_close_to_wait_for_it() -> None:
+    async def main() -> None:
+        release = asyncio.Event()
+        release.set()
+        reads: list[str] = []
+
+        async def slow(queues: list[str]) -> dict[str, int]:
+            await release.wait()
+            reads.extend(queues)
+            return dict.fromkeys(queues, 0)
+
+        bound = QueueBound(slow, max_depth=3, refresh_s=0.01, stale_s=60)
+        await bound.check("q")  # read first
+        release.clear()
+        await asyncio.sleep(0.05)
+        await bound.check("q")  # answered from the old depth; the next read waits
+        closing = asyncio.create_task(bound.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()
+        release.set()
+        await closing
+        assert reads == ["q", "q"]
+
+    asyncio.run(main())
