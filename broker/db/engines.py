@@ -125,11 +125,14 @@ def _gone(connection: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | N
     still fails its next statement once."""
     if connection is None or connection.closed or connection.broken:
         return True
+    # poll, not select: a process with many sockets open (the bridge, with a thousand calls
+    # in flight) has descriptors past select's limit of 1,024.
+    watch = select.poll()
     try:
-        readable, _, _ = select.select([connection.fileno()], [], [], 0)
+        watch.register(connection.fileno(), select.POLLIN)
+        return bool(watch.poll(0))  # readable, hung up or in error
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 class LoopConnection:

@@ -6,6 +6,7 @@ ending, as a Postgres restart ends it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
@@ -138,6 +139,21 @@ def test_given_a_healthy_connection_expect_it_kept_across_statements_and_quiet(
     assert {own.pid() for _ in range(20)} == {first}
     time.sleep(1.2)  # quiet, as between a model call's claim and finish
     assert own.pid() == first
+
+
+def test_given_a_connection_past_a_thousand_descriptors_expect_it_kept(own: Own) -> None:
+    """A process with many sockets open (the bridge holds a thousand calls) opens its
+    connections past ``select``'s limit of 1,024 descriptors: the look before a statement
+    still sees a healthy connection as healthy, and does not reopen it every time."""
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        first = own.pid()
+        assert {own.pid() for _ in range(5)} == {first}
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_given_a_backend_ended_while_idle_expect_the_next_statement_on_a_new_connection(
