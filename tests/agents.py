@@ -333,3 +333,7 @@ async def turn_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     else:
         await ctx.session.mutate_async(lambda state: _log_turn(state, payload["text"]))
     return {**outcome, "revision": ctx.session.revision, "state": ctx.session.state}
+
+
+# Served only by the workers of the loop consumer's tests (``test_loop_consumer``).
+agent.capability("test.loop-consumer", agent_id="test-loop-consumer", idempotent=True)(_lives)

@@ -25,6 +25,7 @@ from broker.tasks.dispatch import (
     send_run,
 )
 from workers.lease_keeper import lease_step
+from workers.loop_consumer import LoopConsumer, loop_consumer_step
 from workers.pool import Direct, use_direct_pool
 from workers.runner import Runner
 from workers.sdk.agent import AgentRegistry, agent
@@ -101,6 +102,10 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     runner = Runner(settings, registry)
     if not settings.otel:  # Celery's tracer makes the OTel spans: with them, every task uses it
         app.reach_direct = Direct(runner)  # -P threads: async handlers without a thread
+        if settings.celery_broker_url.startswith(("redis://", "rediss://")):
+            # ... and their messages taken on the loop, not by Celery's consumer thread
+            app.reach_loop_consumer = LoopConsumer(app.reach_direct, settings.celery_broker_url)
+            app.steps["consumer"].add(loop_consumer_step(app.reach_loop_consumer))
     signals.worker_init.connect(use_direct_pool, weak=False)
     webhooks = register_webhooks(app, settings, lambda: runner.engine)
     runner.on_final.append(webhooks.on_final)

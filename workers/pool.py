@@ -37,7 +37,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from celery import concurrency
@@ -45,7 +44,8 @@ from celery.concurrency import thread
 from celery.worker import strategy as celery_strategy
 
 from broker.tasks.dispatch import RUN_TASK
-from workers import faults
+from workers import faults, loop_consumer
+from workers.loop_consumer import CELERY_WAY
 from workers.runner import Runner
 
 log = logging.getLogger("reach.worker")
@@ -103,6 +103,17 @@ class Direct:
         if wake:
             self.runner.calls.loop.call_soon_threadsafe(self._start_waiting)
         return ended
+
+    def start(
+        self, run: tuple[str, str, str], done: Callable[[Any], Any], fallback: Callable[[], Any]
+    ) -> None:
+        """``submit`` for a caller on the loop itself (``workers.loop_consumer``)."""
+        with self._lock:
+            self._in_flight += 1
+            self._held.add(run[0])
+        task = asyncio.get_running_loop().create_task(self._run(run, done, fallback))
+        self._tasks.add(task)  # the loop holds its tasks weakly
+        task.add_done_callback(self._tasks.discard)
 
     def _start_waiting(self) -> None:
         with self._lock:
@@ -200,6 +211,9 @@ class TaskPool(thread.TaskPool):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.direct: Direct | None = getattr(self.app, "reach_direct", None)
+        self.loop_consumer: loop_consumer.LoopConsumer | None = getattr(
+            self.app, "reach_loop_consumer", None
+        )
 
     def on_apply(
         self,
@@ -222,9 +236,28 @@ class TaskPool(thread.TaskPool):  # type: ignore[misc]
         return thread.ApplyResult(self.direct.submit(run, callback, through_a_thread))
 
     def on_stop(self) -> None:
+        """A warm shutdown: the runs in flight end, then their acks are sent. A cold one
+        does not wait for the coroutines: their messages go back on their queues (a sync
+        handler's thread cannot be stopped, and is waited for, as Celery's pool does)."""
+        from celery.worker import state
+
+        if state.should_terminate:
+            if self.loop_consumer is not None:
+                self.loop_consumer.put_back()
+            super().on_stop()
+            return
         if self.direct is not None:
             self.direct.wait()
         super().on_stop()
+        if self.loop_consumer is not None:
+            self.loop_consumer.settle()
+
+    def on_terminate(self) -> None:
+        """A cold shutdown: the messages of the runs still in flight go back on their queues,
+        as kombu's channel puts back its own."""
+        if self.loop_consumer is not None:
+            self.loop_consumer.put_back()
+        super().on_terminate()
 
 
 def use_direct_pool(sender: Any = None, **_: Any) -> None:
@@ -275,23 +308,9 @@ def run_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[
 
 
 def plain(message: Any, revoked: Any, dispatcher: Any) -> bool:
-    """Whether a run message may skip Celery's request: JSON, no countdown (Celery's timer
-    holds those), not expired and not revoked (Celery drops those), and task events off
-    (Flower turns them on, and they come from Celery's requests)."""
-    headers = message.headers
-    if message.content_type != "application/json" or headers.get("eta"):
+    """Whether a run message may skip Celery's request (``workers.loop_consumer.plain``); not one
+    the loop consumer handed to Celery because its direct path failed."""
+    if message.properties.get(CELERY_WAY):
         return False
-    if headers.get("id") in revoked:
-        return False
-    expires = headers.get("expires")
-    if expires:
-        try:
-            if datetime.fromisoformat(expires) <= datetime.now(UTC):
-                return False
-        except (TypeError, ValueError):
-            return False
-    return not (
-        dispatcher is not None
-        and dispatcher.enabled
-        and (not dispatcher.groups or "task" in dispatcher.groups)
-    )
+    events = loop_consumer.events_on(dispatcher)
+    return loop_consumer.plain(message.content_type, message.headers, revoked, events)

@@ -116,6 +116,19 @@ class QoS(kombu_redis.QoS):
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
+    loop_consumer: Any = None  # a workers.loop_consumer.LoopConsumer taking the run queues
+
+    def _update_queue_cycle(self) -> None:
+        """kombu's ``BRPOP`` cycle, without the queues the loop consumer takes
+        (``workers.loop_consumer``), which it is told of instead. Called whenever the queues
+        consumed change."""
+        taker = self.loop_consumer
+        if taker is None:
+            super()._update_queue_cycle()  # type: ignore[no-untyped-call]
+            return
+        owned = [queue for queue in self.active_queues if taker.owns(queue)]
+        self._queue_cycle.update([queue for queue in self.active_queues if queue not in owned])
+        taker.consume(self, owned)
 
     def close(self) -> None:
         if self._qos is not None:

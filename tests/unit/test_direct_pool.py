@@ -14,6 +14,7 @@ from celery.utils.collections import LimitedSet
 from kombu import Message
 
 from broker.tasks.dispatch import RUN_TASK
+from workers.loop_consumer import CELERY_WAY
 from workers.pool import Direct, TaskPool, plain, use_direct_pool
 from workers.sdk.agent import AgentRegistry
 from workers.sdk.context import Context
@@ -125,3 +126,10 @@ def test_with_task_events_on_every_run_takes_celerys_way() -> None:
     assert not plain(run_message(), LimitedSet(), SimpleNamespace(enabled=True, groups=set()))
     assert plain(run_message(), LimitedSet(), SimpleNamespace(enabled=False, groups=set()))
     assert plain(run_message(), LimitedSet(), None)
+
+
+def test_a_message_handed_back_after_its_direct_path_failed_takes_celerys_way() -> None:
+    """The loop consumer hands a run whose direct path failed to Celery's consumer."""
+    handed_back = run_message()
+    handed_back.properties[CELERY_WAY] = True
+    assert not plain(handed_back, LimitedSet(), quiet)

@@ -1,0 +1,405 @@
+"""The run messages of a threads-pool worker, taken from Redis on the process's event loop.
+
+Celery's consumer takes messages on the worker's main thread (kombu's ``BRPOP``), and the
+pool hands each run to the event loop, which runs it (``workers.pool``). With hundreds of
+calls in flight that is two busy threads handing the GIL to each other on every message, and
+a quarter of a bridge process's CPU spent in kombu (``docs/performance.md``). Here the loop
+takes the run queues' messages itself, on a Redis connection of its own: one ``BRPOP``, then
+one script that records that message as unacked and takes up to ``BATCH`` more
+(``workers.transport``'s, the same records kombu's ``QoS.append`` makes), and each run starts
+on the loop at once (an async handler's) or in one of the pool's threads (a sync handler's).
+Acks made in one turn of the loop go out together.
+
+Celery keeps everything else. Its consumer still consumes the run queues (``-Q``, the lease
+keeper's pauses, the bridge's registrations, ``inspect active_queues``): its channel only
+leaves their ``BRPOP`` to this consumer (``Channel._update_queue_cycle``). A message the direct
+path does not take (a countdown, an expiry, task events on, another task, a run whose direct
+path failed before its claim) goes to Celery's consumer as kombu would have delivered it.
+
+Delivery is kombu's: a message is recorded as unacked before its run can ack it, and acked
+(late) after its final state is written. A process killed with runs in flight leaves them
+unacked, for the lease keeper's and the reaper's recovery; a cold shutdown puts them back on
+their queues, as kombu's channel does; a warm one stops taking, lets the runs in flight
+finish, then sends their acks. The prefetch limit is the pool's concurrency: it takes
+no more messages than it has free slots.
+
+Used by a worker started with ``-P threads`` whose broker is Redis, unless OpenTelemetry is
+on (Celery's tracer makes the spans, so every task takes Celery's way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from broker import redisclients
+from broker.tasks.dispatch import RUN_TASK
+from workers.transport import _TAKE, BATCH
+
+log = logging.getLogger("reach.worker")
+BRPOP_TIMEOUT_S = 1  # how long a change of queues may wait for the pending BRPOP, as kombu's
+RETRY_S = 1.0
+CELERY_WAY = "reach_celery_way"  # a message's property: it skips the direct path
+
+Run = tuple[str, str, str]  # task id, queue, worker hostname
+
+
+def plain(content_type: str, headers: dict[str, Any], revoked: Any, events_on: bool) -> bool:
+    """Whether a run message may skip Celery's request: JSON, no countdown (Celery's timer
+    holds those), not expired and not revoked (Celery drops those), and task events off
+    (Flower turns them on, and they come from Celery's requests)."""
+    if content_type != "application/json" or headers.get("eta"):
+        return False
+    if headers.get("id") in revoked:
+        return False
+    expires = headers.get("expires")
+    if expires:
+        try:
+            if datetime.fromisoformat(expires) <= datetime.now(UTC):
+                return False
+        except (TypeError, ValueError):
+            return False
+    return not events_on
+
+
+def events_on(dispatcher: Any) -> bool:
+    """Whether Celery sends task events (a monitor such as Flower asked for them)."""
+    return bool(
+        dispatcher is not None
+        and dispatcher.enabled
+        and (not dispatcher.groups or "task" in dispatcher.groups)
+    )
+
+
+class LoopConsumer:
+    """Takes the run queues' messages on the event loop and starts their runs there."""
+
+    def __init__(self, direct: Any, broker_url: str) -> None:
+        self.direct = direct
+        self.broker_url = broker_url
+        self._lock = threading.Lock()
+        self._consumer: Any = None
+        self._queues: tuple[str, ...] = ()
+        self._keys: dict[str, str] = {}  # list key -> queue, for the queues consumed
+        self._unacked = ("unacked", "unacked_index")
+        self._slots = 1
+        self._held: dict[str, tuple[str, bytes | str]] = {}  # tag: (list key, message)
+        self._acks: list[str] = []
+        self._taker: asyncio.Task[None] | None = None
+        self._room: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._redis: redis.asyncio.Redis | None = None
+        self._acker: redis.asyncio.Redis | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+
+    # -- the consumer's side (Celery's thread) -----------------------------------------------
+
+    def owns(self, queue: str) -> bool:
+        """Whether a queue's messages are taken here: those of the capabilities served here."""
+        return self.direct.runner.registry.for_queue(queue) is not None
+
+    def follow(self, consumer: Any) -> None:
+        """Serve this consumer's run queues (its consumer bootstep started): its channel
+        leaves their ``BRPOP`` to this one from now on."""
+        channel = consumer.task_consumer.channel
+        with self._lock:
+            self._consumer = consumer
+            self._slots = max(1, int(consumer.pool.limit or 1))
+            self._unacked = (channel.unacked_key, channel.unacked_index_key)
+        channel.loop_consumer = self
+        channel._update_queue_cycle()
+        loop = self.direct.runner.calls.loop
+        if self._taker is None:
+            ready = concurrent.futures.Future[None]()
+
+            def start() -> None:
+                self._room, self._changed = asyncio.Event(), asyncio.Event()
+                self._taker = loop.create_task(self._take_forever(), name="reach-loop-consumer")
+                ready.set_result(None)
+
+            loop.call_soon_threadsafe(start)
+            ready.result(timeout=10)
+
+    def consume(self, channel: Any, queues: list[str]) -> None:
+        """The run queues the channel consumes now (called when they change)."""
+        keys = {
+            channel._q_for_pri(queue, priority): queue
+            for priority in channel.priority_steps
+            for queue in sorted(queues)
+        }
+        with self._lock:
+            changed = self._queues != tuple(sorted(queues))
+            self._queues, self._keys = tuple(sorted(queues)), keys
+        if changed:
+            log.info("run queues taken on the event loop: %s", ", ".join(sorted(queues)) or "none")
+        if self._changed is not None:
+            self.direct.runner.calls.loop.call_soon_threadsafe(self._changed.set)
+
+    def pause(self) -> None:
+        """Stop taking (the consumer stops: a warm shutdown, or a lost connection)."""
+        with self._lock:
+            self._queues, self._keys = (), {}
+
+    # -- the loop's side -----------------------------------------------------------------------
+
+    async def _take_forever(self) -> None:
+        order: list[str] = []
+        while True:
+            try:
+                await self._wait_for_room()
+                with self._lock:
+                    keys = self._keys
+                if not keys:
+                    assert self._changed is not None
+                    self._changed.clear()
+                    await asyncio.wait_for(self._changed.wait(), BRPOP_TIMEOUT_S)
+                    continue
+                order = [k for k in order if k in keys] + [k for k in keys if k not in order]
+                await self._take(order)
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError:
+                continue
+            except Exception as exc:  # Redis away: kombu's consumer would reconnect too
+                log.warning("the loop consumer could not take messages (%r); again in 1s", exc)
+                await self._reconnect_later()
+
+    async def _reconnect_later(self) -> None:
+        broken, self._redis = self._redis, None
+        if broken is not None:
+            try:
+                await broken.aclose()
+            except Exception:
+                log.debug("closing the loop consumer's broken connection failed", exc_info=True)
+        await asyncio.sleep(RETRY_S)
+
+    async def _wait_for_room(self) -> None:
+        assert self._room is not None
+        while len(self._held) >= self._slots:
+            self._room.clear()
+            await self._room.wait()
+
+    async def _take(self, order: list[str]) -> None:
+        if self._redis is None:
+            self._redis = redis.asyncio.Redis.from_url(
+                self.broker_url,
+                single_connection_client=True,
+                client_name=f"reach-loop-consumer:{self._consumer.hostname}",
+                **redisclients.QUIET,
+            )
+        client = self._redis
+        answer = await client.brpop(order, timeout=BRPOP_TIMEOUT_S)
+        if not answer:
+            return
+        raw_key, item = answer
+        key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+        with self._lock:
+            still = self._keys
+        if key not in still:  # no longer consumed here (paused, shutting down): put it back
+            await client.rpush(key, item)
+            return
+        order.append(order.pop(order.index(key)))  # kombu's fair cycle
+        room = self._slots - len(self._held) - 1
+        unacked, index = self._unacked
+        taking = client.eval(
+            _TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
+        )
+        self._start(key, item, still[key])  # starts while the script runs
+        for more in await taking:
+            self._start(key, more, still[key])
+
+    def _start(self, key: str, item: bytes | str, queue: str) -> None:
+        try:
+            message = json.loads(item)
+            tag = str(message["properties"]["delivery_tag"])
+        except (TypeError, ValueError, KeyError):  # kombu could not read it either
+            log.error("a message on %s that is not kombu's was dropped: %.200r", queue, item)
+            return
+        self._held[tag] = (key, item)
+        run = self._run_of(message)
+        if run is None:
+            self._to_celery(tag, message, queue)
+            return
+
+        def celerys_way() -> None:
+            self._to_celery(tag, message, queue, direct_failed=True)
+
+        if self.direct.is_async(run[1]):
+            self.direct.start(run, lambda _: self._ack(tag), celerys_way)
+        else:
+            loop = asyncio.get_running_loop()
+            self.direct.submit_sync(
+                run,
+                lambda: loop.call_soon_threadsafe(self._ack, tag),
+                lambda: loop.call_soon_threadsafe(celerys_way),
+                self._consumer.pool.executor,
+            )
+
+    def _run_of(self, message: dict[str, Any]) -> Run | None:
+        """The run a plain run message asks for, if its handler is served here."""
+        from celery.worker import state
+
+        headers = message.get("headers") or {}
+        consumer = self._consumer
+        if headers.get("task") != RUN_TASK or not plain(
+            str(message.get("content-type")),
+            headers,
+            state.revoked,
+            events_on(consumer.event_dispatcher),
+        ):
+            return None
+        properties = message.get("properties") or {}
+        body = message.get("body") or ""
+        try:
+            if properties.get("body_encoding") == "base64":
+                body = base64.b64decode(body)
+        except (TypeError, ValueError):
+            return None
+        return self.direct.run_of(body, consumer.hostname, sync=True)  # type: ignore[no-any-return]
+
+    def _to_celery(
+        self, tag: str, message: dict[str, Any], queue: str, direct_failed: bool = False
+    ) -> None:
+        """Celery's consumer takes it, as if its channel had taken it: recorded as unacked
+        already, delivered on the consumer's thread."""
+        self._held.pop(tag, None)
+        assert self._room is not None
+        self._room.set()
+        if direct_failed:
+            message["properties"][CELERY_WAY] = True
+        consumer = self._consumer
+
+        def deliver() -> None:
+            channel = consumer.task_consumer.channel
+            channel.qos.recorded.add(tag)
+            channel.connection._deliver(message, queue)
+
+        consumer.hub.call_soon(deliver)
+
+    def _ack(self, tag: str) -> None:
+        if self._held.pop(tag, None) is None:
+            return
+        assert self._room is not None
+        self._room.set()
+        self._acks.append(tag)
+        if len(self._acks) == 1:
+            asyncio.get_running_loop().call_soon(self._send_acks)
+
+    def _send_acks(self) -> None:
+        acks, self._acks = self._acks, []
+        task = asyncio.get_running_loop().create_task(self._acked(acks))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _acked(self, tags: list[str]) -> None:
+        if self._acker is None:
+            self._acker = redis.asyncio.Redis.from_url(self.broker_url, **redisclients.QUIET)
+        unacked, index = self._unacked
+        try:
+            async with self._acker.pipeline(transaction=False) as pipe:
+                pipe.zrem(index, *tags)
+                pipe.hdel(unacked, *tags)
+                await pipe.execute()
+        except Exception:  # as kombu's ack_log_error: they stay unacked, and come again
+            log.exception("%d acks not sent: those messages will be delivered again", len(tags))
+
+    async def _settled(self) -> None:
+        while self._acks or self._sending:
+            await asyncio.sleep(0)
+            if self._sending:
+                await asyncio.wait(set(self._sending))
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Until the acks of the runs that ended are sent (a warm shutdown, after the pool
+        stopped)."""
+        loop = self.direct.runner.calls.loop
+        try:
+            asyncio.run_coroutine_threadsafe(self._settled(), loop).result(timeout_s)
+        except Exception:
+            log.exception("acks not all sent at shutdown: those messages come again")
+
+    def put_back(self, timeout_s: float = 10.0) -> int:
+        """Put every message still held back on its queue, marked redelivered (a cold
+        shutdown, as kombu's channel restores its unacked messages when it closes)."""
+        loop = self.direct.runner.calls.loop
+
+        async def held() -> dict[str, tuple[str, bytes | str]]:
+            if self._taker is not None:
+                self._taker.cancel()
+            taken, self._held = dict(self._held), {}
+            return taken
+
+        try:
+            taken = asyncio.run_coroutine_threadsafe(held(), loop).result(timeout_s)
+        except Exception:
+            log.exception("the messages held could not be listed: they come again later")
+            return 0
+        if not taken:
+            return 0
+        unacked, index = self._unacked
+        client = redis.Redis.from_url(self.broker_url, socket_timeout=timeout_s)
+        try:
+            with client.pipeline(transaction=True) as pipe:
+                for tag, (key, item) in taken.items():
+                    message = json.loads(item)
+                    message.setdefault("headers", {})["redelivered"] = True
+                    message["properties"].setdefault("delivery_info", {})["redelivered"] = True
+                    pipe.rpush(key, json.dumps(message))
+                    pipe.zrem(index, tag)
+                    pipe.hdel(unacked, tag)
+                pipe.execute()
+        except Exception:
+            log.exception("%d messages not put back: they come again later", len(taken))
+            return 0
+        finally:
+            client.close()
+        log.info("%d messages in flight put back on their queues", len(taken))
+        return len(taken)
+
+
+def loop_consumer_step(loop_consumer: LoopConsumer) -> type:
+    """A consumer bootstep: while the consumer runs, ``loop_consumer`` takes its run queues."""
+    from celery import bootsteps
+
+    class LoopConsumerStep(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def start(self, consumer: Any) -> None:
+            if usable(consumer):
+                loop_consumer.follow(consumer)
+
+        def stop(self, consumer: Any) -> None:
+            loop_consumer.pause()
+
+        def shutdown(self, consumer: Any) -> None:
+            loop_consumer.pause()
+
+    return LoopConsumerStep
+
+
+def usable(consumer: Any) -> bool:
+    """Whether this consumer's run queues can be taken on the loop: the direct pool, an event
+    loop of Celery's (the hub), and this package's Redis transport without a key prefix."""
+    from workers.pool import TaskPool
+    from workers.transport import Channel
+
+    channel = getattr(getattr(consumer, "task_consumer", None), "channel", None)
+    return (
+        isinstance(consumer.pool, TaskPool)
+        and consumer.pool.direct is not None
+        and consumer.hub is not None
+        and isinstance(channel, Channel)
+        and not channel.global_keyprefix
+    )
