@@ -49,6 +49,14 @@ from workers.transport import _TAKE, BATCH
 log = logging.getLogger("reach.worker")
 BRPOP_TIMEOUT_S = 1  # how long a change of queues may wait for the pending BRPOP, as kombu's
 RETRY_S = 1.0
+# KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] a message the batch
+# script took and recorded: back at the end of the list BRPOP takes from, no longer unacked.
+_PUT_BACK = """
+local tag = cjson.decode(ARGV[1])['properties']['delivery_tag']
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[3], tag)
+redis.call('HDEL', KEYS[2], tag)
+"""
 CELERY_WAY = "reach_celery_way"  # a message's property: it skips the direct path
 
 Run = tuple[str, str, str]  # task id, queue, worker hostname
@@ -96,6 +104,7 @@ class LoopConsumer:
         self._held: dict[str, tuple[str, bytes | str]] = {}  # tag: (list key, message)
         self._acks: list[str] = []
         self._taker: asyncio.Task[None] | None = None
+        self._taking = False  # a BRPOP or its batch is out: cancelling could lose what it takes
         self._room: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._redis: redis.asyncio.Redis | None = None
@@ -197,7 +206,13 @@ class LoopConsumer:
                 client_name=f"reach-loop-consumer:{self._consumer.hostname}",
                 **redisclients.QUIET,
             )
-        client = self._redis
+        self._taking = True
+        try:
+            await self._take_from(self._redis, order)
+        finally:
+            self._taking = False
+
+    async def _take_from(self, client: redis.asyncio.Redis, order: list[str]) -> None:
         answer = await client.brpop(order, timeout=BRPOP_TIMEOUT_S)
         if not answer:
             return
@@ -215,7 +230,14 @@ class LoopConsumer:
             _TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
         )
         self._start(key, item, still[key])  # starts while the script runs
-        for more in await taking:
+        taken = await taking
+        with self._lock:
+            stopped = not self._keys
+        if stopped:  # the worker stops taking: they wait for the next one, in their order
+            for more in reversed(taken):
+                await client.eval(_PUT_BACK, 3, key, unacked, index, more)
+            return
+        for more in taken:
             self._start(key, more, still[key])
 
     def _start(self, key: str, item: bytes | str, queue: str) -> None:
@@ -336,10 +358,16 @@ class LoopConsumer:
         loop = self.direct.runner.calls.loop
 
         async def held() -> dict[str, tuple[str, bytes | str]]:
+            for _ in range(int(2 * BRPOP_TIMEOUT_S / 0.05)):  # what it takes comes back
+                if not self._taking:
+                    break
+                await asyncio.sleep(0.05)
             if self._taker is not None:
                 self._taker.cancel()
             taken, self._held = dict(self._held), {}
             return taken
+
+        self.pause()
 
         try:
             taken = asyncio.run_coroutine_threadsafe(held(), loop).result(timeout_s)

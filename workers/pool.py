@@ -22,6 +22,11 @@ shutdown waits for the calls in flight (each has its deadline) before the pool s
 direct path fails (Postgres or Redis away), the message goes to a thread, where Celery's own
 retry of the run task takes it, as on the threads pool.
 
+With a Redis broker the run queues' messages do not pass through Celery's consumer at all:
+the event loop takes them itself (``workers.loop_consumer``) and starts their runs here
+(``Direct.start``, ``Direct.submit_sync``); ``run_strategy`` serves the other brokers, and
+the messages the loop hands back to Celery.
+
 The worker uses it when it is started with ``-P threads``: ``use_direct_pool`` swaps the pool
 class in at ``worker_init``, before the pool is made.
 """
