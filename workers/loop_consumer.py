@@ -44,14 +44,14 @@ import redis.asyncio
 
 from broker import redisclients
 from broker.tasks.dispatch import RUN_TASK
-from workers.transport import _TAKE, BATCH
+from workers.transport import BATCH, TAKE
 
 log = logging.getLogger("reach.worker")
 BRPOP_TIMEOUT_S = 1  # how long a change of queues may wait for the pending BRPOP, as kombu's
 RETRY_S = 1.0
-# KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] a message the batch
-# script took and recorded: back at the end of the list BRPOP takes from, no longer unacked.
-_PUT_BACK = """
+# KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] a message taken and
+# recorded as unacked: back at the end of the list BRPOP takes from, no longer unacked.
+PUT_BACK = """
 local tag = cjson.decode(ARGV[1])['properties']['delivery_tag']
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[3], tag)
@@ -227,7 +227,7 @@ class LoopConsumer:
         room = self._slots - len(self._held) - 1
         unacked, index = self._unacked
         taking = client.eval(
-            _TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
+            TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
         )
         self._start(key, item, still[key])  # starts while the script runs
         taken = await taking
@@ -235,7 +235,7 @@ class LoopConsumer:
             stopped = not self._keys
         if stopped:  # the worker stops taking: they wait for the next one, in their order
             for more in reversed(taken):
-                await client.eval(_PUT_BACK, 3, key, unacked, index, more)
+                await client.eval(PUT_BACK, 3, key, unacked, index, more)
             return
         for more in taken:
             self._start(key, more, still[key])
@@ -379,14 +379,12 @@ class LoopConsumer:
         unacked, index = self._unacked
         client = redis.Redis.from_url(self.broker_url, socket_timeout=timeout_s)
         try:
-            with client.pipeline(transaction=True) as pipe:
-                for tag, (key, item) in taken.items():
+            with client.pipeline(transaction=False) as pipe:
+                for key, item in taken.values():
                     message = json.loads(item)
                     message.setdefault("headers", {})["redelivered"] = True
                     message["properties"].setdefault("delivery_info", {})["redelivered"] = True
-                    pipe.rpush(key, json.dumps(message))
-                    pipe.zrem(index, tag)
-                    pipe.hdel(unacked, tag)
+                    pipe.eval(PUT_BACK, 3, key, unacked, index, json.dumps(message))
                 pipe.execute()
         except Exception:
             log.exception("%d messages not put back: they come again later", len(taken))

@@ -45,7 +45,7 @@ BATCH = 32  # messages one script call takes at most, beyond the one BRPOP gave
 # KEYS[1] the list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] the message BRPOP gave,
 # ARGV[2] how many more to take, ARGV[3] the time. Each message is recorded as kombu's
 # QoS.append records it: [message, exchange, routing key].
-_TAKE = """
+TAKE = """
 local function record(item)
   local properties = cjson.decode(item)['properties']
   local tag, delivery = properties['delivery_tag'], properties['delivery_info']
@@ -190,7 +190,7 @@ class Channel(kombu_redis.Channel):
         count = max(0, min(BATCH, qos.room() - 1))  # the first takes one of the free slots
         connection = self.client.connection
         keys = [key, qos.unacked_key, qos.unacked_index_key]
-        connection.send_command("EVAL", _TAKE, len(keys), *keys, item, count, time.time())
+        connection.send_command("EVAL", TAKE, len(keys), *keys, item, count, time.time())
         tag = message["properties"]["delivery_tag"]
         qos.recorded.add(tag)
         try:
