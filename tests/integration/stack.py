@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 from typing import IO
 
@@ -197,13 +198,24 @@ def wait_for_task(
 async def submit_many(
     api: ServedApp, token: str, envelopes: list[dict[str, object]], concurrency: int = 32
 ) -> list[httpx.Response]:
+    """POST every envelope, ``concurrency`` at a time, as a careful client does: each with an
+    idempotency key of its own, sent again on a broken connection (a keep-alive connection the
+    server closed as the request went out, on a loaded machine), where the key makes sure a
+    request that did arrive is not accepted twice."""
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(
         base_url=api.url, timeout=60, headers={"Authorization": f"Bearer {token}"}
     ) as http:
 
         async def one(envelope: dict[str, object]) -> httpx.Response:
+            headers = {"Idempotency-Key": f"submit-many-{uuid.uuid4()}"}
             async with gate:
-                return await http.post("/tasks", json=envelope)
+                for attempt in range(3):
+                    try:
+                        return await http.post("/tasks", json=envelope, headers=headers)
+                    except httpx.TransportError:
+                        if attempt == 2:
+                            raise
+            raise AssertionError("unreachable")
 
         return await asyncio.gather(*(one(e) for e in envelopes))
