@@ -4,13 +4,17 @@ A loopback agent (``reach.fakemodel``'s ``POST /run``, the ``http`` protocol) an
 call after ``REMOTE_DELAY_S``. Two ways to make N calls to it, ``slots`` at a time:
 
 - **direct**: one aiohttp session on one event loop, ``slots`` calls in flight;
+- **A-threads, A-gevent**: bare Celery, what a user would otherwise run: N tasks queued, then
+  one worker process (threads or gevent pool, ``-c <slots>``) whose task makes the same call
+  with urllib3 (``bench.bareapp.agent_call``), results in Redis;
 - **Agent-Reach**: the agent registered (``PUT /agents/...``), N tasks queued through the API,
   then one bridge worker process (``celery -A workers.bridge worker -P threads -c <slots>``)
   calling it.
 
-Figures: calls (tasks) per second; the time each call adds to the agent's, one call at a
-time (the direct call's round trip, and the sync round trip, minus the delay); the most calls
-the agent saw in flight at once; the bridge's peak RSS and CPU per task. Then the holding
+Figures: calls (tasks) per second, from the agent's first call to the last result; the time
+each call adds to the agent's, one call at a time (the direct call's round trip, Celery's
+``apply_async(...).get()`` and our sync round trip, minus the delay); the most calls the agent
+saw in flight at once; the worker's (bridge's) peak RSS and CPU per task. Then the holding
 figure: ``slots`` calls of ``remote_hold_s`` each (long enough for all of them to be open),
 submitted together, and the most the agent saw open at once.
 
@@ -30,13 +34,22 @@ from typing import Any
 
 import aiohttp
 import httpx
+import redis
 
-from bench import alone, loadgen, machine, report
+from bench import alone, bareapp, baseline, loadgen, machine, report
 from bench.environment import Stores
 from bench.machine import Meter
 from bench.model import peak_rss
 from bench.plan import Plan
-from bench.processes import BIN, Child, Children, child_env, free_port, wait_until
+from bench.processes import (
+    BIN,
+    Child,
+    Children,
+    celery_worker,
+    child_env,
+    free_port,
+    wait_until,
+)
 from bench.reach import wait_final
 from bench.stack import running_stack
 from bench.stats import latency_ms, rate
@@ -69,9 +82,14 @@ def measure(
         progress(f"remote agent, direct: {plan.remote_tasks} calls, {plan.remote_slots} at once")
         with meter.phase("remote.direct"):
             figures["direct"] = asyncio.run(direct(base, plan, agent))
+        for pool in ("threads", "gevent"):
+            progress(f"remote agent, bare Celery {pool} -c {plan.remote_slots}")
+            with meter.phase(f"remote.a_{pool}"):
+                figures[f"a_{pool}"] = bare(stores, children, plan, base, agent, pool)
+        best = max(("threads", "gevent"), key=lambda pool: figures[f"a_{pool}"]["tasks_per_s"])
         progress(f"remote agent, through the bridge -c {plan.remote_slots}")
         with meter.phase("remote.bridge"):
-            figures["bridge"] = bridged(stores, children, plan, base, agent, progress)
+            figures["bridge"] = bridged(stores, children, plan, base, agent, progress, best)
     finally:
         children.stop(agent)
     return figures
@@ -141,6 +159,81 @@ async def direct(base: str, plan: Plan, agent: Child) -> dict[str, Any]:
         "added_latency": latency_ms(samples, (50, 99)),
         "caller_cpu_ms_per_task": round(caller_s * 1000 / plan.remote_tasks, 3),
         "agent_cpu_ms_per_task": round(agent_s * 1000 / plan.remote_tasks, 3),
+    }
+
+
+def bare(
+    stores: Stores,
+    children: Children,
+    plan: Plan,
+    base: str,
+    agent: Child,
+    pool: str,
+    round_trips: bool = True,
+) -> dict[str, Any]:
+    """Bare Celery calling the agent: N tasks queued while no worker runs, then one worker
+    process on ``pool`` with ``remote_slots`` slots takes them, timed as the bridge is.
+    ``round_trips``: then the calls one at a time, for the latency Celery adds."""
+    url = f"{base}/run"
+    app = bareapp.create_app(stores.redis_url, stores.redis_url)
+    call = app.tasks[bareapp.AGENT_TASK]
+    env = child_env(BENCH_BROKER_URL=stores.redis_url, BENCH_RESULT_BACKEND=stores.redis_url)
+    store = baseline.RedisResults(stores.redis_url)
+    worker = None
+    try:
+        ids = [
+            call.apply_async((url, _body(i)), queue=bareapp.AGENT_QUEUE).id
+            for i in range(plan.remote_tasks)
+        ]
+        _reset(base)
+        worker = celery_worker(
+            children,
+            f"bench-remote-{pool}",
+            "bench.bareapp",
+            bareapp.AGENT_QUEUE,
+            plan.remote_slots,
+            env,
+            pool,
+        )
+        wait_until(
+            lambda: (_stats(base) or {}).get("first_at") is not None,
+            timeout_s=60,
+            what="the bare worker's first call",
+            child=worker,
+            every_s=0.005,
+        )
+        cpu_at_start = worker.cpu_s(), agent.cpu_s(), machine.services_cpu()
+        with peak_rss(worker) as peak:
+            done = baseline.wait_stored(ids, store)
+            finished_at = time.time()
+        cpu_s, agent_s = worker.cpu_s() - cpu_at_start[0], agent.cpu_s() - cpu_at_start[1]
+        services_s = machine.services_cpu_since(cpu_at_start[2])
+        stats = _stats(base) or {}
+        elapsed = finished_at - (stats.get("first_at") or finished_at)
+        samples = []
+        for i in range(plan.remote_round_trips if round_trips else 0):
+            sent = time.perf_counter()
+            call.apply_async((url, _body(i)), queue=bareapp.AGENT_QUEUE).get(timeout=30)
+            samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
+    finally:
+        store.close()
+        if worker is not None:
+            children.stop(worker)
+        app.close()
+        with redis.Redis.from_url(stores.redis_url) as client:  # nothing left for the next run
+            client.delete(bareapp.AGENT_QUEUE)
+    return {
+        "pool": pool,
+        "slots": plan.remote_slots,
+        "succeeded": done,
+        "elapsed_s": round(elapsed, 3),
+        "tasks_per_s": rate(done, elapsed),
+        "in_flight_max": stats.get("in_flight_max", 0),
+        **({"added_latency": latency_ms(samples, (50, 99))} if samples else {}),
+        "worker_rss_peak_mb": peak["mb"],
+        "worker_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
+        "services_cpu_ms_per_task": round(services_s * 1000 / max(1, done), 3),
+        "agent_cpu_ms_per_task": round(agent_s * 1000 / max(1, done), 3),
     }
 
 
@@ -319,10 +412,12 @@ def bridged(
     base: str,
     agent: Child,
     progress: Callable[[str], None] = lambda _: None,
+    bare_pool: str | None = None,
 ) -> dict[str, Any]:
     """Through the bridge: the main run (``remote_slots`` calls at once, one bridge process),
     its round trips and holding figure; then the same with two bridge processes sharing the
-    slots; then one bridge at each of ``remote_curve``'s smaller numbers of calls at once."""
+    slots; then one bridge at each of ``remote_curve``'s smaller numbers of calls at once,
+    against the direct calls and bare Celery on ``bare_pool`` (when given) with as many."""
     with running_stack(stores, children, 1, queues="echo") as stack:
         runs = Bridged(stores, children, stack, base)
         try:
@@ -339,10 +434,16 @@ def bridged(
             )
             curve = []
             for slots in plan.remote_curve:
-                progress(f"remote agent, {slots} at once: direct, then through the bridge")
-                direct_figures = asyncio.run(direct(base, replace(plan, remote_slots=slots), agent))
-                through, _ = runs.run(agent, plan.remote_tasks, slots)
-                curve.append({"slots": slots, "direct": direct_figures, "bridge": through})
+                progress(f"remote agent, {slots} at once: direct, bare Celery, the bridge")
+                fewer = replace(plan, remote_slots=slots)
+                point: dict[str, Any] = {"slots": slots}
+                point["direct"] = asyncio.run(direct(base, fewer, agent))
+                if bare_pool is not None:
+                    point["bare"] = bare(
+                        stores, children, fewer, base, agent, bare_pool, round_trips=False
+                    )
+                point["bridge"], _ = runs.run(agent, plan.remote_tasks, slots)
+                curve.append(point)
             figures["curve"] = curve
         finally:
             runs.close()

@@ -214,71 +214,109 @@ def remote_targets(r: dict[str, Any], target: Any) -> list[dict[str, Any]]:
 
 
 def remote_table(result: dict[str, Any]) -> str:
-    """The remote-agent phase: the agent called through the bridge against directly."""
+    """The remote-agent phase: the agent called through the bridge, against calling it
+    directly and against bare Celery's pools calling it (a run from before those were
+    measured shows them as —)."""
     r = result["remote"]
     direct, bridge = r["direct"], r["bridge"]
-    lines = [
-        ["figure", "unit", "direct (aiohttp)", f"bridge -c {bridge['slots']}", "bridge / direct"]
-    ]
-    rows: tuple[tuple[str, str, Callable[[dict[str, Any]], Any]], ...] = (
-        ("throughput", "calls/s", lambda s: s["tasks_per_s"]),
-        ("added latency p50", "ms", lambda s: s["added_latency"]["p50_ms"]),
-        ("added latency p99", "ms", lambda s: s["added_latency"]["p99_ms"]),
-        ("calls in flight at most", "", lambda s: s["in_flight_max"]),
+    bare = [r.get("a_threads"), r.get("a_gevent")]
+    pools = [f"A-{a['pool']} -c {a['slots']}" for a in bare if a is not None]
+    bare = [a for a in bare if a is not None]
+    header = ["figure", "unit", "direct (aiohttp)", *pools, f"bridge -c {bridge['slots']}"]
+    lines = [[*header, "bridge / direct", "bridge / best A"]]
+
+    def add(
+        name: str,
+        unit: str,
+        of_direct: Any,
+        of_bare: Any,
+        of_bridge: Any,
+        best_of: Callable[..., Any] | None,
+    ) -> None:
+        b = of_bridge
+        found = [a for a in of_bare if a is not None]
+        versus_direct = _ratio(b, of_direct) if best_of is not None else None
+        versus_bare = _ratio(b, best_of(found)) if best_of is not None and found else None
+        lines.append(
+            [
+                name,
+                unit,
+                _cell(of_direct),
+                *(_cell(a) for a in of_bare),
+                _cell(b),
+                f"{versus_direct:.2f}x" if versus_direct is not None else "—",
+                f"{versus_bare:.2f}x" if versus_bare is not None else "—",
+            ]
+        )
+
+    figures: tuple[tuple[str, str, Callable[[dict[str, Any]], Any], Callable[..., Any]], ...] = (
+        ("throughput", "calls/s", lambda s: s["tasks_per_s"], max),
+        ("added latency p50", "ms", lambda s: s["added_latency"]["p50_ms"], min),
+        ("added latency p99", "ms", lambda s: s["added_latency"]["p99_ms"], min),
+        ("calls in flight at most", "", lambda s: s["in_flight_max"], max),
     )
-    for name, unit, value in rows:
-        ratio = _ratio(value(bridge), value(direct))
-        shown = f"{ratio:.2f}x" if ratio is not None else "—"
-        lines.append([name, unit, _cell(value(direct)), _cell(value(bridge)), shown])
+    for name, unit, value, best_of in figures:
+        add(name, unit, value(direct), [value(a) for a in bare], value(bridge), best_of)
     held = bridge["held"]
-    lines.append(
-        [
-            f"calls held at once ({held['call_s']:.0f} s each)",
-            "",
-            "—",
-            _cell(held["in_flight_max"]),
-            "—",
-        ]
+    none = [None] * len(bare)
+    add(
+        f"calls held at once ({held['call_s']:.0f} s each)",
+        "",
+        None,
+        none,
+        held["in_flight_max"],
+        None,
     )
-    lines.append(["bridge RSS holding them", "MB", "—", _cell(held["bridge_rss_peak_mb"]), "—"])
-    lines.append(["bridge RSS at the peak", "MB", "—", _cell(bridge["bridge_rss_peak_mb"]), "—"])
+    add("bridge RSS holding them", "MB", None, none, held["bridge_rss_peak_mb"], None)
+    add(
+        "worker RSS at the peak",
+        "MB",
+        None,
+        [a.get("worker_rss_peak_mb") for a in bare],
+        bridge["bridge_rss_peak_mb"],
+        min,
+    )
     # Every process's CPU per call, during the calls: what the cores have to give. A direct
-    # call needs no Postgres or Redis.
+    # call needs no Postgres or Redis; bare Celery needs Redis.
     cpu = (
-        ("CPU per call: caller / bridge", "caller_cpu_ms_per_task", "bridge_cpu_ms_per_task"),
-        ("CPU per call: the agent", "agent_cpu_ms_per_task", "agent_cpu_ms_per_task"),
-        ("CPU per call: Postgres + Redis", None, "services_cpu_ms_per_task"),
+        (
+            "caller / worker",
+            "caller_cpu_ms_per_task",
+            "worker_cpu_ms_per_task",
+            "bridge_cpu_ms_per_task",
+        ),
+        ("the agent", "agent_cpu_ms_per_task", "agent_cpu_ms_per_task", "agent_cpu_ms_per_task"),
+        ("Postgres + Redis", None, "services_cpu_ms_per_task", "services_cpu_ms_per_task"),
     )
-    whole: list[float | None] = [0.0, 0.0]  # None: a part was not measured (an older run)
-    for name, of_direct, of_bridge in cpu:
-        d = direct.get(of_direct) if of_direct else 0.0
-        b = bridge.get(of_bridge)
-        whole = [_plus(whole[0], d), _plus(whole[1], b)]
-        lines.append([name, "ms", _cell(d or None), _cell(b), "—"])
-    ratio = _ratio(whole[1], whole[0])
-    shown = f"{ratio:.2f}x" if ratio is not None else "—"
-    lines.append(["CPU per call: all of them", "ms", _cell(whole[0]), _cell(whole[1]), shown])
+    whole: list[float | None] = [0.0] * (len(bare) + 2)  # None: a part was not measured
+    for name, of_direct, of_bare, of_bridge in cpu:
+        parts = [
+            direct.get(of_direct) if of_direct else 0.0,
+            *(a.get(of_bare) for a in bare),
+            bridge.get(of_bridge),
+        ]
+        whole = [_plus(w, p) for w, p in zip(whole, parts, strict=True)]
+        shown = [parts[0] or None, *parts[1:]]
+        add(f"CPU per call: {name}", "ms", shown[0], shown[1:-1], shown[-1], min)
+    add("CPU per call: all of them", "ms", whole[0], whole[1:-1], whole[-1], min)
     two = bridge.get("two_bridges")
     if two is not None:
         each = two["slots"] // two["bridges"]
-        ratio = _ratio(two["tasks_per_s"], direct["tasks_per_s"])
-        lines.append(
-            [
-                f"throughput, {two['bridges']} bridges -c {each} each",
-                "calls/s",
-                _cell(direct["tasks_per_s"]),
-                _cell(two["tasks_per_s"]),
-                f"{ratio:.2f}x" if ratio is not None else "—",
-            ]
+        add(
+            f"throughput, {two['bridges']} bridges -c {each} each",
+            "calls/s",
+            direct["tasks_per_s"],
+            none,
+            two["tasks_per_s"],
+            max,
         )
-        lines.append(
-            [
-                f"CPU per call: the {two['bridges']} bridges",
-                "ms",
-                "—",
-                _cell(two["bridge_cpu_ms_per_task"]),
-                "—",
-            ]
+        add(
+            f"CPU per call: the {two['bridges']} bridges",
+            "ms",
+            None,
+            none,
+            two["bridge_cpu_ms_per_task"],
+            None,
         )
     table = _markdown(lines)
     return table + ("\n\n" + remote_curve_table(r) if bridge.get("curve") else "")
@@ -286,27 +324,36 @@ def remote_table(result: dict[str, Any]) -> str:
 
 def remote_curve_table(r: dict[str, Any]) -> str:
     """Throughput by calls at once: where one bridge process stops keeping up with the
-    agent (its core)."""
+    agent (its core), and bare Celery's best pool at each (— in a run without it)."""
     direct, bridge = r["direct"], r["bridge"]
-    points = [*bridge["curve"], {"slots": bridge["slots"], "direct": direct, "bridge": bridge}]
+    pools = [r[k] for k in ("a_threads", "a_gevent") if k in r]
+    best = max(pools, key=lambda a: a["tasks_per_s"]) if pools else None
+    main = {"slots": bridge["slots"], "direct": direct, "bridge": bridge, "bare": best}
+    points = [*bridge["curve"], main]
+    bare_title = f"A-{best['pool']} calls/s" if best is not None else "bare Celery calls/s"
     lines = [
         [
             "calls at once",
             "direct calls/s",
+            bare_title,
             "one bridge calls/s",
             "bridge / direct",
+            "bridge / A",
             "bridge CPU per call (ms)",
         ]
     ]
     for point in points:
         d, b = point["direct"]["tasks_per_s"], point["bridge"]["tasks_per_s"]
-        ratio = _ratio(b, d)
+        a = (point.get("bare") or {}).get("tasks_per_s")
+        versus_direct, versus_bare = _ratio(b, d), _ratio(b, a)
         lines.append(
             [
                 _cell(point["slots"]),
                 _cell(d),
+                _cell(a),
                 _cell(b),
-                f"{ratio:.2f}x" if ratio is not None else "—",
+                f"{versus_direct:.2f}x" if versus_direct is not None else "—",
+                f"{versus_bare:.2f}x" if versus_bare is not None else "—",
                 _cell(point["bridge"]["bridge_cpu_ms_per_task"]),
             ]
         )

@@ -124,6 +124,15 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
         assert 0 < figures["in_flight_max"] <= plan["remote_slots"]
         assert_latency(figures["added_latency"], plan["remote_round_trips"], ("p50", "p99"))
     assert bridge["slots"] == plan["remote_slots"]
+    # bare Celery calling the same agent, on each pool, as many calls at once
+    for pool in ("threads", "gevent"):
+        bare = remote[f"a_{pool}"]
+        assert (bare["pool"], bare["slots"]) == (pool, plan["remote_slots"])
+        assert bare["succeeded"] == plan["remote_tasks"]
+        assert positive(bare["tasks_per_s"]) and positive(bare["worker_cpu_ms_per_task"])
+        assert positive(bare["worker_rss_peak_mb"]) and positive(bare["agent_cpu_ms_per_task"])
+        assert 0 < bare["in_flight_max"] <= plan["remote_slots"]
+        assert_latency(bare["added_latency"], plan["remote_round_trips"], ("p50", "p99"))
     held = bridge["held"]
     assert held["statuses"] == {"succeeded": plan["remote_slots"]}
     assert 0 < held["in_flight_max"] <= plan["remote_slots"]
@@ -146,14 +155,18 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert two["bridge_rss_peak_mb"] > bridge["bridge_rss_peak_mb"], (two, bridge)
     # fewer calls at once, both ways: never more in flight than asked
     assert [p["slots"] for p in bridge["curve"]] == list(plan["remote_curve"])
+    best = max(("threads", "gevent"), key=lambda pool: remote[f"a_{pool}"]["tasks_per_s"])
     for point in bridge["curve"]:
         assert point["direct"]["calls"] == plan["remote_tasks"]
         assert point["bridge"]["statuses"] == {"succeeded": plan["remote_tasks"]}
-        for figures in (point["direct"], point["bridge"]):
+        assert (point["bare"]["pool"], point["bare"]["slots"]) == (best, point["slots"])
+        assert point["bare"]["succeeded"] == plan["remote_tasks"]
+        for figures in (point["direct"], point["bare"], point["bridge"]):
             assert positive(figures["tasks_per_s"])
             assert 0 < figures["in_flight_max"] <= point["slots"]
     table = report_module.remote_table({"remote": remote})
     assert "| calls at once" in table and "2 bridges" in table
+    assert "A-threads -c" in table and "A-gevent -c" in table and "bridge / best A" in table
 
 
 @pytest.mark.timeout(300)
