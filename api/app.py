@@ -14,6 +14,7 @@ from api.mcp import McpFacade
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
 from api.services import Services
+from broker import runtime
 from broker.observability import logs, otel
 from broker.settings import Settings
 
@@ -24,6 +25,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime.tune_collector(settings.gc_gen0_threshold)  # in the process that serves
         gauges = asyncio.create_task(
             system_gauges.keep_fresh(svc, settings.metrics_refresh_s),
             name="reach-system-gauges",

@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     metrics_refresh_s: float = Field(15.0, gt=0)
     worker_metrics_host: str = "127.0.0.1"
 
+    # The API and worker processes collect the garbage collector's youngest generation every
+    # this many net allocations (0: Python's 700); see broker.runtime.
+    gc_gen0_threshold: int = Field(10_000, ge=0)
+
     @field_validator(
         "agents",
         "webhook_allow",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import random
@@ -16,6 +17,12 @@ import redis
 
 from broker.observability import logs
 from workers.sdk import AgentFailure, Context, Retryable, SessionConflict, agent
+
+
+@agent.capability("test.runtime", agent_id="test-runtime", version="0.0.1")
+def runtime_settings(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """What the interpreter running the handler was set to (``broker.runtime``)."""
+    return {"gc_threshold": list(gc.get_threshold()), "pid": os.getpid()}
 
 
 @agent.capability("test.boom", agent_id="test-boom", version="0.0.1")

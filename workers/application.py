@@ -10,7 +10,7 @@ from typing import Any
 from celery import Celery, signals
 from prometheus_client import multiprocess, start_http_server
 
-from broker import sessions
+from broker import runtime, sessions
 from broker.observability import logs, metrics, otel
 from broker.outages import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
@@ -107,6 +107,10 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
             app.reach_loop_consumer = LoopConsumer(app.reach_direct, settings.celery_broker_url)
             app.steps["consumer"].add(loop_consumer_step(app.reach_loop_consumer))
     signals.worker_init.connect(use_direct_pool, weak=False)
+    # In the worker's main process, before the pool's children fork (they inherit it).
+    signals.worker_init.connect(
+        lambda **_: runtime.tune_collector(settings.gc_gen0_threshold), weak=False
+    )
     webhooks = register_webhooks(app, settings, lambda: runner.engine)
     runner.on_final.append(webhooks.on_final)
     runner.on_progress.append(webhooks.on_progress)
