@@ -222,18 +222,38 @@ def bare(
         app.close()
         with redis.Redis.from_url(stores.redis_url) as client:  # nothing left for the next run
             client.delete(bareapp.AGENT_QUEUE)
+    figures = _run_figures("worker", done, elapsed, stats, peak["mb"], cpu_s, agent_s, services_s)
+    if samples:
+        figures["added_latency"] = latency_ms(samples, (50, 99))
+    return {"pool": pool, "slots": plan.remote_slots, **figures}
+
+
+def _run_figures(
+    process: str,
+    done: int,
+    elapsed: float,
+    stats: dict[str, Any],
+    rss_mb: float,
+    cpu_s: float,
+    agent_s: float,
+    services_s: float,
+) -> dict[str, Any]:
+    """One run's figures: the rate, the most calls the agent saw at once, and the CPU a call of
+    the ``process`` ("worker", "bridge") doing them, the agent, and Postgres and Redis (shared
+    services: rough, as in the throughput figure)."""
+
+    def per_call(seconds: float) -> float:
+        return round(seconds * 1000 / max(1, done), 3)
+
     return {
-        "pool": pool,
-        "slots": plan.remote_slots,
         "succeeded": done,
         "elapsed_s": round(elapsed, 3),
         "tasks_per_s": rate(done, elapsed),
         "in_flight_max": stats.get("in_flight_max", 0),
-        **({"added_latency": latency_ms(samples, (50, 99))} if samples else {}),
-        "worker_rss_peak_mb": peak["mb"],
-        "worker_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
-        "services_cpu_ms_per_task": round(services_s * 1000 / max(1, done), 3),
-        "agent_cpu_ms_per_task": round(agent_s * 1000 / max(1, done), 3),
+        f"{process}_rss_peak_mb": rss_mb,
+        f"{process}_cpu_ms_per_task": per_call(cpu_s),
+        "services_cpu_ms_per_task": per_call(services_s),
+        "agent_cpu_ms_per_task": per_call(agent_s),
     }
 
 
@@ -379,20 +399,10 @@ class Bridged:
                 self.children.stop(bridge)
         elapsed = finished_at - (stats.get("first_at") or finished_at)
         done = counts.get("succeeded", 0)
-        return {
-            "slots": slots,
-            "bridges": bridges,
-            "statuses": counts,
-            "succeeded": done,
-            "elapsed_s": round(elapsed, 3),
-            "tasks_per_s": rate(done, elapsed),
-            "in_flight_max": stats.get("in_flight_max", 0),
-            "bridge_rss_peak_mb": peak["mb"],
-            "bridge_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
-            # Postgres and Redis are shared: rough, as in the throughput figure
-            "services_cpu_ms_per_task": round(services_s * 1000 / max(1, done), 3),
-            "agent_cpu_ms_per_task": round(agent_s * 1000 / max(1, done), 3),
-        }, started
+        figures = _run_figures(
+            "bridge", done, elapsed, stats, peak["mb"], cpu_s, agent_s, services_s
+        )
+        return {"slots": slots, "bridges": bridges, "statuses": counts, **figures}, started
 
     def round_trips(self, count: int) -> dict[str, float]:
         samples = []
