@@ -97,7 +97,6 @@ class LoopConsumer:
         self.broker_url = broker_url
         self._lock = threading.Lock()
         self._consumer: Any = None
-        self._queues: tuple[str, ...] = ()
         self._keys: dict[str, str] = {}  # list key -> queue, for the queues consumed
         self._unacked = ("unacked", "unacked_index")
         self._slots = 1
@@ -147,8 +146,8 @@ class LoopConsumer:
             for queue in sorted(queues)
         }
         with self._lock:
-            changed = self._queues != tuple(sorted(queues))
-            self._queues, self._keys = tuple(sorted(queues)), keys
+            changed = set(self._keys.values()) != set(queues)
+            self._keys = keys
         if changed:
             log.info("run queues taken on the event loop: %s", ", ".join(sorted(queues)) or "none")
         if self._changed is not None:
@@ -157,7 +156,7 @@ class LoopConsumer:
     def pause(self) -> None:
         """Stop taking (the consumer stops: a warm shutdown, or a lost connection)."""
         with self._lock:
-            self._queues, self._keys = (), {}
+            self._keys = {}
 
     # -- the loop's side -----------------------------------------------------------------------
 
