@@ -11,6 +11,8 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from broker.runtime import EventLoopKind
+
 MiB = 1024 * 1024
 
 
@@ -169,6 +171,9 @@ class Settings(BaseSettings):
     # The API and worker processes collect the garbage collector's youngest generation every
     # this many net allocations (0: Python's 700); see broker.runtime.
     gc_gen0_threshold: int = Field(10_000, ge=0)
+    # The event loop a worker runs async handlers on: uvloop (asyncio's where it is not
+    # installed), or asyncio's own; see broker.runtime.
+    event_loop: EventLoopKind = "uvloop"
 
     @field_validator(
         "agents",

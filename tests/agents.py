@@ -25,6 +25,13 @@ def runtime_settings(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     return {"gc_threshold": list(gc.get_threshold()), "pid": os.getpid()}
 
 
+@agent.capability("test.runtime-loop", agent_id="test-runtime-loop", version="0.0.1")
+async def runtime_loop(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """The kind of event loop running the async handler (``broker.runtime``)."""
+    loop = type(asyncio.get_running_loop())
+    return {"loop": f"{loop.__module__}.{loop.__qualname__}", "pid": os.getpid()}
+
+
 @agent.capability("test.boom", agent_id="test-boom", version="0.0.1")
 def boom(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError("the agent broke")

@@ -36,7 +36,7 @@ from typing import Any
 
 import redis
 
-from broker import redisclients
+from broker import redisclients, runtime
 from broker.tasks.cancellation import CANCELS_CHANNEL, flag_key
 
 log = logging.getLogger("reach.worker")
@@ -84,8 +84,9 @@ class Calls:
     """The process's event loop (started on first use, again in a forked child) and the
     coroutines running on it, by task id, so a cancel can reach them."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, event_loop: runtime.EventLoopKind = "uvloop") -> None:
         self.redis_url = redis_url
+        self.event_loop = event_loop
         self._lock = threading.Lock()
         self._pid = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,7 +98,7 @@ class Calls:
         with self._lock:
             if self._loop is None or self._pid != os.getpid():
                 self._running, self._recent, self._listening_since = {}, OrderedDict(), None
-                self._loop = asyncio.new_event_loop()
+                self._loop = runtime.new_event_loop(self.event_loop)
                 threading.Thread(
                     target=self._loop.run_forever, name="reach-loop", daemon=True
                 ).start()

@@ -75,7 +75,8 @@ class Runner:
         self._crash_after_finish = faults.crash_after_finish()
         self._crash_after_group = faults.crash_after_group()
         self._connect_lock = threading.Lock()
-        self.calls = Calls(settings.redis_url)  # async handlers: the loop and what runs on it
+        # Async handlers: the loop and what runs on it.
+        self.calls = Calls(settings.redis_url, settings.event_loop)
         # The loop's own, for tasks run on it directly (``run_async``).
         self._aclaims_db: LoopConnection | None = None
         self._afinishes_db: LoopConnection | None = None

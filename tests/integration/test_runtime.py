@@ -1,5 +1,6 @@
 """The interpreter settings of ``broker.runtime`` in real processes: the API that serves, and
-the workers' processes, prefork children and threads pool alike."""
+the workers' processes, prefork children and threads pool alike; the loop async handlers run
+on."""
 
 from __future__ import annotations
 
@@ -56,5 +57,37 @@ def test_a_workers_handlers_run_with_its_collector_set(
             assert result["pid"] != worker.pid
         else:
             assert result["pid"] == worker.pid
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("pool", "event_loop", "expected"),
+    [
+        ("threads", "uvloop", "uvloop.Loop"),
+        ("prefork", "uvloop", "uvloop.Loop"),
+        ("threads", "asyncio", "asyncio.unix_events._UnixSelectorEventLoop"),
+    ],
+)
+def test_async_handlers_run_on_the_loop_the_settings_name(
+    pool: str,
+    event_loop: str,
+    expected: str,
+    settings: Settings,
+    log_dir: Path,
+    api: ServedApp,
+    make_key,  # type: ignore[no-untyped-def]
+) -> None:
+    chosen = settings.model_copy(update={"event_loop": event_loop})
+    name = f"runtime-loop-{pool}-{event_loop}"
+    worker = start_worker(chosen, "test.runtime-loop", name, log_dir, pool=pool)
+    try:
+        with client_for(api, make_key()[1]) as http:
+            answer = http.post(
+                "/tasks",
+                json={"capability": "test.runtime-loop", "payload": {}, "reply_mode": "sync"},
+            )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["result"]["loop"] == expected
     finally:
         worker.stop()

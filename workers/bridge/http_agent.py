@@ -77,10 +77,10 @@ async def call(
     body = request_body(ctx, payload)
     headers = request_headers(endpoint, ctx, body)
     try:
-        response = await asyncio.wait_for(
-            session.post(endpoint.url, data=body, headers=headers, allow_redirects=False),
-            endpoint.first_byte_timeout_s,
-        )
+        async with asyncio.timeout(endpoint.first_byte_timeout_s):  # no task of its own
+            response = await session.post(
+                endpoint.url, data=body, headers=headers, allow_redirects=False
+            )
     except TimeoutError:
         raise Retryable(
             f"no answer within {endpoint.first_byte_timeout_s:g}s", code="agent_timeout"
