@@ -19,8 +19,11 @@ figure: ``slots`` calls of ``remote_hold_s`` each (long enough for all of them t
 submitted together, and the most the agent saw open at once.
 
 Then the same N tasks through two bridge processes started together (``-n`` names of their
-own, ``slots / 2`` calls at once each), and, both ways, at each of ``remote_curve``'s smaller
-numbers of calls at once: where one bridge process stops keeping up with the agent.
+own, ``slots / 2`` calls at once each); then ``remote_steady_tasks`` calls, ``slots`` at once,
+direct and through one bridge: N = 2,000 at 1,000 at once is two waves for the direct caller,
+whose ramps weigh on its rate, so the longer run shows the rates once both have settled;
+and, both ways, at each of ``remote_curve``'s smaller numbers of calls at once: where one
+bridge process stops keeping up with the agent.
 """
 
 from __future__ import annotations
@@ -442,6 +445,14 @@ def bridged(
             figures["two_bridges"], _ = runs.run(
                 agent, plan.remote_tasks, plan.remote_slots, bridges=2
             )
+            steady = plan.remote_steady_tasks
+            progress(f"remote agent, {steady} calls: direct, then one bridge")
+            longer = replace(plan, remote_tasks=steady)
+            figures["steady"] = {
+                "calls": steady,
+                "direct": asyncio.run(direct(base, longer, agent)),
+                "bridge": runs.run(agent, steady, plan.remote_slots)[0],
+            }
             curve = []
             for slots in plan.remote_curve:
                 progress(f"remote agent, {slots} at once: direct, bare Celery, the bridge")

@@ -318,6 +318,16 @@ def remote_table(result: dict[str, Any]) -> str:
             two["bridge_cpu_ms_per_task"],
             None,
         )
+    steady = bridge.get("steady")
+    if steady is not None:
+        add(
+            f"throughput, {steady['calls']:,} calls (settled)",
+            "calls/s",
+            steady["direct"]["tasks_per_s"],
+            none,
+            steady["bridge"]["tasks_per_s"],
+            max,
+        )
     table = _markdown(lines)
     return table + ("\n\n" + remote_curve_table(r) if bridge.get("curve") else "")
 

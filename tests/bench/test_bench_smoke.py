@@ -153,6 +153,14 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert 0 < two["in_flight_max"] <= plan["remote_slots"]
     # both processes' memory, so more than one bridge's alone
     assert two["bridge_rss_peak_mb"] > bridge["bridge_rss_peak_mb"], (two, bridge)
+    # more calls at the same number at once, direct and through one bridge
+    steady = bridge["steady"]
+    assert steady["calls"] == steady["direct"]["calls"] == plan["remote_steady_tasks"]
+    assert steady["bridge"]["statuses"] == {"succeeded": plan["remote_steady_tasks"]}
+    assert steady["bridge"]["slots"] == plan["remote_slots"]
+    for figures in (steady["direct"], steady["bridge"]):
+        assert positive(figures["tasks_per_s"])
+        assert 0 < figures["in_flight_max"] <= plan["remote_slots"]
     # fewer calls at once, both ways: never more in flight than asked
     assert [p["slots"] for p in bridge["curve"]] == list(plan["remote_curve"])
     best = max(("threads", "gevent"), key=lambda pool: remote[f"a_{pool}"]["tasks_per_s"])
@@ -166,6 +174,7 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
             assert 0 < figures["in_flight_max"] <= point["slots"]
     table = report_module.remote_table({"remote": remote})
     assert "| calls at once" in table and "2 bridges" in table
+    assert f"throughput, {plan['remote_steady_tasks']:,} calls (settled)" in table
     assert "A-threads -c" in table and "A-gevent -c" in table and "bridge / best A" in table
 
 
