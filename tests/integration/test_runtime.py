@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -45,13 +46,7 @@ def test_a_workers_handlers_run_with_its_collector_set(
     tuned = settings.model_copy(update={"gc_gen0_threshold": THRESHOLD})
     worker = start_worker(tuned, "test.runtime", f"runtime-{pool}", log_dir, pool=pool)
     try:
-        with client_for(api, make_key()[1]) as http:
-            answer = http.post(
-                "/tasks",
-                json={"capability": "test.runtime", "payload": {}, "reply_mode": "sync"},
-            )
-        assert answer.status_code == 200, answer.text
-        result = answer.json()["result"]
+        result = sync_result(api, make_key()[1], "test.runtime")
         assert result["gc_threshold"][0] == THRESHOLD
         if pool == "prefork":  # a child forked after the main process set it
             assert result["pid"] != worker.pid
@@ -82,12 +77,16 @@ def test_async_handlers_run_on_the_loop_the_settings_name(
     name = f"runtime-loop-{pool}-{event_loop}"
     worker = start_worker(chosen, "test.runtime-loop", name, log_dir, pool=pool)
     try:
-        with client_for(api, make_key()[1]) as http:
-            answer = http.post(
-                "/tasks",
-                json={"capability": "test.runtime-loop", "payload": {}, "reply_mode": "sync"},
-            )
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["result"]["loop"] == expected
+        assert sync_result(api, make_key()[1], "test.runtime-loop")["loop"] == expected
     finally:
         worker.stop()
+
+
+def sync_result(api: ServedApp, key: str, capability: str) -> Any:
+    """The result of one sync call of ``capability``."""
+    with client_for(api, key) as http:
+        answer = http.post(
+            "/tasks", json={"capability": capability, "payload": {}, "reply_mode": "sync"}
+        )
+    assert answer.status_code == 200, answer.text
+    return answer.json()["result"]
