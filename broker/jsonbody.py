@@ -86,8 +86,11 @@ def parse(raw: bytes, *, max_depth: int) -> Any:
 
 
 def canonical(value: Any) -> bytes:
-    """One byte form per JSON value, so equal payloads have equal digests."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """One byte form per JSON value, so equal payloads have equal digests. NaN and the
+    infinities are not JSON: a ValueError (an agent that returns one fails `result_invalid`)."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
 
 
 def digest(value: Any) -> tuple[str, int]:

@@ -39,7 +39,8 @@ def boom(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 @agent.capability("test.not-json", agent_id="test-not-json", version="0.0.1")
 def not_json(ctx: Context, payload: dict[str, Any]) -> object:
-    return {"a set": {1, 2}}
+    """A set, or NaN (which Python's json would write, and Postgres refuse)."""
+    return {"x": float("nan")} if payload.get("nan") else {"a set": {1, 2}}
 
 
 @agent.capability("test.context", agent_id="test-context", version="0.0.2")

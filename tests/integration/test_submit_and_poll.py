@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import Engine
 
 from tests.integration.conftest import count_tasks
@@ -105,8 +107,11 @@ def test_an_unexpected_exception_fails_the_task_and_the_worker_keeps_serving(
     assert wait_for_task(client, after["task_id"], FINAL)["result"] == {"n": 1}
 
 
-def test_a_result_that_is_not_json_fails_as_result_invalid(client: httpx.Client) -> None:
-    task = client.post("/tasks", json={"capability": "test.not-json", "payload": {}}).json()
+@pytest.mark.parametrize("payload", [{}, {"nan": True}], ids=["a set", "NaN"])
+def test_a_result_that_is_not_json_fails_as_result_invalid(
+    client: httpx.Client, payload: dict[str, Any]
+) -> None:
+    task = client.post("/tasks", json={"capability": "test.not-json", "payload": payload}).json()
     done = wait_for_task(client, task["task_id"], FINAL)
     assert done["status"] == "failed"
     assert done["error"]["code"] == "result_invalid"
