@@ -42,7 +42,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker import redisclients
+from broker import jsoncodec, redisclients
 from broker.tasks.dispatch import RUN_TASK
 from workers.transport import BATCH, TAKE
 
@@ -241,7 +241,7 @@ class LoopConsumer:
 
     def _start(self, key: str, item: bytes | str, queue: str) -> None:
         try:
-            message = json.loads(item)
+            message = jsoncodec.loads(item)
             tag = str(message["properties"]["delivery_tag"])
         except (TypeError, ValueError, KeyError):  # kombu could not read it either
             log.error("a message on %s that is not kombu's was dropped: %.200r", queue, item)

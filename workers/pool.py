@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import json
 import logging
 import os
 import threading
@@ -48,6 +47,7 @@ from celery import concurrency
 from celery.concurrency import thread
 from celery.worker import strategy as celery_strategy
 
+from broker import jsoncodec
 from broker.tasks.dispatch import RUN_TASK
 from workers import faults, loop_consumer
 from workers.loop_consumer import CELERY_WAY
@@ -80,7 +80,7 @@ class Direct:
         """(task id, queue, hostname) of a run message's JSON body, if its handler is async
         here (``sync``: or a sync handler)."""
         try:
-            task_args = json.loads(bytes(body) if not isinstance(body, str) else body)[0]
+            task_args = jsoncodec.loads(body)[0]
             task_id, queue = task_args
         except (TypeError, ValueError, IndexError):
             return None  # Celery's tracer reports it

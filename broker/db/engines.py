@@ -19,10 +19,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from broker import jsoncodec
 from broker.settings import Settings
 
 # A connection back in the pool for less than this is used again without a ping.
 PING_IF_IDLE_S = 1.0
+
+jsoncodec.use_for_psycopg()  # JSON binds and columns through orjson where it is exact
 
 
 def sync_engine(settings: Settings, *, pool_size: int = 1, max_overflow: int = 2) -> Engine:

@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from broker import jsoncodec
 from broker.grouping import Grouped, ThreadGrouped
 from broker.tasks.resource import FINAL, STATUSES, TaskRow, render
 
@@ -104,7 +105,7 @@ class Event:
 
     @classmethod
     def parse(cls, raw: str | bytes) -> Event:
-        doc = json.loads(raw)
+        doc = jsoncodec.loads(raw)
         return cls(
             seq=doc["seq"],
             type=doc["type"],
@@ -114,7 +115,10 @@ class Event:
         )
 
     def sse(self) -> bytes:
-        """One SSE frame: id, event and a JSON data line (trace id included)."""
+        """One SSE frame: id, event and a JSON data line (trace id included). The line
+        breaks Python's ``str.splitlines`` knows beyond CR and LF (httpx's ``iter_lines``
+        splits there, and so read our own client) are escaped; JSON's control characters
+        are escaped already."""
         data = json.dumps(
             {
                 "seq": self.seq,
@@ -126,13 +130,19 @@ class Event:
             separators=(",", ":"),
             ensure_ascii=False,
         )
+        data = data.translate(_LINE_BREAKS)
         return f"id: {self.seq}\nevent: {self.type}\ndata: {data}\n\n".encode()
+
+
+# Unicode's line breaks that JSON leaves as they are, as JSON escapes: str.splitlines
+# breaks lines at them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def encode(event_type: str, data: Any, trace_id: str) -> str:
     """The event without its seq (the script prepends it)."""
     body = {"type": event_type, "data": data, "trace_id": trace_id, "at": time.time()}
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    return jsoncodec.dumps_str(body)
 
 
 # Events outlive the result a little, so a stream opened just before expiry still ends.

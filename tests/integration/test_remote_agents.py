@@ -261,6 +261,42 @@ def test_the_signature_verifies_with_the_standard_webhooks_library(
             ops.delete("/agents/sig-check")
 
 
+def test_numbers_and_text_reach_the_agent_and_come_back_exactly(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """Integers beyond 64 bits and text beyond ASCII, through every JSON step of a call: the
+    claim's payload, the call's body, the agent's answer, the result row and the final
+    event (``broker.jsoncodec`` reads long numbers with Python's ``json``)."""
+    big = 123456789012345678901234567890
+    payload = {"n": big, "m": -big, "i": 2**63 - 1, "f": 0.1, "text": "héllo ✓ \u2028"}
+    result = {"echo": payload, "more": big * 10, "list": [2**64, -(2**70)]}
+    reply = Reply(
+        headers={"Content-Type": "application/json"}, body=json.dumps({"result": result}).encode()
+    )
+    with Receiver(always(reply)) as receiver:
+        answer = ops.put(
+            "/agents/exact", json=registration(receiver.url, capability="test.remote-exact")
+        )
+        assert answer.status_code == 201, answer.text
+        try:
+            wait_routed(ops, "exact")
+            done = caller.post(
+                "/tasks",
+                json={"capability": "test.remote-exact", "payload": payload, "reply_mode": "sync"},
+            )
+            assert done.status_code == 200, done.text
+            task_id = done.json()["task_id"]
+            assert done.json()["result"] == result
+            call = next(r for r in receiver.requests if r.path == "/hook")
+            assert json.loads(call.body)["payload"] == payload
+            assert caller.get(f"/tasks/{task_id}").json()["result"] == result
+            final = events_of(caller, task_id)[-1]
+            assert final[0] == "succeeded"
+            assert final[1]["result"] == result
+        finally:
+            ops.delete("/agents/exact")
+
+
 @pytest.mark.parametrize(
     ("agent_id", "body"),
     [

@@ -16,7 +16,6 @@ call closed.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
 from broker.webhooks import signing
 from workers.sdk.context import Context
@@ -43,7 +43,7 @@ class Endpoint:
 
 
 def request_body(ctx: Context, payload: Any) -> bytes:
-    return json.dumps(
+    return jsoncodec.dumps(
         {
             "task_id": str(ctx.task_id),
             "capability": ctx.capability,
@@ -52,9 +52,8 @@ def request_body(ctx: Context, payload: Any) -> bytes:
             "deadline_at": ctx.deadline_at.isoformat() if ctx.deadline_at else None,
             "session": ctx.session_id,
             "metadata": ctx.metadata,
-        },
-        separators=(",", ":"),
-    ).encode()
+        }
+    )
 
 
 def request_headers(endpoint: Endpoint, ctx: Context, body: bytes) -> dict[str, str]:
@@ -96,7 +95,7 @@ async def call(
         if kind != "application/json":
             raise AgentFailure(f"the agent answered {kind or 'no type'}", code="agent_protocol")
         try:
-            answer = json.loads(await _read_all(response))
+            answer = jsoncodec.loads(await _read_all(response))
         except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             raise Retryable(f"the answer broke off: {exc}", code="agent_unreachable") from None
         except ValueError as exc:
@@ -188,7 +187,7 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
         if not text:
             if data:
                 try:
-                    yield event, json.loads("\n".join(data))
+                    yield event, jsoncodec.loads("\n".join(data))
                 except ValueError:
                     raise AgentFailure(
                         f"the agent's {event} event holds no JSON", code="agent_protocol"

@@ -1,0 +1,80 @@
+"""``broker.jsoncodec``: orjson where it gives what Python's ``json`` gives, ``json`` where it
+would not."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from broker import jsoncodec
+
+BIG = 123456789012345678901234567890
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": [1, 2.5, True, None, "x"], "b": {"c": "é ✓ \u2028"}},
+        [],
+        "plain",
+        0,
+        -(2**63),
+        2**64 - 1,
+        0.1,
+        1e308,
+        {"n": BIG, "m": -BIG},
+        {1: "one", "2": "two"},
+        ("a", "tuple"),
+    ],
+)
+def test_what_is_written_reads_back_as_json_writes_it(value: Any) -> None:
+    written = jsoncodec.dumps(value)
+    assert json.loads(written) == json.loads(json.dumps(value))
+    assert jsoncodec.loads(written) == json.loads(json.dumps(value))
+
+
+def test_it_writes_compact_utf8() -> None:
+    assert jsoncodec.dumps({"a": [1, "é"]}) == '{"a":[1,"é"]}'.encode()
+    assert jsoncodec.dumps_str({"a": None}) == '{"a":null}'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"n": 123456789012345678901234567890}',
+        b"[-9223372036854775809, 18446744073709551616]",
+        '{"n": 1234567890123456789012}',
+        bytearray(b'{"n": 99999999999999999999}'),
+        memoryview(b"[12345678901234567890123]"),
+    ],
+)
+def test_integers_beyond_64_bits_are_read_exactly(
+    raw: str | bytes | bytearray | memoryview,
+) -> None:
+    text = bytes(raw).decode() if not isinstance(raw, str) else raw
+    read = jsoncodec.loads(raw)
+    assert read == json.loads(text)
+    assert all(isinstance(n, int) for n in (read.values() if isinstance(read, dict) else read))
+
+
+@pytest.mark.parametrize("raw", ["NaN", "[Infinity]", "1e400", '"\\ud800"'])
+def test_what_only_json_reads_is_read_as_json_reads_it(raw: str) -> None:
+    read, expected = jsoncodec.loads(raw), json.loads(raw)
+    if isinstance(expected, float) and math.isnan(expected):
+        assert math.isnan(read)
+    else:
+        assert read == expected
+
+
+@pytest.mark.parametrize("raw", ["", "{", '{"a": }', "[1,]", b"\xff"])
+def test_invalid_json_raises_a_value_error(raw: str | bytes) -> None:
+    with pytest.raises(ValueError):
+        jsoncodec.loads(raw)
+
+
+def test_what_neither_writes_raises_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        jsoncodec.dumps({"a set": {1, 2}})
