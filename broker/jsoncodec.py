@@ -2,8 +2,9 @@
 
 A bridge making a thousand calls at once spent about a tenth of its CPU in ``json``: the
 events it appends, the calls' bodies, the messages it takes, and the JSON columns psycopg
-binds and reads. orjson does that work in a fraction of the time. Where it would not give
-what ``json`` gives, ``json`` does the work:
+binds and reads (``broker.db.engines`` gives psycopg these functions). orjson does that work
+in a fraction of the time. Where it would not give what ``json`` gives, ``json`` does the
+work:
 
 - orjson reads an integer beyond 64 bits as a float, losing digits; ``json`` keeps it
   exact (the API accepts integers of up to 4,300 digits). A text with a run of 19 digits or
@@ -28,7 +29,6 @@ import re
 from typing import Any
 
 import orjson
-import psycopg.types.json
 
 _LONG_NUMBER = re.compile(rb"[0-9]{19}")
 _LONG_NUMBER_TEXT = re.compile(r"[0-9]{19}")
@@ -55,9 +55,3 @@ def loads(raw: str | bytes | bytearray | memoryview) -> Any:
         except orjson.JSONDecodeError:
             pass
     return json.loads(raw)
-
-
-def use_for_psycopg() -> None:
-    """psycopg's JSON and JSONB binds and columns, in every connection of the process."""
-    psycopg.types.json.set_json_dumps(dumps)
-    psycopg.types.json.set_json_loads(loads)

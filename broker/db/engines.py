@@ -10,8 +10,9 @@ import time
 from typing import Any, cast
 
 import psycopg
+from psycopg.adapt import AdaptersMap
 from psycopg.rows import DictRow, dict_row
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from sqlalchemy import URL, Engine, create_engine, event, exc, make_url
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
@@ -25,7 +26,12 @@ from broker.settings import Settings
 # A connection back in the pool for less than this is used again without a ping.
 PING_IF_IDLE_S = 1.0
 
-jsoncodec.use_for_psycopg()  # JSON binds and columns through orjson where it is exact
+# JSON binds and columns through orjson where it is exact: each engine's psycopg adapters,
+# and through them the connections of our own (``_Statements``), not psycopg's globals.
+JSON_CODEC: dict[str, Any] = {
+    "json_serializer": jsoncodec.dumps_str,  # str: SQLAlchemy renders literals with it too
+    "json_deserializer": jsoncodec.loads,
+}
 
 
 def sync_engine(settings: Settings, *, pool_size: int = 1, max_overflow: int = 2) -> Engine:
@@ -41,6 +47,7 @@ def sync_engine(settings: Settings, *, pool_size: int = 1, max_overflow: int = 2
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_use_lifo=True,
+        **JSON_CODEC,
     )
     _ping_when_idle(engine)
     return engine
@@ -85,6 +92,7 @@ def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
         pool_timeout=15,  # a request waits at most this for a connection, then 503
         pool_recycle=1800,
         pool_use_lifo=True,  # a quiet API keeps using its warmest connection
+        **JSON_CODEC,
     )
 
     @event.listens_for(engine.sync_engine, "checkout")
@@ -95,14 +103,25 @@ def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
     return engine
 
 
+def _json_adapters() -> AdaptersMap:
+    """psycopg's adapters, with JSON written and read as ``JSON_CODEC`` says."""
+    adapters = AdaptersMap(psycopg.adapters)
+    set_json_dumps(JSON_CODEC["json_serializer"], adapters)
+    set_json_loads(JSON_CODEC["json_deserializer"], adapters)
+    return adapters
+
+
 class _Statements:
     """SQLAlchemy Core statements compiled once for psycopg, and their parameters as psycopg
     takes them (JSON binds wrapped), for connections that skip SQLAlchemy's layers."""
 
     def __init__(self, url: str | URL) -> None:
         self._dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]
-        args = self._dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
-        self.connect_args: tuple[list[Any], dict[str, Any]] = args
+        args, kwargs = self._dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
+        self.connect_args: tuple[list[Any], dict[str, Any]] = (
+            args,
+            {**kwargs, "context": _json_adapters()},
+        )
         self._compiled: dict[ClauseElement, tuple[str, SQLCompiler, tuple[str, ...]]] = {}
 
     def prepare(self, statement: ClauseElement, params: dict[str, Any]) -> tuple[str, Any]:

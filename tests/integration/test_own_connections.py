@@ -15,8 +15,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from psycopg.adapt import PyFormat
 from psycopg.rows import DictRow
-from sqlalchemy import Engine, func, select, text
+from psycopg.types.json import Jsonb
+from sqlalchemy import Engine, Text, bindparam, cast, func, literal_column, select, text
+from sqlalchemy.dialects.postgresql import JSON
 from sqlalchemy.sql import ClauseElement
 
 from broker.db.engines import LoopConnection, ThreadConnection
@@ -59,6 +62,14 @@ class Own:
         assert self._thread_conn is not None
         return execution.finish_many(self._thread_conn, finishes)
 
+    def written(self, value: Any) -> bytes:
+        """What this connection sends for a JSONB parameter (its JSON binds go out as JSONB)."""
+        own = self._loop_conn or self._thread_conn
+        assert own is not None and own._connection is not None
+        connection = own._connection
+        dumper = connection.adapters.get_dumper(Jsonb, PyFormat.TEXT)(Jsonb, connection)
+        return bytes(dumper.dump(Jsonb(value)))
+
     def pid(self) -> int:
         return int(self.execute(BACKEND, {})[0]["pid"])
 
@@ -75,6 +86,27 @@ def own(request: pytest.FixtureRequest, settings: Settings) -> Iterator[Own]:
     conn = Own(request.param, settings.database_url)
     yield conn
     conn.close()
+
+
+# A JSON parameter as Postgres got it (the json type keeps the text as sent), and a JSONB value
+# holding an integer beyond 64 bits, read back.
+AS_SENT = select(
+    cast(bindparam("doc", type_=JSON), Text).label("sent"),
+    literal_column("'{\"n\": 123456789012345678901234567890}'::jsonb").label("big"),
+)
+BIG = {"n": 123456789012345678901234567890}
+COMPACT = '{"a":[1,"é"]}'  # the codec's (broker.jsoncodec); psycopg's own: {"a": [1, "\\u00e9"]}
+
+
+def test_json_goes_out_through_the_codec_and_comes_back_exact(engine: Engine, own: Own) -> None:
+    doc = {"a": [1, "é"]}
+    with engine.connect() as conn:
+        assert dict(conn.execute(AS_SENT, {"doc": doc}).mappings().one()) == {
+            "sent": COMPACT,
+            "big": BIG,
+        }
+    assert own.execute(AS_SENT, {"doc": doc})[0]["big"] == BIG
+    assert own.written(doc) == COMPACT.encode()
 
 
 def end_backend(engine: Engine, pid: int) -> None:
