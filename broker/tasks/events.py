@@ -16,7 +16,6 @@ append it again: the log holds it exactly once, and it is always the last event.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -119,18 +118,15 @@ class Event:
         breaks Python's ``str.splitlines`` knows beyond CR and LF (httpx's ``iter_lines``
         splits there, and so read our own client) are escaped; JSON's control characters
         are escaped already."""
-        data = json.dumps(
+        data = jsoncodec.dumps_str(
             {
                 "seq": self.seq,
                 "type": self.type,
                 "trace_id": self.trace_id,
                 "at": self.at,
                 "data": self.data,
-            },
-            separators=(",", ":"),
-            ensure_ascii=False,
-        )
-        data = data.translate(_LINE_BREAKS)
+            }
+        ).translate(_LINE_BREAKS)
         return f"id: {self.seq}\nevent: {self.type}\ndata: {data}\n\n".encode()
 
 

@@ -10,7 +10,7 @@ TEXT = "a\u2028b\u2029c\x85d\x0be\nf\rg é ✓"
 
 
 def test_a_frames_data_is_one_line_whatever_its_text_holds() -> None:
-    event = Event(seq=7, type="output", data={"text": TEXT}, trace_id="t1", at=1.5)
+    event = Event(seq=7, type="output", data={"text": TEXT, "n": 2**70}, trace_id="t1", at=1.5)
     frame = event.sse().decode()
     lines = frame.splitlines()  # Python's rule, as httpx's iter_lines (and our client) read
     assert lines == [lines[0], lines[1], lines[2], ""]
@@ -20,7 +20,7 @@ def test_a_frames_data_is_one_line_whatever_its_text_holds() -> None:
         "type": "output",
         "trace_id": "t1",
         "at": 1.5,
-        "data": {"text": TEXT},
+        "data": {"text": TEXT, "n": 2**70},
     }
     assert "é ✓" in frame  # the rest stays UTF-8
 
