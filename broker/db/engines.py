@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import psycopg
 from psycopg.adapt import AdaptersMap
+from psycopg.pq import ExecStatus
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from sqlalchemy import URL, Engine, create_engine, event, exc, make_url
@@ -157,6 +158,14 @@ def _gone(connection: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | N
         return True
 
 
+def _has_rows(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
+    """Whether the statement returned rows (a ``SELECT``, or ``RETURNING``). Read off the
+    result's status: ``cursor.description`` would build a ``Column``, with a type look-up,
+    for every column, on every statement."""
+    result = cursor.pgresult
+    return result is not None and result.status == ExecStatus.TUPLES_OK
+
+
 class LoopConnection:
     """One psycopg connection of an event loop's own, for statements that go out one at a
     time (a ``Grouped``'s: a worker's claims, its finishes). The statements are SQLAlchemy
@@ -179,7 +188,7 @@ class LoopConnection:
         sql, values = self._statements.prepare(statement, params)
         connection = await self._connect()
         cursor = await connection.execute(sql, values)
-        return await cursor.fetchall() if cursor.description is not None else []
+        return await cursor.fetchall() if _has_rows(cursor) else []
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -216,7 +225,7 @@ class ThreadConnection:
         sql, values = self._statements.prepare(statement, params)
         with self._lock:
             cursor = self._connect().execute(sql, values)
-            return cursor.fetchall() if cursor.description is not None else []
+            return cursor.fetchall() if _has_rows(cursor) else []
 
     def close(self) -> None:
         with self._lock:

@@ -18,7 +18,19 @@ import pytest
 from psycopg.adapt import PyFormat
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
-from sqlalchemy import Engine, Text, bindparam, cast, func, literal_column, select, text
+from sqlalchemy import (
+    Engine,
+    Text,
+    bindparam,
+    cast,
+    column,
+    func,
+    literal_column,
+    select,
+    table,
+    text,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSON
 from sqlalchemy.sql import ClauseElement
 
@@ -115,6 +127,16 @@ def end_backend(engine: Engine, pid: int) -> None:
     with engine.connect() as admin:
         ended = admin.execute(text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
         assert ended.scalar_one() is True
+
+
+def test_rows_come_back_only_from_a_statement_that_returns_them(engine: Engine, own: Own) -> None:
+    task_id = a_task_row(engine, tenant=TENANT)
+    tasks = table("tasks", column("id"), column("attempts"))
+    bump = update(tasks).where(tasks.c.id == bindparam("tid")).values(attempts=tasks.c.attempts + 1)
+    assert own.execute(bump, {"tid": task_id}) == []  # no RETURNING: no rows, not an error
+    returning = bump.returning(tasks.c.attempts)
+    assert own.execute(returning, {"tid": uuid.uuid4()}) == []  # RETURNING, nothing matched
+    assert own.execute(returning, {"tid": task_id}) == [{"attempts": 2}]
 
 
 def test_given_claims_and_finishes_on_an_own_connection_expect_what_the_engine_gives(
