@@ -8,7 +8,9 @@ work:
 
 - orjson reads an integer beyond 64 bits as a float, losing digits; ``json`` keeps it
   exact (the API accepts integers of up to 4,300 digits). A text with a run of 19 digits or
-  more is read by ``json``.
+  more is read by ``json``. On a text of more than a line, that look is
+  ``bytes.translate`` and a substring search: a regular expression for it took twice as long
+  as ``json.loads`` itself on a 1 KB run message. On a short text the expression is faster.
 - orjson refuses what ``json`` reads (``NaN``, ``1e400``, lone surrogates), and what it
   writes (integers beyond 64 bits, keys that are not strings): ``json`` then does it, and
   raises where it always did.
@@ -30,7 +32,10 @@ from typing import Any
 
 import orjson
 
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_NUMBER = b"0" * 19
+_SHORT = 128  # below it, a regular expression looks faster than translate
+_LONG_NUMBER_BYTES = re.compile(rb"[0-9]{19}")
 _LONG_NUMBER_TEXT = re.compile(r"[0-9]{19}")
 
 
@@ -48,10 +53,22 @@ def dumps_str(value: Any) -> str:
 def loads(raw: str | bytes | bytearray | memoryview) -> Any:
     if isinstance(raw, memoryview | bytearray):
         raw = bytes(raw)
-    long = _LONG_NUMBER_TEXT.search(raw) if isinstance(raw, str) else _LONG_NUMBER.search(raw)
-    if long is None:
+    if not has_long_number(raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
     return json.loads(raw)
+
+
+def has_long_number(raw: str | bytes) -> bool:
+    """Whether a run of 19 ASCII digits or more is in ``raw``: an integer that may not fit
+    in 64 bits. UTF-8 writes every other character as bytes beyond ASCII, so the digits
+    are found in the encoded text too."""
+    if isinstance(raw, str):
+        if len(raw) < _SHORT:
+            return _LONG_NUMBER_TEXT.search(raw) is not None
+        raw = raw.encode("utf-8", "surrogatepass")
+    elif len(raw) < _SHORT:
+        return _LONG_NUMBER_BYTES.search(raw) is not None
+    return _LONG_NUMBER in raw.translate(_DIGITS_AS_ZERO)

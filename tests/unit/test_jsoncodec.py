@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -78,3 +79,29 @@ def test_invalid_json_raises_a_value_error(raw: str | bytes) -> None:
 def test_what_neither_writes_raises_a_type_error() -> None:
     with pytest.raises(TypeError):
         jsoncodec.dumps({"a set": {1, 2}})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "1234567890123456789",
+        "123456789012345678",
+        b'{"a": 9999999999999999999}',
+        b'{"a": 999999999999999999}',
+        "x" * 1000 + "0" * 19,
+        "12345678901234567\u0663890",  # an Arabic-Indic digit is not ASCII
+        "\u0663" * 40,
+        "\ud800" + "1" * 19 + "\udfff",  # lone surrogates, as json.loads reads "\\ud800"
+        "é" * 5 + "1" * 18 + "é" + "1",
+        "1.234567890123456789e5",
+        b"",
+        "",
+        "x" * 200 + "1" * 18,
+        b"x" * 200 + b"1" * 18 + b",1",
+        b"x" * 200 + b"1" * 19,
+        "\u0663" * 200 + "1" * 19,
+    ],
+)
+def test_a_long_number_is_a_run_of_19_ascii_digits(raw: str | bytes) -> None:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    assert jsoncodec.has_long_number(raw) == (re.search("[0-9]{19}", text) is not None)
