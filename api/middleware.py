@@ -13,6 +13,10 @@ from api.callers import TenantOfKey
 from broker.observability import logs, metrics, otel
 from broker.observability.tracing import trace_id_from, traceparent
 
+# The methods a request's counts are labelled with; any other (WebDAV's, or any token under
+# h11) counts as OTHER: each label value is a series kept for the process's life.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
 
 class TraceMiddleware:
     """Gives every request a trace id (``request.state.trace_id``, and every log line of the
@@ -39,9 +43,11 @@ class TraceMiddleware:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message)["X-Trace-Id"] = trace_id
                 route = getattr(scope.get("route"), "path", "unmatched")
-                method = scope["method"]
-                metrics.http_requests.labels(method, route, str(message["status"])).inc()
-                metrics.http_duration.labels(method, route).observe(time.perf_counter() - started)
+                method = scope["method"] if scope["method"] in METHODS else "OTHER"
+                status = str(message["status"])
+                metrics.labelled(metrics.http_requests, method, route, status).inc()
+                elapsed = time.perf_counter() - started
+                metrics.labelled(metrics.http_duration, method, route).observe(elapsed)
             await send(message)
 
         await self.app(scope, receive, send_with_trace)

@@ -433,7 +433,7 @@ class Runner:
     def _finished(self, row: TaskRow) -> None:
         if self._crash_after_finish and capability_of(row["queue"]) in self._crash_after_finish:
             faults.crash()  # tests only: see workers.faults
-        metrics.tasks_finished.labels(capability_of(row["queue"]), row["status"]).inc()
+        metrics.labelled(metrics.tasks_finished, capability_of(row["queue"]), row["status"]).inc()
         log.info(
             "task finished",
             extra={"status": row["status"], "code": (row["error"] or {}).get("code")},
@@ -490,7 +490,7 @@ class Runner:
         invalid = _invalid(spec, payload)
         if invalid is not None:
             return invalid
-        with metrics.task_run.labels(spec.name).time():
+        with metrics.labelled(metrics.task_run, spec.name).time():
             try:
                 limit_s = _limit_s(spec, ctx)
                 result = self._result_of(spec, ctx, payload, limit_s, claimed_at, announce)
@@ -516,7 +516,7 @@ class Runner:
             assert self._aredis is not None
             return bool(await self._aredis.exists(cancellation.flag_key(tid)))
 
-        with metrics.task_run.labels(spec.name).time():
+        with metrics.labelled(metrics.task_run, spec.name).time():
             try:
                 result = await self.calls.arun(
                     tid,

@@ -10,8 +10,12 @@ view on ``REACH_WORKER_METRICS_PORT``.
 from __future__ import annotations
 
 import os
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 RUN_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600)
@@ -97,3 +101,18 @@ def worker_registry() -> CollectorRegistry:
     path = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
     return registry
+
+
+_children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+
+def labelled(metric: M, *values: str) -> M:
+    """``metric.labels(*values)``, kept for the next time: prometheus-client checks the
+    values and takes a lock on each ``labels``, which the hot paths call for every request
+    and task. Only for label values from a bounded set: each is kept for the process's life,
+    as prometheus-client keeps its series."""
+    key = (metric, values)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*values)
+    return child

@@ -147,6 +147,17 @@ def test_api_metrics_expose_the_families_and_move(
     assert metric(after, "reach_registry_ready_instances") >= 1
 
 
+def test_a_method_the_api_does_not_serve_is_counted_as_other(metrics_api: ServedApp) -> None:
+    # Each method would be a series of its own, for as long as the process lives. httptools
+    # passes on WebDAV's and others' (h11, uvicorn's other parser, any token): none is ours.
+    with httpx.Client(base_url=metrics_api.url) as http:
+        for method in ("PROPFIND", "MKCOL", "PURGE"):
+            assert http.request(method, "/healthz").status_code == 405
+    scraped = scrape(metrics_api)
+    assert not re.search("PROPFIND|MKCOL|PURGE", scraped)
+    assert metric(scraped, "reach_http_requests_total", method="OTHER", route="/healthz") == 3
+
+
 def test_metrics_are_refused_without_the_metrics_token(
     metrics_api: ServedApp, api: ServedApp, tenant: tuple[str, str], settings: Settings
 ) -> None:
