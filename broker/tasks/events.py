@@ -176,10 +176,10 @@ class EventLog:
         keys: list[Any] = []
         argv: list[Any] = [LOG_MAX_EVENTS]
         for item in items:
-            log = log_key(item.task_id)
+            task_id = str(item.task_id)
+            log = log_key(task_id)
             queue, message = item.push if item.push is not None else (log, b"")
-            keys += [log, seq_key(item.task_id), channel(item.task_id), queue]
-            keys.append(final_key(item.task_id))
+            keys += [log, seq_key(task_id), channel(task_id), queue, final_key(task_id)]
             final = "1" if item.type in FINAL else ""
             argv += [encode(item.type, item.data, item.trace_id), item.ttl_s, message, final]
         return {"keys": keys, "args": argv}

@@ -16,8 +16,8 @@ call closed.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,7 @@ def request_body(ctx: Context, payload: Any) -> bytes:
 
 
 def request_headers(endpoint: Endpoint, ctx: Context, body: bytes) -> dict[str, str]:
-    message_id = f"msg_{uuid.uuid4().hex}"  # one per call: a retry is a new message
+    message_id = f"msg_{os.urandom(16).hex()}"  # one per call: a retry is a new message
     return {
         "Content-Type": "application/json",
         "Accept": ACCEPT,
