@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 
-import anyio
 from sqlalchemy import text
 
 from api.services import Services
@@ -34,7 +33,7 @@ OLDEST_QUEUED = text(
 async def refresh(state: Services) -> None:
     """Set the system gauges from Postgres, Redis and the broker."""
     known = await cards.known_capabilities(state.engine)
-    depths = await anyio.to_thread.run_sync(state.dispatcher.queue_depths, sorted(known))
+    depths = await state.queue_bound.depths(sorted(known))  # as back-pressure reads them
     async with state.engine.connect() as conn:
         ages = {r.capability: float(r.age_s) for r in await conn.execute(OLDEST_QUEUED)}
     now = now_s()

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import redis
 from pydantic import SecretStr
 from sqlalchemy import event
 
@@ -200,6 +201,36 @@ def test_50_scrapes_send_no_query_to_postgres(settings: Settings, worker: Celery
         assert statements[refresh:] == []
     assert refresh >= 3
     assert metric(text, "reach_registry_ready_instances") >= 1
+
+
+def test_refreshes_read_queue_depths_without_opening_redis_connections(
+    settings: Settings, worker: CeleryProcess
+) -> None:
+    # Given an API that computes its system gauges every 0.1 s
+    app = create_app(
+        settings.model_copy(
+            update={"metrics_token": SecretStr(METRICS_TOKEN), "metrics_refresh_s": 0.1}
+        )
+    )
+    server = redis.Redis.from_url(settings.redis_url)
+    services = app.state.services
+    with ServedApp(app) as served:
+        first = eventually(lambda: services.gauges_refreshed_at, "the gauges computed once")
+        opened_before = int(server.info("stats")["total_connections_received"])
+        # When it refreshes them for two seconds (about 20 times)
+        eventually(
+            lambda: services.gauges_refreshed_at > first + 2,
+            "two seconds of refreshes",
+            timeout_s=30,
+        )
+        opened = int(server.info("stats")["total_connections_received"]) - opened_before
+        text = scrape(served)
+    server.close()
+    # Then the depths came over the connections it holds: before, each refresh opened a
+    # kombu connection (a Redis connection, its CLIENT SETINFO, redis-py's version read
+    # from the package metadata) to ask them
+    assert opened < 5
+    assert "reach_queue_depth{" in text
 
 
 def test_a_worker_serves_its_metrics_merged_over_its_pool_on_loopback(
