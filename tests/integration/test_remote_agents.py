@@ -347,6 +347,43 @@ def test_deregistering_takes_the_agent_out_of_routing(
         assert ops.delete("/agents/gone-soon").status_code == 404
 
 
+def test_a_hint_naming_one_of_two_agents_of_a_capability_calls_that_agent(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """Each remote agent's lease is an instance (``<agent_id>@remote``) with a queue of its own:
+    a hint naming the second agent of a capability must call that agent, not the first."""
+    first = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": "first"}')
+    second = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": "second"}')
+    with Receiver(always(first)) as one, Receiver(always(second)) as two:
+        try:
+            for agent_id, receiver in (("hint-first", one), ("hint-second", two)):
+                body = registration(receiver.url, capability="test.remote-hint")
+                assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+                wait_routed(ops, agent_id)
+            envelope = {
+                "capability": "test.remote-hint",
+                "payload": {},
+                "reply_mode": "sync",
+                "hint": remote_instance("hint-second"),
+            }
+            answers = [caller.post("/tasks", json=envelope) for _ in range(5)]
+            assert [
+                (
+                    a.status_code,
+                    a.json().get("result"),
+                    (a.json().get("agent") or {}).get("agent_id"),
+                )
+                for a in answers
+            ] == [(200, "second", "hint-second")] * 5
+            calls = [
+                [r for r in receiver.requests if r.path != "/healthz"] for receiver in (one, two)
+            ]
+            assert (len(calls[0]), len(calls[1])) == (0, 5)
+        finally:
+            ops.delete("/agents/hint-first")
+            ops.delete("/agents/hint-second")
+
+
 def test_a_renewal_from_a_read_before_the_removal_does_not_route_to_it_again(
     ops: httpx.Client, caller: httpx.Client, redis_url: str
 ) -> None:

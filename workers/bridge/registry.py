@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from broker.registry.model import capability_of
+from broker.registry.model import capability_of, home_queue
 from broker.remote.connections import AiohttpTransport, guarded_session
 from broker.remote.registration import A2A, RemoteAgent
 from broker.webhooks.ssrf import Guard
@@ -37,8 +37,10 @@ class Sessions:
 
 
 class RemoteRegistry(AgentRegistry):
-    """Specs by card queue (``capability@agent@version``), and by capability for tasks sent
-    to the capability's own queue."""
+    """Specs by card queue (``capability@agent@version``, and an instance's queue under it),
+    and by capability for tasks sent to the capability's own queue: the first agent served
+    that has it. Both are looked up by every run message, so they are kept as dicts, rebuilt
+    when the registrations change."""
 
     def __init__(
         self, guard: Guard, first_byte_timeout_s: float = 30.0, card_timeout_s: float = 5.0
@@ -51,6 +53,8 @@ class RemoteRegistry(AgentRegistry):
         self.transport = AiohttpTransport(self.sessions.get)
         self._lock = threading.Lock()
         self._agents: dict[str, tuple[RemoteAgent, list[CapabilitySpec]]] = {}
+        self._by_queue: dict[str, CapabilitySpec] = {}
+        self._by_name: dict[str, CapabilitySpec] = {}
 
     def serve(self, agent: RemoteAgent) -> list[CapabilitySpec]:
         """Serve the agent as registered now (replacing what it was); its specs."""
@@ -72,11 +76,23 @@ class RemoteRegistry(AgentRegistry):
             specs = [CapabilitySpec(card, self._handler(endpoint)) for card in agent.cards]
         with self._lock:
             self._agents[agent.agent_id] = (agent, specs)
+            self._index()
         return specs
 
     def forget(self, agent_id: str) -> None:
         with self._lock:
             self._agents.pop(agent_id, None)
+            self._index()
+
+    def _index(self) -> None:
+        """The look-up dicts, from ``_agents`` (under the lock); readers take them without it."""
+        by_queue: dict[str, CapabilitySpec] = {}
+        by_name: dict[str, CapabilitySpec] = {}
+        for _, specs in self._agents.values():
+            for spec in specs:
+                by_queue[spec.card.ref().queue()] = spec
+                by_name.setdefault(spec.name, spec)
+        self._by_queue, self._by_name = by_queue, by_name
 
     def agents(self) -> dict[str, RemoteAgent]:
         with self._lock:
@@ -99,15 +115,10 @@ class RemoteRegistry(AgentRegistry):
         return call_a2a
 
     def for_queue(self, queue: str) -> CapabilitySpec | None:
-        specs = self._specs_now()
-        for spec in specs:
-            if spec.card.ref().queue() == queue:
-                return spec
-        name = capability_of(queue)
-        return next((s for s in specs if s.name == name), None)
+        return self._by_queue.get(home_queue(queue)) or self._by_name.get(capability_of(queue))
 
     def get(self, name: str) -> CapabilitySpec | None:
-        return next((s for s in self._specs_now() if s.name == name), None)
+        return self._by_name.get(name)
 
     def __iter__(self) -> Iterator[CapabilitySpec]:
         return iter(self._specs_now())

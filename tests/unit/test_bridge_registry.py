@@ -1,0 +1,59 @@
+"""Which remote agent's handler a run message reaches (``workers.bridge.registry``): by its
+card's queue or an instance's queue under it, else by capability, the first agent served."""
+
+from __future__ import annotations
+
+from broker.registry.model import Card
+from broker.remote.registration import RemoteAgent
+from broker.webhooks.ssrf import Guard
+from workers.bridge.registry import RemoteRegistry
+
+
+def _agent(agent_id: str, *capabilities: str) -> RemoteAgent:
+    return RemoteAgent(
+        agent_id=agent_id,
+        version="1.0.0",
+        protocol="http",
+        url=f"http://127.0.0.1:9/{agent_id}",
+        capability_prefix=None,
+        cards=tuple(Card.declare(c, agent_id=agent_id, version="1.0.0") for c in capabilities),
+        secret="whsec_" + "A" * 32,
+    )
+
+
+def _served_by(registry: RemoteRegistry, queue: str) -> str | None:
+    spec = registry.for_queue(queue)
+    return None if spec is None else spec.card.agent_id
+
+
+def test_a_card_queue_and_its_instance_queues_reach_that_agent_even_when_another_came_first() -> (
+    None
+):
+    registry = RemoteRegistry(Guard())
+    registry.serve(_agent("first", "text.upper"))
+    registry.serve(_agent("second", "text.upper", "text.lower"))
+
+    assert _served_by(registry, "text.upper@second@1.0.0") == "second"
+    assert _served_by(registry, "text.upper@second@1.0.0@bridge-1@host") == "second"
+    assert _served_by(registry, "text.upper@first@1.0.0@bridge-1@host") == "first"
+    assert _served_by(registry, "text.upper") == "first"
+    assert _served_by(registry, "text.lower") == "second"
+    assert _served_by(registry, "text.title") is None
+    assert registry.get("text.lower") is registry.for_queue("text.lower")
+
+
+def test_the_look_ups_follow_a_registration_replaced_and_forgotten() -> None:
+    registry = RemoteRegistry(Guard())
+    registry.serve(_agent("first", "text.upper"))
+    registry.serve(_agent("second", "text.upper"))
+
+    registry.serve(_agent("first", "text.lower"))  # first no longer serves text.upper
+    assert _served_by(registry, "text.upper") == "second"
+    assert _served_by(registry, "text.lower") == "first"
+    # A card queue of a card the agent dropped falls back to the capability's other agent.
+    assert _served_by(registry, "text.upper@first@1.0.0") == "second"
+
+    registry.forget("second")
+    assert registry.for_queue("text.upper") is None
+    assert registry.get("text.upper") is None
+    assert [spec.name for spec in registry] == ["text.lower"]
