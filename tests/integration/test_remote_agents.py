@@ -384,6 +384,31 @@ def test_a_hint_naming_one_of_two_agents_of_a_capability_calls_that_agent(
             ops.delete("/agents/hint-second")
 
 
+def test_the_agent_left_in_routing_serves_its_capability_when_another_is_down(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """With one of two agents of a capability down, routing sends to the capability's own
+    queue: the bridge must call the agent that is up there, not the first it served."""
+    down = Reply(status=503, body=b"down")
+    up = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": "up"}')
+    with Receiver(always(down)) as first, Receiver(always(up)) as second:
+        try:
+            for agent_id, receiver in (("failover-first", first), ("failover-second", second)):
+                body = registration(receiver.url, capability="test.remote-failover")
+                assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+            wait_routed(ops, "failover-second")
+            # Given the first agent never answered its health check, so routing has one card
+            states = [i["state"] for i in ops.get("/agents/failover-first").json()["instances"]]
+            assert "ready" not in states
+            envelope = {"capability": "test.remote-failover", "payload": {}, "reply_mode": "sync"}
+            answers = [caller.post("/tasks", json=envelope) for _ in range(5)]
+            assert [(a.status_code, a.json().get("result")) for a in answers] == [(200, "up")] * 5
+            assert [r.path for r in first.requests if r.path != "/healthz"] == []
+        finally:
+            ops.delete("/agents/failover-first")
+            ops.delete("/agents/failover-second")
+
+
 def test_a_renewal_from_a_read_before_the_removal_does_not_route_to_it_again(
     ops: httpx.Client, caller: httpx.Client, redis_url: str
 ) -> None:

@@ -57,3 +57,23 @@ def test_the_look_ups_follow_a_registration_replaced_and_forgotten() -> None:
     assert registry.for_queue("text.upper") is None
     assert registry.get("text.upper") is None
     assert [spec.name for spec in registry] == ["text.lower"]
+
+
+def test_a_capabilitys_own_queue_goes_to_an_agent_that_is_up_while_one_is() -> None:
+    registry = RemoteRegistry(Guard())
+    registry.serve(_agent("first", "text.upper"))
+    registry.serve(_agent("second", "text.upper"))
+    # Routing sends to the capability's own queue when one agent is live: here the second
+    registry.route(["second"])
+    assert _served_by(registry, "text.upper") == "second"
+    assert registry.get("text.upper") is registry.for_queue("text.upper")
+    # A card's queue still names its agent, up or not
+    assert _served_by(registry, "text.upper@first@1.0.0") == "first"
+    registry.route(["first", "second"])
+    assert _served_by(registry, "text.upper") == "first"
+    # None up: the first served, so a message already taken still reaches an agent
+    registry.route([])
+    assert _served_by(registry, "text.upper") == "first"
+    registry.route(["second"])
+    registry.forget("second")
+    assert _served_by(registry, "text.upper") == "first"

@@ -129,15 +129,17 @@ class RemoteKeeper:
             state = watched.health.observe(passed, now, self.policy)
             if state != before:
                 log.info("remote agent %s: %s -> %s", agent_id, before, state)
+        up = [
+            w
+            for w in self.watched.values()
+            if w.health.routed and (w.agent.agent_id, w.agent.version) not in self.revoked
+        ]
+        # Before the leases change: once one agent of a capability is left in routing, its
+        # tasks come on the capability's own queue, and must reach that agent.
+        self.registry.route(w.agent.agent_id for w in up)
+        for watched in self.watched.values():
             self._hold(watched)
-        self._consume(
-            {
-                q
-                for w in self.watched.values()
-                if w.health.routed and (w.agent.agent_id, w.agent.version) not in self.revoked
-                for q in _queues(w)
-            }
-        )
+        self._consume({q for w in up for q in _queues(w)})
 
     def _hold_own_lease(self) -> None:
         """The bridge's own lease, with no card: it routes nothing, but tells the reaper that

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import aiohttp
@@ -38,9 +38,11 @@ class Sessions:
 
 class RemoteRegistry(AgentRegistry):
     """Specs by card queue (``capability@agent@version``, and an instance's queue under it),
-    and by capability for tasks sent to the capability's own queue: the first agent served
-    that has it. Both are looked up by every run message, so they are kept as dicts, rebuilt
-    when the registrations change."""
+    and by capability for tasks sent to the capability's own queue. Routing uses that queue
+    when one agent is live for the capability (``routing._one_card``), so it goes to the first
+    agent served that counts as up (``route``), and only while none does to the first served.
+    Both are looked up by every run message: they are dicts, rebuilt when the registrations
+    or the agents up change."""
 
     def __init__(
         self, guard: Guard, first_byte_timeout_s: float = 30.0, card_timeout_s: float = 5.0
@@ -55,6 +57,7 @@ class RemoteRegistry(AgentRegistry):
         self._agents: dict[str, tuple[RemoteAgent, list[CapabilitySpec]]] = {}
         self._by_queue: dict[str, CapabilitySpec] = {}
         self._by_name: dict[str, CapabilitySpec] = {}
+        self._up: frozenset[str] = frozenset()
 
     def serve(self, agent: RemoteAgent) -> list[CapabilitySpec]:
         """Serve the agent as registered now (replacing what it was); its specs."""
@@ -84,6 +87,15 @@ class RemoteRegistry(AgentRegistry):
             self._agents.pop(agent_id, None)
             self._index()
 
+    def route(self, up: Iterable[str]) -> None:
+        """The agents that count as up now (healthy, their version not revoked): a
+        capability's own queue is served by one of them."""
+        now_up = frozenset(up)
+        with self._lock:
+            if now_up != self._up:
+                self._up = now_up
+                self._index()
+
     def _index(self) -> None:
         """The look-up dicts, from ``_agents`` (under the lock); readers take them without it."""
         by_queue: dict[str, CapabilitySpec] = {}
@@ -91,7 +103,11 @@ class RemoteRegistry(AgentRegistry):
         for _, specs in self._agents.values():
             for spec in specs:
                 by_queue[spec.card.ref().queue()] = spec
-                by_name.setdefault(spec.name, spec)
+        for up in (True, False):
+            for agent_id, (_, specs) in self._agents.items():
+                if (agent_id in self._up) is up:
+                    for spec in specs:
+                        by_name.setdefault(spec.name, spec)
         self._by_queue, self._by_name = by_queue, by_name
 
     def agents(self) -> dict[str, RemoteAgent]:
