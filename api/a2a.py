@@ -64,6 +64,7 @@ from starlette.routing import BaseRoute, Route
 from api import errors, replies
 from api.deps import authenticate, read_json_body
 from api.services import Services
+from api.sse import Slot
 from broker import jsonbody
 from broker.errors import Conflict, NotFound, ReachError
 from broker.facades import a2a as mapping
@@ -95,7 +96,13 @@ def _a2a_error(exc: ReachError) -> A2AError:
     data = {"code": exc.code, **{k: v for k, v in exc.details.items() if _plain(v)}}
     if isinstance(exc, NotFound) and exc.code == "task_not_found":
         return TaskNotFoundError(message=exc.message, data=data)
-    if exc.code in {"no_agent_available", "rate_limited", "overloaded", "unavailable"}:
+    if exc.code in {
+        "no_agent_available",
+        "rate_limited",
+        "too_many_streams",
+        "overloaded",
+        "unavailable",
+    }:
         return InternalError(message=exc.message, data=data)
     return InvalidParamsError(message=exc.message, data=data)
 
@@ -163,11 +170,15 @@ class ReachRequestHandler(RequestHandler):
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncGenerator[Any]:
-        caller, row = await self._submit(params, context)
-        rendered = render(row)
-        yield mapping.task_of(rendered)
-        async for event in self._events(caller, rendered, after=0):
-            yield event
+        slot = self._stream_slot(context)  # before the task is written, as for POST /tasks
+        try:
+            caller, row = await self._submit(params, context)
+            rendered = render(row)
+            yield mapping.task_of(rendered)
+            async for event in self._events(caller, rendered, after=0):
+                yield event
+        finally:
+            slot.release()
 
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
@@ -177,14 +188,25 @@ class ReachRequestHandler(RequestHandler):
         row = await self._visible(caller, params.id)
         if row["status"] in FINAL:
             raise UnsupportedOperationError(message=f"the task is already {row['status']}")
-        log = await self.svc.hub.read_log(str(row["id"]), 0)
-        rendered = render(row)
-        yield mapping.task_of(rendered)
-        after = log[-1].seq if log else 0
-        mapper = mapping.EventMapper(rendered["task_id"], rendered.get("session_id") or "")
-        mapper.outputs = sum(1 for event in log if event.type == "output")
-        async for event in self._events(caller, rendered, after=after, mapper=mapper):
-            yield event
+        slot = self._stream_slot(context)
+        try:
+            log = await self.svc.hub.read_log(str(row["id"]), 0)
+            rendered = render(row)
+            yield mapping.task_of(rendered)
+            after = log[-1].seq if log else 0
+            mapper = mapping.EventMapper(rendered["task_id"], rendered.get("session_id") or "")
+            mapper.outputs = sum(1 for event in log if event.type == "output")
+            async for event in self._events(caller, rendered, after=after, mapper=mapper):
+                yield event
+        finally:
+            slot.release()
+
+    def _stream_slot(self, context: ServerCallContext) -> Slot:
+        """One of the tenant's stream slots (``api.sse.StreamSlots``), or the A2A error."""
+        try:
+            return self.svc.streams.take(_principal(context).tenant)
+        except ReachError as exc:
+            raise _a2a_error(exc) from None
 
     async def _events(
         self,

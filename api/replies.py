@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from api.services import Services
-from api.sse import EventStreamResponse
+from api.sse import EventStreamResponse, Slot
 from broker.observability import metrics
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope
@@ -60,8 +60,12 @@ def event_stream(
     status_code: int = 200,
     headers: dict[str, str] | None = None,
     started: float | None = None,
+    slot: Slot | None = None,
 ) -> EventStreamResponse:
+    """The task's events as SSE, in a stream slot of the tenant's: ``slot`` when one was taken
+    already (before a stream-mode submit), else one taken here (429 when none is left)."""
     settings = svc.settings
+    slot = slot or svc.streams.take(tenant)
     events = svc.hub.events(
         str(task_id),
         after=after,
@@ -75,6 +79,7 @@ def event_stream(
         status_code=status_code,
         headers=headers,
         started=started,
+        slot=slot,
     )
 
 
@@ -112,17 +117,23 @@ async def wait_until_final(
 
 
 async def answer(
-    svc: Services, tenant: str, envelope: Envelope, accepted: Accepted, *, started: float
+    svc: Services,
+    tenant: str,
+    envelope: Envelope,
+    accepted: Accepted,
+    *,
+    started: float,
+    slot: Slot | None = None,
 ) -> Response:
     """The answer to a submit, in the envelope's ``reply_mode``: ``async`` 202 with the task;
     ``sync`` 200 with the finished task if it finishes within the wait, else 202; ``stream``
-    its events."""
+    its events, in ``slot`` (taken before the submit)."""
     row = accepted.row
     headers = {"Location": f"/tasks/{row['id']}"}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if envelope.reply_mode == "stream":
-        return event_stream(svc, tenant, row["id"], headers=headers, started=started)
+        return event_stream(svc, tenant, row["id"], headers=headers, started=started, slot=slot)
     if envelope.reply_mode == "sync":
         finished = await wait_until_final(svc, tenant, row["id"], sync_wait_s(svc, envelope))
         metrics.sync_round_trip.observe(time.perf_counter() - started)

@@ -14,6 +14,7 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.callers import KeyCache, PerClientBudget, TenantOfKey
+from api.sse import StreamSlots
 from broker import redisclients
 from broker.cache import TimedCache
 from broker.db.engines import async_engine
@@ -48,6 +49,7 @@ class Services:
     event_log: EventLog
     intake: Intake
     canceller: Canceller
+    streams: StreamSlots
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
 
@@ -103,6 +105,7 @@ class Services:
             event_log=intake.event_log,
             intake=intake,
             canceller=Canceller(engine, redis, intake.cards, dispatcher, intake.event_log),
+            streams=StreamSlots(settings.max_streams_per_tenant),
         )
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from broker.errors import ReachError
 from broker.observability import metrics
 from broker.tasks.events import Event
 
@@ -26,6 +27,51 @@ HEADERS = {
     "X-Accel-Buffering": "no",  # nginx would otherwise buffer the stream
     "Connection": "keep-alive",
 }
+
+
+class TooManyStreams(ReachError):
+    code = "too_many_streams"
+
+
+class StreamSlots:
+    """The streams each tenant holds open in this process, at most ``per_tenant`` at once. The
+    API's event loop is the only user: no lock."""
+
+    def __init__(self, per_tenant: int) -> None:
+        self.per_tenant = per_tenant
+        self.open: dict[str, int] = {}
+
+    def take(self, tenant: str) -> Slot:
+        """A slot for one more stream of ``tenant``; raises ``TooManyStreams`` (429) when it
+        holds ``per_tenant`` already. Taken before anything is written (a stream-mode submit)."""
+        held = self.open.get(tenant, 0)
+        if held >= self.per_tenant:
+            raise TooManyStreams(
+                f"this tenant holds {held} streams open here already; close one, or retry later",
+                limit=self.per_tenant,
+            )
+        self.open[tenant] = held + 1
+        return Slot(self, tenant)
+
+    def _give_back(self, tenant: str) -> None:
+        left = self.open.get(tenant, 0) - 1
+        if left > 0:
+            self.open[tenant] = left
+        else:
+            self.open.pop(tenant, None)
+
+
+class Slot:
+    """One stream's place; ``release`` gives it back, once."""
+
+    def __init__(self, slots: StreamSlots, tenant: str) -> None:
+        self._slots: StreamSlots | None = slots
+        self.tenant = tenant
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots._give_back(self.tenant)
 
 
 class EventStreamResponse(Response):
@@ -40,6 +86,7 @@ class EventStreamResponse(Response):
         status_code: int = 200,
         headers: dict[str, str] | None = None,
         started: float | None = None,
+        slot: Slot | None = None,
     ) -> None:
         super().__init__(status_code=status_code, headers={**HEADERS, **(headers or {})})
         # A stream has no length: drop the content-length: 0 that Response adds for no body.
@@ -48,6 +95,7 @@ class EventStreamResponse(Response):
         self.send_timeout_s = send_timeout_s
         self.ping_s = ping_s
         self.started = started  # perf_counter() at the request, to time the first event
+        self.slot = slot  # given back when the stream ends, however it ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -91,9 +139,13 @@ class EventStreamResponse(Response):
                 else:
                     raise exc
         finally:
-            for task in (streaming, watching):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            with contextlib.suppress(Exception):
-                await self.events.aclose()  # type: ignore[attr-defined]
+            try:
+                for task in (streaming, watching):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                with contextlib.suppress(Exception):
+                    await self.events.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.slot is not None:
+                    self.slot.release()

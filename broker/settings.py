@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     # SSE: a ': ping' after this much silence; a client not reading for send_timeout is dropped.
     sse_ping_s: float = Field(15.0, gt=0)
     sse_send_timeout_s: float = Field(30.0, gt=0)
+    # Streams one tenant may hold open at once in one API process (SSE, A2A streams); past it,
+    # 429 too_many_streams before anything is written. Each holds a connection and memory: one
+    # tenant opening thousands would take the process's file descriptors from every other.
+    max_streams_per_tenant: int = Field(1000, gt=0)
 
     # Back-pressure: per tenant, tasks per second with a burst; per queue, waiting messages.
     rate_limit_per_s: float = Field(200.0, gt=0)

@@ -99,11 +99,21 @@ async def submit_task(request: Request, caller: Caller) -> Response:
     envelope = parse_envelope(
         _merge_idempotency_header(data, request.headers.get("idempotency-key"))
     )
-    accepted = await state.intake.submit(
-        caller, envelope, trace_id=request.state.trace_id, metered=token_taken
-    )
-    metrics.submit_duration.observe(time.perf_counter() - started)
-    return await replies.answer(state, caller.tenant, envelope, accepted, started=started)
+    # A stream's slot before the task is written: a tenant holding all of its own is refused
+    # with nothing written, and the stream the task was accepted for always opens.
+    slot = state.streams.take(caller.tenant) if envelope.reply_mode == "stream" else None
+    try:
+        accepted = await state.intake.submit(
+            caller, envelope, trace_id=request.state.trace_id, metered=token_taken
+        )
+        metrics.submit_duration.observe(time.perf_counter() - started)
+        return await replies.answer(
+            state, caller.tenant, envelope, accepted, started=started, slot=slot
+        )
+    except BaseException:
+        if slot is not None:
+            slot.release()
+        raise
 
 
 @router.get(

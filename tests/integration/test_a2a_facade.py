@@ -35,9 +35,10 @@ from a2a.types import (
     TaskPushNotificationConfig,
     TaskState,
 )
-from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
+from a2a.utils.errors import InternalError, InvalidParamsError, TaskNotFoundError
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
+from sqlalchemy import Engine, text
 from standardwebhooks import Webhook
 
 from api.app import create_app
@@ -518,3 +519,41 @@ def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_anothe
                 await http.aclose()
 
         a2a.run(run)
+
+
+def test_a_tenant_holding_its_most_streams_is_refused_another_before_a_task_is_written(
+    settings: Settings, make_key: KeyMaker, worker: CeleryProcess, engine: Engine
+) -> None:
+    """The stream slots of ``POST /tasks`` (``api.sse.StreamSlots``) hold for A2A streams
+    too: a streamed message past them is refused, with no task written."""
+    tenant, _ = make_key()
+
+    def tasks_of_tenant() -> int:
+        with engine.connect() as conn:
+            found = conn.execute(
+                text("SELECT count(*) FROM tasks WHERE tenant = :t"), {"t": tenant}
+            )
+            return int(found.scalar_one())
+
+    with ServedApp(create_app(settings.model_copy(update={"max_streams_per_tenant": 1}))) as api:
+        clients = Clients(api, make_key)
+
+        async def run() -> None:
+            client, _ = await clients(streaming=True, tenant=tenant)
+            sleepy = message("test.sleepy", data={"sleep_s": 3})
+            held = client.send_message(SendMessageRequest(message=sleepy))
+            first = await anext(held)  # the task: its stream is open
+            written = tasks_of_tenant()
+            with pytest.raises(InternalError) as refused:
+                await collect(client.send_message(SendMessageRequest(message=sleepy)))
+            assert "streams" in str(refused.value)
+            assert tasks_of_tenant() == written
+            # Its own stream goes on to the end, and frees the slot for the next
+            rest = await collect(held)
+            assert first.task.id and rest[-1].status_update.status.state == (
+                TaskState.TASK_STATE_COMPLETED
+            )
+            again = await collect(client.send_message(SendMessageRequest(message=sleepy)))
+            assert again[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
+
+        clients.run(run)

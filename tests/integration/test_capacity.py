@@ -8,6 +8,8 @@ tenants, when one of them behaves like an attacker, I expect the other still to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -15,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import event
+from sqlalchemy import Engine, event, text
 
 from api.app import create_app
 from broker.settings import Settings
@@ -152,6 +154,83 @@ def test_one_tenant_holds_at_most_its_share_of_the_waiting_requests(
     answered, seen = asyncio.run(scenario())
     assert answered == {-1: 16, 503: 54}
     assert seen == [202] * 10
+
+
+async def _opened(
+    http: httpx.AsyncClient, method: str, url: str, **kwargs: Any
+) -> tuple[int, httpx.Headers, bytes]:
+    """A request's status and headers, and its body unless it is a stream (which is closed)."""
+    async with http.stream(method, url, **kwargs) as answer:
+        body = b"" if answer.status_code == 200 else await answer.aread()
+        return answer.status_code, answer.headers, body
+
+
+def test_one_tenant_holds_at_most_its_streams_and_another_still_opens_its_own(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker, engine: Engine
+) -> None:
+    """Each SSE stream holds a connection and memory for as long as it is open: one tenant's
+    thousands would take the process's file descriptors from everyone. Past its streams, a
+    tenant is refused 429 at once, a stream-mode submit with nothing written."""
+    api = stack_for(max_streams_per_tenant=5, rate_limit_per_s=10_000, rate_limit_burst=10_000)
+    attacker_tenant, attacker = make_key()
+    _, victim = make_key()
+
+    def tasks_of(tenant: str) -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text("SELECT count(*) FROM tasks WHERE tenant = :t"), {"t": tenant}
+                ).scalar_one()
+            )
+
+    async def scenario() -> None:
+        mine = {"Authorization": f"Bearer {attacker}"}
+        theirs = {"Authorization": f"Bearer {victim}"}
+        async with (
+            httpx.AsyncClient(base_url=api.url, headers=mine, timeout=30) as http,
+            httpx.AsyncClient(base_url=api.url, headers=theirs, timeout=30) as other,
+            contextlib.AsyncExitStack() as held,
+        ):
+            task_id = (await http.post("/tasks", json=QUEUED_ECHO)).json()["task_id"]
+            # Given the attacker holds 5 streams of its queued task open
+            for _ in range(5):
+                stream = await held.enter_async_context(
+                    http.stream("GET", f"/tasks/{task_id}/events")
+                )
+                assert stream.status_code == 200
+            # When it opens a sixth, or submits in stream mode
+            refused = await _opened(http, "GET", f"/tasks/{task_id}/events")
+            written_before = tasks_of(attacker_tenant)
+            submitted = await _opened(
+                http, "POST", "/tasks", json={**QUEUED_ECHO, "reply_mode": "stream"}
+            )
+            # Then both are 429 too_many_streams, and the submit wrote no task
+            for status, headers, body in (refused, submitted):
+                assert status == 429, body
+                assert headers["content-type"] == "application/problem+json"
+                assert json.loads(body)["code"] == "too_many_streams"
+                assert headers["retry-after"] == "1"
+            assert tasks_of(attacker_tenant) == written_before
+            # And the other tenant opens its streams as ever
+            async with other.stream(
+                "POST", "/tasks", json={**QUEUED_ECHO, "reply_mode": "stream"}
+            ) as theirs_open:
+                assert theirs_open.status_code == 200
+                assert theirs_open.headers["content-type"].startswith("text/event-stream")
+            # And once the attacker closes its streams, it opens one again
+            await held.aclose()
+
+            async def opens() -> int:
+                async with http.stream("GET", f"/tasks/{task_id}/events") as again:
+                    return again.status_code
+
+            for _ in range(100):
+                if (status := await opens()) == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == 200
+
+    asyncio.run(scenario())
 
 
 def test_a_body_that_does_not_arrive_in_time_is_answered_408(
