@@ -24,6 +24,7 @@ from api.contract import AUTHENTICATED, answers, json_body
 from api.deps import authenticate
 from api.mcp.calls import Calls
 from api.services import Services
+from api.sse import Slot
 from broker.settings import Settings
 from broker.tenancy.keys import Principal
 
@@ -57,6 +58,7 @@ class McpFacade:
     """The MCP server and its session manager; ``running()`` belongs in the app's lifespan."""
 
     def __init__(self, svc: Services) -> None:
+        self.svc = svc
         calls = Calls(svc)
         server: Server[object] = Server(
             "agent-reach",
@@ -86,7 +88,9 @@ class McpFacade:
             JSON or as an SSE stream that carries its progress notifications. Tools: one per
             capability the key may run, plus ``reach_get_task`` and ``reach_cancel_task``."""
             request.state.caller = caller
-            return _HandedOver(self.manager)
+            # A tool call may hold its answer open (SSE) for the whole wait: one of the
+            # tenant's stream slots until it ends (``api.sse.StreamSlots``).
+            return _HandedOver(self.manager, self.svc.streams.take(caller.tenant))
 
         router.add_api_route(
             PATH,
@@ -113,14 +117,18 @@ class McpFacade:
 
 
 class _HandedOver(Response):
-    """The answer the SDK's transport writes itself."""
+    """The answer the SDK's transport writes itself, in ``slot`` until it ends."""
 
-    def __init__(self, manager: StreamableHTTPSessionManager) -> None:
+    def __init__(self, manager: StreamableHTTPSessionManager, slot: Slot) -> None:
         super().__init__()
         self.manager = manager
+        self.slot = slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.manager.handle_request(scope, receive, send)
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        finally:
+            self.slot.release()
 
 
 def _host_check(settings: Settings) -> TransportSecuritySettings:

@@ -17,6 +17,7 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, TextContent
+from sqlalchemy import Engine, text
 
 from api.app import create_app
 from broker.settings import Settings
@@ -302,3 +303,58 @@ def test_the_openapi_document_shows_the_mcp_endpoint(api: ServedApp) -> None:
     post = spec["paths"]["/mcp"]["post"]
     assert "mcp" in post["tags"]
     assert "401" in post["responses"]
+
+
+def test_a_tenant_holding_its_most_streams_is_refused_another_request_and_others_are_not(
+    settings: Settings, make_key: KeyMaker, worker: CeleryProcess, engine: Engine
+) -> None:
+    """A tool call holds its answer open for its whole wait, so it takes one of the tenant's
+    stream slots (``REACH_MAX_STREAMS_PER_TENANT``) until it ends."""
+    tenant, token = make_key()
+    _, other = make_key()
+    accept = {"Accept": "application/json, text/event-stream"}
+
+    def rpc(method: str, **params: Any) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+
+    async def post(http: httpx.AsyncClient, key: str) -> httpx.Response:
+        headers = {**accept, "Authorization": f"Bearer {key}"}
+        return await http.post("/mcp", json=rpc("tools/list"), headers=headers)
+
+    def running() -> int:
+        with engine.connect() as conn:
+            found = conn.execute(
+                text("SELECT count(*) FROM tasks WHERE tenant = :t AND status = 'running'"),
+                {"t": tenant},
+            )
+            return int(found.scalar_one())
+
+    app = create_app(settings.model_copy(update={"max_streams_per_tenant": 1}))
+    with ServedApp(app) as api:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=api.url, timeout=30) as http:
+                call = rpc("tools/call", name="test.sleepy", arguments={"sleep_s": 4})
+                headers = {**accept, "Authorization": f"Bearer {token}"}
+                async with http.stream("POST", "/mcp", json=call, headers=headers) as held:
+                    assert held.status_code == 200
+                    for _ in range(200):  # until the call is in and its task started
+                        if running():
+                            break
+                        await asyncio.sleep(0.05)
+                    # While its call waits, the tenant's next request is refused; the other's
+                    # is not
+                    refused = await post(http, token)
+                    assert refused.status_code == 429, refused.text
+                    assert refused.json()["code"] == "too_many_streams"
+                    assert (await post(http, other)).status_code != 429
+                    answer = (await held.aread()).decode()
+                assert '"isError":false' in answer.replace(" ", ""), answer
+                # Once the call has ended, the slot is free again
+                for _ in range(100):
+                    if not app.state.services.streams.open.get(tenant):
+                        break
+                    await asyncio.sleep(0.02)
+                assert (await post(http, token)).status_code != 429
+
+        asyncio.run(scenario())
