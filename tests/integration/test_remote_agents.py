@@ -13,6 +13,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -347,41 +348,51 @@ def test_deregistering_takes_the_agent_out_of_routing(
         assert ops.delete("/agents/gone-soon").status_code == 404
 
 
+def json_reply(result: Any) -> Reply:
+    body = json.dumps({"result": result}).encode()
+    return Reply(headers={"Content-Type": "application/json"}, body=body)
+
+
+@contextmanager
+def registered(ops: httpx.Client, capability: str, agents: dict[str, Receiver]) -> Iterator[None]:
+    """Each agent registered for ``capability``, in order, at its receiver; removed after."""
+    try:
+        for agent_id, receiver in agents.items():
+            body = registration(receiver.url, capability=capability)
+            assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+        yield
+    finally:
+        for agent_id in agents:
+            ops.delete(f"/agents/{agent_id}")
+
+
+def calls_to(receiver: Receiver) -> list[str]:
+    """The paths of the calls the bridge made to ``receiver``, its health checks left out."""
+    return [r.path for r in receiver.requests if r.path != "/healthz"]
+
+
 def test_a_hint_naming_one_of_two_agents_of_a_capability_calls_that_agent(
     ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
 ) -> None:
     """Each remote agent's lease is an instance (``<agent_id>@remote``) with a queue of its own:
     a hint naming the second agent of a capability must call that agent, not the first."""
-    first = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": "first"}')
-    second = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": "second"}')
-    with Receiver(always(first)) as one, Receiver(always(second)) as two:
-        try:
-            for agent_id, receiver in (("hint-first", one), ("hint-second", two)):
-                body = registration(receiver.url, capability="test.remote-hint")
-                assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
-                wait_routed(ops, agent_id)
-            envelope = {
-                "capability": "test.remote-hint",
-                "payload": {},
-                "reply_mode": "sync",
-                "hint": remote_instance("hint-second"),
-            }
-            answers = [caller.post("/tasks", json=envelope) for _ in range(5)]
-            assert [
-                (
-                    a.status_code,
-                    a.json().get("result"),
-                    (a.json().get("agent") or {}).get("agent_id"),
-                )
-                for a in answers
-            ] == [(200, "second", "hint-second")] * 5
-            calls = [
-                [r for r in receiver.requests if r.path != "/healthz"] for receiver in (one, two)
-            ]
-            assert (len(calls[0]), len(calls[1])) == (0, 5)
-        finally:
-            ops.delete("/agents/hint-first")
-            ops.delete("/agents/hint-second")
+    with (
+        Receiver(always(json_reply("first"))) as one,
+        Receiver(always(json_reply("second"))) as two,
+        registered(ops, "test.remote-hint", {"hint-first": one, "hint-second": two}),
+    ):
+        wait_routed(ops, "hint-first")
+        wait_routed(ops, "hint-second")
+        envelope = {
+            "capability": "test.remote-hint",
+            "payload": {},
+            "reply_mode": "sync",
+            "hint": remote_instance("hint-second"),
+        }
+        answers = [caller.post("/tasks", json=envelope).json() for _ in range(5)]
+        ran = [(a.get("result"), (a.get("agent") or {}).get("agent_id")) for a in answers]
+        assert ran == [("second", "hint-second")] * 5
+        assert (len(calls_to(one)), len(calls_to(two))) == (0, 5)
 
 
 def test_the_agent_left_in_routing_serves_its_capability_when_another_is_down(
@@ -389,24 +400,19 @@ def test_the_agent_left_in_routing_serves_its_capability_when_another_is_down(
 ) -> None:
     """With one of two agents of a capability down, routing sends to the capability's own
     queue: the bridge must call the agent that is up there, not the first it served."""
-    down = Reply(status=503, body=b"down")
-    up = Reply(headers={"Content-Type": "application/json"}, body=b'{"result": "up"}')
-    with Receiver(always(down)) as first, Receiver(always(up)) as second:
-        try:
-            for agent_id, receiver in (("failover-first", first), ("failover-second", second)):
-                body = registration(receiver.url, capability="test.remote-failover")
-                assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
-            wait_routed(ops, "failover-second")
-            # Given the first agent never answered its health check, so routing has one card
-            states = [i["state"] for i in ops.get("/agents/failover-first").json()["instances"]]
-            assert "ready" not in states
-            envelope = {"capability": "test.remote-failover", "payload": {}, "reply_mode": "sync"}
-            answers = [caller.post("/tasks", json=envelope) for _ in range(5)]
-            assert [(a.status_code, a.json().get("result")) for a in answers] == [(200, "up")] * 5
-            assert [r.path for r in first.requests if r.path != "/healthz"] == []
-        finally:
-            ops.delete("/agents/failover-first")
-            ops.delete("/agents/failover-second")
+    with (
+        Receiver(always(Reply(status=503, body=b"down"))) as down,
+        Receiver(always(json_reply("up"))) as up,
+        registered(ops, "test.remote-failover", {"failover-first": down, "failover-second": up}),
+    ):
+        wait_routed(ops, "failover-second")
+        # Given the first agent never answered its health check, so routing has one card
+        states = [i["state"] for i in ops.get("/agents/failover-first").json()["instances"]]
+        assert "ready" not in states
+        envelope = {"capability": "test.remote-failover", "payload": {}, "reply_mode": "sync"}
+        answers = [caller.post("/tasks", json=envelope) for _ in range(5)]
+        assert [(a.status_code, a.json().get("result")) for a in answers] == [(200, "up")] * 5
+        assert calls_to(down) == []
 
 
 def test_a_renewal_from_a_read_before_the_removal_does_not_route_to_it_again(
