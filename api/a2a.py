@@ -170,15 +170,12 @@ class ReachRequestHandler(RequestHandler):
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncGenerator[Any]:
-        slot = self._stream_slot(context)  # before the task is written, as for POST /tasks
-        try:
+        with self._stream_slot(context):  # before the task is written, as for POST /tasks
             caller, row = await self._submit(params, context)
             rendered = render(row)
             yield mapping.task_of(rendered)
             async for event in self._events(caller, rendered, after=0):
                 yield event
-        finally:
-            slot.release()
 
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
@@ -188,8 +185,7 @@ class ReachRequestHandler(RequestHandler):
         row = await self._visible(caller, params.id)
         if row["status"] in FINAL:
             raise UnsupportedOperationError(message=f"the task is already {row['status']}")
-        slot = self._stream_slot(context)
-        try:
+        with self._stream_slot(context):
             log = await self.svc.hub.read_log(str(row["id"]), 0)
             rendered = render(row)
             yield mapping.task_of(rendered)
@@ -198,8 +194,6 @@ class ReachRequestHandler(RequestHandler):
             mapper.outputs = sum(1 for event in log if event.type == "output")
             async for event in self._events(caller, rendered, after=after, mapper=mapper):
                 yield event
-        finally:
-            slot.release()
 
     def _stream_slot(self, context: ServerCallContext) -> Slot:
         """One of the tenant's stream slots (``api.sse.StreamSlots``), or the A2A error."""

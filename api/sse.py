@@ -62,7 +62,7 @@ class StreamSlots:
 
 
 class Slot:
-    """One stream's place; ``release`` gives it back, once."""
+    """One stream's place; ``release`` gives it back, once (and so does leaving ``with``)."""
 
     def __init__(self, slots: StreamSlots, tenant: str) -> None:
         self._slots: StreamSlots | None = slots
@@ -72,6 +72,12 @@ class Slot:
         slots, self._slots = self._slots, None
         if slots is not None:
             slots._give_back(self.tenant)
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class EventStreamResponse(Response):

@@ -125,10 +125,8 @@ class _HandedOver(Response):
         self.slot = slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
+        with self.slot:
             await self.manager.handle_request(scope, receive, send)
-        finally:
-            self.slot.release()
 
 
 def _host_check(settings: Settings) -> TransportSecuritySettings:

@@ -200,7 +200,7 @@ def test_one_tenant_holds_at_most_its_streams_and_another_still_opens_its_own(
                 assert stream.status_code == 200
             # When it opens a sixth, or submits in stream mode
             refused = await _opened(http, "GET", f"/tasks/{task_id}/events")
-            written_before = tasks_of(attacker_tenant)
+            written_before = await asyncio.to_thread(tasks_of, attacker_tenant)
             submitted = await _opened(
                 http, "POST", "/tasks", json={**QUEUED_ECHO, "reply_mode": "stream"}
             )
@@ -210,7 +210,7 @@ def test_one_tenant_holds_at_most_its_streams_and_another_still_opens_its_own(
                 assert headers["content-type"] == "application/problem+json"
                 assert json.loads(body)["code"] == "too_many_streams"
                 assert headers["retry-after"] == "1"
-            assert tasks_of(attacker_tenant) == written_before
+            assert await asyncio.to_thread(tasks_of, attacker_tenant) == written_before
             # And the other tenant opens its streams as ever
             async with other.stream(
                 "POST", "/tasks", json={**QUEUED_ECHO, "reply_mode": "stream"}

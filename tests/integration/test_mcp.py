@@ -339,7 +339,7 @@ def test_a_tenant_holding_its_most_streams_is_refused_another_request_and_others
                 async with http.stream("POST", "/mcp", json=call, headers=headers) as held:
                     assert held.status_code == 200
                     for _ in range(200):  # until the call is in and its task started
-                        if running():
+                        if await asyncio.to_thread(running):
                             break
                         await asyncio.sleep(0.05)
                     # While its call waits, the tenant's next request is refused; the other's

@@ -35,3 +35,12 @@ def test_a_tenant_with_no_stream_open_leaves_no_entry() -> None:
     for slot in taken:
         slot.release()
     assert slots.open == {}
+
+
+def test_leaving_a_with_block_gives_the_slot_back_however_it_is_left() -> None:
+    slots = StreamSlots(per_tenant=1)
+    with pytest.raises(RuntimeError), slots.take("a"):
+        raise RuntimeError("the stream broke")
+    with slots.take("a"):
+        assert slots.open == {"a": 1}
+    assert slots.open == {}
