@@ -96,13 +96,7 @@ def _a2a_error(exc: ReachError) -> A2AError:
     data = {"code": exc.code, **{k: v for k, v in exc.details.items() if _plain(v)}}
     if isinstance(exc, NotFound) and exc.code == "task_not_found":
         return TaskNotFoundError(message=exc.message, data=data)
-    if exc.code in {
-        "no_agent_available",
-        "rate_limited",
-        "too_many_streams",
-        "overloaded",
-        "unavailable",
-    }:
+    if errors.status_for(exc) in (429, 503):  # refused for now: the same call may pass later
         return InternalError(message=exc.message, data=data)
     return InvalidParamsError(message=exc.message, data=data)
 

@@ -54,6 +54,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "body_timeout": 408,
     "rate_limited": 429,
     "too_many_streams": 429,
+    "too_many_queued": 429,
     "revision_conflict": 412,
     "precondition_required": 428,
     "body_too_large": 413,

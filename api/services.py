@@ -20,7 +20,13 @@ from broker.cache import TimedCache
 from broker.db.engines import async_engine
 from broker.settings import Settings
 from broker.tasks.admission import Door
-from broker.tasks.backpressure import Depths, QueueBound, TokenBucket, redis_depths
+from broker.tasks.backpressure import (
+    Depths,
+    QueueBound,
+    TokenBucket,
+    postgres_queued,
+    redis_depths,
+)
 from broker.tasks.cancellation import Canceller
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.eventhub import EventHub
@@ -76,6 +82,8 @@ class Services:
             queue_bound=QueueBound(
                 _queue_depths(settings, redis, broker_redis, dispatcher),
                 settings.max_queue_depth,
+                queued=postgres_queued(engine),
+                max_share=settings.max_queue_share,
             ),
             lookups=HostLookups(
                 threads=settings.dns_threads,

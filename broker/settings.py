@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     rate_limit_per_s: float = Field(200.0, gt=0)
     rate_limit_burst: int = Field(400, gt=0)
     max_queue_depth: int = Field(10_000, gt=0)
+    # Once a queue holds this share of max_queue_depth, a tenant holding that many of its
+    # waiting tasks gets 429 too_many_queued: one tenant within its rate cannot fill a queue
+    # every tenant shares (1: no share, first come first served up to the bound).
+    max_queue_share: float = Field(0.5, gt=0, le=1)
     # Requests of one API process waiting for their answer (sync waits too); beyond it, 503 at
     # once. 1,000 connections submitting at once all fit and are answered within seconds.
     max_requests_waiting: int = Field(1024, gt=0)

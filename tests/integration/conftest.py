@@ -45,8 +45,15 @@ TEST_QUEUES = ",".join(
 )
 
 # Capabilities whose agent no test starts, yet whose tasks must be able to wait in a queue.
-# ``test.nobody-fills``: one test fills its queue, which no other test may have touched.
-DORMANT = ("test.nobody", "test.nobody-serves", "test.nobody-serves-this", "test.nobody-fills")
+# ``test.nobody-fills`` and ``test.nobody-shares``: a test fills each one's queue, which no
+# other test may have touched.
+DORMANT = (
+    "test.nobody",
+    "test.nobody-serves",
+    "test.nobody-serves-this",
+    "test.nobody-fills",
+    "test.nobody-shares",
+)
 
 
 def advertise_test_cards(engine: Engine) -> None:

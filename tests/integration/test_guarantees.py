@@ -248,8 +248,14 @@ def test_cancelling_a_final_task_is_409_and_a_foreign_one_404(
 
 @pytest.fixture
 def strict_api(settings: Settings, worker: CeleryProcess) -> Iterator[ServedApp]:
+    # One tenant may fill these queues: these tests are of the rate and the depth bound.
     tight = settings.model_copy(
-        update={"rate_limit_per_s": 2, "rate_limit_burst": 3, "max_queue_depth": 3}
+        update={
+            "rate_limit_per_s": 2,
+            "rate_limit_burst": 3,
+            "max_queue_depth": 3,
+            "max_queue_share": 1.0,
+        }
     )
     app = create_app(tight)
     # Depths read from the broker on every submit (in service: at most once a second), so
@@ -300,6 +306,40 @@ def test_a_full_queue_gets_503_overloaded_without_using_the_idempotency_key(
     assert sum(a.status_code == 202 for a in answers) == 3
     refused_tenant = tenants[answers.index(refused[0])][0]
     assert count_tasks(engine, refused_tenant) == 0  # the key k-1 is still free for it
+
+
+def test_a_tenant_holding_its_share_of_a_queue_gets_429_and_another_still_gets_in(
+    settings: Settings, make_key: KeyMaker, engine: Engine
+) -> None:
+    shared = settings.model_copy(update={"max_queue_depth": 4, "max_queue_share": 0.5})
+    app = create_app(shared)
+    app.state.services.queue_bound.refresh_s = 0  # each submit sees the ones before it
+    app.state.services.queue_bound.stale_s = 0
+    hog, hog_key = make_key()
+    other, other_key = make_key()
+
+    def submit(served: ServedApp, key: str, n: int) -> httpx.Response:
+        document = {
+            "capability": "test.nobody-shares",  # its queue empty until now, and not consumed
+            "payload": {},
+            "queue_if_unavailable": True,
+            "idempotency_key": f"k-{n}",
+        }
+        with client_for(served, key) as http:
+            return http.post("/tasks", json=document)
+
+    with ServedApp(app) as served:
+        hogged = [submit(served, hog_key, n) for n in range(4)]
+        others = [submit(served, other_key, n) for n in range(3)]
+    # The hog got the queue's share (2 of 4), then 429 with nothing written
+    assert [a.status_code for a in hogged] == [202, 202, 429, 429]
+    assert hogged[2].json()["code"] == "too_many_queued"
+    assert int(hogged[2].headers["retry-after"]) >= 1
+    assert count_tasks(engine, hog) == 2
+    # The other tenant filled the rest of the queue, then met its bound
+    assert [a.status_code for a in others] == [202, 202, 503]
+    assert others[2].json()["code"] == "overloaded"
+    assert count_tasks(engine, other) == 2
 
 
 # -- nothing lost -----------------------------------------------------------------------

@@ -1,11 +1,14 @@
-"""The per-queue depth bound, on a stand-in depth reader (no services needed)."""
+"""The per-queue depth bound and a tenant's share of a queue, on stand-in readers (no services
+needed)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from broker.errors import Unavailable
-from broker.tasks.backpressure import QueueBound
+from broker.tasks.backpressure import QueueBound, TooManyQueued
 
 
 async def _no_depth(queues: list[str]) -> dict[str, int]:
@@ -103,3 +106,83 @@ def test_given_a_depth_read_beside_a_request_expect_close_to_wait_for_it() -> No
         assert reads == ["q", "q"]
 
     asyncio.run(main())
+
+
+class Queued:
+    """A stand-in count of each tenant's waiting tasks; counts the reads."""
+
+    def __init__(self, **waiting: int) -> None:
+        self.waiting = waiting
+        self.reads: list[str] = []
+
+    async def __call__(self, tenant: str, queue: str, limit: int) -> int:
+        self.reads.append(tenant)
+        return min(limit, self.waiting.get(tenant, 0))
+
+
+def test_given_a_queue_below_its_share_expect_no_tenant_counted() -> None:
+    counts = Queued(a=100)
+    bound = QueueBound(Depths(4), max_depth=10, queued=counts, max_share=0.5)
+
+    async def main() -> None:
+        for _ in range(20):
+            await bound.check("q", "a")
+
+    asyncio.run(main())
+    assert counts.reads == []
+
+
+def test_given_a_queue_past_its_share_expect_the_tenant_holding_it_refused_and_others_not() -> None:
+    counts = Queued(a=5, b=0)
+    bound = QueueBound(Depths(5), max_depth=10, queued=counts, max_share=0.5)
+    assert bound.share == 5
+
+    async def main() -> None:
+        with pytest.raises(TooManyQueued) as refused:
+            await bound.check("q", "a")
+        assert refused.value.code == "too_many_queued"
+        assert refused.value.details["retry_after_s"] >= 1
+        await bound.check("q", "b")
+
+    asyncio.run(main())
+
+
+def test_given_a_count_read_expect_this_process_admissions_added_until_the_next() -> None:
+    counts = Queued(a=3)
+    bound = QueueBound(Depths(5), max_depth=10, queued=counts, max_share=0.5, refresh_s=60)
+
+    async def main() -> None:
+        await bound.check("q", "a")  # 3 waiting: a fourth
+        await bound.check("q", "a")  # and a fifth, counted here, not read again
+        with pytest.raises(TooManyQueued):
+            await bound.check("q", "a")
+
+    asyncio.run(main())
+    assert counts.reads == ["a"]
+
+
+def test_given_a_burst_past_the_share_expect_one_count_read_for_it() -> None:
+    counts = Queued(a=0)
+    bound = QueueBound(Depths(5), max_depth=10, queued=counts, max_share=0.5, refresh_s=60)
+
+    async def main() -> list[BaseException | None]:
+        checks = [bound.check("q", "a") for _ in range(8)]
+        return await asyncio.gather(*checks, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert counts.reads == ["a"]
+    assert outcomes.count(None) == 5  # the share, then refusals
+    assert all(isinstance(o, TooManyQueued) for o in outcomes if o is not None)
+
+
+def test_given_more_tenants_than_max_tracked_expect_the_bound_to_hold_no_more() -> None:
+    bound = QueueBound(
+        Depths(5), max_depth=10, queued=Queued(), max_share=0.5, refresh_s=0, max_tracked=8
+    )
+
+    async def main() -> None:
+        for i in range(200):
+            await bound.check("q", f"tenant-{i}")
+
+    asyncio.run(main())
+    assert bound.tracked <= 8 + 1  # the tenants' counts, and the queue's depth
