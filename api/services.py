@@ -84,6 +84,7 @@ class Services:
                 settings.max_queue_depth,
                 queued=postgres_queued(engine),
                 max_share=settings.max_queue_share,
+                fair_slice=settings.queue_fair_slice,
             ),
             lookups=HostLookups(
                 threads=settings.dns_threads,

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     # waiting tasks gets 429 too_many_queued: one tenant within its rate cannot fill a queue
     # every tenant shares (1: no share, first come first served up to the bound).
     max_queue_share: float = Field(0.5, gt=0, le=1)
+    # Once a queue holds this many messages, a tenant with this many of its tasks waiting in
+    # it has its next ones queued behind every other tenant's (with a Redis broker; 0: first
+    # come, first served): another tenant's task waits behind at most this many of its.
+    queue_fair_slice: int = Field(100, ge=0)
     # Requests of one API process waiting for their answer (sync waits too); beyond it, 503 at
     # once. 1,000 connections submitting at once all fit and are answered within seconds.
     max_requests_waiting: int = Field(1024, gt=0)

@@ -98,6 +98,14 @@ def late(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     return {"ran": True}
 
 
+# Each served by a one-slot worker of its own (prefork, threads), started once its queue holds
+# the tasks of a test: their order is the order the worker takes them in.
+@agent.capability("test.fair-prefork", agent_id="test-fair-prefork", version="0.0.1")
+@agent.capability("test.fair-threads", agent_id="test-fair-threads", version="0.0.1")
+def fair(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    return payload
+
+
 # Served by a one-process worker of its own: every task of a test runs in the same process.
 @agent.capability("test.solo", agent_id="test-solo", version="0.0.1")
 def solo(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:

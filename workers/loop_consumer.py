@@ -161,7 +161,7 @@ class LoopConsumer:
     # -- the loop's side -----------------------------------------------------------------------
 
     async def _take_forever(self) -> None:
-        order: list[str] = []
+        order: list[str] = []  # the run queues, in kombu's fair cycle
         while True:
             try:
                 await self._wait_for_room()
@@ -172,8 +172,9 @@ class LoopConsumer:
                     self._changed.clear()
                     await asyncio.wait_for(self._changed.wait(), BRPOP_TIMEOUT_S)
                     continue
-                order = [k for k in order if k in keys] + [k for k in keys if k not in order]
-                await self._take(order)
+                queues = list(dict.fromkeys(keys.values()))
+                order = [q for q in order if q in queues] + [q for q in queues if q not in order]
+                await self._take(order, keys)
             except asyncio.CancelledError:
                 raise
             except TimeoutError:
@@ -197,7 +198,7 @@ class LoopConsumer:
             self._room.clear()
             await self._room.wait()
 
-    async def _take(self, order: list[str]) -> None:
+    async def _take(self, order: list[str], keys: dict[str, str]) -> None:
         if self._redis is None:
             self._redis = redis.asyncio.Redis.from_url(
                 self.broker_url,
@@ -207,12 +208,14 @@ class LoopConsumer:
             )
         self._taking = True
         try:
-            await self._take_from(self._redis, order)
+            await self._take_from(self._redis, order, keys)
         finally:
             self._taking = False
 
-    async def _take_from(self, client: redis.asyncio.Redis, order: list[str]) -> None:
-        answer = await client.brpop(order, timeout=BRPOP_TIMEOUT_S)
+    async def _take_from(
+        self, client: redis.asyncio.Redis, order: list[str], keys: dict[str, str]
+    ) -> None:
+        answer = await client.brpop(brpop_keys(keys, order), timeout=BRPOP_TIMEOUT_S)
         if not answer:
             return
         raw_key, item = answer
@@ -222,7 +225,7 @@ class LoopConsumer:
         if key not in still:  # no longer consumed here (paused, shutting down): put it back
             await client.rpush(key, item)
             return
-        order.append(order.pop(order.index(key)))  # kombu's fair cycle
+        order.append(order.pop(order.index(keys[key])))  # kombu's fair cycle
         room = self._slots - len(self._held) - 1
         unacked, index = self._unacked
         taking = client.eval(
@@ -428,3 +431,17 @@ def usable(consumer: Any) -> bool:
         and isinstance(channel, Channel)
         and not channel.global_keyprefix
     )
+
+
+def brpop_keys(keys: dict[str, str], order: list[str]) -> list[str]:
+    """The lists to ``BRPOP``, as kombu asks them: every queue's first list in the cycle's
+    ``order``, then every queue's next. A list of a lower priority (a tenant's tasks queued
+    behind the others', ``dispatch.BEHIND``) is taken only when no queue holds a higher one.
+    ``keys``: list key -> queue, each queue's lists in priority order."""
+    lists: dict[str, list[str]] = {}
+    for key, queue in keys.items():
+        lists.setdefault(queue, []).append(key)
+    steps = max(map(len, lists.values()), default=0)
+    return [
+        lists[queue][step] for step in range(steps) for queue in order if step < len(lists[queue])
+    ]

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.transport.redis import PRIORITY_STEPS
 from redis.asyncio import Redis
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from broker.db.models import tasks_table as tasks
 from broker.errors import ReachError, Unavailable
 from broker.observability import metrics
+from broker.tasks.dispatch import redis_lists
 from broker.tasks.resource import QUEUED
 
 log = logging.getLogger("reach.api")
@@ -75,13 +77,17 @@ Depths = Callable[[list[str]], Awaitable[dict[str, int]]]
 
 
 def redis_depths(client: Redis) -> Depths:
-    """Queue depths straight from a Redis broker: one LLEN per queue, no kombu connection."""
+    """Queue depths straight from a Redis broker: one LLEN per list of each queue (one list
+    per priority step, ``dispatch.redis_lists``), no kombu connection."""
 
     async def depths(queues: list[str]) -> dict[str, int]:
         pipe = client.pipeline(transaction=False)
         for queue in queues:
-            pipe.llen(queue)
-        return dict(zip(queues, [int(n) for n in await pipe.execute()], strict=True))
+            for key in redis_lists(queue):
+                pipe.llen(key)
+        lengths = [int(n) for n in await pipe.execute()]
+        per = len(PRIORITY_STEPS)
+        return {queue: sum(lengths[i * per : (i + 1) * per]) for i, queue in enumerate(queues)}
 
     return depths
 
@@ -114,11 +120,17 @@ class QueueBound:
     older than that but not ``stale_s`` answers once more while a fresh one is read beside
     it: a submit to a quiet API does not wait on the broker for it (0: always read first).
 
-    Once a queue holds ``share`` messages (``max_share`` of ``max_depth``), a tenant holding
-    that many of its waiting tasks is refused (429 ``too_many_queued``): one tenant within
-    its rate cannot fill a queue every tenant shares. Below it nothing is counted, so a quiet
-    queue costs no query; past it, a tenant's count is read at most every ``refresh_s`` and
-    counts this process's admissions until the next read.
+    Tenants share a queue two ways (``queued`` counts a tenant's waiting tasks in it):
+
+    - once it holds ``fair_slice`` messages, a tenant that has that many waiting in it has
+      its next ones queued behind every other tenant's (``check`` answers True);
+    - once it holds ``share`` (``max_share`` of ``max_depth``), a tenant that has that many
+      waiting is refused (429 ``too_many_queued``): one tenant within its rate cannot fill a
+      queue every tenant shares.
+
+    Below both nothing is counted, so a quiet queue costs no query; past them, a tenant's
+    count is read at most every ``refresh_s`` and counts this process's admissions until the
+    next read.
 
     Admission lets only served capabilities through; still, past ``max_tracked`` queues the
     stale ones are forgotten, so no stream of queue names grows this process's memory."""
@@ -127,13 +139,16 @@ class QueueBound:
     max_depth: int
     queued: Queued | None = None
     max_share: float = 1.0
+    fair_slice: int = 0
     refresh_s: float = 1.0
     stale_s: float = 5.0
     max_tracked: int = 4096
     _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _refreshing: set[asyncio.Task[tuple[float, int]]] = field(default_factory=set)
-    _counts: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
+    # (tenant, queue): when counted, the count (with this process's admissions since), and
+    # the limit it was counted up to
+    _counts: dict[tuple[str, str], tuple[float, int, int]] = field(default_factory=dict)
     _count_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
     @property
@@ -141,38 +156,57 @@ class QueueBound:
         """The most waiting tasks of one tenant in a queue that holds this many."""
         return max(1, int(self.max_depth * self.max_share))
 
-    async def check(self, queue: str, tenant: str | None = None) -> None:
-        seen = await self._depth(queue)
-        if seen[1] >= self.max_depth:
+    async def check(self, queue: str, tenant: str | None = None) -> bool:
+        """Raises when the queue is full, or ``tenant`` holds its share of it; else whether
+        the task goes behind the other tenants' in it."""
+        depth = (await self._depth(queue))[1]
+        if depth >= self.max_depth:
             metrics.rejections.labels("overloaded").inc()
             raise Unavailable(
-                f"{queue!r} already holds {seen[1]} waiting tasks",
+                f"{queue!r} already holds {depth} waiting tasks",
                 code="overloaded",
                 retry_after_s=5,
             )
-        if tenant is not None and self.queued is not None and seen[1] >= self.share:
-            await self._check_share(tenant, queue)
-
-    async def _check_share(self, tenant: str, queue: str) -> None:
+        shared = depth >= self.share
+        fair = 0 < self.fair_slice <= depth
+        if tenant is None or self.queued is None or not (shared or fair):
+            return False
+        limit = max(self.share if shared else 0, self.fair_slice if fair else 0)
         key = (tenant, queue)
+        waiting = await self._waiting(key, limit)
+        if shared and waiting >= self.share:
+            metrics.rejections.labels("too_many_queued").inc()
+            raise TooManyQueued(
+                f"this tenant already has {waiting} of the waiting tasks of {queue!r}"
+                f" (a tenant may hold {self.share} once it holds that many)",
+                retry_after_s=5,
+            )
+        counted_at, _, counted_to = self._counts[key]
+        self._counts[key] = (counted_at, waiting + 1, counted_to)  # this one, until the next
+        return fair and waiting >= self.fair_slice
+
+    async def _waiting(self, key: tuple[str, str], limit: int) -> int:
+        """The tenant's waiting tasks in the queue, counted up to at least ``limit``."""
+
+        def usable(counted: tuple[float, int, int] | None) -> bool:
+            return (
+                counted is not None
+                and time.monotonic() - counted[0] <= self.refresh_s
+                and (counted[1] < counted[2] or counted[2] >= limit)  # exact, or far enough
+            )
+
         counted = self._counts.get(key)
-        if counted is None or time.monotonic() - counted[0] > self.refresh_s:
+        if not usable(counted):
             if len(self._count_locks) >= self.max_tracked:
                 _forget_stale(self._count_locks, self._counts, self.refresh_s)
             async with self._count_locks.setdefault(key, asyncio.Lock()):
                 counted = self._counts.get(key)
-                if counted is None or time.monotonic() - counted[0] > self.refresh_s:
+                if not usable(counted):
                     assert self.queued is not None
-                    counted = (time.monotonic(), await self.queued(tenant, queue, self.share))
-        if counted[1] >= self.share:
-            self._counts[key] = counted
-            metrics.rejections.labels("too_many_queued").inc()
-            raise TooManyQueued(
-                f"this tenant already has {counted[1]} of the waiting tasks of {queue!r}"
-                f" (a tenant may hold {self.share} once it holds that many)",
-                retry_after_s=5,
-            )
-        self._counts[key] = (counted[0], counted[1] + 1)  # this one, until the next count
+                    waiting = await self.queued(*key, limit)
+                    counted = self._counts[key] = (time.monotonic(), waiting, limit)
+        assert counted is not None
+        return counted[1]
 
     async def _depth(self, queue: str) -> tuple[float, int]:
         """The last depth read; one refresh in flight per queue, the others use what is known
@@ -219,10 +253,9 @@ class QueueBound:
         )
 
 
-def _forget_stale(
-    locks: dict[Any, asyncio.Lock], seen: dict[Any, tuple[float, int]], refresh_s: float
-) -> None:
-    """Drop the figures older than ``refresh_s`` that no read holds the lock of."""
+def _forget_stale(locks: dict[Any, asyncio.Lock], seen: dict[Any, Any], refresh_s: float) -> None:
+    """Drop the figures (tuples of the time read, then values) older than ``refresh_s`` that
+    no read holds the lock of."""
     cutoff = time.monotonic() - refresh_s
     for key, lock in list(locks.items()):
         figure = seen.get(key)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from broker.settings import Settings
 from broker.tasks.turns import Due
@@ -31,6 +32,22 @@ WEBHOOK_SWEEP_TASK = "reach.webhooks.sweep"
 # Above any task's hard time limit plus its longest queue wait: a Redis broker re-delivers an
 # unacked message after this long, even while it still runs (celery #5935).
 VISIBILITY_TIMEOUT_S = 6 * 3600
+
+# On a Redis broker a queue is one list per priority step: kombu keeps the messages of
+# priority n > 0 in ``<queue>\x06\x16<n>`` and a worker takes from the lowest n that holds
+# one. A tenant past its fair slice of a crowded queue (``backpressure.QueueBound``) has its
+# run messages put in the last list: behind every other tenant's, in the same queue.
+BEHIND = PRIORITY_STEPS[-1]
+
+
+def redis_list(queue: str, priority: int = 0) -> str:
+    """The list a Redis broker keeps ``queue``'s messages of ``priority`` in (a step)."""
+    return f"{queue}{Channel.sep}{priority}" if priority else queue
+
+
+def redis_lists(queue: str) -> list[str]:
+    """Every list of ``queue`` on a Redis broker, in the order a worker takes from them."""
+    return [redis_list(queue, step) for step in PRIORITY_STEPS]
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -79,12 +96,15 @@ def send_run(
     trace_id: str,
     deadline_at: datetime | None = None,
     countdown_s: float | None = None,
+    behind: bool = False,
 ) -> None:
     """Publish the message that runs a task, from the API or from a worker (retries, sweeps).
 
     The message expires with the task's deadline: a task not started by then is never run
-    (the sweeper then marks its row expired).
+    (the sweeper then marks its row expired). ``behind``: after the other tenants' messages
+    of the queue (a Redis broker's; another broker's order is its own).
     """
+    behind = behind and app.conf.broker_url.startswith(("redis://", "rediss://"))
     app.send_task(
         RUN_TASK,
         args=[str(task_id), queue],
@@ -93,19 +113,29 @@ def send_run(
         headers={"trace_id": trace_id},
         expires=deadline_at,
         countdown=countdown_s,
+        priority=BEHIND if behind else None,
     )
 
 
 def redis_run_message(
-    app: Celery, task_id: uuid.UUID, queue: str, *, trace_id: str, deadline_at: datetime | None
-) -> bytes:
-    """The bytes kombu's Redis transport LPUSHes onto ``queue`` for ``send_run`` (no countdown).
+    app: Celery,
+    task_id: uuid.UUID,
+    queue: str,
+    *,
+    trace_id: str,
+    deadline_at: datetime | None,
+    behind: bool = False,
+) -> tuple[str, bytes]:
+    """The list kombu's Redis transport LPUSHes ``send_run``'s message onto (no countdown),
+    and the message's bytes.
 
     Celery's own ``as_task_v2`` builds the task message (protocol 2); this adds the envelope
-    kombu's virtual transport wraps it in: JSON body, base64-encoded, priority 0. The API
-    pushes it in the same Redis call as the task's ``queued`` event, so a submit needs neither
-    a thread nor a second round trip; a stock Celery worker cannot tell the difference.
+    kombu's virtual transport wraps it in: JSON body, base64-encoded, priority 0 (``BEHIND``
+    when ``behind``). The API pushes it in the same Redis call as the task's ``queued`` event,
+    so a submit needs neither a thread nor a second round trip; a stock Celery worker cannot
+    tell the difference.
     """
+    priority = BEHIND if behind else 0
     message = app.amqp.as_task_v2(
         str(task_id), RUN_TASK, args=[str(task_id), queue], expires=deadline_at, ignore_result=None
     )
@@ -114,7 +144,7 @@ def redis_run_message(
         **message.properties,
         "delivery_mode": 2,
         "delivery_info": {"exchange": "", "routing_key": queue},
-        "priority": 0,
+        "priority": priority,
         "body_encoding": "base64",
         "delivery_tag": str(uuid.uuid4()),
     }
@@ -129,7 +159,7 @@ def redis_run_message(
         "headers": headers,
         "properties": properties,
     }
-    return json.dumps(envelope).encode()
+    return redis_list(queue, priority), json.dumps(envelope).encode()
 
 
 def send_announce(app: Celery, task_id: uuid.UUID | str, event_type: str) -> None:

@@ -2,8 +2,8 @@
 accepted task. The HTTP API calls it; so will every other front door.
 
 The order keeps the cheap checks first and the slow one last: the key's patterns (memory),
-the route and the payload (Redis, cached cards), the queue's depth (cached) and, in a queue
-past its share, the tenant's part of it (Postgres, cached), then the callback's host name
+the route and the payload (Redis, cached cards), the queue's depth (cached) and, in a
+crowded queue, the tenant's part of it (Postgres, cached), then the callback's host name
 (a DNS lookup), then the insert and the publish. The tenant's rate token is taken before the
 envelope is even read (``Door.take``), or, for a small body that had arrived whole, in the
 route lookup's own Redis call (``api.deps.read_metered_body``).
@@ -74,7 +74,7 @@ class Intake:
             cache=self.cards,
             metered=metered,
         )
-        await self.queue_bound.check(queue, caller.tenant)
+        behind = await self.queue_bound.check(queue, caller.tenant)
         if callback is None and envelope.callback is not None:
             callback = envelope.callback.model_dump()
         if callback is not None:
@@ -91,6 +91,7 @@ class Intake:
             trace_id=trace_id,
             settings=self.settings,
             callback=callback,
+            behind=behind,
         )
         row = accepted.row
         log.info(

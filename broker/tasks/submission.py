@@ -209,8 +209,10 @@ async def submit(
     trace_id: str,
     settings: Settings,
     callback: dict[str, Any] | None = None,
+    behind: bool = False,
 ) -> Accepted:
-    """``callback``: the task's callback as stored (``Intake.submit`` gives it)."""
+    """``callback``: the task's callback as stored (``Intake.submit`` gives it). ``behind``:
+    its message waits behind the other tenants' in the queue (``QueueBound.check``)."""
     values = _values(principal, envelope, queue, trace_id, settings, callback)
     engine = inserter.engine
     for _ in range(2):
@@ -232,10 +234,14 @@ async def submit(
         # broker on the same Redis, the message goes out in that same call.
         push = None
         if dispatcher.direct:
-            message = redis_run_message(
-                dispatcher.app, row["id"], queue, trace_id=trace_id, deadline_at=row["deadline_at"]
+            push = redis_run_message(
+                dispatcher.app,
+                row["id"],
+                queue,
+                trace_id=trace_id,
+                deadline_at=row["deadline_at"],
+                behind=behind,
             )
-            push = (queue, message)
         await event_log.append_async(
             row["id"],
             events.STATUS,
@@ -252,6 +258,7 @@ async def submit(
                     queue,
                     trace_id=trace_id,
                     deadline_at=row["deadline_at"],
+                    behind=behind,
                 )
             )
     except Exception as exc:

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from broker.settings import Settings
-from broker.tasks.dispatch import RUN_TASK, Dispatcher, redis_run_message, send_run
+from broker.tasks.dispatch import RUN_TASK, Dispatcher, redis_lists, redis_run_message, send_run
 
 
 def _decoded(raw: bytes) -> dict[str, Any]:
@@ -32,16 +32,34 @@ def test_direct_message_is_what_send_task_publishes(own_redis: str, settings: Se
     try:
         assert dispatcher.direct
         for deadline_at in (None, datetime.now(UTC) + timedelta(seconds=30)):
-            task_id = uuid.uuid4()
-            send_run(dispatcher.app, task_id, "parity.q", trace_id="t-1", deadline_at=deadline_at)
-            published = client.rpop("parity.q")
-            assert published is not None
-            built = redis_run_message(
-                dispatcher.app, task_id, "parity.q", trace_id="t-1", deadline_at=deadline_at
-            )
-            assert _decoded(built) == _decoded(published)
-            assert _decoded(built)["headers"]["task"] == RUN_TASK
-            assert ("expiration" in json.loads(built)["properties"]) == (deadline_at is not None)
+            for behind in (False, True):
+                task_id = uuid.uuid4()
+                send_run(
+                    dispatcher.app,
+                    task_id,
+                    "parity.q",
+                    trace_id="t-1",
+                    deadline_at=deadline_at,
+                    behind=behind,
+                )
+                # kombu put it in the list of its priority: the queue's own, or the last one
+                published = {key: client.rpop(key) for key in redis_lists("parity.q")}
+                [(key, raw)] = [(k, v) for k, v in published.items() if v is not None]
+                assert key == ("parity.q\x06\x169" if behind else "parity.q")
+                built_key, built = redis_run_message(
+                    dispatcher.app,
+                    task_id,
+                    "parity.q",
+                    trace_id="t-1",
+                    deadline_at=deadline_at,
+                    behind=behind,
+                )
+                assert built_key == key
+                assert _decoded(built) == _decoded(raw)
+                assert _decoded(built)["headers"]["task"] == RUN_TASK
+                assert ("expiration" in json.loads(built)["properties"]) == (
+                    deadline_at is not None
+                )
     finally:
         dispatcher.close()
         client.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select
 
 from api.app import create_app
 from broker.db.models import tasks_table
@@ -340,6 +340,46 @@ def test_a_tenant_holding_its_share_of_a_queue_gets_429_and_another_still_gets_i
     assert [a.status_code for a in others] == [202, 202, 503]
     assert others[2].json()["code"] == "overloaded"
     assert count_tasks(engine, other) == 2
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_tenant_past_its_fair_slice_of_a_queue_waits_behind_another_tenants_tasks(
+    pool: str, settings: Settings, make_key: KeyMaker, engine: Engine, log_dir: Path
+) -> None:
+    capability = f"test.fair-{pool}"  # no worker takes from its queue until all are in
+    app = create_app(settings.model_copy(update={"queue_fair_slice": 3}))
+    app.state.services.queue_bound.refresh_s = 0  # each submit sees the ones before it
+    app.state.services.queue_bound.stale_s = 0
+    hog, hog_key = make_key()
+    calm, calm_key = make_key()
+    document = {"capability": capability, "payload": {}, "queue_if_unavailable": True}
+    with ServedApp(app) as served:
+        with client_for(served, hog_key) as http:
+            hogs = [http.post("/tasks", json=document) for _ in range(8)]
+        with client_for(served, calm_key) as http:
+            calms = [http.post("/tasks", json=document) for _ in range(2)]
+    assert [a.status_code for a in hogs + calms] == [202] * 10
+    ids = [uuid.UUID(a.json()["task_id"]) for a in hogs + calms]
+    mine = tasks_table.c.id.in_(ids)
+
+    def succeeded() -> int:
+        with engine.connect() as conn:
+            done = select(func.count()).where(mine, tasks_table.c.status == "succeeded")
+            return int(conn.execute(done).scalar_one())
+
+    worker = start_worker(settings, capability, f"fair-{pool}", log_dir, concurrency=1, pool=pool)
+    try:
+        eventually(lambda: succeeded() == 10, "all ten succeeded")
+    finally:
+        worker.stop()
+    with engine.connect() as conn:
+        ran = conn.execute(
+            select(tasks_table.c.tenant).where(mine).order_by(tasks_table.c.started_at)
+        ).scalars()
+        order = [{hog: "hog", calm: "calm"}[tenant] for tenant in ran]
+    # The hog's first three went in before the queue held its slice of 3; then the calm
+    # tenant's two go before the hog's other five (first come, first served: after them all)
+    assert order == ["hog"] * 3 + ["calm"] * 2 + ["hog"] * 5
 
 
 # -- nothing lost -----------------------------------------------------------------------

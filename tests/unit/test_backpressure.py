@@ -171,8 +171,8 @@ def test_given_a_burst_past_the_share_expect_one_count_read_for_it() -> None:
 
     outcomes = asyncio.run(main())
     assert counts.reads == ["a"]
-    assert outcomes.count(None) == 5  # the share, then refusals
-    assert all(isinstance(o, TooManyQueued) for o in outcomes if o is not None)
+    assert outcomes.count(False) == 5  # the share, then refusals
+    assert all(isinstance(o, TooManyQueued) for o in outcomes if o is not False)
 
 
 def test_given_more_tenants_than_max_tracked_expect_the_bound_to_hold_no_more() -> None:
@@ -186,3 +186,43 @@ def test_given_more_tenants_than_max_tracked_expect_the_bound_to_hold_no_more() 
 
     asyncio.run(main())
     assert bound.tracked <= 8 + 1  # the tenants' counts, and the queue's depth
+
+
+def test_given_a_queue_holding_its_fair_slice_expect_a_tenant_holding_as_many_put_behind() -> None:
+    counts = Queued(hog=3, calm=1)
+    bound = QueueBound(Depths(3), max_depth=100, queued=counts, max_share=0.5, fair_slice=3)
+
+    async def main() -> tuple[bool, bool]:
+        return await bound.check("q", "hog"), await bound.check("q", "calm")
+
+    assert asyncio.run(main()) == (True, False)
+    assert counts.reads == ["hog", "calm"]
+
+
+def test_given_a_queue_below_its_fair_slice_expect_nobody_behind_and_nothing_counted() -> None:
+    counts = Queued(hog=50)
+    bound = QueueBound(Depths(2), max_depth=100, queued=counts, max_share=0.5, fair_slice=3)
+
+    async def main() -> bool:
+        return await bound.check("q", "hog")
+
+    assert asyncio.run(main()) is False
+    assert counts.reads == []
+
+
+def test_given_a_count_up_to_the_fair_slice_expect_it_read_again_for_the_share() -> None:
+    counts = Queued(hog=60)
+    broker = Depths(5)
+    bound = QueueBound(
+        broker, max_depth=100, queued=counts, max_share=0.5, fair_slice=3, refresh_s=60, stale_s=0
+    )
+
+    async def main() -> None:
+        assert await bound.check("q", "hog")  # counted up to 3: enough to put it behind
+        broker.depth = 50
+        bound._seen.clear()  # the queue now holds its share
+        with pytest.raises(TooManyQueued):
+            await bound.check("q", "hog")  # 3 does not tell: counted again, up to 50
+
+    asyncio.run(main())
+    assert counts.reads == ["hog", "hog"]
