@@ -229,3 +229,36 @@ def test_the_retention_measurement_runs_at_a_small_size() -> None:
     janitor = figures["janitor"]
     assert janitor["removed"] == 1500, janitor  # every expired row, in two batches of 1,000
     assert janitor["rows_per_s_while_running"] > 0, janitor
+
+
+@pytest.mark.timeout(300)
+def test_the_fairness_measurement_runs_at_a_small_size() -> None:
+    """``python -m bench.fairness`` is run by hand with a flood of 3,000; here with 60, so that
+    a change to the stack or the intake cannot leave it broken."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.fairness",
+            "--flood",
+            "60",
+            "--calm",
+            "3",
+            "--slice",
+            "10",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(done.stdout)
+    assert (figures["flood"], figures["calm"]) == (60, 3)
+    assert [run["fair_slice"] for run in figures["runs"]] == [10, 0]
+    for run in figures["runs"]:
+        assert run["hog_accepted"] == 60, run
+        assert 0 <= run["hog_waiting_at_calm_submits"] <= 60, run
+        assert run["calm_statuses"] == {"succeeded": 3}, run
+        assert run["calm_wait"]["samples"] == 3, run
+        assert run["calm_wait"]["max_ms"] >= run["calm_wait"]["p50_ms"] > 0, run
