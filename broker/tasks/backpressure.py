@@ -158,7 +158,8 @@ class QueueBound:
 
     async def check(self, queue: str, tenant: str | None = None) -> bool:
         """Raises when the queue is full, or ``tenant`` holds its share of it; else whether
-        the task goes behind the other tenants' in it."""
+        the task goes behind the other tenants' in it. A task let through counts in the
+        queue's depth here until the next read: a burst within a second sees itself."""
         depth = (await self._depth(queue))[1]
         if depth >= self.max_depth:
             metrics.rejections.labels("overloaded").inc()
@@ -167,6 +168,15 @@ class QueueBound:
                 code="overloaded",
                 retry_after_s=5,
             )
+        behind = await self._behind(queue, tenant, depth)
+        seen = self._seen.get(queue)
+        if seen is not None:
+            self._seen[queue] = (seen[0], seen[1] + 1)
+        return behind
+
+    async def _behind(self, queue: str, tenant: str | None, depth: int) -> bool:
+        """Whether ``tenant``'s next task in a queue holding ``depth`` goes behind the other
+        tenants'; raises ``TooManyQueued`` past its share."""
         shared = depth >= self.share
         fair = 0 < self.fair_slice <= depth
         if tenant is None or self.queued is None or not (shared or fair):

@@ -122,7 +122,7 @@ class Queued:
 
 def test_given_a_queue_below_its_share_expect_no_tenant_counted() -> None:
     counts = Queued(a=100)
-    bound = QueueBound(Depths(4), max_depth=10, queued=counts, max_share=0.5)
+    bound = QueueBound(Depths(4), max_depth=100, queued=counts, max_share=0.5)
 
     async def main() -> None:
         for _ in range(20):
@@ -163,7 +163,7 @@ def test_given_a_count_read_expect_this_process_admissions_added_until_the_next(
 
 def test_given_a_burst_past_the_share_expect_one_count_read_for_it() -> None:
     counts = Queued(a=0)
-    bound = QueueBound(Depths(5), max_depth=10, queued=counts, max_share=0.5, refresh_s=60)
+    bound = QueueBound(Depths(5), max_depth=20, queued=counts, max_share=0.25, refresh_s=60)
 
     async def main() -> list[BaseException | None]:
         checks = [bound.check("q", "a") for _ in range(8)]
@@ -177,7 +177,7 @@ def test_given_a_burst_past_the_share_expect_one_count_read_for_it() -> None:
 
 def test_given_more_tenants_than_max_tracked_expect_the_bound_to_hold_no_more() -> None:
     bound = QueueBound(
-        Depths(5), max_depth=10, queued=Queued(), max_share=0.5, refresh_s=0, max_tracked=8
+        Depths(5), max_depth=1000, queued=Queued(), max_share=0.005, refresh_s=0, max_tracked=8
     )
 
     async def main() -> None:
@@ -197,6 +197,23 @@ def test_given_a_queue_holding_its_fair_slice_expect_a_tenant_holding_as_many_pu
 
     assert asyncio.run(main()) == (True, False)
     assert counts.reads == ["hog", "calm"]
+
+
+def test_given_admissions_since_the_last_read_expect_them_in_the_depth_until_the_next() -> None:
+    broker = Depths(0)
+    counts = Queued(hog=3)
+    bound = QueueBound(broker, max_depth=5, queued=counts, fair_slice=3, refresh_s=60)
+
+    async def main() -> list[bool]:
+        behind = [await bound.check("q", "hog") for _ in range(5)]
+        with pytest.raises(Unavailable):  # the five admitted here fill it, unread
+            await bound.check("q", "hog")
+        return behind
+
+    # The fourth sees the three before it: counted, and put behind.
+    assert asyncio.run(main()) == [False, False, False, True, True]
+    assert broker.reads == 1
+    assert counts.reads == ["hog"]
 
 
 def test_given_a_queue_below_its_fair_slice_expect_nobody_behind_and_nothing_counted() -> None:
