@@ -16,18 +16,24 @@ from bench import report as report_module
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("bench") / "quick.json"
+def run_bench(module: str, *args: str, timeout_s: float = 280) -> str:
+    """``python -m <module> <args>`` from the project's root; its standard output, once it
+    has exited 0."""
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--json", str(out)],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout_s,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "Targets:" in done.stdout
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    assert "Targets:" in run_bench("bench", "--quick", "--json", str(out), timeout_s=600)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -180,15 +186,7 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
 
 @pytest.mark.timeout(300)
 def test_the_latency_breakdown_runs_and_reports_every_part() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.latency", "--n", "3", "--burst", "5", "--delay", "0.05"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
+    lines = run_bench("bench.latency", "--n", "3", "--burst", "5", "--delay", "0.05").splitlines()
     header = next(line for line in lines if line.startswith("| capability"))
     for part in ("accept", "to_claim", "run", "answer", "whole"):
         assert part in header
@@ -205,25 +203,9 @@ def test_the_latency_breakdown_runs_and_reports_every_part() -> None:
 def test_the_retention_measurement_runs_at_a_small_size() -> None:
     """``python -m bench.retention`` is run by hand at millions of rows; here at 3,000, so that
     a change to the janitor's or the listing's code cannot leave it broken."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.retention",
-            "--rows",
-            "3000",
-            "--batches",
-            "2",
-            "--samples",
-            "5",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
+    figures = json.loads(
+        run_bench("bench.retention", "--rows", "3000", "--batches", "2", "--samples", "5")
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    figures = json.loads(done.stdout)
     assert (figures["rows"], figures["expired"]) == (3000, 1500)
     assert figures["insert"]["samples"] == figures["list"]["samples"] == 5
     janitor = figures["janitor"]
@@ -235,25 +217,9 @@ def test_the_retention_measurement_runs_at_a_small_size() -> None:
 def test_the_fairness_measurement_runs_at_a_small_size() -> None:
     """``python -m bench.fairness`` is run by hand with a flood of 3,000; here with 60, so that
     a change to the stack or the intake cannot leave it broken."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.fairness",
-            "--flood",
-            "60",
-            "--calm",
-            "3",
-            "--slice",
-            "10",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
+    figures = json.loads(
+        run_bench("bench.fairness", "--flood", "60", "--calm", "3", "--slice", "10")
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    figures = json.loads(done.stdout)
     assert (figures["flood"], figures["calm"]) == (60, 3)
     assert [run["fair_slice"] for run in figures["runs"]] == [10, 0]
     for run in figures["runs"]:
