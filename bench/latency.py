@@ -27,7 +27,6 @@ from pathlib import Path
 from tempfile import mkdtemp
 from typing import Any
 
-import httpx
 import psycopg
 
 from bench import loadgen
@@ -57,20 +56,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def breakdown(
     stack: Stack, capability: str, payload: Any, delay_s: float, n: int
 ) -> dict[str, dict[int, float]]:
-    http = httpx.Client(
-        base_url=stack.url, timeout=60, headers={"Authorization": f"Bearer {stack.key('lat')}"}
-    )
     envelope = {"capability": capability, "payload": payload, "reply_mode": "sync"}
     calls = []
-    try:
+    with loadgen.Caller(stack.port, stack.key("lat")) as caller:
         for _ in range(3):  # connections and clients made before the clock
-            http.post("/tasks", json=envelope)
+            caller.post("/tasks", envelope)
         for _ in range(n):
             sent = time.time()
-            answer = http.post("/tasks", json=envelope)
+            answer = caller.post("/tasks", envelope)
             calls.append((answer.json()["task_id"], sent, time.time()))
-    finally:
-        http.close()
     parts: dict[str, list[float]] = {part: [] for part in PARTS}
     with psycopg.connect(stack.stores.libpq_url) as conn:
         for task_id, sent, read in calls:

@@ -164,12 +164,8 @@ def agent_reach(
         token = stack.key("bench-model")
         envelope = {"capability": "llm.complete", "payload": {"prompt": PROMPT}}
         # Warm-up and round trips on a tenant of their own: the N tasks are counted by tenant.
-        http = httpx.Client(
-            base_url=stack.url,
-            timeout=60,
-            headers={"Authorization": f"Bearer {stack.key('bench-model-trips')}"},
-        )
-        _sync(http, envelope)  # the agent's session made before the clock
+        caller = loadgen.Caller(stack.port, stack.key("bench-model-trips"))
+        _sync(caller, envelope)  # the agent's session made before the clock
         cpu_at_start = stack.worker.cpu_s()
         with peak_rss(stack.worker) as peak:
             submitted = asyncio.run(
@@ -184,9 +180,9 @@ def agent_reach(
         samples = []
         for _ in range(plan.model_round_trips):
             sent = time.perf_counter()
-            _sync(http, envelope)
+            _sync(caller, envelope)
             samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
-        http.close()
+        caller.close()
     figures = _figures(counts.get("succeeded", 0), elapsed, cpu_s, peak["mb"], samples)
     return {**figures, "pool": "threads (async handler)", "slots": slots, "statuses": counts}
 
@@ -201,11 +197,11 @@ def noop_threads(stores: Stores, children: Children, plan: Plan, slots: int) -> 
         return {**figures, "pool": "threads", "slots": slots}
 
 
-def _sync(http: httpx.Client, envelope: dict[str, Any]) -> None:
-    answer = http.post("/tasks", json={**envelope, "reply_mode": "sync"})
+def _sync(caller: loadgen.Caller, envelope: dict[str, Any]) -> None:
+    answer = caller.post("/tasks", {**envelope, "reply_mode": "sync"})
     task = answer.json()
-    if answer.status_code != 200 or task.get("status") != "succeeded":
-        raise RuntimeError(f"llm.complete answered {answer.status_code}: {json.dumps(task)}")
+    if answer.status != 200 or task.get("status") != "succeeded":
+        raise RuntimeError(f"llm.complete answered {answer.status}: {json.dumps(task)}")
 
 
 def _figures(

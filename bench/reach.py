@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -153,26 +152,17 @@ def wait_final(libpq_url: str, tenant: str, expected: int) -> dict[str, int]:
 
 def sync_round_trip(stack: Stack, count: int) -> dict[str, Any]:
     """``reply_mode: sync`` one request after another on one keep-alive connection."""
-    token = stack.key("bench-sync")
-
-    async def run() -> list[float]:
-        samples: list[float] = []
-        conn = await loadgen.Connection(stack.port).open()
-        try:
-            for i in range(count):
-                envelope = {"capability": "echo", "payload": {"i": i}, "reply_mode": "sync"}
-                raw = loadgen.post(stack.port, "/tasks", token, envelope)
-                sent = time.perf_counter()
-                response = await conn.request(raw)
-                samples.append(time.perf_counter() - sent)
-                task = json.loads(response.body)
-                if response.status != 200 or task.get("result") != {"i": i}:
-                    raise RuntimeError(f"sync echo answered {response.status}: {task}")
-        finally:
-            await conn.close()
-        return samples
-
-    return latency_ms(asyncio.run(run()))
+    samples: list[float] = []
+    with loadgen.Caller(stack.port, stack.key("bench-sync")) as caller:
+        for i in range(count):
+            envelope = {"capability": "echo", "payload": {"i": i}, "reply_mode": "sync"}
+            sent = time.perf_counter()
+            response = caller.post("/tasks", envelope)
+            samples.append(time.perf_counter() - sent)
+            task = response.json()
+            if response.status != 200 or task.get("result") != {"i": i}:
+                raise RuntimeError(f"sync echo answered {response.status}: {task}")
+    return latency_ms(samples)
 
 
 async def _stream(port: int, raw: bytes) -> tuple[float, list[tuple[float, dict[str, Any]]]]:

@@ -325,19 +325,15 @@ class Bridged:
             timeout=60,
             headers={"Authorization": f"Bearer {stack.operator_key('bench-remote-ops')}"},
         )
-        self.trips = httpx.Client(
-            base_url=stack.url,
-            timeout=60,
-            headers={"Authorization": f"Bearer {stack.key('bench-remote-trips')}"},
-        )
+        self.trips = loadgen.Caller(stack.port, stack.key("bench-remote-trips"))
         self.runs = 0
 
     def close(self) -> None:
         self.ops.close()
         self.trips.close()
 
-    def sync_call(self) -> httpx.Response:
-        return self.trips.post("/tasks", json={**ENVELOPE, "reply_mode": "sync"})
+    def sync_call(self) -> loadgen.Response:
+        return self.trips.post("/tasks", {**ENVELOPE, "reply_mode": "sync"})
 
     def register(self, slots: int) -> None:
         """The agent registered, and served once by a bridge that then stops: its lease
@@ -350,7 +346,7 @@ class Bridged:
         self.ops.put(f"/agents/{AGENT_ID}", json=registration).raise_for_status()
         first = _bridge(self.children, self.env, slots, "bench-bridge-a")
         wait_until(
-            lambda: self.sync_call().status_code == 200,
+            lambda: self.sync_call().status == 200,
             timeout_s=60,
             what="the bridge to serve the agent",
             child=first,
@@ -412,8 +408,8 @@ class Bridged:
         for _ in range(count):
             sent = time.perf_counter()
             answer = self.sync_call()
-            if answer.status_code != 200:
-                raise RuntimeError(f"{CAPABILITY} answered {answer.status_code}: {answer.text}")
+            if answer.status != 200:
+                raise RuntimeError(f"{CAPABILITY} answered {answer.status}: {answer.body!r}")
             samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
         return latency_ms(samples, (50, 99))
 
