@@ -154,13 +154,24 @@ def start_beat(settings: Settings, log_dir: Path, name: str = "beat") -> CeleryP
     return CeleryProcess(args, settings, log_dir / f"{name}.log").start("beat: Starting")
 
 
+GRACEFUL_SHUTDOWN_S = 3
+
+
 class ServedApp:
     """The ASGI app on a real port, in a thread of this process."""
 
     def __init__(self, app: FastAPI) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        # Streams a test left open end after a few seconds, so the app's lifespan ends too:
+        # uvicorn would otherwise wait for them, and the app's background tasks outlive it.
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -176,6 +187,8 @@ class ServedApp:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        if self.thread.is_alive() and exc[0] is None:
+            raise RuntimeError("the API did not stop: its lifespan's tasks would outlive the test")
 
 
 def wait_for_task(
