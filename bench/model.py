@@ -10,7 +10,9 @@ A loopback model (``reach.fakemodel``, a subprocess of the run) answers each cal
 
 Figures for each: tasks/s for N tasks submitted at once; the time each call adds to the
 model's, one call at a time (round trip minus the delay); the worker's peak RSS during the N
-tasks; its CPU per task.
+tasks; its CPU per task. Beside them, the model alone: the same request made straight to it,
+one at a time, by the benchmark's own client (round trip minus the delay). Every system's
+added latency holds that much: the model's own answer, not the broker's work.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def measure(
     threads, gevent, reach = plan.model_slots
     figures: dict[str, Any] = {"delay_s": MODEL_DELAY_S, "tasks": plan.model_tasks}
     try:
+        figures["model_alone"] = model_alone(port, plan.model_round_trips)
         for key, pool, slots in (("a_threads", "threads", threads), ("a_gevent", "gevent", gevent)):
             progress(f"model latency, bare Celery {pool} -c {slots}: {plan.model_tasks} tasks")
             with meter.phase(f"model.{key}"):
@@ -73,6 +76,27 @@ def measure(
     finally:
         children.stop(model)
     return figures
+
+
+def model_alone(port: int, round_trips: int) -> dict[str, Any]:
+    """The model's own round trip, minus the delay: the request ``llm.complete`` sends, made
+    straight to the model one at a time on one keep-alive connection."""
+    request = {
+        "model": "default",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 256,
+        "stream": False,
+    }
+    samples = []
+    with loadgen.Caller(port, "none") as caller:
+        caller.post("/v1/chat/completions", request)  # the connection made before the clock
+        for _ in range(round_trips):
+            sent = time.perf_counter()
+            answer = caller.post("/v1/chat/completions", request)
+            samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
+            if answer.status != 200:
+                raise RuntimeError(f"the model answered {answer.status}: {answer.body!r}")
+    return {"added_latency": latency_ms(samples, (50, 99))}
 
 
 def _healthy(base: str) -> bool:
@@ -164,25 +188,24 @@ def agent_reach(
         token = stack.key("bench-model")
         envelope = {"capability": "llm.complete", "payload": {"prompt": PROMPT}}
         # Warm-up and round trips on a tenant of their own: the N tasks are counted by tenant.
-        caller = loadgen.Caller(stack.port, stack.key("bench-model-trips"))
-        _sync(caller, envelope)  # the agent's session made before the clock
-        cpu_at_start = stack.worker.cpu_s()
-        with peak_rss(stack.worker) as peak:
-            submitted = asyncio.run(
-                loadgen.accept_rate(
-                    stack.port, token, envelope, connections=64, requests=plan.model_tasks
+        with loadgen.Caller(stack.port, stack.key("bench-model-trips")) as caller:
+            _sync(caller, envelope)  # the agent's session made before the clock
+            cpu_at_start = stack.worker.cpu_s()
+            with peak_rss(stack.worker) as peak:
+                submitted = asyncio.run(
+                    loadgen.accept_rate(
+                        stack.port, token, envelope, connections=64, requests=plan.model_tasks
+                    )
                 )
-            )
-            waited_from = time.perf_counter()
-            counts = wait_final(stack.stores.libpq_url, "bench-model", submitted["accepted"])
-            elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
-        cpu_s = stack.worker.cpu_s() - cpu_at_start
-        samples = []
-        for _ in range(plan.model_round_trips):
-            sent = time.perf_counter()
-            _sync(caller, envelope)
-            samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
-        caller.close()
+                waited_from = time.perf_counter()
+                counts = wait_final(stack.stores.libpq_url, "bench-model", submitted["accepted"])
+                elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
+            cpu_s = stack.worker.cpu_s() - cpu_at_start
+            samples = []
+            for _ in range(plan.model_round_trips):
+                sent = time.perf_counter()
+                _sync(caller, envelope)
+                samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
     figures = _figures(counts.get("succeeded", 0), elapsed, cpu_s, peak["mb"], samples)
     return {**figures, "pool": "threads (async handler)", "slots": slots, "statuses": counts}
 

@@ -407,6 +407,7 @@ def model_table(result: dict[str, Any]) -> str:
     header = [
         "figure",
         "unit",
+        "the model alone",
         f"A-threads -c {m['a_threads']['slots']}",
         f"A-gevent -c {m['a_gevent']['slots']}",
         f"Agent-Reach async -c {m['reach']['slots']}",
@@ -419,12 +420,25 @@ def model_table(result: dict[str, Any]) -> str:
         ("worker RSS at the peak", "MB", lambda s: s["worker_rss_peak_mb"], min),
         ("worker CPU per task", "ms", lambda s: s["worker_cpu_ms_per_task"], min),
     ]
+    # The model answered straight, one call at a time: the part of each added latency that
+    # is the model's own answer (runs from before 2026-12-03 have none).
+    alone = m.get("model_alone", {}).get("added_latency", {})
+    floors = {"added latency p50": alone.get("p50_ms"), "added latency p99": alone.get("p99_ms")}
     lines = [header]
     for name, unit, value, best_of in figures:
         a_threads, a_gevent, reach = (value(s) for s in systems)
         ratio = _ratio(reach, best_of(a_threads, a_gevent))
         shown = f"{ratio:.2f}x" if ratio is not None else "—"
-        lines.append([name, unit, _cell(a_threads), _cell(a_gevent), _cell(reach), shown])
+        row = [
+            name,
+            unit,
+            _cell(floors.get(name)),
+            _cell(a_threads),
+            _cell(a_gevent),
+            _cell(reach),
+            shown,
+        ]
+        lines.append(row)
     # The phase alone (``python -m bench.model``) runs no bare prefork to compare with.
     a_noop = result.get("baseline_a", {}).get("throughput", {}).get("tasks_per_s")
     noop = m["noop_threads"]["tasks_per_s"]
@@ -433,6 +447,7 @@ def model_table(result: dict[str, Any]) -> str:
         [
             "noop throughput (A: prefork)",
             "tasks/s",
+            "—",
             _cell(a_noop),
             "—",
             _cell(noop),

@@ -109,6 +109,8 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
         assert positive(figures["worker_rss_peak_mb"])
         assert positive(figures["worker_cpu_ms_per_task"])
         assert_latency(figures["added_latency"], plan["model_round_trips"], ("p50", "p99"))
+    # the model's own round trip, the floor of every system's added latency
+    assert_latency(model["model_alone"]["added_latency"], plan["model_round_trips"], ("p50", "p99"))
     named = [c["target"] for c in report["targets"] if c["target"].startswith("model latency")]
     assert len(named) == 3
     noop = model["noop_threads"]
@@ -118,6 +120,9 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
     alone = report_module.model_table({"model": model}).splitlines()
     noop_row = next(line for line in alone if line.startswith("| noop throughput"))
     assert "—" in noop_row and report_module._cell(noop["tasks_per_s"]) in noop_row
+    p50_row = next(line for line in alone if line.startswith("| added latency p50"))
+    floor = report_module._cell(model["model_alone"]["added_latency"]["p50_ms"])
+    assert p50_row.split("|")[3].strip() == floor
 
 
 @pytest.mark.timeout(660)
