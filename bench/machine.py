@@ -11,20 +11,33 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
 
 SERVICES = ("postgres", "redis-server")
 
+Key = tuple[int, float]  # (pid, start time): a pid reused by a new process is a new key
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """A process's CPU seconds: its own, and its children's that it has waited for (the
+    kernel adds a child's whole CPU, its own waited-for children's included, to its parent's
+    when the parent reaps it); and its parent's pid."""
+
+    own_s: float
+    children_s: float
+    parent: int = 0
+
 
 @dataclass(frozen=True)
 class Snapshot:
     at: float
     busy_s: float  # all CPUs, all processes
-    # CPU seconds of this process, its descendants and the shared services, by (pid, start).
-    ours: dict[tuple[int, float], float]
+    # This process, its descendants and the shared services, by key.
+    ours: dict[Key, Cpu]
 
 
 def snapshot() -> Snapshot:
@@ -33,44 +46,73 @@ def snapshot() -> Snapshot:
     return Snapshot(time.monotonic(), busy, _ours())
 
 
-def _ours() -> dict[tuple[int, float], float]:
+def _ours() -> dict[Key, Cpu]:
     me = psutil.Process(os.getpid())
     family = {me.pid, *(c.pid for c in me.children(recursive=True))}
+    return _cpu_of(lambda proc: proc.pid in family or _is_service(proc))
+
+
+def _is_service(proc: psutil.Process) -> bool:
+    return (proc.info["name"] or "").startswith(SERVICES)
+
+
+def _cpu_of(wanted: Callable[[psutil.Process], bool]) -> dict[Key, Cpu]:
     found = {}
-    for proc in psutil.process_iter(["name", "cpu_times", "create_time"]):
+    for proc in psutil.process_iter(["name", "cpu_times", "create_time", "ppid"]):
         cpu = proc.info["cpu_times"]
-        if cpu is None:
+        if cpu is not None and wanted(proc):
+            own, children = cpu.user + cpu.system, cpu.children_user + cpu.children_system
+            found[(proc.pid, proc.info["create_time"])] = Cpu(own, children, proc.info["ppid"])
+    return found
+
+
+def used_s(start: dict[Key, Cpu], end: dict[Key, Cpu]) -> float:
+    """CPU seconds a set of processes used between two readings, those that ended in between
+    included. A process that ended was reaped by its parent, and its CPU moved into the
+    parent's children's figure (and on up, as each parent is reaped): when an ancestor is still
+    in the set (a Postgres backend under the postmaster, a pool child under its worker, a
+    worker under this process), what the ended one used after ``start`` is that ancestor's
+    gain less what the ended one had at ``start``. What a process left to no ancestor in the
+    set is lost, so this is never more than was used."""
+    used = sum(cpu.own_s - start[key].own_s for key, cpu in end.items() if key in start)
+    used += sum(cpu.own_s + cpu.children_s for key, cpu in end.items() if key not in start)
+    reaped = {
+        key: cpu.children_s - start[key].children_s for key, cpu in end.items() if key in start
+    }
+    owed = dict.fromkeys(reaped, 0.0)  # what ended processes had at ``start``, by ancestor
+    by_pid = {key[0]: key for key in start}
+    for key, cpu in start.items():
+        if key in end:
             continue
-        if proc.pid in family or (proc.info["name"] or "").startswith(SERVICES):
-            found[(proc.pid, proc.info["create_time"])] = cpu.user + cpu.system
-    return found
+        ancestor, seen = by_pid.get(cpu.parent), {key}
+        while ancestor is not None and ancestor not in end and ancestor not in seen:
+            seen.add(ancestor)
+            ancestor = by_pid.get(start[ancestor].parent)
+        if ancestor in owed:
+            owed[ancestor] += cpu.own_s + cpu.children_s
+    return used + sum(max(0.0, reaped[key] - owed[key]) for key in reaped)
 
 
-def services_cpu() -> dict[tuple[int, float], float]:
-    """CPU seconds each Postgres and Redis process alive now has used, by (pid, start)."""
-    found = {}
-    for proc in psutil.process_iter(["name", "cpu_times", "create_time"]):
-        cpu = proc.info["cpu_times"]
-        if cpu is not None and (proc.info["name"] or "").startswith(SERVICES):
-            found[(proc.pid, proc.info["create_time"])] = cpu.user + cpu.system
-    return found
+def services_cpu() -> dict[Key, Cpu]:
+    """The CPU of each Postgres and Redis process alive now."""
+    return _cpu_of(_is_service)
 
 
-def services_cpu_since(start: dict[tuple[int, float], float]) -> float:
-    """CPU seconds Postgres and Redis used since ``start`` (a ``services_cpu()``): per process,
-    so a backend that exits within the phase drops out of both ends instead of making the
-    figure negative. The services are shared, so this includes any other client's work: a
-    rough figure, read it with ``foreign_cores``."""
-    return sum(cpu - start.get(key, 0.0) for key, cpu in services_cpu().items())
+def services_cpu_since(start: dict[Key, Cpu]) -> float:
+    """CPU seconds Postgres and Redis used since ``start`` (a ``services_cpu()``), a backend
+    that exited within the phase included (``used_s``). The services are shared, so this
+    includes any other client's work: a rough figure, read it with ``foreign_cores``."""
+    return used_s(start, services_cpu())
 
 
 def foreign_cores(start: Snapshot, end: Snapshot) -> float:
-    """Cores kept busy by others between two snapshots (1.0: one whole core). What our
-    processes that ended in between used counts as foreign: an overestimate, never an under."""
+    """Cores kept busy by others between two snapshots (1.0: one whole core). Our processes
+    that ended in between count as ours through the parents that reaped them (``used_s``);
+    any CPU that cannot be traced counts as foreign: an overestimate, never an under."""
     elapsed = end.at - start.at
     if elapsed <= 0:
         return 0.0
-    ours = sum(cpu - start.ours.get(key, 0.0) for key, cpu in end.ours.items())
+    ours = used_s(start.ours, end.ours)
     return round(max(0.0, (end.busy_s - start.busy_s - ours) / elapsed), 3)
 
 
