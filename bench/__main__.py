@@ -98,6 +98,7 @@ def _service_versions(stores: Stores) -> dict[str, Any]:
 
 def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"meta": describe(plan)}
+    result["meta"]["loop_s"] = {"start": machine.loop_s()}
     meter = machine.Meter()
 
     def wait_quiet(name: str) -> None:
@@ -141,6 +142,7 @@ def measure(plan: Plan, log_dir: Path) -> dict[str, Any]:
         result["model"] = model.measure(stores, children, plan, progress, meter)
         wait_quiet("remote")
         result["remote"] = remote.measure(stores, children, plan, progress, meter)
+    result["meta"]["loop_s"]["end"] = machine.loop_s()
     result["foreign_cores"] = meter.foreign
     result["ratios"] = report.ratios(result)
     result["targets"] = report.targets(result)
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{' (+ uncommitted changes)' if meta['uncommitted_changes'] else ''}, "
         f"{meta['cpus']} CPUs, N={plan.tasks}, C={plan.concurrency}"
     )
+    print(machine.speed_line(meta["loop_s"]["start"], meta["loop_s"]["end"]))
     print(report.table(result))
     print(f"\nModel latency: {plan.model_tasks} tasks, each one call answered after 500 ms")
     print(report.model_table(result))

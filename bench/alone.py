@@ -12,7 +12,7 @@ from tempfile import mkdtemp
 from typing import Any
 
 from bench.environment import Stores, fresh_stores
-from bench.machine import Meter
+from bench.machine import Meter, loop_s, speed_line
 from bench.plan import Plan, full, quick
 from bench.processes import Children
 
@@ -33,10 +33,12 @@ def run(
     parser.add_argument("--quick", action="store_true", help="the CI size")
     args = parser.parse_args(argv)
     plan = quick() if args.quick else full()
+    started_s = loop_s()
     with fresh_stores() as stores, Children(Path(mkdtemp(prefix=f"bench-{key}-"))) as children:
         result = {key: measure(stores, children, plan, progress, Meter())}
     print(title(plan))
     print(table(result))
+    print(speed_line(started_s, loop_s()))
     return 0
 
 

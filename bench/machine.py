@@ -116,6 +116,32 @@ def foreign_cores(start: Snapshot, end: Snapshot) -> float:
     return round(max(0.0, (end.busy_s - start.busy_s - ours) / elapsed), 3)
 
 
+LOOP_ADDITIONS = 5_000_000
+
+
+def loop_s(rounds: int = 3) -> float:
+    """Seconds a bare Python loop of ``LOOP_ADDITIONS`` additions takes, the best of
+    ``rounds``: how fast the machine runs this hour. The virtual machine's CPU speed changes
+    from hour to hour (two to three times over a day here) without any steal time or load to
+    show for it, so a run records this at its start and end to be read beside another's."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        total = 0
+        for i in range(LOOP_ADDITIONS):
+            total += i
+        best = min(best, time.perf_counter() - started)
+    return round(best, 3)
+
+
+def speed_line(start_s: float, end_s: float) -> str:
+    """The report's line for two ``loop_s`` readings, at a run's start and end."""
+    return (
+        f"The machine's speed: a Python loop of {LOOP_ADDITIONS:,} additions took {start_s} s"
+        f" at the start of the run and {end_s} s at its end"
+    )
+
+
 def wait_quiet(max_wait_s: float, threshold_cores: float, window_s: float = 2.0) -> float:
     """Wait (at most ``max_wait_s``) until others use under ``threshold_cores``; the last
     measured figure."""

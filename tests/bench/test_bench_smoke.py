@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from bench import alone
 from bench import report as report_module
+from bench.plan import quick
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,6 +98,8 @@ def test_quick_run_reports_ratios_and_targets(report: dict[str, Any]) -> None:
     assert all(isinstance(check["met"], bool) for check in report["targets"])
     assert all(isinstance(cores, float) for cores in report["foreign_cores"].values())
     assert report["meta"]["date"]
+    # the machine's speed at the run's start and end, to read one run beside another
+    assert positive(report["meta"]["loop_s"]["start"]) and positive(report["meta"]["loop_s"]["end"])
 
 
 @pytest.mark.timeout(660)
@@ -233,3 +237,26 @@ def test_the_fairness_measurement_runs_at_a_small_size() -> None:
         assert run["calm_statuses"] == {"succeeded": 3}, run
         assert run["calm_wait"]["samples"] == 3, run
         assert run["calm_wait"]["max_ms"] >= run["calm_wait"]["p50_ms"] > 0, run
+
+
+def test_a_phase_run_alone_prints_its_table_and_the_machines_speed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seen: list[object] = []
+
+    def measure(*args: object) -> dict[str, Any]:
+        seen.append(args[2])  # the plan
+        return {"calls": 3}
+
+    code = alone.run(
+        ["--quick"],
+        key="phase",
+        description=None,
+        measure=measure,
+        title=lambda plan: f"a phase of {plan.tasks} tasks",
+        table=lambda result: f"| calls | {result['phase']['calls']} |",
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and len(seen) == 1
+    assert out[:2] == [f"a phase of {quick().tasks} tasks", "| calls | 3 |"]
+    assert out[2].startswith("The machine's speed: a Python loop of 5,000,000 additions took")
