@@ -61,4 +61,9 @@ async def keep_fresh(state: Services, every_s: float) -> None:
             metrics.system_gauges_refreshed.set(state.gauges_refreshed_at)
         except Exception:
             log.exception("system gauges not refreshed; /metrics serves the previous figures")
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # A cancel that arrived in a refresh and was swallowed below it, by a library:
+            # without this the loop goes on, and the app's shutdown waits for it forever.
+            raise asyncio.CancelledError
         await asyncio.sleep(every_s)

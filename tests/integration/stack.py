@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -182,13 +183,25 @@ class ServedApp:
         )
         if not self.server.started:
             raise RuntimeError("the API did not start")
+        self.loop = self.server.servers[0].get_loop()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         if self.thread.is_alive() and exc[0] is None:
-            raise RuntimeError("the API did not stop: its lifespan's tasks would outlive the test")
+            raise RuntimeError(
+                "the API did not stop: its lifespan's tasks would outlive the test. Its tasks:\n"
+                + self.tasks()
+            )
+
+    def tasks(self) -> str:
+        """Where each task on the app's loop waits (read from this thread: a diagnosis)."""
+        out = io.StringIO()
+        for task in list(asyncio.all_tasks(self.loop)):
+            out.write(f"{task.get_name()}:\n")
+            task.print_stack(file=out)
+        return out.getvalue()
 
 
 def wait_for_task(
