@@ -121,9 +121,10 @@ LOOP_ADDITIONS = 5_000_000
 
 def loop_s(rounds: int = 3) -> float:
     """Seconds a bare Python loop of ``LOOP_ADDITIONS`` additions takes, the best of
-    ``rounds``: how fast the machine runs this hour. The virtual machine's CPU speed changes
-    from hour to hour (two to three times over a day here) without any steal time or load to
-    show for it, so a run records this at its start and end to be read beside another's."""
+    ``rounds``: the CPU's own speed this hour, which on a virtual machine changes without any
+    steal time or load to show for it. A run records it at its start and end, to be read
+    beside another run's. It is not the whole of a slow hour: the cost of each hop between
+    processes and of each flush to disk varies apart from it (``docs/performance.md``)."""
     best = float("inf")
     for _ in range(rounds):
         started = time.perf_counter()
