@@ -30,6 +30,7 @@ class Plan:
     remote_hold_s: float  # ... each call of the holding figure (slots calls open at once)
     remote_curve: tuple[int, ...]  # ... fewer calls at once, direct and through one bridge
     remote_steady_tasks: int  # ... more calls, at remote_slots at once: past the first waves
+    remote_pairs: int  # ... runs of the N calls, each direct then through one bridge
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +60,7 @@ def full(tasks: int = 2000, concurrency: int = 2) -> Plan:
         remote_hold_s=10.0,
         remote_curve=(100, 250, 500),
         remote_steady_tasks=10_000,
+        remote_pairs=3,
     )
 
 
@@ -85,6 +87,7 @@ def quick(tasks: int = 20, concurrency: int = 2) -> Plan:
         remote_hold_s=1.0,
         remote_curve=(10,),
         remote_steady_tasks=40,
+        remote_pairs=2,
     )
 
 

@@ -18,17 +18,23 @@ saw in flight at once; the worker's (bridge's) peak RSS and CPU per task. Then t
 figure: ``slots`` calls of ``remote_hold_s`` each (long enough for all of them to be open),
 submitted together, and the most the agent saw open at once.
 
-Then the same N tasks through two bridge processes started together (``-n`` names of their
-own, ``slots / 2`` calls at once each); then ``remote_steady_tasks`` calls, ``slots`` at once,
-direct and through one bridge: N = 2,000 at 1,000 at once is two waves for the direct caller,
-whose ramps weigh on its rate, so the longer run shows the rates once both have settled;
-and, both ways, at each of ``remote_curve``'s smaller numbers of calls at once: where one
-bridge process stops keeping up with the agent.
+The machine's speed changes from one second to the next (``bench.machine.loop_s``), so the
+target's ratio is read between runs made seconds apart: a direct run of the N calls right
+before each bridge run, ``remote_pairs`` pairs in all (the main run is the first), and the
+median of their ratios. Then the same N tasks through two bridge processes started together
+(``-n`` names of their own, ``slots / 2`` calls at once each; a direct run right before them);
+then ``remote_steady_tasks`` calls, ``slots`` at once, direct and through one bridge: N = 2,000
+at 1,000 at once is two waves for the direct caller, whose ramps weigh on its rate, so the
+longer run shows the rates once both have settled; and, both ways, at each of
+``remote_curve``'s smaller numbers of calls at once: where one bridge process stops keeping up
+with the agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -80,7 +86,11 @@ def measure(
     )
     base = f"http://127.0.0.1:{port}"
     wait_until(lambda: _stats(base) is not None, timeout_s=30, what="the agent", child=agent)
-    figures: dict[str, Any] = {"delay_s": REMOTE_DELAY_S, "tasks": plan.remote_tasks}
+    figures: dict[str, Any] = {
+        "delay_s": REMOTE_DELAY_S,
+        "tasks": plan.remote_tasks,
+        "cores": os.cpu_count(),
+    }
     try:
         progress(f"remote agent, direct: {plan.remote_tasks} calls, {plan.remote_slots} at once")
         with meter.phase("remote.direct"):
@@ -122,9 +132,10 @@ def _body(i: int) -> dict[str, Any]:
     }
 
 
-async def direct(base: str, plan: Plan, agent: Child) -> dict[str, Any]:
+async def direct(base: str, plan: Plan, agent: Child, round_trips: bool = True) -> dict[str, Any]:
     """The agent called straight from one event loop: the best a caller could do. CPU per
-    call: this process's (the caller's) and the agent's."""
+    call: this process's (the caller's) and the agent's. ``round_trips``: then the calls one
+    at a time, for the latency of a call."""
     _reset(base)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -150,19 +161,21 @@ async def direct(base: str, plan: Plan, agent: Child) -> dict[str, Any]:
         caller_s, agent_s = time.process_time() - cpu_at_start[0], agent.cpu_s() - cpu_at_start[1]
         in_flight_max = (_stats(base) or {}).get("in_flight_max", 0)
         samples = []
-        for i in range(plan.remote_round_trips):
+        for i in range(plan.remote_round_trips if round_trips else 0):
             sent = time.perf_counter()
             await one(i)
             samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
-    return {
+    figures = {
         "calls": plan.remote_tasks,
         "elapsed_s": round(elapsed, 3),
         "tasks_per_s": rate(plan.remote_tasks, elapsed),
         "in_flight_max": in_flight_max,
-        "added_latency": latency_ms(samples, (50, 99)),
         "caller_cpu_ms_per_task": round(caller_s * 1000 / plan.remote_tasks, 3),
         "agent_cpu_ms_per_task": round(agent_s * 1000 / plan.remote_tasks, 3),
     }
+    if samples:
+        figures["added_latency"] = latency_ms(samples, (50, 99))
+    return figures
 
 
 def bare(
@@ -431,16 +444,30 @@ def bridged(
         runs = Bridged(stores, children, stack, base)
         try:
             runs.register(plan.remote_slots)
+            before = asyncio.run(direct(base, plan, agent, round_trips=False))
             figures, (bridge,) = runs.run(agent, plan.remote_tasks, plan.remote_slots, keep=True)
+            pairs = [_pair(before, figures)]
             try:
                 figures["added_latency"] = runs.round_trips(plan.remote_round_trips)
                 figures["held"] = hold(stack, base, plan, bridge)
             finally:
                 children.stop(bridge)
+            for _ in range(plan.remote_pairs - 1):
+                progress("remote agent, direct then through the bridge, once more")
+                before = asyncio.run(direct(base, plan, agent, round_trips=False))
+                pairs.append(
+                    _pair(before, runs.run(agent, plan.remote_tasks, plan.remote_slots)[0])
+                )
+            figures["paired"] = {
+                "pairs": pairs,
+                "ratio": round(statistics.median(p["ratio"] for p in pairs), 3),
+            }
             progress(f"remote agent, through two bridges -c {plan.remote_slots // 2} each")
+            before = asyncio.run(direct(base, plan, agent, round_trips=False))
             figures["two_bridges"], _ = runs.run(
                 agent, plan.remote_tasks, plan.remote_slots, bridges=2
             )
+            figures["two_bridges"]["direct_tasks_per_s"] = before["tasks_per_s"]
             steady = plan.remote_steady_tasks
             progress(f"remote agent, {steady} calls: direct, then one bridge")
             longer = replace(plan, remote_tasks=steady)
@@ -465,6 +492,17 @@ def bridged(
         finally:
             runs.close()
     return figures
+
+
+def _pair(direct: dict[str, Any], bridge: dict[str, Any]) -> dict[str, Any]:
+    """A bridge run and the direct run made right before it. The machine's speed changes
+    from one second to the next (``bench.machine.loop_s``), so a ratio is read between runs
+    made seconds apart, never between the phase's first run and one a minute later."""
+    return {
+        "direct": direct["tasks_per_s"],
+        "bridge": bridge["tasks_per_s"],
+        "ratio": round(bridge["tasks_per_s"] / max(direct["tasks_per_s"], 0.1), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,10 +191,19 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def remote_targets(r: dict[str, Any], target: Any) -> list[dict[str, Any]]:
     bridge, direct = r["bridge"], r["direct"]
+    paired = bridge.get("paired")
+    if paired is not None:
+        name = f"median of {len(paired['pairs'])} runs, each against a direct run right before it"
+        ratio = paired["ratio"]
+    else:  # a run from before the pairs: against the phase's first direct run
+        name, ratio = (
+            "against the phase's direct run",
+            _ratio(bridge["tasks_per_s"], direct["tasks_per_s"]),
+        )
     return [
         target(
-            f"remote agent: throughput >= {REMOTE_THROUGHPUT_RATIO}x direct calls",
-            _ratio(bridge["tasks_per_s"], direct["tasks_per_s"]),
+            f"remote agent: throughput >= {REMOTE_THROUGHPUT_RATIO}x direct calls ({name})",
+            ratio,
             REMOTE_THROUGHPUT_RATIO,
             True,
         ),
@@ -299,13 +308,36 @@ def remote_table(result: dict[str, Any]) -> str:
         shown = [parts[0] or None, *parts[1:]]
         add(f"CPU per call: {name}", "ms", shown[0], shown[1:-1], shown[-1], min)
     add("CPU per call: all of them", "ms", whole[0], whole[1:-1], whole[-1], min)
+    add_ceilings(add, direct, bare, bridge, r.get("cores"))
+    paired = bridge.get("paired")
+    for i, pair in enumerate(paired["pairs"] if paired else [], start=1):
+        add(
+            f"throughput, run {i}: direct, then bridge",
+            "calls/s",
+            pair["direct"],
+            none,
+            pair["bridge"],
+            max,
+        )
+    if paired:
+        lines.append(
+            [
+                f"bridge / direct, median of the {len(paired['pairs'])} runs",
+                "",
+                "",
+                *([""] * len(bare)),
+                "",
+                f"{paired['ratio']:.2f}x",
+                "—",
+            ]
+        )
     two = bridge.get("two_bridges")
     if two is not None:
         each = two["slots"] // two["bridges"]
         add(
-            f"throughput, {two['bridges']} bridges -c {each} each",
+            f"throughput, {two['bridges']} bridges -c {each} each (direct right before)",
             "calls/s",
-            direct["tasks_per_s"],
+            two.get("direct_tasks_per_s", direct["tasks_per_s"]),
             none,
             two["tasks_per_s"],
             max,
@@ -330,6 +362,52 @@ def remote_table(result: dict[str, Any]) -> str:
         )
     table = _markdown(lines)
     return table + ("\n\n" + remote_curve_table(r) if bridge.get("curve") else "")
+
+
+def add_ceilings(
+    add: Callable[..., None],
+    direct: dict[str, Any],
+    bare: list[dict[str, Any]],
+    bridge: dict[str, Any],
+    cores: int | None,
+) -> None:
+    """The most calls a second each way could make at the CPU a call it spent in the main run:
+    its own process's core (1,000 ms over that process's CPU a call: the caller, the worker,
+    the bridge), and the machine's cores (over every process's CPU a call together). A rate
+    near a ceiling is bound by it."""
+    own = ("caller_cpu_ms_per_task", "worker_cpu_ms_per_task", "bridge_cpu_ms_per_task")
+    runs = [direct, *bare, bridge]
+    keys = [own[0], *([own[1]] * len(bare)), own[2]]
+
+    def most(cpu_ms: float | None, count: int) -> float | None:
+        return round(count * 1000 / cpu_ms, 1) if cpu_ms else None
+
+    processes = [most(run.get(key), 1) for run, key in zip(runs, keys, strict=True)]
+    add(
+        "most calls/s, the process's one core",
+        "calls/s",
+        processes[0],
+        processes[1:-1],
+        processes[-1],
+        max,
+    )
+    if cores:
+        every = [
+            _plus(
+                _plus(run.get(key), run.get("agent_cpu_ms_per_task")),
+                run.get("services_cpu_ms_per_task", 0.0),
+            )
+            for run, key in zip(runs, keys, strict=True)
+        ]
+        machine = [most(cpu, cores) for cpu in every]
+        add(
+            f"most calls/s, the machine's {cores} cores",
+            "calls/s",
+            machine[0],
+            machine[1:-1],
+            machine[-1],
+            max,
+        )
 
 
 def remote_curve_table(r: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ asserted: figures from a CI machine say nothing, but a benchmark that no longer 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -160,12 +161,26 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert positive(direct["agent_cpu_ms_per_task"])
     named = [c["target"] for c in report["targets"] if c["target"].startswith("remote agent")]
     assert len(named) == 3
+    # the target's ratio: each bridge run against a direct run made right before it, the
+    # main run first, and the median of those ratios
+    paired = bridge["paired"]
+    assert len(paired["pairs"]) == plan["remote_pairs"]
+    assert paired["pairs"][0]["bridge"] == bridge["tasks_per_s"]
+    for pair in paired["pairs"]:
+        assert positive(pair["direct"]) and positive(pair["bridge"])
+        assert pair["ratio"] == round(pair["bridge"] / pair["direct"], 3)
+    assert paired["ratio"] == round(statistics.median(p["ratio"] for p in paired["pairs"]), 3)
+    throughput = next(
+        c for c in report["targets"] if "throughput" in c["target"] and "remote" in c["target"]
+    )
+    assert "median of" in throughput["target"] and throughput["value"] == paired["ratio"]
     # the same N through two bridge processes sharing the slots, started together
     two = bridge["two_bridges"]
     assert (two["bridges"], two["slots"]) == (2, plan["remote_slots"])
     assert two["statuses"] == {"succeeded": plan["remote_tasks"]}
     assert positive(two["tasks_per_s"]) and positive(two["bridge_cpu_ms_per_task"])
     assert 0 < two["in_flight_max"] <= plan["remote_slots"]
+    assert positive(two["direct_tasks_per_s"])  # the direct run made right before them
     # both processes' memory, so more than one bridge's alone
     assert two["bridge_rss_peak_mb"] > bridge["bridge_rss_peak_mb"], (two, bridge)
     # more calls at the same number at once, direct and through one bridge
@@ -191,6 +206,8 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert "| calls at once" in table and "2 bridges" in table
     assert f"throughput, {plan['remote_steady_tasks']:,} calls (settled)" in table
     assert "A-threads -c" in table and "A-gevent -c" in table and "bridge / best A" in table
+    assert f"bridge / direct, median of the {plan['remote_pairs']} runs" in table
+    assert f"most calls/s, the machine's {remote['cores']} cores" in table
 
 
 @pytest.mark.timeout(300)
