@@ -65,22 +65,17 @@ def row(table: str, name: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
+def figures(table: str, name: str) -> str:
+    """A row's direct, first bare pool's and bridge's cells, and its bridge / direct ratio."""
+    return " ".join(row(table, name)[2:6])
+
+
 def test_the_ceilings_are_what_one_core_and_every_core_allow_at_each_ones_cpu_a_call() -> None:
     table = report.remote_table({"remote": remote()})
     # one process's core: 1,000 ms over the caller's, the worker's, the bridge's CPU a call
-    assert row(table, "most calls/s, the process's one core")[2:6] == [
-        "2,500",
-        "333",
-        "1,250",
-        "0.50x",
-    ]
+    assert figures(table, "most calls/s, the process's one core") == "2,500 333 1,250 0.50x"
     # two cores over every process's CPU a call: 0.4 + 0.1; 3.0 + 0.1 + 0.4; 0.8 + 0.1 + 0.1
-    assert row(table, "most calls/s, the machine's 2 cores")[2:6] == [
-        "4,000",
-        "571",
-        "2,000",
-        "0.50x",
-    ]
+    assert figures(table, "most calls/s, the machine's 2 cores") == "4,000 571 2,000 0.50x"
 
 
 def test_without_the_cores_only_the_process_ceiling_is_shown() -> None:
@@ -91,12 +86,7 @@ def test_without_the_cores_only_the_process_ceiling_is_shown() -> None:
 
 def test_the_target_is_the_median_of_the_paired_runs_not_the_first_direct_run() -> None:
     table = report.remote_table({"remote": remote()})
-    assert row(table, "throughput, run 2: direct, then bridge")[2:6] == [
-        "1,600",
-        "—",
-        "1,440",
-        "0.90x",
-    ]
+    assert figures(table, "throughput, run 2: direct, then bridge") == "1,600 — 1,440 0.90x"
     assert row(table, "bridge / direct, median of the 3 runs")[-2] == "0.80x"
     check = throughput_target(remote())
     assert check["value"] == 0.8 and "median of 3 runs" in check["target"]
