@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from bench import alone
+from bench import remote as remote_module
 from bench import report as report_module
 from bench.plan import quick
 
@@ -159,6 +160,11 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert bridge["services_cpu_ms_per_task"] >= 0
     assert positive(direct["caller_cpu_ms_per_task"])
     assert positive(direct["agent_cpu_ms_per_task"])
+    # every direct run on the bridge's own event loop and collector threshold
+    directs = [direct, bridge["steady"]["direct"], *(p["direct"] for p in bridge["curve"])]
+    assert {json.dumps(d["runtime"], sort_keys=True) for d in directs} == {
+        json.dumps(remote_module.bridge_runtime(), sort_keys=True)
+    }
     named = [c["target"] for c in report["targets"] if c["target"].startswith("remote agent")]
     assert len(named) == 3
     # the target's ratio: each bridge run against a direct run made right before it, the
