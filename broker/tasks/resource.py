@@ -52,14 +52,16 @@ FINAL = frozenset(status for status in STATUSES if not NEXT[status])
 class TaskRow(TypedDict):
     """A row of ``tasks`` as it travels between modules. The table is defined in
     ``broker/db/models.py``; a unit test holds the two to the same columns. A row a final write
-    returned also says whether the tenant has a webhook subscription (``tenant_subscribes``)."""
+    returned has no ``payload`` (nothing reads a task's payload once it has ended, and it may
+    be a megabyte) and says whether the tenant has a webhook subscription
+    (``tenant_subscribes``)."""
 
     id: uuid.UUID
     tenant: str
     capability: str
     queue: str
     status: str
-    payload: Any
+    payload: NotRequired[Any]
     payload_digest: str
     payload_size: int
     result: Any

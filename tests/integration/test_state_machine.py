@@ -219,6 +219,33 @@ def test_given_finishes_of_every_kind_together_expect_each_to_make_its_own_move(
     assert status_of(engine, ok) == "succeeded" and status_of(engine, queued) == "queued"
 
 
+def test_given_final_writes_expect_every_column_back_but_the_payload_which_stays_stored(
+    engine: Engine,
+) -> None:
+    # given a running task and an overdue queued one, each with a payload of 64 KB
+    payload = {"doc": "x" * 65_536}
+    running = a_task_row(engine, tenant=TENANT, status="running", payload=payload)
+    overdue = a_task_row(
+        engine,
+        tenant=TENANT,
+        payload=payload,
+        deadline_at=datetime.now(UTC) - timedelta(seconds=1),
+    )
+    # when the worker's final writes end them
+    (finished,) = execution.finish_many(engine, [execution.Finish.succeeded(running, {"n": 1})])
+    expired = execution.expire_overdue(engine, overdue)
+    # expect every other column and the subscription flag back, no payload, and the payload
+    # still in the table (``GET /tasks/{id}?include=payload`` reads it from there)
+    wanted = {c.name for c in tasks_table.columns} - {"payload"} | {"tenant_subscribes"}
+    for row in (finished, expired):
+        assert row is not None and set(row) == wanted, row and set(row) ^ wanted
+    assert finished is not None and finished["result"] == {"n": 1}
+    assert expired is not None and expired["status"] == "expired"
+    with engine.connect() as conn:
+        query = select(tasks_table.c.payload).where(tasks_table.c.id.in_([running, overdue]))
+        assert list(conn.execute(query).scalars()) == [payload, payload]
+
+
 def test_given_a_large_table_expect_claims_and_finishes_to_find_their_rows_by_primary_key(
     engine: Engine,
 ) -> None:
