@@ -391,6 +391,10 @@ def in_sources(move: Move) -> ColumnElement[bool]:
     return or_(*(tasks_table.c.status == status for status in move.sources))
 
 
+# What a final write reads back: every column of ``tasks`` but the payload (see ``TaskRow``).
+FINAL_COLUMNS = tuple(column for column in tasks_table.c if column.key != "payload")
+
+
 def as_task_row(row: Row[Any]) -> TaskRow:
     """A ``tasks`` row as the type the modules pass around."""
     return cast(TaskRow, dict(row._mapping))

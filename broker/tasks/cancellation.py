@@ -17,7 +17,7 @@ from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
-from broker.db.models import as_task_row, in_sources
+from broker.db.models import FINAL_COLUMNS, as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.errors import Conflict
 from broker.registry import cards as card_reads
@@ -64,7 +64,7 @@ async def cancel(
             finished_at=func.now(),
             expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s),
         )
-        .returning(*tasks.c)
+        .returning(*FINAL_COLUMNS)
     )
     async with engine.begin() as conn:
         row = (await conn.execute(query)).first()

@@ -47,7 +47,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from broker import sessions
 from broker.db.engines import LoopConnection, ThreadConnection
-from broker.db.models import as_task_row, in_sources
+from broker.db.models import FINAL_COLUMNS, as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
 from broker.tasks.resource import (
@@ -98,12 +98,6 @@ _TENANT_SUBSCRIBES = (
     .label("tenant_subscribes")
 )
 
-
-# What a final write reads back: every column but the payload. The final event, the hooks and
-# the next turn never read it, and returning it cost the worker a read of the whole JSON again
-# for every task: 100 finishes of tasks with 64 KB payloads took 51-98 ms with it and 13 ms
-# without, 512 KB ones 421-485 ms and 61-63 ms (``docs/performance.md``).
-_FINAL_COLUMNS = [column for column in tasks.c if column.key != "payload"]
 
 # What a claim reads back, each column labelled with the name ``Claimed`` gives it.
 _RENAMED = {"task_id": "id", "attempt": "attempts"}
@@ -324,7 +318,10 @@ def _finish_statement(move: Move, of_attempt: bool) -> Any:
     guard = [tasks.c.id == _IDS, tasks.c.id == _FINISHES.c.task_id, in_sources(move)]
     if of_attempt:
         guard.append(tasks.c.attempts == _FINISHES.c.attempt)
-    return update(tasks).where(*guard).values(values).returning(*_FINAL_COLUMNS, _TENANT_SUBSCRIBES)
+    # Not the payload (``FINAL_COLUMNS``): nothing reads it once the task has ended, and
+    # reading it back cost every finish its whole JSON again. 100 finishes of tasks with
+    # 64 KB payloads took 51-98 ms with it and 13 ms without (``docs/performance.md``).
+    return update(tasks).where(*guard).values(values).returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
 
 
 def finish_many(db: Engine | ThreadConnection, finishes: list[Finish]) -> list[TaskRow | None]:
@@ -371,7 +368,7 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
             finished_at=func.now(),
             expires_at=_expiry(),
         )
-        .returning(*_FINAL_COLUMNS, _TENANT_SUBSCRIBES)
+        .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
     )
     with engine.begin() as conn:
         row = conn.execute(query).first()

@@ -220,9 +220,9 @@ def test_given_finishes_of_every_kind_together_expect_each_to_make_its_own_move(
 
 
 def test_given_final_writes_expect_every_column_back_but_the_payload_which_stays_stored(
-    engine: Engine,
+    engine: Engine, settings: Settings
 ) -> None:
-    # given a running task and an overdue queued one, each with a payload of 64 KB
+    # given a running task, an overdue queued one and a queued one, each with 64 KB of payload
     payload = {"doc": "x" * 65_536}
     running = a_task_row(engine, tenant=TENANT, status="running", payload=payload)
     overdue = a_task_row(
@@ -231,19 +231,27 @@ def test_given_final_writes_expect_every_column_back_but_the_payload_which_stays
         payload=payload,
         deadline_at=datetime.now(UTC) - timedelta(seconds=1),
     )
-    # when the worker's final writes end them
+    queued = a_task_row(engine, tenant=TENANT, payload=payload)
+    # when the final writes end them: the worker's finish and expiry, and the API's cancel
     (finished,) = execution.finish_many(engine, [execution.Finish.succeeded(running, {"n": 1})])
     expired = execution.expire_overdue(engine, overdue)
-    # expect every other column and the subscription flag back, no payload, and the payload
-    # still in the table (``GET /tasks/{id}?include=payload`` reads it from there)
-    wanted = {c.name for c in tasks_table.columns} - {"payload"} | {"tenant_subscribes"}
-    for row in (finished, expired):
+    cancelled = cancel(engine, settings, queued)
+    # expect every other column back (and the worker's whether the tenant subscribes), no
+    # payload, and the payload still stored (``GET /tasks/{id}?include=payload`` reads it)
+    columns = {c.name for c in tasks_table.columns} - {"payload"}
+    for row, wanted in (
+        (finished, columns | {"tenant_subscribes"}),
+        (expired, columns | {"tenant_subscribes"}),
+        (cancelled, columns),
+    ):
         assert row is not None and set(row) == wanted, row and set(row) ^ wanted
     assert finished is not None and finished["result"] == {"n": 1}
     assert expired is not None and expired["status"] == "expired"
+    assert cancelled is not None and cancelled["status"] == "cancelled"
     with engine.connect() as conn:
-        query = select(tasks_table.c.payload).where(tasks_table.c.id.in_([running, overdue]))
-        assert list(conn.execute(query).scalars()) == [payload, payload]
+        ids = [running, overdue, queued]
+        query = select(tasks_table.c.payload).where(tasks_table.c.id.in_(ids))
+        assert list(conn.execute(query).scalars()) == [payload] * 3
 
 
 def test_given_a_large_table_expect_claims_and_finishes_to_find_their_rows_by_primary_key(
