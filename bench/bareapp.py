@@ -47,9 +47,9 @@ def noop(payload: Any) -> Any:
     return payload
 
 
-def model_call(url: str, prompt: str) -> str:
+def model_call(url: str, prompt: str, model: str = "default") -> str:
     """One completion from the model at ``url``."""
-    body = {"messages": [{"role": "user", "content": prompt}], "stream": False}
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": False}
     content: str = _post(url, body)["choices"][0]["message"]["content"]
     return content
 

@@ -13,6 +13,12 @@ model's, one call at a time (round trip minus the delay); the worker's peak RSS 
 tasks; its CPU per task. Beside them, the model alone: the same request made straight to it,
 one at a time, by the benchmark's own client (round trip minus the delay). Every system's
 added latency holds that much: the model's own answer, not the broker's work.
+
+Each series of round trips is followed by as many of the same calls to the model answering
+at once (``reach.fakemodel``'s ``instant`` model): ``added_latency_instant``. After
+the model's half second of quiet every process on a call's path has slept; the instant
+series is the same path without that quiet, so the two tell the work on the path from what
+waking it costs.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from bench.plan import Plan
 from bench.processes import BIN, Child, Children, celery_worker, child_env, free_port, wait_until
 from bench.reach import throughput, wait_final
 from bench.stack import running_stack
-from bench.stats import latency_ms, rate
+from bench.stats import RoundTrips, rate
+from reach.fakemodel import INSTANT
 
 MODEL_DELAY_S = 0.5
 PROMPT = "say hello to the benchmark"
@@ -80,23 +87,28 @@ def measure(
 
 def model_alone(port: int, round_trips: int) -> dict[str, Any]:
     """The model's own round trip, minus the delay: the request ``llm.complete`` sends, made
-    straight to the model one at a time on one keep-alive connection."""
-    request = {
-        "model": "default",
+    straight to the model one at a time on one keep-alive connection; then the same
+    request to the model answering at once, as many times after them."""
+    samples = RoundTrips(MODEL_DELAY_S)
+    with loadgen.Caller(port, "none") as caller:
+        caller.post("/v1/chat/completions", _completion(INSTANT))  # connected before the clock
+        for _, instant in samples.series(round_trips):
+            request = _completion(INSTANT if instant else "default")
+            with samples.timed(instant=instant):
+                answer = caller.post("/v1/chat/completions", request)
+            if answer.status != 200:
+                raise RuntimeError(f"the model answered {answer.status}: {answer.body!r}")
+    return samples.figures()
+
+
+def _completion(model: str) -> dict[str, Any]:
+    """The request ``llm.complete`` sends the model for the benchmark's payload."""
+    return {
+        "model": model,
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": 256,
         "stream": False,
     }
-    samples = []
-    with loadgen.Caller(port, "none") as caller:
-        caller.post("/v1/chat/completions", request)  # the connection made before the clock
-        for _ in range(round_trips):
-            sent = time.perf_counter()
-            answer = caller.post("/v1/chat/completions", request)
-            samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
-            if answer.status != 200:
-                raise RuntimeError(f"the model answered {answer.status}: {answer.body!r}")
-    return {"added_latency": latency_ms(samples, (50, 99))}
 
 
 def _healthy(base: str) -> bool:
@@ -163,11 +175,11 @@ def bare(
             elapsed = time.perf_counter() - started
         store.close()
         cpu_s = worker.cpu_s() - cpu_at_start
-        samples = []
-        for _ in range(plan.model_round_trips):
-            sent = time.perf_counter()
-            call.apply_async((url, PROMPT), queue=bareapp.MODEL_QUEUE).get(timeout=30)
-            samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
+        samples = RoundTrips(MODEL_DELAY_S)
+        for _, instant in samples.series(plan.model_round_trips):
+            model = INSTANT if instant else "default"
+            with samples.timed(instant=instant):
+                call.apply_async((url, PROMPT, model), queue=bareapp.MODEL_QUEUE).get(30)
     finally:
         children.stop(worker)
         app.close()
@@ -186,7 +198,7 @@ def agent_reach(
         REACH_MODEL_URL=base,
     ) as stack:
         token = stack.key("bench-model")
-        envelope = {"capability": "llm.complete", "payload": {"prompt": PROMPT}}
+        envelope: dict[str, Any] = {"capability": "llm.complete", "payload": {"prompt": PROMPT}}
         # Warm-up and round trips on a tenant of their own: the N tasks are counted by tenant.
         with loadgen.Caller(stack.port, stack.key("bench-model-trips")) as caller:
             _sync(caller, envelope)  # the agent's session made before the clock
@@ -201,11 +213,11 @@ def agent_reach(
                 counts = wait_final(stack.stores.libpq_url, "bench-model", submitted["accepted"])
                 elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
             cpu_s = stack.worker.cpu_s() - cpu_at_start
-            samples = []
-            for _ in range(plan.model_round_trips):
-                sent = time.perf_counter()
-                _sync(caller, envelope)
-                samples.append(time.perf_counter() - sent - MODEL_DELAY_S)
+            samples = RoundTrips(MODEL_DELAY_S)
+            instant = {**envelope, "payload": {**envelope["payload"], "model": INSTANT}}
+            for _, at_once in samples.series(plan.model_round_trips):
+                with samples.timed(instant=at_once):
+                    _sync(caller, instant if at_once else envelope)
     figures = _figures(counts.get("succeeded", 0), elapsed, cpu_s, peak["mb"], samples)
     return {**figures, "pool": "threads (async handler)", "slots": slots, "statuses": counts}
 
@@ -228,7 +240,7 @@ def _sync(caller: loadgen.Caller, envelope: dict[str, Any]) -> None:
 
 
 def _figures(
-    done: int, elapsed: float, cpu_s: float, rss_mb: float, samples: list[float], **more: Any
+    done: int, elapsed: float, cpu_s: float, rss_mb: float, samples: RoundTrips, **more: Any
 ) -> dict[str, Any]:
     return {
         **more,
@@ -237,7 +249,7 @@ def _figures(
         "tasks_per_s": rate(done, elapsed),
         "worker_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
         "worker_rss_peak_mb": rss_mb,
-        "added_latency": latency_ms(samples, (50, 99)),
+        **samples.figures(),
     }
 
 

@@ -15,7 +15,9 @@ call after ``REMOTE_DELAY_S``. Two ways to make N calls to it, ``slots`` at a ti
 
 Figures: calls (tasks) per second, from the agent's first call to the last result; the time
 each call adds to the agent's, one call at a time (the direct call's round trip, Celery's
-``apply_async(...).get()`` and our sync round trip, minus the delay); the most calls the agent
+``apply_async(...).get()`` and our sync round trip, minus the delay), then as many of the
+same calls answered at once (the payload's ``delay_s`` 0; ``added_latency_instant``: the
+path without the quiet of the wait); the most calls the agent
 saw in flight at once; the worker's (bridge's) peak RSS and CPU per task. Then the holding
 figure: ``slots`` calls of ``remote_hold_s`` each (long enough for all of them to be open),
 submitted together, and the most the agent saw open at once.
@@ -64,14 +66,15 @@ from bench.processes import (
 )
 from bench.reach import wait_final
 from bench.stack import running_stack
-from bench.stats import latency_ms, rate
+from bench.stats import RoundTrips, rate
 from broker import runtime
 from broker.settings import Settings
 
 REMOTE_DELAY_S = 0.2
 CAPABILITY = "bench.remote"
 AGENT_ID = "bench-remote"
-ENVELOPE = {"capability": CAPABILITY, "payload": {"i": 0}}
+PAYLOAD = {"i": 0}
+ENVELOPE: dict[str, Any] = {"capability": CAPABILITY, "payload": PAYLOAD}
 
 
 def measure(
@@ -157,11 +160,13 @@ def _reset(base: str) -> None:
     httpx.post(f"{base}/stats/reset", timeout=5).raise_for_status()
 
 
-def _body(i: int) -> dict[str, Any]:
+def _body(i: int, instant: bool = False) -> dict[str, Any]:
+    """A call of the ``http`` protocol, as the bridge makes it; ``instant``: the agent
+    answers it without its delay (the payload's ``delay_s``)."""
     return {
         "task_id": f"direct-{i}",
         "capability": CAPABILITY,
-        "payload": {"i": i},
+        "payload": {"i": i, "delay_s": 0} if instant else {"i": i},
         "attempt": 1,
         "deadline_at": None,
         "session": None,
@@ -178,8 +183,8 @@ async def direct(base: str, plan: Plan, agent: Child, round_trips: bool = True) 
     async with aiohttp.ClientSession(connector=connector) as session:
         url = f"{base}/run"
 
-        async def one(i: int) -> None:
-            async with session.post(url, json=_body(i)) as answer:
+        async def one(i: int, instant: bool = False) -> None:
+            async with session.post(url, json=_body(i, instant)) as answer:
                 answer.raise_for_status()
                 await answer.read()
 
@@ -197,11 +202,10 @@ async def direct(base: str, plan: Plan, agent: Child, round_trips: bool = True) 
         elapsed = time.perf_counter() - started
         caller_s, agent_s = time.process_time() - cpu_at_start[0], agent.cpu_s() - cpu_at_start[1]
         in_flight_max = (_stats(base) or {}).get("in_flight_max", 0)
-        samples = []
-        for i in range(plan.remote_round_trips if round_trips else 0):
-            sent = time.perf_counter()
-            await one(i)
-            samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
+        samples = RoundTrips(REMOTE_DELAY_S)
+        for i, instant in samples.series(plan.remote_round_trips if round_trips else 0):
+            with samples.timed(instant=instant):
+                await one(i, instant)
     figures = {
         "calls": plan.remote_tasks,
         "elapsed_s": round(elapsed, 3),
@@ -209,9 +213,8 @@ async def direct(base: str, plan: Plan, agent: Child, round_trips: bool = True) 
         "in_flight_max": in_flight_max,
         "caller_cpu_ms_per_task": round(caller_s * 1000 / plan.remote_tasks, 3),
         "agent_cpu_ms_per_task": round(agent_s * 1000 / plan.remote_tasks, 3),
+        **samples.figures(),
     }
-    if samples:
-        figures["added_latency"] = latency_ms(samples, (50, 99))
     return figures
 
 
@@ -263,11 +266,10 @@ def bare(
         services_s = machine.services_cpu_since(cpu_at_start[2])
         stats = _stats(base) or {}
         elapsed = finished_at - (stats.get("first_at") or finished_at)
-        samples = []
-        for i in range(plan.remote_round_trips if round_trips else 0):
-            sent = time.perf_counter()
-            call.apply_async((url, _body(i)), queue=bareapp.AGENT_QUEUE).get(timeout=30)
-            samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
+        samples = RoundTrips(REMOTE_DELAY_S)
+        for i, instant in samples.series(plan.remote_round_trips if round_trips else 0):
+            with samples.timed(instant=instant):
+                call.apply_async((url, _body(i, instant)), queue=bareapp.AGENT_QUEUE).get(30)
     finally:
         store.close()
         if worker is not None:
@@ -276,9 +278,7 @@ def bare(
         with redis.Redis.from_url(stores.redis_url) as client:  # nothing left for the next run
             client.delete(bareapp.AGENT_QUEUE)
     figures = _run_figures("worker", done, elapsed, stats, peak["mb"], cpu_s, agent_s, services_s)
-    if samples:
-        figures["added_latency"] = latency_ms(samples, (50, 99))
-    return {"pool": pool, "slots": plan.remote_slots, **figures}
+    return {"pool": pool, "slots": plan.remote_slots, **figures, **samples.figures()}
 
 
 def _run_figures(
@@ -382,8 +382,12 @@ class Bridged:
         self.ops.close()
         self.trips.close()
 
-    def sync_call(self) -> loadgen.Response:
-        return self.trips.post("/tasks", {**ENVELOPE, "reply_mode": "sync"})
+    def sync_call(self, instant: bool = False) -> loadgen.Response:
+        """One sync call through the bridge; ``instant``: the agent answers it at once."""
+        envelope = {**ENVELOPE, "reply_mode": "sync"}
+        if instant:
+            envelope["payload"] = {**PAYLOAD, "delay_s": 0}
+        return self.trips.post("/tasks", envelope)
 
     def register(self, slots: int) -> None:
         """The agent registered, and served once by a bridge that then stops: its lease
@@ -453,15 +457,15 @@ class Bridged:
         )
         return {"slots": slots, "bridges": bridges, "statuses": counts, **figures}, started
 
-    def round_trips(self, count: int) -> dict[str, float]:
-        samples = []
-        for _ in range(count):
-            sent = time.perf_counter()
-            answer = self.sync_call()
+    def round_trips(self, count: int) -> dict[str, dict[str, float]]:
+        """``added_latency`` and ``added_latency_instant`` (``RoundTrips``)."""
+        samples = RoundTrips(REMOTE_DELAY_S)
+        for _, instant in samples.series(count):
+            with samples.timed(instant=instant):
+                answer = self.sync_call(instant)
             if answer.status != 200:
                 raise RuntimeError(f"{CAPABILITY} answered {answer.status}: {answer.body!r}")
-            samples.append(time.perf_counter() - sent - REMOTE_DELAY_S)
-        return latency_ms(samples, (50, 99))
+        return samples.figures()
 
 
 def bridged(
@@ -485,7 +489,7 @@ def bridged(
             figures, (bridge,) = runs.run(agent, plan.remote_tasks, plan.remote_slots, keep=True)
             pairs = [_pair(before, figures)]
             try:
-                figures["added_latency"] = runs.round_trips(plan.remote_round_trips)
+                figures.update(runs.round_trips(plan.remote_round_trips))
                 figures["held"] = hold(stack, base, plan, bridge)
             finally:
                 children.stop(bridge)

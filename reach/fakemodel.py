@@ -4,6 +4,9 @@
 It answers the OpenAI-compatible ``POST /v1/chat/completions`` after ``--delay`` seconds:
 a JSON completion, or with ``"stream": true`` the same text as server-sent chunks spread over
 the delay, ending with ``data: [DONE]``. The reply repeats the last user message's words.
+A request for the model named ``instant`` is answered without the delay: the benchmark
+times the same calls with the model answering at once, to tell the broker's own work from
+what half a second of quiet costs every process on the path.
 It is also a remote agent of the ``http`` protocol (``POST /run``): after the same delay (or
 the payload's ``delay_s``, at most 60) it answers ``{"result": {"payload": <the payload>}}``.
 ``GET /healthz`` answers at once; ``GET /stats`` tells the calls, the most in flight at
@@ -22,6 +25,7 @@ import time
 from typing import Any
 
 MAX_BODY = 1 << 20
+INSTANT = "instant"  # the model answered without the delay
 
 
 def reply_words(request: dict[str, Any]) -> list[str]:
@@ -123,15 +127,18 @@ class FakeModel:
 
     async def _complete(self, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         words = reply_words(request)
+        delay_s = 0.0 if request.get("model") == INSTANT else self.delay_s
         if not request.get("stream"):
-            await asyncio.sleep(self.delay_s)
+            if delay_s:
+                await asyncio.sleep(delay_s)
             message = {"role": "assistant", "content": " ".join(words)}
             answer = json.dumps({"object": "chat.completion", "choices": [{"message": message}]})
             writer.write(_head("200 OK", "application/json", len(answer)) + answer.encode())
             return
         writer.write(_head("200 OK", "text/event-stream", None))
         for i, word in enumerate(words):
-            await asyncio.sleep(self.delay_s / len(words))
+            if delay_s:
+                await asyncio.sleep(delay_s / len(words))
             delta = {"content": word if i == 0 else f" {word}"}
             event = {"object": "chat.completion.chunk", "choices": [{"delta": delta}]}
             writer.write(_chunk(f"data: {json.dumps(event)}\n\n".encode()))

@@ -117,6 +117,10 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
         assert_latency(figures["added_latency"], plan["model_round_trips"], ("p50", "p99"))
     # the model's own round trip, the floor of every system's added latency
     assert_latency(model["model_alone"]["added_latency"], plan["model_round_trips"], ("p50", "p99"))
+    # each system's round trips, and the model's own, also to the model answering at once
+    for key in ("model_alone", "a_threads", "a_gevent", "reach"):
+        instant = model[key]["added_latency_instant"]
+        assert_latency(instant, plan["model_round_trips"], ("p50", "p99"))
     named = [c["target"] for c in report["targets"] if c["target"].startswith("model latency")]
     assert len(named) == 3
     noop = model["noop_threads"]
@@ -140,6 +144,8 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
         assert positive(figures["tasks_per_s"])
         assert 0 < figures["in_flight_max"] <= plan["remote_slots"]
         assert_latency(figures["added_latency"], plan["remote_round_trips"], ("p50", "p99"))
+        instant = figures["added_latency_instant"]  # the agent answering at once
+        assert_latency(instant, plan["remote_round_trips"], ("p50", "p99"))
     assert bridge["slots"] == plan["remote_slots"]
     # bare Celery calling the same agent, on each pool, as many calls at once
     for pool in ("threads", "gevent"):
@@ -150,6 +156,7 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
         assert positive(bare["worker_rss_peak_mb"]) and positive(bare["agent_cpu_ms_per_task"])
         assert 0 < bare["in_flight_max"] <= plan["remote_slots"]
         assert_latency(bare["added_latency"], plan["remote_round_trips"], ("p50", "p99"))
+        assert_latency(bare["added_latency_instant"], plan["remote_round_trips"], ("p50", "p99"))
     held = bridge["held"]
     assert held["statuses"] == {"succeeded": plan["remote_slots"]}
     assert 0 < held["in_flight_max"] <= plan["remote_slots"]

@@ -1,5 +1,5 @@
-"""The remote phase's table, from figures made up here: the arithmetic of its ratios and
-ceilings, without a run."""
+"""The remote and model phases' tables, from figures made up here: the arithmetic of their
+ratios and ceilings, without a run."""
 
 from __future__ import annotations
 
@@ -98,3 +98,59 @@ def test_a_run_from_before_the_pairs_is_read_against_its_direct_run() -> None:
     check = throughput_target(older)
     assert check["value"] == 0.75 and "the phase's direct run" in check["target"]
     assert "median" not in report.remote_table({"remote": older})
+
+
+def test_the_instant_round_trips_get_a_row_of_their_own_beside_the_waited_ones() -> None:
+    figures_now = remote()
+    for key, p50 in (("direct", 0.4), ("a_threads", 2.0), ("bridge", 5.0)):
+        figures_now[key]["added_latency_instant"] = {"p50_ms": p50, "p99_ms": p50 * 2}
+    table = report.remote_table({"remote": figures_now})
+    instant = row(table, "added latency p50, the agent answering at once")
+    # direct, A-threads, bridge; bridge / direct; bridge / best A
+    assert instant[2:] == ["0.4", "2", "5", "12.50x", "2.50x"]
+    assert row(table, "added latency p50")[2:5] == ["1.5", "6", "12"]
+
+
+def test_a_run_from_before_the_instant_round_trips_shows_none() -> None:
+    table = report.remote_table({"remote": remote()})
+    assert row(table, "added latency p50, the agent answering at once")[2:] == ["—"] * 5
+
+
+def model(instant: bool) -> dict[str, Any]:
+    def system(slots: int, waited: float, at_once: float) -> dict[str, Any]:
+        latency = {"added_latency": {"p50_ms": waited, "p99_ms": waited * 2}}
+        if instant:
+            latency["added_latency_instant"] = {"p50_ms": at_once, "p99_ms": at_once * 2}
+        return {
+            "slots": slots,
+            "tasks_per_s": 300.0,
+            "worker_rss_peak_mb": 100.0,
+            "worker_cpu_ms_per_task": 1.0,
+            **latency,
+        }
+
+    alone = {"added_latency": {"p50_ms": 1.5, "p99_ms": 2.0}}
+    if instant:
+        alone["added_latency_instant"] = {"p50_ms": 0.5, "p99_ms": 0.7}
+    return {
+        "model_alone": alone,
+        "a_threads": system(200, 6.0, 3.0),
+        "a_gevent": system(500, 8.0, 4.0),
+        "reach": system(500, 12.0, 4.5),
+        "noop_threads": {"tasks_per_s": 1000.0},
+    }
+
+
+def test_the_model_table_reads_the_instant_round_trips_against_the_best_bare_pool() -> None:
+    table = report.model_table({"model": model(instant=True)})
+    # the model alone, A-threads, A-gevent, Agent-Reach, Reach / best A
+    assert row(table, "added latency p50, the model answering at once")[2:] == [
+        "0.5",
+        "3",
+        "4",
+        "4.5",
+        "1.50x",
+    ]
+    assert row(table, "added latency p50")[2:] == ["1.5", "6", "8", "12", "2.00x"]
+    older = report.model_table({"model": model(instant=False)})
+    assert row(older, "added latency p50, the model answering at once")[2:] == ["—"] * 5
