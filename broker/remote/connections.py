@@ -52,10 +52,18 @@ class GuardedResolver(AbstractResolver):
 
 def guarded_session(guard: Guard) -> aiohttp.ClientSession:
     """A session for calling agents, on the running loop: no limit on connections (the
-    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``."""
+    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``. It
+    keeps no cookies: one session makes every tenant's calls, so a cookie an agent set while
+    answering one tenant's task would go out with the next tenant's, and a jar that agents
+    fill grows for as long as the process runs."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, resolver=GuardedResolver(guard))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=True,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
