@@ -3,6 +3,7 @@
 
 GuardedResolver   aiohttp's resolver, filtered through the SSRF guard
 guarded_session   an aiohttp session using it, with no limit on connections
+no_cookies        a cookie jar for httpx clients that calls agents: it keeps nothing
 AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
                   (the a2a-sdk's): hundreds of calls in flight are aiohttp's strength, not
                   httpx's pool (``docs/performance.md``)
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator, Callable
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import aiohttp
 import httpx
@@ -64,6 +66,14 @@ def guarded_session(guard: Guard) -> aiohttp.ClientSession:
         auto_decompress=True,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+def no_cookies() -> CookieJar:
+    """For an httpx client that calls agents (``httpx.AsyncClient(cookies=no_cookies())``):
+    httpx keeps every cookie an answer sets and sends it with the next request to that host,
+    whatever its transport. A client shared by every tenant's calls must not (see
+    ``guarded_session``), so this jar's policy accepts none."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):

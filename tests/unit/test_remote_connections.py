@@ -1,20 +1,27 @@
-"""The session the bridge calls agents with (``broker.remote.connections``), against a
-loopback HTTP server."""
+"""The clients the bridge calls agents with (``broker.remote.connections``), against a
+loopback HTTP server that sets a cookie on every answer. One client makes every tenant's
+calls to an agent: nothing of one answer may ride on the next call."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from broker.remote.connections import guarded_session
+import httpx
+
+from broker.remote.connections import AiohttpTransport, guarded_session, no_cookies
 from broker.webhooks.ssrf import Guard
 
+GUARD = Guard(allow=["127.0.0.0/8"])
 
-def test_a_cookie_an_agent_sets_never_goes_out_with_a_later_call() -> None:
-    """One session makes every tenant's calls: nothing of one answer may ride on the next."""
-    seen: list[str | None] = []
 
-    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+@contextlib.asynccontextmanager
+async def agent_setting_cookies(seen: list[str | None]) -> AsyncIterator[str]:
+    """An agent at a host name (aiohttp's jar would keep no cookie of an IP address), that
+    notes each request's ``Cookie`` header in ``seen``; its URL."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -30,15 +37,49 @@ def test_a_cookie_an_agent_sets_never_goes_out_with_a_later_call() -> None:
                 await writer.drain()
         writer.close()
 
-    async def scenario() -> None:
-        server = await asyncio.start_server(agent, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server, guarded_session(Guard(allow=["127.0.0.0/8"])) as session:
-            for _ in range(2):
-                async with session.post(f"http://localhost:{port}/run", data=b"{}") as answer:
-                    assert answer.status == 200
-                    assert answer.headers["Set-Cookie"].startswith("tenant=first")
-            server.close()
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield f"http://localhost:{server.sockets[0].getsockname()[1]}/run"
+        server.close()
 
-    asyncio.run(scenario())
-    assert seen == [None, None]
+
+async def cookies_sent(post: Callable[[str], Awaitable[str]]) -> list[str | None]:
+    """The ``Cookie`` header of two calls in a row made with ``post`` (which answers the
+    ``Set-Cookie`` it got)."""
+    seen: list[str | None] = []
+    async with agent_setting_cookies(seen) as url:
+        for _ in range(2):
+            assert (await post(url)).startswith("tenant=first")
+    return seen
+
+
+def test_the_aiohttp_session_sends_no_cookie_an_agent_set() -> None:
+    """The session of the ``http`` protocol's calls."""
+
+    async def scenario() -> list[str | None]:
+        async with guarded_session(GUARD) as session:
+
+            async def post(url: str) -> str:
+                async with session.post(url, data=b"{}") as answer:
+                    return answer.headers["Set-Cookie"]
+
+            return await cookies_sent(post)
+
+    assert asyncio.run(scenario()) == [None, None]
+
+
+def test_an_httpx_client_with_no_cookies_sends_none_an_agent_set() -> None:
+    """The A2A SDK's client, over the same session (``AiohttpTransport``): httpx keeps
+    cookies itself, whatever its transport."""
+
+    async def scenario() -> list[str | None]:
+        async with guarded_session(GUARD) as session:
+            transport = AiohttpTransport(lambda: session)
+            async with httpx.AsyncClient(transport=transport, cookies=no_cookies()) as client:
+
+                async def post(url: str) -> str:
+                    return (await client.post(url, content=b"{}")).headers["Set-Cookie"]
+
+                return await cookies_sent(post)
+
+    assert asyncio.run(scenario()) == [None, None]

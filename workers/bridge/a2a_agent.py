@@ -52,7 +52,7 @@ from google.protobuf.json_format import ParseDict, ParseError
 
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
-from broker.remote.connections import AiohttpTransport
+from broker.remote.connections import AiohttpTransport, no_cookies
 from broker.webhooks import signing
 from workers.bridge.http_agent import RETRIED_STATUSES
 from workers.sdk.context import Context
@@ -92,6 +92,7 @@ class Agent:
                 timeout=httpx.Timeout(None),  # the task's deadline bounds the call
                 follow_redirects=False,
                 trust_env=False,
+                cookies=no_cookies(),  # every tenant's calls to this agent go through it
                 event_hooks={"request": [self._sign]},
             )
             config = ClientConfig(

@@ -36,6 +36,7 @@ from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
 from broker.registry.model import OFFLINE, READY, Lease, now_s
 from broker.remote import a2a_card
+from broker.remote.connections import no_cookies
 from broker.remote.health import Dampening, Health
 from broker.remote.registration import A2A, HTTP, RemoteAgent, load_all, remote_instance
 from broker.settings import Settings
@@ -75,7 +76,10 @@ class RemoteKeeper:
             settings.remote_health_threads, thread_name_prefix="reach-health"
         )
         self.http = httpx.Client(
-            timeout=settings.remote_health_timeout_s, follow_redirects=False, trust_env=False
+            timeout=settings.remote_health_timeout_s,
+            follow_redirects=False,
+            trust_env=False,
+            cookies=no_cookies(),
         )
         self.watched: dict[str, Watched] = {}
         self.revoked: set[tuple[str, str]] = set()
