@@ -7,10 +7,12 @@ no_cookies        a cookie jar for httpx clients that calls agents: it keeps not
 AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
                   (the a2a-sdk's): hundreds of calls in flight are aiohttp's strength, not
                   httpx's pool (``docs/performance.md``)
+AnswerTooLarge    what its answers raise past ``MAX_ANSWER_BYTES``
 """
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -23,6 +25,9 @@ from aiohttp.resolver import ThreadedResolver
 from broker.webhooks.ssrf import Guard
 
 CONNECT_TIMEOUT_S = 5.0
+MAX_ANSWER_BYTES = 16 * 2**20  # an answer, or one event of an event stream
+# Where an event of an event stream ends: a line ending followed by an empty line.
+_EVENT_END = re.compile(rb"\n[\r\n]|\r\r")
 # Set by the session itself, or meaningless once the request is aiohttp's.
 _NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding"})
 # aiohttp decompresses the body; httpx must not try again, nor trust the encoded length.
@@ -119,14 +124,33 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         )
 
 
+class AnswerTooLarge(httpx.DecodingError):
+    """An answer longer than ``MAX_ANSWER_BYTES``, or an event of an event stream that is: a
+    client reading it (the a2a-sdk's holds a whole answer, and a whole event, in memory) gets
+    this instead of the rest, and the agent's connection is closed."""
+
+
 class _Body(httpx.AsyncByteStream):
+    """The answer's body, decompressed (``auto_decompress``), at most ``MAX_ANSWER_BYTES`` of
+    it; for an event stream, of each event."""
+
     def __init__(self, answer: aiohttp.ClientResponse, request: httpx.Request) -> None:
         self._answer = answer
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        streamed = self._answer.content_type == "text/event-stream"
+        size, tail = 0, b""
         try:
             async for chunk in self._answer.content.iter_any():
+                # Offsets in ``chunk`` past each event's end (an event ending in it is no
+                # longer than the chunk, but the first may have begun before it).
+                found = _EVENT_END.finditer(tail + chunk) if streamed else ()
+                ends = [m.end() - len(tail) for m in found]
+                if size + (ends[0] if ends else len(chunk)) > MAX_ANSWER_BYTES:
+                    raise AnswerTooLarge("the agent's answer is too large", request=self._request)
+                size = len(chunk) - ends[-1] if ends else size + len(chunk)
+                tail = chunk[-1:]
                 yield chunk
         except TimeoutError as exc:
             raise httpx.ReadTimeout(str(exc) or "read timeout", request=self._request) from exc

@@ -24,6 +24,7 @@ from google.protobuf.json_format import ParseDict
 
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
+from broker.remote.connections import AnswerTooLarge
 from broker.remote.registration import Registration, RegistrationInvalid
 from workers.bridge.a2a_agent import failure_of, message_of
 from workers.sdk.context import Context
@@ -233,6 +234,14 @@ def test_connection_failures_and_timeouts_are_retried_only_before_any_output() -
     after = failure_of(refused, streamed=True)
     assert not isinstance(after, Retryable) and after.code == "agent_stream_broken"
     assert isinstance(failure_of(A2AClientTimeoutError("slow"), streamed=False), Retryable)
+
+
+def test_an_answer_too_large_fails_at_once_as_the_http_protocols_does() -> None:
+    request = httpx.Request("POST", "http://agent/")
+    error = _client_error(AnswerTooLarge("the agent's answer is too large", request=request))
+    failure = failure_of(error, streamed=False)
+    assert type(failure) is AgentFailure
+    assert failure.code == "agent_protocol"
 
 
 @pytest.mark.parametrize(("status", "retried"), [(503, True), (429, True), (400, False)])

@@ -9,8 +9,15 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
+import pytest
 
-from broker.remote.connections import AiohttpTransport, guarded_session, no_cookies
+from broker.remote.connections import (
+    MAX_ANSWER_BYTES,
+    AiohttpTransport,
+    AnswerTooLarge,
+    guarded_session,
+    no_cookies,
+)
 from broker.webhooks.ssrf import Guard
 
 GUARD = Guard(allow=["127.0.0.0/8"])
@@ -83,3 +90,53 @@ def test_an_httpx_client_with_no_cookies_sends_none_an_agent_set() -> None:
                 return await cookies_sent(post)
 
     assert asyncio.run(scenario()) == [None, None]
+
+
+@contextlib.asynccontextmanager
+async def agent_answering(kind: str, body: bytes) -> AsyncIterator[str]:
+    """An agent that answers every request with ``body`` of type ``kind``; its URL."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
+        server.close()
+
+
+def read_through_the_transport(kind: str, body: bytes) -> int:
+    """How many bytes of the agent's answer an httpx client over ``AiohttpTransport`` read."""
+
+    async def scenario() -> int:
+        async with guarded_session(GUARD) as session, agent_answering(kind, body) as url:
+            transport = AiohttpTransport(lambda: session)
+            async with httpx.AsyncClient(transport=transport) as client:
+                return len((await client.post(url, content=b"{}")).content)
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("application/json", b'"' + b"x" * MAX_ANSWER_BYTES + b'"'),
+        # One event whose data lines go on and on: the SDK keeps them all until it ends.
+        ("text/event-stream", b"data: x\n" * (MAX_ANSWER_BYTES // 8 + 1) + b"\n"),
+    ],
+)
+def test_an_answer_or_event_larger_than_the_cap_is_refused(kind: str, body: bytes) -> None:
+    """The A2A SDK reads a whole answer, and a whole event, into memory: an agent's answer
+    stops at ``MAX_ANSWER_BYTES``, as the ``http`` protocol's does."""
+    with pytest.raises(AnswerTooLarge):
+        read_through_the_transport(kind, body)
+
+
+def test_a_stream_of_events_may_add_up_to_more_than_the_cap() -> None:
+    body = b"data: x\r\n\r\n" * (MAX_ANSWER_BYTES // 11 + 1)
+    assert read_through_the_transport("text/event-stream", body) == len(body)

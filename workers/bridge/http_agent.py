@@ -25,11 +25,11 @@ import aiohttp
 
 from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
+from broker.remote.connections import MAX_ANSWER_BYTES
 from broker.webhooks import signing
 from workers.sdk.context import Context
 
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
-MAX_ANSWER_BYTES = 16 * 2**20  # a JSON answer, or one SSE event
 ACCEPT = "text/event-stream, application/json"
 
 
