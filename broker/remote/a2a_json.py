@@ -21,6 +21,8 @@ from a2a.utils.errors import A2A_ERROR_REASONS, A2AError
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message as Protobuf
 
+from broker.errors import AgentFailure
+
 _EXACT = 2**53
 
 
@@ -87,23 +89,42 @@ def update_output(update: TaskArtifactUpdateEvent) -> dict[str, Any]:
 
 class Artifacts:
     """A task's artifacts as its updates built them, in the order they were first seen: an
-    update with ``append`` adds its parts, any other replaces the artifact."""
+    update with ``append`` adds its parts, any other replaces the artifact. They are held
+    until the task ends (they are its result), so they may come to ``max_bytes`` at most
+    (protobuf's size): an agent appending chunks for ever would otherwise grow them without
+    end. Past it, AgentFailure ``agent_protocol``."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
         self._by_id: dict[str, Artifact] = {}
+        self._sizes: dict[str, int] = {}
+        self._size = 0
 
     def replace_all(self, artifacts: Iterable[Artifact]) -> None:
-        self._by_id = {}
+        self._by_id, self._sizes, self._size = {}, {}, 0
         for artifact in artifacts:
-            self._by_id[artifact.artifact_id] = _copy(artifact)
+            self._replace(artifact)
 
     def apply(self, update: TaskArtifactUpdateEvent) -> None:
         artifact = update.artifact
         known = self._by_id.get(artifact.artifact_id)
         if update.append and known is not None:
+            self._grow(artifact.artifact_id, artifact.ByteSize())
             known.parts.extend(artifact.parts)
         else:
-            self._by_id[artifact.artifact_id] = _copy(artifact)
+            self._replace(artifact)
+
+    def _replace(self, artifact: Artifact) -> None:
+        self._grow(
+            artifact.artifact_id, artifact.ByteSize() - self._sizes.get(artifact.artifact_id, 0)
+        )
+        self._by_id[artifact.artifact_id] = _copy(artifact)
+
+    def _grow(self, artifact_id: str, by: int) -> None:
+        if self._size + by > self.max_bytes:
+            raise AgentFailure("the agent's artifacts are too large", code="agent_protocol")
+        self._size += by
+        self._sizes[artifact_id] = self._sizes.get(artifact_id, 0) + by
 
     def result(self) -> dict[str, Any]:
         artifacts = list(self._by_id.values())

@@ -24,7 +24,7 @@ from google.protobuf.json_format import ParseDict
 
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
-from broker.remote.connections import AnswerTooLarge
+from broker.remote.connections import MAX_ANSWER_BYTES, AnswerTooLarge
 from broker.remote.registration import Registration, RegistrationInvalid
 from workers.bridge.a2a_agent import failure_of, message_of
 from workers.sdk.context import Context
@@ -171,7 +171,7 @@ def test_whole_numbers_come_back_as_integers_and_others_unchanged() -> None:
 
 
 def test_appended_chunks_build_one_artifact_and_the_text_joins_every_text_part() -> None:
-    artifacts = a2a_json.Artifacts()
+    artifacts = a2a_json.Artifacts(MAX_ANSWER_BYTES)
     for i, text in enumerate(["One.", "Two."]):
         artifacts.apply(
             TaskArtifactUpdateEvent(
@@ -188,6 +188,29 @@ def test_appended_chunks_build_one_artifact_and_the_text_joins_every_text_part()
     ]
     artifacts.apply(TaskArtifactUpdateEvent(artifact=Artifact(artifact_id="s", parts=[])))
     assert artifacts.result()["artifacts"][0]["parts"] == []  # no append: replaced
+
+
+def chunk_of(artifact_id: str, text: str, *, append: bool) -> TaskArtifactUpdateEvent:
+    artifact = Artifact(artifact_id=artifact_id, parts=[Part(text=text)])
+    return TaskArtifactUpdateEvent(artifact=artifact, append=append)
+
+
+def test_artifacts_appended_past_the_cap_fail_the_task() -> None:
+    """The bridge holds a task's artifacts until it ends (they are its result): an agent that
+    appends small chunks for ever fails it with ``agent_protocol`` at ``MAX_ANSWER_BYTES``,
+    the most an ``http`` agent's result may be."""
+    artifacts = a2a_json.Artifacts(MAX_ANSWER_BYTES)
+    with pytest.raises(AgentFailure) as failed:
+        for _ in range(MAX_ANSWER_BYTES // 2**16 + 1):
+            artifacts.apply(chunk_of("s", "x" * 2**16, append=True))
+    assert failed.value.code == "agent_protocol"
+
+
+def test_artifacts_replaced_count_once() -> None:
+    artifacts = a2a_json.Artifacts(MAX_ANSWER_BYTES)
+    for _ in range(MAX_ANSWER_BYTES // 2**20 + 1):
+        artifacts.apply(chunk_of("s", "x" * 2**20, append=False))
+    assert len(artifacts.result()["text"]) == 2**20
 
 
 def test_an_update_is_output_with_its_chunk_and_flags() -> None:

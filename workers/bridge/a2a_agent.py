@@ -52,7 +52,7 @@ from google.protobuf.json_format import ParseDict, ParseError
 
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
-from broker.remote.connections import AiohttpTransport, no_cookies
+from broker.remote.connections import MAX_ANSWER_BYTES, AiohttpTransport, no_cookies
 from broker.webhooks import signing
 from workers.bridge.http_agent import RETRIED_STATUSES
 from workers.sdk.context import Context
@@ -177,7 +177,10 @@ class _Run:
     ctx: Context
     call_ctx: ClientCallContext
     task_id: str = ""
-    artifacts: a2a_json.Artifacts = field(default_factory=a2a_json.Artifacts)
+    # At most what an ``http`` agent's answer may be: they are the task's result.
+    artifacts: a2a_json.Artifacts = field(
+        default_factory=lambda: a2a_json.Artifacts(MAX_ANSWER_BYTES)
+    )
     streamed_output: bool = False
     percent: float = 0.0
     reported: tuple[float | None, str] | None = None  # the last status shown as progress
