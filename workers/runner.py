@@ -492,7 +492,7 @@ class Runner:
             return invalid
         with metrics.labelled(metrics.task_run, spec.name).time():
             try:
-                limit_s = _limit_s(spec, ctx)
+                limit_s = _limit_s(spec, ctx, self.settings.default_task_timeout_s)
                 result = self._result_of(spec, ctx, payload, limit_s, claimed_at, announce)
             except Exception as exc:
                 return _failure(exc, spec, ctx)
@@ -521,7 +521,7 @@ class Runner:
                 result = await self.calls.arun(
                     tid,
                     _awaited(spec, ctx, payload),
-                    timeout_s=_limit_s(spec, ctx),
+                    timeout_s=_limit_s(spec, ctx, self.settings.default_task_timeout_s),
                     claimed_at=claimed_at,
                     cancelled=cancelled,
                     started=running.announce_async,
@@ -655,10 +655,14 @@ def _invalid(spec: CapabilitySpec, payload: Any) -> Failed | None:
     return Failed(task_error("payload_invalid", detail))
 
 
-def _limit_s(spec: CapabilitySpec, ctx: Context) -> float | None:
-    """How long the handler may run: its agent's timeout or the time left to the deadline."""
-    limits = [t for t in (spec.card.timeout_s, ctx.time_left_s()) if t is not None]
-    return min(limits) if limits else None
+def _limit_s(spec: CapabilitySpec, ctx: Context, default_s: float) -> float:
+    """How long the handler may run: its agent's timeout (``default_s`` when its card sets
+    none) or the time left to the deadline, whichever is shorter. Without the default, an
+    async handler on the threads pool, where Celery's hard limit does not act (a remote
+    agent's call on the bridge), could run for ever."""
+    timeout_s = spec.card.timeout_s or default_s
+    left_s = ctx.time_left_s()
+    return timeout_s if left_s is None else min(timeout_s, left_s)
 
 
 def _failure(exc: Exception, spec: CapabilitySpec, ctx: Context) -> Failed:

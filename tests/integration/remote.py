@@ -24,11 +24,14 @@ FAST = {
 }
 
 
-def start_bridge(settings: Settings, log_path: Path) -> CeleryProcess:
-    """``celery -A workers.bridge worker -P threads``, with the ``FAST`` clocks."""
+def start_bridge(settings: Settings, log_path: Path, **env: str) -> CeleryProcess:
+    """``celery -A workers.bridge worker -P threads``, with the ``FAST`` clocks and ``env``."""
     args = ["worker", "-P", "threads", "-c", "50", "-n", "bridge@%h", "-l", "INFO"]
     args += ["--without-gossip", "--without-mingle"]
-    return CeleryProcess(args, settings, log_path, FAST, app="workers.bridge").start(" ready.")
+    environment = {**FAST, **env}
+    return CeleryProcess(args, settings, log_path, environment, app="workers.bridge").start(
+        " ready."
+    )
 
 
 def wait_routed(ops: httpx.Client, agent_id: str, timeout_s: float = 30) -> None:
