@@ -79,8 +79,11 @@ def pool(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 @agent.capability(
     "test.addr",
     agent_id="test-addr",
-    # The address tests run workers of several versions of this agent.
+    # The address tests run workers of several versions of this agent, some of them private.
     version=os.environ.get("REACH_TEST_ADDR_VERSION", "1.0.0"),
+    tenants=os.environ["REACH_TEST_ADDR_TENANTS"].split(",")
+    if os.environ.get("REACH_TEST_ADDR_TENANTS")
+    else None,
 )
 def addressed(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """Answers at once: which version ran it is the task's ``agent``."""

@@ -113,6 +113,9 @@ async def agents(
     for row in instance_rows:
         for served in {c["agent_id"] for c in row["cards"]} & result.keys():
             view = instance_view(row, live.get(row["instance"]), now)
+            view[SERVES] = {
+                (c["version"], c["capability"]) for c in row["cards"] if c["agent_id"] == served
+            }
             result[served]["instances"].append(view)
     for entry in result.values():
         revoked = await revocations.revoked_of(engine, entry["agent_id"])
@@ -141,6 +144,8 @@ def _mark_revoked(entry: dict[str, Any], revoked: dict[str, Any]) -> None:
 
 
 INSTANCE_INTERNALS = ("instance", "hostname", "pid")
+# An instance's view, until ``seen_by``: the (version, capability) cards of the agent it serves.
+SERVES = "_serves"
 
 
 def card_seen_by(card: dict[str, Any], caller: Principal) -> bool:
@@ -157,7 +162,10 @@ def seen_by(found: list[dict[str, Any]], caller: Principal) -> list[dict[str, An
     not shown), the versions and channels of those cards, the instances that serve them, and
     no instance's name, host or process id."""
     if caller.is_admin:
-        return found
+        return [
+            {**agent, "instances": [_without(v, SERVES) for v in agent["instances"]]}
+            for agent in found
+        ]
     shown = []
     for agent in found:
         # Without ``tenants``: which other tenants may use a card is theirs to know.
@@ -168,13 +176,14 @@ def seen_by(found: list[dict[str, Any]], caller: Principal) -> list[dict[str, An
         ]
         if not cards:
             continue
-        capabilities = {c["capability"] for c in cards}
-        versions = {c["version"] for c in cards}
+        seen_cards = {(c["version"], c["capability"]) for c in cards}
+        versions = {version for version, _ in seen_cards}
         views = []
         for view in agent["instances"]:
-            served = [c for c in view["capabilities"] if c in capabilities]
+            # An instance serving only versions the key is not shown is not shown either.
+            served = sorted({capability for version, capability in view[SERVES] & seen_cards})
             if served:
-                public = {k: v for k, v in view.items() if k not in INSTANCE_INTERNALS}
+                public = _without(view, SERVES, *INSTANCE_INTERNALS)
                 views.append({**public, "capabilities": served})
         live = sum(v["state"] != OFFLINE for v in views)
         shown.append(
@@ -182,17 +191,26 @@ def seen_by(found: list[dict[str, Any]], caller: Principal) -> list[dict[str, An
                 **agent,
                 "cards": cards,
                 "versions": [v for v in agent["versions"] if v["version"] in versions],
-                "channels": {
-                    name: {
-                        **channel,
-                        "versions": {v: w for v, w in channel["versions"].items() if v in versions},
-                    }
-                    for name, channel in agent["channels"].items()
-                },
+                "channels": _channels_seen(agent["channels"], versions),
                 "instances": views,
                 "live_instances": live,
             }
         )
+    return shown
+
+
+def _without(view: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in view.items() if k not in keys}
+
+
+def _channels_seen(found: dict[str, dict[str, Any]], versions: set[str]) -> dict[str, Any]:
+    """The channels with the weights of the versions shown; a channel of none of them is not
+    shown at all (its name and when it changed are of those who may use its versions)."""
+    shown = {}
+    for name, channel in found.items():
+        weights = {v: w for v, w in channel["versions"].items() if v in versions}
+        if weights:
+            shown[name] = {**channel, "versions": weights}
     return shown
 
 

@@ -43,7 +43,10 @@ FINAL = {"succeeded", "failed", "cancelled", "expired"}
 CAPABILITY = "test.addr"
 
 
-def start_version(settings: Settings, log_dir: Path, version: str, name: str) -> CeleryProcess:
+def start_version(
+    settings: Settings, log_dir: Path, version: str, name: str, tenants: str = ""
+) -> CeleryProcess:
+    """A worker of test-addr ``version``; ``tenants`` (comma-separated): its card's."""
     stamp = str(time.monotonic_ns())[-6:]
     return start_worker(
         settings,
@@ -51,7 +54,7 @@ def start_version(settings: Settings, log_dir: Path, version: str, name: str) ->
         f"{name}-{stamp}",
         log_dir,
         concurrency=2,
-        env={"REACH_TEST_ADDR_VERSION": version},
+        env={"REACH_TEST_ADDR_VERSION": version, "REACH_TEST_ADDR_TENANTS": tenants},
     )
 
 
@@ -407,6 +410,60 @@ def test_a_hidden_agent_is_404_to_other_tenants_exactly_like_a_missing_one(
         assert answer.status_code == 503
         assert answer.json()["code"] == "no_agent_available"
     assert admin.get("/agents/test-hidden").json()["cards"][0]["tenants"] == ["hidden-owner"]
+
+
+def test_an_instance_and_a_channel_of_private_versions_are_shown_only_to_their_tenants(
+    versions: dict[str, str],
+    caller: httpx.Client,
+    admin: httpx.Client,
+    make_key: KeyMaker,
+    api: ServedApp,
+    settings: Settings,
+    log_dir: Path,
+) -> None:
+    # Given test-addr 3.0.0, only for hidden-owner, on an instance of its own, in a channel
+    # of its own and in one shared with the public 1.0.0
+    private = start_version(settings, log_dir, "3.0.0", "v3", tenants="hidden-owner")
+    try:
+        instance = live_instance(admin, "3.0.0", "v3-")
+        started_at = next(
+            i["started_at"]
+            for i in admin.get("/agents/test-addr").json()["instances"]
+            if i["instance"] == instance
+        )
+        for channel, weights in [
+            ("owner-canary", {"3.0.0": 1}),
+            ("mixed", {"1.0.0": 1, "3.0.0": 1}),
+        ]:
+            answer = admin.put(f"/agents/test-addr/channels/{channel}", json={"versions": weights})
+            assert answer.status_code == 200, answer.text
+        # Then another tenant is shown neither the instance nor the private channel, and of
+        # the shared channel only the public version
+        for shown in (caller.get("/agents/test-addr").json(), agent_listed(caller, "test-addr")):
+            assert {v["version"] for v in shown["versions"]} == {"1.0.0", "2.0.0"}
+            assert shown["live_instances"] >= 1  # v1
+            assert started_at not in {i["started_at"] for i in shown["instances"]}
+            assert "owner-canary" not in shown["channels"]
+            assert shown["channels"]["mixed"]["versions"] == {"1.0.0": 1.0}
+        # While the tenant it names, and the operators, are shown all of it
+        _, token = make_key(tenant="hidden-owner")
+        with client_for(api, token) as owner:
+            mine = owner.get("/agents/test-addr").json()
+        everything = admin.get("/agents/test-addr").json()
+        for shown in (mine, everything):
+            assert started_at in {i["started_at"] for i in shown["instances"]}
+            assert shown["channels"]["owner-canary"]["versions"] == {"3.0.0": 1.0}
+            assert shown["channels"]["mixed"]["versions"] == {"1.0.0": 1.0, "3.0.0": 1.0}
+        assert all("_serves" not in i for s in (mine, everything) for i in s["instances"])
+    finally:
+        for channel in ("owner-canary", "mixed"):
+            admin.delete(f"/agents/test-addr/channels/{channel}")
+        private.stop()
+
+
+def agent_listed(http: httpx.Client, agent_id: str) -> dict[str, Any]:
+    """The agent as ``GET /agents`` lists it to this key."""
+    return next(a for a in http.get("/agents").json()["agents"] if a["agent_id"] == agent_id)
 
 
 # --- who may set channels and revoke -------------------------------------------------------------
