@@ -207,9 +207,9 @@ class Calls:
                 client = redisclients.sync_client(
                     self.redis_url, socket_keepalive=True, client_name=f"reach-cancels-{pid}"
                 )
-                pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+                pubsub = client.pubsub()  # type: ignore[no-untyped-call, unused-ignore]  # untyped in older redis
                 pubsub.subscribe(CANCELS_CHANNEL)
-                for message in pubsub.listen():
+                for message in pubsub.listen():  # type: ignore[no-untyped-call, unused-ignore]
                     if message.get("type") == "subscribe":
                         self._subscribed(client)
                     elif message.get("type") == "message":

@@ -52,7 +52,7 @@ class EventHub:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # untyped in older redis
 
     @contextlib.asynccontextmanager
     async def listen(self, task_id: str) -> AsyncIterator[asyncio.Queue[Event]]:
