@@ -1,6 +1,7 @@
-"""The README says what the code does: its error table.
+"""The README says what the code does: its error table, and the settings it lists.
 
-Read as text, against the code's own table: ``api.errors.STATUS_BY_CODE``.
+Read as text, against the code's own tables: ``api.errors.STATUS_BY_CODE`` and the fields of
+``broker.settings.Settings``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import AliasChoices
 
 from api.errors import STATUS_BY_CODE
+from broker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -30,6 +33,20 @@ def error_table(text: str) -> dict[int, set[str]]:
     return rows
 
 
+def documented_settings_text() -> str:
+    return "\n".join(
+        p.read_text(encoding="utf-8") for p in [README, *sorted((ROOT / "docs").glob("*.md"))]
+    )
+
+
+def env_names(field_name: str) -> list[str]:
+    """The environment variables a Settings field is read from."""
+    alias = Settings.model_fields[field_name].validation_alias
+    if isinstance(alias, AliasChoices):
+        return [str(choice) for choice in alias.choices]
+    return [f"REACH_{field_name.upper()}"]
+
+
 # --- the helpers ---------------------------------------------------------------------------
 
 
@@ -43,6 +60,11 @@ def test_error_table_reader_reads_each_row_and_stops_at_the_table_end() -> None:
     assert error_table(text) == {404: {"a_b", "c"}, 409: {"d"}}
 
 
+def test_env_names_of_a_field_with_aliases_are_the_aliases() -> None:
+    assert env_names("database_url") == ["REACH_DATABASE_URL", "DATABASE_URL"]
+    assert env_names("sync_max_wait_s") == ["REACH_SYNC_MAX_WAIT_S"]
+
+
 # --- the README against the code -------------------------------------------------------------
 
 
@@ -52,3 +74,10 @@ def test_every_code_of_the_status_table_is_in_the_readme_row_of_its_status(
 ) -> None:
     rows = error_table(README.read_text(encoding="utf-8"))
     assert code in rows.get(status, set()), f"README's error table: {status} lacks `{code}`"
+
+
+@pytest.mark.parametrize("field_name", sorted(Settings.model_fields))
+def test_every_setting_is_named_in_the_readme_or_docs(field_name: str) -> None:
+    text = documented_settings_text()
+    missing = [n for n in env_names(field_name) if not re.search(rf"\b{n}\b", text)]
+    assert not missing, f"{missing} not in README.md or docs/*.md"
