@@ -21,7 +21,8 @@ EPILOG = """configuration: --url/--api-key, else REACH_URL and REACH_API_KEY, el
 (--profile or REACH_PROFILE, default "default") of ~/.config/reach/config.toml.
 
 exit status: 0 done or succeeded, 1 task failed, 2 usage, 3 task expired, 4 task cancelled,
-6 the API refused (its problem code is printed), 7 the API could not be reached, 130 interrupted."""
+5 --timeout ran out (the task goes on), 6 the API refused (its problem code is printed),
+7 the API could not be reached, 130 interrupted."""
 
 
 def parser() -> argparse.ArgumentParser:
