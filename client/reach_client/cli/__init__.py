@@ -18,10 +18,13 @@ from reach_client.errors import APIConnectionError, APIStatusError, ReachError
 
 PLUGIN_GROUP = "reach.commands"
 EPILOG = """configuration: --url/--api-key, else REACH_URL and REACH_API_KEY, else the profile
-(--profile or REACH_PROFILE, default "default") of ~/.config/reach/config.toml.
+(--profile or REACH_PROFILE, default "default") of the file REACH_CONFIG names, else of
+$XDG_CONFIG_HOME/reach/config.toml (~/.config/reach/config.toml when XDG_CONFIG_HOME is
+unset). The URL defaults to http://localhost:8000.
 
 exit status: 0 done or succeeded, 1 task failed, 2 usage, 3 task expired, 4 task cancelled,
-6 the API refused (its problem code is printed), 7 the API could not be reached, 130 interrupted."""
+5 --timeout ran out (the task goes on), 6 the API refused (its problem code is printed),
+7 the API could not be reached, 130 interrupted."""
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,9 +18,13 @@ PAGE_MAX = 100  # a page the server serves whole (its list_page_max, by default)
 def common() -> argparse.ArgumentParser:
     shared = argparse.ArgumentParser(add_help=False)
     where = shared.add_argument_group("connection")
-    where.add_argument("--url", help="the API's base URL [REACH_URL, else the profile]")
+    where.add_argument(
+        "--url", help="the API's base URL [REACH_URL, else the profile, else http://localhost:8000]"
+    )
     where.add_argument("--api-key", help="the API key [REACH_API_KEY, else the profile]")
-    where.add_argument("--profile", help="a profile of ~/.config/reach/config.toml [REACH_PROFILE]")
+    where.add_argument(
+        "--profile", help="a profile of the config file (see reach --help) [REACH_PROFILE]"
+    )
     shared.add_argument(
         "--json", action="store_true", help="print JSON only on stdout (for scripts)"
     )

@@ -3,7 +3,7 @@
 ====  ==============================================================
 0     done; a waited-for task ``succeeded``
 1     the task ``failed``
-2     usage: bad arguments, bad JSON, no API key or URL configured
+2     usage: bad arguments, bad JSON, no API key configured (the URL has a default)
 3     the task ``expired`` (its deadline or its time limit passed)
 4     the task was ``cancelled``
 5     ``--timeout`` ran out while the task was still queued or running (it goes on)
