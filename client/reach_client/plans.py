@@ -17,8 +17,8 @@ from urllib.parse import quote
 
 import httpx
 
-from reach_client.errors import APIConnectionError, APITimeoutError, from_problem
-from reach_client.retries import RETRY_STATUSES, RetryPolicy, may_retry
+from reach_client.errors import APIConnectionError, APIStatusError, APITimeoutError, from_problem
+from reach_client.retries import RetryPolicy, is_retried, may_retry
 
 T = TypeVar("T")
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -95,7 +95,7 @@ def send(request: Request, policy: RetryPolicy) -> Plan[Response]:
         if answer.status < 400:
             return answer
         error = problem_of(answer)
-        if retriable and answer.status in RETRY_STATUSES and retry < policy.max_retries:
+        if retriable and is_retried(answer.status, error.code) and retry < policy.max_retries:
             delay = policy.delay_s(retry + 1, answer.headers.get("retry-after"))
             if delay is not None:
                 retry += 1
@@ -104,7 +104,7 @@ def send(request: Request, policy: RetryPolicy) -> Plan[Response]:
         raise error
 
 
-def problem_of(answer: Response) -> Exception:
+def problem_of(answer: Response) -> APIStatusError:
     try:
         body = answer.json()
     except ValueError:

@@ -1,6 +1,8 @@
 """When a request is tried again, and after how long: pure, so it is tested without a clock.
 
-Retried: no answer at all (connection refused or reset, timeout), 408, 429, 502, 503 and 504.
+Retried: no answer at all (connection refused or reset, timeout), 408, 429, 502, 503 and 504,
+and a 409 ``conflict_retry`` (a submit whose idempotency key was being released as it came:
+the API asks for the same request again).
 A request that may have changed something is retried only when it carries an idempotency key
 (the server then answers a repeat with the first outcome): GET, PUT and DELETE always, POST
 and PATCH only with ``Idempotency-Key``.
@@ -14,6 +16,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+RETRY_CODES = frozenset({"conflict_retry"})  # a problem's code, whatever its status
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 
@@ -38,6 +41,12 @@ class RetryPolicy:
         if asked is None:
             return self.backoff_s(retry)
         return asked if asked <= self.max_retry_after_s else None
+
+
+def is_retried(status: int, code: str | None) -> bool:
+    """Whether an answer of ``status`` with the problem ``code`` is worth the same request
+    again."""
+    return status in RETRY_STATUSES or code in RETRY_CODES
 
 
 def may_retry(method: str, has_idempotency_key: bool) -> bool:
