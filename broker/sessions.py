@@ -249,15 +249,17 @@ def compare_and_set(
     patch: dict[str, Any] | None = None,
     max_bytes: int,
     task_id: uuid.UUID | None = None,
+    attempt: int | None = None,
 ) -> Any:
     """The next revision's row: ``state`` (and ``metadata``) replaced, or ``patch`` (RFC
     7396) applied to the session, only while ``revision`` is the current one
     (RevisionConflict otherwise). Extends the idle TTL; keeps the revision, naming
-    ``task_id`` when a task wrote it, and then only while that task is running
-    (TaskNotRunning otherwise): a cancelled turn's agent, still at work, cannot write under
-    the next turn. Call it in a transaction; it commits with the caller's."""
+    ``task_id`` when a task wrote it, and then only while that task is running at
+    ``attempt`` (TaskNotRunning otherwise): a cancelled turn's agent, still at work, cannot
+    write under the next turn, nor can an attempt taken for lost write under the one that
+    replaced it. Call it in a transaction; it commits with the caller's."""
     if task_id is not None:
-        _hold_running(conn, task_id)
+        _hold_running(conn, task_id, attempt)
     current = live(conn, tenant, session_id)
     if current.revision != revision:
         raise RevisionConflict(
@@ -297,14 +299,14 @@ def compare_and_set(
     return row
 
 
-def _hold_running(conn: Connection, task_id: uuid.UUID) -> None:
-    """The task is running, and stays so until the caller's transaction ends: a cancel
-    waits for the write, so the next turn, released after it, reads what was written."""
-    held = conn.execute(
-        select(tasks.c.id)
-        .where(tasks.c.id == task_id, tasks.c.status == RUNNING)
-        .with_for_update(read=True)
-    ).first()
+def _hold_running(conn: Connection, task_id: uuid.UUID, attempt: int | None) -> None:
+    """The task is running (at ``attempt``, when given), and stays so until the caller's
+    transaction ends: a cancel waits for the write, so the next turn, released after it,
+    reads what was written."""
+    query = select(tasks.c.id).where(tasks.c.id == task_id, tasks.c.status == RUNNING)
+    if attempt is not None:
+        query = query.where(tasks.c.attempts == attempt)
+    held = conn.execute(query.with_for_update(read=True)).first()
     if held is None:
         raise TaskNotRunning("the task is no longer running: its session write is refused")
 

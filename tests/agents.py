@@ -186,6 +186,22 @@ def slow_idempotent(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
     return {"runs": runs}
 
 
+@agent.capability(
+    "test.stale-attempt", agent_id="test-stale-attempt", version="0.0.1", idempotent=True
+)
+def stale_attempt(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
+    """The first attempt sleeps ``first_s`` and fails, and says so in Redis just before its
+    failure is written; a later one sleeps ``later_s`` and succeeds."""
+    client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
+    client.incr(f"reach:test:runs:{ctx.task_id}")
+    if ctx.attempt == 1:
+        time.sleep(float(payload["first_s"]))
+        client.set(f"reach:test:stale-done:{ctx.task_id}", 1, ex=300)
+        raise AgentFailure("the first attempt's late failure", code="stale_attempt")
+    time.sleep(float(payload["later_s"]))
+    return {"attempt": ctx.attempt}
+
+
 @agent.capability("test.slow-once", agent_id="test-slow-once", version="0.0.1")
 def slow_once(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
     runs = _runs(ctx)

@@ -279,7 +279,7 @@ class Runner:
         log.info("task claimed", extra={"attempt": claimed.attempt})
         if claimed.session_id is not None and claimed.session is None:
             gone = task_error("session_not_found", "its session expired or was deleted")
-            return Finish.failed(claimed.task_id, gone)
+            return Finish.failed(claimed.task_id, gone, attempt=claimed.attempt)
         return None
 
     def _prepare(
@@ -329,9 +329,9 @@ class Runner:
     ) -> tuple[Finish, float | None]:
         """The final write an outcome calls for, and when it is a failure that may be tried
         again, the delay before the next attempt (None: it is not retried)."""
-        tid = claimed.task_id
+        tid, attempt = claimed.task_id, claimed.attempt  # a stale attempt's writes miss
         if isinstance(outcome, Succeeded):
-            return Finish.succeeded(tid, outcome.result), None
+            return Finish.succeeded(tid, outcome.result, attempt=attempt), None
         left = ctx.time_left_s()
         if (
             not outcome.expired
@@ -344,7 +344,7 @@ class Runner:
             # reads milliseconds, a moment before the broker does).
             outcome = Failed(timed_out(outcome.error), expired=True)
         if outcome.expired:
-            return Finish.expired(tid, outcome.error), None
+            return Finish.expired(tid, outcome.error, attempt=attempt), None
         decision = retry.decide(
             retryable=outcome.error["retryable"],
             attempt=claimed.attempt,
@@ -353,7 +353,8 @@ class Runner:
             now=datetime.now(UTC),
             requested_delay_s=outcome.delay_s,
         )
-        return Finish.failed(tid, outcome.error), decision.delay_s if decision.retry else None
+        delay_s = decision.delay_s if decision.retry else None
+        return Finish.failed(tid, outcome.error, attempt=attempt), delay_s
 
     def _session_of(self, claimed: Claimed) -> Session | None:
         if claimed.session_id is None or claimed.session is None:
@@ -364,6 +365,7 @@ class Runner:
             claimed.session_id,
             claimed.task_id,
             self.settings.session_max_bytes,
+            claimed.attempt,
         )
         return store.session(claimed.session)
 
@@ -380,7 +382,10 @@ class Runner:
         home = home_queue(claimed.queue)
         if (
             self.republish is None
-            or execution.requeue(self.engine, claimed.task_id, err, queue=home) is None
+            or execution.requeue(
+                self.engine, claimed.task_id, err, attempt=claimed.attempt, queue=home
+            )
+            is None
         ):
             return False
         metrics.task_retries.labels(capability_of(claimed.queue)).inc()

@@ -26,6 +26,7 @@ class SessionStore:
     session_id: str
     task_id: uuid.UUID
     max_bytes: int
+    attempt: int | None = None  # the attempt writing: a stale one's writes are refused
 
     def session(self, snapshot: dict[str, Any]) -> Session:
         """The task's ``ctx.session``, at the snapshot its claim read."""
@@ -48,6 +49,7 @@ class SessionStore:
                     state=state,
                     max_bytes=self.max_bytes,
                     task_id=self.task_id,
+                    attempt=self.attempt,
                 )
         except sessions.RevisionConflict as exc:
             current = exc.details.get("current_revision")

@@ -260,9 +260,9 @@ class Finish:
     attempt: int | None = None
 
     @classmethod
-    def succeeded(cls, task_id: uuid.UUID, result: Any) -> Finish:
+    def succeeded(cls, task_id: uuid.UUID, result: Any, *, attempt: int | None = None) -> Finish:
         """A success; the error of an earlier, retried attempt is cleared."""
-        return cls(task_id, SUCCEED, result)
+        return cls(task_id, SUCCEED, result, attempt)
 
     @classmethod
     def failed(
@@ -271,13 +271,17 @@ class Finish:
         """Fail a running task, or a queued one that cannot be run (no such capability
         here). ``attempt``: a recovery acts on what it read a moment ago; meanwhile another
         recovery may have requeued the task and a worker started it again, and that newer
-        attempt is not the lost one."""
+        attempt is not the lost one. A worker names the attempt it ran: one taken for lost
+        (its worker paused past its lease) may end after the reaper gave the task to
+        another, and its outcome is then stale."""
         return cls(task_id, FAIL, error, attempt)
 
     @classmethod
-    def expired(cls, task_id: uuid.UUID, error: dict[str, Any]) -> Finish:
+    def expired(
+        cls, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
+    ) -> Finish:
         """A running task that overran its time (its deadline or its agent's timeout)."""
-        return cls(task_id, OVERRUN, error)
+        return cls(task_id, OVERRUN, error, attempt)
 
 
 def succeed(engine: Engine, task_id: uuid.UUID, result: Any) -> TaskRow | None:

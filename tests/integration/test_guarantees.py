@@ -4,12 +4,15 @@ back-pressure, and nothing lost when workers die or the broker forgets."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import redis
 from sqlalchemy import Engine, func, select
@@ -434,6 +437,49 @@ def test_kill_9_mid_task_reruns_an_idempotent_task_and_never_a_non_idempotent_on
     assert redone["attempts"] == 2
     assert runs(redis_url, idem) == 2  # ran again after the crash, completed once
     assert runs(redis_url, once) == 1  # never twice
+
+
+def signal_family(process: CeleryProcess, signum: int) -> None:
+    """``signum`` to the worker and every process under it."""
+    for pid in [process.pid, *(c.pid for c in psutil.Process(process.pid).children(True))]:
+        os.kill(pid, signum)
+
+
+def test_a_late_write_of_an_attempt_taken_for_lost_changes_nothing(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    crash_worker: list[CeleryProcess],
+    system_beat: CeleryProcess,  # the reaper
+) -> None:
+    """A worker that stops answering (paused, or cut off from Redis) loses its lease, and the
+    reaper gives its idempotent task to another worker. When the first one wakes, its
+    attempt's outcome is stale: it must not end the task the second attempt is running."""
+    capability = "test.stale-attempt"
+    stale = start_worker(settings, capability, f"stale-{uuid.uuid4().hex[:6]}", log_dir)
+    crash_worker.append(stale)
+    task_id = client.post(
+        "/tasks", json={"capability": capability, "payload": {"first_s": 2, "later_s": 6}}
+    ).json()["task_id"]
+    eventually(lambda: runs(redis_url, task_id) == 1, "the first attempt to start")
+    # Given the first attempt's worker paused until the reaper requeues its task, and the
+    # second attempt running on another worker
+    signal_family(stale, signal.SIGSTOP)
+    try:
+        fresh = start_worker(settings, capability, f"fresh-{uuid.uuid4().hex[:6]}", log_dir)
+        crash_worker.append(fresh)
+        eventually(lambda: runs(redis_url, task_id) == 2, "the second attempt to start", 30)
+    finally:
+        signal_family(stale, signal.SIGCONT)
+    # When the first attempt wakes and fails, while the second is still running
+    stale_done = f"reach:test:stale-done:{task_id}"
+    eventually(lambda: redis.Redis.from_url(redis_url).exists(stale_done), "the stale failure")
+    # Then the task is the second attempt's: running, then succeeded
+    done = wait_for_task(client, task_id, FINAL)
+    assert (done["status"], done["error"], done["result"]) == ("succeeded", None, {"attempt": 2})
+    assert done["attempts"] == 2
+    assert done["agent"]["instance"].startswith("fresh-")
 
 
 def test_a_poison_task_fails_after_its_attempts_and_the_queue_keeps_flowing(

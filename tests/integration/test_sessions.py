@@ -10,14 +10,17 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 
 from api.app import create_app
-from broker.db.models import session_revisions_table, sessions_table
+from broker.db.models import session_revisions_table, sessions_table, tasks_table
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp
+from workers.sdk import AgentFailure
+from workers.session_store import SessionStore
 
 
 @pytest.fixture
@@ -217,3 +220,27 @@ def test_a_tenant_may_hold_only_so_many_live_sessions(
         assert client.delete(f"/sessions/{made[0]}").status_code == 204
         assert client.post("/sessions").status_code == 201
         assert client.post("/sessions").status_code == 409
+
+
+def test_a_task_writes_its_session_only_while_running_at_the_attempt_that_writes(
+    api: ServedApp, make_key: KeyMaker, engine: Engine
+) -> None:
+    """The worker's store (``ctx.session``) names the task and its attempt: an attempt the
+    reaper took for lost and gave to another worker writes nothing when it wakes."""
+    tenant, token = make_key()
+    with client_for(api, token) as http:
+        session_id = http.post("/sessions", json={"state": {"n": 0}}).json()["session_id"]
+    task_id = a_task_row(engine, tenant=tenant, status="running")
+    with engine.begin() as conn:  # its second attempt runs
+        conn.execute(update(tasks_table).where(tasks_table.c.id == task_id).values(attempts=2))
+
+    def store(attempt: int) -> SessionStore:
+        return SessionStore(engine, tenant, session_id, task_id, 1 << 20, attempt)
+
+    with pytest.raises(AgentFailure) as stale:
+        store(1).write(1, {"n": "from the first attempt"})
+    assert stale.value.code == "task_not_running"
+    assert store(2).write(1, {"n": 2}) == (2, {"n": 2})
+    with engine.connect() as conn:
+        state = conn.scalar(select(sessions_table.c.state).where(sessions_table.c.id == session_id))
+    assert state == {"n": 2}
