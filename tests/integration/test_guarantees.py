@@ -103,6 +103,8 @@ def test_a_non_retryable_failure_fails_at_once(client: httpx.Client) -> None:
     ).json()
     done = wait_for_task(client, task["task_id"], FINAL)
     assert (done["status"], done["attempts"]) == ("failed", 1)
+    assert done["error"]["code"] == "bad_input"
+    assert done["error"]["retryable"] is False
 
 
 # -- deadlines --------------------------------------------------------------------------
