@@ -151,8 +151,19 @@ def test_a_sync_submit_the_caller_would_not_wait_out_is_asked_again_in_async_mod
     clock = iter([0.0, 5.0, 5.0, 5.0]).__next__
     queued = answer(202, b'{"task_id": "t1", "capability": "echo", "status": "queued"}')
     plan = tasks.run(POLICY, {"capability": "echo", "payload": {}}, "k1", 5.0, clock)
-    with pytest.raises(errors.WaitTimeoutError):
-        drive(plan, [errors.APITimeoutError(), queued, queued])
+    steps: list[object] = []
+    with pytest.raises(errors.WaitTimeoutError) as caught:
+        drive(plan, [errors.APITimeoutError(), queued, queued], steps)
+    assert caught.value.task.task_id == "t1"
+    # The sync submit timed out; the same submit, same key, asked again in async mode; then
+    # the task is polled until the caller's time is up
+    sync, again, poll = steps
+    assert isinstance(sync, Request) and isinstance(again, Request)
+    assert (sync.method, sync.path, sync.body["reply_mode"]) == ("POST", "/tasks", "sync")
+    assert (again.method, again.path) == ("POST", "/tasks")
+    assert again.body == {"capability": "echo", "payload": {}, "reply_mode": "async"}
+    assert sync.idempotency_key == again.idempotency_key == "k1"
+    assert poll == Request("GET", "/tasks/t1")
 
 
 def test_the_sse_decoder_reads_frames_and_skips_pings() -> None:
