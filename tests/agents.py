@@ -166,8 +166,11 @@ def sleepy(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 @agent.capability("test.stubborn", agent_id="test-stubborn", version="0.0.1", cancellable=True)
 def stubborn(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
-    """Ignores cancellation; its card says it may be terminated."""
+    """Ignores cancellation; its card says it may be terminated. Records the process it
+    runs in (``reach:test:pid:<task id>``), so a test can tell that process was stopped."""
     _runs(ctx)
+    client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
+    client.set(f"reach:test:pid:{ctx.task_id}", os.getpid())
     time.sleep(float(payload.get("sleep_s", 30)))
     return {"finished": True}
 

@@ -110,10 +110,13 @@ class Receiver:
 
 @dataclass
 class Held:
-    """One connection a tarpit held: when it came and when the client let go."""
+    """One connection a tarpit held: when it came, when it ended, and whether the client hung
+    up while the tarpit still held it (not the tarpit letting go after ``hold_s``, or
+    stopping)."""
 
     opened_at: float
     closed_at: float | None = None
+    cut_by_client: bool = False
 
 
 class Tarpit:
@@ -171,10 +174,11 @@ class Tarpit:
                 # Between drips, notice at once when the client hangs up (EOF or reset).
                 readable, _, _ = select.select([conn], [], [], self.drip_s)
                 if readable and not conn.recv(65536):
+                    held.cut_by_client = True
                     break
                 conn.sendall(b"x")
         except OSError:
-            pass  # the client hung up: what a deadline does
+            held.cut_by_client = True  # the client hung up (a reset): what a deadline does
         finally:
             with self._lock:
                 held.closed_at = time.monotonic()

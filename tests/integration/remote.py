@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
+from broker.registry.model import Lease, lease_key, live_key, now_s
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess
@@ -44,6 +46,33 @@ def wait_routed(ops: httpx.Client, agent_id: str, timeout_s: float = 30) -> None
         return [i.get("state") for i in answer.json().get("instances", [])]
 
     eventually(states, f"{agent_id} to be ready", timeout_s, 0.1, lambda s: "ready" in s)
+
+
+def stored_lease(client: redis.Redis, instance: str, capability: str) -> Lease:
+    """The instance's lease as the bridge stored it, read in one transaction with its entry in
+    the capability's live index and its key's time to live. Asserts the store bounds it: the
+    index names it until its heartbeat plus its TTL, and its key lives no longer than the TTL,
+    so routing takes it past that only if the bridge renews it."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.get(lease_key(instance))
+        pipe.zscore(live_key(capability), instance)
+        pipe.pttl(lease_key(instance))
+        raw, expires_at, ttl_ms = pipe.execute()
+    assert raw is not None, f"{instance} holds no lease"
+    lease = Lease.from_json(raw)
+    assert expires_at == lease.heartbeat_at + lease.lease_ttl_s, (expires_at, lease)
+    assert 0 < ttl_ms <= lease.lease_ttl_s * 1000, (ttl_ms, lease)
+    return lease
+
+
+def routable(client: redis.Redis, instance: str, capability: str) -> bool:
+    """Whether routing could take the instance's lease now: named in the capability's live
+    index until now or later, and its key still there (``routing.LIVE_LEASES_LUA``)."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.zscore(live_key(capability), instance)
+        pipe.exists(lease_key(instance))
+        expires_at, exists = pipe.execute()
+    return expires_at is not None and expires_at >= now_s() and bool(exists)
 
 
 def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:

@@ -11,6 +11,8 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
+from broker.registry import leases
+from broker.registry.model import READY, CardRef, Lease, now_s
 from broker.tasks.admission import Door
 from broker.tasks.backpressure import RateLimited, TokenBucket
 from broker.tasks.events import EventLog, read_log_sync
@@ -90,25 +92,50 @@ def test_the_door_grants_exactly_the_burst_to_requests_arriving_together(
     assert all(isinstance(a, RateLimited) for a in refused)
 
 
+def live_echo_lease(url: str) -> Lease:
+    """A ready instance serving ``echo``, written as a worker writes its lease (and indexed in
+    echo's live set until it expires)."""
+    instance = f"door-{uuid.uuid4().hex[:6]}@test"
+    lease = Lease(
+        instance=instance,
+        state=READY,
+        heartbeat_at=now_s(),
+        started_at=now_s() - 60,
+        lease_ttl_s=60,
+        cards=(CardRef("echo", "1.0.0", "echo"),),
+    )
+    return leases.renew(redis.Redis.from_url(url), lease)
+
+
+def served(answer: tuple[float, list[Any]]) -> list[tuple[str, CardRef]]:
+    """(instance, card) of each live candidate the door answered."""
+    return [(c.lease.instance, c.card) for c in answer[1]]
+
+
 def test_the_door_reads_the_live_leases_of_requests_arriving_together_in_one_call(
     own_redis: str,
 ) -> None:
+    # Given one live instance serving echo, and none serving a.b
+    lease = live_echo_lease(own_redis)
+
     async def body(client: AsyncRedis) -> list[Any]:
         door = Door(client, TokenBucket(rate_per_s=1, burst=1))
         return list(await asyncio.gather(*(door.live(c) for c in ("echo", "a.b", "echo"))))
 
     answers, calls = asyncio.run(_counting(own_redis, body))
     assert calls == 1
-    assert [candidates for _, candidates in answers] == [[], [], []]  # nobody serves them here
+    echo = [(lease.instance, lease.cards[0])]
+    assert [served(a) for a in answers] == [echo, [], echo]
 
 
 def test_the_door_takes_tokens_and_reads_leases_of_requests_arriving_together_in_one_call(
     own_redis: str,
 ) -> None:
-    """Given a tenant with two tokens and four small requests arriving together, when each
-    takes its token with its route lookup, I expect one Redis call, two answered with the
-    live leases and two refused."""
+    """Given a tenant with two tokens, a live instance serving echo, and four small requests
+    arriving together, when each takes its token with its route lookup, I expect one Redis
+    call, two answered with the live leases and two refused."""
     tenant = f"door-{uuid.uuid4().hex[:6]}"
+    lease = live_echo_lease(own_redis)
 
     async def body(client: AsyncRedis) -> list[Any]:
         door = Door(client, TokenBucket(rate_per_s=0.001, burst=2))
@@ -117,5 +144,5 @@ def test_the_door_takes_tokens_and_reads_leases_of_requests_arriving_together_in
 
     answers, calls = asyncio.run(_counting(own_redis, body))
     assert calls == 1
-    assert [a[1] for a in answers[:2]] == [[], []]  # nobody serves them here
+    assert [served(a) for a in answers[:2]] == [[(lease.instance, lease.cards[0])], []]
     assert all(isinstance(a, RateLimited) for a in answers[2:])

@@ -106,6 +106,8 @@ def test_a_non_retryable_failure_fails_at_once(client: httpx.Client) -> None:
     ).json()
     done = wait_for_task(client, task["task_id"], FINAL)
     assert (done["status"], done["attempts"]) == ("failed", 1)
+    assert done["error"]["code"] == "bad_input"
+    assert done["error"]["retryable"] is False
 
 
 # -- deadlines --------------------------------------------------------------------------
@@ -218,20 +220,47 @@ def test_a_running_task_is_told_and_ends_cancelled(
 
 
 def test_a_cancellable_agent_is_stopped_and_the_worker_serves_on(
-    client: httpx.Client, worker: CeleryProcess
+    client: httpx.Client, redis_url: str, worker: CeleryProcess
 ) -> None:
+    # Given a cancellable agent that ignores cancellation, running in a pool process
     task_id = client.post(
         "/tasks", json={"capability": "test.stubborn", "payload": {"sleep_s": 30}}
     ).json()["task_id"]
-    eventually(lambda: client.get(f"/tasks/{task_id}").json()["status"] == "running", "running")
-    assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
-    eventually(
-        lambda: "Terminating" in worker.output() or "terminate" in worker.output().lower(),
-        "the worker to terminate the agent's process",
+    pid = eventually(
+        lambda: redis.Redis.from_url(redis_url).get(f"reach:test:pid:{task_id}"),
+        "the handler to start and record its process",
     )
-    after = client.post("/tasks", json={"capability": "echo", "payload": {"next": 1}}).json()
-    assert wait_for_task(client, after["task_id"], FINAL)["status"] == "succeeded"
+    assert client.get(f"/tasks/{task_id}").json()["status"] == "running"
+    # When it is cancelled
+    assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
+    # Then the worker terminates this task's run, and the process running its handler is gone
+    eventually(
+        lambda: f"Terminating {task_id}" in worker.output(),
+        "the worker to terminate this task's run",
+    )
+    eventually(lambda: not alive(int(pid)), "the handler's process to end")
+    assert f"reach.run[{task_id}] succeeded" not in worker.output()
+    # And the worker serves on: as many tasks as it has processes, and more, all succeed
+    concurrency = int(worker.args[worker.args.index("-c") + 1])
+    after = [
+        client.post("/tasks", json={"capability": "echo", "payload": {"next": i}}).json()
+        for i in range(2 * concurrency)
+    ]
+    for task in after:
+        assert wait_for_task(client, task["task_id"], FINAL)["status"] == "succeeded"
+    # And the stopped task stays cancelled, its handler started once and never again
     assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
+    assert runs(redis_url, task_id) == 1
+    assert f"reach.run[{task_id}] succeeded" not in worker.output()
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_cancelling_a_final_task_is_409_and_a_foreign_one_404(

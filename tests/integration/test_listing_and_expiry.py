@@ -54,10 +54,25 @@ def test_listing_pages_newest_first_and_filters(client: httpx.Client) -> None:
     assert client.get("/tasks", params={"capability": "invoice.extract"}).json()["tasks"] == []
 
 
-def test_the_page_size_is_bounded(client: httpx.Client, settings: Settings) -> None:
-    response = client.get("/tasks", params={"limit": 10_000})
-    assert response.status_code == 200
-    assert len(response.json()["tasks"]) <= settings.list_page_max
+def test_the_page_size_is_bounded(
+    settings: Settings, tenant: tuple[str, str], client: httpx.Client
+) -> None:
+    # Given an API whose pages hold at most 3, and five tasks of the tenant
+    capped = settings.model_copy(update={"list_page_max": 3})
+    with ServedApp(create_app(capped)) as api, client_for(api, tenant[1]) as small:
+        made = [
+            small.post("/tasks", json={"capability": "echo", "payload": {"i": i}}).json()["task_id"]
+            for i in range(5)
+        ]
+        # When a client asks for 50
+        response = small.get("/tasks", params={"limit": 50})
+        assert response.status_code == 200, response.text
+        page = response.json()
+        # Then exactly 3 come back, the newest, with a cursor to the other two
+        assert [t["task_id"] for t in page["tasks"]] == made[:1:-1]
+        assert page["next_cursor"] is not None
+        rest = small.get("/tasks", params={"limit": 50, "cursor": page["next_cursor"]}).json()
+        assert [t["task_id"] for t in rest["tasks"]] == made[1::-1]
 
 
 def test_tasks_whose_results_pass_the_byte_budget_come_in_shorter_pages(

@@ -30,6 +30,7 @@ from reach.localservices import (
     tcp_answers,
     with_database,
 )
+from tests.conftest import IN_CI
 
 LOCAL_SERVICES_RUN = tcp_answers("127.0.0.1", 5432) and tcp_answers("127.0.0.1", 6379)
 
@@ -76,8 +77,11 @@ def test_tcp_answers_tells_a_listening_port_from_a_closed_one() -> None:
     assert not tcp_answers("127.0.0.1", port)
 
 
-@pytest.mark.skipif(not LOCAL_SERVICES_RUN, reason="no Postgres/Redis on their usual ports")
 def test_ensure_services_uses_the_running_local_services(tmp_path: Path) -> None:
+    if not LOCAL_SERVICES_RUN:
+        if IN_CI:  # CI runs local services (RabbitMQ's tests require theirs there too)
+            pytest.fail("Postgres and Redis must answer on 127.0.0.1:5432 and :6379 in CI")
+        pytest.skip("no Postgres/Redis on their usual ports")
     found = ensure_services(tmp_path)
     try:
         assert found.database_url == LOCAL_POSTGRES_URL

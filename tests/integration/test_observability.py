@@ -29,6 +29,7 @@ from broker.observability.logs import JsonFormatter
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.stack import (
+    ROOT,
     CeleryProcess,
     ServedApp,
     environment,
@@ -367,26 +368,49 @@ def test_cancelling_a_task_announces_task_cancelled(client: httpx.Client) -> Non
     assert event["data"]["task_id"] == task["task_id"]
 
 
+# Run in a process of its own: OpenTelemetry's tracer provider is set once per process, so
+# this one owns it whatever else ran before (no skip when another test set one first).
+OTEL_CHILD = """
+import json, sys
+import httpx
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from api.app import create_app
+from broker.observability import otel
+from broker.settings import Settings
+from tests.integration.stack import ServedApp
+
+token, given_trace = sys.argv[1:3]
+exporter = InMemorySpanExporter()
+otel.setup_tracing("reach-test", exporter=exporter)
+app = create_app(Settings(otel=True))
+headers = {"Authorization": f"Bearer {token}"}
+with ServedApp(app) as served, httpx.Client(base_url=served.url, headers=headers) as http:
+    made = http.get("/tasks")  # no trace header: the instrumentation's trace is ours
+    given = http.get("/tasks", headers={"X-Trace-Id": given_trace})  # ours becomes the span's
+spans = exporter.get_finished_spans()
+print(json.dumps({
+    "statuses": [made.status_code, given.status_code],
+    "made": made.headers["x-trace-id"],
+    "given": given.headers["x-trace-id"],
+    "span_traces": sorted({f"{s.context.trace_id:032x}" for s in spans}),
+}))
+"""
+
+
 def test_with_opentelemetry_on_our_trace_id_is_the_spans_trace(
-    settings: Settings, tenant: tuple[str, str], worker: CeleryProcess
+    settings: Settings, tenant: tuple[str, str]
 ) -> None:
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from api.app import create_app
-    from broker.observability import otel
-
-    exporter = InMemorySpanExporter()
-    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        pytest.skip("a tracer provider was set earlier in this process")
-    otel.setup_tracing("reach-test", exporter=exporter)
-    app = create_app(settings.model_copy(update={"otel": True}))
-    headers = {"Authorization": f"Bearer {tenant[1]}"}
-    with ServedApp(app) as served, httpx.Client(base_url=served.url, headers=headers) as http:
-        made = http.get("/tasks")  # no trace header: the instrumentation's trace is ours
-        given = http.get("/tasks", headers={"X-Trace-Id": TRACE})  # ours becomes the span's
-    spans = exporter.get_finished_spans()
-    span_traces = {f"{s.context.trace_id:032x}" for s in spans}
-    assert made.headers["x-trace-id"] in span_traces
-    assert given.headers["x-trace-id"] == TRACE
-    assert TRACE in span_traces
+    child = subprocess.run(
+        [sys.executable, "-c", OTEL_CHILD, tenant[1], TRACE],
+        env=environment(settings),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    found = json.loads(child.stdout.strip().splitlines()[-1])
+    assert found["statuses"] == [200, 200]
+    assert found["made"] in found["span_traces"]
+    assert found["given"] == TRACE
+    assert TRACE in found["span_traces"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from broker.remote.registration import remote_instance
 from tests.eventually import eventually
-from tests.integration.remote import FAST, events_of, wait_routed
+from tests.integration.remote import FAST, events_of, routable, stored_lease, wait_routed
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -266,10 +267,17 @@ def test_an_agent_that_does_not_stream_is_polled_at_its_preferred_interface(
         ops.delete("/agents/a2a-plain")
 
 
-def test_a_killed_agent_is_refused_within_the_lease(caller: httpx.Client, agent: A2AAgent) -> None:
+def test_a_killed_agent_is_refused_once_its_lease_is_gone(
+    caller: httpx.Client, agent: A2AAgent, bridge: CeleryProcess, redis_url: str
+) -> None:
     """Last in this module: it stops the shared agent."""
+    client = redis.Redis.from_url(redis_url)
+    instance = remote_instance("a2a-travel")
+    # Given the agent's lease as stored at the kill: routable until its heartbeat + its TTL
+    held = stored_lease(client, instance, "travel.echo")
+    assert held.lease_ttl_s == float(FAST["REACH_REMOTE_LEASE_TTL_S"])
     agent.stop()
-    started = time.monotonic()
+    # When routing refuses it
     refused = eventually(
         lambda: submit(caller, "echo", {"anyone": "?"}),
         "routing to refuse the dead agent",
@@ -278,4 +286,10 @@ def test_a_killed_agent_is_refused_within_the_lease(caller: httpx.Client, agent:
         lambda answer: answer.status_code == 503,
     )
     assert refused.json()["code"] == "no_agent_available"
-    assert time.monotonic() - started < float(FAST["REACH_REMOTE_LEASE_TTL_S"]) + 2
+    # Then it is because no lease of the agent is left to route to: the bridge's checks found
+    # it down and the bridge gave its lease up
+    assert not routable(client, instance, "travel.echo")
+    eventually(
+        lambda: "remote agent a2a-travel: suspect -> offline" in bridge.output(),
+        "the bridge to have found the agent down",
+    )

@@ -100,6 +100,9 @@ def test_a_call_without_deadline_or_timeout_ends_at_the_default_time_limit(
             task_id = caller.post("/tasks", json=envelope).json()["task_id"]
             done = wait_for_task(caller, task_id, {"succeeded", "failed", "expired"}, 60)
             assert done["status"] == "expired", done
+            # Cut by its time limit (workers.runner._failure), not by a deadline it never had
+            assert done["error"]["code"] == "timeout", done
+            assert done["error"]["message"] == "the agent ran past its time limit", done
             eventually(lambda: task_id in agent.closed, "the agent to see the call closed")
         finally:
             ops.delete("/agents/endless")

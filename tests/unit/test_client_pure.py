@@ -26,9 +26,12 @@ def answer(status: int, body: bytes = b"{}", **headers: str) -> Response:
     return Response(status, httpx.Headers(headers), body)
 
 
-def drive(plan: Plan[object], answers: list[Response | Exception]) -> tuple[object, list[object]]:
-    """Run ``plan`` against scripted answers; its result and every step it took."""
-    steps: list[object] = []
+def drive(
+    plan: Plan[object], answers: list[Response | Exception], steps: list[object] | None = None
+) -> tuple[object, list[object]]:
+    """Run ``plan`` against scripted answers (each taken off ``answers`` as it is used); its
+    result and every step it took, also in ``steps`` if given: there when the plan raises."""
+    steps = [] if steps is None else steps
     try:
         step = next(plan)
         while True:
@@ -117,10 +120,19 @@ def test_a_post_without_a_key_is_not_retried() -> None:
 def test_connection_errors_are_retried_until_the_budget_is_spent() -> None:
     request = Request("GET", "/tasks/t1")
     lost = [errors.APIConnectionError("reset") for _ in range(3)]
-    with pytest.raises(errors.APIConnectionError):
-        drive(send(request, POLICY), list(lost))
-    _, steps = drive(send(request, POLICY), [lost[0], answer(200)])
+    # A budget of two retries: three tries, each lost, and the last error raised
+    left: list[Response | Exception] = list(lost)
+    steps: list[object] = []
+    with pytest.raises(errors.APIConnectionError) as caught:
+        drive(send(request, POLICY), left, steps)
+    assert caught.value is lost[2]
+    assert left == []
+    assert [type(s) for s in steps] == [Request, Sleep, Request, Sleep, Request]
+    assert steps[::2] == [request] * 3
+    # One lost, then an answer: that answer, after one retry
+    result, steps = drive(send(request, POLICY), [lost[0], answer(200)])
     assert [type(s) for s in steps] == [Request, Sleep, Request]
+    assert isinstance(result, Response) and result.status == 200
 
 
 def test_wait_polls_until_final_and_gives_up_with_the_task_when_time_runs_out() -> None:
@@ -139,8 +151,19 @@ def test_a_sync_submit_the_caller_would_not_wait_out_is_asked_again_in_async_mod
     clock = iter([0.0, 5.0, 5.0, 5.0]).__next__
     queued = answer(202, b'{"task_id": "t1", "capability": "echo", "status": "queued"}')
     plan = tasks.run(POLICY, {"capability": "echo", "payload": {}}, "k1", 5.0, clock)
-    with pytest.raises(errors.WaitTimeoutError):
-        drive(plan, [errors.APITimeoutError(), queued, queued])
+    steps: list[object] = []
+    with pytest.raises(errors.WaitTimeoutError) as caught:
+        drive(plan, [errors.APITimeoutError(), queued, queued], steps)
+    assert caught.value.task.task_id == "t1"
+    # The sync submit timed out; the same submit, same key, asked again in async mode; then
+    # the task is polled until the caller's time is up
+    sync, again, poll = steps
+    assert isinstance(sync, Request) and isinstance(again, Request)
+    assert (sync.method, sync.path, sync.body["reply_mode"]) == ("POST", "/tasks", "sync")
+    assert (again.method, again.path) == ("POST", "/tasks")
+    assert again.body == {"capability": "echo", "payload": {}, "reply_mode": "async"}
+    assert sync.idempotency_key == again.idempotency_key == "k1"
+    assert poll == Request("GET", "/tasks/t1")
 
 
 def test_the_sse_decoder_reads_frames_and_skips_pings() -> None:

@@ -469,9 +469,14 @@ def test_api_healthcheck_probes_healthz_without_curl() -> None:
 
 
 def test_workers_shut_down_warm() -> None:
-    # given every celery worker service
+    # given every celery worker service: those the deployment relies on among them (none
+    # found would check nothing)
     services = compose.services()
-    for name in compose.celery_services("worker"):
+    workers = compose.celery_services("worker")
+    assert {"worker-echo", "worker-maintenance", "worker-webhooks", "bridge"} <= set(workers), (
+        sorted(workers)
+    )
+    for name in workers:
         service = services[name]
         # expect SIGTERM (Celery's warm shutdown) and at least 60s before the SIGKILL
         assert service.get("stop_signal") == "SIGTERM", name
@@ -507,9 +512,11 @@ def test_flower_is_published_on_loopback_only_and_behind_basic_auth() -> None:
 def test_no_worker_publishes_or_exposes_a_port_and_metrics_listen_on_loopback(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # given every celery worker and beat service
+    # given every celery worker and beat service (some of each: none would check nothing)
     services = compose.services()
-    for name in [*compose.celery_services("worker"), *compose.celery_services("beat")]:
+    workers, beats = compose.celery_services("worker"), compose.celery_services("beat")
+    assert workers and beats, (sorted(workers), sorted(beats))
+    for name in [*workers, *beats]:
         service = services[name]
         # expect no published or exposed port, and not the host's network
         assert not service.get("ports") and not service.get("expose"), name
