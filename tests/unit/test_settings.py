@@ -131,3 +131,16 @@ def test_given_no_metrics_settings_expect_metrics_closed_and_workers_on_loopback
     assert (settings.metrics_token, settings.metrics_public) == (None, False)
     assert settings.worker_metrics_host == "127.0.0.1"
     assert settings.metrics_refresh_s == 15.0
+
+
+# --- the bridge's clocks ---------------------------------------------------------------------
+
+
+def test_a_killed_agent_goes_offline_within_the_lease_ttl_by_default() -> None:
+    """A killed agent refuses each health check at once, so the bridge takes it offline (and
+    routing answers 503) after ``remote_fail_after`` ticks, one ``remote_health_interval_s``
+    apart: by default before its lease would have run out (issue 15's "within the lease
+    TTL"); ``test_remote_agents.py`` shows it happen with the tests' faster clocks."""
+    defaults = Settings()
+    ticks_s = defaults.remote_fail_after * defaults.remote_health_interval_s
+    assert ticks_s < defaults.remote_lease_ttl_s
