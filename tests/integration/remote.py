@@ -5,6 +5,7 @@ integration conftest."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import httpx
 import redis
 
 from broker.registry.model import Lease, lease_key, live_key, now_s
+from broker.remote.registration import remote_instance
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess
@@ -73,6 +75,35 @@ def routable(client: redis.Redis, instance: str, capability: str) -> bool:
         pipe.exists(lease_key(instance))
         expires_at, exists = pipe.execute()
     return expires_at is not None and expires_at >= now_s() and bool(exists)
+
+
+def refused_once_its_lease_is_gone(
+    client: redis.Redis,
+    bridge: CeleryProcess,
+    agent_id: str,
+    capability: str,
+    *,
+    stop: Callable[[], None],
+    submit: Callable[[], httpx.Response],
+) -> None:
+    """Stop the agent (``stop``), and see routing refuse ``submit`` because no lease of the
+    agent is left: the bridge's checks found it down and gave the lease up."""
+    instance = remote_instance(agent_id)
+    # Given the agent's lease as stored at the kill: routable until its heartbeat + its TTL
+    held = stored_lease(client, instance, capability)
+    assert held.lease_ttl_s == float(FAST["REACH_REMOTE_LEASE_TTL_S"])
+    stop()
+    # When routing refuses it
+    refused = eventually(
+        submit, "routing to refuse the dead agent", 30, 0.1, lambda a: a.status_code == 503
+    )
+    assert refused.json()["code"] == "no_agent_available"
+    # Then it is because no lease of the agent is left to route to
+    assert not routable(client, instance, capability)
+    eventually(
+        lambda: f"remote agent {agent_id}: suspect -> offline" in bridge.output(),
+        "the bridge to have found the agent down",
+    )
 
 
 def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:

@@ -17,9 +17,12 @@ import httpx
 import pytest
 import redis
 
-from broker.remote.registration import remote_instance
 from tests.eventually import eventually
-from tests.integration.remote import FAST, events_of, routable, stored_lease, wait_routed
+from tests.integration.remote import (
+    events_of,
+    refused_once_its_lease_is_gone,
+    wait_routed,
+)
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -271,25 +274,11 @@ def test_a_killed_agent_is_refused_once_its_lease_is_gone(
     caller: httpx.Client, agent: A2AAgent, bridge: CeleryProcess, redis_url: str
 ) -> None:
     """Last in this module: it stops the shared agent."""
-    client = redis.Redis.from_url(redis_url)
-    instance = remote_instance("a2a-travel")
-    # Given the agent's lease as stored at the kill: routable until its heartbeat + its TTL
-    held = stored_lease(client, instance, "travel.echo")
-    assert held.lease_ttl_s == float(FAST["REACH_REMOTE_LEASE_TTL_S"])
-    agent.stop()
-    # When routing refuses it
-    refused = eventually(
-        lambda: submit(caller, "echo", {"anyone": "?"}),
-        "routing to refuse the dead agent",
-        30,
-        0.1,
-        lambda answer: answer.status_code == 503,
-    )
-    assert refused.json()["code"] == "no_agent_available"
-    # Then it is because no lease of the agent is left to route to: the bridge's checks found
-    # it down and the bridge gave its lease up
-    assert not routable(client, instance, "travel.echo")
-    eventually(
-        lambda: "remote agent a2a-travel: suspect -> offline" in bridge.output(),
-        "the bridge to have found the agent down",
+    refused_once_its_lease_is_gone(
+        redis.Redis.from_url(redis_url),
+        bridge,
+        "a2a-travel",
+        "travel.echo",
+        stop=agent.stop,
+        submit=lambda: submit(caller, "echo", {"anyone": "?"}),
     )

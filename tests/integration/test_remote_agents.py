@@ -26,7 +26,11 @@ from broker.registry.model import OFFLINE, READY, CardRef, Lease, lease_key, liv
 from broker.remote.registration import remote_instance
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Reply, always
-from tests.integration.remote import FAST, events_of, routable, stored_lease, wait_routed
+from tests.integration.remote import (
+    events_of,
+    refused_once_its_lease_is_gone,
+    wait_routed,
+)
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -448,27 +452,13 @@ def test_a_killed_agent_is_refused_once_its_lease_is_gone_and_served_again_once_
     caller: httpx.Client, node: NodeAgent, bridge: CeleryProcess, redis_url: str
 ) -> None:
     """Last in this module: it stops the shared agent (and starts it again)."""
-    client = redis.Redis.from_url(redis_url)
-    instance = remote_instance("node-upper")
-    # Given the agent's lease as stored at the kill: routable until its heartbeat + its TTL
-    held = stored_lease(client, instance, "text.upper")
-    assert held.lease_ttl_s == float(FAST["REACH_REMOTE_LEASE_TTL_S"])
-    node.stop()
-    # When routing refuses it
-    refused = eventually(
-        lambda: submit(caller, {"text": "anyone?"}),
-        "routing to refuse the dead agent",
-        30,
-        0.1,
-        lambda answer: answer.status_code == 503,
-    )
-    assert refused.json()["code"] == "no_agent_available"
-    # Then it is because no lease of the agent is left to route to: the bridge's checks found
-    # it down and the bridge gave its lease up
-    assert not routable(client, instance, "text.upper")
-    eventually(
-        lambda: "remote agent node-upper: suspect -> offline" in bridge.output(),
-        "the bridge to have found the agent down",
+    refused_once_its_lease_is_gone(
+        redis.Redis.from_url(redis_url),
+        bridge,
+        "node-upper",
+        "text.upper",
+        stop=node.stop,
+        submit=lambda: submit(caller, {"text": "anyone?"}),
     )
     node.start()
     back = eventually(
