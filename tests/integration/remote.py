@@ -77,7 +77,7 @@ def routable(client: redis.Redis, instance: str, capability: str) -> bool:
     return expires_at is not None and expires_at >= now_s() and bool(exists)
 
 
-def refused_once_its_lease_is_gone(
+def assert_refused_once_its_lease_is_gone(
     client: redis.Redis,
     bridge: CeleryProcess,
     agent_id: str,

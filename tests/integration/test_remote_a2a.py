@@ -19,8 +19,8 @@ import redis
 
 from tests.eventually import eventually
 from tests.integration.remote import (
+    assert_refused_once_its_lease_is_gone,
     events_of,
-    refused_once_its_lease_is_gone,
     wait_routed,
 )
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
@@ -274,7 +274,7 @@ def test_a_killed_agent_is_refused_once_its_lease_is_gone(
     caller: httpx.Client, agent: A2AAgent, bridge: CeleryProcess, redis_url: str
 ) -> None:
     """Last in this module: it stops the shared agent."""
-    refused_once_its_lease_is_gone(
+    assert_refused_once_its_lease_is_gone(
         redis.Redis.from_url(redis_url),
         bridge,
         "a2a-travel",

@@ -27,8 +27,8 @@ from broker.remote.registration import remote_instance
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.remote import (
+    assert_refused_once_its_lease_is_gone,
     events_of,
-    refused_once_its_lease_is_gone,
     wait_routed,
 )
 from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
@@ -452,7 +452,7 @@ def test_a_killed_agent_is_refused_once_its_lease_is_gone_and_served_again_once_
     caller: httpx.Client, node: NodeAgent, bridge: CeleryProcess, redis_url: str
 ) -> None:
     """Last in this module: it stops the shared agent (and starts it again)."""
-    refused_once_its_lease_is_gone(
+    assert_refused_once_its_lease_is_gone(
         redis.Redis.from_url(redis_url),
         bridge,
         "node-upper",
