@@ -193,12 +193,17 @@ def slow_idempotent(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
     "test.stale-attempt", agent_id="test-stale-attempt", version="0.0.1", idempotent=True
 )
 def stale_attempt(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
-    """The first attempt sleeps ``first_s`` and fails, and says so in Redis just before its
-    failure is written; a later one sleeps ``later_s`` and succeeds."""
+    """Each attempt reports progress and an output as it starts. The first then sleeps
+    ``first_s``, reports again, says so in Redis and fails; a later one sleeps ``later_s``
+    and succeeds."""
+    ctx.progress(10, f"attempt {ctx.attempt} began")
+    ctx.emit({"attempt": ctx.attempt, "at": "start"})
     client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
-    client.incr(f"reach:test:runs:{ctx.task_id}")
+    client.incr(f"reach:test:runs:{ctx.task_id}")  # after its first events: tests wait for it
     if ctx.attempt == 1:
         time.sleep(float(payload["first_s"]))
+        ctx.progress(90, "attempt 1 woke")
+        ctx.emit({"attempt": 1, "at": "late"})
         client.set(f"reach:test:stale-done:{ctx.task_id}", 1, ex=300)
         raise AgentFailure("the first attempt's late failure", code="stale_attempt")
     time.sleep(float(payload["later_s"]))

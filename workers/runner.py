@@ -221,7 +221,7 @@ class Runner:
         # whatever the handler's coroutine, cancelled then, came to.
         running.announce()
         finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
-        if retry_in_s is not None and self._retry(claimed, finish, retry_in_s, running.publish):
+        if retry_in_s is not None and self._retry(claimed, finish, retry_in_s):
             return "retrying"
         return self.finish(finish)
 
@@ -249,7 +249,7 @@ class Runner:
             await running.announce_async()  # as in ``_run``
             finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
             if retry_in_s is not None and await asyncio.to_thread(
-                self._retry, claimed, finish, retry_in_s, running.publish
+                self._retry, claimed, finish, retry_in_s
             ):
                 return "retrying"
             return await self.finish_async(finish)
@@ -287,18 +287,20 @@ class Runner:
     ) -> tuple[Running, Context]:
         """The task's ``running`` event and the context its handler gets. ``direct``: the
         task runs on the event loop, and its events are appended from there."""
-        tid = claimed.task_id
+        tid, attempt = claimed.task_id, claimed.attempt
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
+        # Every event of the attempt carries it: once a later attempt has begun, a stale one's
+        # progress and outputs are refused (``events``).
         append_async = None
         if direct:
             aevents = self._aevents
             assert aevents is not None
             append_async = lambda event_type, data: aevents.append_async(  # noqa: E731
-                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s
+                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s, attempt=attempt
             )
         running = Running(
             lambda event_type, data: self.events.append(
-                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s
+                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s, attempt=attempt
             ),
             {"status": RUNNING, "attempt": claimed.attempt, "instance": instance},
             append_async=append_async,
@@ -313,7 +315,7 @@ class Runner:
             session_id=claimed.session_id,
             metadata=claimed.metadata,
             session=self._session_of(claimed),
-            _progress_sink=lambda p: self._progress(tid, p, publish),
+            _progress_sink=lambda p: self._progress(tid, attempt, p, publish),
             _readiness_sink=self._readiness_sink(instance, spec.name),
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
@@ -374,7 +376,6 @@ class Runner:
         claimed: Claimed,
         failed: Finish,
         delay_s: float,
-        publish: Callable[[str, Any], None],
     ) -> bool:
         """Queue the task again after ``failed``'s error; False when it cannot be."""
         err = failed.outcome
@@ -390,7 +391,8 @@ class Runner:
             return False
         metrics.task_retries.labels(capability_of(claimed.queue)).inc()
         log.info("task will run again", extra={"delay_s": round(delay_s, 3), "code": err["code"]})
-        publish(
+        self.events.append(
+            claimed.task_id,
             events.STATUS,
             {
                 "status": QUEUED,
@@ -398,12 +400,18 @@ class Runner:
                 "attempt": claimed.attempt,
                 "error": err,
             },
+            trace_id=claimed.trace_id,
+            ttl_s=claimed.result_ttl_s + EVENTS_SLACK_S,
+            attempt=claimed.attempt + 1,  # it opens the next attempt
         )
         self.republish(claimed.task_id, home, claimed.trace_id, claimed.deadline_at, delay_s)
         return True
 
-    def _progress(self, tid: uuid.UUID, progress: dict[str, Any], publish: Any) -> None:
-        execution.report_progress(self.engine, tid, progress)
+    def _progress(
+        self, tid: uuid.UUID, attempt: int, progress: dict[str, Any], publish: Any
+    ) -> None:
+        if not execution.report_progress(self.engine, tid, progress, attempt=attempt):
+            return  # the task is not this attempt's any more (final, cancelled, or requeued)
         publish(events.PROGRESS, progress)
         for hook in self.on_progress:
             try:

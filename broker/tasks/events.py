@@ -12,6 +12,13 @@ A final event closes the log: the script records its ``seq`` under ``final_key``
 every later append (it returns 0 for it). So whoever announces a final state (the worker, a
 redelivery of its message, the reaper, a reader that found the task final in Postgres) may
 append it again: the log holds it exactly once, and it is always the last event.
+
+A worker's events carry the attempt they belong to, and the log keeps the latest attempt it
+has seen under ``attempt_key``: an event of an earlier attempt is refused (0), as its final
+write is in Postgres. A worker that stopped answering long enough for the reaper to give its
+task to another (a paused process, a network cut) wakes to a stale attempt, whose progress
+and outputs must not mix with the new attempt's. The event that requeues a task opens the
+next attempt, so the old one is shut out from there on, before any new worker claims it.
 """
 
 from __future__ import annotations
@@ -34,14 +41,21 @@ LOG_MAX_EVENTS = 10_000
 CHANNEL_PREFIX = "reach:task:"
 
 # Appends any number of events (one per task): ARGV[1] is the stream cap, then per event i
-# (from 0) ARGV[2+4i] the event without its seq, ARGV[3+4i] its TTL, ARGV[4+4i] a Celery
-# message to LPUSH after it or '', ARGV[5+4i] '1' for a final event; KEYS[1+5i..5+5i] its
-# log, seq, channel, list and final marker. An event for a closed log is refused (seq 0).
+# (from 0) ARGV[2+5i] the event without its seq, ARGV[3+5i] its TTL, ARGV[4+5i] a Celery
+# message to LPUSH after it or '', ARGV[5+5i] '1' for a final event, ARGV[6+5i] the attempt
+# it belongs to or 0; KEYS[1+6i..6+6i] its log, seq, channel, list, final marker and latest
+# attempt. An event for a closed log, or of an attempt older than the latest, is refused (0).
 _APPEND = """
 local seqs = {}
-for i = 0, (#ARGV - 1) / 4 - 1 do
-  local k, a = 5 * i, 2 + 4 * i
-  if redis.call('EXISTS', KEYS[k + 5]) == 1 then
+for i = 0, (#ARGV - 1) / 5 - 1 do
+  local k, a = 6 * i, 2 + 5 * i
+  local attempt = tonumber(ARGV[a + 4])
+  local refused = redis.call('EXISTS', KEYS[k + 5]) == 1
+  if not refused and attempt > 0 then
+    refused = attempt < tonumber(redis.call('GET', KEYS[k + 6]) or '0')
+    if not refused then redis.call('SET', KEYS[k + 6], attempt, 'EX', ARGV[a + 1]) end
+  end
+  if refused then
     seqs[i + 1] = 0
   else
     local seq = redis.call('INCR', KEYS[k + 2])
@@ -62,7 +76,8 @@ GROUP_MAX_EVENTS = 100
 
 @dataclass(frozen=True)
 class Append:
-    """One event to append; ``push``: (list, message) LPUSHed right after it, atomically."""
+    """One event to append; ``push``: (list, message) LPUSHed right after it, atomically.
+    ``attempt``: the attempt it belongs to (refused once a later one has appended), or 0."""
 
     task_id: uuid.UUID | str
     type: str
@@ -70,6 +85,7 @@ class Append:
     trace_id: str
     ttl_s: int
     push: tuple[str, bytes] | None = None
+    attempt: int = 0
 
 
 def log_key(task_id: uuid.UUID | str) -> str:
@@ -78,6 +94,11 @@ def log_key(task_id: uuid.UUID | str) -> str:
 
 def seq_key(task_id: uuid.UUID | str) -> str:
     return f"reach:seq:{task_id}"
+
+
+def attempt_key(task_id: uuid.UUID | str) -> str:
+    """The latest attempt whose events the log took (see the module's doc)."""
+    return f"reach:attempt:{task_id}"
 
 
 def final_key(task_id: uuid.UUID | str) -> str:
@@ -168,8 +189,9 @@ class EventLog:
         trace_id: str,
         ttl_s: int | None,
         push: tuple[str, bytes] | None = None,
+        attempt: int = 0,
     ) -> Append:
-        return Append(task_id, event_type, data, trace_id, ttl_s or self.ttl_s, push)
+        return Append(task_id, event_type, data, trace_id, ttl_s or self.ttl_s, push, attempt)
 
     @staticmethod
     def _args(items: list[Append]) -> dict[str, Any]:
@@ -180,8 +202,10 @@ class EventLog:
             log = log_key(task_id)
             queue, message = item.push if item.push is not None else (log, b"")
             keys += [log, seq_key(task_id), channel(task_id), queue, final_key(task_id)]
+            keys.append(attempt_key(task_id))
             final = "1" if item.type in FINAL else ""
-            argv += [encode(item.type, item.data, item.trace_id), item.ttl_s, message, final]
+            event = encode(item.type, item.data, item.trace_id)
+            argv += [event, item.ttl_s, message, final, item.attempt]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -192,9 +216,12 @@ class EventLog:
         *,
         trace_id: str,
         ttl_s: int | None = None,
+        attempt: int = 0,
     ) -> int:
-        """The event's seq; 0 when the log was closed already (a final event is in it)."""
-        return self._grouped_sync(self._item(task_id, event_type, data, trace_id, ttl_s))
+        """The event's seq; 0 when the log was closed already (a final event is in it), or
+        when ``attempt`` (the attempt the event belongs to) is older than the latest one."""
+        item = self._item(task_id, event_type, data, trace_id, ttl_s, attempt=attempt)
+        return self._grouped_sync(item)
 
     async def append_async(
         self,
@@ -205,10 +232,12 @@ class EventLog:
         trace_id: str,
         ttl_s: int | None = None,
         push: tuple[str, bytes] | None = None,
+        attempt: int = 0,
     ) -> int:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
-        when the event is refused: 0 for a closed log, as ``append``)."""
-        return await self._grouped(self._item(task_id, event_type, data, trace_id, ttl_s, push))
+        when the event is refused: 0, as ``append``)."""
+        item = self._item(task_id, event_type, data, trace_id, ttl_s, push, attempt)
+        return await self._grouped(item)
 
     def append_final(self, row: TaskRow) -> int:
         """The final event of a final task row (the task as it ended); 0 when the log has its

@@ -239,13 +239,16 @@ def _claimed(claims: list[Claim], rows: Iterable[Mapping[str, Any]]) -> list[Cla
     return [found.pop(c.task_id, None) for c in claims]
 
 
-def report_progress(engine: Engine, task_id: uuid.UUID, progress: dict[str, Any]) -> bool:
+def report_progress(
+    engine: Engine, task_id: uuid.UUID, progress: dict[str, Any], *, attempt: int | None = None
+) -> bool:
+    """The task's latest progress, while it runs (``attempt``: that attempt of it); False
+    when it is not running (at that attempt) any more."""
+    guard = [tasks.c.id == task_id, tasks.c.status == RUNNING]
+    if attempt is not None:
+        guard.append(tasks.c.attempts == attempt)
     with engine.begin() as conn:
-        result = conn.execute(
-            update(tasks)
-            .where(tasks.c.id == task_id, tasks.c.status == RUNNING)
-            .values(progress=progress)
-        )
+        result = conn.execute(update(tasks).where(*guard).values(progress=progress))
     return result.rowcount == 1
 
 

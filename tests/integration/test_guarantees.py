@@ -20,6 +20,7 @@ from sqlalchemy import Engine, func, select
 from api.app import create_app
 from broker.db.models import tasks_table
 from broker.settings import Settings
+from broker.tasks import events
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.rows import a_task_row
@@ -484,7 +485,8 @@ def test_a_late_write_of_an_attempt_taken_for_lost_changes_nothing(
 ) -> None:
     """A worker that stops answering (paused, or cut off from Redis) loses its lease, and the
     reaper gives its idempotent task to another worker. When the first one wakes, its
-    attempt's outcome is stale: it must not end the task the second attempt is running."""
+    attempt is stale: its outcome must not end the task the second attempt is running, and
+    its progress and outputs must not reach the task or its stream."""
     capability = "test.stale-attempt"
     stale = start_worker(settings, capability, f"stale-{uuid.uuid4().hex[:6]}", log_dir)
     crash_worker.append(stale)
@@ -501,14 +503,34 @@ def test_a_late_write_of_an_attempt_taken_for_lost_changes_nothing(
         eventually(lambda: runs(redis_url, task_id) == 2, "the second attempt to start", 30)
     finally:
         signal_family(stale, signal.SIGCONT)
-    # When the first attempt wakes and fails, while the second is still running
+    # When the first attempt wakes, reports progress and an output, and fails, while the
+    # second is still running
     stale_done = f"reach:test:stale-done:{task_id}"
     eventually(lambda: redis.Redis.from_url(redis_url).exists(stale_done), "the stale failure")
+    running = client.get(f"/tasks/{task_id}").json()
+    assert (running["status"], running["progress"]) == (
+        "running",
+        {"percent": 10, "message": "attempt 2 began"},
+    )
     # Then the task is the second attempt's: running, then succeeded
     done = wait_for_task(client, task_id, FINAL)
     assert (done["status"], done["error"], done["result"]) == ("succeeded", None, {"attempt": 2})
     assert done["attempts"] == 2
     assert done["agent"]["instance"].startswith("fresh-")
+    # And its stream holds each attempt's own events, the stale attempt's late ones refused
+    log = events.read_log_sync(redis.Redis.from_url(redis_url), task_id)
+    reported = [
+        e.data["message"] if e.type == "progress" else e.data
+        for e in log
+        if e.type in ("progress", "output")
+    ]
+    assert reported == [
+        "attempt 1 began",
+        {"attempt": 1, "at": "start"},
+        "attempt 2 began",
+        {"attempt": 2, "at": "start"},
+    ]
+    assert log[-1].type == "succeeded"
 
 
 def test_a_poison_task_fails_after_its_attempts_and_the_queue_keeps_flowing(
