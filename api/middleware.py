@@ -20,8 +20,9 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
 class TraceMiddleware:
     """Gives every request a trace id (``request.state.trace_id``, and every log line of the
-    request) and every response ``X-Trace-Id``; counts requests and their latency by route.
-    Pure ASGI, so streaming responses pass through untouched."""
+    request) and every response ``X-Trace-Id`` (and ``nosniff``, and a policy that lets a
+    response other than a page do nothing); counts requests and their latency by route. Pure
+    ASGI, so streaming responses pass through untouched."""
 
     def __init__(self, app: ASGIApp, otel: bool = False) -> None:
         self.app = app
@@ -41,7 +42,9 @@ class TraceMiddleware:
 
         async def send_with_trace(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["X-Trace-Id"] = trace_id
+                headers = MutableHeaders(scope=message)
+                headers["X-Trace-Id"] = trace_id
+                _harden(headers)
                 route = getattr(scope.get("route"), "path", "unmatched")
                 method = scope["method"] if scope["method"] in METHODS else "OTHER"
                 status = str(message["status"])
@@ -51,6 +54,19 @@ class TraceMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_trace)
+
+
+# What a browser may do with a response that is not a page: nothing. Pages (the console, the
+# API's docs) bring their own policy, or none.
+DATA_CSP = "default-src 'none'; frame-ancestors 'none'"
+
+
+def _harden(headers: MutableHeaders) -> None:
+    """No response is read as another type than it says (a JSON body that a tenant's payload
+    shaped, rendered as a page), and none but a page may run or frame anything."""
+    headers.setdefault("X-Content-Type-Options", "nosniff")
+    if not headers.get("content-type", "").startswith("text/html"):
+        headers.setdefault("Content-Security-Policy", DATA_CSP)
 
 
 class TraceparentFromTraceId:  # used with OpenTelemetry only

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import Engine
 
 from tests.integration.conftest import count_tasks
+from tests.integration.stack import ServedApp
 
 OK = {"capability": "echo", "payload": {"a": 1}}
 
@@ -176,3 +177,24 @@ def test_unknown_routes_and_methods_are_problems_too(client: httpx.Client) -> No
     wrong = client.delete("/tasks")
     assert wrong.status_code == 405
     assert wrong.json()["code"] == "method_not_allowed"
+
+
+def test_no_response_but_a_page_may_be_read_as_anything_else_or_run_anything(
+    client: httpx.Client, api: ServedApp
+) -> None:
+    """A JSON body shaped by a tenant's payload (an echoed result, a problem naming a bad
+    field) must never be sniffed into HTML or script by a browser, and could run nothing if
+    it were. The console page brings its own policy, which is kept."""
+    accepted = client.post("/tasks", json={"capability": "echo", "payload": {"x": "<b>"}})
+    refused = client.post("/tasks", json={"capability": "<script>", "payload": {}})
+    anonymous = httpx.get(f"{api.url}/tasks")
+    missing = client.get("/nowhere")
+    script = httpx.get(f"{api.url}/console/static/app.js")
+    page = httpx.get(f"{api.url}/console")
+    for response in (accepted, refused, anonymous, missing, script, page):
+        assert response.headers["x-content-type-options"] == "nosniff", response.url
+    for response in (accepted, refused, anonymous, missing, script):
+        policy = response.headers["content-security-policy"]
+        assert policy == "default-src 'none'; frame-ancestors 'none'", response.url
+    assert (refused.status_code, anonymous.status_code, missing.status_code) == (422, 401, 404)
+    assert "default-src 'self'" in page.headers["content-security-policy"]
