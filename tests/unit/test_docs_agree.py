@@ -1,11 +1,13 @@
-"""The README says what the code does: its error table, and the settings it lists.
+"""The README says what the code does: its error table, the settings it lists, and the tests
+the docs name as holding a guarantee.
 
-Read as text, against the code's own tables: ``api.errors.STATUS_BY_CODE`` and the fields of
-``broker.settings.Settings``.
+Read as text, against the code's own tables: ``api.errors.STATUS_BY_CODE``, the fields of
+``broker.settings.Settings``, and the test functions under ``tests/``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -81,3 +83,34 @@ def test_every_setting_is_named_in_the_readme_or_docs(field_name: str) -> None:
     text = documented_settings_text()
     missing = [n for n in env_names(field_name) if not re.search(rf"\b{n}\b", text)]
     assert not missing, f"{missing} not in README.md or docs/*.md"
+
+
+def defined_tests() -> dict[str, set[str]]:
+    """The test functions of each test file, by the file's name (two directories may hold a
+    file of the same name)."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        defined = re.findall(r"^(?:async )?def (test_\w+)", path.read_text(encoding="utf-8"), re.M)
+        found.setdefault(path.name, set()).update(defined)
+    return found
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """``docs/security.md`` and the others name the test that holds each guarantee
+    (``test_file.py::test_name``, a ``*`` for a family, or a bare name): a renamed or removed
+    test must not leave the docs pointing at nothing."""
+    names = defined_tests()
+    everywhere = set().union(*names.values())
+    missing = []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text(encoding="utf-8")
+        for file, name in re.findall(r"`(?:[\w/]*/)?(test_\w+\.py)::(test_[\w*]+)`", text):
+            if not fnmatch.filter(names.get(file, ()), name):
+                missing.append(f"{doc.name}: {file}::{name}")
+        for name in re.findall(r"`(test_[\w*]+)`", text):
+            if not fnmatch.filter(everywhere, name):
+                missing.append(f"{doc.name}: {name}")
+        for file in re.findall(r"`(?:tests/[\w/]*/)?(test_\w+\.py)`", text):
+            if file not in names:
+                missing.append(f"{doc.name}: {file}")
+    assert missing == []
