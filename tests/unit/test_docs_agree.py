@@ -35,10 +35,12 @@ def error_table(text: str) -> dict[int, set[str]]:
     return rows
 
 
+def docs() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def documented_settings_text() -> str:
-    return "\n".join(
-        p.read_text(encoding="utf-8") for p in [README, *sorted((ROOT / "docs").glob("*.md"))]
-    )
+    return "\n".join(p.read_text(encoding="utf-8") for p in docs())
 
 
 def env_names(field_name: str) -> list[str]:
@@ -102,7 +104,7 @@ def test_every_test_the_docs_name_exists() -> None:
     names = defined_tests()
     everywhere = set().union(*names.values())
     missing = []
-    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in docs():
         text = doc.read_text(encoding="utf-8")
         for file, name in re.findall(r"`(?:[\w/]*/)?(test_\w+\.py)::(test_[\w*]+)`", text):
             if not fnmatch.filter(names.get(file, ()), name):
