@@ -25,6 +25,7 @@ from broker.registry.model import capability_of
 from broker.tasks import turns
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.events import EventLog
+from broker.tasks.execution import expiry, moment
 from broker.tasks.queries import allowed_by, visible_task
 from broker.tasks.resource import CANCEL, TaskRow, parse_task_id, task_error
 from broker.tenancy.keys import Principal
@@ -61,8 +62,8 @@ async def cancel(
         .values(
             status=CANCEL.target,
             error=error,
-            finished_at=func.now(),
-            expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s),
+            finished_at=moment(),
+            expires_at=expiry(),
         )
         .returning(*FINAL_COLUMNS)
     )

@@ -85,8 +85,17 @@ class Claimed:
     session: dict[str, Any] | None = None
 
 
-def _expiry() -> Any:
-    return func.now() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s)
+def moment() -> Any:
+    """When a move takes effect: the clock as its statement runs (``started_at``,
+    ``finished_at``). Not ``now()``, the start of its transaction: a statement's snapshot is
+    taken after that, so a turn claimed as the turn before it finished would read as started
+    before that turn had finished (``test_state_machine.py``)."""
+    return func.clock_timestamp()
+
+
+def expiry() -> Any:
+    """When a task that ends now expires: its result kept ``result_ttl_s`` from its end."""
+    return moment() + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s)
 
 
 # Returned with every final state: whether the tenant has a subscription, judged in the same
@@ -144,7 +153,7 @@ _CLAIM = (
     )
     .values(
         status=CLAIM.target,
-        started_at=func.now(),
+        started_at=moment(),
         attempts=tasks.c.attempts + 1,
         agent_id=_CLAIMS.c.agent_id,
         agent_version=_CLAIMS.c.version,
@@ -315,8 +324,8 @@ def _finish_statement(move: Move, of_attempt: bool) -> Any:
     outcome = "result" if move is SUCCEED else "error"
     values: dict[str, Any] = {
         "status": move.target,
-        "finished_at": func.now(),
-        "expires_at": _expiry(),
+        "finished_at": moment(),
+        "expires_at": expiry(),
         # Boxed ({"v": value}): a JSON null in a record would read as SQL NULL.
         outcome: _FINISHES.c.outcome["v"],
     }
@@ -372,8 +381,8 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
         .values(
             status=EXPIRE_UNSTARTED.target,
             error=error,
-            finished_at=func.now(),
-            expires_at=_expiry(),
+            finished_at=moment(),
+            expires_at=expiry(),
         )
         .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
     )

@@ -25,8 +25,10 @@ def a_task_row(
     payload: Any = None,
     age: timedelta = timedelta(0),
     deadline_at: datetime | None = None,
+    turn: tuple[str, int] | None = None,
 ) -> uuid.UUID:
-    """A task of ``tenant`` in ``status``, created ``age`` ago, with no message anywhere."""
+    """A task of ``tenant`` in ``status``, created ``age`` ago, with no message anywhere;
+    ``turn``: (session, turn) it takes in a session's order."""
     payload = {} if payload is None else payload
     task_id = uuid.uuid4()
     digest, size = jsonbody.digest(payload)
@@ -47,6 +49,8 @@ def a_task_row(
                 created_at=now - age,
                 deadline_at=deadline_at,
                 expires_at=now + timedelta(minutes=10),
+                session_id=None if turn is None else turn[0],
+                session_turn=None if turn is None else turn[1],
             )
         )
     return task_id

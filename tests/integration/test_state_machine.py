@@ -166,6 +166,28 @@ def test_given_claims_together_expect_one_statement_to_claim_each_queued_task_on
     assert status_of(engine, running) == "running"
 
 
+def test_given_a_turn_claimed_as_the_one_before_it_finished_expect_it_to_read_as_started_after(
+    engine: Engine,
+) -> None:
+    # given turn 1 of a session running and turn 2 waiting for it
+    session = f"s-{uuid.uuid4().hex}"
+    first = a_task_row(engine, tenant=TENANT, status="running", turn=(session, 1))
+    second = a_task_row(engine, tenant=TENANT, turn=(session, 2))
+    claims = [execution.Claim(second, "a", "1", "i")]
+    # when the claim's transaction begins before turn 1 finishes and its statement runs after
+    # (the gap every statement has between its start and its snapshot, made wide)
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text("SELECT 1"))
+        assert execution.succeed(engine, first, {"ok": True}) is not None
+        claimed = conn.execute(execution._CLAIM, execution._claim_params(claims)).all()
+    # then the claim saw turn 1 final and took turn 2, and the rows say it began after
+    assert [r.task_id for r in claimed] == [second]
+    with engine.connect() as conn:
+        times = select(tasks_table.c.id, tasks_table.c.started_at, tasks_table.c.finished_at)
+        rows = {r.id: r for r in conn.execute(times.where(tasks_table.c.id.in_([first, second])))}
+    assert rows[second].started_at > rows[first].finished_at
+
+
 @pytest.mark.parametrize(
     ("durable", "commit"), [((False, False), "off"), ((False, True), "on"), ((True, True), "on")]
 )
