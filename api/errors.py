@@ -201,7 +201,8 @@ async def _data_error(request: Request, exc: Exception) -> JSONResponse:
     return problem(request, 422, "invalid_data", "the database refused a value in the request")
 
 
-async def _internal(request: Request, exc: Exception) -> JSONResponse:
+async def internal(request: Request, exc: Exception) -> JSONResponse:
+    """500 ``internal_error``, logged with its traceback; the body names no detail of it."""
     log.error("500 on %s", request.url.path, exc_info=exc)
     return problem(request, 500, "internal_error", "an unexpected error; see the server log")
 
@@ -217,4 +218,5 @@ def install(app: FastAPI) -> None:
     # psycopg's own: the grouped inserts go out on a psycopg connection (``LoopConnection``).
     for refused in (sqlalchemy.exc.DataError, psycopg.DataError):
         app.add_exception_handler(refused, _data_error)
-    app.add_exception_handler(Exception, _internal)
+    # Answered by ``TraceMiddleware`` first; here, for what escapes the middleware itself.
+    app.add_exception_handler(Exception, internal)

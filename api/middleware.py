@@ -7,8 +7,10 @@ import json
 import time
 
 from starlette.datastructures import MutableHeaders
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import errors
 from api.callers import TenantOfKey
 from broker.observability import logs, metrics, otel
 from broker.observability.tracing import trace_id_from, traceparent
@@ -21,8 +23,9 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 class TraceMiddleware:
     """Gives every request a trace id (``request.state.trace_id``, and every log line of the
     request) and every response ``X-Trace-Id`` (and ``nosniff``, and a policy that lets a
-    response other than a page do nothing); counts requests and their latency by route. Pure
-    ASGI, so streaming responses pass through untouched."""
+    response other than a page do nothing); counts requests and their latency by route; answers
+    a request that raised with a 500 problem. Pure ASGI, so streaming responses pass through
+    untouched."""
 
     def __init__(self, app: ASGIApp, otel: bool = False) -> None:
         self.app = app
@@ -39,9 +42,12 @@ class TraceMiddleware:
         scope.setdefault("state", {})["trace_id"] = trace_id
         logs.bind(trace_id=trace_id)
         started = time.perf_counter()
+        responded = False
 
         async def send_with_trace(message: Message) -> None:
+            nonlocal responded
             if message["type"] == "http.response.start":
+                responded = True
                 headers = MutableHeaders(scope=message)
                 headers["X-Trace-Id"] = trace_id
                 _harden(headers)
@@ -53,7 +59,17 @@ class TraceMiddleware:
                 metrics.labelled(metrics.http_duration, method, route).observe(elapsed)
             await send(message)
 
-        await self.app(scope, receive, send_with_trace)
+        try:
+            await self.app(scope, receive, send_with_trace)
+        except Exception as exc:
+            # Answered here, not by Starlette's outermost middleware: the 500 then carries
+            # the trace id and the headers, and is counted, as every other response is.
+            # Raised again for the server's log; nothing more is sent (Starlette's middleware
+            # sees the response started).
+            if not responded:
+                response = await errors.internal(Request(scope), exc)
+                await response(scope, receive, send_with_trace)
+            raise
 
 
 # What a browser may do with a response that is not a page: nothing. Pages (the console, the

@@ -8,6 +8,8 @@ import httpx
 import pytest
 from sqlalchemy import Engine
 
+from api.app import create_app
+from broker.settings import Settings
 from tests.integration.conftest import count_tasks
 from tests.integration.stack import ServedApp
 
@@ -198,3 +200,31 @@ def test_no_response_but_a_page_may_be_read_as_anything_else_or_run_anything(
         assert policy == "default-src 'none'; frame-ancestors 'none'", response.url
     assert (refused.status_code, anonymous.status_code, missing.status_code) == (422, 401, 404)
     assert "default-src 'self'" in page.headers["content-security-policy"]
+
+
+def test_an_unexpected_error_is_a_500_problem_with_the_headers_and_count_of_any_response(
+    settings: Settings,
+) -> None:
+    """A bug answers 500 ``internal_error`` that names no detail of it, and is traced,
+    hardened and counted like every other response, not sent bare past the middleware."""
+    app = create_app(settings.model_copy(update={"metrics_public": True}))
+
+    async def broken() -> None:
+        raise RuntimeError("secret detail")
+
+    app.add_api_route("/broken", broken)
+    with ServedApp(app) as served:
+        given_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        response = httpx.get(f"{served.url}/broken", headers={"X-Trace-Id": given_trace})
+        metrics = httpx.get(f"{served.url}/metrics").text
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["code"] == "internal_error"
+    assert "secret detail" not in response.text
+    assert response.headers["x-trace-id"] == response.json()["trace_id"] == given_trace
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert (
+        response.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"
+    )
+    counted = 'route="/broken",status="500"'
+    assert any(counted in line and not line.endswith(" 0.0") for line in metrics.splitlines())
