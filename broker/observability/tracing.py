@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import secrets
 
+from broker.ids import unique_hex
+
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _ZERO = "0" * 32
@@ -17,7 +19,7 @@ def new_trace_id() -> str:
 
 def traceparent(trace_id: str) -> str:
     """A W3C ``traceparent`` that carries ``trace_id`` on: a new parent span id, sampled."""
-    return f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    return f"00-{trace_id}-{unique_hex(64)}-01"
 
 
 def trace_id_from(traceparent: str | None, x_trace_id: str | None) -> str:

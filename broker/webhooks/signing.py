@@ -8,10 +8,13 @@ secret, so a receiver holding either the old or the new secret accepts it.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable
+
+from broker.ids import unique_hex
 
 PREFIX = "whsec_"
 SECRET_BYTES = 32  # the spec allows 24 to 64
@@ -30,10 +33,24 @@ def secret_key(secret: str) -> bytes:
     return base64.b64decode(secret[len(PREFIX) :], validate=True)
 
 
+@functools.lru_cache(maxsize=1024)
+def _keyed(secret: str) -> hmac.HMAC:
+    """An HMAC keyed with ``secret``, never updated: each message hashes on a copy of it.
+    Keying one (the secret decoded, its pads hashed) cost more than the message's own hash:
+    9.0 µs a signature keyed each time here, 2.5 µs copied."""
+    return hmac.new(secret_key(secret), digestmod=hashlib.sha256)
+
+
 def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
-    signed = f"{message_id}.{timestamp}.".encode() + body
-    digest = hmac.new(secret_key(secret), signed, hashlib.sha256).digest()
-    return "v1," + base64.b64encode(digest).decode("ascii")
+    mac = _keyed(secret).copy()
+    mac.update(f"{message_id}.{timestamp}.".encode())
+    mac.update(body)
+    return "v1," + base64.b64encode(mac.digest()).decode("ascii")
+
+
+def message_id() -> str:
+    """A new ``webhook-id``: one per message, a retry's too."""
+    return f"msg_{unique_hex(128)}"
 
 
 def signature_header(

@@ -70,3 +70,16 @@ def test_the_signature_is_hmac_sha256_of_id_timestamp_body() -> None:
         sign(secret, "msg_1", 1700000000, BODY)
         == "v1," + base64.b64encode(expected.digest()).decode()
     )
+
+
+def test_given_one_secret_for_many_messages_expect_each_signed_alone() -> None:
+    """The keyed HMAC kept for a secret is copied for each message, never written to."""
+    import hashlib
+    import hmac
+
+    secret = new_secret()
+    bodies = [BODY, b"{}", BODY]
+    signatures = [sign(secret, "msg_1", 1700000000, body) for body in bodies]
+    for body, signature in zip(bodies, signatures, strict=True):
+        expected = hmac.new(secret_key(secret), b"msg_1.1700000000." + body, hashlib.sha256)
+        assert signature == "v1," + base64.b64encode(expected.digest()).decode()

@@ -108,7 +108,7 @@ class Agent:
 
     async def _sign(self, request: httpx.Request) -> None:
         """Standard Webhooks headers, as on every call of the broker to an agent."""
-        message_id = f"msg_{uuid.uuid4().hex}"
+        message_id = signing.message_id()
         body = request.content
         request.headers.update(signing.headers(self.secrets, message_id, int(time.time()), body))
 

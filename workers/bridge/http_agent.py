@@ -16,7 +16,6 @@ call closed.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +56,7 @@ def request_body(ctx: Context, payload: Any) -> bytes:
 
 
 def request_headers(endpoint: Endpoint, ctx: Context, body: bytes) -> dict[str, str]:
-    message_id = f"msg_{os.urandom(16).hex()}"  # one per call: a retry is a new message
+    message_id = signing.message_id()  # one per call: a retry is a new message
     return {
         "Content-Type": "application/json",
         "Accept": ACCEPT,
