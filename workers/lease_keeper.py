@@ -9,8 +9,9 @@ A revoked version is dropped for good: the renewal leaves its card out (``leases
 the keeper then stops serving that capability. Revocations in Postgres are read at start too,
 so a worker of a revoked version started after Redis lost the set serves nothing of it.
 
-Each card has three queues: the capability's, the card's, and this instance's own (hints). On
-drain the tasks waiting in the instance's queues move to their cards' queues.
+Each card has three queues: the capability's, the card's, and this instance's own (hints); a
+card naming ``tenants`` does not take from the capability's (``CardRef.queues``), whatever
+``-Q`` says. On drain the tasks waiting in the instance's queues move to their cards' queues.
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ class LeaseKeeper:
             self.consumer.cancel_task_queue(spec.name)
             self._drop(spec)
         for spec in self.specs:  # so routing can pick this card, or this instance (a hint)
-            self.consumer.add_task_queue(spec.card.ref().queue())
-            self.consumer.add_task_queue(spec.card.ref().instance_queue(self.instance))
+            queues = spec.card.ref().queues(self.instance)
+            if spec.name not in queues:  # a private card: any tenant's tasks wait in -Q's
+                self.consumer.cancel_task_queue(spec.name)
+            for queue in queues:
+                if queue != spec.name:
+                    self.consumer.add_task_queue(queue)
         self.renew()
         leases.record_instance(self.engine, self.lease, READY)
         self._thread.start()
@@ -172,8 +177,7 @@ class LeaseKeeper:
 
     def _toggle_queues(self, spec: CapabilitySpec, *, consume: bool) -> None:
         log.info("%s: %s %s", self.instance, "resuming" if consume else "pausing", spec.name)
-        ref = spec.card.ref()
-        for queue in (spec.name, ref.queue(), ref.instance_queue(self.instance)):
+        for queue in spec.card.ref().queues(self.instance):
             action = self.consumer.add_task_queue if consume else self.consumer.cancel_task_queue
             # call_soon runs it on the consumer's own loop: its queues are not thread-safe.
             self.consumer.call_soon(action, queue)

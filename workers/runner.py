@@ -48,6 +48,7 @@ log = logging.getLogger("reach.worker")
 THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
+REFUSED_BACK_S = 0.5  # a task a private card refused waits this long to be taken again
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -209,7 +210,7 @@ class Runner:
         claimed_at = time.monotonic()
         claimed = self.claim(_claim_of(tid, spec, instance))
         if claimed is None:
-            return self._unclaimed(tid)
+            return self._unclaimed(tid, queue, spec)
         gone = self._begin(claimed)
         if gone is not None:
             return self.finish(gone)
@@ -240,7 +241,7 @@ class Runner:
             claimed_at = time.monotonic()
             claimed = await self._aclaims(_claim_of(tid, spec, instance))
             if claimed is None:
-                return await asyncio.to_thread(self._unclaimed, tid)
+                return await asyncio.to_thread(self._unclaimed, tid, queue, spec)
             gone = self._begin(claimed)
             if gone is not None:
                 return await self.finish_async(gone)
@@ -254,12 +255,17 @@ class Runner:
                 return "retrying"
             return await self.finish_async(finish)
 
-    def _unclaimed(self, tid: uuid.UUID) -> str:
+    def _unclaimed(self, tid: uuid.UUID, queue: str, spec: CapabilitySpec) -> str:
         """A message whose task could not be claimed: expired before it started, final
-        already, or not to run now."""
+        already, of a tenant its card does not admit, or not to run now."""
         overdue = execution.expire_overdue(self.engine, tid)
         if overdue is not None:
             return self.finalize(overdue)
+        tenants = spec.card.tenants
+        if tenants is not None:
+            refused = self._refused(tid, queue, tenants)
+            if refused is not None:
+                return refused
         # A redelivered message of a finished task: its worker may have died between the
         # final write and the final event, so the event goes out now (once: see events).
         final = execution.final_row(self.engine, tid)
@@ -271,6 +277,25 @@ class Runner:
         else:
             log.info("task %s not queued any more; skipped", tid)
         return "skipped"
+
+    def _refused(self, tid: uuid.UUID, queue: str, tenants: tuple[str, ...]) -> str | None:
+        """A task whose tenant this card's ``tenants`` do not admit (its claim refused it);
+        None when it is not one. Taken from the capability's queue (before this instance
+        stopped consuming it, ``CardRef.queues``), it goes back there, for a card of every
+        tenant's; from the card's own queues it fails, as no card it may use takes from
+        them (the card's tenants changed after routing sent it there)."""
+        if queue == capability_of(queue):
+            found = execution.queued_outsider(self.engine, tid, tenants)
+            if found is None or self.republish is None:
+                return None
+            self.republish(tid, queue, found["trace_id"], found["deadline_at"], REFUSED_BACK_S)
+            log.warning("task %s is of a tenant this card does not admit; put back", tid)
+            return "skipped"
+        refused = execution.fail_outsider(self.engine, tid, tenants)
+        if refused is None:
+            return None
+        log.warning("task %s is of a tenant this card does not admit; failed", tid)
+        return self.finalize(refused)
 
     def _begin(self, claimed: Claimed) -> Finish | None:
         """A claimed task's log fields; the failure to write instead, when its session is
@@ -651,7 +676,14 @@ def _claim_of(tid: uuid.UUID, spec: CapabilitySpec, instance: str) -> Claim:
     """An idempotent agent's claim need not reach the disk before its handler starts
     (``execution``): a Postgres crash that forgets it only runs the task again."""
     card = spec.card
-    return Claim(tid, card.agent_id, card.version, instance, durable=not card.idempotent)
+    return Claim(
+        tid,
+        card.agent_id,
+        card.version,
+        instance,
+        durable=not card.idempotent,
+        tenants=card.tenants,
+    )
 
 
 def _invalid(spec: CapabilitySpec, payload: Any) -> Failed | None:

@@ -116,6 +116,14 @@ class CardRef:
     def instance_queue(self, instance: str) -> str:
         return instance_queue(self.queue(), instance)
 
+    def queues(self, instance: str) -> tuple[str, ...]:
+        """The queues ``instance`` takes this card's tasks from: the card's, its own (hints),
+        and the capability's when the card is every tenant's. What waits in the capability's
+        queue may be any tenant's task, so a card naming ``tenants`` never takes from it:
+        routing sends its tenants' tasks to the card's queue (``routing``)."""
+        own = (self.queue(), self.instance_queue(instance))
+        return own if self.tenants is not None else (self.capability, *own)
+
     def visible_to(self, tenant: str) -> bool:
         return visible_to(self.tenants, tenant)
 

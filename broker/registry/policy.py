@@ -107,8 +107,9 @@ class Policy:
     def waiting_queue(self, rules: Rules, capability: str) -> str | None:
         """Where a request nothing live serves waits (``queue_if_unavailable``): the
         capability's queue when every card of it would serve the request (no pin, no
-        channel, none hidden or revoked), else the queue of the heaviest card that would;
-        None when no card would."""
+        channel, none hidden, private or revoked), else the queue of the heaviest card that
+        would; None when no card would. A private card's instances do not take from the
+        capability's queue (``CardRef.queues``)."""
         of_capability = [c for c in self.cards if c.capability == capability]
         usable = [
             c
@@ -122,6 +123,7 @@ class Policy:
             return None
         if (
             len(usable) == len(of_capability)
+            and all(c.tenants is None for c in usable)
             and rules.agent_id is None
             and not any(c.agent_id in rules.stable for c in usable)
         ):

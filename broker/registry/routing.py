@@ -277,9 +277,13 @@ async def resolve(
 
 def _one_card(live: Sequence[Candidate], rules: Rules) -> bool:
     """Whether the capability's own queue is the place: every live instance serves the one
-    card, and nothing pins the request to a version (a version started later would take
-    from the capability's queue too). Otherwise the chosen card's queue."""
-    distinct = {(c.card.agent_id, c.card.version) for c in live}
+    card, that card is every tenant's, and nothing pins the request to a version (a version
+    started later would take from the capability's queue too). Otherwise the chosen card's
+    queue. A card naming ``tenants`` does not take from the capability's queue
+    (``CardRef.queues``): a task waiting there could be run by a private card started
+    later, whichever tenant's it is."""
+    distinct = {(c.card.agent_id, c.card.version, c.card.tenants) for c in live}
     if len(distinct) != 1 or rules.agent_id is not None:
         return False
-    return next(iter(distinct))[0] not in rules.stable
+    agent_id, _, tenants = next(iter(distinct))
+    return tenants is None and agent_id not in rules.stable

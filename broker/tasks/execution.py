@@ -139,6 +139,7 @@ _CLAIMS = _rows(
     column("agent_id", Text),
     column("version", Text),
     column("instance", Text),
+    column("tenants", JSONB),
 )
 # Statements are built once: building one per task cost a worker more CPU than running it.
 _CLAIM = (
@@ -147,6 +148,8 @@ _CLAIM = (
         tasks.c.id == _IDS,
         tasks.c.id == _CLAIMS.c.task_id,
         in_sources(CLAIM),
+        # The card's tenants (JSON null: every tenant's) admit the task's.
+        or_(_CLAIMS.c.tenants.is_(None), _CLAIMS.c.tenants.has_key(tasks.c.tenant)),
         tasks.c.expires_at > func.now(),
         or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
         IS_DUE,
@@ -178,13 +181,16 @@ def _autocommit(engine: Engine) -> Iterator[Connection]:
 @dataclass(frozen=True)
 class Claim:
     """A claim of one task by one agent instance. ``durable``: committed to disk before the
-    handler may start; an idempotent agent's need not be (see the module's doc)."""
+    handler may start; an idempotent agent's need not be (see the module's doc).
+    ``tenants``: the card's; a task of any other tenant is not claimed (None: every
+    tenant's card)."""
 
     task_id: uuid.UUID
     agent_id: str
     version: str
     instance: str
     durable: bool = True
+    tenants: tuple[str, ...] | None = None
 
 
 def claim(
@@ -222,6 +228,7 @@ def _claim_params(claims: list[Claim]) -> dict[str, Any]:
                 "agent_id": c.agent_id,
                 "version": c.version,
                 "instance": c.instance,
+                "tenants": None if c.tenants is None else list(c.tenants),
             }
             for c in claims
         ]
@@ -389,6 +396,40 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     with engine.begin() as conn:
         row = conn.execute(query).first()
     return as_task_row(row) if row is not None else None
+
+
+def fail_outsider(engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]) -> TaskRow | None:
+    """A queued task of a tenant outside ``tenants`` (a card's, which refused its claim) ends
+    failed, never run: the card's tenants changed after routing sent it to the card's queue,
+    which no card it may use takes from. None when the task is not such a one."""
+    error = task_error("agent_not_found", "no agent its tenant may use serves its queue")
+    query = (
+        update(tasks)
+        .where(
+            tasks.c.id == task_id,
+            in_sources(FAIL),
+            tasks.c.status == QUEUED,
+            tasks.c.tenant.not_in(tenants),
+        )
+        .values(status=FAIL.target, error=error, finished_at=moment(), expires_at=expiry())
+        .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
+    )
+    with engine.begin() as conn:
+        row = conn.execute(query).first()
+    return as_task_row(row) if row is not None else None
+
+
+def queued_outsider(
+    engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]
+) -> dict[str, Any] | None:
+    """(trace_id, deadline_at) of a queued task of a tenant outside ``tenants``; None when
+    the task is not such a one."""
+    query = select(tasks.c.trace_id, tasks.c.deadline_at).where(
+        tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.tenant.not_in(tenants)
+    )
+    with _autocommit(engine) as conn:
+        row = conn.execute(query).first()
+    return dict(row._mapping) if row is not None else None
 
 
 def requeue(

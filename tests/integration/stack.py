@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import signal
 import socket
@@ -245,3 +246,28 @@ async def submit_many(
             raise AssertionError("unreachable")
 
         return await asyncio.gather(*(one(e) for e in envelopes))
+
+
+def consumed_queues(settings: Settings) -> dict[str, set[str]]:
+    """Each live worker's queues, as ``celery inspect active_queues`` answers."""
+    answers = json.loads(
+        celery_command(settings, "inspect", "active_queues", "--json").splitlines()[-1]
+    )
+    return {name: {q["name"] for q in queues} for name, queues in answers.items()}
+
+
+def celery_command(settings: Settings, *args: str) -> str:
+    """``celery -A workers <args>`` (inspect, control) against the test's broker."""
+    command = [
+        str(Path(sys.executable).parent / "celery"),
+        "-A",
+        "workers",
+        *args,
+        "--timeout",
+        "5",
+    ]
+    done = subprocess.run(
+        command, env=environment(settings), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()

@@ -28,12 +28,16 @@ from broker.db.models import tasks_table as tasks
 from broker.registry import revocations
 from broker.registry.model import LEASE_PREFIX, card_queue, lease_key, live_key
 from broker.settings import Settings
+from broker.tasks.dispatch import Dispatcher, send_run
 from broker.tenancy import key_store
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.rows import a_task_row
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
+    celery_command,
+    consumed_queues,
     start_worker,
     submit_many,
     wait_for_task,
@@ -459,6 +463,65 @@ def test_an_instance_and_a_channel_of_private_versions_are_shown_only_to_their_t
         for channel in ("owner-canary", "mixed"):
             admin.delete(f"/agents/test-addr/channels/{channel}")
         private.stop()
+
+
+def test_a_private_versions_worker_runs_no_other_tenants_task_whatever_queue_brings_it(
+    versions: dict[str, str],
+    admin: httpx.Client,
+    make_key: KeyMaker,
+    api: ServedApp,
+    settings: Settings,
+    log_dir: Path,
+    engine: Engine,
+) -> None:
+    # Given test-addr 9.0.0, private to one tenant, started with -Q test.addr as any worker,
+    # beside the public 1.0.0 (and 2.0.0) of the module
+    owner, _ = make_key()
+    stranger, token = make_key()
+    private = start_version(settings, log_dir, "9.0.0", "v9", tenants=owner)
+    dispatcher = Dispatcher(settings)
+    try:
+        instance = live_instance(admin, "9.0.0", "v9-")
+        own_queue = card_queue(CAPABILITY, "test-addr", "9.0.0")
+        # Then it does not take from the capability's queue, where any tenant's task may wait
+        assert consumed_queues(settings)[instance] == {own_queue, f"{own_queue}@{instance}"}
+
+        def sent(tenant: str, queue: str) -> uuid.UUID:
+            task_id = a_task_row(engine, tenant=tenant, capability=CAPABILITY)
+            send_run(dispatcher.app, task_id, queue, trace_id=uuid.uuid4().hex)
+            return task_id
+
+        with client_for(api, token) as http:
+            # And a stranger's task on its card's queue (its tenants changed after routing)
+            # fails there, never run and no agent shown, while its owner's runs
+            refused, owned = sent(stranger, own_queue), sent(owner, own_queue)
+            failed = wait_for_task(http, str(refused), FINAL)
+            assert (failed["status"], failed["error"]["code"]) == ("failed", "agent_not_found")
+            assert failed["agent"] is None
+        assert task_row(engine, owned, FINAL)["agent_version"] == "9.0.0"
+        # And told to consume the capability's queue after all (an operator's broadcast
+        # add_consumer), it still runs none of a stranger's tasks: each goes back to the
+        # queue until a public version takes it
+        celery_command(settings, "control", "add_consumer", CAPABILITY, "-d", instance)
+        eventually(lambda: CAPABILITY in consumed_queues(settings)[instance], "the new consumer")
+        strangers = [sent(stranger, CAPABILITY) for _ in range(12)]
+        ran_by = Counter(task_row(engine, t, FINAL)["agent_version"] for t in strangers)
+        assert set(ran_by) <= {"1.0.0", "2.0.0"} and sum(ran_by.values()) == 12
+        assert "of a tenant this card does not admit; put back" in private.output()
+    finally:
+        dispatcher.close()
+        private.stop()
+
+
+def task_row(engine: Engine, task_id: uuid.UUID, statuses: set[str]) -> dict[str, Any]:
+    """The task's row once its status is one of ``statuses``."""
+
+    def read() -> dict[str, Any] | None:
+        with engine.connect() as conn:
+            row = conn.execute(select(tasks).where(tasks.c.id == task_id)).first()
+        return dict(row._mapping) if row is not None and row.status in statuses else None
+
+    return eventually(read, f"task {task_id} in one of {sorted(statuses)}")
 
 
 def agent_listed(http: httpx.Client, agent_id: str) -> dict[str, Any]:

@@ -19,19 +19,40 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from sqlalchemy import Engine
 from standardwebhooks import Webhook
 
 from broker.registry import leases
-from broker.registry.model import OFFLINE, READY, CardRef, Lease, lease_key, live_key, now_s
+from broker.registry.model import (
+    OFFLINE,
+    READY,
+    CardRef,
+    Lease,
+    card_queue,
+    lease_key,
+    live_key,
+    now_s,
+)
 from broker.remote.registration import remote_instance
+from broker.settings import Settings
+from broker.tasks.dispatch import Dispatcher, send_run
 from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.remote import (
     assert_refused_once_its_lease_is_gone,
     events_of,
     wait_routed,
 )
-from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_task
+from tests.integration.rows import a_task_row
+from tests.integration.stack import (
+    ROOT,
+    CeleryProcess,
+    ServedApp,
+    consumed_queues,
+    free_port,
+    wait_for_task,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -506,3 +527,47 @@ def test_a_remote_agents_tenants_hide_it_and_a_revoked_version_leaves_its_lease(
         assert (refused.status_code, refused.json()["code"]) == (503, "no_agent_available")
         pinned = caller.post("/tasks", json={**envelope, "target": "remote-revoked@1.0.0"})
         assert (pinned.status_code, pinned.json()["code"]) == (410, "version_revoked")
+
+
+def test_a_remote_agent_private_to_one_tenant_is_called_with_no_other_tenants_task(
+    ops: httpx.Client,
+    bridge: CeleryProcess,
+    api: ServedApp,
+    make_key: KeyMaker,
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    owner, owner_key = make_key()
+    stranger, stranger_key = make_key()
+    with Receiver(always(json_reply("private"))) as receiver:
+        # Given an agent registered for one tenant only
+        body = registration(receiver.url, capability="test.remote-private")
+        body["tenants"] = [owner]
+        assert ops.put("/agents/remote-private", json=body).status_code == 201
+        try:
+            wait_routed(ops, "remote-private")
+            instance = remote_instance("remote-private")
+            own_queue = card_queue("test.remote-private", "remote-private", "1.0.0")
+            # Then the bridge takes its tasks from its card's queue and its own, never from
+            # the capability's, where any tenant's task may wait
+            queues = set().union(*consumed_queues(settings).values())
+            assert {own_queue, f"{own_queue}@{instance}"} <= queues
+            assert "test.remote-private" not in queues
+            # And a stranger's task that reaches its card's queue fails, the agent never
+            # called, while its tenant's task is
+            task_id = a_task_row(engine, tenant=stranger, capability="test.remote-private")
+            dispatcher = Dispatcher(settings)
+            try:
+                send_run(dispatcher.app, task_id, own_queue, trace_id=uuid.uuid4().hex)
+            finally:
+                dispatcher.close()
+            with client_for(api, stranger_key) as http:
+                failed = wait_for_task(http, str(task_id), {"failed", "succeeded"})
+            assert (failed["error"]["code"], failed["agent"]) == ("agent_not_found", None)
+            assert calls_to(receiver) == []
+            envelope = {"capability": "test.remote-private", "payload": {}, "reply_mode": "sync"}
+            with client_for(api, owner_key) as http:
+                assert http.post("/tasks", json=envelope).json()["result"] == "private"
+            assert len(calls_to(receiver)) == 1
+        finally:
+            ops.delete("/agents/remote-private")

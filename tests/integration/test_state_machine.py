@@ -166,6 +166,38 @@ def test_given_claims_together_expect_one_statement_to_claim_each_queued_task_on
     assert status_of(engine, running) == "running"
 
 
+def test_given_a_private_cards_claims_expect_only_its_tenants_tasks_taken_and_no_other_run(
+    engine: Engine,
+) -> None:
+    # given a queued task of the card's tenant and one of another tenant, claimed together by
+    # a card naming its tenants (and by a card of every tenant's, for a third)
+    mine = a_task_row(engine, tenant="owner")
+    theirs = a_task_row(engine, tenant=TENANT)
+    anyones = a_task_row(engine, tenant=TENANT)
+    private = ("owner", "other-owner")
+    claims = [
+        execution.Claim(mine, "bot", "2", "i", tenants=private),
+        execution.Claim(theirs, "bot", "2", "i", tenants=private),
+        execution.Claim(anyones, "bot", "1", "j"),
+    ]
+    claimed = execution.claim_many(engine, claims)
+    # then the other tenant's task is not taken by the private card, nor shown to it
+    assert [c.task_id if c else None for c in claimed] == [mine, None, anyones]
+    assert status_of(engine, theirs) == "queued"
+    assert execution.queued_outsider(engine, mine, private) is None
+    assert execution.queued_outsider(engine, theirs, private) is not None
+    # and once refused from the card's own queue it fails, never claimed: no agent shown
+    assert execution.fail_outsider(engine, mine, private) is None  # running, and the owner's
+    failed = execution.fail_outsider(engine, theirs, private)
+    assert failed is not None and failed["status"] == "failed"
+    assert (failed["error"]["code"], failed["agent_id"], failed["attempts"]) == (
+        "agent_not_found",
+        None,
+        0,
+    )
+    assert execution.fail_outsider(engine, theirs, private) is None  # final: once
+
+
 def test_given_a_turn_claimed_as_the_one_before_it_finished_expect_it_to_read_as_started_after(
     engine: Engine,
 ) -> None:

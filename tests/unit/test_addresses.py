@@ -274,6 +274,17 @@ def test_a_request_waits_in_the_queue_of_a_card_that_would_serve_it() -> None:
     # every card of the capability would serve it: the capability's own queue
     open_policy = Policy(cards=(KnownCard("bot", "1.0.0", "text.upper"),))
     assert waits(None, policy=open_policy) == "text.upper"
+    # every card would serve it, but one is private (even to this tenant): that card's
+    # instances do not take from the capability's queue, so a card's queue it may use
+    with_private = Policy(
+        cards=(
+            KnownCard("bot", "1.0.0", "text.upper"),
+            KnownCard("bot", "2.0.0", "text.upper", tenants=("t1",)),
+        )
+    )
+    assert waits(None, policy=with_private) in {
+        card_queue("text.upper", "bot", v) for v in ("1.0.0", "2.0.0")
+    }
     # only a card the tenant may not use: nowhere
     only_hidden = Policy(cards=(KnownCard("secret", "1.0.0", "text.upper", tenants=("acme",)),))
     assert waits(None, policy=only_hidden) is None

@@ -180,6 +180,19 @@ def test_given_a_card_expect_its_lease_entry_to_route_by_its_own_fields() -> Non
     assert card.ref().queue() == "invoice.extract@bot@2"
 
 
+def test_given_a_private_card_expect_its_instances_to_take_only_from_its_own_queues() -> None:
+    # Any tenant's task may wait in the capability's queue; a card naming tenants takes only
+    # what routing sent to its card (or an instance of it)
+    public = CardRef("bot", "1.0.0", "text.upper")
+    private = CardRef("bot", "2.0.0", "text.upper", tenants=("acme",))
+    assert public.queues("w@h") == (
+        "text.upper",
+        "text.upper@bot@1.0.0",
+        "text.upper@bot@1.0.0@w@h",
+    )
+    assert private.queues("w@h") == ("text.upper@bot@2.0.0", "text.upper@bot@2.0.0@w@h")
+
+
 @pytest.mark.parametrize(
     "bad", [{"weight": -1}, {"cost_per_call": -0.5}, {"lease_ttl_s": 0}, {"max_attempts": 0}]
 )

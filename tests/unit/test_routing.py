@@ -214,6 +214,15 @@ def test_one_card_routes_to_the_capabilitys_own_queue() -> None:
     assert found.candidates == tuple(known)
 
 
+def test_one_private_card_routes_to_its_own_queue_which_no_other_card_takes_from() -> None:
+    # Its instances do not take from the capability's queue (CardRef.queues): a public card
+    # started later would find the task there, and a private one would run any tenant's
+    private = CardRef("a", "1", "text.summarize", tenants=("acme",))
+    found = route("text.summarize", ["*"], [candidate(private), candidate(private, instance="b@h")])
+    assert found is not None
+    assert found.queue == private.queue() != "text.summarize"
+
+
 def test_several_cards_route_to_the_chosen_cards_queue() -> None:
     known = [candidate(card(agent_id="a")), candidate(card(agent_id="b"))]
     found = route("text.summarize", ["text.*"], known, random.Random(5))

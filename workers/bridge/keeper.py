@@ -221,13 +221,10 @@ class RemoteKeeper:
 
 
 def _queues(watched: Watched) -> list[str]:
-    """The capability's, the card's and the agent's own queue (a hint) of each card."""
+    """The capability's (for a card of every tenant's), the card's and the agent's own queue
+    (a hint) of each card (``CardRef.queues``)."""
     instance = remote_instance(watched.agent.agent_id)
-    return [
-        q
-        for card in watched.agent.cards
-        for q in (card.capability, card.ref().queue(), card.ref().instance_queue(instance))
-    ]
+    return [q for card in watched.agent.cards for q in card.ref().queues(instance)]
 
 
 def bridge_step(settings: Settings, registry: RemoteRegistry) -> type[bootsteps.StartStopStep]:
