@@ -63,13 +63,15 @@ class TraceMiddleware:
             await self.app(scope, receive, send_with_trace)
         except Exception as exc:
             # Answered here, not by Starlette's outermost middleware: the 500 then carries
-            # the trace id and the headers, and is counted, as every other response is.
-            # Raised again for the server's log; nothing more is sent (Starlette's middleware
-            # sees the response started).
-            if not responded:
-                response = await errors.internal(Request(scope), exc)
-                await response(scope, receive, send_with_trace)
-            raise
+            # the trace id and the headers, and is counted, as every other response is. It
+            # is logged with its traceback there and not raised again: raised past a
+            # response already sent, the server closes the connection, and a client's next
+            # request on it (a keep-alive pool's) failed. A response that broke off midway
+            # is raised, so that its connection is closed.
+            if responded:
+                raise
+            response = await errors.internal(Request(scope), exc)
+            await response(scope, receive, send_with_trace)
 
 
 # What a browser may do with a response that is not a page: nothing. Pages (the console, the

@@ -213,10 +213,11 @@ def test_an_unexpected_error_is_a_500_problem_with_the_headers_and_count_of_any_
         raise RuntimeError("secret detail")
 
     app.add_api_route("/broken", broken)
-    with ServedApp(app) as served:
+    with ServedApp(app) as served, httpx.Client(base_url=served.url) as http:
         given_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
-        response = httpx.get(f"{served.url}/broken", headers={"X-Trace-Id": given_trace})
-        metrics = httpx.get(f"{served.url}/metrics").text
+        response = http.get("/broken", headers={"X-Trace-Id": given_trace})
+        # and the connection stays usable: the next request on it is answered
+        metrics = http.get("/metrics").text
     assert response.status_code == 500
     assert response.headers["content-type"] == "application/problem+json"
     assert response.json()["code"] == "internal_error"
