@@ -29,7 +29,7 @@ from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.grouping import Grouped, ThreadGrouped
 from broker.observability import logs, metrics
 from broker.outages import AGENT_TRANSIENT_ERRORS
-from broker.registry import leases
+from broker.registry import leases, schemas
 from broker.registry.model import capability_of, home_queue
 from broker.settings import Settings
 from broker.tasks import cancellation, events, execution, retry, turns
@@ -691,7 +691,10 @@ def _invalid(spec: CapabilitySpec, payload: Any) -> Failed | None:
     validator = spec.validator
     if validator is None:
         return None
-    problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.path))
+    try:
+        problems = schemas.problems(validator, payload)
+    except schemas.PayloadUncheckable as exc:
+        return Failed(task_error("payload_invalid", f"it cannot be checked: {exc}"))
     if not problems:
         return None
     detail = "; ".join(

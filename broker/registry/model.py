@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from jsonschema import Draft202012Validator
-
+from broker.registry import schemas
 from broker.registry.addresses import is_agent_id, is_version
 from broker.registry.capabilities import is_reserved, is_valid_name
 from broker.tasks.retry import DEFAULT_MAX_ATTEMPTS
@@ -182,7 +181,7 @@ class Card:
         check_tenants(self.tenants)
         for schema in (self.input_schema, self.output_schema):
             if schema is not None:
-                Draft202012Validator.check_schema(schema)
+                schemas.check(schema)
         if (
             min(self.weight, self.cost_per_call) < 0
             or self.lease_ttl_s <= 0

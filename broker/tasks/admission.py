@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jsonschema import Draft202012Validator
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,7 +21,7 @@ from broker.cache import TimedCache
 from broker.errors import BadRequest, InvalidEnvelope, Unavailable
 from broker.grouping import Grouped
 from broker.observability import metrics
-from broker.registry import cards, figures, policy, routing
+from broker.registry import cards, figures, policy, routing, schemas
 from broker.registry.model import LEASE_PREFIX, live_key, now_s
 from broker.tasks.backpressure import BUCKET_LUA, TokenBucket
 from broker.tasks.envelope import Envelope
@@ -217,8 +216,15 @@ def check_payload(document: dict[str, Any], payload: Any, cache: TimedCache) -> 
     key = ("validator", document["agent_id"], document["version"], document["capability"])
     found, validator = cache.get(key)
     if not found:
-        validator = cache.put(key, Draft202012Validator(schema))
-    problems = sorted(validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
+        validator = cache.put(key, schemas.validator(schema))
+    try:
+        problems = schemas.problems(validator, payload)
+    except schemas.PayloadUncheckable as exc:
+        raise InvalidEnvelope(
+            f"the payload cannot be checked against the input schema of "
+            f"{document['agent_id']}: {exc}",
+            code="payload_invalid",
+        ) from None
     if problems:
         errors = [
             {

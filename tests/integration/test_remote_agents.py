@@ -330,6 +330,15 @@ def test_numbers_and_text_reach_the_agent_and_come_back_exactly(
         ("ok-id", registration("http://127.0.0.1:9/run", capability="reach.mine")),
         ("ok-id", registration("http://127.0.0.1:9/run", capability="Not A Name")),
         ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"type": 12})),
+        # a reference that resolves nowhere (every submit's check then failed: a 500), or
+        # only by fetching (which jsonschema would do itself, from the API's event loop)
+        ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"$ref": "#/$defs/no"})),
+        ("ok-id", registration("http://127.0.0.1:9/run", output_schema={"$dynamicRef": "#x"})),
+        ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"$ref": "urn:x:y"})),
+        (
+            "ok-id",
+            registration("http://127.0.0.1:9/run", input_schema={"$ref": "http://127.0.0.1:9/"}),
+        ),
         ("ok-id", {**registration("http://127.0.0.1:9/run"), "surprise": 1}),
         ("ok-id", registration("ftp://127.0.0.1/run")),
         ("ok-id", registration("http://169.254.169.254/latest")),
@@ -571,3 +580,27 @@ def test_a_remote_agent_private_to_one_tenant_is_called_with_no_other_tenants_ta
             assert len(calls_to(receiver)) == 1
         finally:
             ops.delete("/agents/remote-private")
+
+
+def test_a_payload_its_schema_cannot_be_computed_on_is_refused_not_a_500(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """A number the schema's check cannot compute (jsonschema's ``multipleOf`` of a float
+    against a 400-digit integer raised OverflowError: a 500) is a 422 ``payload_invalid``,
+    the API's connection still usable after it."""
+    schema = {"type": "object", "properties": {"n": {"multipleOf": 0.5}}}
+    with Receiver(always(json_reply("ok"))) as receiver:
+        body = registration(receiver.url, capability="test.remote-multiple", input_schema=schema)
+        assert ops.put("/agents/remote-multiple", json=body).status_code == 201
+        try:
+            wait_routed(ops, "remote-multiple")
+            envelope = {"capability": "test.remote-multiple", "reply_mode": "sync"}
+            huge = caller.post("/tasks", json={**envelope, "payload": {"n": 10**400}})
+            assert huge.status_code == 422, huge.text
+            assert huge.json()["code"] == "payload_invalid"
+            wrong = caller.post("/tasks", json={**envelope, "payload": {"n": 1.25}})
+            assert (wrong.status_code, wrong.json()["code"]) == (422, "payload_invalid")
+            right = caller.post("/tasks", json={**envelope, "payload": {"n": 3}})
+            assert (right.status_code, right.json()["result"]) == (200, "ok")
+        finally:
+            ops.delete("/agents/remote-multiple")

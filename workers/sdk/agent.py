@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
 
+from broker.registry import schemas
 from broker.registry.model import Card, capability_of
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class CapabilitySpec:
     def validator(self) -> Draft202012Validator | None:
         """The input schema's validator, built once per process (not once per task)."""
         schema = self.card.input_schema
-        return Draft202012Validator(schema) if schema else None
+        return schemas.validator(schema) if schema else None
 
 
 class AgentRegistry:
