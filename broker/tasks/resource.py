@@ -90,12 +90,28 @@ class TaskRow(TypedDict):
 
 
 MESSAGE_MAX = 2000
+CODE_MAX = 64
 
 
 def task_error(code: str, message: str, *, retryable: bool = False) -> dict[str, Any]:
-    """A task's ``error``: a stable ``code``, a message cut to ``MESSAGE_MAX`` characters, and
-    whether trying the task again may succeed."""
-    return {"code": code, "message": message[:MESSAGE_MAX], "retryable": retryable}
+    """A task's ``error``: a stable ``code`` cut to ``CODE_MAX`` characters, a message cut to
+    ``MESSAGE_MAX``, and whether trying the task again may succeed. Both as Postgres can
+    store them (``storable``): an agent's error that held a NUL failed the final write, and
+    its task stayed running for good."""
+    return {
+        "code": storable(code, CODE_MAX),
+        "message": storable(message, MESSAGE_MAX),
+        "retryable": retryable,
+    }
+
+
+def storable(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with what no Postgres text or JSON holds replaced
+    by U+FFFD: NUL, and a lone surrogate (no UTF-8 encodes it)."""
+    text = str(text)[:limit].replace("\x00", "\ufffd")
+    if text.isascii():
+        return text
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
 
 
 def new_task_id() -> uuid.UUID:

@@ -604,3 +604,25 @@ def test_a_payload_its_schema_cannot_be_computed_on_is_refused_not_a_500(
             assert (right.status_code, right.json()["result"]) == (200, "ok")
         finally:
             ops.delete("/agents/remote-multiple")
+
+
+def test_an_agents_error_that_postgres_cannot_store_as_given_still_ends_its_task(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """An error whose code holds a NUL and whose message a lone surrogate failed the final
+    write, and the task stayed running for good; now both are stored, each such character
+    replaced, and the code cut to 64 characters."""
+    error = b'{"error": {"code": "bad\\u0000code' + b"x" * 100 + b'", "message": "m\\ud800"}}'
+    reply = Reply(headers={"Content-Type": "application/json"}, body=error)
+    with Receiver(always(reply)) as receiver:
+        body = registration(receiver.url, capability="test.remote-unstorable")
+        assert ops.put("/agents/remote-unstorable", json=body).status_code == 201
+        try:
+            wait_routed(ops, "remote-unstorable")
+            envelope = {"capability": "test.remote-unstorable", "payload": {}, "reply_mode": "sync"}
+            done = caller.post("/tasks", json=envelope).json()
+            assert done["status"] == "failed", done
+            assert done["error"]["code"] == ("bad\ufffdcode" + "x" * 100)[:64]
+            assert done["error"]["message"] == "m\ufffd"
+        finally:
+            ops.delete("/agents/remote-unstorable")

@@ -11,6 +11,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from broker.db.models import tasks_table
 from broker.tasks.resource import (
     CANCELLED,
+    CODE_MAX,
     EXPIRED,
     FAILED,
     FINAL,
@@ -169,6 +170,14 @@ def test_given_a_code_and_message_expect_the_error_of_the_contract() -> None:
 def test_given_a_long_message_expect_it_cut_to_the_limit() -> None:
     error = task_error("agent_error", "x" * (MESSAGE_MAX + 500))
     assert error["message"] == "x" * MESSAGE_MAX
+
+
+def test_given_what_postgres_cannot_store_expect_it_replaced_and_a_long_code_cut() -> None:
+    # NUL and a lone surrogate: no Postgres text or JSON holds them, and the final write failed
+    error = task_error("bad\x00code" + "x" * 100, "m\ud800 \U0001f600 é\x00")
+    assert error["code"] == ("bad\ufffdcode" + "x" * 100)[:CODE_MAX]
+    assert error["message"] == "m\ufffd \U0001f600 é\ufffd"
+    error["message"].encode("utf-8")  # encodes
 
 
 # --- render --------------------------------------------------------------------------------

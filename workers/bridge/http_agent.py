@@ -132,8 +132,8 @@ def _outcome(answer: Any, *, streamed: bool) -> Any:
     """The result of a ``{"result"}`` answer; raises for an ``{"error"}`` one."""
     if isinstance(answer, dict) and "error" in answer:
         error = answer["error"] if isinstance(answer["error"], dict) else {}
-        code = str(error.get("code") or "agent_error")[:64]
-        message = str(error.get("message") or "the agent failed")[:2000]
+        code = str(error.get("code") or "agent_error")  # cut and made storable: task_error
+        message = str(error.get("message") or "the agent failed")
         if error.get("retryable") is True and not streamed:
             raise Retryable(message, code=code)
         raise AgentFailure(message, code=code)
