@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -23,6 +24,7 @@ from broker.tasks.backpressure import RateLimited
 from broker.webhooks.addresses import effective, is_denied
 
 URL_MAX = 2048
+MAX_PORT = 65535
 _LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9])?"
 _HOSTNAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\.?")
 
@@ -72,7 +74,19 @@ def parse_url(raw: str) -> httpx.URL:
     # No zone ids ('%'): an interface-scoped address is local by definition.
     if not host or "%" in host or not (_is_ip(host) or _HOSTNAME.fullmatch(host)):
         raise UrlNotAllowed("the URL needs a plain host name or IP address")
+    _check_port(raw)
     return url
+
+
+def _check_port(raw: str) -> None:
+    """A port, when the URL names one, of ASCII digits from 1 to 65535. httpx takes the port
+    as Python's ``int`` does (``+44057``, other scripts' digits) and past 65535, where one
+    client wrapped it (109593 reached port 44057) and another refused to connect."""
+    authority = urlsplit(raw).netloc
+    _, colon, port = authority.rpartition(":")
+    named = colon and "]" not in port  # not a colon inside an IPv6 literal
+    if named and not (port.isascii() and port.isdigit() and 0 < int(port) <= MAX_PORT):
+        raise UrlNotAllowed("the port must be a number from 1 to 65535")
 
 
 def _is_ip(host: str) -> bool:

@@ -341,6 +341,7 @@ def test_numbers_and_text_reach_the_agent_and_come_back_exactly(
         ),
         ("ok-id", {**registration("http://127.0.0.1:9/run"), "surprise": 1}),
         ("ok-id", registration("ftp://127.0.0.1/run")),
+        ("ok-id", registration("http://127.0.0.1:109593/run")),  # 109593 - 65536: a port
         ("ok-id", registration("http://169.254.169.254/latest")),
         ("ok-id", registration("http://user:pw@127.0.0.1:9/run")),
     ],

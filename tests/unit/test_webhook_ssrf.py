@@ -190,6 +190,13 @@ def test_given_loopback_and_metadata_in_any_spelling_expect_refused(url: str) ->
         "http:///nohost",
         "http://[fe80::1%25eth0]/",
         "https://" + "a" * 2100 + ".com/",
+        # ports httpx takes but no connection should: past 65535 (one client wrapped it to
+        # 44057), signed, in another script's digits, zero, empty
+        "http://127.0.0.1:109593/hook",
+        "http://example.com:+44057/h",
+        "http://example.com:\u0664\u0664\u0660\u0665\u0667/h",
+        "http://example.com:0/h",
+        "http://example.com:/h",
     ],
 )
 def test_refused_url_forms(url: str) -> None:
@@ -199,7 +206,13 @@ def test_refused_url_forms(url: str) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["https://example.com/hooks/reach", "http://example.com:8080/h?x=1", "https://bücher.de/h"],
+    [
+        "https://example.com/hooks/reach",
+        "http://example.com:8080/h?x=1",
+        "https://bücher.de/h",
+        "http://[::1]:65535/h",
+        "http://[2001:db8::1]/h",
+    ],
 )
 def test_accepted_url_forms(url: str) -> None:
     assert parse_url(url).scheme in ("http", "https")
