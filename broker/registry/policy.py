@@ -98,11 +98,15 @@ class Policy:
             return {target.version: 1.0}
         assert target.channel is not None
         found = self.channels.get(target.agent_id, {}).get(target.channel)
-        if found is None and target.channel != STABLE:
+        # Of a channel, only the versions this tenant may see: one of none of them is, to it,
+        # one that does not exist (its name is of those who may use its versions).
+        seen = {c.version for c in usable}
+        shown = {v: w for v, w in (found or {}).items() if v in seen} or None
+        if shown is None and target.channel != STABLE:
             raise NotFound(
                 f"{target.agent_id} has no channel {target.channel!r}", code="channel_not_found"
             )
-        return found
+        return shown
 
     def waiting_queue(self, rules: Rules, capability: str) -> str | None:
         """Where a request nothing live serves waits (``queue_if_unavailable``): the

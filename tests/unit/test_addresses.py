@@ -184,6 +184,35 @@ def test_a_revoked_version_is_gone_and_an_unknown_channel_is_404() -> None:
     assert missing.value.code == "channel_not_found"
 
 
+def test_a_channel_of_versions_hidden_from_the_tenant_is_one_it_does_not_have() -> None:
+    # Given bot 3.0.0 only acme may use, in a channel of its own and in one with 1.0.0
+    policy = Policy(
+        cards=(
+            KnownCard("bot", "1.0.0", "text.upper"),
+            KnownCard("bot", "3.0.0", "text.upper", tenants=("acme",)),
+        ),
+        channels={"bot": {"acme-canary": {"3.0.0": 1.0}, "mixed": {"1.0.0": 1.0, "3.0.0": 3.0}}},
+    )
+
+    def pinned(target: str, tenant: str) -> dict[str, float] | None:
+        parsed = parse_target(target)
+        return policy.rules(
+            tenant=tenant, capability="text.upper", target=parsed, hint=None
+        ).versions
+
+    # Then to another tenant the private channel answers as a missing one, word for word
+    answers = []
+    for channel in ("acme-canary", "no-such"):
+        with pytest.raises(NotFound) as missing:
+            pinned(f"bot@{channel}", "t1")
+        answers.append((missing.value.code, str(missing.value).replace(channel, "?")))
+    assert answers[0] == answers[1] == ("channel_not_found", "bot has no channel '?'")
+    # and a mixed one weighs only the versions it may see, as GET /agents shows it
+    assert pinned("bot@mixed", "t1") == {"1.0.0": 1.0}
+    assert pinned("bot@mixed", "acme") == {"1.0.0": 1.0, "3.0.0": 3.0}
+    assert pinned("bot@acme-canary", "acme") == {"3.0.0": 1.0}
+
+
 # --- choosing ---------------------------------------------------------------------------------
 
 
