@@ -62,6 +62,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "body_too_large": 413,
     "session_too_large": 413,
     "payload_too_large": 413,
+    "metadata_too_large": 413,
     "unsupported_media_type": 415,
     "envelope_invalid": 422,
     "payload_invalid": 422,

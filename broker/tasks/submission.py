@@ -168,6 +168,13 @@ def _values(
             f"payload is {size} bytes, the limit is {settings.max_payload_bytes}",
             code="payload_too_large",
         )
+    if envelope.metadata:
+        metadata_size = len(jsonbody.canonical(envelope.metadata))
+        if metadata_size > settings.max_metadata_bytes:
+            raise BadRequest(
+                f"metadata is {metadata_size} bytes, the limit is {settings.max_metadata_bytes}",
+                code="metadata_too_large",
+            )
     now = datetime.now(UTC)
     ttl_s = _ttl_s(envelope, settings)
     deadline_at = None

@@ -152,6 +152,21 @@ def test_a_payload_over_its_limit_is_413(
     assert count_tasks(engine, tenant[0]) == 0
 
 
+def test_metadata_over_its_limit_is_413(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str]
+) -> None:
+    """A task's metadata goes out with its final event, kept in Redis as long as its result:
+    a tenant's cancelled submits put 52 MiB there in 6 s with 120 KiB of metadata each."""
+    big = {"note": "x" * (16 * 1024)}
+    envelope = {"capability": "echo", "payload": {}, "metadata": big}
+    response = client.post("/tasks", json=envelope)
+    assert (response.status_code, response.json()["code"]) == (413, "metadata_too_large")
+    assert count_tasks(engine, tenant[0]) == 0
+    # within it, accepted
+    small = {**envelope, "metadata": {"note": "x" * 1000}}
+    assert client.post("/tasks", json=small).status_code == 202
+
+
 def test_a_form_body_is_415(client: httpx.Client) -> None:
     response = client.post(
         "/tasks",
