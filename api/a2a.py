@@ -149,13 +149,16 @@ class ReachRequestHandler(RequestHandler):
     async def on_message_send(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> Task | Message:
-        """Blocking: our sync mode (the task once final, or as it stands when the wait ends).
-        ``return_immediately``: our async mode."""
+        """Blocking: our sync mode (the task once final, or as it stands when the wait ends;
+        an error once the key is revoked). ``return_immediately``: our async mode."""
         caller, row = await self._submit(params, context)
         if params.configuration.return_immediately:
             return mapping.task_of(render(row))
         wait_s = self.svc.settings.sync_max_wait_s
-        finished = await replies.wait_until_final(self.svc, caller.tenant, row["id"], wait_s)
+        try:
+            finished = await replies.wait_until_final(self.svc, caller, row["id"], wait_s)
+        except ReachError as exc:  # the key was revoked meanwhile
+            raise _a2a_error(exc) from None
         if finished is not None:
             return mapping.task_of(finished)
         current = await queries.get_task(self.svc.engine, caller.tenant, row["id"])
@@ -204,15 +207,18 @@ class ReachRequestHandler(RequestHandler):
         after: int,
         mapper: mapping.EventMapper | None = None,
     ) -> AsyncGenerator[mapping.StreamEvent]:
+        """The task's events as A2A stream events, while the caller's key is valid: once it is
+        revoked, the SDK ends the stream with the error (JSON-RPC's error response, REST's
+        ``error`` event)."""
         mapper = mapper or mapping.EventMapper(task["task_id"], task.get("session_id") or "")
-        final_from_store = replies.final_from_store(self.svc, caller.tenant, task["task_id"])
-        async for event in self.svc.hub.events(
-            task["task_id"], after=after, final_from_store=final_from_store
-        ):
-            if event is None:
-                continue
-            for a2a_event in mapper.map(event.type, event.data):
-                yield a2a_event
+        try:
+            async for event in replies.task_events(self.svc, caller, task["task_id"], after=after):
+                if event is None:
+                    continue
+                for a2a_event in mapper.map(event.type, event.data):
+                    yield a2a_event
+        except ReachError as exc:
+            raise _a2a_error(exc) from None
 
     # -- reading and cancelling ----------------------------------------------------------
 

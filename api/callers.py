@@ -1,5 +1,6 @@
 """Who is calling: keys looked up in Postgres and kept in memory for a while, the tenant of
-each key already verified, and a per-address budget for lookups that find nothing."""
+each key already verified, a per-address budget for lookups that find nothing, and the key
+of a long answer (a stream, a wait) looked at again while the answer lasts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Scope
 
+from broker.errors import Unauthenticated
 from broker.observability import metrics
 from broker.tasks.backpressure import RateLimited
 from broker.tenancy import key_store
@@ -56,21 +58,54 @@ class KeyCache:
     lookups: PerClientBudget
     _entries: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
 
-    async def get(self, engine: AsyncEngine, key_id: str, *, client: str) -> dict[str, Any] | None:
-        """The key's row (None: no such key or revoked)."""
+    async def get(
+        self, engine: AsyncEngine, key_id: str, *, client: str | None
+    ) -> dict[str, Any] | None:
+        """The key's row (None: no such key or revoked). A lookup is charged to ``client``'s
+        budget; None for a key verified already and looked at again (``KeyWatch``): its
+        address must not keep a revoked key alive by spending its budget on junk keys."""
         now = time.monotonic()
         hit = self._entries.get(key_id)
         if hit is not None and hit[0] > now:
             return hit[1]
-        self.lookups.check(client)
+        if client is not None:
+            self.lookups.check(client)
         row = await key_store.get_key(engine, key_id)
-        if row is None:
+        if row is None and client is not None:
             self.lookups.spend(client)
         if self.ttl_s > 0:
             if len(self._entries) > 10_000:  # bound memory against many distinct keys
                 self._entries.clear()
             self._entries[key_id] = (now + self.ttl_s, row)
         return row
+
+
+@dataclass
+class KeyWatch:
+    """The key of an answer that lasts (an SSE or A2A stream, a sync or MCP wait), looked at
+    again while it lasts: ``check``, before each event is passed on and at each quiet spell,
+    raises ``Unauthenticated`` once the key is revoked, as a new request with it would be.
+
+    Through the cache ``authenticate`` uses, so watching costs what requests do: Postgres is
+    asked about a key at most once per ``ttl_s``, however many answers watch it (with a cache
+    of 0 s, by each answer at most once per ``EVERY_S``). So nothing is passed on more than
+    ``ttl_s`` plus ``EVERY_S`` after the key was revoked."""
+
+    # With a cache of 0 s, a stream replaying its log would otherwise query once per event.
+    EVERY_S = 0.1
+
+    cache: KeyCache
+    engine: AsyncEngine
+    key_id: str
+    _checked_at: float = field(default_factory=time.monotonic)  # ``authenticate`` just did
+
+    async def check(self) -> None:
+        now = time.monotonic()
+        if now - self._checked_at < self.EVERY_S:
+            return
+        self._checked_at = now
+        if await self.cache.get(self.engine, self.key_id, client=None) is None:
+            raise Unauthenticated("the API key is not valid")
 
 
 @dataclass

@@ -1,14 +1,22 @@
-"""The ways a caller gets the outcome without polling: waiting (sync) and streaming (SSE)."""
+"""The ways a caller gets the outcome without polling: waiting (sync) and streaming (SSE).
+
+Both last as long as the task may, so each looks at the caller's key again while it lasts
+(``api.callers.KeyWatch``): a key revoked meanwhile ends the stream, or the wait with 401,
+before the outcome is passed on.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from api.callers import KeyWatch
 from api.services import Services
 from api.sse import EventStreamResponse, Slot
 from broker.observability import metrics
@@ -18,6 +26,7 @@ from broker.tasks.eventhub import EventHub, FinalFromStore
 from broker.tasks.events import Event
 from broker.tasks.resource import FINAL, TaskRow, render
 from broker.tasks.submission import Accepted
+from broker.tenancy.keys import Principal
 
 STORE_CHECK_S = 2.0
 
@@ -51,9 +60,31 @@ def final_from_store(svc: Services, tenant: str, task_id: uuid.UUID) -> FinalFro
     return final
 
 
+def key_watch(svc: Services, caller: Principal) -> KeyWatch:
+    return KeyWatch(svc.key_cache, svc.engine, caller.key_id)
+
+
+async def task_events(
+    svc: Services, caller: Principal, task_id: uuid.UUID, *, after: int = 0, quiet_s: float = 2.0
+) -> AsyncIterator[Event | None]:
+    """The task's events for a stream (``EventHub.events``: None at each quiet spell), each
+    passed on only while the caller's key is valid; raises ``Unauthenticated`` once not."""
+    key = key_watch(svc, caller)
+    events = svc.hub.events(
+        str(task_id),
+        after=after,
+        quiet_s=quiet_s,
+        final_from_store=final_from_store(svc, caller.tenant, task_id),
+    )
+    async with contextlib.aclosing(events):  # type: ignore[type-var]  # an async generator
+        async for event in events:
+            await key.check()
+            yield event
+
+
 def event_stream(
     svc: Services,
-    tenant: str,
+    caller: Principal,
     task_id: uuid.UUID,
     *,
     after: int = 0,
@@ -65,15 +96,9 @@ def event_stream(
     """The task's events as SSE, in a stream slot of the tenant's: ``slot`` when one was taken
     already (before a stream-mode submit), else one taken here (429 when none is left)."""
     settings = svc.settings
-    slot = slot or svc.streams.take(tenant)
-    events = svc.hub.events(
-        str(task_id),
-        after=after,
-        quiet_s=min(2.0, settings.sse_ping_s),
-        final_from_store=final_from_store(svc, tenant, task_id),
-    )
+    slot = slot or svc.streams.take(caller.tenant)
     return EventStreamResponse(
-        events,
+        task_events(svc, caller, task_id, after=after, quiet_s=min(2.0, settings.sse_ping_s)),
         send_timeout_s=settings.sse_send_timeout_s,
         ping_s=settings.sse_ping_s,
         status_code=status_code,
@@ -84,20 +109,22 @@ def event_stream(
 
 
 async def wait_until_final(
-    svc: Services, tenant: str, task_id: uuid.UUID, timeout_s: float
+    svc: Services, caller: Principal, task_id: uuid.UUID, timeout_s: float
 ) -> dict[str, Any] | None:
-    """The task (as rendered) once final, or None when ``timeout_s`` passes first.
+    """The task (as rendered) once final, or None when ``timeout_s`` passes first; raises
+    ``Unauthenticated`` once the caller's key is no longer valid.
 
     Subscribes, then checks (so a completion during the start is not missed), and reads
     Postgres whenever pub/sub has been quiet for a while. The final event carries the task as
     the worker wrote it, so the usual path reads nothing more.
     """
     hub: EventHub = svc.hub
+    key = key_watch(svc, caller)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
     async def final_task() -> dict[str, Any] | None:
-        row = await _final_row(svc, tenant, task_id)
+        row = await _final_row(svc, caller.tenant, task_id)
         return render(row) if row is not None else None
 
     async with hub.listen(str(task_id)) as live:
@@ -106,19 +133,22 @@ async def wait_until_final(
             return dict(final[-1].data)
         while (remaining := deadline - loop.time()) > 0:
             try:
-                event = await asyncio.wait_for(live.get(), min(remaining, STORE_CHECK_S))
+                event: Event | None = await asyncio.wait_for(
+                    live.get(), min(remaining, STORE_CHECK_S)
+                )
             except TimeoutError:
-                if (task := await final_task()) is not None:
-                    return task
-                continue
-            if event.final:
+                event = None
+            await key.check()
+            if event is None and (task := await final_task()) is not None:
+                return task
+            if event is not None and event.final:
                 return dict(event.data)
     return None
 
 
 async def answer(
     svc: Services,
-    tenant: str,
+    caller: Principal,
     envelope: Envelope,
     accepted: Accepted,
     *,
@@ -127,19 +157,20 @@ async def answer(
 ) -> Response:
     """The answer to a submit, in the envelope's ``reply_mode``: ``async`` 202 with the task;
     ``sync`` 200 with the finished task if it finishes within the wait, else 202; ``stream``
-    its events, in ``slot`` (taken before the submit)."""
+    its events, in ``slot`` (taken before the submit). A sync wait is 401 once the caller's key
+    is revoked."""
     row = accepted.row
     headers = {"Location": f"/tasks/{row['id']}"}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if envelope.reply_mode == "stream":
-        return event_stream(svc, tenant, row["id"], headers=headers, started=started, slot=slot)
+        return event_stream(svc, caller, row["id"], headers=headers, started=started, slot=slot)
     if envelope.reply_mode == "sync":
-        finished = await wait_until_final(svc, tenant, row["id"], sync_wait_s(svc, envelope))
+        finished = await wait_until_final(svc, caller, row["id"], sync_wait_s(svc, envelope))
         metrics.sync_round_trip.observe(time.perf_counter() - started)
         if finished is not None:
             return JSONResponse(finished, status_code=200, headers=headers)
-        row = await queries.get_task(svc.engine, tenant, row["id"]) or row
+        row = await queries.get_task(svc.engine, caller.tenant, row["id"]) or row
     return JSONResponse(render(row), status_code=202, headers=headers)
 
 

@@ -2,7 +2,9 @@
 
 A client that stops reading fills its socket buffer; the next write then waits, and after
 ``send_timeout_s`` the stream is dropped instead of pinning memory. A client that disconnects
-ends the stream at once; the task itself is never affected.
+ends the stream at once; the task itself is never affected. A stream whose key is revoked
+(the events raise ``Unauthenticated``) ends too, without its final event: the stream contract
+has no error event, and the client's reconnect is answered 401.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from broker.errors import ReachError
+from broker.errors import ReachError, Unauthenticated
 from broker.observability import metrics
 from broker.tasks.events import Event
 
@@ -121,14 +123,17 @@ class EventStreamResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
-            async for event in self.events:
-                if event is not None:
-                    await write(event.sse())
-                    if self.started is not None:
-                        metrics.stream_first_event.observe(time.perf_counter() - self.started)
-                        self.started = None
-                elif loop.time() - last_write >= self.ping_s:
-                    await write(PING)  # keeps proxies from cutting an idle stream
+            try:
+                async for event in self.events:
+                    if event is not None:
+                        await write(event.sse())
+                        if self.started is not None:
+                            metrics.stream_first_event.observe(time.perf_counter() - self.started)
+                            self.started = None
+                    elif loop.time() - last_write >= self.ping_s:
+                        await write(PING)  # keeps proxies from cutting an idle stream
+            except Unauthenticated:
+                log.info("ended an SSE stream: its key is no longer valid")
             await write(b"", more=False)
 
         async def disconnected() -> None:

@@ -3,8 +3,9 @@
 The caller was authenticated before the request reached the SDK (``api.mcp.route``) and
 rides on the request's state. A capability's tool submits through the same intake as
 ``POST /tasks`` (after a token of the tenant's rate, as a submit takes), then waits as a sync
-submit does; its task's ``progress`` events go to the client as progress notifications
-when the call carries a progress token.
+submit does (refused ``unauthenticated`` once the key is revoked meanwhile); its task's
+``progress`` events go to the client as progress notifications when the call carries a
+progress token.
 """
 
 from __future__ import annotations
@@ -95,11 +96,9 @@ class Calls:
         task_id = accepted.row["id"]
         forwarding = None
         if ctx.meta and ctx.meta.get("progress_token") is not None:
-            forwarding = asyncio.create_task(_forward_progress(svc, task_id, ctx.session))
+            forwarding = asyncio.create_task(_forward_progress(svc, caller, task_id, ctx.session))
         try:
-            finished = await replies.wait_until_final(
-                svc, caller.tenant, task_id, svc.settings.mcp_wait_s
-            )
+            finished = await replies.wait_until_final(svc, caller, task_id, svc.settings.mcp_wait_s)
             if finished is not None and forwarding is not None:
                 await asyncio.wait({forwarding}, timeout=PROGRESS_DRAIN_S)
         finally:
@@ -113,10 +112,12 @@ class Calls:
         return tools.still_running(render(row))
 
 
-async def _forward_progress(svc: Services, task_id: uuid.UUID, session: ServerSession) -> None:
+async def _forward_progress(
+    svc: Services, caller: Principal, task_id: uuid.UUID, session: ServerSession
+) -> None:
     """Each ``progress`` event of the task as an MCP progress notification (percent of 100),
-    until its final event."""
-    async for event in svc.hub.events(str(task_id)):
+    until its final event, or until the key is revoked (the wait then ends the call)."""
+    async for event in replies.task_events(svc, caller, task_id):
         if event is not None and event.type == PROGRESS:
             data = event.data
             await session.report_progress(float(data["percent"]), 100, data.get("message"))

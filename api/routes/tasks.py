@@ -107,9 +107,7 @@ async def submit_task(request: Request, caller: Caller) -> Response:
             caller, envelope, trace_id=request.state.trace_id, metered=token_taken
         )
         metrics.submit_duration.observe(time.perf_counter() - started)
-        return await replies.answer(
-            state, caller.tenant, envelope, accepted, started=started, slot=slot
-        )
+        return await replies.answer(state, caller, envelope, accepted, started=started, slot=slot)
     except BaseException:
         if slot is not None:
             slot.release()
@@ -146,7 +144,7 @@ async def task_events(
                 "Last-Event-ID must be an event id this stream sent", code="invalid_last_event_id"
             )
         after = int(last_event_id.strip())
-    return replies.event_stream(services(request), caller.tenant, tid, after=after)
+    return replies.event_stream(services(request), caller, tid, after=after)
 
 
 @router.get(
