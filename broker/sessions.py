@@ -1,9 +1,11 @@
 """Sessions: a conversation's state, kept as snapshots with a revision that only grows.
 
 A write names the revision it read (``If-Match``); a stale one is refused with the current
-revision (412 ``revision_conflict``), so two writers never lose each other's work. Each
-revision is kept with the task that wrote it, when a task did. Every write extends the idle
-TTL; an expired session reads as gone. One tenant never sees another's (404).
+revision (412 ``revision_conflict``), so two writers never lose each other's work. The last
+revisions are kept with the task that wrote each, when a task did; the write that adds one
+deletes those older than the last ``revisions_kept``, so a session's history is bounded
+however long it lives. Every write extends the idle TTL; an expired session reads as gone.
+One tenant never sees another's (404).
 
 The reads and the compare-and-set take a connection of either kind: the API (async) runs
 them with ``AsyncConnection.run_sync``, the workers (``ctx.session``) on their own.
@@ -220,6 +222,7 @@ async def write(
     metadata: dict[str, Any] | None = None,
     patch: dict[str, Any] | None = None,
     max_bytes: int,
+    revisions_kept: int,
 ) -> dict[str, Any]:
     """``compare_and_set`` for the API, in a transaction of its own."""
     async with engine.begin() as conn:
@@ -233,6 +236,7 @@ async def write(
                 metadata=metadata,
                 patch=patch,
                 max_bytes=max_bytes,
+                revisions_kept=revisions_kept,
             )
         )
     return render(row)
@@ -248,6 +252,7 @@ def compare_and_set(
     metadata: dict[str, Any] | None = None,
     patch: dict[str, Any] | None = None,
     max_bytes: int,
+    revisions_kept: int,
     task_id: uuid.UUID | None = None,
     attempt: int | None = None,
 ) -> Any:
@@ -257,7 +262,8 @@ def compare_and_set(
     ``task_id`` when a task wrote it, and then only while that task is running at
     ``attempt`` (TaskNotRunning otherwise): a cancelled turn's agent, still at work, cannot
     write under the next turn, nor can an attempt taken for lost write under the one that
-    replaced it. Call it in a transaction; it commits with the caller's."""
+    replaced it. Deletes the revisions older than the last ``revisions_kept``. Call it in a
+    transaction; it commits with the caller's."""
     if task_id is not None:
         _hold_running(conn, task_id, attempt)
     current = live(conn, tenant, session_id)
@@ -296,6 +302,7 @@ def compare_and_set(
             f"the session moved past revision {revision}", current_revision=revision + 1
         )
     conn.execute(_revision_kept(row, task_id=task_id))
+    conn.execute(_revisions_past(row, kept=revisions_kept))
     return row
 
 
@@ -346,7 +353,8 @@ async def history(
     engine: AsyncEngine, tenant: str, session_id: str, *, limit: int, max_bytes: int
 ) -> list[dict[str, Any]]:
     """The last ``limit`` revisions, newest first, each with the task that wrote it; fewer
-    when their states would pass ``max_bytes`` (the newest one always)."""
+    when their states would pass ``max_bytes`` (the newest one always), or when fewer are
+    kept (``revisions_kept`` of the writes)."""
     budget = Budget(max_bytes, json_bytes("state"))
     async with engine.connect() as conn:
         current = await conn.run_sync(live, tenant, session_id)
@@ -370,6 +378,15 @@ def _revision_kept(row: Any, *, task_id: Any) -> Any:
         tenant=row.tenant,
         state=row.state,
         task_id=task_id,
+    )
+
+
+def _revisions_past(row: Any, *, kept: int) -> Any:
+    """Deletes the session's revisions older than its last ``kept``: each write adds the next
+    revision number, so they are those at or below ``revision - kept``, a range of the
+    primary key (one row a write, once the session has that many)."""
+    return delete(revisions).where(
+        revisions.c.session_id == row.id, revisions.c.revision <= row.revision - kept
     )
 
 

@@ -148,6 +148,10 @@ class Settings(BaseSettings):
     session_max_ttl_s: int = Field(30 * 24 * 3600, gt=0)
     session_max_bytes: int = Field(256 * 1024, gt=0)
     session_max_per_tenant: int = Field(10_000, gt=0)
+    # The revisions kept of each session (GET /sessions/{id}/revisions): a write deletes the
+    # ones older than this many, so a session's history is bounded however often it is
+    # written; without it, each write kept a copy of up to session_max_bytes for good.
+    session_revisions_kept: int = Field(20, gt=0)
 
     # Remote agents (PUT /agents/{agent_id}). Their endpoints are registered by operators and
     # may be internal: the networks listed here may be reached, besides public addresses; the

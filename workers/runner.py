@@ -392,6 +392,7 @@ class Runner:
             claimed.session_id,
             claimed.task_id,
             self.settings.session_max_bytes,
+            self.settings.session_revisions_kept,
             claimed.attempt,
         )
         return store.session(claimed.session)

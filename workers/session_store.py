@@ -26,6 +26,7 @@ class SessionStore:
     session_id: str
     task_id: uuid.UUID
     max_bytes: int
+    revisions_kept: int
     attempt: int | None = None  # the attempt writing: a stale one's writes are refused
 
     def session(self, snapshot: dict[str, Any]) -> Session:
@@ -48,6 +49,7 @@ class SessionStore:
                     revision=revision,
                     state=state,
                     max_bytes=self.max_bytes,
+                    revisions_kept=self.revisions_kept,
                     task_id=self.task_id,
                     attempt=self.attempt,
                 )

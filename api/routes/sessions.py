@@ -180,6 +180,7 @@ async def replace_session(
         state=given.state,
         metadata=given.metadata,
         max_bytes=services(request).settings.session_max_bytes,
+        revisions_kept=services(request).settings.session_revisions_kept,
     )
     return _answer(written)
 
@@ -212,6 +213,7 @@ async def patch_session(
         revision=revision,
         patch=patch,
         max_bytes=services(request).settings.session_max_bytes,
+        revisions_kept=services(request).settings.session_revisions_kept,
     )
     return _answer(written)
 
@@ -236,7 +238,8 @@ async def list_revisions(
     limit: Annotated[int, Query(ge=1, le=REVISIONS_MAX)] = 20,
 ) -> JSONResponse:
     """The last revisions, newest first, each with the task that wrote it (null: the API);
-    fewer when their states would pass the page's byte budget (list_page_max_bytes)."""
+    fewer when their states would pass the page's byte budget (list_page_max_bytes). Only
+    the last session_revisions_kept are kept: older ones are gone."""
     state = services(request)
     found = await sessions.history(
         state.engine,

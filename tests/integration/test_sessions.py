@@ -126,6 +126,65 @@ def test_revisions_are_kept_newest_first(client: httpx.Client, session: dict[str
     assert all(r["task_id"] is None for r in listed)
 
 
+def test_only_the_last_revisions_are_kept_and_older_ones_are_deleted_by_the_write(
+    settings: Settings, tenant: tuple[str, str], engine: Engine
+) -> None:
+    # given an API that keeps 5 revisions of a session
+    kept = 5
+    keeping = settings.model_copy(update={"session_revisions_kept": kept})
+    with ServedApp(create_app(keeping)) as api, client_for(api, tenant[1]) as client:
+        session_id = client.post("/sessions", json={"state": {"n": 1}}).json()["session_id"]
+        path = f"/sessions/{session_id}"
+        # when it is written 7 times by PUT and 5 by PATCH (revisions 2 to 13)
+        for revision in range(1, 13):
+            if revision <= 7:
+                answer = client.put(
+                    path, json={"state": {"n": revision + 1}}, headers={"If-Match": f'"{revision}"'}
+                )
+            else:
+                answer = client.patch(
+                    path,
+                    json={"state": {"n": revision + 1}},
+                    headers={
+                        "If-Match": f'"{revision}"',
+                        "Content-Type": "application/merge-patch+json",
+                    },
+                )
+            assert answer.status_code == 200, answer.text
+        # expect the last 5 listed, newest first, and no older one, however many are asked for
+        listed = client.get(f"{path}/revisions", params={"limit": 100}).json()["revisions"]
+    assert [r["revision"] for r in listed] == [13, 12, 11, 10, 9]
+    assert [r["state"] for r in listed] == [{"n": n} for n in (13, 12, 11, 10, 9)]
+    # and only those left in the table
+    with engine.connect() as conn:
+        stored = conn.scalars(
+            select(session_revisions_table.c.revision)
+            .where(session_revisions_table.c.session_id == session_id)
+            .order_by(session_revisions_table.c.revision)
+        ).all()
+    assert stored == [9, 10, 11, 12, 13]
+
+
+def test_a_tasks_session_write_deletes_the_revisions_past_the_last_kept(
+    api: ServedApp, make_key: KeyMaker, engine: Engine
+) -> None:
+    """The worker's store (``ctx.session``) prunes as the API does, in its write."""
+    tenant, token = make_key()
+    with client_for(api, token) as http:
+        session_id = http.post("/sessions", json={"state": {"n": 0}}).json()["session_id"]
+    task_id = a_task_row(engine, tenant=tenant, status="running")
+    store = SessionStore(engine, tenant, session_id, task_id, 1 << 20, 2)
+    for revision in range(1, 5):
+        store.write(revision, {"n": revision})
+    with engine.connect() as conn:
+        stored = conn.execute(
+            select(session_revisions_table.c.revision, session_revisions_table.c.task_id)
+            .where(session_revisions_table.c.session_id == session_id)
+            .order_by(session_revisions_table.c.revision)
+        ).all()
+    assert [tuple(r) for r in stored] == [(4, task_id), (5, task_id)]
+
+
 def test_a_session_over_the_size_limit_is_413_and_unchanged(
     client: httpx.Client, session: dict[str, Any]
 ) -> None:
@@ -235,7 +294,7 @@ def test_a_task_writes_its_session_only_while_running_at_the_attempt_that_writes
         conn.execute(update(tasks_table).where(tasks_table.c.id == task_id).values(attempts=2))
 
     def store(attempt: int) -> SessionStore:
-        return SessionStore(engine, tenant, session_id, task_id, 1 << 20, attempt)
+        return SessionStore(engine, tenant, session_id, task_id, 1 << 20, 20, attempt)
 
     with pytest.raises(AgentFailure) as stale:
         store(1).write(1, {"n": "from the first attempt"})
