@@ -53,6 +53,9 @@ ALLOCATE = (
 )
 
 
+# Both statements below imply the predicate of ``ix_tasks_session_id_session_turn_unfinished``
+# (``broker.db.models.UNFINISHED_TURNS``), so they read only a session's unfinished turns, not
+# its whole history: change one with the other.
 def _waiting_or_running(table: Any) -> Any:
     return (
         or_(table.c.status == QUEUED, table.c.status == RUNNING),

@@ -1,0 +1,38 @@
+"""unfinished session turns: an index of a session's queued and running turns only
+
+Revision ID: 0012
+Revises: 0011
+Create Date: 2026-12-04 17:50:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0012"
+down_revision: str | None = "0011"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+NAME = "ix_tasks_session_id_session_turn_unfinished"
+
+
+def upgrade() -> None:
+    # Concurrently, outside the migration's transaction, as 0011: tasks is the big table.
+    with op.get_context().autocommit_block():
+        op.create_index(
+            NAME,
+            "tasks",
+            ["session_id", "session_turn"],
+            unique=False,
+            postgresql_where=sa.text("session_id IS NOT NULL AND status IN ('queued', 'running')"),
+            postgresql_concurrently=True,
+        )
+
+
+def downgrade() -> None:
+    with op.get_context().autocommit_block():
+        op.drop_index(NAME, table_name="tasks", postgresql_concurrently=True)
