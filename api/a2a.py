@@ -4,15 +4,21 @@ A2A tasks are our tasks: the request handler below submits, reads, lists, cancel
 them through the same intake, tables and event log as the HTTP API, so any API process serves
 any of them, and a key sees exactly what it sees there. The SDK's in-memory task store and
 queue manager are not used. Every route takes the caller's bearer key first, and its body within
-the API's size and depth limits, before the SDK parses it. The mapping is
+the API's size and depth limits, before the SDK parses it. A bug in a handler is answered as
+A2A's internal error in general terms and logged with its traceback: the SDK's JSON-RPC
+dispatcher would send the exception's text (SQL, say) as the message. The mapping is
 ``broker.facades.a2a``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from a2a.server.context import ServerCallContext
 from a2a.server.request_handlers.request_handler import RequestHandler
@@ -82,6 +88,9 @@ REST_PATH = "/a2a/rest"
 BEARER = "bearer"
 LIST_PAGE_DEFAULT = 50
 JSON_PARSE_ERROR, INVALID_REQUEST = -32700, -32600
+BUG_MESSAGE = "internal error: the server failed to answer this request"
+
+log = logging.getLogger("reach.api")
 
 
 def _principal(context: ServerCallContext) -> Principal:
@@ -105,6 +114,56 @@ def _plain(value: Any) -> bool:
     return isinstance(value, str | int | float | bool | list | dict) or value is None
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _bug_hidden(method: Method) -> Method:
+    """``method`` with any exception but an A2A error logged and raised as A2A's internal
+    error, naming nothing of it. Streams too: an error after their first event ends them."""
+
+    def hidden(exc: Exception) -> InternalError:
+        log.error("A2A %s failed", method.__name__, exc_info=exc)
+        return InternalError(message=BUG_MESSAGE)
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streamed(*args: Any, **kwargs: Any) -> AsyncGenerator[Any]:
+            try:
+                async with contextlib.aclosing(method(*args, **kwargs)) as events:
+                    async for event in events:
+                        yield event
+            except A2AError:
+                raise
+            except Exception as exc:
+                raise hidden(exc) from None
+
+        return streamed  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def called(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(*args, **kwargs)
+        except A2AError:
+            raise
+        except Exception as exc:
+            raise hidden(exc) from None
+
+    return called  # type: ignore[return-value]
+
+
+Handler = TypeVar("Handler", bound=type[RequestHandler])
+
+
+def _bugs_hidden(cls: Handler) -> Handler:
+    """Every A2A method of ``cls`` (``on_*``) behind ``_bug_hidden``."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("on_") and callable(member):
+            setattr(cls, name, _bug_hidden(member))
+    return cls
+
+
+@_bugs_hidden
 class ReachRequestHandler(RequestHandler):
     """The A2A methods on our tasks. ``contextId`` is the session."""
 
@@ -238,6 +297,8 @@ class ReachRequestHandler(RequestHandler):
         statuses = mapping.STATUSES_OF.get(params.status) if params.status else None
         if params.status and statuses is None:
             return ListTasksResponse(page_size=0)  # INPUT_REQUIRED and the like: none here
+        if params.page_size < 0:
+            raise InvalidParamsError(message="pageSize must not be negative")
         limit = min(params.page_size or LIST_PAGE_DEFAULT, self.svc.settings.list_page_max)
         try:
             found, next_cursor = await queries.list_tasks(

@@ -372,6 +372,94 @@ def test_a_body_past_the_limits_is_refused_before_the_sdk_reads_it(
     assert too_large.json()["code"] == "body_too_large"
 
 
+REST = "/a2a/rest"
+
+
+def rest_get(api: ServedApp, token: str, path: str, **params: str) -> httpx.Response:
+    headers = {**A2A_VERSION, "Authorization": f"Bearer {token}"}
+    return httpx.get(f"{api.url}{REST}{path}", params=params, headers=headers, timeout=30)
+
+
+def test_a_negative_page_size_is_invalid_params_not_a_500_naming_the_sql(
+    api: ServedApp, make_key: KeyMaker
+) -> None:
+    _, token = make_key()
+
+    listed = {"jsonrpc": "2.0", "id": 1, "method": "ListTasks", "params": {"pageSize": -5}}
+    json_rpc = rpc(api, token, listed)
+    rest = rest_get(api, token, "/tasks", pageSize="-5")
+
+    assert json_rpc.status_code == 200, json_rpc.text
+    assert json_rpc.json()["error"]["code"] == -32602, json_rpc.text
+    assert rest.status_code == 400, rest.text
+    for answer in (json_rpc, rest):
+        assert "SELECT" not in answer.text and "psycopg" not in answer.text, answer.text
+
+
+class Broken:
+    """Stands in for a service with a bug: each call raises with SQL in its message."""
+
+    def __getattr__(self, name: str) -> Any:
+        def raises(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("(psycopg.errors.Bug) [SQL: SELECT secret FROM tasks]")
+
+        return raises
+
+
+def test_an_unexpected_error_is_an_internal_error_naming_no_detail_of_it(
+    settings: Settings, make_key: KeyMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK's JSON-RPC dispatcher answers an unexpected exception with its text as the
+    message: ours are logged with their traceback and answered in general terms."""
+    _, token = make_key()
+    app = create_app(settings)
+    app.state.services.canceller = Broken()
+    app.state.services.streams = Broken()
+    with ServedApp(app) as served:
+        cancelled = rpc(
+            served,
+            token,
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "CancelTask",
+                "params": {"id": str(uuid.uuid4())},
+            },
+        )
+        streamed = rpc(
+            served,
+            token,
+            {
+                "jsonrpc": "2.0",
+                "id": 2,
+                "method": "SendStreamingMessage",
+                "params": {
+                    "message": {
+                        "messageId": str(uuid.uuid4()),
+                        "role": "ROLE_USER",
+                        "parts": [{"text": "hi"}],
+                        "metadata": {"capability": "echo"},
+                    }
+                },
+            },
+        )
+        rest = httpx.post(
+            f"{served.url}{REST}/tasks/{uuid.uuid4()}:cancel",
+            json={},
+            headers={**A2A_VERSION, "Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+
+    for answer in (cancelled, streamed):
+        assert answer.json()["error"]["code"] == -32603, answer.text
+    assert rest.status_code == 500, rest.text
+    for answer in (cancelled, streamed, rest):
+        assert "SELECT" not in answer.text and "psycopg" not in answer.text, answer.text
+    # and the server's log has it all, traceback included
+    logged = [r.exc_info[1] for r in caplog.records if r.name == "reach.api" and r.exc_info]
+    assert len([exc for exc in logged if "SELECT secret" in str(exc)]) == 3
+
+
 @pytest.fixture
 def signed_tenant(api: ServedApp, make_key: KeyMaker) -> tuple[str, str]:
     """A fresh tenant with its callback secret (its tenant admin made it): (tenant, secret)."""
