@@ -301,6 +301,8 @@ class ReachRequestHandler(RequestHandler):
             raise InvalidParamsError(message="pageSize must not be negative")
         limit = min(params.page_size or LIST_PAGE_DEFAULT, self.svc.settings.list_page_max)
         try:
+            # A GET's parameters never pass the body's checks: a NUL bound for SQL is refused.
+            jsonbody.check_tree([params.context_id, params.page_token], max_depth=1)
             found, next_cursor = await queries.list_tasks(
                 self.svc.engine,
                 caller.tenant,

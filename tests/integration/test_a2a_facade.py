@@ -396,6 +396,37 @@ def test_a_negative_page_size_is_invalid_params_not_a_500_naming_the_sql(
         assert "SELECT" not in answer.text and "psycopg" not in answer.text, answer.text
 
 
+def test_a_nul_in_a_query_or_path_parameter_is_refused_never_a_500(
+    api: ServedApp, make_key: KeyMaker
+) -> None:
+    """GET parameters never pass the body checks: a NUL that reached Postgres was a 500."""
+    _, token = make_key()
+
+    refused = [
+        rest_get(api, token, "/tasks", contextId="\x00"),
+        rest_get(api, token, "/tasks", contextId="a\x00b", pageSize="5"),
+        rest_get(api, token, "/tasks", pageToken="\x00"),
+    ]
+    ignored = rest_get(api, token, "/tasks", status="\x00")  # not a state: no filter
+    not_found = [
+        rest_get(api, token, "/tasks/%00"),
+        rest_get(api, token, "/tasks/%00/pushNotificationConfigs"),
+        rest_get(api, token, "/tasks/%00/pushNotificationConfigs/%00"),
+    ]
+    in_a_body = rpc(
+        api,
+        token,
+        {"jsonrpc": "2.0", "id": 1, "method": "ListTasks", "params": {"contextId": "\x00"}},
+    )
+
+    assert [(a.status_code, a.json()["error"]["status"]) for a in refused] == [
+        (400, "INVALID_ARGUMENT")
+    ] * len(refused), [a.text for a in refused]
+    assert [a.status_code for a in not_found] == [404] * len(not_found), [a.text for a in not_found]
+    assert ignored.status_code == 200, ignored.text
+    assert in_a_body.json()["error"]["data"] == {"code": "invalid_string"}
+
+
 class Broken:
     """Stands in for a service with a bug: each call raises with SQL in its message."""
 
