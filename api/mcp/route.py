@@ -2,26 +2,27 @@
 
 The route is an ordinary FastAPI route, so a request meets what every other request meets:
 the bearer key is checked by ``authenticate`` (401 problem+json before the SDK sees it), the
-trace id and the waiting limit apply, and ``/openapi.json`` documents it. Its answer hands
-the request to the SDK's session manager untouched (the body unread), with the caller on the
-request's state for the tool handlers.
+trace id and the waiting limit apply, and ``/openapi.json`` documents it. The body is read as
+``POST /tasks`` reads one, within the API's size and time limits (413, 408 problem+json): the
+SDK would wait for a body without end. Its answer hands the request, and the body read, to
+the SDK's session manager, with the caller on the request's state for the tool handlers.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from mcp.server import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from api.contract import AUTHENTICATED, answers, json_body
-from api.deps import authenticate
+from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body
+from api.deps import authenticate, read_json_body
 from api.mcp.calls import Calls
 from api.services import Services
 from api.sse import Slot
@@ -45,13 +46,15 @@ JSON_RPC_REQUEST = {
     },
 }
 
+# What the SDK's transport answers itself, with a JSON-RPC error body (a 400 too).
 MCP_REFUSALS = {
-    400: "Not a JSON-RPC message, or a bad request for the transport",
     406: "Accept must name both application/json and text/event-stream",
-    413: "The body is larger than the server takes",
-    415: "Content-Type must be application/json",
     421: "The Host is not one this server answers for",
 }
+MCP_400 = (
+    "Not a JSON-RPC message, or a bad request for the transport (a JSON-RPC error), or the"
+    " body did not arrive whole (body_incomplete)"
+)
 
 
 class McpFacade:
@@ -88,9 +91,10 @@ class McpFacade:
             JSON or as an SSE stream that carries its progress notifications. Tools: one per
             capability the key may run, plus ``reach_get_task`` and ``reach_cancel_task``."""
             request.state.caller = caller
+            body = await read_json_body(request, self.svc.settings.max_body_bytes)
             # A tool call may hold its answer open (SSE) for the whole wait: one of the
             # tenant's stream slots until it ends (``api.sse.StreamSlots``).
-            return _HandedOver(self.manager, self.svc.streams.take(caller.tenant))
+            return _HandedOver(self.manager, self.svc.streams.take(caller.tenant), body)
 
         router.add_api_route(
             PATH,
@@ -102,12 +106,7 @@ class McpFacade:
                     "content": {"application/json": {"schema": {}}, "text/event-stream": {}},
                 },
                 202: {"description": "A notification or a response, accepted"},
-                # The SDK's transport answers these itself, with a JSON-RPC error body.
-                **{
-                    status: {"description": what, "content": {"application/json": {}}}
-                    for status, what in MCP_REFUSALS.items()
-                },
-                **answers(*AUTHENTICATED),
+                **_refusals(),
             },
             openapi_extra=json_body(JSON_RPC_REQUEST),
         )
@@ -116,17 +115,39 @@ class McpFacade:
         return router
 
 
-class _HandedOver(Response):
-    """The answer the SDK's transport writes itself, in ``slot`` until it ends."""
+def _refusals() -> dict[int | str, dict[str, Any]]:
+    """Ours (problem+json), and the transport's: ``MCP_REFUSALS`` and a 400 of its own."""
+    refusals = answers(*AUTHENTICATED, *JSON_BODY, s400=MCP_400)
+    refusals[400]["content"]["application/json"] = {}
+    for status, what in MCP_REFUSALS.items():
+        refusals[status] = {"description": what, "content": {"application/json": {}}}
+    return refusals
 
-    def __init__(self, manager: StreamableHTTPSessionManager, slot: Slot) -> None:
+
+class _HandedOver(Response):
+    """The answer the SDK's transport writes itself, in ``slot`` until it ends. It reads the
+    request's body, read already, from ``received``."""
+
+    def __init__(self, manager: StreamableHTTPSessionManager, slot: Slot, received: bytes) -> None:
         super().__init__()
         self.manager = manager
         self.slot = slot
+        self.received = received
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with self.slot:
-            await self.manager.handle_request(scope, receive, send)
+            await self.manager.handle_request(scope, _replaying(self.received, receive), send)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that gives ``body`` first, whole, then what the connection sends next (its
+    disconnect)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 def _host_check(settings: Settings) -> TransportSecuritySettings:

@@ -280,6 +280,49 @@ def test_bad_requests_never_get_a_500(
     assert [a.status_code for a in answers if a.status_code >= 500] == []
 
 
+def test_a_body_that_does_not_arrive_in_time_is_answered_408_holding_no_stream_slot(
+    settings: Settings, tenant: tuple[str, str]
+) -> None:
+    """The body is read as ``POST /tasks`` reads one, before the SDK's transport, which
+    waited for it without end, sees the request."""
+    app = create_app(settings.model_copy(update={"body_read_timeout_s": 0.5}))
+
+    async def slow_body(port: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Accept: application/json, text/event-stream\r\n"
+            + f"Authorization: Bearer {tenant[1]}\r\nContent-Length: 1000\r\n\r\n{{".encode()
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 30)  # bounds a hang only
+        writer.close()
+        return answer
+
+    with ServedApp(app) as api:
+        answer = asyncio.run(slow_body(api.port))
+        held = app.state.services.streams.open.get(tenant[0])
+
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"application/problem+json" in answer
+    assert b'"code":"body_timeout"' in answer.replace(b" ", b"")
+    assert not held
+
+
+def test_a_body_past_the_size_limit_is_413_problem_json(
+    api: ServedApp, tenant: tuple[str, str], settings: Settings
+) -> None:
+    padding = "x" * settings.max_body_bytes
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"padding": padding}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    with client_for(api, tenant[1]) as http:
+        answer = http.post("/mcp", json=body, headers=accept)
+
+    assert answer.status_code == 413
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["code"] == "body_too_large"
+
+
 def test_allowed_hosts_keep_out_other_host_names(
     settings: Settings, tenant: tuple[str, str]
 ) -> None:
@@ -303,6 +346,8 @@ def test_the_openapi_document_shows_the_mcp_endpoint(api: ServedApp) -> None:
     post = spec["paths"]["/mcp"]["post"]
     assert "mcp" in post["tags"]
     assert "401" in post["responses"]
+    for status in ("408", "413", "415"):  # the API's body reader answers these, not the SDK
+        assert list(post["responses"][status]["content"]) == ["application/problem+json"]
 
 
 def test_a_tenant_holding_its_most_streams_is_refused_another_request_and_others_are_not(
