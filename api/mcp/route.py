@@ -3,9 +3,10 @@
 The route is an ordinary FastAPI route, so a request meets what every other request meets:
 the bearer key is checked by ``authenticate`` (401 problem+json before the SDK sees it), the
 trace id and the waiting limit apply, and ``/openapi.json`` documents it. The body is read as
-``POST /tasks`` reads one, within the API's size and time limits (413, 408 problem+json): the
-SDK would wait for a body without end. Its answer hands the request, and the body read, to
-the SDK's session manager, with the caller on the request's state for the tool handlers.
+``POST /tasks`` reads one, within the API's size and time limits (413, 408 problem+json), and
+only as ``application/json`` (415); the SDK would wait for a body without end. Its answer
+hands the request, and the body read, to the SDK's session manager, with the caller on the
+request's state for the tool handlers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from api.deps import authenticate, read_json_body
 from api.mcp.calls import Calls
 from api.services import Services
 from api.sse import Slot
+from broker.errors import BadRequest
 from broker.settings import Settings
 from broker.tenancy.keys import Principal
 
@@ -91,7 +93,7 @@ class McpFacade:
             JSON or as an SSE stream that carries its progress notifications. Tools: one per
             capability the key may run, plus ``reach_get_task`` and ``reach_cancel_task``."""
             request.state.caller = caller
-            body = await read_json_body(request, self.svc.settings.max_body_bytes)
+            body = await _read_body(request, self.svc.settings.max_body_bytes)
             # A tool call may hold its answer open (SSE) for the whole wait: one of the
             # tenant's stream slots until it ends (``api.sse.StreamSlots``).
             return _HandedOver(self.manager, self.svc.streams.take(caller.tenant), body)
@@ -122,6 +124,16 @@ def _refusals() -> dict[int | str, dict[str, Any]]:
     for status, what in MCP_REFUSALS.items():
         refusals[status] = {"description": what, "content": {"application/json": {}}}
     return refusals
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body within the API's limits. The transport takes nothing but application/json
+    (a bare 400 otherwise, missing included), so neither does this: 415 problem+json."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise BadRequest(
+            "send the JSON-RPC message as application/json", code="unsupported_media_type"
+        )
+    return await read_json_body(request, limit)
 
 
 class _HandedOver(Response):

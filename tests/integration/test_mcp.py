@@ -323,6 +323,22 @@ def test_a_body_past_the_size_limit_is_413_problem_json(
     assert answer.json()["code"] == "body_too_large"
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/merge-patch+json", None])
+def test_a_body_not_sent_as_application_json_is_415_problem_json(
+    api: ServedApp, tenant: tuple[str, str], content_type: str | None
+) -> None:
+    headers = {"Accept": "application/json, text/event-stream"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    body = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}'
+    with client_for(api, tenant[1]) as http:
+        answer = http.post("/mcp", content=body, headers=headers)
+
+    assert answer.status_code == 415, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["code"] == "unsupported_media_type"
+
+
 def test_allowed_hosts_keep_out_other_host_names(
     settings: Settings, tenant: tuple[str, str]
 ) -> None:
