@@ -478,7 +478,7 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
     async def guarded(request: Request) -> Response:
         try:
             request.state.principal = await authenticate(request)
-            if request.method != "POST":
+            if request.method != "POST" or (not json_rpc and _bodiless(request)):
                 return await endpoint(request)
             raw = await read_json_body(request, svc.settings.max_body_bytes)
         except ReachError as exc:
@@ -495,6 +495,13 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
         return await endpoint(request)
 
     return guarded
+
+
+def _bodiless(request: Request) -> bool:
+    """A POST that sends no body at all, as REST's SubscribeToTask: nothing to read or check
+    (the body check refused it, 400, before the SDK ran)."""
+    headers = request.headers
+    return "transfer-encoding" not in headers and headers.get("content-length", "0") == "0"
 
 
 def _guard(routes: list[BaseRoute], svc: Services, *, json_rpc: bool) -> list[BaseRoute]:
