@@ -108,6 +108,15 @@ class Task(Base):
             "finished_at",
             postgresql_where=text("finished_at IS NOT NULL"),
         ),
+        # The sweep's groups of queued tasks (``execution.stale_queued``): each (tenant,
+        # queue) found by one probe, its oldest a range of it. Queued rows only: small.
+        Index(
+            "ix_tasks_queued_tenant_queue_created_at",
+            "tenant",
+            "queue",
+            "created_at",
+            postgresql_where=text("status = 'queued'"),
+        ),
         # A session's tasks: ``GET /tasks?session_id=`` reads it, not all the tenant's.
         Index(
             "ix_tasks_session_id_session_turn",
@@ -349,6 +358,13 @@ class WebhookDelivery(Base):
         Index("ix_webhook_deliveries_tenant_task_id", "tenant", "task_id"),
         # The sweeper looks for due or stuck deliveries whose message was lost.
         Index("ix_webhook_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
+        # The lost ones, a share a tenant (``upkeep.stranded``): one probe finds each tenant.
+        Index(
+            "ix_webhook_deliveries_pending_tenant_next_attempt_at",
+            "tenant",
+            "next_attempt_at",
+            postgresql_where=text("status = 'pending'"),
+        ),
         Index("ix_webhook_deliveries_expires_at", "expires_at"),
         Index(
             "ix_webhook_deliveries_body_expires_at",

@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
+    CTE,
     Connection,
     Engine,
     Integer,
@@ -41,6 +42,8 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
@@ -517,19 +520,65 @@ def overdue_queued(engine: Engine, *, limit: int) -> list[uuid.UUID]:
 
 def stale_queued(engine: Engine, *, older_than_s: float, limit: int) -> list[dict[str, Any]]:
     """Queued tasks accepted a while ago: candidates for a message the broker lost. A turn
-    still waiting for an earlier one of its session is not: its message would be dropped."""
-    query = (
-        select(tasks.c.id, tasks.c.queue, tasks.c.trace_id, tasks.c.deadline_at, tasks.c.session_id)
+    still waiting for an earlier one of its session is not: its message would be dropped.
+
+    Shared fairly, so that one tenant's backlog (or one queue's) never hides another's lost
+    task: each (tenant, queue) with such tasks gets its ``limit / groups`` oldest, at least
+    one; past ``limit`` groups, every tenant's first before any tenant's second. The groups
+    come from one probe each of ``ix_tasks_queued_tenant_queue_created_at`` and the tasks from
+    a range of it: at most ``limit`` plus a row a group are read."""
+    before = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s)
+    queued = _queued_groups()
+    groups = select(queued).where(queued.c.oldest < before).cte("stale_groups")
+    share = select((limit + func.count() - 1) // func.greatest(func.count(), 1)).select_from(groups)
+    oldest = (
+        select(tasks.c.id, tasks.c.queue, tasks.c.trace_id, tasks.c.deadline_at)
+        .add_columns(tasks.c.session_id, tasks.c.created_at)
         .where(
             tasks.c.status == QUEUED,
-            tasks.c.created_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s),
+            tasks.c.tenant == groups.c.tenant,
+            tasks.c.queue == groups.c.queue,
+            tasks.c.created_at < before,
             IS_DUE,
         )
         .order_by(tasks.c.created_at)
+        .limit(share.scalar_subquery())
+        .lateral("oldest")
+    )
+    nth = func.row_number().over(
+        partition_by=(groups.c.tenant, groups.c.queue), order_by=oldest.c.created_at
+    )
+    taken = (
+        select(oldest, groups.c.tenant, nth.label("nth"))
+        .select_from(groups.join(oldest, true()))
+        .subquery("taken")
+    )
+    in_tenant = func.row_number().over(
+        partition_by=taken.c.tenant, order_by=(taken.c.nth, taken.c.created_at)
+    )
+    query = (
+        select(taken.c.id, taken.c.queue, taken.c.trace_id, taken.c.deadline_at)
+        .add_columns(taken.c.session_id)
+        .order_by(in_tenant, taken.c.created_at)
         .limit(limit)
     )
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(query)]
+
+
+def _queued_groups() -> CTE:
+    """Each (tenant, queue) holding queued tasks, with its oldest one's ``created_at``: a
+    loose scan of the queued tasks' index, one probe a group (Postgres has no skip scan)."""
+    key = (tasks.c.tenant, tasks.c.queue)
+    first = (
+        select(*key, tasks.c.created_at.label("oldest"))
+        .where(tasks.c.status == QUEUED)
+        .order_by(*key, tasks.c.created_at)
+        .limit(1)
+    )
+    found = first.cte("queued_groups", recursive=True)
+    after = first.where(tuple_(*key) > tuple_(found.c.tenant, found.c.queue)).lateral("after")
+    return found.union_all(select(after).select_from(found.join(after, true())))
 
 
 def running_tasks(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-from sqlalchemy import Engine, case, func, select, text, update
+from sqlalchemy import CTE, Engine, case, func, select, text, true, update
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import webhook_attempts_table as attempts_log
@@ -72,17 +72,51 @@ def take_back_lost(engine: Engine, *, limit: int) -> list[tuple[uuid.UUID, int]]
 
 def stranded(engine: Engine, *, grace_s: float, limit: int) -> list[tuple[uuid.UUID, int]]:
     """Deliveries whose message was lost: due a while ago. Returns (delivery, attempt to
-    publish)."""
-    query = (
-        select(deliveries.c.id, deliveries.c.attempts)
+    publish).
+
+    Shared fairly, so that one tenant's backlog never hides another's delivery: each tenant
+    with such deliveries gets its ``limit / tenants`` longest overdue, at least one; past
+    ``limit`` tenants, the longest overdue of each. One probe a tenant of
+    ``ix_webhook_deliveries_pending_tenant_next_attempt_at`` and a range of it: at most
+    ``limit`` plus a row a tenant are read."""
+    before = func.now() - interval(grace_s)
+    tenants = _pending_tenants()
+    late = select(tenants).where(tenants.c.oldest < before).cte("late_tenants")
+    share = select((limit + func.count() - 1) // func.greatest(func.count(), 1)).select_from(late)
+    oldest = (
+        select(deliveries.c.id, deliveries.c.attempts, deliveries.c.next_attempt_at)
         .where(
             deliveries.c.status == PENDING,
-            deliveries.c.next_attempt_at < func.now() - interval(grace_s),
+            deliveries.c.tenant == late.c.tenant,
+            deliveries.c.next_attempt_at < before,
         )
+        .order_by(deliveries.c.next_attempt_at)
+        .limit(share.scalar_subquery())
+        .lateral("oldest")
+    )
+    nth = func.row_number().over(partition_by=late.c.tenant, order_by=oldest.c.next_attempt_at)
+    query = (
+        select(oldest.c.id, oldest.c.attempts)
+        .select_from(late.join(oldest, true()))
+        .order_by(nth, oldest.c.next_attempt_at)
         .limit(limit)
     )
     with engine.connect() as conn:
         return [(r.id, r.attempts + 1) for r in conn.execute(query)]
+
+
+def _pending_tenants() -> CTE:
+    """Each tenant with pending deliveries, with its earliest ``next_attempt_at``: a loose
+    scan of the pending deliveries' index, one probe a tenant (Postgres has no skip scan)."""
+    first = (
+        select(deliveries.c.tenant, deliveries.c.next_attempt_at.label("oldest"))
+        .where(deliveries.c.status == PENDING)
+        .order_by(deliveries.c.tenant, deliveries.c.next_attempt_at)
+        .limit(1)
+    )
+    found = first.cte("pending_tenants", recursive=True)
+    after = first.where(deliveries.c.tenant > found.c.tenant).lateral("after")
+    return found.union_all(select(after).select_from(found.join(after, true())))
 
 
 def purge_expired_bodies(engine: Engine, *, batch: int, max_batches: int = 20) -> int:

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 import redis
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
 
 from api.app import create_app
 from broker.db.models import tasks_table
@@ -565,6 +565,42 @@ def test_a_task_accepted_but_never_published_is_swept_and_runs(
     # Then the sweeper publishes it again and it runs
     done = wait_for_task(client, str(task_id), FINAL)
     assert (done["status"], done["result"]) == ("succeeded", {"swept": True})
+
+
+def test_another_tenants_backlog_does_not_hide_a_lost_task_from_the_sweeper(
+    client: httpx.Client, engine: Engine, tenant: tuple[str, str], system_beat: CeleryProcess
+) -> None:
+    # Given another tenant with more stale queued tasks than a sweep's batch (1,000), all
+    # older than ours, on a capability nobody serves
+    hog = f"hog-{uuid.uuid4().hex[:8]}"
+    queued_rows(engine, tenant=hog, capability="test.nobody-sweeps", count=1100, age_s=600)
+    try:
+        # When our task's message is lost
+        task_id = a_task_row(
+            engine, tenant=tenant[0], payload={"behind": "a backlog"}, age=timedelta(minutes=1)
+        )
+        # Then the sweeper still publishes it again and it runs
+        done = wait_for_task(client, str(task_id), FINAL, timeout_s=60)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(tasks_table.delete().where(tasks_table.c.tenant == hog))
+    assert (done["status"], done["result"]) == ("succeeded", {"behind": "a backlog"})
+
+
+def queued_rows(engine: Engine, *, tenant: str, capability: str, count: int, age_s: int) -> None:
+    """``count`` queued tasks of ``tenant`` created ``age_s`` ago and after, in one statement,
+    with no message anywhere."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO tasks (id, tenant, capability, queue, status, payload,"
+                " payload_digest, payload_size, trace_id, result_ttl_s, created_at, expires_at)"
+                " SELECT gen_random_uuid(), :tenant, :capability, :capability, 'queued', '{}',"
+                " '', 2, md5(i::text), 600, now() - make_interval(secs => :age_s - i / 100.0),"
+                " now() + interval '10 minutes' FROM generate_series(1, :count) AS i"
+            ),
+            {"tenant": tenant, "capability": capability, "count": count, "age_s": age_s},
+        )
 
 
 def test_an_idempotent_tasks_claim_forgotten_by_postgres_is_swept_and_runs_again(

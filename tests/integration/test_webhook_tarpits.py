@@ -5,26 +5,27 @@ attempts in flight. The figures are printed (``pytest -s``)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import Engine, create_engine, select
+from sqlalchemy import Engine, create_engine, select, text
 
 from api.app import create_app
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.settings import Settings
-from broker.tasks.dispatch import WEBHOOK_SWEEP_TASK, celery_config
+from broker.tasks.dispatch import WEBHOOK_SWEEP_TASK, WEBHOOKS_QUEUE, celery_config
 from broker.tenancy import key_store
 from broker.webhooks import deliveries
 from reach import localservices, migrate
@@ -38,7 +39,7 @@ from tests.integration.stack import (
     start_worker,
 )
 from tests.integration.webhook_client import register, submit, wait_deliveries
-from workers.system.webhooks import Webhooks
+from workers.system.webhooks import SWEEP_BATCH, Webhooks
 
 TIMEOUT_S = 3.0
 SCHEDULE_S = [0.0, 0.2]
@@ -248,3 +249,42 @@ def _status(engine: Engine, delivery_id: uuid.UUID) -> str:
     query = select(deliveries_table.c.status).where(deliveries_table.c.id == delivery_id)
     with engine.connect() as conn:
         return str(conn.execute(query).scalar_one())
+
+
+def test_given_another_tenants_backlog_of_lost_deliveries_expect_ours_sent_again(
+    settings: Settings, own_engine: Engine, idle_producer: Celery
+) -> None:
+    engine = own_engine
+    # Given another tenant with more lost deliveries than a sweep's batch, all older than ours
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO webhook_deliveries (id, tenant, task_id, event_type, url, body,"
+                " body_expires_at, trace_id, status, final_attempt, next_attempt_at, expires_at)"
+                " SELECT gen_random_uuid(), 'hog', gen_random_uuid(), 'task.succeeded',"
+                " 'http://127.0.0.1:9/hook', '{}', now() + interval '1 hour', md5(i::text),"
+                " 'pending', 3, now() - make_interval(secs => 600 - i / 100.0),"
+                " now() + interval '1 day' FROM generate_series(1, :count) AS i"
+            ),
+            {"count": SWEEP_BATCH + 100},
+        )
+    # When our delivery's message is lost (due two minutes ago)
+    ours = _delivery(engine, final_attempt=3)
+    with engine.begin() as conn:
+        conn.execute(
+            deliveries_table.update()
+            .where(deliveries_table.c.id == ours)
+            .values(next_attempt_at=datetime.now(UTC) - timedelta(minutes=2))
+        )
+    # and the sweep runs
+    counts = Webhooks(idle_producer, settings, lambda: engine).sweep()
+    # Expect ours published again, and the sweep's work still bounded by its batch
+    assert str(ours) in _published(idle_producer)
+    assert counts["republished"] <= SWEEP_BATCH
+
+
+def _published(producer: Celery) -> set[str]:
+    """The delivery ids of the messages waiting in the producer's webhooks queue."""
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    messages = [json.loads(m) for m in client.lrange(WEBHOOKS_QUEUE, 0, -1)]
+    return {json.loads(base64.b64decode(m["body"]))[0][0] for m in messages}

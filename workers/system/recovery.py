@@ -10,7 +10,9 @@
   duplicate message is harmless: only one claim from ``queued`` can succeed. A session's turn
   that came due is published again even when its queue holds messages, if a worker dropped
   its message while it waited (``broker.tasks.turns``): once per message dropped. A turn
-  still waiting for an earlier one is left alone.
+  still waiting for an earlier one is left alone. Each sweep reads at most ``limit`` such
+  tasks, shared out by (tenant, queue) (``execution.stale_queued``): one tenant's backlog,
+  however old, takes only its share, so another's lost task is found at the next sweep.
 - A queued task waiting in the queue of an instance that holds no ready lease (a hint to an
   instance that died or drained before taking it) moves to its card's queue.
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
