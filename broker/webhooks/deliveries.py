@@ -2,9 +2,22 @@
 
 Each Celery message names the attempt it is for; the claim only succeeds when the row is
 waiting for exactly that attempt (never past the schedule, never with an expired body), so a
-duplicated or late message never sends twice. A tenant has at most a set number of attempts
-in flight; past it the claim answers ``Busy``. Attempts whose worker died are the sweep's
+duplicated or late message never sends twice. Attempts whose worker died are the sweep's
 (``upkeep``).
+
+A tenant has at most a set number of attempts in flight. Its other due deliveries wait in
+Postgres, not on the queue every tenant's deliveries share:
+
+- A claim past the bound answers ``Busy``; its message is dropped, and the delivery is parked
+  (pending and due), holding no message and no worker.
+- Whoever frees or may free a slot (an attempt that ended, a fanout, the sweep) then
+  publishes the tenant's oldest due deliveries, as many as it has slots free (``release``),
+  after its commit. A released delivery is marked (``lease_until`` on a pending row) until
+  its message is claimed or parked again, so that two releases never pick the same one and
+  a release counts those already on their way. It takes the tenant's lock, as the claim
+  does, so a delivery parked meanwhile is seen by the next release.
+- A release lost between commit and publish: its mark lapses after ``RELEASE_HOLD_S``, and
+  the sweep releases what a tenant with free slots left waiting.
 """
 
 from __future__ import annotations
@@ -14,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import Connection, Engine, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import callback_secrets_table as callback_secrets
@@ -28,6 +41,9 @@ from broker.webhooks.policy import PENDING, SENDING, Outcome, Verdict, status_af
 EXCERPT_MAX = 512
 # A message may arrive a little before its time by the database's clock.
 EARLY_TOLERANCE_S = 1.0
+# A released delivery counts as on its way this long; past it, its message is taken as lost
+# (the delivery may be released again: a second message finds its attempt taken).
+RELEASE_HOLD_S = 30.0
 
 
 def message_id(delivery_id: uuid.UUID) -> str:
@@ -38,6 +54,7 @@ def message_id(delivery_id: uuid.UUID) -> str:
 @dataclass(frozen=True)
 class Claimed:
     delivery_id: uuid.UUID
+    tenant: str
     webhook_id: uuid.UUID | None
     url: str
     body: bytes
@@ -52,7 +69,8 @@ class Claimed:
 
 @dataclass(frozen=True)
 class Busy:
-    """The tenant already has its most attempts in flight: try this one a little later."""
+    """The tenant already has its most attempts in flight: the delivery waits, parked, for
+    one of them to end and release it."""
 
     inflight: int
 
@@ -62,36 +80,55 @@ def interval(value: float) -> Any:
     return func.make_interval(0, 0, 0, 0, 0, 0, value)
 
 
-def claim(
-    engine: Engine, delivery_id: uuid.UUID, attempt: int, *, lease_s: float, max_inflight: int
-) -> Claimed | Busy | None:
-    """Take attempt ``attempt`` of the delivery; None when it is not this attempt's turn (or
-    past the schedule, or its body has expired), Busy when its tenant is at ``max_inflight``."""
-    due = (
-        deliveries.c.id == delivery_id,
-        deliveries.c.attempts == attempt - 1,
-        deliveries.c.final_attempt >= attempt,
+def _waiting() -> tuple[Any, ...]:
+    """A delivery waiting for an attempt that is due now (or about to be)."""
+    return (
         deliveries.c.status == PENDING,
+        deliveries.c.attempts < deliveries.c.final_attempt,
         deliveries.c.next_attempt_at <= func.now() + interval(EARLY_TOLERANCE_S),
         deliveries.c.body.is_not(None),
         deliveries.c.body_expires_at > func.now(),
     )
+
+
+def _lock_tenant(conn: Connection, tenant: str) -> None:
+    """One claim or release of a tenant at a time: its count and its writes are one step."""
+    conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"wh-send:{tenant}"))))
+
+
+def _count(tenant: str, status: str) -> Any:
+    """The tenant's deliveries in ``status`` whose lease (or release mark) has not lapsed."""
+    return (
+        select(func.count())
+        .select_from(deliveries)
+        .where(
+            deliveries.c.tenant == tenant,
+            deliveries.c.status == status,
+            deliveries.c.lease_until > func.now(),
+        )
+        .scalar_subquery()
+    )
+
+
+def claim(
+    engine: Engine, delivery_id: uuid.UUID, attempt: int, *, lease_s: float, max_inflight: int
+) -> Claimed | Busy | None:
+    """Take attempt ``attempt`` of the delivery; None when it is not this attempt's turn (or
+    past the schedule, or its body has expired), Busy when its tenant is at ``max_inflight``
+    (the delivery is then parked: no longer marked released)."""
+    due = (deliveries.c.id == delivery_id, deliveries.c.attempts == attempt - 1, *_waiting())
     with engine.begin() as conn:
         tenant = conn.execute(select(deliveries.c.tenant).where(*due)).scalar()
         if tenant is None:
             return None
-        # One claim of a tenant at a time: the count and the claim are then one step.
-        conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"wh-send:{tenant}"))))
-        inflight = conn.execute(
-            select(func.count())
-            .select_from(deliveries)
-            .where(
-                deliveries.c.tenant == tenant,
-                deliveries.c.status == SENDING,
-                deliveries.c.lease_until > func.now(),
-            )
-        ).scalar_one()
+        _lock_tenant(conn, tenant)
+        inflight = conn.execute(select(_count(tenant, SENDING))).scalar_one()
         if inflight >= max_inflight:
+            conn.execute(
+                update(deliveries)
+                .where(*due, deliveries.c.lease_until.is_not(None))
+                .values(lease_until=None)
+            )
             return Busy(inflight)
         query = (
             update(deliveries)
@@ -106,6 +143,7 @@ def claim(
         headers = _callback_headers(conn, row.task_id) if row.webhook_id is None else {}
     return Claimed(
         delivery_id=row.id,
+        tenant=row.tenant,
         webhook_id=row.webhook_id,
         url=row.url,
         body=row.body.encode(),
@@ -116,6 +154,46 @@ def claim(
         disabled=disabled,
         headers=headers,
     )
+
+
+def release(engine: Engine, tenant: str, *, max_inflight: int) -> list[tuple[uuid.UUID, int]]:
+    """Mark the tenant's oldest due deliveries released, as many as it has slots free (its
+    bound less its attempts in flight and its releases on their way); returns (delivery,
+    attempt) for each, to publish after this commits."""
+    with engine.begin() as conn:
+        _lock_tenant(conn, tenant)
+        taken = conn.execute(select(_count(tenant, SENDING) + _count(tenant, PENDING)))
+        free = max_inflight - taken.scalar_one()
+        if free <= 0:
+            return []
+        oldest = (
+            select(deliveries.c.id)
+            .where(
+                deliveries.c.tenant == tenant,
+                *_waiting(),
+                or_(deliveries.c.lease_until.is_(None), deliveries.c.lease_until <= func.now()),
+            )
+            .order_by(deliveries.c.next_attempt_at, deliveries.c.id)
+            .limit(free)
+            .scalar_subquery()
+        )
+        query = (
+            update(deliveries)
+            .where(deliveries.c.id.in_(oldest))
+            .values(lease_until=func.now() + interval(RELEASE_HOLD_S))
+            .returning(deliveries.c.id, deliveries.c.attempts, deliveries.c.next_attempt_at)
+        )
+        rows = sorted(conn.execute(query), key=lambda r: (r.next_attempt_at, r.id))
+    return [(r.id, r.attempts + 1) for r in rows]
+
+
+def tenants_of(engine: Engine, delivery_ids: list[uuid.UUID]) -> list[str]:
+    """The tenants these deliveries belong to, each once."""
+    if not delivery_ids:
+        return []
+    query = select(deliveries.c.tenant).where(deliveries.c.id.in_(delivery_ids)).distinct()
+    with engine.connect() as conn:
+        return [str(t) for t in conn.execute(query).scalars()]
 
 
 def _callback_headers(conn: Connection, task_id: uuid.UUID) -> dict[str, str]:

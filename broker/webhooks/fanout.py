@@ -3,12 +3,16 @@
 Fanout runs at least once (a redelivered Celery message runs it again), so a final event
 makes at most one delivery per endpoint: the ``dedupe_key`` is unique. Progress events are
 not deduplicated: each report is its own message.
+
+The worker publishes no more of what it wrote than the tenant has delivery slots free
+(``deliveries.release``); the rest wait in Postgres for an attempt of the tenant to end.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,6 +32,14 @@ from broker.webhooks.events import PROGRESS
 from broker.webhooks.policy import PENDING
 
 Target = tuple[uuid.UUID | None, str]  # (subscription id, or None for the callback; url)
+
+
+@dataclass(frozen=True)
+class Written:
+    """The deliveries of an event not yet attempted, and whose they are."""
+
+    tenant: str
+    waiting: list[uuid.UUID]
 
 
 def body_of(event_type: str, task: TaskRow, at: datetime) -> str:
@@ -71,18 +83,19 @@ def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
 
 def fanout(
     engine: Engine, task_id: uuid.UUID, event_type: str, settings: Settings
-) -> list[uuid.UUID]:
-    """Write the event's deliveries; returns those not yet attempted (to publish)."""
+) -> Written | None:
+    """Write the event's deliveries; returns those not yet attempted, None when the event
+    has none."""
     now = datetime.now(UTC)
     with engine.begin() as conn:
         query = select(tasks).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
         row = conn.execute(query).first()
         if row is None:  # expired or purged already: nothing left to tell
-            return []
+            return None
         task = as_task_row(row)
         found = targets(conn, task, event_type)
         if not found:
-            return []
+            return None
         body = body_of(event_type, task, now)
         values = [
             _delivery(task, event_type, t, _body_for(t, task, body), now, settings) for t in found
@@ -94,7 +107,7 @@ def fanout(
             deliveries.c.status == PENDING,
             deliveries.c.attempts == 0,
         )
-        return [r.id for r in conn.execute(waiting)]
+        return Written(task["tenant"], [r.id for r in conn.execute(waiting)])
 
 
 def _delivery(

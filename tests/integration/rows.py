@@ -57,13 +57,20 @@ def a_task_row(
 
 
 def a_delivery_row(
-    engine: Engine, *, body: str = "{}", body_expires_in: timedelta, final_attempt: int = 3
+    engine: Engine,
+    *,
+    body: str = "{}",
+    body_expires_in: timedelta,
+    final_attempt: int = 3,
+    tenant: str | None = None,
+    due_for: timedelta = timedelta(0),
 ) -> uuid.UUID:
-    """A webhook delivery of a fresh tenant, pending its first attempt now."""
+    """A webhook delivery of ``tenant`` (else a fresh one), pending its first attempt, due
+    ``due_for`` ago and with no message anywhere."""
     delivery_id, now = uuid.uuid4(), datetime.now(UTC)
     values = {
         "id": delivery_id,
-        "tenant": f"t-{secrets.token_hex(4)}",
+        "tenant": tenant or f"t-{secrets.token_hex(4)}",
         "task_id": uuid.uuid4(),
         "event_type": "task.succeeded",
         "url": "http://127.0.0.1:9/hook",
@@ -73,7 +80,7 @@ def a_delivery_row(
         "status": "pending",
         "attempts": 0,
         "final_attempt": final_attempt,
-        "next_attempt_at": now,
+        "next_attempt_at": now - due_for,
         "expires_at": now + timedelta(days=7),
     }
     with engine.begin() as conn:

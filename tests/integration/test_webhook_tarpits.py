@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import httpx
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import Engine, create_engine, select, text
+from sqlalchemy import Engine, create_engine, func, select, text
 
 from api.app import create_app
 from broker.db.models import webhook_attempts_table as attempts_log
@@ -27,7 +28,7 @@ from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.settings import Settings
 from broker.tasks.dispatch import WEBHOOK_SWEEP_TASK, WEBHOOKS_QUEUE, celery_config
 from broker.tenancy import key_store
-from broker.webhooks import deliveries
+from broker.webhooks import deliveries, policy
 from reach import localservices, migrate
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Tarpit
@@ -188,6 +189,90 @@ def test_given_every_delivery_slot_held_by_tarpits_expect_maintenance_to_run_at_
     assert cut_before == [] and still_open == WEBHOOKS_CONCURRENCY
 
 
+class QueueWatch:
+    """The longest the ``reach.webhooks`` list got while it ran: sampled every few ms by a
+    thread of its own."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._redis = redis.Redis.from_url(settings.celery_broker_url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self.longest = 0
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.longest = max(self.longest, int(self._redis.llen(WEBHOOKS_QUEUE)))
+
+    def __enter__(self) -> QueueWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._redis.close()
+
+
+HOSTILE_HOOKS, HOSTILE_TASKS, VICTIM_TASKS = 40, 5, 3
+
+
+def test_given_one_tenants_backlog_at_tarpits_expect_it_waiting_in_postgres_not_the_queue(
+    stack: Stack, engine: Engine
+) -> None:
+    backlog = HOSTILE_HOOKS * HOSTILE_TASKS
+    with (
+        QueueWatch(stack.settings) as queue,
+        Tarpit(drip_s=0.5, hold_s=120) as tarpit,
+        Receiver() as receiver,
+        stack.client(engine) as hostile,
+        stack.client(engine) as victim,
+    ):
+        # Given a tenant whose many webhooks are tarpits, with a backlog of deliveries to them
+        # (each attempt held for the whole timeout, two at a time: minutes to drain)
+        hooks = [
+            register(hostile, tarpit.url, events=["task.succeeded"])[0]["webhook_id"]
+            for _ in range(HOSTILE_HOOKS)
+        ]
+        for _ in range(HOSTILE_TASKS):
+            submit(hostile)
+        eventually(lambda: len(_unfinished(engine, hooks)) == backlog, "the backlog written")
+        tarpit.wait_open(MAX_INFLIGHT)
+        # When another tenant's tasks finish
+        register(victim, receiver.url, events=["task.succeeded"])
+        sent_at = time.monotonic()
+        for _ in range(VICTIM_TASKS):
+            submit(victim)
+        # Expect its webhooks delivered while the backlog is still waiting
+        receiver.wait_for(VICTIM_TASKS, timeout_s=60)
+        waited_s = time.monotonic() - sent_at
+        waiting = _unfinished(engine, hooks)
+        sending = waiting.count("sending")
+        held = tarpit.most_open
+        for hook in hooks:  # the backlog goes with its webhooks (cascade), for the next test
+            assert hostile.delete(f"/webhooks/{hook}").status_code == 204
+    print(
+        f"\nbacklog: {len(waiting)} of {backlog} deliveries to tarpits unfinished when the"
+        f" other tenant's {VICTIM_TASKS} webhooks had come, {waited_s:.2f} s after its submits;"
+        f" {WEBHOOKS_QUEUE} held at most {queue.longest} messages;"
+        f" at most {held} tarpit attempts at once"
+    )
+    assert len(waiting) > backlog // 2 and sending <= MAX_INFLIGHT
+    assert held <= MAX_INFLIGHT
+    # And the queue never held the backlog: per tenant its attempts' released and retry
+    # messages (two caps' worth at most), besides one fanout message per task
+    assert queue.longest <= 2 * 2 * MAX_INFLIGHT + HOSTILE_TASKS + VICTIM_TASKS
+
+
+def _unfinished(engine: Engine, webhook_ids: list[str]) -> list[str]:
+    """The status of each delivery to these webhooks still waiting or under way."""
+    query = select(deliveries_table.c.status).where(
+        deliveries_table.c.webhook_id.in_([uuid.UUID(w) for w in webhook_ids]),
+        deliveries_table.c.status.in_(("pending", "sending")),
+    )
+    with engine.connect() as conn:
+        return [str(s) for s in conn.execute(query).scalars()]
+
+
 @pytest.fixture
 def own_engine(services: localservices.Services) -> Iterator[Engine]:
     """A database of the test's own: no sweeper of the session's stack takes its rows."""
@@ -288,3 +373,71 @@ def _published(producer: Celery) -> set[str]:
     client = redis.Redis.from_url(producer.conf.broker_url)
     messages = [json.loads(m) for m in client.lrange(WEBHOOKS_QUEUE, 0, -1)]
     return {json.loads(base64.b64decode(m["body"]))[0][0] for m in messages}
+
+
+def test_given_a_tenant_at_its_bound_expect_the_next_parked_and_released_oldest_first(
+    own_engine: Engine,
+) -> None:
+    engine, tenant = own_engine, f"t-{secrets.token_hex(4)}"
+    # Given five due deliveries of a tenant, oldest first, two of them under way
+    due = [_due(engine, tenant, seconds_ago=50 - i) for i in range(5)]
+    first, second = (_claim(engine, d) for d in due[:2])
+    assert isinstance(first, deliveries.Claimed) and isinstance(second, deliveries.Claimed)
+    # When the third's message comes, expect it parked and nothing released
+    assert isinstance(_claim(engine, due[2]), deliveries.Busy)
+    assert _release(engine, tenant) == []
+    # When an attempt ends, expect the oldest waiting released, once
+    deliveries.record(engine, first, policy.Outcome(status_code=200), "delivered", 0)
+    assert _release(engine, tenant) == [(due[2], 1)]
+    assert _release(engine, tenant) == []
+    # When another message takes that slot first, expect the released one parked again
+    assert isinstance(_claim(engine, due[3]), deliveries.Claimed)
+    assert isinstance(_claim(engine, due[2]), deliveries.Busy)
+    # and released again, still first, once the next attempt ends
+    deliveries.record(engine, second, policy.Outcome(status_code=200), "delivered", 0)
+    assert _release(engine, tenant) == [(due[2], 1)]
+
+
+def test_given_deliveries_waiting_past_their_time_expect_the_sweep_to_fill_free_slots_only(
+    settings: Settings, own_engine: Engine, idle_producer: Celery
+) -> None:
+    engine = own_engine
+    bounded = settings.model_copy(update={"webhook_max_inflight_per_tenant": MAX_INFLIGHT})
+    hooks = Webhooks(idle_producer, bounded, lambda: engine)
+    # Given a tenant at its bound with deliveries parked for minutes (its attempts in flight
+    # release them), and a tenant with none in flight whose releases were lost
+    busy, idle = f"t-{secrets.token_hex(4)}", f"t-{secrets.token_hex(4)}"
+    for delivery_id in [_due(engine, busy, seconds_ago=300 - i) for i in range(MAX_INFLIGHT)]:
+        assert isinstance(_claim(engine, delivery_id), deliveries.Claimed)
+    for i in range(3):
+        _due(engine, busy, seconds_ago=200 - i)
+    idle_due = [_due(engine, idle, seconds_ago=200 - i) for i in range(3)]
+    # When the sweep runs, expect only the idle tenant's oldest published, one per free slot
+    assert hooks.sweep()["republished"] == MAX_INFLIGHT
+    assert _release(engine, idle) == [] and _release(engine, busy) == []
+    with engine.connect() as conn:
+        marked = conn.execute(
+            select(deliveries_table.c.id)
+            .where(
+                deliveries_table.c.status == "pending", deliveries_table.c.lease_until > func.now()
+            )
+            .order_by(deliveries_table.c.next_attempt_at)
+        ).scalars()
+        assert list(marked) == idle_due[:MAX_INFLIGHT]
+
+
+def _due(engine: Engine, tenant: str, *, seconds_ago: float) -> uuid.UUID:
+    return a_delivery_row(
+        engine,
+        body_expires_in=timedelta(hours=1),
+        tenant=tenant,
+        due_for=timedelta(seconds=seconds_ago),
+    )
+
+
+def _claim(engine: Engine, delivery_id: uuid.UUID) -> deliveries.Claimed | deliveries.Busy | None:
+    return deliveries.claim(engine, delivery_id, 1, lease_s=30, max_inflight=MAX_INFLIGHT)
+
+
+def _release(engine: Engine, tenant: str) -> list[tuple[uuid.UUID, int]]:
+    return deliveries.release(engine, tenant, max_inflight=MAX_INFLIGHT)

@@ -6,12 +6,16 @@ countdown; a long one is left to the sweep, because a Redis broker hands an unac
 countdown message out again after its visibility timeout and a worker holds every countdown
 message in memory until it is due. The sweep also finds messages that were lost; a duplicate
 finds its attempt already taken.
+
+A tenant's due deliveries beyond its slots free wait in Postgres, not on the queue: a fanout
+publishes no more than its slots free, a message that finds them all taken is dropped (the
+delivery parked), and each attempt that ends publishes the tenant's next due delivery
+(``deliveries.release``). So the queue holds a few messages per tenant, whatever its backlog.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -46,8 +50,6 @@ PROGRESS_CACHE_S = 5.0
 INFRA_RETRY_S = 2
 # An attempt ends by its deadline (the timeout); its lease adds room for the database writes.
 LEASE_MARGIN_S = 30.0
-# A tenant at its bound of attempts in flight: its next one is tried again after 1-2 times this.
-BUSY_DEFER_S = 1.0
 PROGRESS_CACHE_MAX = 10_000
 
 
@@ -84,12 +86,18 @@ class Webhooks:
             send_announce(self.app, task_id, PROGRESS)
 
     def fanout(self, task_id: str, event_type: str) -> int:
-        waiting = fanout.fanout(self.engine(), uuid.UUID(task_id), event_type, self.settings)
+        written = fanout.fanout(self.engine(), uuid.UUID(task_id), event_type, self.settings)
+        if written is None:
+            return 0
         first_s = self.settings.webhook_schedule_s[0]
-        if first_s <= COUNTDOWN_MAX_S:
-            for delivery_id in waiting:
+        if first_s == 0:
+            self._release(written.tenant)
+        elif first_s <= COUNTDOWN_MAX_S:
+            # Not due yet, so none can be released: each gets its countdown message, and
+            # one that finds its tenant's slots taken is parked (it costs one claim, once).
+            for delivery_id in written.waiting:
                 send_deliver(self.app, delivery_id, 1, first_s)
-        return len(waiting)
+        return len(written.waiting)
 
     def deliver(self, delivery_id: str, attempt: int) -> str:
         """Attempt ``attempt`` of a delivery; returns the delivery's status after it."""
@@ -102,9 +110,9 @@ class Webhooks:
             max_inflight=self.settings.webhook_max_inflight_per_tenant,
         )
         if isinstance(claimed, deliveries.Busy):
-            # Its tenant holds its share of the slots: this waits, others' attempts go on.
-            send_deliver(self.app, did, attempt, BUSY_DEFER_S * random.uniform(1, 2))
-            return "deferred"
+            # Its tenant holds its share of the slots: the delivery waits in Postgres until
+            # one of them ends and releases it; others' attempts go on.
+            return "parked"
         if claimed is None:
             early_by = deliveries.due_in_s(self.engine(), did, attempt)
             if early_by is None:
@@ -125,7 +133,17 @@ class Webhooks:
         log.info("delivery %s attempt %d: %s (%s)", did, attempt, status, outcome.status_code)
         if status == policy.PENDING and retry_in_s <= COUNTDOWN_MAX_S:
             send_deliver(self.app, did, attempt + 1, retry_in_s)
+        self._release(claimed.tenant)
         return status
+
+    def _release(self, tenant: str) -> int:
+        """Publish the tenant's oldest due deliveries, as many as it has slots free."""
+        released = deliveries.release(
+            self.engine(), tenant, max_inflight=self.settings.webhook_max_inflight_per_tenant
+        )
+        for delivery_id, attempt in released:
+            send_deliver(self.app, delivery_id, attempt)
+        return len(released)
 
     def _send(self, claimed: deliveries.Claimed) -> policy.Outcome:
         if claimed.disabled:
@@ -149,18 +167,23 @@ class Webhooks:
         )
 
     def sweep(self) -> dict[str, int]:
-        """Take back attempts that never reported, publish deliveries whose message was lost,
-        remove bodies whose task expired, drop deliveries past their retention."""
+        """Take back attempts that never reported, release what waits past its time (a
+        message or a release was lost), remove bodies whose task expired, drop deliveries
+        past their retention."""
         engine = self.engine()
         lost = upkeep.take_back_lost(engine, limit=SWEEP_BATCH)
-        stranded = upkeep.stranded(engine, grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
-        for delivery_id, attempt in [*lost, *stranded]:
+        for delivery_id, attempt in lost:
             send_deliver(self.app, delivery_id, attempt)
+        stranded = upkeep.stranded(engine, grace_s=SWEEP_GRACE_S, limit=SWEEP_BATCH)
+        # Not each of them: a tenant at its bound has them parked, and its attempts in
+        # flight release them as they end.
+        tenants = deliveries.tenants_of(engine, [delivery_id for delivery_id, _ in stranded])
+        republished = sum(self._release(tenant) for tenant in tenants)
         bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH)
         purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH)
         return {
             "lost": len(lost),
-            "republished": len(stranded),
+            "republished": republished,
             "bodies_purged": bodies,
             "purged": purged,
         }
