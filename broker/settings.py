@@ -137,8 +137,9 @@ class Settings(BaseSettings):
     webhook_max_per_tenant: int = Field(50, gt=0)
 
     # Hostile tenants. A tenant's attempts in flight at once, over all webhooks workers; its
-    # next ones wait a second or two instead of taking a slot, so other tenants' go on. The
-    # webhooks worker needs more processes than this (docker-compose runs 8).
+    # other due ones wait in Postgres (parked) until one of them ends and releases the next,
+    # so other tenants' go on. The webhooks worker needs more processes than this
+    # (docker-compose runs 8).
     webhook_max_inflight_per_tenant: int = Field(4, gt=0)
 
     # Sessions: the idle TTL a new one gets (every write extends it), its ceiling, the most
