@@ -28,7 +28,7 @@ from broker.db.engines import LoopConnection, ThreadConnection, sync_engine
 from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.grouping import Grouped, ThreadGrouped
 from broker.observability import logs, metrics
-from broker.outages import AGENT_TRANSIENT_ERRORS
+from broker.outages import AGENT_TRANSIENT_ERRORS, INFRASTRUCTURE_ERRORS
 from broker.registry import leases, schemas
 from broker.registry.model import capability_of, home_queue
 from broker.settings import Settings
@@ -49,6 +49,11 @@ THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 REFUSED_BACK_S = 0.5  # a task a private card refused waits this long to be taken again
+# The waits before each new try of a final write while Postgres is away. The handler's outcome
+# exists only in this process: lost, the message came again, found the task running and was
+# skipped, and the task was recovered as lost (run again, or worker_lost) or, on the bridge,
+# stayed running. About 18 s in all, inside a lease.
+FINISH_RETRY_S = (0.1, 0.5, 2.0, 5.0, 10.0)
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -177,7 +182,27 @@ class Runner:
         """Write a final state (grouped with others in flight), then announce it."""
         self._connect()
         assert self._finishes is not None
-        return self.finalize(self._finishes(finish))
+        retried = False
+        for wait_s in FINISH_RETRY_S:
+            try:
+                row = self._finishes(finish)
+            except INFRASTRUCTURE_ERRORS as exc:
+                _final_write_failed(finish, exc, wait_s)
+                time.sleep(wait_s)
+                retried = True
+                continue
+            return self.finalize(row if row or not retried else self._written_before(finish))
+        row = self._finishes(finish)  # the last try: its error is the caller's
+        return self.finalize(row or self._written_before(finish))
+
+    def _written_before(self, finish: Finish) -> TaskRow | None:
+        """The row a try of ``finish`` whose answer was lost (the connection broke after its
+        commit) wrote: final, by its move, at its attempt. None when another move made the
+        task final (a cancel, which announced it)."""
+        row = execution.final_row(self.engine, finish.task_id)
+        if row is None or row["status"] != finish.move.target:
+            return None
+        return row if finish.attempt is None or row["attempts"] == finish.attempt else None
 
     def _claim_many(self, claims: list[Claim]) -> list[Claimed | None]:
         self._connect()
@@ -457,7 +482,7 @@ class Runner:
     async def finish_async(self, finish: Finish) -> str:
         """``finish`` from the event loop (``run_async``)."""
         assert self._afinishes is not None and self._aevents is not None
-        row = await self._afinishes(finish)
+        row = await self._final_row_async(finish)
         if row is None:
             return "skipped"
         self._finished(row)
@@ -468,6 +493,24 @@ class Runner:
         # a task with a callback or whose tenant subscribes (the row says which): one short
         # Redis call then, where a thread for every task's hooks would cost more CPU.
         return self._hooks(row)
+
+    async def _final_row_async(self, finish: Finish) -> TaskRow | None:
+        """The row ``finish`` wrote, tried again while Postgres is away (as ``finish``)."""
+        assert self._afinishes is not None
+        retried = False
+        for wait_s in FINISH_RETRY_S:
+            try:
+                row = await self._afinishes(finish)
+            except INFRASTRUCTURE_ERRORS as exc:
+                _final_write_failed(finish, exc, wait_s)
+                await asyncio.sleep(wait_s)
+                retried = True
+                continue
+            if row is None and retried:
+                return await asyncio.to_thread(self._written_before, finish)
+            return row
+        row = await self._afinishes(finish)  # the last try: its error is the caller's
+        return row or await asyncio.to_thread(self._written_before, finish)
 
     def _finished(self, row: TaskRow) -> None:
         if self._crash_after_finish and capability_of(row["queue"]) in self._crash_after_finish:
@@ -671,6 +714,10 @@ class Running:
         assert self._append_async is not None and self._sent_here is not None
         await self._sent_here.wait()
         await self._append_async(event_type, data)
+
+
+def _final_write_failed(finish: Finish, exc: BaseException, wait_s: float) -> None:
+    log.warning("task %s: its final write failed (%r); again in %gs", finish.task_id, exc, wait_s)
 
 
 def _claim_of(tid: uuid.UUID, spec: CapabilitySpec, instance: str) -> Claim:

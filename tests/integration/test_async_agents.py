@@ -11,12 +11,15 @@ import signal
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import redis
 from celery import Celery
+from sqlalchemy import Engine, create_engine, text
 
 from broker.settings import Settings
 from broker.tasks import events
@@ -413,6 +416,73 @@ def test_a_run_that_fails_before_its_claim_takes_celerys_way_and_runs_once(
     assert {(d["status"], d["attempts"]) for d in done.values()} == {("succeeded", 1)}
     assert {runs(redis_url, t) for t in ids} == {1}
     assert (log_dir / f"{name}.log").read_text().count("the direct path failed") >= 5
+
+
+@pytest.mark.parametrize("queue", ["test.async-once", "test.sync-idem"])
+def test_a_final_write_that_finds_postgres_gone_is_written_once_it_is_back(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    engine: Engine,
+    queue: str,
+) -> None:
+    """A handler's outcome exists only in its process. A final write that found Postgres
+    gone (a restart, a failover) was lost: the message came again, found the task running,
+    and the task ended worker_lost, or ran again if idempotent. Now the write is tried again
+    until Postgres answers: the task ends with its one run's result."""
+    name = f"finish-retry-{queue}"
+    worker = start_worker(settings, queue, name, log_dir, concurrency=10, pool="threads")
+    log = log_dir / f"{name}.log"
+    try:
+        task_id = submit(client, queue, {"sleep_s": 3})
+        wait_for_task(client, task_id, {"running"})
+        # When Postgres takes no connection (the API keeps the ones it holds) and the
+        # worker's are cut, while its task runs
+        with connections_refused(engine):
+            assert terminate_backends_of(engine, worker.pid) > 0
+            eventually(lambda: "its final write failed" in log.read_text(), "a failed final write")
+        done = wait_for_task(client, task_id, FINAL)
+    finally:
+        worker.stop()
+    # Then, once it takes them again, the task ends as its one run did
+    assert (done["status"], done["attempts"]) == ("succeeded", 1), done
+    assert runs(redis_url, task_id) == 1
+
+
+@contextmanager
+def connections_refused(engine: Engine) -> Iterator[None]:
+    """While inside, the test's database takes no new connection, from anyone."""
+    database = engine.url.database
+    admin = create_engine(engine.url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false'))
+        try:
+            yield
+        finally:
+            with admin.connect() as conn:
+                conn.execute(text(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true'))
+    finally:
+        admin.dispose()
+
+
+def terminate_backends_of(engine: Engine, pid: int) -> int:
+    """Ends the Postgres sessions of process ``pid`` (by its sockets' ports); how many."""
+    ports = [
+        c.laddr.port
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == engine.url.port
+    ]
+    with engine.connect() as conn:
+        ended = conn.execute(
+            text(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE client_port = ANY(:ports)"
+            ),
+            {"ports": ports},
+        ).scalar_one()
+    return int(ended)
 
 
 @pytest.mark.timeout(400)
