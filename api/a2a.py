@@ -78,6 +78,7 @@ from broker.registry import cards
 from broker.remote.a2a_json import to_json
 from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
+from broker.tasks.events import OUTPUT
 from broker.tasks.resource import FINAL, TaskRow, render
 from broker.tenancy.keys import Principal
 from broker.webhooks.subscriptions import set_callback, vet_callback
@@ -242,12 +243,13 @@ class ReachRequestHandler(RequestHandler):
         if row["status"] in FINAL:
             raise UnsupportedOperationError(message=f"the task is already {row['status']}")
         with self._stream_slot(context):
-            log = await self.svc.hub.read_log(str(row["id"]), 0)
+            # Where the log stands and its outputs so far, without holding a long log whole
+            # for as long as the stream lasts.
+            after, outputs = await self.svc.hub.tally(str(row["id"]), OUTPUT)
             rendered = render(row)
             yield mapping.task_of(rendered)
-            after = log[-1].seq if log else 0
             mapper = mapping.EventMapper(rendered["task_id"], rendered.get("session_id") or "")
-            mapper.outputs = sum(1 for event in log if event.type == "output")
+            mapper.outputs = outputs
             async for event in self._events(caller, rendered, after=after, mapper=mapper):
                 yield event
 

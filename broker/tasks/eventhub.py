@@ -142,6 +142,17 @@ class EventHub:
         entries = await self.redis.xrange(log_key(task_id), min=f"(0-{after}", max="+", count=count)
         return parse_entries(entries)
 
+    async def tally(self, task_id: str, event_type: str) -> tuple[int, int]:
+        """The log's last ``seq`` and how many of its events are of ``event_type``, read a page
+        at a time: a long log is never held whole."""
+        last = count = 0
+        while True:
+            page = await self.read_log(task_id, last, LOG_PAGE)
+            count += sum(1 for event in page if event.type == event_type)
+            last = page[-1].seq if page else last
+            if len(page) < LOG_PAGE:
+                return last, count
+
     async def events(
         self,
         task_id: str,

@@ -111,6 +111,10 @@ def test_a_stream_of_a_long_log_reads_it_a_page_at_a_time_in_order_from_where_it
             # resumed after event 120: from 121 on, none twice
             resumed = [e.seq async for e in hub.events(task_id, after=120) if e is not None]
             assert resumed == list(range(121, n + 2))
+            # and where the log stands, counted a page at a time (an A2A resubscription's)
+            client.asked = []
+            assert await hub.tally(task_id, events.OUTPUT) == (n + 1, n)
+            assert client.asked == [LOG_PAGE] * 3
         finally:
             await hub.close()
             await client.aclose()
