@@ -1,6 +1,6 @@
 """Who is calling: keys looked up in Postgres and kept in memory for a while, the tenant of
-each key already verified, a per-address budget for lookups that find nothing, and the key
-of a long answer (a stream, a wait) looked at again while the answer lasts."""
+each key already verified, per-address and per-tenant budgets (lookups that find nothing,
+requests), and the key of a long answer (a stream, a wait) looked at again while it lasts."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class KeyCache:
     key is refused only while its address is over that budget."""
 
     ttl_s: float
-    lookups: PerClientBudget
+    lookups: Budget
     _entries: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
 
     async def get(
@@ -109,27 +109,36 @@ class KeyWatch:
 
 
 @dataclass
-class PerClientBudget:
-    """A token bucket per client address, in this process: ``rate_per_s`` with a burst of
-    twice that. ``check`` refuses (RateLimited) when the address has none left; ``spend``
-    takes one. Bounded memory: the table is cleared when it is full."""
+class Budget:
+    """A token bucket per name (a client address, a tenant), in this process: ``rate_per_s``
+    with a burst of twice that. ``check`` refuses (429 ``rate_limited``, counted under
+    ``reason``) when the name has none left; ``spend`` takes one; ``take`` does both. Bounded
+    memory: the table is cleared when it is full."""
 
     rate_per_s: float
-    MAX_CLIENTS = 10_000
+    reason: str
+    refusal: str
+    MAX_NAMES = 10_000
     _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def check(self, client: str) -> None:
-        if self._tokens(client)[0] < 1:
-            metrics.rejections.labels("auth_lookups").inc()
-            raise RateLimited("too many unknown API keys from this address", retry_after_s=1)
+    def check(self, name: str) -> None:
+        tokens = self._tokens(name)[0]
+        if tokens < 1:
+            metrics.rejections.labels(self.reason).inc()
+            wait_s = (1 - tokens) / self.rate_per_s
+            raise RateLimited(self.refusal, retry_after_s=max(1, round(wait_s + 0.5)))
 
-    def spend(self, client: str) -> None:
-        tokens, now = self._tokens(client)
-        if len(self._buckets) >= self.MAX_CLIENTS and client not in self._buckets:
+    def spend(self, name: str) -> None:
+        tokens, now = self._tokens(name)
+        if len(self._buckets) >= self.MAX_NAMES and name not in self._buckets:
             self._buckets.clear()
-        self._buckets[client] = (tokens - 1, now)
+        self._buckets[name] = (tokens - 1, now)
 
-    def _tokens(self, client: str) -> tuple[float, float]:
+    def take(self, name: str) -> None:
+        self.check(name)
+        self.spend(name)
+
+    def _tokens(self, name: str) -> tuple[float, float]:
         burst, now = 2 * self.rate_per_s, time.monotonic()
-        tokens, at = self._buckets.get(client, (burst, now))
+        tokens, at = self._buckets.get(name, (burst, now))
         return min(burst, tokens + (now - at) * self.rate_per_s), now

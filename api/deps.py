@@ -30,6 +30,7 @@ async def authenticate(request: Request) -> Principal:
     if row is None or not secret_matches(secret, row["secret_hash"]):
         raise Unauthenticated("the API key is not valid")
     state.tenant_of_key.remember(key_id, row["tenant"])
+    state.requests.take(row["tenant"])
     return Principal(
         key_id=key_id,
         tenant=row["tenant"],

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.callers import KeyCache, PerClientBudget, TenantOfKey
+from api.callers import Budget, KeyCache, TenantOfKey
 from api.sse import StreamSlots
 from broker import redisclients
 from broker.cache import TimedCache
@@ -46,6 +46,8 @@ class Services:
     dispatcher: Dispatcher
     inserter: GroupInsert
     key_cache: KeyCache
+    # Every authenticated request of a tenant takes one of its tokens here (in this process).
+    requests: Budget
     tenant_of_key: TenantOfKey
     lookups: HostLookups
     card_cache: TimedCache
@@ -103,7 +105,17 @@ class Services:
             dispatcher=dispatcher,
             inserter=intake.inserter,
             key_cache=KeyCache(
-                ttl_s=settings.key_cache_s, lookups=PerClientBudget(settings.auth_lookups_per_s)
+                ttl_s=settings.key_cache_s,
+                lookups=Budget(
+                    settings.auth_lookups_per_s,
+                    reason="auth_lookups",
+                    refusal="too many unknown API keys from this address",
+                ),
+            ),
+            requests=Budget(
+                settings.request_rate_per_s,
+                reason="request_rate",
+                refusal=f"more than {settings.request_rate_per_s:g} requests/s for this tenant",
             ),
             tenant_of_key=TenantOfKey(),
             lookups=intake.lookups,

@@ -71,6 +71,7 @@ def running_stack(
         # Everything else runs with its defaults.
         REACH_RATE_LIMIT_PER_S=str(RATE_LIMIT_OFF),
         REACH_RATE_LIMIT_BURST=str(RATE_LIMIT_OFF),
+        REACH_REQUEST_RATE_PER_S=str(RATE_LIMIT_OFF),
         REACH_MAX_QUEUE_SHARE="1",
         **env_values,
     )

@@ -85,6 +85,11 @@ class Settings(BaseSettings):
     rate_limit_per_s: float = Field(200.0, gt=0)
     rate_limit_burst: int = Field(400, gt=0)
     max_queue_depth: int = Field(10_000, gt=0)
+    # Requests of any kind (reads, streams, A2A and MCP calls too) per tenant and API process,
+    # with a burst of twice that; past it, 429 rate_limited before any query. Reads take no
+    # task token, and a cheap read flooded from many connections (a 404 costs one indexed
+    # query) took the process from every other tenant.
+    request_rate_per_s: float = Field(1000.0, gt=0)
     # Once a queue holds this share of max_queue_depth, a tenant holding that many of its
     # waiting tasks gets 429 too_many_queued: one tenant within its rate cannot fill a queue
     # every tenant shares (1: no share, first come first served up to the bound).

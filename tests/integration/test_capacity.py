@@ -358,7 +358,7 @@ def test_unknown_keys_cost_a_bounded_number_of_queries(
 
         event.listen(app.state.services.engine.sync_engine, "before_cursor_execute", record)
 
-    rate_per_s = 5.0  # a burst of twice that (api.callers.PerClientBudget)
+    rate_per_s = 5.0  # a burst of twice that (api.callers.Budget)
     api = stack_for(app_hook=counted, auth_lookups_per_s=rate_per_s, key_cache_s=60)
     _, valid = make_key()
     with httpx.Client(base_url=api.url) as http:
@@ -391,3 +391,43 @@ def test_unknown_keys_cost_a_bounded_number_of_queries(
     # At most the burst, plus the rate over the time the run took (however long that was)
     assert looked_up <= 2 * rate_per_s + rate_per_s * elapsed_s, (looked_up, elapsed_s)
     assert known == 200  # a key verified before is still served from memory
+
+
+def test_one_tenants_read_flood_is_refused_at_its_request_rate_and_another_still_reads(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+) -> None:
+    """Reads take no task token; before the request rate, a tenant's flood of cheap reads
+    from many connections took the process from every other tenant. Past its burst, its
+    requests are 429 before any query; another tenant's are answered."""
+    lookups: list[str] = []
+
+    def counted(app: Any) -> None:
+        def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if "page_candidates" in statement:  # a page of GET /tasks
+                lookups.append(statement)
+
+        event.listen(app.state.services.engine.sync_engine, "before_cursor_execute", record)
+
+    rate_per_s = 5.0  # a burst of twice that (api.callers.Budget)
+    api = stack_for(app_hook=counted, request_rate_per_s=rate_per_s)
+    _, hog = make_key()
+    _, other = make_key()
+    with httpx.Client(base_url=api.url) as http:
+        started = time.monotonic()
+        answers = [
+            http.get("/tasks", headers={"Authorization": f"Bearer {hog}"}) for _ in range(40)
+        ]
+        elapsed_s = time.monotonic() - started
+        read_by_hog = len(lookups)
+        others = http.get("/tasks", headers={"Authorization": f"Bearer {other}"})
+    statuses = [a.status_code for a in answers]
+    served = statuses.count(200)
+    print(f"40 reads in {elapsed_s:.2f} s: {served} answered, {statuses.count(429)} refused")
+    assert set(statuses) == {200, 429}
+    # The burst, plus the rate over the time the run took (however long that was)
+    assert 2 * rate_per_s <= served <= 2 * rate_per_s + rate_per_s * elapsed_s + 1
+    assert read_by_hog == served  # a refused read made no query
+    refused = answers[statuses.index(429)]
+    assert refused.json()["code"] == "rate_limited"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert others.status_code == 200
