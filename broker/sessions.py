@@ -196,6 +196,15 @@ async def list_live(
     return [render(SimpleNamespace(**row)) for row in rows], next_cursor
 
 
+def _nameable(session_id: str) -> str:
+    """``session_id`` when a session could have it; SessionNotFound otherwise, before any
+    query: a NUL (which Postgres refuses in text, a 422 as if the id were the caller's to
+    fix) or more characters than any id has."""
+    if len(session_id) > ID_MAX or "\x00" in session_id:
+        raise SessionNotFound("no such session")
+    return session_id
+
+
 def live(conn: Connection, tenant: str, session_id: str) -> Any:
     """The session's row while it is live and the tenant's; SessionNotFound otherwise. On a
     connection of either kind (async callers: ``AsyncConnection.run_sync``), like
@@ -203,7 +212,7 @@ def live(conn: Connection, tenant: str, session_id: str) -> Any:
     row = conn.execute(
         select(sessions).where(
             sessions.c.tenant == tenant,
-            sessions.c.id == session_id[:ID_MAX],
+            sessions.c.id == _nameable(session_id),
             sessions.c.expires_at > func.now(),
         )
     ).first()
@@ -341,7 +350,7 @@ async def remove(engine: AsyncEngine, tenant: str, session_id: str) -> None:
         gone = await conn.execute(
             delete(sessions).where(
                 sessions.c.tenant == tenant,
-                sessions.c.id == session_id[:ID_MAX],
+                sessions.c.id == _nameable(session_id),
                 sessions.c.expires_at > func.now(),
             )
         )

@@ -54,6 +54,14 @@ CapabilityName = Annotated[
 ADMIN = "Not an admin key (admin_required)"
 
 
+def _nameable(agent_id: str) -> str:
+    """``agent_id`` when an agent could have it; 404 ``agent_not_found`` otherwise, before
+    any query (a NUL reached Postgres, which refuses it in text: 422 ``invalid_data``)."""
+    if addresses.AGENT_ID.fullmatch(agent_id) is None:
+        raise NotFound("no such agent", code="agent_not_found")
+    return agent_id
+
+
 @router.get("/agents", response_model=AgentList, responses=answers(*AUTHENTICATED))
 async def list_agents(request: Request, caller: Caller) -> JSONResponse:
     """Every agent that advertised a card, with its instances and their state. A key other
@@ -72,7 +80,7 @@ async def list_agents(request: Request, caller: Caller) -> JSONResponse:
 async def get_agent(agent_id: AgentId, request: Request, caller: Caller) -> JSONResponse:
     """An agent's cards and instances: state and seconds since the last heartbeat."""
     state = services(request)
-    found = await views.agents(state.engine, state.redis, agent_id=agent_id)
+    found = await views.agents(state.engine, state.redis, agent_id=_nameable(agent_id))
     found = views.seen_by(found, caller)
     if not found:
         raise NotFound("no such agent", code="agent_not_found")
@@ -105,7 +113,7 @@ async def put_channel(
     state = services(request)
     raw = await read_json_body(request, CHANNEL_MAX_BYTES)
     weights = channels.parse_weights(jsonbody.parse(raw, max_depth=4))
-    answer = await channels.put(state.engine, agent_id, channel, weights)
+    answer = await channels.put(state.engine, _nameable(agent_id), channel, weights)
     policy.forget(state.card_cache)
     return JSONResponse(answer)
 
@@ -122,7 +130,7 @@ async def delete_channel(
     Admin only."""
     _require_admin(caller, "removing channels")
     state = services(request)
-    if not await channels.remove(state.engine, agent_id, channel):
+    if not await channels.remove(state.engine, _nameable(agent_id), channel):
         raise NotFound("no such channel of this agent", code="channel_not_found")
     policy.forget(state.card_cache)
     return Response(status_code=204)
@@ -142,7 +150,7 @@ async def revoke_version(
     _require_admin(caller, "revoking versions")
     state = services(request)
     answer = await revocations.revoke(
-        state.engine, state.redis, agent_id, version, by=caller.key_id
+        state.engine, state.redis, _nameable(agent_id), version, by=caller.key_id
     )
     policy.forget(state.card_cache)
     return JSONResponse(answer)
@@ -166,7 +174,7 @@ async def drain_instance(
     if not caller.is_admin:
         raise Forbidden("draining needs an admin key", code="admin_required")
     state = services(request)
-    if not await views.instance_exists(state.engine, agent_id, instance):
+    if not await views.instance_exists(state.engine, _nameable(agent_id), instance):
         raise NotFound("no such instance of this agent", code="instance_not_found")
     await state.redis.set(drain_key(instance), "1", ex=DRAIN_FLAG_TTL_S)
     return JSONResponse({"instance": instance, "drain": "requested"}, status_code=202)
@@ -230,7 +238,7 @@ async def deregister_agent(agent_id: AgentId, request: Request, caller: Caller) 
     if not caller.is_admin:
         raise Forbidden("removing agents needs an admin key", code="admin_required")
     state = services(request)
-    served = await registration.deregister(state.engine, agent_id)
+    served = await registration.deregister(state.engine, _nameable(agent_id))
     if served is None:
         raise NotFound("no such remote agent", code="agent_not_found")
     instance = registration.remote_instance(agent_id)

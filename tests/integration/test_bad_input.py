@@ -244,3 +244,49 @@ def test_an_unexpected_error_is_a_500_problem_with_the_headers_and_count_of_any_
     )
     counted = 'route="/broken",status="500"'
     assert any(counted in line and not line.endswith(" 0.0") for line in metrics.splitlines())
+
+
+UNNAMEABLE = ["ses_a%00b", "ses_" + "x" * 200]  # a NUL, longer than any id
+
+
+@pytest.mark.parametrize("session_id", UNNAMEABLE)
+def test_a_session_id_no_session_can_have_is_404_for_every_route(
+    client: httpx.Client, session_id: str
+) -> None:
+    """A NUL reached Postgres: 422 ``invalid_data``, as if the id were the caller's to fix."""
+    answers = {
+        "get": client.get(f"/sessions/{session_id}"),
+        "put": client.put(
+            f"/sessions/{session_id}", json={"state": {}}, headers={"If-Match": '"1"'}
+        ),
+        "patch": client.patch(
+            f"/sessions/{session_id}",
+            content=b'{"state": {"a": 1}}',
+            headers={"If-Match": '"1"', "Content-Type": "application/merge-patch+json"},
+        ),
+        "delete": client.delete(f"/sessions/{session_id}"),
+        "revisions": client.get(f"/sessions/{session_id}/revisions"),
+    }
+    for route, answer in answers.items():
+        assert (route, answer.status_code, answer.json()["code"]) == (
+            route,
+            404,
+            "session_not_found",
+        )
+
+
+@pytest.mark.parametrize("agent_id", ["a%00b", "x" * 65, "Upper"])
+def test_an_agent_id_no_agent_can_have_is_404(ops: httpx.Client, agent_id: str) -> None:
+    answers = {
+        "get": ops.get(f"/agents/{agent_id}"),
+        "delete": ops.delete(f"/agents/{agent_id}"),
+        "drain": ops.post(f"/agents/{agent_id}/instances/i1/drain"),
+        "revoke": ops.post(f"/agents/{agent_id}/versions/1.0.0/revoke"),
+        "channel": ops.delete(f"/agents/{agent_id}/channels/stable"),
+    }
+    for route, answer in answers.items():
+        assert (route, answer.status_code, answer.json()["code"]) == (
+            route,
+            404,
+            "agent_not_found",
+        )
