@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     # one maintenance process meanwhile, so the reaper keeps the other.
     janitor_budget_s: float = Field(10.0, gt=0)
     # Tasks of dead workers are found this often; queued tasks the broker lost are published
-    # again once they are sweep_after_s old and their queue is empty.
+    # again once they are sweep_after_s old and their message is not in their queue.
     reaper_interval_s: float = Field(5.0, gt=0)
     sweep_interval_s: float = Field(10.0, gt=0)
     sweep_after_s: float = Field(30.0, gt=0)

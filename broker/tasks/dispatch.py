@@ -180,6 +180,40 @@ def send_deliver(
     )
 
 
+# The most messages ``waiting_ids`` reads of one queue, and how many at a time.
+SCAN_MAX = 20_000
+SCAN_CHUNK = 1_000
+
+
+def waiting_ids(app: Celery, queue: str) -> set[str] | None:
+    """The ids of the tasks whose messages wait in ``queue``: a Redis broker's lists, read a
+    chunk at a time from the newest (a message pushed meanwhile may be read twice, none
+    that stays is missed). None on another broker, whose queue cannot be read without
+    taking its messages, or past ``SCAN_MAX`` messages."""
+    if not app.conf.broker_url.startswith(("redis://", "rediss://")):
+        return None
+    found: set[str] = set()
+    total = 0
+    with app.connection_for_read() as conn:
+        client = conn.default_channel.client
+        for key in redis_lists(queue):
+            start = 0
+            while True:
+                chunk = client.lrange(key, start, start + SCAN_CHUNK - 1)
+                start += len(chunk)
+                total += len(chunk)
+                if total > SCAN_MAX:
+                    return None
+                for raw in chunk:
+                    try:
+                        found.add(str(json.loads(raw)["headers"]["id"]))
+                    except (ValueError, KeyError, TypeError):
+                        continue  # not a task message: no id to find
+                if len(chunk) < SCAN_CHUNK:
+                    break
+    return found
+
+
 def queue_depths(app: Celery, queues: list[str]) -> dict[str, int]:
     """Messages waiting in each queue, as the broker counts them.
 

@@ -4,6 +4,7 @@ back-pressure, and nothing lost when workers die or the broker forgets."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import uuid
@@ -21,6 +22,7 @@ from api.app import create_app
 from broker.db.models import tasks_table
 from broker.settings import Settings
 from broker.tasks import events
+from broker.tasks.dispatch import Dispatcher, redis_lists, send_run
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.rows import a_task_row
@@ -585,6 +587,41 @@ def test_another_tenants_backlog_does_not_hide_a_lost_task_from_the_sweeper(
         with engine.begin() as conn:
             conn.execute(tasks_table.delete().where(tasks_table.c.tenant == hog))
     assert (done["status"], done["result"]) == ("succeeded", {"behind": "a backlog"})
+
+
+def test_a_lost_task_in_a_queue_where_other_messages_wait_is_published_again(
+    engine: Engine, settings: Settings, tenant: tuple[str, str], system_beat: CeleryProcess
+) -> None:
+    """The sweeper took a queue holding messages to hold the lost task's too: a tenant
+    keeping a queue busy delayed another's lost task until the queue drained."""
+    queue = f"test.busy-{uuid.uuid4().hex[:8]}"
+    dispatcher = Dispatcher(settings)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    task_id = None
+    try:
+        # Given a queue nobody serves, where another task's message waits
+        waiting = uuid.uuid4()
+        send_run(dispatcher.app, waiting, queue, trace_id=uuid.uuid4().hex)
+        # When a task of that queue, accepted a minute ago, has lost its message
+        task_id = a_task_row(engine, tenant=tenant[0], capability=queue, age=timedelta(minutes=1))
+        # Then the sweeper publishes it again, beside the message that waits
+        eventually(
+            lambda: {str(task_id), str(waiting)} <= _ids_waiting(broker, queue),
+            "the lost task's message published again",
+        )
+    finally:
+        broker.delete(*redis_lists(queue))
+        broker.close()
+        dispatcher.close()
+        if task_id is not None:
+            with engine.begin() as conn:
+                conn.execute(tasks_table.delete().where(tasks_table.c.id == task_id))
+
+
+def _ids_waiting(broker: redis.Redis, queue: str) -> set[str]:
+    """The task ids of the messages in ``queue``'s lists, as a worker would read them."""
+    raws = [raw for key in redis_lists(queue) for raw in broker.lrange(key, 0, -1)]
+    return {json.loads(raw)["headers"]["id"] for raw in raws}
 
 
 def queued_rows(engine: Engine, *, tenant: str, capability: str, count: int, age_s: int) -> None:

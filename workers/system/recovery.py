@@ -5,8 +5,10 @@
   otherwise it fails with ``worker_lost``, never running twice. Each loss counts as an
   attempt, so a task that crashes its worker every time ends ``failed`` instead of looping.
 - A queued task past its deadline is expired (its message may have expired in the broker).
-- A queued task whose queue is empty in the broker long after it was accepted (the API died
-  between commit and publish; Redis restarted without persistence) is published again. A
+- A queued task whose message is not in its queue long after it was accepted (the API died
+  between commit and publish; Redis restarted without persistence) is published again. On
+  a Redis broker the queue's waiting messages are read for it; on another, a queue that
+  holds messages is taken to hold it. A
   duplicate message is harmless: only one claim from ``queued`` can succeed. A session's turn
   that came due is published again even when its queue holds messages, if a worker dropped
   its message while it waited (``broker.tasks.turns``): once per message dropped. A turn
@@ -48,7 +50,7 @@ from broker.registry.model import (
     now_s,
 )
 from broker.tasks import events, execution, retry, turns
-from broker.tasks.dispatch import queue_depths
+from broker.tasks.dispatch import queue_depths, waiting_ids
 from broker.tasks.resource import QUEUED, task_error
 from workers.runner import Runner
 
@@ -124,13 +126,7 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
             republished += rehome(runner, queue)
             continue
         if queue_depths(app, [queue])[queue] > 0:
-            # Messages are waiting: these rows are most likely among them, but for a turn
-            # whose message was dropped while it waited.
-            rows = [
-                row
-                for row in rows
-                if row["session_id"] is not None and turns.take_dropped(runner.redis, row["id"])
-            ]
+            rows = _not_waiting(runner, app, queue, rows)
         for row in rows:
             if _first_republish(runner.redis, row["id"], older_than_s):
                 assert runner.republish is not None
@@ -139,6 +135,28 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
     if expired or republished or refused:
         log.warning("sweep: %d expired, %d republished, %d refused", expired, republished, refused)
     return {"expired": expired, "republished": republished, "refused": refused}
+
+
+def _not_waiting(
+    runner: Runner, app: Celery, queue: str, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The rows whose message is not among those waiting in ``queue``. On a Redis broker
+    the queue's messages are read (``dispatch.waiting_ids``): a tenant keeping a queue busy
+    used to delay another's lost task until the queue drained. Elsewhere (or past the
+    most messages read) these rows are most likely among them, but for a turn whose
+    message a worker dropped while it waited (``broker.tasks.turns``)."""
+    present = waiting_ids(app, queue)
+    if present is None:
+        return [
+            row
+            for row in rows
+            if row["session_id"] is not None and turns.take_dropped(runner.redis, row["id"])
+        ]
+    lost = [row for row in rows if str(row["id"]) not in present]
+    for row in lost:
+        if row["session_id"] is not None:
+            turns.take_dropped(runner.redis, row["id"])  # published again: that drop is seen
+    return lost
 
 
 def _ready(runner: Runner, instance: str | None) -> bool:
