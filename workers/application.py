@@ -117,15 +117,11 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     runner.republish = lambda task_id, queue, trace_id, deadline_at, countdown_s: send_run(
         app, task_id, queue, trace_id=trace_id, deadline_at=deadline_at, countdown_s=countdown_s
     )
-    app.steps["consumer"].add(
-        lease_step(
-            settings,
-            registry,
-            on_orphans=lambda rows: recovery.recover_lost(
-                runner, rows, "its pool process died while running it"
-            ),
-        )
+    # Tasks claimed under this worker's name that it no longer holds (``lease_keeper.orphans``)
+    app.reach_recover_orphans = lambda rows: recovery.recover_lost(
+        runner, rows, "its run ended without a final write, or its pool process died"
     )
+    app.steps["consumer"].add(lease_step(settings, registry, app.reach_recover_orphans))
 
     def drain_on_shutdown(**_: object) -> None:
         keeper = getattr(app, "reach_lease_keeper", None)

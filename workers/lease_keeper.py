@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from celery import bootsteps
+from sqlalchemy import Engine
 
 from broker import redisclients
 from broker.db.engines import sync_engine
@@ -133,15 +134,11 @@ class LeaseKeeper:
         the process died (kill -9, OOM) while the worker lives on, so no lease expires."""
         if self.on_orphans is None:
             return
-        from celery.worker import state
-
-        running = execution.running_tasks(
-            self.engine, instance=self.instance, started_before_s=2 * self.lease.renew_every_s
+        found = orphans(
+            self.engine, self.consumer, self.instance, started_before_s=2 * self.lease.renew_every_s
         )
-        held = {request.id for request in list(state.active_requests)} | self._direct_held()
-        orphans = [row for row in running if str(row["id"]) not in held]
-        if orphans:
-            self.on_orphans(orphans)
+        if found:
+            self.on_orphans(found)
 
     def renew(self) -> None:
         self.lease = replace(self.lease, heartbeat_at=now_s(), active=self._holding())
@@ -222,16 +219,32 @@ class LeaseKeeper:
         self._rehome_hinted()  # any routed here while the drain began
         log.info("%s: offline", self.instance)
 
-    def _direct_held(self) -> set[str]:
-        """The runs the pool holds without a Celery request (``workers.pool``)."""
-        direct = getattr(self.consumer.app, "reach_direct", None)
-        return direct.held() if direct is not None else set()
-
     def _holding(self) -> int:
         from celery.worker import state
 
-        held = {request.id for request in list(state.active_requests)} | self._direct_held()
-        return len(held) + len(state.reserved_requests)
+        return len(held(self.consumer)) + len(state.reserved_requests)
+
+
+def held(consumer: Any) -> set[str]:
+    """The ids of the tasks this worker process is running: Celery's requests, and the runs
+    the pool holds without one (``workers.pool``)."""
+    from celery.worker import state
+
+    direct = getattr(consumer.app, "reach_direct", None)
+    return {request.id for request in list(state.active_requests)} | (
+        direct.held() if direct is not None else set()
+    )
+
+
+def orphans(
+    engine: Engine, consumer: Any, instance: str, *, started_before_s: float
+) -> list[dict[str, Any]]:
+    """The tasks running under ``instance`` (claimed at least ``started_before_s`` ago) that
+    this process does not hold: its run ended without a final write, or the pool process
+    running it died, while the worker lives on, so no lease expires for them."""
+    running = execution.running_tasks(engine, instance=instance, started_before_s=started_before_s)
+    holding = held(consumer)
+    return [row for row in running if str(row["id"]) not in holding]
 
 
 def _ready(spec: CapabilitySpec) -> bool:

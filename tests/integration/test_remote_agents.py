@@ -9,19 +9,22 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, func, select
 from standardwebhooks import Webhook
 
+from broker.db.models import tasks_table
 from broker.registry import leases
 from broker.registry.model import (
     OFFLINE,
@@ -42,6 +45,7 @@ from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.remote import (
     assert_refused_once_its_lease_is_gone,
     events_of,
+    start_bridge,
     wait_routed,
 )
 from tests.integration.rows import a_task_row
@@ -627,3 +631,60 @@ def test_an_agents_error_that_postgres_cannot_store_as_given_still_ends_its_task
             assert done["error"]["message"] == "m\ufffd"
         finally:
             ops.delete("/agents/remote-unstorable")
+
+
+def test_a_call_the_bridge_no_longer_holds_ends_while_the_bridge_lives_on(
+    bridge: CeleryProcess, engine: Engine, caller: httpx.Client
+) -> None:
+    """A call whose final write failed past its retries (Postgres away) left its task
+    running for good: the bridge's own lease stays renewed, so the reaper never takes it.
+    The bridge now recovers what runs under its name and it does not hold."""
+    # Given a task claimed under the bridge's name a minute ago, that no call of it holds
+    task_id = a_task_row(engine, tenant="t-orphan", capability="test.remote-orphan")
+    with engine.begin() as conn:
+        conn.execute(
+            tasks_table.update()
+            .where(tasks_table.c.id == task_id)
+            .values(
+                status="running",
+                attempts=1,
+                instance=f"bridge@{socket.gethostname()}",
+                started_at=func.now() - timedelta(minutes=1),
+            )
+        )
+    # Then the bridge ends it: its agent is not idempotent, so it does not run again
+    with engine.connect() as conn:
+        ended = eventually(
+            lambda: conn.execute(
+                select(tasks_table.c.status, tasks_table.c.error).where(tasks_table.c.id == task_id)
+            ).one(),
+            "the orphaned call's task ended",
+            until=lambda row: row.status != "running",
+        )
+    assert ended.status == "failed"
+    assert ended.error["code"] == "worker_lost"
+
+
+def test_two_bridges_started_with_one_name_take_none_of_each_others_calls(
+    bridge: CeleryProcess,
+    caller: httpx.Client,
+    node: NodeAgent,
+    settings: Settings,
+    log_dir: Path,
+) -> None:
+    """Each takes the tasks running under its name that it does not hold for orphans, so two
+    bridges sharing a name would end each other's calls: they see the other renewing the
+    name's lease, and hold off."""
+    twin = start_bridge(settings, log_dir / "bridge-twin.log")
+    try:
+        eventually(
+            lambda: "another process renews" in bridge.output() + twin.output(),
+            "either bridge to see the other renewing its name",
+        )
+        text = " ".join(f"w{i}" for i in range(10))  # 3 s a call
+        tasks = [submit(caller, {"text": text, "delay_ms": 300}).json() for _ in range(6)]
+        final = {"succeeded", "failed", "cancelled", "expired"}
+        done = [wait_for_task(caller, t["task_id"], final) for t in tasks]
+    finally:
+        twin.stop()
+    assert [(d["status"], d["attempts"]) for d in done] == [("succeeded", 1)] * 6

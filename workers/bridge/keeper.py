@@ -13,7 +13,13 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
   lease and consumes its queues; once it does not, gives up both, so routing answers 503
   ``no_agent_available`` at once and queued tasks wait for it;
 - reads the revoked versions: a revoked agent's cards leave its lease and its queues are no
-  longer consumed (the renewal itself drops them too, ``leases.renew``).
+  longer consumed (the renewal itself drops them too, ``leases.renew``);
+- renews the bridge's own lease, and recovers the tasks claimed under its name that it no
+  longer holds (``lease_keeper.orphans``): a call whose final write failed past its retries
+  (Postgres away), while the bridge lives on, left its task running. Only while this process
+  is the only one renewing that name: two bridges started with the same ``-n`` would take
+  each other's calls for orphans, so then the check waits (with a warning), as the reaper
+  does for the name's lease.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from celery import bootsteps
 from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
-from broker.registry.model import OFFLINE, READY, Lease, now_s
+from broker.registry.model import OFFLINE, READY, Lease, lease_key, now_s
 from broker.remote import a2a_card
 from broker.remote.connections import no_cookies
 from broker.remote.health import Dampening, Health
@@ -42,6 +48,7 @@ from broker.remote.registration import A2A, HTTP, RemoteAgent, load_all, remote_
 from broker.settings import Settings
 from broker.webhooks.ssrf import Guard, HostUnresolved, UrlNotAllowed
 from workers.bridge.registry import RemoteRegistry
+from workers.lease_keeper import OrphanHandler, orphans
 
 log = logging.getLogger("reach.bridge")
 
@@ -60,8 +67,17 @@ def health_url(endpoint_url: str) -> str:
 
 
 class RemoteKeeper:
-    def __init__(self, consumer: Any, settings: Settings, registry: RemoteRegistry) -> None:
+    def __init__(
+        self,
+        consumer: Any,
+        settings: Settings,
+        registry: RemoteRegistry,
+        on_orphans: OrphanHandler | None = None,
+    ) -> None:
         self.consumer = consumer
+        self.on_orphans = on_orphans
+        # Whether this process alone renewed its name's lease since its last tick.
+        self.alone = False
         self.settings = settings
         self.registry = registry
         self.engine = sync_engine(settings, pool_size=1, max_overflow=1)
@@ -105,6 +121,7 @@ class RemoteKeeper:
 
     def tick(self) -> None:
         self._hold_own_lease()
+        self._find_orphans()
         agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol in (HTTP, A2A)}
         self.revoked = revocations.revoked_among(
             self.engine, [(a.agent_id, a.version) for a in agents.values()]
@@ -159,7 +176,29 @@ class RemoteKeeper:
             hostname=socket.gethostname(),
             pid=os.getpid(),
         )
+        before = self.redis.get(lease_key(own.instance))
+        mine = before is not None and _held_by(Lease.from_json(before), own)
+        if self.alone and not mine:
+            log.warning(
+                "another process renews %s's lease: start each bridge with a -n of its own;"
+                " orphaned calls are not recovered meanwhile",
+                own.instance,
+            )
+        self.alone = mine
         leases.renew(self.redis, own)
+
+    def _find_orphans(self) -> None:
+        if self.on_orphans is None or not self.alone:
+            return
+        interval = self.settings.remote_health_interval_s
+        found = orphans(
+            self.engine,
+            self.consumer,
+            self.consumer.hostname,
+            started_before_s=max(2.0, 2 * interval),
+        )
+        if found:
+            self.on_orphans(found)
 
     def _healthy(self, agent: RemoteAgent) -> bool:
         url = agent.url if agent.protocol == A2A else health_url(agent.url)
@@ -220,6 +259,15 @@ class RemoteKeeper:
         self.consumed = set(wanted)
 
 
+def _held_by(stored: Lease, own: Lease) -> bool:
+    """Whether the stored lease is this process's own, as its last renewal wrote it."""
+    return (stored.hostname, stored.pid, stored.started_at) == (
+        own.hostname,
+        own.pid,
+        own.started_at,
+    )
+
+
 def _queues(watched: Watched) -> list[str]:
     """The capability's (for a card of every tenant's), the card's and the agent's own queue
     (a hint) of each card (``CardRef.queues``)."""
@@ -239,7 +287,8 @@ def bridge_step(settings: Settings, registry: RemoteRegistry) -> type[bootsteps.
 
         def start(self, consumer: Any) -> None:
             if self.keeper is None:
-                self.keeper = RemoteKeeper(consumer, settings, registry)
+                recover = getattr(consumer.app, "reach_recover_orphans", None)
+                self.keeper = RemoteKeeper(consumer, settings, registry, recover)
                 consumer.app.reach_bridge_keeper = self.keeper
                 self.keeper.start()
 
