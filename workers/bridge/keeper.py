@@ -17,9 +17,10 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
 - renews the bridge's own lease, and recovers the tasks claimed under its name that it no
   longer holds (``lease_keeper.orphans``): a call whose final write failed past its retries
   (Postgres away), while the bridge lives on, left its task running. Only while this process
-  is the only one renewing that name: two bridges started with the same ``-n`` would take
-  each other's calls for orphans, so then the check waits (with a warning), as the reaper
-  does for the name's lease.
+  is the only one alive under that name (``_alone``): two bridges started with the same
+  ``-n`` would take each other's calls for orphans, so then the check waits (with a
+  warning). Once a process of the name is gone for good (a restart after kill -9), its
+  calls are recovered here after the lease's TTL.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from celery import bootsteps
 from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
-from broker.registry.model import OFFLINE, READY, Lease, lease_key, now_s
+from broker.registry.model import OFFLINE, READY, Lease, now_s
 from broker.remote import a2a_card
 from broker.remote.connections import no_cookies
 from broker.remote.health import Dampening, Health
@@ -51,6 +52,8 @@ from workers.bridge.registry import RemoteRegistry
 from workers.lease_keeper import OrphanHandler, orphans
 
 log = logging.getLogger("reach.bridge")
+# Per bridge name: each process running under it, and when it last said so.
+PROCESSES_PREFIX = "reach:bridge:processes:"
 
 
 @dataclass
@@ -176,16 +179,32 @@ class RemoteKeeper:
             hostname=socket.gethostname(),
             pid=os.getpid(),
         )
-        before = self.redis.get(lease_key(own.instance))
-        mine = before is not None and _held_by(Lease.from_json(before), own)
-        if self.alone and not mine:
+        alone = self._alone(own)
+        if self.alone and not alone:
             log.warning(
                 "another process renews %s's lease: start each bridge with a -n of its own;"
                 " orphaned calls are not recovered meanwhile",
                 own.instance,
             )
-        self.alone = mine
+        self.alone = alone
         leases.renew(self.redis, own)
+
+    def _alone(self, own: Lease) -> bool:
+        """Whether this process alone is alive under its name: each process of a name
+        stamps its own entry of the name's roll every tick and reads the others'; one
+        stamped within the lease's TTL is alive (a process that stopped for good, or the
+        one before a restart, stops counting after the TTL)."""
+        key = f"{PROCESSES_PREFIX}{own.instance}"
+        me = f"{own.hostname}:{own.pid}:{own.started_at}"
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, me, own.heartbeat_at)
+            pipe.pexpire(key, int(2000 * own.lease_ttl_s))
+            pipe.hgetall(key)
+            roll = pipe.execute()[2]
+        stale = [k for k, at in roll.items() if own.heartbeat_at - float(at) > own.lease_ttl_s]
+        if stale:
+            self.redis.hdel(key, *stale)
+        return all(k.decode() == me for k in roll if k not in stale)
 
     def _find_orphans(self) -> None:
         if self.on_orphans is None or not self.alone:
@@ -257,15 +276,6 @@ class RemoteKeeper:
         for queue in self.consumed - wanted:
             self.consumer.call_soon(self.consumer.cancel_task_queue, queue)
         self.consumed = set(wanted)
-
-
-def _held_by(stored: Lease, own: Lease) -> bool:
-    """Whether the stored lease is this process's own, as its last renewal wrote it."""
-    return (stored.hostname, stored.pid, stored.started_at) == (
-        own.hostname,
-        own.pid,
-        own.started_at,
-    )
 
 
 def _queues(watched: Watched) -> list[str]:
