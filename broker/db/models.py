@@ -315,6 +315,18 @@ class CallbackSecret(Base):
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class WebhookBody(Base):
+    """A message body, stored once for every endpoint of one event of a task (fifty
+    subscriptions to a task's result store it once, not fifty times). It carries the task
+    resource, the result too, so it lives as long as the task: removed at ``expires_at``."""
+
+    __tablename__ = "webhook_bodies"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    body: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[datetime] = mapped_column(TZ, index=True)
+
+
 class WebhookDelivery(Base):
     """One message to one endpoint: the same body and webhook-id on every attempt.
 
@@ -333,8 +345,11 @@ class WebhookDelivery(Base):
     # One delivery per (task, event, endpoint) for final events, however often fanout runs.
     dedupe_key: Mapped[str | None] = mapped_column(String(128), unique=True)
     url: Mapped[str] = mapped_column(String(2048))
-    # It carries the task resource (the result too): NULL once the task has expired.
-    body: Mapped[str | None] = mapped_column(Text)
+    # Its body (``WebhookBody``), shared with the event's other endpoints: NULL once the
+    # task has expired.
+    body_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("webhook_bodies.id", ondelete="SET NULL")
+    )
     body_expires_at: Mapped[datetime] = mapped_column(TZ)
     trace_id: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))
@@ -369,7 +384,13 @@ class WebhookDelivery(Base):
         Index(
             "ix_webhook_deliveries_body_expires_at",
             "body_expires_at",
-            postgresql_where=text("body IS NOT NULL"),
+            postgresql_where=text("body_id IS NOT NULL"),
+        ),
+        # A body's removal finds the deliveries that name it (ON DELETE SET NULL).
+        Index(
+            "ix_webhook_deliveries_body_id",
+            "body_id",
+            postgresql_where=text("body_id IS NOT NULL"),
         ),
         # A tenant's attempts in flight are counted at every claim.
         Index(
@@ -413,6 +434,7 @@ api_keys_table = cast(Table, ApiKey.__table__)
 webhooks_table = cast(Table, Webhook.__table__)
 callback_secrets_table = cast(Table, CallbackSecret.__table__)
 webhook_deliveries_table = cast(Table, WebhookDelivery.__table__)
+webhook_bodies_table = cast(Table, WebhookBody.__table__)
 webhook_attempts_table = cast(Table, WebhookAttempt.__table__)
 
 

@@ -33,6 +33,7 @@ from sqlalchemy.dialects.postgresql import insert
 from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_attempts_table as attempts_log
+from broker.db.models import webhook_bodies_table as bodies
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
 from broker.facades import a2a
@@ -86,9 +87,14 @@ def _waiting() -> tuple[Any, ...]:
         deliveries.c.status == PENDING,
         deliveries.c.attempts < deliveries.c.final_attempt,
         deliveries.c.next_attempt_at <= func.now() + interval(EARLY_TOLERANCE_S),
-        deliveries.c.body.is_not(None),
+        deliveries.c.body_id.is_not(None),
         deliveries.c.body_expires_at > func.now(),
     )
+
+
+def _body_of_delivery() -> Any:
+    """The text of the delivery's body (``webhook_bodies``), as a column of its row."""
+    return select(bodies.c.body).where(bodies.c.id == deliveries.c.body_id).scalar_subquery()
 
 
 def _lock_tenant(conn: Connection, tenant: str) -> None:
@@ -134,7 +140,7 @@ def claim(
             update(deliveries)
             .where(*due)
             .values(status=SENDING, attempts=attempt, lease_until=func.now() + interval(lease_s))
-            .returning(*deliveries.c)
+            .returning(*deliveries.c, _body_of_delivery().label("body"))
         )
         row = conn.execute(query).first()
         if row is None:

@@ -63,7 +63,7 @@ async def page(
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Deliveries matching ``scope``, newest first, each with its attempts."""
     # Not the body: it carries the task's result, of any size, and the log never shows it.
-    shown = [c for c in deliveries.c if c.name != "body"]
+    shown = [c for c in deliveries.c if c.name != "body_id"]
     query = select(*shown).where(deliveries.c.tenant == tenant, scope)
     async with engine.connect() as conn:
         rows, next_cursor = await newest_first(
@@ -128,7 +128,7 @@ async def redeliver(
                 .where(
                     deliveries.c.id == delivery_id,
                     deliveries.c.status.in_((FAILED, DEAD)),
-                    deliveries.c.body.is_not(None),
+                    deliveries.c.body_id.is_not(None),
                 )
                 .values(
                     status=PENDING,

@@ -6,6 +6,10 @@ not deduplicated: each report is its own message.
 
 The worker publishes no more of what it wrote than the tenant has delivery slots free
 (``deliveries.release``); the rest wait in Postgres for an attempt of the tenant to end.
+
+An event's body is stored once, whatever the number of endpoints (``webhook_bodies``): each
+delivery names it. A final event's body has an id derived from the task and the event, so a
+fanout run again stores no second copy.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import as_task_row
 from broker.db.models import tasks_table as tasks
+from broker.db.models import webhook_bodies_table as bodies
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhooks_table as webhooks
 from broker.facades import a2a
@@ -48,12 +53,21 @@ def body_of(event_type: str, task: TaskRow, at: datetime) -> str:
     return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
 
 
-def _body_for(target: Target, task: TaskRow, body: str) -> str:
+def _a2a_push(target: Target, task: TaskRow) -> bool:
     """A task's own callback set as an A2A push config gets A2A's body; every other
     endpoint gets ``body_of``'s."""
-    if target[0] is None and a2a.is_push(task.get("callback")):
-        return a2a.push_body(render(task))
-    return body
+    return target[0] is None and a2a.is_push(task.get("callback"))
+
+
+# The ids of final events' bodies: one per (task, event, kind of body), however often the
+# event's fanout runs.
+_BODY_IDS = uuid.UUID("6f1d0c9e-4b7a-4d0e-9a51-2c3f8e7d6b10")
+
+
+def _body_id(task: TaskRow, event_type: str, kind: str) -> uuid.UUID:
+    if event_type == PROGRESS:  # each report is its own message
+        return new_task_id()
+    return uuid.uuid5(_BODY_IDS, f"{task['id']}:{event_type}:{kind}")
 
 
 def targets(conn: Connection, task: TaskRow, event_type: str) -> list[Target]:
@@ -96,9 +110,20 @@ def fanout(
         found = targets(conn, task, event_type)
         if not found:
             return None
-        body = body_of(event_type, task, now)
+        kinds = ["a2a" if _a2a_push(t, task) else "event" for t in found]
+        body_ids = {kind: _body_id(task, event_type, kind) for kind in set(kinds)}
+        texts = {
+            "event": lambda: body_of(event_type, task, now),
+            "a2a": lambda: a2a.push_body(render(task)),
+        }
+        stored = [
+            {"id": body_id, "body": texts[kind](), "expires_at": task["expires_at"]}
+            for kind, body_id in body_ids.items()
+        ]
+        conn.execute(insert(bodies).values(stored).on_conflict_do_nothing())
         values = [
-            _delivery(task, event_type, t, _body_for(t, task, body), now, settings) for t in found
+            _delivery(task, event_type, target, body_ids[kind], now, settings)
+            for target, kind in zip(found, kinds, strict=True)
         ]
         conn.execute(insert(deliveries).values(values).on_conflict_do_nothing())
         waiting = select(deliveries.c.id).where(
@@ -114,7 +139,7 @@ def _delivery(
     task: TaskRow,
     event_type: str,
     target: Target,
-    body: str,
+    body_id: uuid.UUID,
     now: datetime,
     settings: Settings,
 ) -> dict[str, Any]:
@@ -131,7 +156,7 @@ def _delivery(
         "event_type": event_type,
         "dedupe_key": dedupe,
         "url": url,
-        "body": body,
+        "body_id": body_id,
         # The body carries the task (its result too): it may not outlive it.
         "body_expires_at": task["expires_at"],
         "trace_id": task["trace_id"],

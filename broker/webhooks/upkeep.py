@@ -14,10 +14,11 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-from sqlalchemy import CTE, Engine, case, func, select, text, true, update
+from sqlalchemy import CTE, Engine, case, delete, exists, func, select, text, true, update
 from sqlalchemy.dialects.postgresql import insert
 
 from broker.db.models import webhook_attempts_table as attempts_log
+from broker.db.models import webhook_bodies_table as bodies
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.webhooks.deliveries import interval
 from broker.webhooks.policy import DEAD, FAILED, PENDING, SENDING
@@ -121,12 +122,14 @@ def _pending_tenants() -> CTE:
 
 def purge_expired_bodies(engine: Engine, *, batch: int, max_batches: int = 20) -> int:
     """Remove the bodies whose task has expired, in bounded batches (the attempts' log
-    stays). A delivery still waiting for an attempt is failed: there is nothing left to send.
-    One in flight is left to finish; the next sweep takes its body."""
+    stays); how many deliveries lost theirs and how many bodies went. A delivery still
+    waiting for an attempt is failed: there is nothing left to send. One in flight is left
+    to finish, and keeps its body; the next sweep takes it. A body goes once no delivery
+    names it (an event's endpoints share one)."""
     expired = (
         select(deliveries.c.id)
         .where(
-            deliveries.c.body.is_not(None),
+            deliveries.c.body_id.is_not(None),
             deliveries.c.body_expires_at <= func.now(),
             deliveries.c.status != SENDING,
         )
@@ -136,23 +139,35 @@ def purge_expired_bodies(engine: Engine, *, batch: int, max_batches: int = 20) -
         .scalar_subquery()
     )
     waiting = deliveries.c.status == PENDING
-    query = (
+    unnamed = (
         update(deliveries)
         .where(deliveries.c.id.in_(expired))
         .values(
-            body=None,
+            body_id=None,
             status=case((waiting, FAILED), else_=deliveries.c.status),
             finished_at=case((waiting, func.now()), else_=deliveries.c.finished_at),
             last_error=case((waiting, TASK_EXPIRED), else_=deliveries.c.last_error),
         )
     )
+    gone = (
+        select(bodies.c.id)
+        .where(
+            bodies.c.expires_at <= func.now(),
+            ~exists().where(deliveries.c.body_id == bodies.c.id),
+        )
+        .order_by(bodies.c.expires_at)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
     removed = 0
-    for _ in range(max_batches):
-        with engine.begin() as conn:
-            count = int(conn.execute(query).rowcount)
-        removed += count
-        if count < batch:
-            break
+    for statement in (unnamed, delete(bodies).where(bodies.c.id.in_(gone))):
+        for _ in range(max_batches):
+            with engine.begin() as conn:
+                count = int(conn.execute(statement).rowcount)
+            removed += count
+            if count < batch:
+                break
     return removed
 
 

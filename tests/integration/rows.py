@@ -9,10 +9,11 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, insert
+from sqlalchemy import Connection, Engine, insert
 
 from broker import jsonbody
 from broker.db.models import tasks_table
+from broker.db.models import webhook_bodies_table as bodies_table
 from broker.db.models import webhook_deliveries_table as deliveries_table
 
 
@@ -74,7 +75,6 @@ def a_delivery_row(
         "task_id": uuid.uuid4(),
         "event_type": "task.succeeded",
         "url": "http://127.0.0.1:9/hook",
-        "body": body,
         "body_expires_at": now + body_expires_in,
         "trace_id": secrets.token_hex(16),
         "status": "pending",
@@ -84,5 +84,13 @@ def a_delivery_row(
         "expires_at": now + timedelta(days=7),
     }
     with engine.begin() as conn:
+        values["body_id"] = a_body_row(conn, body, values["body_expires_at"])
         conn.execute(insert(deliveries_table).values(values))
     return delivery_id
+
+
+def a_body_row(conn: Connection, body: str, expires_at: datetime) -> uuid.UUID:
+    """A stored webhook body, as fanout writes one for an event's deliveries."""
+    body_id = uuid.uuid4()
+    conn.execute(insert(bodies_table).values(id=body_id, body=body, expires_at=expires_at))
+    return body_id

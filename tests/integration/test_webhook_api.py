@@ -19,6 +19,7 @@ from broker.tasks.resource import new_task_id
 from broker.webhooks.signing import new_secret
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.receiver import Receiver, Reply
+from tests.integration.rows import a_body_row
 from tests.integration.stack import ServedApp
 from tests.integration.webhook_client import finished, for_task, register, submit, wait_deliveries
 
@@ -218,7 +219,6 @@ def insert_lost_delivery(engine: Engine, tenant: str, webhook_id: str, url: str)
         "task_id": new_task_id(),
         "event_type": "task.succeeded",
         "url": url,
-        "body": body,
         "body_expires_at": now + timedelta(days=1),
         "trace_id": "0" * 31 + "1",
         "status": "pending",
@@ -227,5 +227,6 @@ def insert_lost_delivery(engine: Engine, tenant: str, webhook_id: str, url: str)
         "expires_at": now + timedelta(days=1),
     }
     with engine.begin() as conn:
+        row["body_id"] = a_body_row(conn, body, now + timedelta(days=1))
         conn.execute(insert(webhook_deliveries_table).values(**row))
     return did.hex

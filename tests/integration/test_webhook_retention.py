@@ -11,6 +11,7 @@ import httpx
 from sqlalchemy import Engine, select
 
 from broker.db.models import tasks_table as tasks
+from broker.db.models import webhook_bodies_table as bodies_table
 from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.webhooks import deliveries, upkeep
 from tests.eventually import eventually
@@ -21,7 +22,12 @@ from tests.integration.webhook_client import finished, register, submit, wait_de
 
 
 def stored(engine: Engine, delivery_id: str) -> dict[str, object]:
-    query = select(deliveries_table).where(deliveries_table.c.id == uuid.UUID(delivery_id))
+    """The delivery's row, with the text of its body (None once gone)."""
+    query = (
+        select(deliveries_table, bodies_table.c.body)
+        .outerjoin(bodies_table, bodies_table.c.id == deliveries_table.c.body_id)
+        .where(deliveries_table.c.id == uuid.UUID(delivery_id))
+    )
     with engine.connect() as conn:
         return dict(conn.execute(query).one()._mapping)
 
@@ -77,3 +83,53 @@ def test_given_a_waiting_delivery_whose_task_expired_expect_no_attempt_and_faile
     assert claimed is None
     assert row["body"] is None and row["status"] == "failed" and row["attempts"] == 0
     assert "expired" in str(row["last_error"])
+
+
+def test_an_events_body_is_stored_once_for_all_its_endpoints_and_goes_with_its_task(
+    client: httpx.Client, engine: Engine, system_beat: CeleryProcess
+) -> None:
+    """Each endpoint's delivery stored its own copy of the body, the task's result in it:
+    a tenant's 50 subscriptions to a 1 MiB result stored 50 MiB."""
+    secret = f"result-{secrets.token_hex(4)}"
+    with Receiver() as receiver:
+        # Given three subscriptions to the same event
+        hooks = [
+            register(client, f"{receiver.url}/{n}", events=["task.succeeded"])[0] for n in range(3)
+        ]
+        # When a task succeeds, its result held 2 s
+        task = submit(client, payload={"secret": secret}, result_ttl_s=2)
+        delivered = [
+            wait_deliveries(
+                client, f"/webhooks/{h['webhook_id']}/deliveries", finished("succeeded")
+            )[0]
+            for h in hooks
+        ]
+        received = [r.body for r in receiver.wait_for(3)]
+    # Expect every endpoint sent the whole body, and one body stored for the three
+    rows = [stored(engine, d["delivery_id"]) for d in delivered]
+    assert len({row["body_id"] for row in rows}) == 1
+    assert len(received) == 3 and all(secret.encode() in body for body in received)
+    with engine.connect() as conn:
+        copies = conn.execute(
+            select(bodies_table.c.id).where(bodies_table.c.body.contains(secret))
+        ).all()
+    assert len(copies) == 1
+    assert task["task_id"] in rows[0]["body"]
+    # And once the task expires, the body goes
+    eventually(
+        lambda: stored(engine, delivered[0]["delivery_id"]),
+        "the shared body gone with its task",
+        60,
+        0.2,
+        until=lambda row: row["body"] is None and row["body_id"] is None,
+    )
+    with engine.connect() as conn:
+        eventually(
+            lambda: conn.execute(
+                select(bodies_table.c.id).where(bodies_table.c.body.contains(secret))
+            ).all(),
+            "the body's row deleted",
+            60,
+            0.2,
+            until=lambda found: not found,
+        )

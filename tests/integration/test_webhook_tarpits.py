@@ -344,10 +344,13 @@ def test_given_another_tenants_backlog_of_lost_deliveries_expect_ours_sent_again
     with engine.begin() as conn:
         conn.execute(
             text(
-                "INSERT INTO webhook_deliveries (id, tenant, task_id, event_type, url, body,"
+                "WITH body AS (INSERT INTO webhook_bodies (id, body, expires_at)"
+                " VALUES (gen_random_uuid(), '{}', now() + interval '1 hour') RETURNING id)"
+                " INSERT INTO webhook_deliveries (id, tenant, task_id, event_type, url, body_id,"
                 " body_expires_at, trace_id, status, final_attempt, next_attempt_at, expires_at)"
                 " SELECT gen_random_uuid(), 'hog', gen_random_uuid(), 'task.succeeded',"
-                " 'http://127.0.0.1:9/hook', '{}', now() + interval '1 hour', md5(i::text),"
+                " 'http://127.0.0.1:9/hook', (SELECT id FROM body), now() + interval '1 hour',"
+                " md5(i::text),"
                 " 'pending', 3, now() - make_interval(secs => 600 - i / 100.0),"
                 " now() + interval '1 day' FROM generate_series(1, :count) AS i"
             ),
