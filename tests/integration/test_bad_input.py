@@ -267,12 +267,7 @@ def test_a_session_id_no_session_can_have_is_404_for_every_route(
         "delete": client.delete(f"/sessions/{session_id}"),
         "revisions": client.get(f"/sessions/{session_id}/revisions"),
     }
-    for route, answer in answers.items():
-        assert (route, answer.status_code, answer.json()["code"]) == (
-            route,
-            404,
-            "session_not_found",
-        )
+    assert_each_404(answers, "session_not_found")
 
 
 @pytest.mark.parametrize("agent_id", ["a%00b", "x" * 65, "Upper"])
@@ -284,9 +279,9 @@ def test_an_agent_id_no_agent_can_have_is_404(ops: httpx.Client, agent_id: str) 
         "revoke": ops.post(f"/agents/{agent_id}/versions/1.0.0/revoke"),
         "channel": ops.delete(f"/agents/{agent_id}/channels/stable"),
     }
-    for route, answer in answers.items():
-        assert (route, answer.status_code, answer.json()["code"]) == (
-            route,
-            404,
-            "agent_not_found",
-        )
+    assert_each_404(answers, "agent_not_found")
+
+
+def assert_each_404(answers: dict[str, httpx.Response], code: str) -> None:
+    seen = {route: (a.status_code, a.json()["code"]) for route, a in answers.items()}
+    assert seen == dict.fromkeys(answers, (404, code))
