@@ -82,6 +82,8 @@ def running_stack(
             str(BIN / "uvicorn"),
             "api.app:create_app_from_env",
             "--factory",
+            "--http",
+            "api.connections:Protocol",
             "--host",
             "127.0.0.1",
             "--port",

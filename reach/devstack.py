@@ -76,6 +76,8 @@ def _commands(port: int, flower_port: int, data_dir: Path, model_url: str) -> di
             str(bin_dir / "uvicorn"),
             "api.app:create_app_from_env",
             "--factory",
+            "--http",
+            "api.connections:Protocol",
             "--host",
             "127.0.0.1",
             "--port",

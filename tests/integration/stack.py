@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
 
+from api.connections import Protocol
 from broker.settings import Settings
 from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from tests.eventually import eventually
@@ -169,6 +170,7 @@ class ServedApp:
         # uvicorn would otherwise wait for them, and the app's background tasks outlive it.
         config = uvicorn.Config(
             app,
+            http=Protocol,
             host="127.0.0.1",
             port=self.port,
             log_level="warning",

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,12 +19,17 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from sqlalchemy import Engine, event, text
 
 from api.app import create_app
+from api.connections import SEND_BUFFER_BYTES
 from broker.settings import Settings
+from broker.tasks.events import OUTPUT, EventLog
 from broker.webhooks.ssrf import HostLookups
+from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker
+from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp
 
 QUEUED_ECHO = {"capability": "echo", "payload": {}, "queue_if_unavailable": True}
@@ -431,3 +437,53 @@ def test_one_tenants_read_flood_is_refused_at_its_request_rate_and_another_still
     assert refused.json()["code"] == "rate_limited"
     assert int(refused.headers["retry-after"]) >= 1
     assert others.status_code == 200
+
+
+def test_a_stream_nobody_reads_holds_a_bounded_kernel_send_buffer(
+    api: ServedApp, engine: Engine, make_key: KeyMaker, settings: Settings
+) -> None:
+    """Left to autotuning, the kernel held up to 4 MiB (``net.ipv4.tcp_wmem``) for each
+    connection whose client stopped reading: 1,000 of one tenant's streams, 3.7 GB of the
+    API process's memory. ``api.connections.Protocol`` bounds each connection's buffer."""
+    # Given a task whose log holds about 4 MB of output
+    tenant, token = make_key()
+    task_id = a_task_row(engine, tenant=tenant, status="running")
+    log = EventLog(redis.Redis.from_url(settings.redis_url), 600)
+    for n in range(100):
+        log.append(task_id, OUTPUT, f"{n:03d}" + "x" * 40_000, trace_id="t")
+    # When a client with a small receive window opens its stream and reads nothing
+    with socket.socket() as reader:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        reader.connect(("127.0.0.1", api.port))
+        reader.sendall(
+            f"GET /tasks/{task_id}/events HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n".encode()
+        )
+        held = _settled_send_queue(api.port, reader.getsockname()[1])
+    # Then the API's socket holds what its bound allows, not megabytes
+    print(f"the API's send queue for a stream nobody reads: {held // 1024} KiB")
+    assert 64 * 1024 < held <= 2 * SEND_BUFFER_BYTES
+
+
+def _settled_send_queue(server_port: int, client_port: int) -> int:
+    """The bytes the kernel holds to send on the server's side of this connection, once they
+    stop growing (``/proc/net/tcp``'s ``tx_queue``)."""
+
+    def queued() -> int:
+        with open("/proc/net/tcp") as table:
+            for line in table.read().splitlines()[1:]:
+                fields = line.split()
+                local, remote = fields[1].split(":")[1], fields[2].split(":")[1]
+                if (int(local, 16), int(remote, 16)) == (server_port, client_port):
+                    return int(fields[4].split(":")[0], 16)
+        return 0
+
+    samples: list[int] = []
+
+    def settled() -> bool:
+        samples.append(queued())
+        time.sleep(0.3)
+        return len(samples) > 3 and samples[-1] == samples[-2] == samples[-3] > 0
+
+    eventually(settled, "the send queue to stop growing")
+    return samples[-1]

@@ -267,6 +267,19 @@ def test_uvicorn_target_module_and_factory_exist() -> None:
         )
 
 
+def test_every_uvicorn_command_serves_the_api_with_its_bounded_protocol() -> None:
+    # given every command that runs uvicorn (the api service and the Dockerfile CMD)
+    runs = {n: argv for n, argv in compose.all_commands().items() if argv and argv[0] == "uvicorn"}
+    assert runs
+    for name, argv in runs.items():
+        # expect --http to name api.connections' protocol (each connection's send buffer
+        # bounded), and the module to define it
+        assert compose.option(argv, "--http") == "api.connections:Protocol", name
+    path = compose.module_file("api.connections")
+    assert path is not None
+    assert compose.defines_top_level(path.read_text(encoding="utf-8"), "Protocol")
+
+
 def test_the_api_runs_a_configurable_number_of_uvicorn_processes() -> None:
     # given the api service's command
     argv = compose.command_argv(compose.services()["api"])
