@@ -605,10 +605,12 @@ def test_a_lost_task_in_a_queue_where_other_messages_wait_is_published_again(
         # When a task of that queue, accepted a minute ago, has lost its message
         task_id = a_task_row(engine, tenant=tenant[0], capability=queue, age=timedelta(minutes=1))
         # Then the sweeper publishes it again, beside the message that waits
-        eventually(
-            lambda: {str(task_id), str(waiting)} <= _ids_waiting(broker, queue),
+        seen = eventually(
+            lambda: _ids_waiting(broker, queue),
             "the lost task's message published again",
+            until=lambda ids: str(task_id) in ids,
         )
+        assert {str(task_id), str(waiting)} <= seen
     finally:
         broker.delete(*redis_lists(queue))
         broker.close()
