@@ -95,7 +95,7 @@ class Services:
             ),
             inserter=GroupInsert(engine),
             dispatcher=dispatcher,
-            event_log=EventLog(redis, settings.result_ttl_s),
+            event_log=EventLog(redis, settings.result_ttl_s, settings.event_log_max_bytes),
         )
         return cls(
             settings=settings,

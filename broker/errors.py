@@ -102,3 +102,14 @@ class Retryable(AgentFailure):
     ) -> None:
         super().__init__(message, code=code, retryable=True)
         self.delay_s = delay_s
+
+
+class EventsTooLarge(AgentFailure):
+    """Raised by ``ctx.emit`` and ``ctx.progress`` when the task's progress and outputs would
+    pass their budget (``REACH_EVENT_LOG_MAX_BYTES``): the event is not sent, and the task
+    fails with it unless the handler catches it and goes on without sending more."""
+
+    code = "events_too_large"
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"the agent's events passed the task's budget of {max_bytes} bytes")

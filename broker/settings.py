@@ -41,6 +41,13 @@ class Settings(BaseSettings):
     # agent needed, put 52 MiB in Redis in 6 s with 120 KiB of metadata each.
     max_metadata_bytes: int = Field(16 * 1024, gt=0)
     max_json_depth: int = Field(32, gt=0, le=500)
+    # What an agent sends back: a result past this many bytes of JSON fails its task
+    # (``result_too_large``); its progress and outputs together may take this many bytes of
+    # the task's event log (``events_too_large``). A final event and every webhook body carry
+    # the result, kept in Redis and Postgres as long as the task; unbounded, one agent's
+    # answers could fill Redis for every tenant.
+    max_result_bytes: int = Field(4 * MiB, gt=0)
+    event_log_max_bytes: int = Field(4 * MiB, gt=0)
     list_page_max: int = Field(100, gt=0)
     # ... and at most this many bytes of the JSON its rows carry (a session's state, a task's
     # result...), so one request cannot make the API read and send a hundred large values.

@@ -16,7 +16,14 @@ from typing import Any
 import redis
 
 from broker.observability import logs
-from workers.sdk import AgentFailure, Context, Retryable, SessionConflict, agent
+from workers.sdk import (
+    AgentFailure,
+    Context,
+    EventsTooLarge,
+    Retryable,
+    SessionConflict,
+    agent,
+)
 
 
 @agent.capability("test.runtime", agent_id="test-runtime", version="0.0.1")
@@ -123,12 +130,21 @@ def generate(ctx: Context, payload: dict[str, Any]) -> Iterator[dict[str, int]]:
 
 
 @agent.capability("test.flood", agent_id="test-flood", version="0.0.1", streaming=True)
-def flood(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
-    """Emits ``n`` outputs of ``size`` characters: enough to fill a socket that nobody reads."""
+def flood(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """Emits ``n`` outputs of ``size`` characters: enough to fill a socket that nobody reads.
+    With ``catch``, stops at the first output past the task's budget and returns what it sent;
+    with ``result_size``, returns that many characters as well."""
     n, size = int(payload.get("n", 10)), int(payload.get("size", 1000))
+    sent = 0
     for i in range(n):
-        ctx.emit({"i": i, "blob": "x" * size})
-    return {"chunks": n}
+        try:
+            ctx.emit({"i": i, "blob": "x" * size})
+        except EventsTooLarge:
+            if not payload.get("catch"):
+                raise
+            break
+        sent += 1
+    return {"chunks": sent, "blob": "x" * int(payload.get("result_size", 0))}
 
 
 def _runs(ctx: Context) -> int:
@@ -282,11 +298,13 @@ async def async_fuse(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
 async def async_stream(ctx: Context, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """An async generator: each item an output event. Between awaits it reports the trace id
     its log context holds (a context variable), and logs a line naming its own task, so a
-    test can tell whether one task's context leaked into another's."""
+    test can tell whether one task's context leaked into another's. With ``size``, each item
+    carries that many characters too."""
     for i in range(int(payload.get("n", 3))):
         await asyncio.sleep(random.uniform(0, float(payload.get("jitter_s", 0))))
         logging.getLogger("reach.test").info("step", extra={"own_task": str(ctx.task_id)})
-        yield {"i": i, "bound_trace_id": logs.current().get("trace_id")}
+        item = {"i": i, "bound_trace_id": logs.current().get("trace_id")}
+        yield {**item, "blob": "x" * int(payload["size"])} if "size" in payload else item
         if payload.get("progress"):
             await ctx.progress_async((i + 1) * 100 / int(payload.get("n", 3)), f"item {i}")
 

@@ -110,7 +110,9 @@ class Runner:
             else sync_engine(self.settings)
         )
         self._redis = redisclients.sync_client(self.settings.redis_url, socket_timeout=5)
-        self._events = events.EventLog(self._redis, self.settings.result_ttl_s)
+        self._events = events.EventLog(
+            self._redis, self.settings.result_ttl_s, self.settings.event_log_max_bytes
+        )
         # The tasks in flight in this process's threads claim and finish in groups: what
         # arrives while one statement is out goes in the next (on prefork, always alone).
         self._claims_db = ThreadConnection(self.settings.database_url)
@@ -133,7 +135,9 @@ class Runner:
         self._aclaims_db = LoopConnection(self.settings.database_url)
         self._afinishes_db = LoopConnection(self.settings.database_url)
         self._aredis = redisclients.async_client(self.settings.redis_url, socket_timeout=5)
-        self._aevents = events.EventLog(self._aredis, self.settings.result_ttl_s)
+        self._aevents = events.EventLog(
+            self._aredis, self.settings.result_ttl_s, self.settings.event_log_max_bytes
+        )
         self._aclaims = Grouped(
             self._claim_many_async, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True
         )
@@ -548,9 +552,13 @@ class Runner:
 
     def _checked(self, value: Any) -> Any:
         """A value that will go out as JSON; agents get a TypeError/ValueError otherwise."""
-        jsonbody.check_tree(value, max_depth=self.settings.max_json_depth)
-        jsonbody.canonical(value)
+        self._size(value)
         return value
+
+    def _size(self, value: Any) -> int:
+        """The bytes of ``value`` as canonical JSON; a TypeError/ValueError when it is none."""
+        jsonbody.check_tree(value, max_depth=self.settings.max_json_depth)
+        return len(jsonbody.canonical(value))
 
     def _readiness_sink(self, instance: str, capability: str) -> Any:
         def apply(ready: bool, for_s: float) -> None:
@@ -614,9 +622,13 @@ class Runner:
 
     def _succeeded(self, result: Any) -> Outcome:
         try:
-            self._checked(result)
+            size = self._size(result)
         except (BadRequest, TypeError, ValueError) as exc:
             return Failed(task_error("result_invalid", f"the agent returned no valid JSON: {exc}"))
+        limit = self.settings.max_result_bytes
+        if size > limit:
+            message = f"the agent returned {size} bytes of JSON, over the limit of {limit}"
+            return Failed(task_error("result_too_large", message))
         return Succeeded(result)
 
     def _result_of(

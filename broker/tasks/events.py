@@ -13,6 +13,13 @@ every later append (it returns 0 for it). So whoever announces a final state (th
 redelivery of its message, the reaper, a reader that found the task final in Postgres) may
 append it again: the log holds it exactly once, and it is always the last event.
 
+What an agent sends as it runs (its ``progress`` and ``output`` events) may take at most
+``max_bytes`` of the log, counted under ``bytes_key`` as the events go in: past it an event is
+refused (-1), and the worker fails the task ``events_too_large`` (``EventsTooLarge``). The broker's
+own status events and the final event are not counted, so a task past its budget still ends
+and its stream still closes. Without it an agent streaming large chunks filled Redis for
+every tenant: the log's cap is on its number of events, not their size.
+
 A worker's events carry the attempt they belong to, and the log keeps the latest attempt it
 has seen under ``attempt_key``: an event of an earlier attempt is refused (0), as its final
 write is in Postgres. A worker that stopped answering long enough for the reaper to give its
@@ -31,39 +38,56 @@ from typing import Any
 import redis
 
 from broker import jsoncodec
+from broker.errors import EventsTooLarge
 from broker.grouping import Grouped, ThreadGrouped
 from broker.tasks.resource import FINAL, STATUSES, TaskRow, render
 
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 # Every type a stream carries: the three above, then one final event named after the status.
 STREAM_EVENT_TYPES = (STATUS, PROGRESS, OUTPUT, *(s for s in STATUSES if s in FINAL))
+AGENTS = (PROGRESS, OUTPUT)  # the types an agent sends, counted against its budget
 LOG_MAX_EVENTS = 10_000
+# The bytes an agent's own events (progress, outputs) may take of its task's log, by default
+# (``Settings.event_log_max_bytes``).
+LOG_MAX_BYTES = 4 * 1024 * 1024
+FULL = -1  # what an append past the budget comes to
 CHANNEL_PREFIX = "reach:task:"
 
-# Appends any number of events (one per task): ARGV[1] is the stream cap, then per event i
-# (from 0) ARGV[2+5i] the event without its seq, ARGV[3+5i] its TTL, ARGV[4+5i] a Celery
-# message to LPUSH after it or '', ARGV[5+5i] '1' for a final event, ARGV[6+5i] the attempt
-# it belongs to or 0; KEYS[1+6i..6+6i] its log, seq, channel, list, final marker and latest
-# attempt. An event for a closed log, or of an attempt older than the latest, is refused (0).
+# Appends any number of events (one per task): ARGV[1] is the stream cap, ARGV[2] the bytes an
+# agent's events may take, then per event i (from 0) ARGV[3+5i] the event without its seq,
+# ARGV[4+5i] its TTL, ARGV[5+5i] a Celery message to LPUSH after it or '', ARGV[6+5i] its
+# kind ('f' final, 'a' an agent's, counted against the budget, '' the broker's own status),
+# ARGV[7+5i] the attempt it belongs to or 0; KEYS[1+7i..7+7i] its log, seq, channel, list,
+# final marker, latest attempt and bytes taken. An event for a closed log, or of an attempt
+# older than the latest, is refused (0); an agent's event past the budget too (-1).
 _APPEND = """
 local seqs = {}
-for i = 0, (#ARGV - 1) / 5 - 1 do
-  local k, a = 6 * i, 2 + 5 * i
+local budget = tonumber(ARGV[2])
+for i = 0, (#ARGV - 2) / 5 - 1 do
+  local k, a = 7 * i, 3 + 5 * i
   local attempt = tonumber(ARGV[a + 4])
   local refused = redis.call('EXISTS', KEYS[k + 5]) == 1
   if not refused and attempt > 0 then
     refused = attempt < tonumber(redis.call('GET', KEYS[k + 6]) or '0')
     if not refused then redis.call('SET', KEYS[k + 6], attempt, 'EX', ARGV[a + 1]) end
   end
+  local full = false
+  if not refused and ARGV[a + 3] == 'a' then
+    local taken = tonumber(redis.call('GET', KEYS[k + 7]) or '0') + #ARGV[a]
+    full = taken > budget
+    if not full then redis.call('SET', KEYS[k + 7], taken, 'EX', ARGV[a + 1]) end
+  end
   if refused then
     seqs[i + 1] = 0
+  elseif full then
+    seqs[i + 1] = -1
   else
     local seq = redis.call('INCR', KEYS[k + 2])
     local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
     redis.call('XADD', KEYS[k + 1], 'MAXLEN', ARGV[1], '0-' .. seq, 'e', event)
     redis.call('EXPIRE', KEYS[k + 1], ARGV[a + 1])
     redis.call('EXPIRE', KEYS[k + 2], ARGV[a + 1])
-    if ARGV[a + 3] == '1' then redis.call('SET', KEYS[k + 5], seq, 'EX', ARGV[a + 1]) end
+    if ARGV[a + 3] == 'f' then redis.call('SET', KEYS[k + 5], seq, 'EX', ARGV[a + 1]) end
     redis.call('PUBLISH', KEYS[k + 3], event)
     if ARGV[a + 2] ~= '' then redis.call('LPUSH', KEYS[k + 4], ARGV[a + 2]) end
     seqs[i + 1] = seq
@@ -104,6 +128,11 @@ def attempt_key(task_id: uuid.UUID | str) -> str:
 def final_key(task_id: uuid.UUID | str) -> str:
     """Holds the seq of the task's final event once there is one: the log is closed."""
     return f"reach:final:{task_id}"
+
+
+def bytes_key(task_id: uuid.UUID | str) -> str:
+    """The bytes the agent's events took of the log so far (see the module's doc)."""
+    return f"reach:logbytes:{task_id}"
 
 
 def channel(task_id: uuid.UUID | str) -> str:
@@ -171,8 +200,9 @@ class EventLog:
     that arrive together go out in one call (``grouping``): from the API's coroutines, or from
     a worker's threads."""
 
-    def __init__(self, client: Any, ttl_s: int) -> None:
+    def __init__(self, client: Any, ttl_s: int, max_bytes: int = LOG_MAX_BYTES) -> None:
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
         self._append = client.register_script(_APPEND)
         self._grouped = Grouped(
             self._append_many, max_items=GROUP_MAX_EVENTS, name="events", retry_alone=False
@@ -193,19 +223,18 @@ class EventLog:
     ) -> Append:
         return Append(task_id, event_type, data, trace_id, ttl_s or self.ttl_s, push, attempt)
 
-    @staticmethod
-    def _args(items: list[Append]) -> dict[str, Any]:
+    def _args(self, items: list[Append]) -> dict[str, Any]:
         keys: list[Any] = []
-        argv: list[Any] = [LOG_MAX_EVENTS]
+        argv: list[Any] = [LOG_MAX_EVENTS, self.max_bytes]
         for item in items:
             task_id = str(item.task_id)
             log = log_key(task_id)
             queue, message = item.push if item.push is not None else (log, b"")
             keys += [log, seq_key(task_id), channel(task_id), queue, final_key(task_id)]
-            keys.append(attempt_key(task_id))
-            final = "1" if item.type in FINAL else ""
+            keys += [attempt_key(task_id), bytes_key(task_id)]
+            kind = "f" if item.type in FINAL else "a" if item.type in AGENTS else ""
             event = encode(item.type, item.data, item.trace_id)
-            argv += [event, item.ttl_s, message, final, item.attempt]
+            argv += [event, item.ttl_s, message, kind, item.attempt]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -219,9 +248,10 @@ class EventLog:
         attempt: int = 0,
     ) -> int:
         """The event's seq; 0 when the log was closed already (a final event is in it), or
-        when ``attempt`` (the attempt the event belongs to) is older than the latest one."""
+        when ``attempt`` (the attempt the event belongs to) is older than the latest one.
+        Raises ``EventsTooLarge`` for an agent's event that would pass the task's budget."""
         item = self._item(task_id, event_type, data, trace_id, ttl_s, attempt=attempt)
-        return self._grouped_sync(item)
+        return self._taken(self._grouped_sync(item))
 
     async def append_async(
         self,
@@ -237,7 +267,12 @@ class EventLog:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
         when the event is refused: 0, as ``append``)."""
         item = self._item(task_id, event_type, data, trace_id, ttl_s, push, attempt)
-        return await self._grouped(item)
+        return self._taken(await self._grouped(item))
+
+    def _taken(self, seq: int) -> int:
+        if seq == FULL:
+            raise EventsTooLarge(self.max_bytes)
+        return seq
 
     def append_final(self, row: TaskRow) -> int:
         """The final event of a final task row (the task as it ended); 0 when the log has its

@@ -198,7 +198,7 @@ def test_a_client_that_stops_reading_is_dropped(
 ) -> None:
     with client_for(tuned, tenant[1]) as http:
         task_id = http.post(
-            "/tasks", json={"capability": "test.flood", "payload": {"n": 300, "size": 32_000}}
+            "/tasks", json={"capability": "test.flood", "payload": {"n": 120, "size": 32_000}}
         ).json()["task_id"]
         wait_for_task(http, task_id, FINAL)
     sock = socket.socket()

@@ -55,7 +55,7 @@ from broker.remote import a2a_card, a2a_json
 from broker.remote.connections import MAX_ANSWER_BYTES, AiohttpTransport, no_cookies
 from broker.webhooks import signing
 from workers.bridge.http_agent import RETRIED_STATUSES
-from workers.sdk.context import Context
+from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
 log = logging.getLogger("reach.bridge")
 
@@ -268,7 +268,7 @@ class _Run:
         if (text or percent is not None) and (percent, text) != self.reported:
             self.reported = (percent, text)  # a polled task shows the same status many times
             self.percent = self.percent if percent is None else percent
-            await self.ctx.progress_async(self.percent, text[:1000] or None)
+            await self.ctx.progress_async(self.percent, text[:PROGRESS_MESSAGE_MAX] or None)
         return None
 
     async def cancel_remote(self) -> None:

@@ -26,7 +26,7 @@ from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
 from broker.remote.connections import MAX_ANSWER_BYTES
 from broker.webhooks import signing
-from workers.sdk.context import Context
+from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 ACCEPT = "text/event-stream, application/json"
@@ -153,7 +153,7 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
                     message = data.get("message")
                     await ctx.progress_async(
                         float(min(100.0, max(0.0, percent))),
-                        str(message)[:1000] if message is not None else None,
+                        str(message)[:PROGRESS_MESSAGE_MAX] if message is not None else None,
                     )
             elif event == "output":
                 await ctx.emit_async(data)

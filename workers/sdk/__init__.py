@@ -1,6 +1,6 @@
 """The agent SDK: register capabilities with ``@agent.capability`` and use the ``Context``."""
 
-from broker.errors import AgentFailure, Retryable
+from broker.errors import AgentFailure, EventsTooLarge, Retryable
 from workers.sdk.agent import AgentRegistry, CapabilitySpec, agent
 from workers.sdk.context import Context
 from workers.sdk.session import Session, SessionConflict
@@ -10,6 +10,7 @@ __all__ = [
     "AgentRegistry",
     "CapabilitySpec",
     "Context",
+    "EventsTooLarge",
     "Retryable",
     "Session",
     "SessionConflict",

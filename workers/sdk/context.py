@@ -16,6 +16,8 @@ ProgressSink = Callable[[dict[str, Any]], object]
 ReadinessSink = Callable[[bool, float], object]
 OutputSink = Callable[[Any], object]
 AsyncOutputSink = Callable[[Any], Awaitable[object]]
+# A progress report's message, in characters: it is written to the task's row and its event.
+PROGRESS_MESSAGE_MAX = 1000
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Context:
         """Report how far along the task is: pollers see it on the task, streams as an event."""
         if not 0 <= percent <= 100:
             raise ValueError("percent must be between 0 and 100")
+        if message is not None and len(message) > PROGRESS_MESSAGE_MAX:
+            raise ValueError(f"a progress message has at most {PROGRESS_MESSAGE_MAX} characters")
         if self._progress_sink is not None:
             self._progress_sink({"percent": percent, "message": message})
 
