@@ -2,23 +2,24 @@
 for live delivery.
 
 One Lua script appends events: for each it takes the next ``seq`` (INCR), adds it to the task's
-stream with the explicit id ``0-<seq>``, sets both keys to expire with the task, and publishes
+stream with the explicit id ``0-<seq>``, sets its keys to expire with the task, and publishes
 it (and, for the API's first event of a task, pushes the task's Celery message too). So
 the log and the live channel never disagree on order, and a reader that missed a live message
-(pub/sub is at-most-once) finds it in the log by ``seq``. The stream is capped at
-``LOG_MAX_EVENTS``; the final event is always kept.
+(pub/sub is at-most-once) finds it in the log by ``seq``.
 
 A final event closes the log: the script records its ``seq`` under ``final_key`` and refuses
 every later append (it returns 0 for it). So whoever announces a final state (the worker, a
 redelivery of its message, the reaper, a reader that found the task final in Postgres) may
 append it again: the log holds it exactly once, and it is always the last event.
 
-What an agent sends as it runs (its ``progress`` and ``output`` events) may take at most
-``max_bytes`` of the log, counted under ``bytes_key`` as the events go in: past it an event is
-refused (-1), and the worker fails the task ``events_too_large`` (``EventsTooLarge``). The broker's
-own status events and the final event are not counted, so a task past its budget still ends
-and its stream still closes. Without it an agent streaming large chunks filled Redis for
-every tenant: the log's cap is on its number of events, not their size.
+The log holds at most ``LOG_MAX_EVENTS`` events and at most ``max_bytes`` of them
+(``REACH_EVENT_LOG_MAX_BYTES``), its final event aside: past either, its oldest events give
+way, as a reader that comes late finds them gone (it reads from the oldest kept). The bytes are
+counted under ``bytes_key`` as events go in and out. One event larger than the whole budget is
+refused (``FULL``), which raises ``EventsTooLarge`` in the handler that sent it (the task fails
+``events_too_large``). The final event carries the result, bounded on its own
+(``REACH_MAX_RESULT_BYTES``), and is always let in. Before the bytes were bounded, an agent
+streaming large chunks filled Redis for every tenant: 10,000 events of any size.
 
 A worker's events carry the attempt they belong to, and the log keeps the latest attempt it
 has seen under ``attempt_key``: an event of an earlier attempt is refused (0), as its final
@@ -45,49 +46,54 @@ from broker.tasks.resource import FINAL, STATUSES, TaskRow, render
 STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 # Every type a stream carries: the three above, then one final event named after the status.
 STREAM_EVENT_TYPES = (STATUS, PROGRESS, OUTPUT, *(s for s in STATUSES if s in FINAL))
-AGENTS = (PROGRESS, OUTPUT)  # the types an agent sends, counted against its budget
 LOG_MAX_EVENTS = 10_000
-# The bytes an agent's own events (progress, outputs) may take of its task's log, by default
-# (``Settings.event_log_max_bytes``).
-LOG_MAX_BYTES = 4 * 1024 * 1024
 FULL = -1  # what an append past the budget comes to
 CHANNEL_PREFIX = "reach:task:"
 
-# Appends any number of events (one per task): ARGV[1] is the stream cap, ARGV[2] the bytes an
-# agent's events may take, then per event i (from 0) ARGV[3+5i] the event without its seq,
-# ARGV[4+5i] its TTL, ARGV[5+5i] a Celery message to LPUSH after it or '', ARGV[6+5i] its
-# kind ('f' final, 'a' an agent's, counted against the budget, '' the broker's own status),
-# ARGV[7+5i] the attempt it belongs to or 0; KEYS[1+7i..7+7i] its log, seq, channel, list,
-# final marker, latest attempt and bytes taken. An event for a closed log, or of an attempt
-# older than the latest, is refused (0); an agent's event past the budget too (-1).
+# Appends any number of events (one per task): ARGV[1] is the most events a log holds, ARGV[2]
+# the most bytes, then per event i (from 0) ARGV[3+5i] the event without its seq, ARGV[4+5i]
+# its TTL, ARGV[5+5i] a Celery message to LPUSH after it or '', ARGV[6+5i] '1' for a final
+# event, ARGV[7+5i] the attempt it belongs to or 0; KEYS[1+7i..7+7i] its log, seq, channel,
+# list, final marker, latest attempt and the bytes the log holds. An event for a closed log, or
+# of an attempt older than the latest, is refused (0); one larger than the whole budget too
+# (-1, a final one aside). Past either bound the oldest events give way (never the newest).
 _APPEND = """
 local seqs = {}
-local budget = tonumber(ARGV[2])
+local cap, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
 for i = 0, (#ARGV - 2) / 5 - 1 do
   local k, a = 7 * i, 3 + 5 * i
+  local log, held, ttl = KEYS[k + 1], KEYS[k + 7], ARGV[a + 1]
+  local final = ARGV[a + 3] == '1'
   local attempt = tonumber(ARGV[a + 4])
   local refused = redis.call('EXISTS', KEYS[k + 5]) == 1
   if not refused and attempt > 0 then
     refused = attempt < tonumber(redis.call('GET', KEYS[k + 6]) or '0')
-    if not refused then redis.call('SET', KEYS[k + 6], attempt, 'EX', ARGV[a + 1]) end
-  end
-  local full = false
-  if not refused and ARGV[a + 3] == 'a' then
-    local taken = tonumber(redis.call('GET', KEYS[k + 7]) or '0') + #ARGV[a]
-    full = taken > budget
-    if not full then redis.call('SET', KEYS[k + 7], taken, 'EX', ARGV[a + 1]) end
+    if not refused then redis.call('SET', KEYS[k + 6], attempt, 'EX', ttl) end
   end
   if refused then
     seqs[i + 1] = 0
-  elseif full then
+  elseif not final and #ARGV[a] > budget then
     seqs[i + 1] = -1
   else
     local seq = redis.call('INCR', KEYS[k + 2])
     local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
-    redis.call('XADD', KEYS[k + 1], 'MAXLEN', ARGV[1], '0-' .. seq, 'e', event)
-    redis.call('EXPIRE', KEYS[k + 1], ARGV[a + 1])
-    redis.call('EXPIRE', KEYS[k + 2], ARGV[a + 1])
-    if ARGV[a + 3] == 'f' then redis.call('SET', KEYS[k + 5], seq, 'EX', ARGV[a + 1]) end
+    if final then
+      redis.call('XADD', log, 'MAXLEN', cap, '0-' .. seq, 'e', event)
+      redis.call('SET', KEYS[k + 5], seq, 'EX', ttl)
+    else
+      redis.call('XADD', log, '0-' .. seq, 'e', event)
+      local bytes = redis.call('INCRBY', held, #event)
+      local n = redis.call('XLEN', log)
+      while (bytes > budget or n > cap) and n > 1 do
+        local oldest = redis.call('XRANGE', log, '-', '+', 'COUNT', 1)[1]
+        bytes = redis.call('INCRBY', held, -#oldest[2][2])
+        redis.call('XDEL', log, oldest[1])
+        n = n - 1
+      end
+      redis.call('EXPIRE', held, ttl)
+    end
+    redis.call('EXPIRE', log, ttl)
+    redis.call('EXPIRE', KEYS[k + 2], ttl)
     redis.call('PUBLISH', KEYS[k + 3], event)
     if ARGV[a + 2] ~= '' then redis.call('LPUSH', KEYS[k + 4], ARGV[a + 2]) end
     seqs[i + 1] = seq
@@ -131,7 +137,7 @@ def final_key(task_id: uuid.UUID | str) -> str:
 
 
 def bytes_key(task_id: uuid.UUID | str) -> str:
-    """The bytes the agent's events took of the log so far (see the module's doc)."""
+    """The bytes the log's events hold, its final event aside (see the module's doc)."""
     return f"reach:logbytes:{task_id}"
 
 
@@ -200,9 +206,11 @@ class EventLog:
     that arrive together go out in one call (``grouping``): from the API's coroutines, or from
     a worker's threads."""
 
-    def __init__(self, client: Any, ttl_s: int, max_bytes: int = LOG_MAX_BYTES) -> None:
+    def __init__(
+        self, client: Any, ttl_s: int, max_bytes: int, max_events: int = LOG_MAX_EVENTS
+    ) -> None:
         self.ttl_s = ttl_s
-        self.max_bytes = max_bytes
+        self.max_bytes, self.max_events = max_bytes, max_events
         self._append = client.register_script(_APPEND)
         self._grouped = Grouped(
             self._append_many, max_items=GROUP_MAX_EVENTS, name="events", retry_alone=False
@@ -225,16 +233,16 @@ class EventLog:
 
     def _args(self, items: list[Append]) -> dict[str, Any]:
         keys: list[Any] = []
-        argv: list[Any] = [LOG_MAX_EVENTS, self.max_bytes]
+        argv: list[Any] = [self.max_events, self.max_bytes]
         for item in items:
             task_id = str(item.task_id)
             log = log_key(task_id)
             queue, message = item.push if item.push is not None else (log, b"")
             keys += [log, seq_key(task_id), channel(task_id), queue, final_key(task_id)]
             keys += [attempt_key(task_id), bytes_key(task_id)]
-            kind = "f" if item.type in FINAL else "a" if item.type in AGENTS else ""
+            final = "1" if item.type in FINAL else ""
             event = encode(item.type, item.data, item.trace_id)
-            argv += [event, item.ttl_s, message, kind, item.attempt]
+            argv += [event, item.ttl_s, message, final, item.attempt]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -249,7 +257,7 @@ class EventLog:
     ) -> int:
         """The event's seq; 0 when the log was closed already (a final event is in it), or
         when ``attempt`` (the attempt the event belongs to) is older than the latest one.
-        Raises ``EventsTooLarge`` for an agent's event that would pass the task's budget."""
+        Raises ``EventsTooLarge`` for an event larger than the log may hold (``max_bytes``)."""
         item = self._item(task_id, event_type, data, trace_id, ttl_s, attempt=attempt)
         return self._taken(self._grouped_sync(item))
 

@@ -13,7 +13,7 @@ from broker.tasks.events import EventLog, read_log_sync
 
 def test_an_attempt_is_refused_once_a_later_one_has_appended(own_redis: str) -> None:
     client = redis.Redis.from_url(own_redis)
-    log = EventLog(client, 60)
+    log = EventLog(client, 60, max_bytes=1 << 20)
     task_id = uuid.uuid4()
     assert log.append(task_id, "status", {"status": "queued"}, trace_id="t") == 1
     assert log.append(task_id, "status", {"status": "running"}, trace_id="t", attempt=1) == 2
@@ -38,7 +38,7 @@ def test_an_attempt_is_refused_once_a_later_one_has_appended(own_redis: str) -> 
 def test_a_requeue_shuts_out_the_attempt_it_took_the_task_from(own_redis: str) -> None:
     """The reaper's ``queued`` event opens the next attempt before any worker claims it."""
     client = redis.Redis.from_url(own_redis)
-    log = EventLog(client, 60)
+    log = EventLog(client, 60, max_bytes=1 << 20)
     task_id = uuid.uuid4()
     assert log.append(task_id, "output", "one", trace_id="t", attempt=1) == 1
     assert log.append(task_id, "status", {"status": "queued"}, trace_id="t", attempt=2) == 2
@@ -49,7 +49,7 @@ def test_a_requeue_shuts_out_the_attempt_it_took_the_task_from(own_redis: str) -
 def test_a_group_refuses_only_its_stale_events(own_redis: str) -> None:
     """Appends grouped into one script call: each task's own attempt decides for it."""
     client = redis.Redis.from_url(own_redis)
-    log = EventLog(client, 60)
+    log = EventLog(client, 60, max_bytes=1 << 20)
     old, fresh = uuid.uuid4(), uuid.uuid4()
     log.append(old, "status", {"status": "running"}, trace_id="t", attempt=3)
     items = [

@@ -1,9 +1,9 @@
-"""What an agent sends back is bounded: its progress and outputs together take at most a
-budget of its task's event log (``events_too_large``), and its result at most
+"""What an agent sends back is bounded: a task's event log holds at most
+``REACH_EVENT_LOG_MAX_BYTES`` (its oldest events give way past it, as past 10,000 events; one
+event larger than that is refused, ``events_too_large``), and a result at most
 ``REACH_MAX_RESULT_BYTES`` (``result_too_large``). Unbounded, one agent streaming large chunks
-or returning a large result filled Redis (and Postgres) for every tenant. The broker's own
-status events and the final event are not counted: a task past its budget still ends, and its
-stream still closes."""
+or returning a large result filled Redis (and Postgres) for every tenant. The final event is
+always let in: a task still ends, and its stream still closes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from broker.errors import EventsTooLarge
-from broker.tasks.events import EventLog, bytes_key, read_log_sync
+from broker.tasks.events import Event, EventLog, bytes_key, log_key, parse_entries
 from tests.integration.stack import CeleryProcess, wait_for_task
 from tests.integration.test_replies import read_stream
 
@@ -22,60 +22,91 @@ FINAL = {"succeeded", "failed", "cancelled", "expired"}
 MiB = 1024 * 1024
 
 
-def test_an_agents_events_past_the_budget_are_refused_and_the_final_one_still_goes_in(
+def held(client: redis.Redis, task_id: uuid.UUID) -> tuple[list[Event], int]:
+    """The log's events, and the bytes they hold (the final one aside), as Redis stores them."""
+    entries = client.xrange(log_key(task_id))
+    events = parse_entries(entries)
+    raw = [fields[b"e"] for _, fields in entries]
+    return events, sum(len(r) for r, e in zip(raw, events, strict=True) if not e.final)
+
+
+def test_past_its_bytes_the_log_lets_its_oldest_events_go(own_redis: str) -> None:
+    client = redis.Redis.from_url(own_redis)
+    log = EventLog(client, 60, max_bytes=1000)
+    task_id = uuid.uuid4()
+    log.append(task_id, "status", {"status": "running"}, trace_id="t", attempt=1)
+    for i in range(6):
+        log.append(task_id, "output", {"i": i, "blob": "x" * 300}, trace_id="t", attempt=1)
+        events, stored = held(client, task_id)
+        # The counter is what the log holds, and that is never more than the budget
+        assert int(client.get(bytes_key(task_id)) or 0) == stored <= 1000
+        assert events[-1].data["i"] == i  # the newest is always kept
+    events, _ = held(client, task_id)
+    assert [e.data["i"] for e in events] == [4, 5]
+    assert [e.seq for e in events] == [6, 7]
+    # The final event is let in whatever its size, and takes nothing of the window
+    assert log.append(task_id, "succeeded", {"result": "r" * 5000}, trace_id="t") == 8
+    events, _ = held(client, task_id)
+    assert [e.type for e in events] == ["output", "output", "succeeded"]
+    assert client.ttl(bytes_key(task_id)) > 0  # the counter goes with the log
+
+
+def test_an_event_larger_than_the_whole_budget_is_refused_and_takes_nothing(
     own_redis: str,
 ) -> None:
     client = redis.Redis.from_url(own_redis)
     log = EventLog(client, 60, max_bytes=1000)
     task_id = uuid.uuid4()
-    assert log.append(task_id, "status", {"status": "running"}, trace_id="t", attempt=1) == 1
-    assert log.append(task_id, "output", "x" * 600, trace_id="t", attempt=1) == 2
-    # The next output would pass 1,000 bytes: refused, and it takes nothing of the budget
+    assert log.append(task_id, "output", "small", trace_id="t", attempt=1) == 1
     with pytest.raises(EventsTooLarge) as refused:
-        log.append(task_id, "output", "y" * 600, trace_id="t", attempt=1)
+        log.append(task_id, "output", "y" * 1000, trace_id="t", attempt=1)
     assert refused.value.code == "events_too_large"
-    taken = int(client.get(bytes_key(task_id)) or 0)
-    assert 600 < taken < 1000
-    # A progress report is the agent's too, and a small one still fits
-    assert log.append(task_id, "progress", {"percent": 50}, trace_id="t", attempt=1) == 3
     with pytest.raises(EventsTooLarge):
-        log.append(task_id, "progress", {"percent": 60, "message": "z" * 600}, trace_id="t")
-    # The broker's status events and the final event are not counted
-    assert log.append(task_id, "status", {"status": "queued", "pad": "q" * 2000}, trace_id="t")
-    assert log.append(task_id, "failed", {"result": "r" * 5000}, trace_id="t") == 5
-    assert [e.type for e in read_log_sync(client, task_id)] == [
-        "status",
-        "output",
-        "progress",
-        "status",
-        "failed",
-    ]
+        log.append(task_id, "progress", {"percent": 60, "message": "z" * 1000}, trace_id="t")
+    assert log.append(task_id, "output", "next", trace_id="t", attempt=1) == 2
+    events, stored = held(client, task_id)
+    assert [e.data for e in events] == ["small", "next"]
+    assert int(client.get(bytes_key(task_id)) or 0) == stored
 
 
-def test_each_task_has_its_own_budget_even_in_one_group(own_redis: str) -> None:
+def test_past_its_count_the_log_lets_its_oldest_events_go(own_redis: str) -> None:
     client = redis.Redis.from_url(own_redis)
-    log = EventLog(client, 60, max_bytes=1000)
-    full, other = uuid.uuid4(), uuid.uuid4()
-    items = [
-        log._item(full, "output", "a" * 700, "t", None),
-        log._item(full, "output", "b" * 700, "t", None),
-        log._item(other, "output", "c" * 700, "t", None),
-    ]
-    assert log._append_many_sync(items) == [1, -1, 1]
-    assert client.ttl(bytes_key(full)) > 0  # it goes with the log
+    log = EventLog(client, 60, max_bytes=1 << 20, max_events=50)
+    task_id, other = uuid.uuid4(), uuid.uuid4()
+    # In groups, two tasks' events side by side: each log keeps its own newest 50
+    items = [log._item(t, "output", i, "t", None) for i in range(120) for t in (task_id, other)]
+    for start in range(0, len(items), 100):
+        log._append_many_sync(items[start : start + 100])
+    for t in (task_id, other):
+        events, stored = held(client, t)
+        assert [e.data for e in events] == list(range(70, 120))
+        assert int(client.get(bytes_key(t)) or 0) == stored
 
 
-def test_an_agent_streaming_past_its_budget_fails_events_too_large(
+def test_an_agent_streaming_more_than_the_log_holds_succeeds_and_the_log_keeps_its_newest(
     client: httpx.Client, worker: CeleryProcess
 ) -> None:
-    """Five outputs of 1 MiB against the default budget of 4 MiB: three go out, the fourth is
-    refused and fails the task; its stream shows the three, then the final event."""
+    """Five outputs of 1 MiB against the default 4 MiB: all go out live, and a stream opened
+    after the end finds the three newest, then the final event."""
     task = client.post(
         "/tasks", json={"capability": "test.flood", "payload": {"n": 5, "size": MiB}}
     ).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert done["status"] == "succeeded"
+    assert done["result"]["chunks"] == 5
     events = read_stream(client, "GET", f"/tasks/{task['task_id']}/events")
-    kinds = [e.get("event") for e in events]
-    assert kinds == ["status", "status", "output", "output", "output", "failed"]
+    assert [e.get("event") for e in events] == ["output", "output", "output", "succeeded"]
+    assert [e["data"]["data"]["i"] for e in events[:3]] == [2, 3, 4]  # type: ignore[index]
+
+
+def test_an_output_larger_than_the_log_fails_events_too_large(
+    client: httpx.Client, worker: CeleryProcess
+) -> None:
+    task = client.post(
+        "/tasks", json={"capability": "test.flood", "payload": {"n": 2, "size": 5 * MiB}}
+    ).json()
+    events = read_stream(client, "GET", f"/tasks/{task['task_id']}/events")
+    assert [e.get("event") for e in events] == ["status", "status", "failed"]
     done = wait_for_task(client, task["task_id"], FINAL)
     assert done["status"] == "failed"
     assert done["error"]["code"] == "events_too_large"
@@ -87,11 +118,11 @@ def test_an_agent_that_catches_the_refusal_goes_on_and_succeeds(
 ) -> None:
     task = client.post(
         "/tasks",
-        json={"capability": "test.flood", "payload": {"n": 5, "size": MiB, "catch": True}},
+        json={"capability": "test.flood", "payload": {"n": 2, "size": 5 * MiB, "catch": True}},
     ).json()
     done = wait_for_task(client, task["task_id"], FINAL)
     assert done["status"] == "succeeded"
-    assert done["result"]["chunks"] == 3
+    assert done["result"]["chunks"] == 0
 
 
 def test_a_result_past_its_limit_fails_result_too_large(

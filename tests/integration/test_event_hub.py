@@ -28,7 +28,7 @@ def run(own_redis: str, steps: Steps) -> None:
         client = Redis.from_url(own_redis)
         hub = EventHub(client)
         try:
-            await steps(client, hub, events.EventLog(client, 60))
+            await steps(client, hub, events.EventLog(client, 60, max_bytes=1 << 20))
         finally:
             await hub.close()
             await client.aclose()
@@ -97,7 +97,7 @@ def test_a_stream_of_a_long_log_reads_it_a_page_at_a_time_in_order_from_where_it
         client = PageCounting.from_url(own_redis)
         client.asked = []
         hub = EventHub(client)
-        log = events.EventLog(client, 60)
+        log = events.EventLog(client, 60, max_bytes=1 << 20)
         try:
             for i in range(n):
                 await log.append_async(task_id, events.OUTPUT, {"i": i}, trace_id="t")

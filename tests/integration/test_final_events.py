@@ -49,7 +49,7 @@ def finished_without_final_event(
     }
     with engine.begin() as conn:
         conn.execute(insert(tasks_table).values(**row))
-    log = EventLog(redis.Redis.from_url(redis_url), 7200)
+    log = EventLog(redis.Redis.from_url(redis_url), 7200, max_bytes=1 << 20)
     log.append(task_id, "status", {"status": "queued"}, trace_id=row["trace_id"])
     log.append(task_id, "status", {"status": "running"}, trace_id=row["trace_id"])
     return row
@@ -65,7 +65,7 @@ def wait_for_final_event(redis_url: str, task_id: uuid.UUID) -> list[Any]:
 
 def test_a_final_event_closes_the_log(own_redis: str) -> None:
     client = redis.Redis.from_url(own_redis)
-    log = EventLog(client, 60)
+    log = EventLog(client, 60, max_bytes=1 << 20)
     task_id = uuid.uuid4()
     assert log.append(task_id, "status", {"status": "running"}, trace_id="t") == 1
     assert log.append(task_id, "succeeded", {"n": 1}, trace_id="t") == 2
