@@ -42,12 +42,13 @@ class Settings(BaseSettings):
     max_metadata_bytes: int = Field(16 * 1024, gt=0)
     max_json_depth: int = Field(32, gt=0, le=500)
     # What an agent sends back: a result past this many bytes of JSON fails its task
-    # (``result_too_large``); its progress and outputs together may take this many bytes of
-    # the task's event log (``events_too_large``). A final event and every webhook body carry
-    # the result, kept in Redis and Postgres as long as the task; unbounded, one agent's
-    # answers could fill Redis for every tenant.
+    # (``result_too_large``); a task's event log keeps at most this many bytes, its oldest
+    # events giving way, and refuses one event larger (``events_too_large``). A final event and
+    # every webhook body carry the result, kept in Redis and Postgres as long as the task;
+    # unbounded, one agent's answers could fill Redis for every tenant. At least 64 KiB, so
+    # the broker's own status events (a few hundred bytes) always fit.
     max_result_bytes: int = Field(4 * MiB, gt=0)
-    event_log_max_bytes: int = Field(4 * MiB, gt=0)
+    event_log_max_bytes: int = Field(4 * MiB, ge=64 * 1024)
     list_page_max: int = Field(100, gt=0)
     # ... and at most this many bytes of the JSON its rows carry (a session's state, a task's
     # result...), so one request cannot make the API read and send a hundred large values.

@@ -114,6 +114,18 @@ def test_given_a_page_byte_budget_from_the_env_expect_it_used_and_a_mebibyte_wit
         Settings()
 
 
+def test_given_an_event_log_budget_below_64_kib_expect_it_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below it a status event of the broker's own could be refused: a submit would fail."""
+    assert Settings().event_log_max_bytes == 4 * 1024 * 1024
+    monkeypatch.setenv("REACH_EVENT_LOG_MAX_BYTES", str(64 * 1024))
+    assert Settings().event_log_max_bytes == 64 * 1024
+    monkeypatch.setenv("REACH_EVENT_LOG_MAX_BYTES", str(64 * 1024 - 1))
+    with pytest.raises(ValidationError):
+        Settings()
+
+
 def test_given_a_short_or_empty_metrics_token_expect_it_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
