@@ -90,7 +90,12 @@ for i = 0, (#ARGV - 2) / 5 - 1 do
         redis.call('XDEL', log, oldest[1])
         n = n - 1
       end
-      redis.call('EXPIRE', held, ttl)
+      -- Alone in its log, the event is all it holds: a log lost before its count starts anew
+      if n == 1 then
+        redis.call('SET', held, #event, 'EX', ttl)
+      else
+        redis.call('EXPIRE', held, ttl)
+      end
     end
     redis.call('EXPIRE', log, ttl)
     redis.call('EXPIRE', KEYS[k + 2], ttl)

@@ -69,6 +69,20 @@ def test_an_event_larger_than_the_whole_budget_is_refused_and_takes_nothing(
     assert int(client.get(bytes_key(task_id)) or 0) == stored
 
 
+def test_a_log_lost_before_its_count_is_counted_anew(own_redis: str) -> None:
+    """Two keys expire apart, or Redis evicts one: a count left over from a lost log must not
+    keep the next log at one event for good."""
+    client = redis.Redis.from_url(own_redis)
+    log = EventLog(client, 60, max_bytes=1000)
+    task_id = uuid.uuid4()
+    client.set(bytes_key(task_id), 990)  # what the lost log held
+    for i in range(3):
+        log.append(task_id, "output", i, trace_id="t", attempt=1)
+    events, stored = held(client, task_id)
+    assert [e.data for e in events] == [0, 1, 2]
+    assert int(client.get(bytes_key(task_id)) or 0) == stored
+
+
 def test_past_its_count_the_log_lets_its_oldest_events_go(own_redis: str) -> None:
     client = redis.Redis.from_url(own_redis)
     log = EventLog(client, 60, max_bytes=1 << 20, max_events=50)
