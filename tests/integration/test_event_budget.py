@@ -22,6 +22,14 @@ FINAL = {"succeeded", "failed", "cancelled", "expired"}
 MiB = 1024 * 1024
 
 
+def flood(client: httpx.Client, **payload: object) -> str:
+    """A ``test.flood`` task (``tests.agents``) submitted with ``payload``: its id."""
+    response = client.post("/tasks", json={"capability": "test.flood", "payload": payload})
+    assert response.status_code == 202, response.text
+    task_id: str = response.json()["task_id"]
+    return task_id
+
+
 def held(client: redis.Redis, task_id: uuid.UUID) -> tuple[list[Event], int]:
     """The log's events, and the bytes they hold (the final one aside), as Redis stores them."""
     entries = client.xrange(log_key(task_id))
@@ -102,13 +110,11 @@ def test_an_agent_streaming_more_than_the_log_holds_succeeds_and_the_log_keeps_i
 ) -> None:
     """Five outputs of 1 MiB against the default 4 MiB: all go out live, and a stream opened
     after the end finds the three newest, then the final event."""
-    task = client.post(
-        "/tasks", json={"capability": "test.flood", "payload": {"n": 5, "size": MiB}}
-    ).json()
-    done = wait_for_task(client, task["task_id"], FINAL)
+    task_id = flood(client, n=5, size=MiB)
+    done = wait_for_task(client, task_id, FINAL)
     assert done["status"] == "succeeded"
     assert done["result"]["chunks"] == 5
-    events = read_stream(client, "GET", f"/tasks/{task['task_id']}/events")
+    events = read_stream(client, "GET", f"/tasks/{task_id}/events")
     assert [e.get("event") for e in events] == ["output", "output", "output", "succeeded"]
     assert [e["data"]["data"]["i"] for e in events[:3]] == [2, 3, 4]  # type: ignore[index]
 
@@ -116,12 +122,10 @@ def test_an_agent_streaming_more_than_the_log_holds_succeeds_and_the_log_keeps_i
 def test_an_output_larger_than_the_log_fails_events_too_large(
     client: httpx.Client, worker: CeleryProcess
 ) -> None:
-    task = client.post(
-        "/tasks", json={"capability": "test.flood", "payload": {"n": 2, "size": 5 * MiB}}
-    ).json()
-    events = read_stream(client, "GET", f"/tasks/{task['task_id']}/events")
+    task_id = flood(client, n=2, size=5 * MiB)
+    events = read_stream(client, "GET", f"/tasks/{task_id}/events")
     assert [e.get("event") for e in events] == ["status", "status", "failed"]
-    done = wait_for_task(client, task["task_id"], FINAL)
+    done = wait_for_task(client, task_id, FINAL)
     assert done["status"] == "failed"
     assert done["error"]["code"] == "events_too_large"
     assert done["error"]["retryable"] is False
@@ -130,11 +134,7 @@ def test_an_output_larger_than_the_log_fails_events_too_large(
 def test_an_agent_that_catches_the_refusal_goes_on_and_succeeds(
     client: httpx.Client, worker: CeleryProcess
 ) -> None:
-    task = client.post(
-        "/tasks",
-        json={"capability": "test.flood", "payload": {"n": 2, "size": 5 * MiB, "catch": True}},
-    ).json()
-    done = wait_for_task(client, task["task_id"], FINAL)
+    done = wait_for_task(client, flood(client, n=2, size=5 * MiB, catch=True), FINAL)
     assert done["status"] == "succeeded"
     assert done["result"]["chunks"] == 0
 
@@ -143,16 +143,12 @@ def test_a_result_past_its_limit_fails_result_too_large(
     client: httpx.Client, worker: CeleryProcess
 ) -> None:
     """The default limit is 4 MiB of JSON; 5 MiB is not stored, 3 MiB is."""
-    too_large = client.post(
-        "/tasks", json={"capability": "test.flood", "payload": {"n": 0, "result_size": 5 * MiB}}
-    ).json()
-    fits = client.post(
-        "/tasks", json={"capability": "test.flood", "payload": {"n": 0, "result_size": 3 * MiB}}
-    ).json()
-    failed = wait_for_task(client, too_large["task_id"], FINAL)
+    too_large = flood(client, n=0, result_size=5 * MiB)
+    fits = flood(client, n=0, result_size=3 * MiB)
+    failed = wait_for_task(client, too_large, FINAL)
     assert failed["status"] == "failed"
     assert failed["error"]["code"] == "result_too_large"
     assert failed["result"] is None
-    succeeded = wait_for_task(client, fits["task_id"], FINAL)
+    succeeded = wait_for_task(client, fits, FINAL)
     assert succeeded["status"] == "succeeded"
     assert len(succeeded["result"]["blob"]) == 3 * MiB
