@@ -117,6 +117,16 @@ class Task(Base):
             "created_at",
             postgresql_where=text("status = 'queued'"),
         ),
+        # The running tasks of an instance, or of all (``execution.running_tasks``): every
+        # lease keeper's and bridge's orphan check and the reaper read them each tick. Running
+        # rows only: small. Without it each read was a scan of the whole table (262 ms at
+        # 2 million rows for the reaper's, every 5 s; 125 ms for each worker's).
+        Index(
+            "ix_tasks_running_instance_started_at",
+            "instance",
+            "started_at",
+            postgresql_where=text("status = 'running'"),
+        ),
         # A session's tasks: ``GET /tasks?session_id=`` reads it, not all the tenant's.
         Index(
             "ix_tasks_session_id_session_turn",

@@ -31,6 +31,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     Integer,
+    Select,
     TableValuedAlias,
     Text,
     any_,
@@ -584,7 +585,13 @@ def _queued_groups() -> CTE:
 def running_tasks(
     engine: Engine, *, instance: str | None = None, started_before_s: float = 0
 ) -> list[dict[str, Any]]:
-    """Running tasks (of one instance), started at least ``started_before_s`` ago."""
+    """Running tasks (of one instance), started at least ``started_before_s`` ago: a range
+    of ``ix_tasks_running_instance_started_at``, however many finished rows the table holds."""
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(running_query(instance, started_before_s))]
+
+
+def running_query(instance: str | None, started_before_s: float) -> Select[Any]:
     query = select(
         tasks.c.id,
         tasks.c.instance,
@@ -599,8 +606,7 @@ def running_tasks(
     )
     if instance is not None:
         query = query.where(tasks.c.instance == instance)
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(query)]
+    return query
 
 
 def purge_expired(engine: Engine, *, batch: int, budget_s: float) -> int:
