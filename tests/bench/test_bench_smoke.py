@@ -191,6 +191,9 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     two = bridge["two_bridges"]
     assert (two["bridges"], two["slots"]) == (2, plan["remote_slots"])
     assert two["statuses"] == {"succeeded": plan["remote_tasks"]}
+    # Each of the two made calls (the tasks wait until both consume the queue: at the full
+    # size the first one up took them all while the second booted; ``test_held_aside.py``)
+    assert len(two["calls_per_bridge"]) == 2 and min(two["calls_per_bridge"].values()) > 0, two
     assert positive(two["tasks_per_s"]) and positive(two["bridge_cpu_ms_per_task"])
     assert 0 < two["in_flight_max"] <= plan["remote_slots"]
     assert positive(two["direct_tasks_per_s"])  # the direct run made right before them
