@@ -18,6 +18,7 @@ from api.sse import StreamSlots
 from broker import redisclients
 from broker.cache import TimedCache
 from broker.db.engines import async_engine
+from broker.registry.figures import Aggregates
 from broker.settings import Settings
 from broker.tasks.admission import Door
 from broker.tasks.backpressure import (
@@ -58,6 +59,8 @@ class Services:
     intake: Intake
     canceller: Canceller
     streams: StreamSlots
+    # The tenants' figures and series: one at a time per tenant, each kept a few seconds.
+    aggregates: Aggregates
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
 
@@ -127,6 +130,7 @@ class Services:
             intake=intake,
             canceller=Canceller(engine, redis, intake.cards, dispatcher, intake.event_log),
             streams=StreamSlots(settings.max_streams_per_tenant),
+            aggregates=Aggregates(ttl_s=settings.figures_cache_s),
         )
 
     async def close(self) -> None:

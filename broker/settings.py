@@ -72,6 +72,8 @@ class Settings(BaseSettings):
     lease_ttl_s: float | None = Field(None, gt=0)
     # How long the API trusts a card's input schema and the measured success rates it read.
     card_cache_s: float = Field(5.0, ge=0)
+    # How long a tenant's figures (GET /capabilities) and series answer again as computed.
+    figures_cache_s: float = Field(5.0, ge=0)
 
     # reply_mode sync waits at most this long (and never past the task's deadline).
     sync_max_wait_s: float = Field(30.0, gt=0, le=300)

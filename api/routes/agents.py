@@ -260,7 +260,9 @@ async def list_capabilities(request: Request, caller: Caller) -> JSONResponse:
     state = services(request)
     shown = await views.capabilities_shown(state.engine, caller)
     depths = await _queue_depths(request, shown) if caller.is_admin else None
-    found = await views.capabilities(state.engine, state.redis, shown, caller, depths)
+    found = await views.capabilities(
+        state.engine, state.redis, shown, caller, depths, state.aggregates
+    )
     return JSONResponse({"capabilities": found})
 
 
@@ -306,8 +308,13 @@ async def get_capability_series(
     state = services(request)
     if capability not in await views.capabilities_shown(state.engine, caller):
         raise NotFound("no such capability", code="capability_not_found")
-    series = await figures.capability_series(
-        state.engine, caller.tenant, capability, window_s=window_s, step_s=step_s
+    series = await state.aggregates.get(
+        caller.tenant,
+        "series",
+        (capability, window_s, step_s),
+        lambda: figures.capability_series(
+            state.engine, caller.tenant, capability, window_s=window_s, step_s=step_s
+        ),
     )
     return JSONResponse(series)
 

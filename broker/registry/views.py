@@ -255,11 +255,15 @@ async def capabilities(
     known: dict[str, list[dict[str, Any]]],
     caller: Principal,
     depths: dict[str, int] | None,
+    aggregates: figures.Aggregates,
 ) -> list[dict[str, Any]]:
     """Each capability of ``known`` (its cards, those this key is shown): live instances
     (of those cards), and figures from the last ``WINDOW_S`` of the tenant's tasks.
     ``depths`` (queue depth, shared by every tenant) is given for operator keys only."""
-    measured = await figures.capability_figures(engine, caller.tenant)
+    tenant = caller.tenant
+    measured = await aggregates.get(
+        tenant, "figures", None, lambda: figures.capability_figures(engine, tenant)
+    )
     rules = routing.Rules(tenant=None if caller.is_admin else caller.tenant)
     now = now_s()
     shown = []
