@@ -3,7 +3,9 @@ request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,7 @@ class TimedCache:
 
     ttl_s: float
     _entries: dict[Any, tuple[float, Any]] = field(default_factory=dict)
+    _computing: dict[Any, asyncio.Future[Any]] = field(default_factory=dict)
 
     def get(self, key: Any) -> tuple[bool, Any]:
         hit = self._entries.get(key)
@@ -30,3 +33,26 @@ class TimedCache:
             self._entries.clear()
         self._entries[key] = (time.monotonic() + self.ttl_s, value)
         return value
+
+    async def computed(self, key: Any, compute: Callable[[], Awaitable[Any]]) -> Any:
+        """The value of ``key``, ``compute()``d when it is not fresh, once for every reader
+        that asks meanwhile: at expiry, the requests arriving together wait for one query
+        instead of each sending its own. A reader that goes away (its request cancelled)
+        leaves the computation to the others."""
+        found, value = self.get(key)
+        if found:
+            return value
+        running = self._computing.get(key)
+        if running is None:
+            running = self._computing[key] = asyncio.ensure_future(self._compute(key, compute))
+            running.add_done_callback(lambda done: self._computed(key, done))
+        return await asyncio.shield(running)
+
+    async def _compute(self, key: Any, compute: Callable[[], Awaitable[Any]]) -> Any:
+        return self.put(key, await compute())
+
+    def _computed(self, key: Any, done: asyncio.Future[Any]) -> None:
+        if self._computing.get(key) is done:
+            del self._computing[key]
+        if not done.cancelled():
+            done.exception()  # retrieved: every reader may have gone

@@ -83,10 +83,14 @@ class Aggregates:
 
 
 async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[str, str], float]:
-    """Per (agent_id, version): the share of tasks finished in the window that succeeded."""
-    found, value = cache.get("success_rates")
-    if found:
-        return value  # type: ignore[no-any-return]
+    """Per (agent_id, version): the share of tasks finished in the window that succeeded.
+    Every submit asks; one query a ``cache.ttl_s`` answers them. It reads every tenant's
+    tasks of the window (0.19 s for 500,000 of them), and at each expiry the submits arriving
+    meanwhile each sent it again, all at once: they share one now (``TimedCache.computed``)."""
+    return await cache.computed("success_rates", lambda: _success_rates(engine))  # type: ignore[no-any-return]
+
+
+async def _success_rates(engine: AsyncEngine) -> dict[tuple[str, str], float]:
     query = text(
         "SELECT agent_id, agent_version, avg((status = :succeeded)::int) AS rate FROM tasks"
         " WHERE finished_at > now() - make_interval(secs => :window) AND agent_id IS NOT NULL"
@@ -94,9 +98,7 @@ async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[st
     ).bindparams(succeeded=SUCCEEDED)
     async with engine.connect() as conn:
         rows = (await conn.execute(query, {"window": WINDOW_S})).all()
-    return cache.put(  # type: ignore[no-any-return]
-        "success_rates", {(r.agent_id, r.agent_version): float(r.rate) for r in rows}
-    )
+    return {(r.agent_id, r.agent_version): float(r.rate) for r in rows}
 
 
 async def capability_figures(engine: AsyncEngine, tenant: str) -> dict[str, dict[str, Any]]:

@@ -3,7 +3,9 @@ tasks a real worker ran; scoped like ``GET /capabilities``; its query on the ind
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +18,8 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
+from broker.cache import TimedCache
+from broker.db.engines import async_engine
 from broker.registry import figures
 from broker.settings import Settings
 from broker.tasks.resource import FAILED, SUCCEEDED
@@ -237,7 +241,7 @@ TENANTS_DAY = text(
 AGGREGATES_RUNNING = (
     "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
     " AND datname = current_database() AND query LIKE '%percentile_cont%'"
-    " AND pid <> pg_backend_pid()"
+    " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"  # no parallel workers
 )
 
 
@@ -299,3 +303,65 @@ def test_one_tenants_aggregates_run_one_at_a_time_and_the_same_one_is_answered_a
     finally:
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant[0]})
+
+
+# Tasks of three agents finished in the last five minutes, a third of agent a1's failed.
+RECENT_BY_AGENT = text(
+    "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
+    " payload_size, trace_id, result_ttl_s, created_at, started_at, finished_at, expires_at,"
+    " agent_id, agent_version)"
+    " SELECT gen_random_uuid(), :tenant, 'echo', 'echo',"
+    "  CASE WHEN i % 3 = 1 AND i % 9 < 3 THEN 'failed' ELSE 'succeeded' END, '{}', 'd', 2,"
+    "  'trace', 60, f, f, f, f + interval '1 day', 'rates-a' || (i % 3), '1'"
+    " FROM (SELECT i, now() - (i % 240) * interval '1 second' AS f"
+    "       FROM generate_series(1, :n) AS i) AS g"
+)
+SUCCESS_RATES_RUNNING = (
+    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+    " AND datname = current_database() AND query LIKE '%GROUP BY agent_id, agent_version%'"
+    " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"  # no parallel workers
+)
+
+
+def test_the_success_rates_every_submit_reads_are_one_query_for_the_submits_arriving_together(
+    engine: Engine, settings: Settings
+) -> None:
+    """Every submit reads the agents' success rates of the last five minutes (routing's
+    scores), cached for ``REACH_CARD_CACHE_S``. It reads every tenant's tasks of the window;
+    at each expiry the submits arriving meanwhile each sent it again, all at once."""
+    # Given 90,000 tasks of three agents finished in the last five minutes
+    tenant = "rates-" + uuid.uuid4().hex[:8]
+    with engine.begin() as conn:
+        conn.execute(RECENT_BY_AGENT, {"tenant": tenant, "n": 90_000})
+        conn.execute(text("ANALYZE tasks"))
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
+            while not done.is_set():
+                seen.append(int(conn.execute(SUCCESS_RATES_RUNNING).fetchone()[0]))  # type: ignore[index]
+
+    async def twenty_submits_at_expiry() -> list[dict[tuple[str, str], float]]:
+        aengine = async_engine(settings)
+        try:
+            cache = TimedCache(ttl_s=60)  # empty: as at expiry
+            return await asyncio.gather(*(figures.success_rates(aengine, cache) for _ in range(20)))
+        finally:
+            await aengine.dispose()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        # When twenty submits ask for them at once
+        answers = asyncio.run(twenty_submits_at_expiry())
+    finally:
+        done.set()
+        sampler.join()
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant})
+    # Then one query answered them all, the same answer
+    assert max(seen) == 1, Counter(seen)
+    assert all(answer == answers[0] for answer in answers)
+    rates = {agent: rate for (agent, _), rate in answers[0].items() if agent.startswith("rates-")}
+    assert rates == {"rates-a0": 1.0, "rates-a1": pytest.approx(2 / 3, abs=0.01), "rates-a2": 1.0}

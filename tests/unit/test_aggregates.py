@@ -1,5 +1,6 @@
 """``figures.Aggregates``: a tenant's figures and series one at a time, the same question
-answered again within the TTL, the last answer of each kind kept per tenant."""
+answered again within the TTL, the last answer of each kind kept per tenant. And
+``TimedCache.computed``: one computation for the readers that ask together."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from broker.cache import TimedCache
 from broker.registry.figures import Aggregates
 
 
@@ -100,3 +102,44 @@ async def test_a_failed_aggregate_lets_the_next_run_and_keeps_nothing() -> None:
         return "answer"
 
     assert await aggregates.get("a", "figures", None, fine) == "answer"
+
+
+@sync
+async def test_a_cached_value_is_computed_once_for_the_readers_that_ask_meanwhile() -> None:
+    cache, work = TimedCache(ttl_s=60), Computing()
+    asked = [asyncio.create_task(cache.computed("rates", work)) for _ in range(20)]
+    await asyncio.sleep(0.01)
+    work.gate.set()
+    assert await asyncio.gather(*asked) == ["answer"] * 20
+    assert await cache.computed("rates", work) == "answer"  # fresh: not computed again
+    assert (work.runs, work.most) == (1, 1)
+
+
+@sync
+async def test_a_reader_that_goes_away_leaves_the_computation_to_the_others() -> None:
+    cache, work = TimedCache(ttl_s=60), Computing()
+    first = asyncio.create_task(cache.computed("rates", work))
+    second = asyncio.create_task(cache.computed("rates", work))
+    await asyncio.sleep(0.01)
+    first.cancel()  # its request went away
+    work.gate.set()
+    assert await second == "answer"
+    assert work.runs == 1
+
+
+@sync
+async def test_a_failed_computation_fails_its_readers_and_the_next_one_computes_again() -> None:
+    cache = TimedCache(ttl_s=60)
+
+    async def broken() -> Any:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("Postgres away")
+
+    asked = [asyncio.create_task(cache.computed("rates", broken)) for _ in range(3)]
+    results = await asyncio.gather(*asked, return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+
+    async def fine() -> Any:
+        return "answer"
+
+    assert await cache.computed("rates", fine) == "answer"
