@@ -42,13 +42,18 @@ def test_the_queue_is_empty_inside_and_whole_again_after(
     client.delete(first, behind)
 
 
+def one_queued(engine: Engine, client: redis.Redis, queue: str, message: bytes) -> str:
+    """``queue`` holding one task's message, its row in Postgres."""
+    a_task_row(engine, tenant=TENANT, capability=queue)
+    client.delete(queue)
+    client.lpush(queue, message)
+    return queue
+
+
 def test_a_count_other_than_the_accepted_fails_and_gives_the_messages_back(
     engine: Engine, database_url: str, redis_url: str, client: redis.Redis
 ) -> None:
-    queue = "bench.aside-short"
-    a_task_row(engine, tenant=TENANT, capability=queue)
-    client.delete(queue)
-    client.lpush(queue, b"only")
+    queue = one_queued(engine, client, "bench.aside-short", b"only")
     aside = held_aside(libpq_url(database_url), redis_url, TENANT, 2)
     with pytest.raises(RuntimeError, match="1 messages held aside of 2 accepted"), aside:
         pass
@@ -59,10 +64,7 @@ def test_a_count_other_than_the_accepted_fails_and_gives_the_messages_back(
 def test_a_queue_filled_meanwhile_is_not_overwritten(
     engine: Engine, database_url: str, redis_url: str, client: redis.Redis
 ) -> None:
-    queue = "bench.aside-filled"
-    a_task_row(engine, tenant=TENANT, capability=queue)
-    client.delete(queue)
-    client.lpush(queue, b"held")
+    queue = one_queued(engine, client, "bench.aside-filled", b"held")
     aside = held_aside(libpq_url(database_url), redis_url, TENANT, 1)
     with pytest.raises(RuntimeError, match="was not empty"), aside:
         client.lpush(queue, b"new")  # a message that came while the bridges started

@@ -4,6 +4,7 @@ tasks a real worker ran; scoped like ``GET /capabilities``; its query on the ind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections import Counter
@@ -228,6 +229,26 @@ def test_the_series_query_reads_the_index_made_for_it(engine: Engine) -> None:
     assert "tenant" in cond and "split_part" in cond and "finished_at >=" in cond, plan
 
 
+@contextlib.contextmanager
+def at_once(settings: Settings, running: str) -> Iterator[list[int]]:
+    """How many statements ``running`` counts in Postgres, sampled until the block ends."""
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
+            while not done.is_set():
+                seen.append(int(conn.execute(running).fetchone()[0]))  # type: ignore[index]
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join()
+
+
 # One tenant's tasks of echo, finished over the last day.
 TENANTS_DAY = text(
     "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
@@ -260,28 +281,15 @@ def test_one_tenants_aggregates_run_one_at_a_time_and_the_same_one_is_answered_a
     with engine.begin() as conn:
         conn.execute(TENANTS_DAY, {"tenant": tenant[0], "n": 60_000})
         conn.execute(text("ANALYZE tasks"))
-    seen: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
-            while not done.is_set():
-                seen.append(int(conn.execute(AGGREGATES_RUNNING).fetchone()[0]))  # type: ignore[index]
 
     def ask(window_s: int) -> int:
         with client_for(api, tenant[1]) as http:
             return series(http, window_s=window_s).status_code
 
     try:
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            # When eight series of different windows are asked for at once
-            with ThreadPoolExecutor(8) as pool:
-                statuses = list(pool.map(ask, [3600 * k for k in range(17, 25)]))
-        finally:
-            done.set()
-            sampler.join()
+        # When eight series of different windows are asked for at once
+        with at_once(settings, AGGREGATES_RUNNING) as seen, ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(ask, [3600 * k for k in range(17, 25)]))
         # Then each is answered, and Postgres ran one of them at a time
         assert statuses == [200] * 8
         assert max(seen) == 1, Counter(seen)
@@ -334,13 +342,6 @@ def test_the_success_rates_every_submit_reads_are_one_query_for_the_submits_arri
     with engine.begin() as conn:
         conn.execute(RECENT_BY_AGENT, {"tenant": tenant, "n": 90_000})
         conn.execute(text("ANALYZE tasks"))
-    seen: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
-            while not done.is_set():
-                seen.append(int(conn.execute(SUCCESS_RATES_RUNNING).fetchone()[0]))  # type: ignore[index]
 
     async def twenty_submits_at_expiry() -> list[dict[tuple[str, str], float]]:
         aengine = async_engine(settings)
@@ -350,14 +351,11 @@ def test_the_success_rates_every_submit_reads_are_one_query_for_the_submits_arri
         finally:
             await aengine.dispose()
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
     try:
         # When twenty submits ask for them at once
-        answers = asyncio.run(twenty_submits_at_expiry())
+        with at_once(settings, SUCCESS_RATES_RUNNING) as seen:
+            answers = asyncio.run(twenty_submits_at_expiry())
     finally:
-        done.set()
-        sampler.join()
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant})
     # Then one query answered them all, the same answer
