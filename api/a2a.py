@@ -305,17 +305,18 @@ class ReachRequestHandler(RequestHandler):
         try:
             # A GET's parameters never pass the body's checks: a NUL bound for SQL is refused.
             jsonbody.check_tree([params.context_id, params.page_token], max_depth=1)
-            found, next_cursor = await queries.list_tasks(
-                self.svc.engine,
-                caller.tenant,
-                capability=None,
-                status=statuses,
-                limit=limit,
-                cursor=params.page_token or None,
-                patterns=caller.sees,
-                max_bytes=self.svc.settings.list_page_max_bytes,
-                session_id=params.context_id or None,
-            )
+            async with self.svc.heavy_reads.turn(caller.tenant, "list"):
+                found, next_cursor = await queries.list_tasks(
+                    self.svc.engine,
+                    caller.tenant,
+                    capability=None,
+                    status=statuses,
+                    limit=limit,
+                    cursor=params.page_token or None,
+                    patterns=caller.sees,
+                    max_bytes=self.svc.settings.list_page_max_bytes,
+                    session_id=params.context_id or None,
+                )
         except ReachError as exc:
             raise _a2a_error(exc) from None
         return ListTasksResponse(

@@ -34,6 +34,7 @@ from broker.tasks.eventhub import EventHub
 from broker.tasks.events import EventLog
 from broker.tasks.intake import Intake
 from broker.tasks.submission import GroupInsert
+from broker.tenancy.heavy import HeavyReads
 from broker.webhooks.ssrf import HostLookups
 
 
@@ -61,6 +62,8 @@ class Services:
     streams: StreamSlots
     # The tenants' figures and series: one at a time per tenant, each kept a few seconds.
     aggregates: Aggregates
+    # A tenant's reads whose cost grows with its history (lists): one at a time per kind.
+    heavy_reads: HeavyReads
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
 
@@ -79,6 +82,7 @@ class Services:
             broker_redis = redisclients.async_client(broker, socket_timeout=5)
         dispatcher = Dispatcher(settings)
         bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
+        heavy_reads = HeavyReads()
         intake = Intake(
             settings=settings,
             engine=engine,
@@ -130,7 +134,8 @@ class Services:
             intake=intake,
             canceller=Canceller(engine, redis, intake.cards, dispatcher, intake.event_log),
             streams=StreamSlots(settings.max_streams_per_tenant),
-            aggregates=Aggregates(ttl_s=settings.figures_cache_s),
+            aggregates=Aggregates(ttl_s=settings.figures_cache_s, reads=heavy_reads),
+            heavy_reads=heavy_reads,
         )
 
     async def close(self) -> None:

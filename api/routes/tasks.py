@@ -194,17 +194,18 @@ async def list_tasks(
     if capability is not None and not is_valid_name(capability):
         raise BadRequest("capability is not a valid name", code="invalid_parameter")
     state = services(request)
-    found, next_cursor = await queries.list_tasks(
-        state.engine,
-        caller.tenant,
-        capability=capability,
-        status=status,
-        limit=min(limit, state.settings.list_page_max),
-        cursor=cursor,
-        patterns=caller.sees,
-        max_bytes=state.settings.list_page_max_bytes,
-        session_id=session_id,
-    )
+    async with state.heavy_reads.turn(caller.tenant, "list"):
+        found, next_cursor = await queries.list_tasks(
+            state.engine,
+            caller.tenant,
+            capability=capability,
+            status=status,
+            limit=min(limit, state.settings.list_page_max),
+            cursor=cursor,
+            patterns=caller.sees,
+            max_bytes=state.settings.list_page_max_bytes,
+            session_id=session_id,
+        )
     return JSONResponse({"tasks": found, "next_cursor": next_cursor})
 
 

@@ -8,7 +8,6 @@ only once it ran: a task cancelled or expired while queued has no run time."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
 from broker.tasks.resource import FAILED, SUCCEEDED
+from broker.tenancy.heavy import HeavyReads
 from broker.timestamps import iso
 
 WINDOW_S = 300
@@ -35,13 +35,12 @@ class Aggregates:
     requests wait for its aggregate in progress (within its share of the waiting requests,
     ``REACH_MAX_REQUESTS_WAITING_PER_TENANT``), and the same question within ``ttl_s`` gets the
     answer already computed: one tenant keeps at most one Postgres backend busy per API
-    process. The last answer of each kind is kept per tenant, so asking many questions keeps
-    no more of them."""
+    process (``HeavyReads``). The last answer of each kind is kept per tenant, so asking many
+    questions keeps no more of them."""
 
     ttl_s: float
+    reads: HeavyReads = field(default_factory=HeavyReads)
     _answers: TimedCache = field(init=False)
-    # tenant -> (its lock, how many requests hold or wait for it): gone when none does
-    _turns: dict[str, tuple[asyncio.Lock, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._answers = TimedCache(ttl_s=self.ttl_s)
@@ -58,20 +57,13 @@ class Aggregates:
         answer = self._kept(tenant, kind, question)
         if answer is not None:
             return answer
-        lock, users = self._turns.setdefault(tenant, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                answer = self._kept(tenant, kind, question)  # computed while this one waited
-                if answer is None:
-                    answer = await compute()
-                    if self.ttl_s > 0:
-                        self._answers.put((tenant, kind), (question, answer))
-                return answer
-        finally:
-            users[0] -= 1
-            if users[0] == 0:
-                del self._turns[tenant]
+        async with self.reads.turn(tenant, "aggregates"):
+            answer = self._kept(tenant, kind, question)  # computed while this one waited
+            if answer is None:
+                answer = await compute()
+                if self.ttl_s > 0:
+                    self._answers.put((tenant, kind), (question, answer))
+            return answer
 
     def _kept(self, tenant: str, kind: str, question: Hashable) -> Any:
         found, kept = self._answers.get((tenant, kind))
@@ -79,7 +71,7 @@ class Aggregates:
 
     @property
     def tenants_in_progress(self) -> int:
-        return len(self._turns)
+        return self.reads.in_progress
 
 
 async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[str, str], float]:

@@ -4,8 +4,6 @@ tasks a real worker ran; scoped like ``GET /capabilities``; its query on the ind
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -15,7 +13,6 @@ from itertools import pairwise
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
@@ -25,7 +22,7 @@ from broker.registry import figures
 from broker.settings import Settings
 from broker.tasks.resource import FAILED, SUCCEEDED
 from broker.tenancy import key_store
-from reach.localservices import libpq_url
+from tests.integration.activity import at_once
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.webhook_client import submit
@@ -227,26 +224,6 @@ def test_the_series_query_reads_the_index_made_for_it(engine: Engine) -> None:
     assert f"Index Scan using {INDEX} on tasks" in plan, plan
     cond = next(line for line in plan.splitlines() if "Index Cond" in line)
     assert "tenant" in cond and "split_part" in cond and "finished_at >=" in cond, plan
-
-
-@contextlib.contextmanager
-def at_once(settings: Settings, running: str) -> Iterator[list[int]]:
-    """How many statements ``running`` counts in Postgres, sampled until the block ends."""
-    seen: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
-            while not done.is_set():
-                seen.append(int(conn.execute(running).fetchone()[0]))  # type: ignore[index]
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        yield seen
-    finally:
-        done.set()
-        sampler.join()
 
 
 # One tenant's tasks of echo, finished over the last day.

@@ -14,7 +14,9 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -28,7 +30,8 @@ from broker.settings import Settings
 from broker.tasks.events import OUTPUT, EventLog
 from broker.webhooks.ssrf import HostLookups
 from tests.eventually import eventually
-from tests.integration.conftest import KeyMaker
+from tests.integration.activity import at_once
+from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp
 
@@ -487,3 +490,47 @@ def _settled_send_queue(server_port: int, client_port: int) -> int:
 
     eventually(settled, "the send queue to stop growing")
     return samples[-1]
+
+
+# One tenant's tasks of echo, newest last.
+TENANTS_ECHO = text(
+    "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
+    " payload_size, trace_id, result_ttl_s, created_at, started_at, finished_at, expires_at)"
+    " SELECT gen_random_uuid(), :tenant, 'echo', 'echo', 'succeeded', '{}', 'd', 2, 'trace', 60,"
+    "  now(), now(), now(), now() + interval '1 day' FROM generate_series(1, :n)"
+)
+# The listings of tasks running in Postgres now (``broker.db.paging``'s budgeted page).
+LISTS_RUNNING = (
+    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+    " AND datname = current_database() AND query LIKE '%page_candidates%'"
+    " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+)
+
+
+def test_one_tenants_task_lists_run_one_at_a_time(
+    api: ServedApp, make_key: KeyMaker, engine: Engine, settings: Settings
+) -> None:
+    """A key that sees only ``invoice.*`` of a tenant whose tasks are all echo reads every one
+    of them for an empty page (0.2 s for 40,000). At the request rate each such list took a
+    Postgres backend; now a tenant's lists run one at a time per API process."""
+    # Given a tenant with 60,000 tasks of echo, and a key of it that sees only invoice.*
+    tenant, _ = make_key()
+    _, narrow = make_key(["invoice.*"], tenant=tenant)
+    with engine.begin() as conn:
+        conn.execute(TENANTS_ECHO, {"tenant": tenant, "n": 60_000})
+
+    def list_once(_: int) -> tuple[int, list[Any]]:
+        with client_for(api, narrow) as http:
+            answer = http.get("/tasks")
+            return answer.status_code, answer.json().get("tasks", [])
+
+    try:
+        # When the key lists eight times at once
+        with at_once(settings, LISTS_RUNNING) as seen, ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(list_once, range(8)))
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant})
+    # Then each list is answered (empty: nothing it sees), one at a time in Postgres
+    assert answers == [(200, [])] * 8
+    assert max(seen) == 1, Counter(seen)

@@ -13,6 +13,7 @@ import pytest
 
 from broker.cache import TimedCache
 from broker.registry.figures import Aggregates
+from broker.tenancy.heavy import HeavyReads
 
 
 def sync(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -143,3 +144,21 @@ async def test_a_failed_computation_fails_its_readers_and_the_next_one_computes_
         return "answer"
 
     assert await cache.computed("rates", fine) == "answer"
+
+
+@sync
+async def test_a_tenants_reads_of_one_kind_wait_for_each_other_not_for_another_kind() -> None:
+    reads, work = HeavyReads(), Computing()
+
+    async def read(tenant: str, kind: str) -> Any:
+        async with reads.turn(tenant, kind):
+            return await work()
+
+    asked = [
+        asyncio.create_task(read("a", kind)) for kind in ("list", "list", "aggregates", "list")
+    ]
+    await asyncio.sleep(0.01)
+    assert (work.running, reads.in_progress) == (2, 2)  # a list and the aggregate
+    work.gate.set()
+    await asyncio.gather(*asked)
+    assert (work.runs, work.most, reads.in_progress) == (4, 2, 0)
