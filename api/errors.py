@@ -57,6 +57,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "rate_limited": 429,
     "too_many_streams": 429,
     "too_many_queued": 429,
+    "quota_exceeded": 429,
     "revision_conflict": 412,
     "precondition_required": 428,
     "body_too_large": 413,

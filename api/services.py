@@ -35,6 +35,7 @@ from broker.tasks.events import EventLog
 from broker.tasks.intake import Intake
 from broker.tasks.submission import GroupInsert
 from broker.tenancy.heavy import HeavyReads
+from broker.tenancy.usage import Quota, postgres_held
 from broker.webhooks.ssrf import HostLookups
 
 
@@ -103,6 +104,7 @@ class Services:
             inserter=GroupInsert(engine),
             dispatcher=dispatcher,
             event_log=EventLog(redis, settings.result_ttl_s, settings.event_log_max_bytes),
+            quota=Quota(postgres_held(engine), settings.tenant_max_held_bytes),
         )
         return cls(
             settings=settings,
@@ -141,6 +143,7 @@ class Services:
     async def close(self) -> None:
         await self.hub.close()
         await self.queue_bound.close()
+        await self.intake.quota.close()
         await self.inserter.close()
         await self.engine.dispose()
         for client in (self.redis, self.broker_redis):

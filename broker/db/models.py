@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     CheckConstraint,
     ColumnElement,
@@ -154,6 +155,18 @@ class Task(Base):
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
     )
+
+
+class TenantUsage(Base):
+    """The bytes a tenant's tasks hold (``broker.tenancy.usage``): kept by two statement
+    triggers on ``tasks`` (migration 0016), in shards a writer's backend picks, summed on
+    read."""
+
+    __tablename__ = "tenant_usage"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    shard: Mapped[int] = mapped_column(SmallInteger, primary_key=True, autoincrement=False)
+    bytes: Mapped[int] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):
@@ -433,6 +446,7 @@ class WebhookAttempt(Base):
 
 # Core handles for the hot paths, which use SQL expressions rather than ORM objects.
 tasks_table = cast(Table, Task.__table__)
+tenant_usage_table = cast(Table, TenantUsage.__table__)
 agent_cards_table = cast(Table, AgentCard.__table__)
 agent_instances_table = cast(Table, AgentInstance.__table__)
 remote_agents_table = cast(Table, RemoteAgent.__table__)

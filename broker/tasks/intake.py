@@ -4,7 +4,8 @@ accepted task. The HTTP API calls it; so will every other front door.
 The order keeps the cheap checks first and the slow one last: the key's patterns (memory),
 the route and the payload (Redis, cached cards), the queue's depth (cached) and, in a
 crowded queue, the tenant's part of it (Postgres, cached), then the callback's host name
-(a DNS lookup), then the insert and the publish. The tenant's rate token is taken before the
+(a DNS lookup), then what the tenant's tasks hold (``Quota``, cached), the insert and the
+publish. The tenant's rate token is taken before the
 envelope is even read (``Door.take``), or, for a small body that had arrived whole, in the
 route lookup's own Redis call (``api.deps.read_metered_body``).
 """
@@ -29,6 +30,7 @@ from broker.tasks.envelope import Envelope
 from broker.tasks.events import EventLog
 from broker.tasks.submission import Accepted, GroupInsert
 from broker.tenancy.keys import Principal
+from broker.tenancy.usage import Quota
 from broker.webhooks.ssrf import HostLookups
 from broker.webhooks.subscriptions import vet_callback
 
@@ -46,6 +48,7 @@ class Intake:
     inserter: GroupInsert
     dispatcher: Dispatcher
     event_log: EventLog
+    quota: Quota
 
     async def submit(
         self,
@@ -92,6 +95,7 @@ class Intake:
             settings=self.settings,
             callback=callback,
             behind=behind,
+            quota=self.quota,
         )
         row = accepted.row
         log.info(

@@ -38,6 +38,7 @@ from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
 from broker.tasks.resource import QUEUED, TaskRow, new_task_id
 from broker.tenancy.keys import Principal
+from broker.tenancy.usage import Quota, QuotaExceeded, task_bytes
 
 # Built once: constructing and caching the statement per request cost more than running it.
 # RETURNING only the id (did the insert happen?): the row is what was sent, plus the
@@ -217,25 +218,33 @@ async def submit(
     settings: Settings,
     callback: dict[str, Any] | None = None,
     behind: bool = False,
+    quota: Quota | None = None,
 ) -> Accepted:
     """``callback``: the task's callback as stored (``Intake.submit`` gives it). ``behind``:
-    its message waits behind the other tenants' in the queue (``QueueBound.check``)."""
+    its message waits behind the other tenants' in the queue (``QueueBound.check``).
+    ``quota``: what the tenant's tasks may hold; a replay of a task already accepted gets it
+    even past the quota."""
     values = _values(principal, envelope, queue, trace_id, settings, callback)
     engine = inserter.engine
-    for _ in range(2):
-        if values["session_id"] is not None:
-            inserted = await _insert_turn(engine, values)
-        else:
-            inserted = await inserter.insert(values)
-        if inserted:
-            break
-        replayed = await _replay(engine, values)
-        if replayed is not None:
+    size = task_bytes(values["payload_size"], values["metadata"])
+    if quota is not None:
+        try:
+            await quota.take(principal.tenant, size)
+        except QuotaExceeded:
+            replayed = await _replay(engine, values) if values["idempotency_key"] else None
+            if replayed is None:
+                raise
             return replayed
-        # The key's task had expired (or was purged): the key is free, try again.
-    else:
-        raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
-    row = cast(TaskRow, _NEW_ROW | values)
+    try:
+        row = await _write(inserter, values)
+    except BaseException:
+        if quota is not None:
+            quota.give_back(principal.tenant, size)
+        raise
+    if isinstance(row, Accepted):  # a replay: nothing new is held
+        if quota is not None:
+            quota.give_back(principal.tenant, size)
+        return row
     try:
         # The queued event goes first, so it precedes whatever the worker appends. With the
         # broker on the same Redis, the message goes out in that same call.
@@ -270,8 +279,27 @@ async def submit(
             )
     except Exception as exc:
         await _withdraw(engine, row["id"])
+        if quota is not None:
+            quota.give_back(principal.tenant, size)
         raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
     return Accepted(row=row, replayed=False)
+
+
+async def _write(inserter: GroupInsert, values: dict[str, Any]) -> TaskRow | Accepted:
+    """The new task's row, or the task its idempotency key already made."""
+    engine = inserter.engine
+    for _ in range(2):
+        if values["session_id"] is not None:
+            inserted = await _insert_turn(engine, values)
+        else:
+            inserted = await inserter.insert(values)
+        if inserted:
+            return cast(TaskRow, _NEW_ROW | values)
+        replayed = await _replay(engine, values)
+        if replayed is not None:
+            return replayed
+        # The key's task had expired (or was purged): the key is free, try again.
+    raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
 
 
 async def _insert_turn(engine: AsyncEngine, values: dict[str, Any]) -> bool:

@@ -1,5 +1,7 @@
-"""Tenants and their keys: who is calling and what the key allows.
+"""Tenants and their keys: who is calling, what the key allows, and what a tenant may hold.
 
 keys       the token format, the hash, and ``Principal`` (pure)
 key_store  keys in Postgres: create, revoke, list, look up
+heavy      a tenant's reads whose cost grows with its history, one at a time per kind
+usage      the bytes a tenant's tasks hold, as Postgres counts them, and the quota on them
 """

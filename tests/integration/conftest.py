@@ -53,6 +53,7 @@ DORMANT = (
     "test.nobody-serves-this",
     "test.nobody-fills",
     "test.nobody-shares",
+    "test.nobody-holds",
 )
 
 

@@ -1,0 +1,149 @@
+"""What a tenant's tasks hold in Postgres, and the quota on it.
+
+Every other bound on a tenant is a rate or a size: a tenant held its task rate times the TTL
+times a task's size, 17 TB at the defaults (200 tasks/s of 1 MiB for a day), every tenant's
+disk. So each task counts what it holds: its payload, its metadata and ``ROW_BYTES`` for the
+rest of its row and its index entries. Two statement triggers on ``tasks`` (migration 0016)
+add what each INSERT writes to ``tenant_usage`` and take back what each DELETE removes, in
+the same transaction, whichever code ran it: the API's grouped inserts, a session's turn, a
+withdrawn submit, the janitor. The figure is exact when read; no code path can forget it.
+
+A submit past ``REACH_TENANT_MAX_HELD_BYTES`` is 429 ``quota_exceeded`` before anything is
+written (``Quota.check``). An idempotent replay holds nothing new and still gets its task.
+Each API process reads a tenant's figure at most once a second, and a figure up to
+``stale_s`` old answers while the next is read beside the request, so a submit does not wait
+on Postgres for it; the process counts what it admits until the next read. Several API
+processes may each admit about a second's worth of the tenant's submits past the quota.
+
+Results are not counted: an agent's answer is bounded per task (``REACH_MAX_RESULT_BYTES``)
+and comes from the operator's agents, not the tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from broker import jsonbody
+from broker.db.models import tenant_usage_table as usage
+from broker.errors import ReachError
+from broker.observability import metrics
+
+log = logging.getLogger("reach.api")
+
+# A task's row and index entries beyond its payload and metadata, counted with each: a
+# tenant of empty payloads still holds its rows. (The triggers of migration 0016 count the
+# same.)
+ROW_BYTES = 1024
+RETRY_AFTER_S = 60  # tasks expire one by one; a minute is a fair time to look again
+
+Held = Callable[[str], Awaitable[int]]
+
+
+class QuotaExceeded(ReachError):
+    code = "quota_exceeded"
+
+
+def task_bytes(payload_size: int, metadata: Any) -> int:
+    """What a new task will hold, as the triggers count it (metadata as Postgres prints
+    JSON, a few bytes longer than canonical JSON: the check may admit a task that ends a
+    few bytes past the quota, never refuse one that fits)."""
+    return payload_size + (len(jsonbody.canonical(metadata)) if metadata else 2) + ROW_BYTES
+
+
+def postgres_held(engine: AsyncEngine) -> Held:
+    """A tenant's bytes held, as ``tenant_usage`` counts them: at most 16 rows."""
+
+    async def held(tenant: str) -> int:
+        query = select(func.coalesce(func.sum(usage.c.bytes), 0)).where(usage.c.tenant == tenant)
+        async with engine.connect() as conn:
+            return int(await conn.scalar(query) or 0)
+
+    return held
+
+
+@dataclass
+class Quota:
+    """Refuses a tenant's task that would take what its tasks hold past ``limit``."""
+
+    held: Held
+    limit: int
+    refresh_s: float = 1.0
+    stale_s: float = 30.0
+    max_tracked: int = 4096
+    # tenant: (when read, bytes held then plus what this process admitted since)
+    _known: dict[str, tuple[float, int]] = field(default_factory=dict)
+    _reads: dict[str, asyncio.Future[int]] = field(default_factory=dict)
+
+    async def take(self, tenant: str, size: int) -> None:
+        """Count a task of ``size`` bytes against the tenant, or raise ``QuotaExceeded``.
+        A task taken but then not written (a replay, a failure) is ``give_back``-ed."""
+        held = await self._held(tenant)
+        if held + size > self.limit:
+            metrics.rejections.labels("quota_exceeded").inc()
+            raise QuotaExceeded(
+                f"this tenant's tasks hold {held} bytes; another {size} would pass its quota"
+                f" of {self.limit} (REACH_TENANT_MAX_HELD_BYTES) until some expire",
+                retry_after_s=RETRY_AFTER_S,
+                held_bytes=held,
+                limit_bytes=self.limit,
+            )
+        self._add(tenant, size)
+
+    def give_back(self, tenant: str, size: int) -> None:
+        self._add(tenant, -size)
+
+    def _add(self, tenant: str, size: int) -> None:
+        known = self._known.get(tenant)
+        if known is not None:
+            self._known[tenant] = (known[0], known[1] + size)
+
+    async def _held(self, tenant: str) -> int:
+        known = self._known.get(tenant)
+        age = time.monotonic() - known[0] if known is not None else math.inf
+        if known is not None and age <= self.refresh_s:
+            return known[1]
+        read = self._reads.get(tenant)
+        if read is None:
+            if len(self._known) >= self.max_tracked:
+                self._forget_stale()
+            read = self._reads[tenant] = asyncio.ensure_future(self._read(tenant))
+            read.add_done_callback(lambda done: self._read_done(tenant, done))
+        if known is not None and age <= self.stale_s:
+            return known[1]  # the read goes on beside this request
+        return await asyncio.shield(read)
+
+    async def _read(self, tenant: str) -> int:
+        at = time.monotonic()
+        value = await self.held(tenant)
+        self._known[tenant] = (at, value)
+        return value
+
+    def _read_done(self, tenant: str, done: asyncio.Future[int]) -> None:
+        if self._reads.get(tenant) is done:
+            del self._reads[tenant]
+        if not done.cancelled() and done.exception() is not None:
+            # Postgres away: the next submit past ``stale_s`` waits for a read, and fails.
+            log.warning("reading a tenant's bytes held failed: %r", done.exception())
+
+    def _forget_stale(self) -> None:
+        cutoff = time.monotonic() - self.stale_s
+        for tenant, (at, _) in list(self._known.items()):
+            if at <= cutoff and tenant not in self._reads:
+                del self._known[tenant]
+
+    async def close(self) -> None:
+        """Wait for the reads made beside requests (before the engine closes)."""
+        await asyncio.gather(*self._reads.values(), return_exceptions=True)
+
+    @property
+    def tracked(self) -> int:
+        return len(self._known.keys() | self._reads.keys())

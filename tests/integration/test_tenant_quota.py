@@ -1,0 +1,138 @@
+"""What a tenant's tasks hold, counted by Postgres, and the quota on it (``broker.tenancy.usage``).
+
+Through the real API and Postgres: the bytes follow every statement that writes or deletes
+tasks (grouped inserts, a session's turn, a replay's delete of an expired task, the janitor),
+and a tenant at its quota is refused before anything is written, while another tenant is not.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine, text
+
+from api.app import create_app
+from broker.settings import Settings
+from broker.tasks import execution
+from broker.tenancy.usage import ROW_BYTES
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.stack import ServedApp
+
+PAYLOAD = {"text": "x" * 2000}  # 2,011 bytes of canonical JSON
+NOBODY = "test.nobody-holds"  # queued and never run: the rows stay as written
+
+
+def held(engine: Engine, tenant: str) -> int:
+    """The tenant's bytes as the triggers counted them."""
+    with engine.connect() as conn:
+        query = text("SELECT coalesce(sum(bytes), 0) FROM tenant_usage WHERE tenant = :t")
+        return int(conn.execute(query, {"t": tenant}).scalar_one())
+
+
+def measured(engine: Engine, tenant: str) -> int:
+    """The same, measured on the rows the tenant has now."""
+    with engine.connect() as conn:
+        query = text(
+            "SELECT coalesce(sum(payload_size + coalesce(octet_length(metadata::text), 0)"
+            " + :row), 0) FROM tasks WHERE tenant = :t"
+        )
+        return int(conn.execute(query, {"t": tenant, "row": ROW_BYTES}).scalar_one())
+
+
+def envelope(**more: Any) -> dict[str, Any]:
+    return {"capability": NOBODY, "payload": PAYLOAD, "queue_if_unavailable": True, **more}
+
+
+def expired(http: httpx.Client, task_id: str) -> None:
+    """Wait until a task submitted with a TTL of 1 s reads as gone."""
+    eventually(lambda: http.get(f"/tasks/{task_id}").status_code == 404, f"{task_id} expired")
+
+
+def expire_and_purge(engine: Engine, http: httpx.Client, task_ids: list[str]) -> None:
+    """Wait until the tasks read as gone, then run the janitor."""
+    for task_id in task_ids:
+        expired(http, task_id)
+    execution.purge_expired(engine, batch=1000, budget_s=30)
+
+
+def test_the_bytes_a_tenant_holds_follow_every_insert_and_delete(
+    settings: Settings, make_key: KeyMaker, engine: Engine
+) -> None:
+    tenant, key = make_key()
+    other, other_key = make_key()
+    with ServedApp(create_app(settings)) as served, client_for(served, key) as http:
+        # grouped inserts: 24 submits at once, some with metadata
+        def submit(n: int) -> httpx.Response:
+            with client_for(served, key) as own:
+                extra = {"metadata": {"n": n, "note": "y" * n}} if n % 2 else {}
+                return own.post("/tasks", json=envelope(result_ttl_s=1, **extra))
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(submit, range(24)))
+        assert [a.status_code for a in answers] == [202] * 24, answers[0].text
+        # a replay adds nothing; a session's turn goes in by its own statement
+        first = http.post("/tasks", json=envelope(idempotency_key="k-1"))
+        again = http.post("/tasks", json=envelope(idempotency_key="k-1"))
+        assert again.json()["task_id"] == first.json()["task_id"]
+        session = http.post("/sessions").json()["session_id"]
+        turn = http.post("/tasks", json=envelope(session_id=session))
+        assert turn.status_code == 202, turn.text
+        with client_for(served, other_key) as other_http:
+            assert other_http.post("/tasks", json=envelope()).status_code == 202
+        # expect the count to be the rows' bytes, each tenant its own
+        assert count_tasks(engine, tenant) == 26
+        assert held(engine, tenant) == measured(engine, tenant) > 26 * (2011 + ROW_BYTES)
+        assert held(engine, other) == measured(engine, other) == 2011 + 2 + ROW_BYTES
+
+        # the janitor's deletes give back what the 24 short-lived tasks held
+        expire_and_purge(engine, http, [a.json()["task_id"] for a in answers])
+        assert count_tasks(engine, tenant) == 2
+        assert held(engine, tenant) == measured(engine, tenant) == 2 * (2011 + 2 + ROW_BYTES)
+
+        # so does a replay that finds its task expired and deletes it before inserting anew
+        short = http.post("/tasks", json=envelope(idempotency_key="k-2", result_ttl_s=1))
+        expired(http, short.json()["task_id"])
+        renewed = http.post("/tasks", json=envelope(idempotency_key="k-2"))
+        assert renewed.status_code == 202
+        assert renewed.json()["task_id"] != short.json()["task_id"]
+        assert count_tasks(engine, tenant) == 3
+        assert held(engine, tenant) == measured(engine, tenant)
+
+
+def test_a_tenant_at_its_quota_gets_429_with_nothing_written_and_another_still_gets_in(
+    settings: Settings, make_key: KeyMaker, engine: Engine
+) -> None:
+    # a quota of two tasks of this size (each 2,011 + 2 + 1,024 bytes)
+    app = create_app(settings.model_copy(update={"tenant_max_held_bytes": 7000}))
+    quota = app.state.services.intake.quota
+    quota.refresh_s = 0  # each submit reads what Postgres counts
+    quota.stale_s = 0
+    hog, hog_key = make_key()
+    _, other_key = make_key()
+    with ServedApp(app) as served, client_for(served, hog_key) as http:
+        first = http.post("/tasks", json=envelope(idempotency_key="a", result_ttl_s=1))
+        second = http.post("/tasks", json=envelope(result_ttl_s=1))
+        third = http.post("/tasks", json=envelope(idempotency_key="c"))
+        assert [first.status_code, second.status_code, third.status_code] == [202, 202, 429]
+        problem = third.json()
+        assert problem["code"] == "quota_exceeded"
+        assert problem["held_bytes"] == held(engine, hog) == 2 * 3037
+        assert problem["limit_bytes"] == 7000
+        assert int(third.headers["retry-after"]) >= 1
+        assert count_tasks(engine, hog) == 2  # nothing written for the refused one
+        # a replay of a task already accepted still gets it
+        replay = http.post("/tasks", json=envelope(idempotency_key="a", result_ttl_s=1))
+        assert replay.status_code == 202
+        assert replay.json()["task_id"] == first.json()["task_id"]
+        # another tenant is not held back by the hog's bytes
+        with client_for(served, other_key) as other:
+            assert other.post("/tasks", json=envelope()).status_code == 202
+
+        # once the hog's tasks expire and the janitor deletes them, it gets in again
+        expire_and_purge(engine, http, [first.json()["task_id"], second.json()["task_id"]])
+        assert held(engine, hog) == 0
+        after = http.post("/tasks", json=envelope(idempotency_key="c"))
+        assert after.status_code == 202, after.text
