@@ -1,13 +1,19 @@
-"""A value read from Postgres, trusted for a while: routing and the door must not query per
-request."""
+"""Values read from Postgres or Redis, trusted for a while: routing, the door and the bounds
+on a submit must not query per request."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+log = logging.getLogger("reach.api")
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -56,3 +62,76 @@ class TimedCache:
             del self._computing[key]
         if not done.cancelled():
             done.exception()  # retrieved: every reader may have gone
+
+
+@dataclass
+class RecentFigures(Generic[K]):
+    """A number per key (a queue's depth, the bytes a tenant's tasks hold), read from a store
+    at most once per ``refresh_s``, so a burst of requests costs one read, with one read per
+    key out at a time. A figure older than that but not ``stale_s`` answers once more while
+    the next is read beside the request, so a request does not wait on the store for it (0:
+    read first); so does any figure while a read of its key started by an earlier request is
+    out. What this process admits meanwhile (``add``) counts in the figure until the next
+    read. Past ``max_tracked`` keys, those older than ``refresh_s`` with no read out are
+    forgotten: no stream of names grows the process's memory.
+
+    The owner gives ``refresh_s`` and ``stale_s`` with each request: they are its policy."""
+
+    read: Callable[[K], Awaitable[int]]
+    what: str = "a figure"
+    max_tracked: int = 4096
+    _known: dict[K, tuple[float, int]] = field(default_factory=dict)  # when read, the figure
+    _reads: dict[K, asyncio.Future[int]] = field(default_factory=dict)
+
+    async def get(self, key: K, *, refresh_s: float, stale_s: float) -> int:
+        known = self._known.get(key)
+        age = time.monotonic() - known[0] if known is not None else math.inf
+        if known is not None and age <= refresh_s:
+            return known[1]
+        read = self._reads.get(key)
+        out = read is not None
+        if read is None:
+            if len(self._known.keys() | self._reads.keys()) >= self.max_tracked:
+                self._forget_older_than(refresh_s)
+            read = self._reads[key] = asyncio.ensure_future(self._read(key))
+            read.add_done_callback(functools.partial(self._read_done, key))
+        if known is not None and (out or age <= stale_s):
+            return known[1]  # the read goes on beside this request
+        return await asyncio.shield(read)
+
+    def add(self, key: K, amount: int) -> None:
+        """Count what this process admitted (or gave back) in the figure until the next read."""
+        known = self._known.get(key)
+        if known is not None:
+            self._known[key] = (known[0], known[1] + amount)
+
+    def forget(self, key: K) -> None:
+        """Drop the figure: the next request reads it first."""
+        self._known.pop(key, None)
+
+    async def _read(self, key: K) -> int:
+        figure = await self.read(key)
+        self._known[key] = (time.monotonic(), figure)
+        return figure
+
+    def _read_done(self, key: K, done: asyncio.Future[int]) -> None:
+        if self._reads.get(key) is done:
+            del self._reads[key]
+        if not done.cancelled() and done.exception() is not None:
+            # The store away: the next request past ``stale_s`` reads it, and fails.
+            log.warning("reading %s failed: %r", self.what, done.exception())
+
+    def _forget_older_than(self, age_s: float) -> None:
+        cutoff = time.monotonic() - age_s
+        for key, (at, _) in list(self._known.items()):
+            if at <= cutoff and key not in self._reads:
+                del self._known[key]
+
+    async def close(self) -> None:
+        """Wait for the reads made beside requests (before their clients close)."""
+        await asyncio.gather(*self._reads.values(), return_exceptions=True)
+
+    @property
+    def tracked(self) -> int:
+        """How many keys this holds a figure or a read for."""
+        return len(self._known.keys() | self._reads.keys())

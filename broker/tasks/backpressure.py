@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from redis.asyncio import Redis
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker.cache import RecentFigures
 from broker.db.models import tasks_table as tasks
 from broker.errors import ReachError, Unavailable
 from broker.observability import metrics
@@ -118,7 +118,8 @@ class QueueBound:
     """Refuses work for a queue already holding ``max_depth`` messages. Depths come from the
     broker at most every ``refresh_s``, so a burst of submits costs one broker query. A depth
     older than that but not ``stale_s`` answers once more while a fresh one is read beside
-    it: a submit to a quiet API does not wait on the broker for it (0: always read first).
+    it: a submit to a quiet API does not wait on the broker for it (0: always read first;
+    ``broker.cache.RecentFigures``).
 
     Tenants share a queue two ways (``queued`` counts a tenant's waiting tasks in it):
 
@@ -143,13 +144,17 @@ class QueueBound:
     refresh_s: float = 1.0
     stale_s: float = 5.0
     max_tracked: int = 4096
-    _seen: dict[str, tuple[float, int]] = field(default_factory=dict)
-    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    _refreshing: set[asyncio.Task[tuple[float, int]]] = field(default_factory=set)
+    _depths: RecentFigures[str] = field(init=False)
     # (tenant, queue): when counted, the count (with this process's admissions since), and
     # the limit it was counted up to
     _counts: dict[tuple[str, str], tuple[float, int, int]] = field(default_factory=dict)
     _count_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._depths = RecentFigures(self._read_depth, "a queue depth", self.max_tracked)
+
+    async def _read_depth(self, queue: str) -> int:
+        return (await self.depths([queue]))[queue]
 
     @property
     def share(self) -> int:
@@ -160,7 +165,7 @@ class QueueBound:
         """Raises when the queue is full, or ``tenant`` holds its share of it; else whether
         the task goes behind the other tenants' in it. A task let through counts in the
         queue's depth here until the next read: a burst within a second sees itself."""
-        depth = (await self._depth(queue))[1]
+        depth = await self._depths.get(queue, refresh_s=self.refresh_s, stale_s=self.stale_s)
         if depth >= self.max_depth:
             metrics.rejections.labels("overloaded").inc()
             raise Unavailable(
@@ -169,9 +174,7 @@ class QueueBound:
                 retry_after_s=5,
             )
         behind = await self._behind(queue, tenant, depth)
-        seen = self._seen.get(queue)
-        if seen is not None:
-            self._seen[queue] = (seen[0], seen[1] + 1)
+        self._depths.add(queue, 1)
         return behind
 
     async def _behind(self, queue: str, tenant: str | None, depth: int) -> bool:
@@ -218,49 +221,15 @@ class QueueBound:
         assert counted is not None
         return counted[1]
 
-    async def _depth(self, queue: str) -> tuple[float, int]:
-        """The last depth read; one refresh in flight per queue, the others use what is known
-        (a burst of submits must not become a burst of broker queries)."""
-        seen = self._seen.get(queue)
-        age = time.monotonic() - seen[0] if seen is not None else math.inf
-        if seen is not None and age <= self.refresh_s:
-            return seen
-        if len(self._locks) >= self.max_tracked:
-            _forget_stale(self._locks, self._seen, self.refresh_s)
-        lock = self._locks.setdefault(queue, asyncio.Lock())
-        if seen is not None and (lock.locked() or age <= self.stale_s):
-            if not lock.locked():
-                refresh = asyncio.create_task(self._read(queue, lock))
-                self._refreshing.add(refresh)  # the loop holds its tasks weakly
-                refresh.add_done_callback(self._refreshed)
-            return seen
-        return await self._read(queue, lock)
-
-    async def _read(self, queue: str, lock: asyncio.Lock) -> tuple[float, int]:
-        async with lock:
-            seen = self._seen.get(queue)
-            if seen is None or time.monotonic() - seen[0] > self.refresh_s:
-                depth = (await self.depths([queue]))[queue]
-                seen = self._seen[queue] = (time.monotonic(), depth)
-            return seen
-
     async def close(self) -> None:
         """Wait for the depths being read beside requests (before their clients close)."""
-        await asyncio.gather(*self._refreshing, return_exceptions=True)
-
-    def _refreshed(self, refresh: asyncio.Task[tuple[float, int]]) -> None:
-        self._refreshing.discard(refresh)
-        if not refresh.cancelled() and refresh.exception() is not None:
-            # The broker away: the next submit past ``stale_s`` reads it and answers 503.
-            log.warning("reading a queue depth failed: %r", refresh.exception())
+        await self._depths.close()
 
     @property
     def tracked(self) -> int:
         """How many queues, and tenants' shares of them, this bound holds a figure or a lock
         for."""
-        return len(self._locks.keys() | self._seen.keys()) + len(
-            self._count_locks.keys() | self._counts.keys()
-        )
+        return self._depths.tracked + len(self._count_locks.keys() | self._counts.keys())
 
 
 def _forget_stale(locks: dict[Any, asyncio.Lock], seen: dict[Any, Any], refresh_s: float) -> None:

@@ -21,10 +21,6 @@ and comes from the operator's agents, not the tenant.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +29,10 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import jsonbody
+from broker.cache import RecentFigures
 from broker.db.models import tenant_usage_table as usage
 from broker.errors import ReachError
 from broker.observability import metrics
-
-log = logging.getLogger("reach.api")
 
 # A task's row and index entries beyond its payload and metadata, counted with each: a
 # tenant of empty payloads still holds its rows. (The triggers of migration 0016 count the
@@ -79,14 +74,15 @@ class Quota:
     refresh_s: float = 1.0
     stale_s: float = 30.0
     max_tracked: int = 4096
-    # tenant: (when read, bytes held then plus what this process admitted since)
-    _known: dict[str, tuple[float, int]] = field(default_factory=dict)
-    _reads: dict[str, asyncio.Future[int]] = field(default_factory=dict)
+    _figures: RecentFigures[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._figures = RecentFigures(self.held, "a tenant's bytes held", self.max_tracked)
 
     async def take(self, tenant: str, size: int) -> None:
         """Count a task of ``size`` bytes against the tenant, or raise ``QuotaExceeded``.
         A task taken but then not written (a replay, a failure) is ``give_back``-ed."""
-        held = await self._held(tenant)
+        held = await self._figures.get(tenant, refresh_s=self.refresh_s, stale_s=self.stale_s)
         if held + size > self.limit:
             metrics.rejections.labels("quota_exceeded").inc()
             raise QuotaExceeded(
@@ -96,54 +92,15 @@ class Quota:
                 held_bytes=held,
                 limit_bytes=self.limit,
             )
-        self._add(tenant, size)
+        self._figures.add(tenant, size)
 
     def give_back(self, tenant: str, size: int) -> None:
-        self._add(tenant, -size)
-
-    def _add(self, tenant: str, size: int) -> None:
-        known = self._known.get(tenant)
-        if known is not None:
-            self._known[tenant] = (known[0], known[1] + size)
-
-    async def _held(self, tenant: str) -> int:
-        known = self._known.get(tenant)
-        age = time.monotonic() - known[0] if known is not None else math.inf
-        if known is not None and age <= self.refresh_s:
-            return known[1]
-        read = self._reads.get(tenant)
-        if read is None:
-            if len(self._known) >= self.max_tracked:
-                self._forget_stale()
-            read = self._reads[tenant] = asyncio.ensure_future(self._read(tenant))
-            read.add_done_callback(lambda done: self._read_done(tenant, done))
-        if known is not None and age <= self.stale_s:
-            return known[1]  # the read goes on beside this request
-        return await asyncio.shield(read)
-
-    async def _read(self, tenant: str) -> int:
-        at = time.monotonic()
-        value = await self.held(tenant)
-        self._known[tenant] = (at, value)
-        return value
-
-    def _read_done(self, tenant: str, done: asyncio.Future[int]) -> None:
-        if self._reads.get(tenant) is done:
-            del self._reads[tenant]
-        if not done.cancelled() and done.exception() is not None:
-            # Postgres away: the next submit past ``stale_s`` waits for a read, and fails.
-            log.warning("reading a tenant's bytes held failed: %r", done.exception())
-
-    def _forget_stale(self) -> None:
-        cutoff = time.monotonic() - self.stale_s
-        for tenant, (at, _) in list(self._known.items()):
-            if at <= cutoff and tenant not in self._reads:
-                del self._known[tenant]
+        self._figures.add(tenant, -size)
 
     async def close(self) -> None:
-        """Wait for the reads made beside requests (before the engine closes)."""
-        await asyncio.gather(*self._reads.values(), return_exceptions=True)
+        """Wait for the figures read beside requests (before the engine closes)."""
+        await self._figures.close()
 
     @property
     def tracked(self) -> int:
-        return len(self._known.keys() | self._reads.keys())
+        return self._figures.tracked

@@ -237,7 +237,7 @@ def test_given_a_count_up_to_the_fair_slice_expect_it_read_again_for_the_share()
     async def main() -> None:
         assert await bound.check("q", "hog")  # counted up to 3: enough to put it behind
         broker.depth = 50
-        bound._seen.clear()  # the queue now holds its share
+        bound._depths.forget("q")  # the queue now holds its share
         with pytest.raises(TooManyQueued):
             await bound.check("q", "hog")  # 3 does not tell: counted again, up to 50
 
