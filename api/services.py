@@ -35,7 +35,7 @@ from broker.tasks.events import EventLog
 from broker.tasks.intake import Intake
 from broker.tasks.submission import GroupInsert
 from broker.tenancy.heavy import HeavyReads
-from broker.tenancy.usage import Quota, postgres_held
+from broker.tenancy.usage import PostgresHeld, Quota
 from broker.webhooks.ssrf import HostLookups
 
 
@@ -104,7 +104,7 @@ class Services:
             inserter=GroupInsert(engine),
             dispatcher=dispatcher,
             event_log=EventLog(redis, settings.result_ttl_s, settings.event_log_max_bytes),
-            quota=Quota(postgres_held(engine), settings.tenant_max_held_bytes),
+            quota=Quota(PostgresHeld(engine.url), settings.tenant_max_held_bytes),
         )
         return cls(
             settings=settings,

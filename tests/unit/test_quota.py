@@ -25,6 +25,9 @@ class Counted:
             await self.gate.wait()
         return self.held.get(tenant, 0)
 
+    async def close(self) -> None:
+        pass
+
 
 @sync
 async def test_a_task_that_would_pass_the_limit_is_refused_with_what_is_held() -> None:
@@ -81,10 +84,11 @@ async def test_requests_that_find_no_figure_wait_for_one_read() -> None:
 
 @sync
 async def test_a_failed_read_with_nothing_known_fails_the_request() -> None:
-    async def away(tenant: str) -> int:
-        raise ConnectionError("Postgres away")
+    class Away(Counted):
+        async def __call__(self, tenant: str) -> int:
+            raise ConnectionError("Postgres away")
 
-    quota = Quota(away, limit=1000)
+    quota = Quota(Away(), limit=1000)
     with pytest.raises(ConnectionError):
         await quota.take("t", 1)
 
