@@ -4,10 +4,10 @@ accepted task. The HTTP API calls it; so will every other front door.
 The order keeps the cheap checks first and the slow one last: the key's patterns (memory),
 the route and the payload (Redis, cached cards), the queue's depth (cached) and, in a
 crowded queue, the tenant's part of it (Postgres, cached), then the callback's host name
-(a DNS lookup), then what the tenant's tasks hold (``Quota``, cached), the insert and the
-publish. The tenant's rate token is taken before the
-envelope is even read (``Door.take``), or, for a small body that had arrived whole, in the
-route lookup's own Redis call (``api.deps.read_metered_body``).
+(a DNS lookup), then what the tenant's tasks hold (``Quota``, cached; it needs the payload's
+size, measured with its digest), the insert and the publish. The tenant's rate token is
+taken before the envelope is even read (``Door.take``), or, for a small body that had
+arrived whole, in the route lookup's own Redis call (``api.deps.read_metered_body``).
 """
 
 from __future__ import annotations

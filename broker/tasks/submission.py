@@ -216,9 +216,9 @@ async def submit(
     queue: str,
     trace_id: str,
     settings: Settings,
+    quota: Quota,
     callback: dict[str, Any] | None = None,
     behind: bool = False,
-    quota: Quota | None = None,
 ) -> Accepted:
     """``callback``: the task's callback as stored (``Intake.submit`` gives it). ``behind``:
     its message waits behind the other tenants' in the queue (``QueueBound.check``).
@@ -227,23 +227,20 @@ async def submit(
     values = _values(principal, envelope, queue, trace_id, settings, callback)
     engine = inserter.engine
     size = task_bytes(values["payload_size"], values["metadata"])
-    if quota is not None:
-        try:
-            await quota.take(principal.tenant, size)
-        except QuotaExceeded:
-            replayed = await _replay(engine, values) if values["idempotency_key"] else None
-            if replayed is None:
-                raise
-            return replayed
+    try:
+        await quota.take(principal.tenant, size)
+    except QuotaExceeded:
+        replayed = await _replay(engine, values) if values["idempotency_key"] else None
+        if replayed is None:
+            raise
+        return replayed
     try:
         row = await _write(inserter, values)
     except BaseException:
-        if quota is not None:
-            quota.give_back(principal.tenant, size)
+        quota.give_back(principal.tenant, size)
         raise
     if isinstance(row, Accepted):  # a replay: nothing new is held
-        if quota is not None:
-            quota.give_back(principal.tenant, size)
+        quota.give_back(principal.tenant, size)
         return row
     try:
         # The queued event goes first, so it precedes whatever the worker appends. With the
@@ -279,8 +276,7 @@ async def submit(
             )
     except Exception as exc:
         await _withdraw(engine, row["id"])
-        if quota is not None:
-            quota.give_back(principal.tenant, size)
+        quota.give_back(principal.tenant, size)
         raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
     return Accepted(row=row, replayed=False)
 
