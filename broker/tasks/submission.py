@@ -162,13 +162,15 @@ def _values(
     trace_id: str,
     settings: Settings,
     callback: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], int]:
+    """The new task's row, and the bytes it will hold (``usage.task_bytes``)."""
     digest, size = jsonbody.digest(envelope.payload)
     if size > settings.max_payload_bytes:
         raise BadRequest(
             f"payload is {size} bytes, the limit is {settings.max_payload_bytes}",
             code="payload_too_large",
         )
+    metadata_size = 2  # {}
     if envelope.metadata:
         metadata_size = len(jsonbody.canonical(envelope.metadata))
         if metadata_size > settings.max_metadata_bytes:
@@ -181,7 +183,7 @@ def _values(
     deadline_at = None
     if envelope.deadline_ms is not None:
         deadline_at = now + timedelta(milliseconds=envelope.deadline_ms)
-    return {
+    row = {
         "id": new_task_id(),
         "tenant": principal.tenant,
         "capability": envelope.capability,
@@ -204,6 +206,7 @@ def _values(
         # A task that never runs is still gone after its TTL; finishing restarts the clock.
         "expires_at": now + timedelta(seconds=ttl_s),
     }
+    return row, task_bytes(size, metadata_size)
 
 
 async def submit(
@@ -224,9 +227,8 @@ async def submit(
     its message waits behind the other tenants' in the queue (``QueueBound.check``).
     ``quota``: what the tenant's tasks may hold; a replay of a task already accepted gets it
     even past the quota."""
-    values = _values(principal, envelope, queue, trace_id, settings, callback)
+    values, size = _values(principal, envelope, queue, trace_id, settings, callback)
     engine = inserter.engine
-    size = task_bytes(values["payload_size"], values["metadata"])
     try:
         await quota.take(principal.tenant, size)
     except QuotaExceeded:

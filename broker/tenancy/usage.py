@@ -22,11 +22,10 @@ and comes from the operator's agents, not the tenant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from sqlalchemy import URL, bindparam, func, select
 
-from broker import jsonbody
 from broker.cache import RecentFigures
 from broker.db.engines import LoopConnection
 from broker.db.models import tenant_usage_table as usage
@@ -52,11 +51,11 @@ class QuotaExceeded(ReachError):
     code = "quota_exceeded"
 
 
-def task_bytes(payload_size: int, metadata: Any) -> int:
-    """What a new task will hold, as the triggers count it (metadata as Postgres prints
-    JSON, a few bytes longer than canonical JSON: the check may admit a task that ends a
-    few bytes past the quota, never refuse one that fits)."""
-    return payload_size + (len(jsonbody.canonical(metadata)) if metadata else 2) + ROW_BYTES
+def task_bytes(payload_size: int, metadata_size: int) -> int:
+    """What a new task will hold, as the triggers count it, from its payload's and its
+    metadata's sizes as canonical JSON. Postgres prints JSON a few bytes longer, so the check
+    may admit a task that ends a few bytes past the quota, never refuse one that fits."""
+    return payload_size + metadata_size + ROW_BYTES
 
 
 _HELD = select(func.coalesce(func.sum(usage.c.bytes), 0).label("held")).where(

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, text
 from api.app import create_app
 from broker.settings import Settings
 from broker.tasks import execution
-from broker.tenancy.usage import ROW_BYTES
+from broker.tenancy.usage import ROW_BYTES, task_bytes
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.stack import ServedApp
@@ -85,7 +85,7 @@ def test_the_bytes_a_tenant_holds_follow_every_insert_and_delete(
         # expect the count to be the rows' bytes, each tenant its own
         assert count_tasks(engine, tenant) == 26
         assert held(engine, tenant) == measured(engine, tenant) > 26 * (2011 + ROW_BYTES)
-        assert held(engine, other) == measured(engine, other) == 2011 + 2 + ROW_BYTES
+        assert held(engine, other) == measured(engine, other) == task_bytes(2011, 2)
 
         # the janitor's deletes give back what the 24 short-lived tasks held
         expire_and_purge(engine, http, [a.json()["task_id"] for a in answers])

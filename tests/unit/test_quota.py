@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from broker.tenancy.usage import ROW_BYTES, Quota, QuotaExceeded, task_bytes
+from broker.tenancy.usage import Quota, QuotaExceeded
 from tests.unit.test_aggregates import sync
 
 
@@ -91,8 +91,3 @@ async def test_a_failed_read_with_nothing_known_fails_the_request() -> None:
     quota = Quota(Away(), limit=1000)
     with pytest.raises(ConnectionError):
         await quota.take("t", 1)
-
-
-def test_a_task_holds_its_payload_its_metadata_and_a_row() -> None:
-    assert task_bytes(2011, {}) == 2011 + 2 + ROW_BYTES
-    assert task_bytes(10, {"a": 1}) == 10 + len('{"a":1}') + ROW_BYTES
