@@ -35,7 +35,7 @@ from broker.tasks.events import EventLog
 from broker.tasks.intake import Intake
 from broker.tasks.submission import GroupInsert
 from broker.tenancy.heavy import HeavyReads
-from broker.tenancy.usage import PostgresHeld, Quota
+from broker.tenancy.usage import PostgresHeld, Quota, Quotas, RedisHeld
 from broker.webhooks.ssrf import HostLookups
 
 
@@ -104,7 +104,15 @@ class Services:
             inserter=GroupInsert(engine),
             dispatcher=dispatcher,
             event_log=EventLog(redis, settings.result_ttl_s, settings.event_log_max_bytes),
-            quota=Quota(PostgresHeld(engine.url), settings.tenant_max_held_bytes),
+            quota=Quotas(
+                rows=Quota(PostgresHeld(engine.url), settings.tenant_max_held_bytes),
+                events=Quota(
+                    RedisHeld(redis),
+                    settings.tenant_max_event_bytes,
+                    setting="REACH_TENANT_MAX_EVENT_BYTES",
+                    what="event logs hold",
+                ),
+            ),
         )
         return cls(
             settings=settings,

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     # ``quota_exceeded``. Without it a tenant held its rate times the TTL times a payload:
     # 200 tasks/s of 1 MiB for a day is 17 TB, every tenant's disk.
     tenant_max_held_bytes: int = Field(10 * 1024 * MiB, gt=0)
+    # What one tenant's event logs may hold in Redis, the broker's memory: the events its
+    # agents streamed and the final ones, which carry the results, until they expire. Past it
+    # a submit is 429 ``quota_exceeded`` too. Without it an ``echo`` of 1 MiB payloads put
+    # the tenant's whole Postgres quota in Redis.
+    tenant_max_event_bytes: int = Field(1024 * MiB, gt=0)
     # What an agent sends back: a result past this many bytes of JSON fails its task
     # (``result_too_large``); a task's event log keeps at most this many bytes, its oldest
     # events giving way, and refuses one event larger (``events_too_large``). A final event and

@@ -8,6 +8,7 @@ and outputs go to the task's event log as they happen.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -342,19 +343,30 @@ class Runner:
         """The task's ``running`` event and the context its handler gets. ``direct``: the
         task runs on the event loop, and its events are appended from there."""
         tid, attempt = claimed.task_id, claimed.attempt
-        ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
         # Every event of the attempt carries it: once a later attempt has begun, a stale one's
         # progress and outputs are refused (``events``).
+        trace_id, tenant = claimed.trace_id, claimed.tenant
+        ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
         append_async = None
         if direct:
             aevents = self._aevents
             assert aevents is not None
-            append_async = lambda event_type, data: aevents.append_async(  # noqa: E731
-                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s, attempt=attempt
+            append_async = functools.partial(
+                aevents.append_async,
+                tid,
+                trace_id=trace_id,
+                tenant=tenant,
+                ttl_s=ttl_s,
+                attempt=attempt,
             )
         running = Running(
-            lambda event_type, data: self.events.append(
-                tid, event_type, data, trace_id=claimed.trace_id, ttl_s=ttl_s, attempt=attempt
+            functools.partial(
+                self.events.append,
+                tid,
+                trace_id=trace_id,
+                tenant=tenant,
+                ttl_s=ttl_s,
+                attempt=attempt,
             ),
             {"status": RUNNING, "attempt": claimed.attempt, "instance": instance},
             append_async=append_async,
@@ -456,6 +468,7 @@ class Runner:
                 "error": err,
             },
             trace_id=claimed.trace_id,
+            tenant=claimed.tenant,
             ttl_s=claimed.result_ttl_s + EVENTS_SLACK_S,
             attempt=claimed.attempt + 1,  # it opens the next attempt
         )

@@ -21,6 +21,15 @@ refused (``FULL``), which raises ``EventsTooLarge`` in the handler that sent it 
 (``REACH_MAX_RESULT_BYTES``), and is always let in. Before the bytes were bounded, an agent
 streaming large chunks filled Redis for every tenant: 10,000 events of any size.
 
+Every event counts against its tenant too, in one hash per tenant (``tenant_bytes_key``)
+whose fields are the hours by which the bytes added to them are gone: the hour the event's
+log expires, as of the append. The script adds each event it stores (the final one too: it
+carries the result) and takes back each one it lets go, so the live fields' sum is what
+the tenant's logs hold in Redis (``broker.tenancy.usage.RedisHeld``) to within a task's run
+time (a log's expiry moves on with each append). Redis is the broker's memory, and every
+tenant's: past ``REACH_TENANT_MAX_EVENT_BYTES`` a tenant's submits are refused until some
+of its logs expire.
+
 A worker's events carry the attempt they belong to, and the log keeps the latest attempt it
 has seen under ``attempt_key``: an event of an earlier attempt is refused (0), as its final
 write is in Postgres. A worker that stopped answering long enough for the reaper to give its
@@ -51,18 +60,20 @@ FULL = -1  # what an append past the budget comes to
 CHANNEL_PREFIX = "reach:task:"
 
 # Appends any number of events (one per task): ARGV[1] is the most events a log holds, ARGV[2]
-# the most bytes, then per event i (from 0) ARGV[3+5i] the event without its seq, ARGV[4+5i]
-# its TTL, ARGV[5+5i] a Celery message to LPUSH after it or '', ARGV[6+5i] '1' for a final
-# event, ARGV[7+5i] the attempt it belongs to or 0; KEYS[1+7i..7+7i] its log, seq, channel,
-# list, final marker, latest attempt and the bytes the log holds. An event for a closed log, or
-# of an attempt older than the latest, is refused (0); one larger than the whole budget too
-# (-1, a final one aside). Past either bound the oldest events give way (never the newest).
+# the most bytes, then per event i (from 0) ARGV[3+6i] the event without its seq, ARGV[4+6i]
+# its TTL, ARGV[5+6i] a Celery message to LPUSH after it or '', ARGV[6+6i] '1' for a final
+# event, ARGV[7+6i] the attempt it belongs to or 0, ARGV[8+6i] the hour its bytes are gone by;
+# KEYS[1+8i..8+8i] its log, seq, channel, list, final marker, latest attempt, the bytes the
+# log holds and its tenant's bytes by hour. An event for a closed log, or of an attempt older
+# than the latest, is refused (0); one larger than the whole budget too (-1, a final one
+# aside). Past either bound the oldest events give way (never the newest).
 _APPEND = """
 local seqs = {}
 local cap, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
-for i = 0, (#ARGV - 2) / 5 - 1 do
-  local k, a = 7 * i, 3 + 5 * i
+for i = 0, (#ARGV - 2) / 6 - 1 do
+  local k, a = 8 * i, 3 + 6 * i
   local log, held, ttl = KEYS[k + 1], KEYS[k + 7], ARGV[a + 1]
+  local tenant, hour = KEYS[k + 8], ARGV[a + 5]
   local final = ARGV[a + 3] == '1'
   local attempt = tonumber(ARGV[a + 4])
   local refused = redis.call('EXISTS', KEYS[k + 5]) == 1
@@ -77,6 +88,7 @@ for i = 0, (#ARGV - 2) / 5 - 1 do
   else
     local seq = redis.call('INCR', KEYS[k + 2])
     local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
+    local added = #event
     if final then
       redis.call('XADD', log, 'MAXLEN', cap, '0-' .. seq, 'e', event)
       redis.call('SET', KEYS[k + 5], seq, 'EX', ttl)
@@ -87,6 +99,7 @@ for i = 0, (#ARGV - 2) / 5 - 1 do
       while (bytes > budget or n > cap) and n > 1 do
         local oldest = redis.call('XRANGE', log, '-', '+', 'COUNT', 1)[1]
         bytes = redis.call('INCRBY', held, -#oldest[2][2])
+        added = added - #oldest[2][2]
         redis.call('XDEL', log, oldest[1])
         n = n - 1
       end
@@ -99,6 +112,8 @@ for i = 0, (#ARGV - 2) / 5 - 1 do
     end
     redis.call('EXPIRE', log, ttl)
     redis.call('EXPIRE', KEYS[k + 2], ttl)
+    redis.call('HINCRBY', tenant, hour, added)
+    if redis.call('TTL', tenant) < ttl + 3540 then redis.call('EXPIRE', tenant, ttl + 3600) end
     redis.call('PUBLISH', KEYS[k + 3], event)
     if ARGV[a + 2] ~= '' then redis.call('LPUSH', KEYS[k + 4], ARGV[a + 2]) end
     seqs[i + 1] = seq
@@ -111,13 +126,15 @@ GROUP_MAX_EVENTS = 100
 
 @dataclass(frozen=True)
 class Append:
-    """One event to append; ``push``: (list, message) LPUSHed right after it, atomically.
-    ``attempt``: the attempt it belongs to (refused once a later one has appended), or 0."""
+    """One event to append, counted against ``tenant``; ``push``: (list, message) LPUSHed
+    right after it, atomically. ``attempt``: the attempt it belongs to (refused once a later
+    one has appended), or 0."""
 
     task_id: uuid.UUID | str
     type: str
     data: Any
     trace_id: str
+    tenant: str
     ttl_s: int
     push: tuple[str, bytes] | None = None
     attempt: int = 0
@@ -144,6 +161,17 @@ def final_key(task_id: uuid.UUID | str) -> str:
 def bytes_key(task_id: uuid.UUID | str) -> str:
     """The bytes the log's events hold, its final event aside (see the module's doc)."""
     return f"reach:logbytes:{task_id}"
+
+
+def tenant_bytes_key(tenant: str) -> str:
+    """The bytes a tenant's logs hold, by the hour they are gone by (see the module's doc)."""
+    return f"reach:tenantbytes:{tenant}"
+
+
+def gone_by_hour(ttl_s: int, now: float) -> int:
+    """The hour (counted from the epoch) by whose start a log expiring ``ttl_s`` after
+    ``now`` is gone: its bytes are counted until then."""
+    return -(-int(now + ttl_s) // 3600)
 
 
 def channel(task_id: uuid.UUID | str) -> str:
@@ -230,24 +258,28 @@ class EventLog:
         event_type: str,
         data: Any,
         trace_id: str,
+        tenant: str,
         ttl_s: int | None,
         push: tuple[str, bytes] | None = None,
         attempt: int = 0,
     ) -> Append:
-        return Append(task_id, event_type, data, trace_id, ttl_s or self.ttl_s, push, attempt)
+        ttl_s = ttl_s or self.ttl_s
+        return Append(task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt)
 
     def _args(self, items: list[Append]) -> dict[str, Any]:
         keys: list[Any] = []
         argv: list[Any] = [self.max_events, self.max_bytes]
+        now = time.time()
         for item in items:
             task_id = str(item.task_id)
             log = log_key(task_id)
             queue, message = item.push if item.push is not None else (log, b"")
             keys += [log, seq_key(task_id), channel(task_id), queue, final_key(task_id)]
-            keys += [attempt_key(task_id), bytes_key(task_id)]
+            keys += [attempt_key(task_id), bytes_key(task_id), tenant_bytes_key(item.tenant)]
             final = "1" if item.type in FINAL else ""
             event = encode(item.type, item.data, item.trace_id)
-            argv += [event, item.ttl_s, message, final, item.attempt]
+            hour = gone_by_hour(item.ttl_s, now)
+            argv += [event, item.ttl_s, message, final, item.attempt, hour]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -257,13 +289,14 @@ class EventLog:
         data: Any,
         *,
         trace_id: str,
+        tenant: str,
         ttl_s: int | None = None,
         attempt: int = 0,
     ) -> int:
         """The event's seq; 0 when the log was closed already (a final event is in it), or
         when ``attempt`` (the attempt the event belongs to) is older than the latest one.
         Raises ``EventsTooLarge`` for an event larger than the log may hold (``max_bytes``)."""
-        item = self._item(task_id, event_type, data, trace_id, ttl_s, attempt=attempt)
+        item = self._item(task_id, event_type, data, trace_id, tenant, ttl_s, attempt=attempt)
         return self._taken(self._grouped_sync(item))
 
     async def append_async(
@@ -273,13 +306,14 @@ class EventLog:
         data: Any,
         *,
         trace_id: str,
+        tenant: str,
         ttl_s: int | None = None,
         push: tuple[str, bytes] | None = None,
         attempt: int = 0,
     ) -> int:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
         when the event is refused: 0, as ``append``)."""
-        item = self._item(task_id, event_type, data, trace_id, ttl_s, push, attempt)
+        item = self._item(task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt)
         return self._taken(await self._grouped(item))
 
     def _taken(self, seq: int) -> int:
@@ -297,7 +331,9 @@ class EventLog:
 
     def _final(self, row: TaskRow) -> Append:
         ttl_s = row["result_ttl_s"] + EVENTS_SLACK_S
-        return self._item(row["id"], row["status"], render(row), row["trace_id"], ttl_s)
+        return self._item(
+            row["id"], row["status"], render(row), row["trace_id"], row["tenant"], ttl_s
+        )
 
     async def _append_many(self, items: list[Append]) -> list[int]:
         return [int(seq) for seq in await self._append(**self._args(items))]

@@ -600,6 +600,7 @@ def running_query(instance: str | None, started_before_s: float) -> Select[Any]:
         tasks.c.max_attempts,
         tasks.c.agent_id,
         tasks.c.trace_id,
+        tasks.c.tenant,
     ).where(
         tasks.c.status == RUNNING,
         tasks.c.started_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, started_before_s),

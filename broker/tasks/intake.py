@@ -30,7 +30,7 @@ from broker.tasks.envelope import Envelope
 from broker.tasks.events import EventLog
 from broker.tasks.submission import Accepted, GroupInsert
 from broker.tenancy.keys import Principal
-from broker.tenancy.usage import Quota
+from broker.tenancy.usage import Quotas
 from broker.webhooks.ssrf import HostLookups
 from broker.webhooks.subscriptions import vet_callback
 
@@ -48,7 +48,7 @@ class Intake:
     inserter: GroupInsert
     dispatcher: Dispatcher
     event_log: EventLog
-    quota: Quota
+    quota: Quotas
 
     async def submit(
         self,

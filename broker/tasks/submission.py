@@ -38,7 +38,7 @@ from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
 from broker.tasks.resource import QUEUED, TaskRow, new_task_id
 from broker.tenancy.keys import Principal
-from broker.tenancy.usage import Quota, QuotaExceeded, task_bytes
+from broker.tenancy.usage import QuotaExceeded, Quotas, task_bytes
 
 # Built once: constructing and caching the statement per request cost more than running it.
 # RETURNING only the id (did the insert happen?): the row is what was sent, plus the
@@ -219,7 +219,7 @@ async def submit(
     queue: str,
     trace_id: str,
     settings: Settings,
-    quota: Quota,
+    quota: Quotas,
     callback: dict[str, Any] | None = None,
     behind: bool = False,
 ) -> Accepted:
@@ -262,6 +262,7 @@ async def submit(
             events.STATUS,
             {"status": QUEUED},
             trace_id=trace_id,
+            tenant=principal.tenant,
             ttl_s=row["result_ttl_s"] + events.EVENTS_SLACK_S,
             push=push,
         )

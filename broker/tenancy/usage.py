@@ -1,4 +1,4 @@
-"""What a tenant's tasks hold in Postgres, and the quota on it.
+"""What a tenant's tasks hold in Postgres and their events in Redis, and the quotas on them.
 
 Every other bound on a tenant is a rate or a size: a tenant held its task rate times the TTL
 times a task's size, 17 TB at the defaults (200 tasks/s of 1 MiB for a day), every tenant's
@@ -15,14 +15,26 @@ Each API process reads a tenant's figure at most once a second, and a figure up 
 on Postgres for it; the process counts what it admits until the next read. Several API
 processes may each admit about a second's worth of the tenant's submits past the quota.
 
-Results are not counted: an agent's answer is bounded per task (``REACH_MAX_RESULT_BYTES``)
-and comes from the operator's agents, not the tenant.
+Redis holds each task's event log as long as its result: the events its agent streamed and
+the final one, which carries the result. An agent that answers with what it was given
+(``echo``) put a tenant's payloads in Redis too, the broker's memory and every tenant's,
+where the Postgres quota does not reach, and an agent that streams turns a small payload
+into megabytes. So the event log's script counts each tenant's bytes in Redis as well
+(``broker.tasks.events``, ``RedisHeld`` reads them), and a tenant whose logs hold
+``REACH_TENANT_MAX_EVENT_BYTES`` is refused new tasks the same way (``Quotas``) until some
+of its logs expire. A submit cannot know what its agent will send back: each counts
+``EVENT_BYTES`` (its status events) until the next read, and the tasks already admitted
+may take a tenant past the limit by what they send.
+
+Results in Postgres are not counted: an agent's answer is bounded per task
+(``REACH_MAX_RESULT_BYTES``); the event quota bounds the same answers in Redis.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import URL, bindparam, func, select
 
@@ -31,16 +43,20 @@ from broker.db.engines import LoopConnection
 from broker.db.models import tenant_usage_table as usage
 from broker.errors import ReachError
 from broker.observability import metrics
+from broker.tasks.events import tenant_bytes_key
 
 # A task's row and index entries beyond its payload and metadata, counted with each: a
 # tenant of empty payloads still holds its rows. (The triggers of migration 0016 count the
 # same.)
 ROW_BYTES = 1024
 RETRY_AFTER_S = 60  # tasks expire one by one; a minute is a fair time to look again
+# What a new task's own events hold in Redis before its agent sends anything: its status
+# events, queued, running and the final one's envelope (a few hundred bytes).
+EVENT_BYTES = 1024
 
 
 class Held(Protocol):
-    """A tenant's bytes held, as Postgres counts them."""
+    """A tenant's bytes held, as a store counts them."""
 
     async def __call__(self, tenant: str) -> int: ...
 
@@ -79,12 +95,36 @@ class PostgresHeld:
         await self._db.close()
 
 
+class RedisHeld:
+    """The bytes a tenant's event logs hold in Redis: the sum of its hash's fields for the
+    hours still to come (``broker.tasks.events``). The fields of hours past are deleted as
+    they are read; the hash itself expires an hour after the tenant's last event's log."""
+
+    def __init__(self, client: Any) -> None:
+        self._redis = client  # redis.asyncio
+
+    async def __call__(self, tenant: str) -> int:
+        key = tenant_bytes_key(tenant)
+        hours = await self._redis.hgetall(key)
+        now = int(time.time() // 3600)
+        past = [hour for hour in hours if int(hour) <= now]
+        if past:
+            await self._redis.hdel(key, *past)
+        return max(0, sum(int(n) for hour, n in hours.items() if int(hour) > now))
+
+    async def close(self) -> None:
+        """The client is the API's own: it closes it."""
+
+
 @dataclass
 class Quota:
-    """Refuses a tenant's task that would take what its tasks hold past ``limit``."""
+    """Refuses a tenant's task that would take what a store holds of it past ``limit``
+    (``setting`` names it to the tenant)."""
 
     held: Held
     limit: int
+    setting: str = "REACH_TENANT_MAX_HELD_BYTES"
+    what: str = "tasks hold"
     refresh_s: float = 1.0
     stale_s: float = 30.0
     max_tracked: int = 4096
@@ -100,8 +140,8 @@ class Quota:
         if held + size > self.limit:
             metrics.rejections.labels("quota_exceeded").inc()
             raise QuotaExceeded(
-                f"this tenant's tasks hold {held} bytes; another {size} would pass its quota"
-                f" of {self.limit} (REACH_TENANT_MAX_HELD_BYTES) until some expire",
+                f"this tenant's {self.what} {held} bytes; another {size} would pass its quota"
+                f" of {self.limit} ({self.setting}) until some expire",
                 retry_after_s=RETRY_AFTER_S,
                 held_bytes=held,
                 limit_bytes=self.limit,
@@ -119,3 +159,28 @@ class Quota:
     @property
     def tracked(self) -> int:
         return self._figures.tracked
+
+
+@dataclass
+class Quotas:
+    """Both quotas a submit passes: its tasks' rows in Postgres (``size`` bytes, exact) and
+    their events in Redis (``EVENT_BYTES`` a task until its agent's are counted)."""
+
+    rows: Quota
+    events: Quota
+
+    async def take(self, tenant: str, size: int) -> None:
+        await self.rows.take(tenant, size)
+        try:
+            await self.events.take(tenant, EVENT_BYTES)
+        except BaseException:
+            self.rows.give_back(tenant, size)
+            raise
+
+    def give_back(self, tenant: str, size: int) -> None:
+        self.rows.give_back(tenant, size)
+        self.events.give_back(tenant, EVENT_BYTES)
+
+    async def close(self) -> None:
+        await self.rows.close()
+        await self.events.close()

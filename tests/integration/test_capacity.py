@@ -453,7 +453,7 @@ def test_a_stream_nobody_reads_holds_a_bounded_kernel_send_buffer(
     task_id = a_task_row(engine, tenant=tenant, status="running")
     log = EventLog(redis.Redis.from_url(settings.redis_url), 600, settings.event_log_max_bytes)
     for n in range(100):
-        log.append(task_id, OUTPUT, f"{n:03d}" + "x" * 40_000, trace_id="t")
+        log.append(task_id, OUTPUT, f"{n:03d}" + "x" * 40_000, tenant="t", trace_id="t")
     # When a client with a small receive window opens its stream and reads nothing
     with socket.socket() as reader:
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)

@@ -42,9 +42,11 @@ def test_past_its_bytes_the_log_lets_its_oldest_events_go(own_redis: str) -> Non
     client = redis.Redis.from_url(own_redis)
     log = EventLog(client, 60, max_bytes=1000)
     task_id = uuid.uuid4()
-    log.append(task_id, "status", {"status": "running"}, trace_id="t", attempt=1)
+    log.append(task_id, "status", {"status": "running"}, tenant="t", trace_id="t", attempt=1)
     for i in range(6):
-        log.append(task_id, "output", {"i": i, "blob": "x" * 300}, trace_id="t", attempt=1)
+        log.append(
+            task_id, "output", {"i": i, "blob": "x" * 300}, tenant="t", trace_id="t", attempt=1
+        )
         events, stored = held(client, task_id)
         # The counter is what the log holds, and that is never more than the budget
         assert int(client.get(bytes_key(task_id)) or 0) == stored <= 1000
@@ -53,7 +55,7 @@ def test_past_its_bytes_the_log_lets_its_oldest_events_go(own_redis: str) -> Non
     assert [e.data["i"] for e in events] == [4, 5]
     assert [e.seq for e in events] == [6, 7]
     # The final event is let in whatever its size, and takes nothing of the window
-    assert log.append(task_id, "succeeded", {"result": "r" * 5000}, trace_id="t") == 8
+    assert log.append(task_id, "succeeded", {"result": "r" * 5000}, tenant="t", trace_id="t") == 8
     events, _ = held(client, task_id)
     assert [e.type for e in events] == ["output", "output", "succeeded"]
     assert client.ttl(bytes_key(task_id)) > 0  # the counter goes with the log
@@ -65,13 +67,15 @@ def test_an_event_larger_than_the_whole_budget_is_refused_and_takes_nothing(
     client = redis.Redis.from_url(own_redis)
     log = EventLog(client, 60, max_bytes=1000)
     task_id = uuid.uuid4()
-    assert log.append(task_id, "output", "small", trace_id="t", attempt=1) == 1
+    assert log.append(task_id, "output", "small", tenant="t", trace_id="t", attempt=1) == 1
     with pytest.raises(EventsTooLarge) as refused:
-        log.append(task_id, "output", "y" * 1000, trace_id="t", attempt=1)
+        log.append(task_id, "output", "y" * 1000, tenant="t", trace_id="t", attempt=1)
     assert refused.value.code == "events_too_large"
     with pytest.raises(EventsTooLarge):
-        log.append(task_id, "progress", {"percent": 60, "message": "z" * 1000}, trace_id="t")
-    assert log.append(task_id, "output", "next", trace_id="t", attempt=1) == 2
+        log.append(
+            task_id, "progress", {"percent": 60, "message": "z" * 1000}, tenant="t", trace_id="t"
+        )
+    assert log.append(task_id, "output", "next", tenant="t", trace_id="t", attempt=1) == 2
     events, stored = held(client, task_id)
     assert [e.data for e in events] == ["small", "next"]
     assert int(client.get(bytes_key(task_id)) or 0) == stored
@@ -85,7 +89,7 @@ def test_a_log_lost_before_its_count_is_counted_anew(own_redis: str) -> None:
     task_id = uuid.uuid4()
     client.set(bytes_key(task_id), 990)  # what the lost log held
     for i in range(3):
-        log.append(task_id, "output", i, trace_id="t", attempt=1)
+        log.append(task_id, "output", i, tenant="t", trace_id="t", attempt=1)
     events, stored = held(client, task_id)
     assert [e.data for e in events] == [0, 1, 2]
     assert int(client.get(bytes_key(task_id)) or 0) == stored
@@ -96,7 +100,9 @@ def test_past_its_count_the_log_lets_its_oldest_events_go(own_redis: str) -> Non
     log = EventLog(client, 60, max_bytes=1 << 20, max_events=50)
     task_id, other = uuid.uuid4(), uuid.uuid4()
     # In groups, two tasks' events side by side: each log keeps its own newest 50
-    items = [log._item(t, "output", i, "t", None) for i in range(120) for t in (task_id, other)]
+    items = [
+        log._item(t, "output", i, "t", "t", None) for i in range(120) for t in (task_id, other)
+    ]
     for start in range(0, len(items), 100):
         log._append_many_sync(items[start : start + 100])
     for t in (task_id, other):

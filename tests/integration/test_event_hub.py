@@ -44,7 +44,9 @@ def test_a_listener_gets_its_tasks_live_events_and_the_channel_is_left_after_it(
     async def steps(client: Redis, hub: EventHub, log: events.EventLog) -> None:
         async with hub.listen(task_id) as live:
             assert await subscribers(client, task_id) == 1
-            await log.append_async(task_id, events.STATUS, {"status": "running"}, trace_id="t")
+            await log.append_async(
+                task_id, events.STATUS, {"status": "running"}, tenant="t", trace_id="t"
+            )
             event = await asyncio.wait_for(live.get(), 5)
             assert event.data == {"status": "running"}
         for _ in range(100):  # the UNSUBSCRIBE goes out after the listener's own work
@@ -67,7 +69,9 @@ def test_a_listener_that_comes_back_at_once_keeps_hearing_its_task(own_redis: st
         async with hub.listen(task_id) as live:
             await asyncio.sleep(0.2)  # the first listener's leaving has run by now
             assert await subscribers(client, task_id) == 1
-            await log.append_async(task_id, events.STATUS, {"status": "running"}, trace_id="t")
+            await log.append_async(
+                task_id, events.STATUS, {"status": "running"}, tenant="t", trace_id="t"
+            )
             event = await asyncio.wait_for(live.get(), 5)
             assert event.data == {"status": "running"}
 
@@ -100,8 +104,10 @@ def test_a_stream_of_a_long_log_reads_it_a_page_at_a_time_in_order_from_where_it
         log = events.EventLog(client, 60, max_bytes=1 << 20)
         try:
             for i in range(n):
-                await log.append_async(task_id, events.OUTPUT, {"i": i}, trace_id="t")
-            await log.append_async(task_id, "succeeded", {"status": "succeeded"}, trace_id="t")
+                await log.append_async(task_id, events.OUTPUT, {"i": i}, tenant="t", trace_id="t")
+            await log.append_async(
+                task_id, "succeeded", {"status": "succeeded"}, tenant="t", trace_id="t"
+            )
             # from the start: every event once, in order, ending with the final one
             seen = [e async for e in hub.events(task_id) if e is not None]
             assert [e.seq for e in seen] == list(range(1, n + 2))

@@ -50,8 +50,8 @@ def finished_without_final_event(
     with engine.begin() as conn:
         conn.execute(insert(tasks_table).values(**row))
     log = EventLog(redis.Redis.from_url(redis_url), 7200, max_bytes=1 << 20)
-    log.append(task_id, "status", {"status": "queued"}, trace_id=row["trace_id"])
-    log.append(task_id, "status", {"status": "running"}, trace_id=row["trace_id"])
+    log.append(task_id, "status", {"status": "queued"}, tenant="t", trace_id=row["trace_id"])
+    log.append(task_id, "status", {"status": "running"}, tenant="t", trace_id=row["trace_id"])
     return row
 
 
@@ -67,12 +67,12 @@ def test_a_final_event_closes_the_log(own_redis: str) -> None:
     client = redis.Redis.from_url(own_redis)
     log = EventLog(client, 60, max_bytes=1 << 20)
     task_id = uuid.uuid4()
-    assert log.append(task_id, "status", {"status": "running"}, trace_id="t") == 1
-    assert log.append(task_id, "succeeded", {"n": 1}, trace_id="t") == 2
+    assert log.append(task_id, "status", {"status": "running"}, tenant="t", trace_id="t") == 1
+    assert log.append(task_id, "succeeded", {"n": 1}, tenant="t", trace_id="t") == 2
     # A second announcement of the final state, and anything after it, is refused
-    assert log.append(task_id, "succeeded", {"n": 2}, trace_id="t") == 0
-    assert log.append(task_id, "failed", {"n": 3}, trace_id="t") == 0
-    assert log.append(task_id, "output", {"late": True}, trace_id="t") == 0
+    assert log.append(task_id, "succeeded", {"n": 2}, tenant="t", trace_id="t") == 0
+    assert log.append(task_id, "failed", {"n": 3}, tenant="t", trace_id="t") == 0
+    assert log.append(task_id, "output", {"late": True}, tenant="t", trace_id="t") == 0
     events = read_log_sync(client, task_id)
     assert [(e.seq, e.type, e.data) for e in events] == [
         (1, "status", {"status": "running"}),

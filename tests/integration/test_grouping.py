@@ -42,7 +42,7 @@ def test_appends_arriving_together_share_one_call_and_keep_their_order(own_redis
     async def body(client: AsyncRedis) -> list[int]:
         log = EventLog(client, ttl_s=60, max_bytes=1 << 20)
         appends = [
-            log.append_async(task, "progress", {"n": n}, trace_id="t", push=None)
+            log.append_async(task, "progress", {"n": n}, tenant="t", trace_id="t", push=None)
             for n in range(4)
             for task in tasks
         ]
@@ -64,9 +64,13 @@ def test_a_grouped_append_pushes_only_its_own_message(own_redis: str) -> None:
     async def body(client: AsyncRedis) -> None:
         log = EventLog(client, ttl_s=60, max_bytes=1 << 20)
         await asyncio.gather(
-            log.append_async(tasks[0], "status", {}, trace_id="t", push=("grouped.q", b"m-0")),
-            log.append_async(tasks[1], "status", {}, trace_id="t"),
-            log.append_async(tasks[2], "status", {}, trace_id="t", push=("grouped.q", b"m-2")),
+            log.append_async(
+                tasks[0], "status", {}, tenant="t", trace_id="t", push=("grouped.q", b"m-0")
+            ),
+            log.append_async(tasks[1], "status", {}, tenant="t", trace_id="t"),
+            log.append_async(
+                tasks[2], "status", {}, tenant="t", trace_id="t", push=("grouped.q", b"m-2")
+            ),
         )
 
     _, calls = asyncio.run(_counting(own_redis, body))

@@ -1,25 +1,34 @@
-"""What a tenant's tasks hold, counted by Postgres, and the quota on it (``broker.tenancy.usage``).
+"""What a tenant's tasks hold, counted by Postgres, what their event logs hold, counted by
+Redis, and the quotas on them (``broker.tenancy.usage``).
 
 Through the real API and Postgres: the bytes follow every statement that writes or deletes
 tasks (grouped inserts, a session's turn, a replay's delete of an expired task, the janitor),
 and a tenant at its quota is refused before anything is written, while another tenant is not.
+Through the real event script and a real worker: a tenant's bytes in Redis follow every event
+stored and let go, and a tenant whose agents' answers fill its event quota is refused too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import redis
+import redis.asyncio as aioredis
 from sqlalchemy import Engine, text
 
 from api.app import create_app
 from broker.settings import Settings
 from broker.tasks import execution
-from broker.tenancy.usage import ROW_BYTES, task_bytes
+from broker.tasks.events import EventLog, log_key, parse_entries, tenant_bytes_key
+from broker.tenancy.usage import EVENT_BYTES, ROW_BYTES, RedisHeld, task_bytes
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
-from tests.integration.stack import ServedApp
+from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 
 PAYLOAD = {"text": "x" * 2000}  # 2,011 bytes of canonical JSON
 NOBODY = "test.nobody-holds"  # queued and never run: the rows stay as written
@@ -107,7 +116,7 @@ def test_a_tenant_at_its_quota_gets_429_with_nothing_written_and_another_still_g
 ) -> None:
     # a quota of two tasks of this size (each 2,011 + 2 + 1,024 bytes)
     app = create_app(settings.model_copy(update={"tenant_max_held_bytes": 7000}))
-    quota = app.state.services.intake.quota
+    quota = app.state.services.intake.quota.rows
     quota.refresh_s = 0  # each submit reads what Postgres counts
     quota.stale_s = 0
     hog, hog_key = make_key()
@@ -136,3 +145,83 @@ def test_a_tenant_at_its_quota_gets_429_with_nothing_written_and_another_still_g
         assert held(engine, hog) == 0
         after = http.post("/tasks", json=envelope(idempotency_key="c"))
         assert after.status_code == 202, after.text
+
+
+def in_redis(url: str, tenant: str) -> int:
+    """The tenant's bytes in Redis, as the API reads them."""
+
+    async def read() -> int:
+        client = aioredis.Redis.from_url(url)
+        try:
+            return await RedisHeld(client)(tenant)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def stored(client: redis.Redis, task_ids: list[uuid.UUID]) -> int:
+    """The bytes of every event these tasks' logs hold now, the final ones too."""
+    return sum(len(fields[b"e"]) for t in task_ids for _, fields in client.xrange(log_key(t)))
+
+
+def test_the_bytes_a_tenants_event_logs_hold_follow_every_event_stored_and_let_go(
+    own_redis: str,
+) -> None:
+    client = redis.Redis.from_url(own_redis)
+    log = EventLog(client, 60, max_bytes=1000)
+    first, second, others = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    log.append(first, "status", {"status": "running"}, tenant="a", trace_id="t", attempt=1)
+    for i in range(6):  # past 1,000 bytes the oldest outputs give way
+        log.append(first, "output", {"i": i, "x": "x" * 300}, tenant="a", trace_id="t", attempt=1)
+        assert in_redis(own_redis, "a") == stored(client, [first])
+    kept = parse_entries(client.xrange(log_key(first)))
+    assert [e.data["i"] for e in kept] == [4, 5]  # and the bytes they held were taken back
+    # the final event counts whatever its size; one refused after it adds nothing
+    log.append(first, "succeeded", {"result": "r" * 5000}, tenant="a", trace_id="t")
+    assert log.append(first, "output", "late", tenant="a", trace_id="t", attempt=1) == 0
+    log.append(second, "output", "y" * 200, tenant="a", trace_id="t", attempt=1)
+    log.append(others, "output", "z" * 100, tenant="b", trace_id="t", attempt=1)
+    assert in_redis(own_redis, "a") == stored(client, [first, second]) > 5000
+    assert in_redis(own_redis, "b") == stored(client, [others])
+    # the hash goes an hour after the last log it counts
+    assert 3600 + 60 - 5 < client.ttl(tenant_bytes_key("a")) <= 3600 + 60
+
+    # bytes counted for an hour that has begun are gone with their logs: not counted, and
+    # their field is deleted as it is read
+    now = int(time.time() // 3600)
+    client.hset(tenant_bytes_key("a"), mapping={str(now): 10**9, str(now - 5): 10**9})
+    assert in_redis(own_redis, "a") == stored(client, [first, second])
+    assert set(client.hkeys(tenant_bytes_key("a"))) == {str(now + 1).encode()}
+
+
+def test_a_tenant_whose_event_logs_hold_its_quota_gets_429_and_another_still_gets_in(
+    settings: Settings, make_key: KeyMaker, engine: Engine, worker: CeleryProcess
+) -> None:
+    # room for about two tasks that each stream 20 outputs of 2,000 characters
+    app = create_app(settings.model_copy(update={"tenant_max_event_bytes": 60_000}))
+    quota = app.state.services.intake.quota.events
+    quota.refresh_s = 0  # each submit reads what Redis counts
+    quota.stale_s = 0
+    hog, hog_key = make_key()
+    _, other_key = make_key()
+    flood = {"capability": "test.flood", "payload": {"n": 20, "size": 2000}}
+    with ServedApp(app) as served, client_for(served, hog_key) as http:
+        for _ in range(2):
+            answer = http.post("/tasks", json=flood)
+            assert answer.status_code == 202, answer.text
+            done = wait_for_task(http, answer.json()["task_id"], {"succeeded", "failed"})
+            assert done["status"] == "succeeded", done
+        held = in_redis(settings.redis_url, hog)
+        assert held > 2 * 20 * 2000
+        refused = http.post("/tasks", json=flood)
+        assert refused.status_code == 429, refused.text
+        problem = refused.json()
+        assert problem["code"] == "quota_exceeded"
+        assert "REACH_TENANT_MAX_EVENT_BYTES" in problem["detail"]
+        assert problem["held_bytes"] == held
+        assert problem["limit_bytes"] == 60_000
+        assert held + EVENT_BYTES > 60_000
+        assert count_tasks(engine, hog) == 2  # nothing written for the refused one
+        with client_for(served, other_key) as other:
+            assert other.post("/tasks", json=flood).status_code == 202

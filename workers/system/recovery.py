@@ -81,6 +81,7 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                     events.STATUS,
                     {"status": QUEUED, "error": lost},
                     trace_id=row["trace_id"],
+                    tenant=row["tenant"],
                     attempt=row["attempts"] + 1,  # the lost attempt's events end here
                 )
                 runner.republish(row["id"], home, row["trace_id"], None, 0.0)
