@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -19,6 +21,7 @@ from api.schemas import SessionList, SessionResource, SessionRevisions
 from api.services import services
 from broker import jsonbody, sessions
 from broker.tenancy.keys import Principal
+from broker.tenancy.usage import ROW_BYTES
 
 router = APIRouter(tags=["sessions"])
 Caller = Annotated[Principal, Depends(authenticate)]
@@ -81,10 +84,27 @@ PATCH_SCHEMA = {
 }
 
 
-async def _body(request: Request) -> Any:
-    settings = services(request).settings
-    raw = await read_json_body(request, settings.session_max_bytes + 64 * 1024)
-    return jsonbody.parse(raw, max_depth=settings.max_json_depth)
+async def _raw(request: Request) -> bytes:
+    return await read_json_body(request, services(request).settings.session_max_bytes + 64 * 1024)
+
+
+def _parsed(request: Request, raw: bytes) -> Any:
+    return jsonbody.parse(raw, max_depth=services(request).settings.max_json_depth)
+
+
+@contextlib.asynccontextmanager
+async def _counted(request: Request, tenant: str, size: int) -> AsyncIterator[None]:
+    """A write of about ``size`` bytes, refused (429 ``quota_exceeded``) when it would take
+    what the tenant holds in Postgres past its quota: its sessions and their revisions count
+    with its tasks (migration 0017). The write's own bytes are counted by Postgres; until the
+    next read the estimate stands for them, and is given back if the write fails."""
+    quota = services(request).intake.quota.rows
+    await quota.take(tenant, size)
+    try:
+        yield
+    except BaseException:
+        quota.give_back(tenant, size)
+        raise
 
 
 def _validated(model: type[BaseModel], data: Any) -> Any:
@@ -118,20 +138,20 @@ async def create_session(request: Request, caller: Metered) -> JSONResponse:
     """A new session (``state``, ``metadata``, ``ttl_s``: all optional), at revision 1; 409
     ``session_limit_reached`` when the tenant holds as many live ones as it may."""
     settings = services(request).settings
-    raw = await read_json_body(request, settings.session_max_bytes + 64 * 1024)
-    given = _validated(
-        NewSession, jsonbody.parse(raw, max_depth=settings.max_json_depth) if raw else {}
-    )
+    raw = await _raw(request)
+    given = _validated(NewSession, _parsed(request, raw) if raw else {})
     ttl_s = min(given.ttl_s or settings.session_ttl_s, settings.session_max_ttl_s)
-    created = await sessions.create(
-        services(request).engine,
-        caller.tenant,
-        state=given.state,
-        metadata=given.metadata,
-        ttl_s=ttl_s,
-        max_bytes=settings.session_max_bytes,
-        max_per_tenant=settings.session_max_per_tenant,
-    )
+    # the session and its first revision, each about the body's size
+    async with _counted(request, caller.tenant, 2 * (len(raw) + ROW_BYTES)):
+        created = await sessions.create(
+            services(request).engine,
+            caller.tenant,
+            state=given.state,
+            metadata=given.metadata,
+            ttl_s=ttl_s,
+            max_bytes=settings.session_max_bytes,
+            max_per_tenant=settings.session_max_per_tenant,
+        )
     return _answer(created, 201)
 
 
@@ -171,17 +191,19 @@ async def replace_session(
 ) -> JSONResponse:
     """Replace the state (and the metadata, when given) at the revision ``If-Match`` names."""
     revision = sessions.revision_of(if_match)
-    given = _validated(Replacement, await _body(request))
-    written = await sessions.write(
-        services(request).engine,
-        caller.tenant,
-        session_id,
-        revision=revision,
-        state=given.state,
-        metadata=given.metadata,
-        max_bytes=services(request).settings.session_max_bytes,
-        revisions_kept=services(request).settings.session_revisions_kept,
-    )
+    raw = await _raw(request)
+    given = _validated(Replacement, _parsed(request, raw))
+    async with _counted(request, caller.tenant, len(raw) + ROW_BYTES):  # the revision kept
+        written = await sessions.write(
+            services(request).engine,
+            caller.tenant,
+            session_id,
+            revision=revision,
+            state=given.state,
+            metadata=given.metadata,
+            max_bytes=services(request).settings.session_max_bytes,
+            revisions_kept=services(request).settings.session_revisions_kept,
+        )
     return _answer(written)
 
 
@@ -196,7 +218,8 @@ async def patch_session(
     """A JSON merge patch (RFC 7396) of the session: ``{"state": {"cart": null}}`` removes
     ``state.cart``. Only ``state`` and ``metadata`` may be patched."""
     revision = sessions.revision_of(if_match)
-    patch = await _body(request)
+    raw = await _raw(request)
+    patch = _parsed(request, raw)
     # The patch is checked whole before the revision: a malformed one is 422 at any revision.
     if (
         not isinstance(patch, dict)
@@ -206,15 +229,16 @@ async def patch_session(
         raise sessions.SessionInvalid(
             "a patch is an object of state and metadata, each an object or null"
         )
-    written = await sessions.write(
-        services(request).engine,
-        caller.tenant,
-        session_id,
-        revision=revision,
-        patch=patch,
-        max_bytes=services(request).settings.session_max_bytes,
-        revisions_kept=services(request).settings.session_revisions_kept,
-    )
+    async with _counted(request, caller.tenant, len(raw) + ROW_BYTES):  # the revision kept
+        written = await sessions.write(
+            services(request).engine,
+            caller.tenant,
+            session_id,
+            revision=revision,
+            patch=patch,
+            max_bytes=services(request).settings.session_max_bytes,
+            revisions_kept=services(request).settings.session_revisions_kept,
+        )
     return _answer(written)
 
 

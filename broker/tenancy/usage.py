@@ -1,4 +1,5 @@
-"""What a tenant's tasks hold in Postgres and their events in Redis, and the quotas on them.
+"""What a tenant holds in Postgres (its tasks, its sessions) and in Redis (its tasks' events),
+and the quotas on them.
 
 Every other bound on a tenant is a rate or a size: a tenant held its task rate times the TTL
 times a task's size, 17 TB at the defaults (200 tasks/s of 1 MiB for a day), every tenant's
@@ -7,9 +8,15 @@ rest of its row and its index entries. Two statement triggers on ``tasks`` (migr
 add what each INSERT writes to ``tenant_usage`` and take back what each DELETE removes, in
 the same transaction, whichever code ran it: the API's grouped inserts, a session's turn, a
 withdrawn submit, the janitor. The figure is exact when read; no code path can forget it.
+A tenant's sessions count in the same figure (migration 0017): each session its state, its
+metadata and ``ROW_BYTES``, each revision kept its copy of the state and ``ROW_BYTES``.
+Without them a tenant held up to 10,000 sessions of 256 KiB with 20 revisions each, 51 GiB.
 
 A submit past ``REACH_TENANT_MAX_HELD_BYTES`` is 429 ``quota_exceeded`` before anything is
-written (``Quota.check``). An idempotent replay holds nothing new and still gets its task.
+written (``Quota.take``), and so is a session's creation or write through the API
+(``api.routes.sessions``; deleting one always goes through, and a task's own session writes
+do too: its task was admitted). An idempotent replay holds nothing new and still gets its
+task.
 Each API process reads a tenant's figure at most once a second, and a figure up to
 ``stale_s`` old answers while the next is read beside the request, so a submit does not wait
 on Postgres for it; the process counts what it admits until the next read. Several API

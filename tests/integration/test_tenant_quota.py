@@ -22,13 +22,16 @@ import redis.asyncio as aioredis
 from sqlalchemy import Engine, text
 
 from api.app import create_app
+from broker import sessions
 from broker.settings import Settings
 from broker.tasks import execution
 from broker.tasks.events import EventLog, log_key, parse_entries, tenant_bytes_key
 from broker.tenancy.usage import EVENT_BYTES, ROW_BYTES, RedisHeld, task_bytes
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
+from workers.session_store import SessionStore
 
 PAYLOAD = {"text": "x" * 2000}  # 2,011 bytes of canonical JSON
 NOBODY = "test.nobody-holds"  # queued and never run: the rows stay as written
@@ -42,7 +45,23 @@ def held(engine: Engine, tenant: str) -> int:
 
 
 def measured(engine: Engine, tenant: str) -> int:
-    """The same, measured on the rows the tenant has now."""
+    """The same, measured on the rows the tenant has now: its tasks, its sessions and their
+    revisions."""
+    with engine.connect() as conn:
+        query = text(
+            "SELECT (SELECT coalesce(sum(payload_size"
+            "   + coalesce(octet_length(metadata::text), 0) + :row), 0)"
+            "  FROM tasks WHERE tenant = :t)"
+            " + (SELECT coalesce(sum(octet_length(state::text)"
+            "   + octet_length(metadata::text) + :row), 0) FROM sessions WHERE tenant = :t)"
+            " + (SELECT coalesce(sum(octet_length(state::text) + :row), 0)"
+            "  FROM session_revisions WHERE tenant = :t)"
+        )
+        return int(conn.execute(query, {"t": tenant, "row": ROW_BYTES}).scalar_one())
+
+
+def tasks_only(engine: Engine, tenant: str) -> int:
+    """What the tenant's tasks hold, measured on their rows."""
     with engine.connect() as conn:
         query = text(
             "SELECT coalesce(sum(payload_size + coalesce(octet_length(metadata::text), 0)"
@@ -93,13 +112,15 @@ def test_the_bytes_a_tenant_holds_follow_every_insert_and_delete(
             assert other_http.post("/tasks", json=envelope()).status_code == 202
         # expect the count to be the rows' bytes, each tenant its own
         assert count_tasks(engine, tenant) == 26
-        assert held(engine, tenant) == measured(engine, tenant) > 26 * (2011 + ROW_BYTES)
+        assert held(engine, tenant) == measured(engine, tenant)
+        assert tasks_only(engine, tenant) > 26 * (2011 + ROW_BYTES)
         assert held(engine, other) == measured(engine, other) == task_bytes(2011, 2)
 
         # the janitor's deletes give back what the 24 short-lived tasks held
         expire_and_purge(engine, http, [a.json()["task_id"] for a in answers])
         assert count_tasks(engine, tenant) == 2
-        assert held(engine, tenant) == measured(engine, tenant) == 2 * (2011 + 2 + ROW_BYTES)
+        assert held(engine, tenant) == measured(engine, tenant)
+        assert tasks_only(engine, tenant) == 2 * (2011 + 2 + ROW_BYTES)
 
         # so does a replay that finds its task expired and deletes it before inserting anew
         short = http.post("/tasks", json=envelope(idempotency_key="k-2", result_ttl_s=1))
@@ -145,6 +166,76 @@ def test_a_tenant_at_its_quota_gets_429_with_nothing_written_and_another_still_g
         assert held(engine, hog) == 0
         after = http.post("/tasks", json=envelope(idempotency_key="c"))
         assert after.status_code == 202, after.text
+
+
+def test_the_bytes_a_tenants_sessions_hold_follow_every_write_and_delete(
+    api: ServedApp, make_key: KeyMaker, engine: Engine
+) -> None:
+    tenant, key = make_key()
+    with client_for(api, key) as http:
+        first = http.post("/sessions", json={"state": {"a": "x" * 500}, "metadata": {"m": 1}})
+        sid = first.json()["session_id"]
+        second = http.post("/sessions", json={"state": {"b": "y" * 900}, "ttl_s": 1})
+        assert held(engine, tenant) == measured(engine, tenant) > 1400 + 4 * ROW_BYTES
+        # a replacement and a patch: the state's new size, and a revision each
+        put = http.put(f"/sessions/{sid}", json={"state": {"a": "z" * 50}}, headers=IF_1)
+        assert put.status_code == 200, put.text
+        patch = http.patch(
+            f"/sessions/{sid}",
+            json={"state": {"c": "w" * 3000}},
+            headers={"If-Match": '"2"', "Content-Type": "application/merge-patch+json"},
+        )
+        assert patch.status_code == 200, patch.text
+        assert held(engine, tenant) == measured(engine, tenant)
+        # a task's writes, keeping two revisions: the ones let go are taken back
+        task_id = a_task_row(engine, tenant=tenant, status="running")
+        store = SessionStore(engine, tenant, sid, task_id, 1 << 20, 2)
+        for revision in range(3, 7):
+            store.write(revision, {"n": "v" * (100 * revision)})
+        assert held(engine, tenant) == measured(engine, tenant)
+        # a delete cascades to the revisions; the janitor deletes an expired session
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+        assert held(engine, tenant) == measured(engine, tenant)
+        eventually(
+            lambda: http.get(f"/sessions/{second.json()['session_id']}").status_code == 404,
+            "the short session expired",
+        )
+        assert sessions.purge_expired(engine, batch=100) >= 1
+        assert held(engine, tenant) == measured(engine, tenant) == tasks_only(engine, tenant)
+
+
+IF_1 = {"If-Match": '"1"'}
+
+
+def test_a_tenant_at_its_quota_cannot_create_or_grow_sessions_but_may_delete_them(
+    settings: Settings, make_key: KeyMaker, engine: Engine
+) -> None:
+    # room for a session of 3,000 bytes and two more of its revisions, not three
+    app = create_app(settings.model_copy(update={"tenant_max_held_bytes": 20_000}))
+    quota = app.state.services.intake.quota.rows
+    quota.refresh_s = 0  # each write reads what Postgres counts
+    quota.stale_s = 0
+    hog, hog_key = make_key()
+    _, other_key = make_key()
+    body = {"state": {"blob": "x" * 3000}}
+    with ServedApp(app) as served, client_for(served, hog_key) as http:
+        sid = http.post("/sessions", json=body).json()["session_id"]
+        path = f"/sessions/{sid}"
+        for revision in (1, 2):
+            answer = http.put(path, json=body, headers={"If-Match": f'"{revision}"'})
+            assert answer.status_code == 200, answer.text
+        refused = http.put(path, json=body, headers={"If-Match": '"3"'})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["code"] == "quota_exceeded"
+        assert refused.json()["held_bytes"] == held(engine, hog) == measured(engine, hog)
+        assert http.get(path).json()["revision"] == 3  # the refused write changed nothing
+        assert http.post("/sessions", json=body).status_code == 429
+        with client_for(served, other_key) as other:
+            assert other.post("/sessions", json=body).status_code == 201
+        # deleting is always allowed, and makes room again
+        assert http.delete(path).status_code == 204
+        assert held(engine, hog) == 0
+        assert http.post("/sessions", json=body).status_code == 201
 
 
 def in_redis(url: str, tenant: str) -> int:
