@@ -107,6 +107,25 @@ async def _counted(request: Request, tenant: str, size: int) -> AsyncIterator[No
         raise
 
 
+async def _written(
+    request: Request, tenant: str, session_id: str, revision: int, raw: bytes, **change: Any
+) -> JSONResponse:
+    """The session written (``state`` and ``metadata``, or ``patch``: ``sessions.write``),
+    counted as a revision of about the body's size."""
+    settings = services(request).settings
+    async with _counted(request, tenant, len(raw) + ROW_BYTES):
+        written = await sessions.write(
+            services(request).engine,
+            tenant,
+            session_id,
+            revision=revision,
+            max_bytes=settings.session_max_bytes,
+            revisions_kept=settings.session_revisions_kept,
+            **change,
+        )
+    return _answer(written)
+
+
 def _validated(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
@@ -193,18 +212,15 @@ async def replace_session(
     revision = sessions.revision_of(if_match)
     raw = await _raw(request)
     given = _validated(Replacement, _parsed(request, raw))
-    async with _counted(request, caller.tenant, len(raw) + ROW_BYTES):  # the revision kept
-        written = await sessions.write(
-            services(request).engine,
-            caller.tenant,
-            session_id,
-            revision=revision,
-            state=given.state,
-            metadata=given.metadata,
-            max_bytes=services(request).settings.session_max_bytes,
-            revisions_kept=services(request).settings.session_revisions_kept,
-        )
-    return _answer(written)
+    return await _written(
+        request,
+        caller.tenant,
+        session_id,
+        revision,
+        raw,
+        state=given.state,
+        metadata=given.metadata,
+    )
 
 
 @router.patch(
@@ -229,17 +245,7 @@ async def patch_session(
         raise sessions.SessionInvalid(
             "a patch is an object of state and metadata, each an object or null"
         )
-    async with _counted(request, caller.tenant, len(raw) + ROW_BYTES):  # the revision kept
-        written = await sessions.write(
-            services(request).engine,
-            caller.tenant,
-            session_id,
-            revision=revision,
-            patch=patch,
-            max_bytes=services(request).settings.session_max_bytes,
-            revisions_kept=services(request).settings.session_revisions_kept,
-        )
-    return _answer(written)
+    return await _written(request, caller.tenant, session_id, revision, raw, patch=patch)
 
 
 @router.delete(
