@@ -290,7 +290,8 @@ def test_the_bytes_a_tenants_event_logs_hold_follow_every_event_stored_and_let_g
     now = int(time.time() // 3600)
     client.hset(tenant_bytes_key("a"), mapping={str(now): 10**9, str(now - 5): 10**9})
     assert in_redis(own_redis, "a") == stored(client, [first, second])
-    assert set(client.hkeys(tenant_bytes_key("a"))) == {str(now + 1).encode()}
+    kept = {int(hour) for hour in client.hkeys(tenant_bytes_key("a"))}
+    assert kept and min(kept) > now  # the logs' own hours (one, or two across an hour's end)
 
 
 def test_a_tenant_whose_event_logs_hold_its_quota_gets_429_and_another_still_gets_in(
