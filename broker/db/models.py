@@ -158,9 +158,9 @@ class Task(Base):
 
 
 class TenantUsage(Base):
-    """The bytes a tenant's tasks hold (``broker.tenancy.usage``): kept by two statement
-    triggers on ``tasks`` (migration 0016), in shards a writer's backend picks, summed on
-    read."""
+    """The bytes a tenant's tasks and sessions hold (``broker.tenancy.usage``): kept by
+    triggers on ``tasks`` (migration 0016), ``sessions`` and ``session_revisions`` (0017), in
+    shards a writer's backend picks, summed on read."""
 
     __tablename__ = "tenant_usage"
 

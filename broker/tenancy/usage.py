@@ -131,7 +131,7 @@ class Quota:
     held: Held
     limit: int
     setting: str = "REACH_TENANT_MAX_HELD_BYTES"
-    what: str = "tasks hold"
+    what: str = "tasks and sessions hold"
     refresh_s: float = 1.0
     stale_s: float = 30.0
     max_tracked: int = 4096

@@ -234,6 +234,8 @@ def test_a_tenant_at_its_quota_cannot_create_or_grow_sessions_but_may_delete_the
         refused = http.put(path, json=body, headers={"If-Match": '"3"'})
         assert refused.status_code == 429, refused.text
         assert refused.json()["code"] == "quota_exceeded"
+        assert "sessions hold" in refused.json()["detail"]
+        assert "REACH_TENANT_MAX_HELD_BYTES" in refused.json()["detail"]
         assert refused.json()["held_bytes"] == held(engine, hog) == measured(engine, hog)
         assert http.get(path).json()["revision"] == 3  # the refused write changed nothing
         assert http.post("/sessions", json=body).status_code == 429
