@@ -183,7 +183,10 @@ class ReachRequestHandler(RequestHandler):
             )
         callback = None
         if params.configuration.HasField("task_push_notification_config"):
-            callback = mapping.callback_of(params.configuration.task_push_notification_config)
+            try:
+                callback = mapping.callback_of(params.configuration.task_push_notification_config)
+            except mapping.BadPushConfig as exc:
+                raise InvalidParamsError(message=str(exc)) from None
         request_metadata = to_json(params.metadata) if params.HasField("metadata") else {}
         try:
             fields = mapping.envelope_fields(params.message, request_metadata)
@@ -344,7 +347,10 @@ class ReachRequestHandler(RequestHandler):
         it), through the same guard as every callback URL."""
         caller = _principal(context)
         row = await self._visible(caller, params.task_id)
-        callback = mapping.callback_of(params)
+        try:
+            callback = mapping.callback_of(params)
+        except mapping.BadPushConfig as exc:
+            raise InvalidParamsError(message=str(exc)) from None
         try:
             await vet_callback(
                 self.svc.engine,

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
-from api import a2a, console, contract, errors, system_gauges
+from api import a2a, connections, console, contract, errors, system_gauges
 from api.mcp import McpFacade
 from api.middleware import TraceMiddleware, TraceparentFromTraceId, WaitingLimit
 from api.routes import agents, callbacks, health, metrics, sessions, tasks, webhooks
@@ -24,14 +25,15 @@ def create_app(settings: Settings) -> FastAPI:
     mcp = McpFacade(svc)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         runtime.tune_collector(settings.gc_gen0_threshold)  # in the process that serves
         gauges = asyncio.create_task(
             system_gauges.keep_fresh(svc, settings.metrics_refresh_s),
             name="reach-system-gauges",
         )
         async with mcp.running():
-            yield
+            # The lifespan's state: uvicorn hands it to each connection's protocol.
+            yield {connections.STALL_KEY: settings.client_stall_s}
         gauges.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await gauges

@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     # SSE: a ': ping' after this much silence; a client not reading for send_timeout is dropped.
     sse_ping_s: float = Field(15.0, gt=0)
     sse_send_timeout_s: float = Field(30.0, gt=0)
+    # Any answer: a client that takes less than 16 KiB of it in this long while the rest waits
+    # in the API process is disconnected (``api.connections``).
+    client_stall_s: float = Field(30.0, gt=0)
     # Streams one tenant may hold open at once in one API process (SSE, A2A streams); past it,
     # 429 too_many_streams before anything is written. Each holds a connection and memory: one
     # tenant opening thousands would take the process's file descriptors from every other.

@@ -15,6 +15,7 @@ Pure: protobuf in, protobuf out; the facade's handler does the I/O.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator, Mapping
 from datetime import datetime
@@ -226,18 +227,39 @@ class EventMapper:
 
 PUSH_EVENTS = (*FINAL_EVENTS, PROGRESS_EVENT)
 DEFAULT_PUSH_ID = "default"
+# What a push config may hold: about what an HTTP envelope's callback does (a URL of 2,048 and
+# its events). It is kept in the task's row, which the tenant's quota counts as 1 KiB, and its
+# token and credentials go out as header values with every push.
+PUSH_ID_MAX, PUSH_TOKEN_MAX, PUSH_SCHEME_MAX, PUSH_CREDENTIALS_MAX = 64, 512, 32, 1024
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]*")
+_HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+class BadPushConfig(ValueError):
+    """A push config's field is too long, or holds what a header may not."""
 
 
 def callback_of(config: TaskPushNotificationConfig) -> dict[str, Any]:
     """The task's callback for a push config: every final event and each progress report,
-    delivered as A2A pushes (``push_body``, ``push_headers``)."""
+    delivered as A2A pushes (``push_body``, ``push_headers``). Raises ``BadPushConfig``."""
+    _bounded("id", config.id, PUSH_ID_MAX, _HEADER_VALUE)
+    _bounded("token", config.token, PUSH_TOKEN_MAX, _HEADER_VALUE)
     a2a: dict[str, Any] = {"id": config.id or DEFAULT_PUSH_ID, "token": config.token or None}
     if config.HasField("authentication") and config.authentication.scheme:
-        a2a["authentication"] = {
-            "scheme": config.authentication.scheme,
-            "credentials": config.authentication.credentials,
-        }
+        auth = config.authentication
+        _bounded("authentication.scheme", auth.scheme, PUSH_SCHEME_MAX, _HTTP_TOKEN)
+        _bounded(
+            "authentication.credentials", auth.credentials, PUSH_CREDENTIALS_MAX, _HEADER_VALUE
+        )
+        a2a["authentication"] = {"scheme": auth.scheme, "credentials": auth.credentials}
     return {"url": config.url, "events": list(PUSH_EVENTS), "a2a": a2a}
+
+
+def _bounded(field: str, value: str, limit: int, allowed: re.Pattern[str]) -> None:
+    if len(value) > limit:
+        raise BadPushConfig(f"the push config's {field} is longer than {limit} characters")
+    if value and not allowed.fullmatch(value):
+        raise BadPushConfig(f"the push config's {field} holds characters a header may not")
 
 
 def push_config_of(task_id: str, callback: Mapping[str, Any] | None) -> TaskPushNotificationConfig:

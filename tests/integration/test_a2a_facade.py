@@ -593,6 +593,69 @@ def test_a_push_config_to_a_refused_address_is_invalid_params(
     a2a.run(run)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"token": "a" * 20_000},
+        {"token": "ok\r\nX-Injected: yes"},
+        {"id": "i" * 65},
+        {"authentication": AuthenticationInfo(scheme="Bearer", credentials="c" * 20_000)},
+        {"authentication": AuthenticationInfo(scheme="Bear er", credentials="c")},
+    ],
+    ids=[
+        "a 20 KB token",
+        "a token with a line break",
+        "a long id",
+        "long credentials",
+        "a bad scheme",
+    ],
+)
+def test_a_push_config_too_large_or_unfit_for_a_header_is_invalid_params_and_not_kept(
+    a2a: Clients, signed_tenant: tuple[str, str], config: dict[str, Any]
+) -> None:
+    """Its fields are kept in the task's row, which the tenant's quota counts as 1 KiB, and go
+    out as header values with every push: a 1 MiB token on each of a tenant's tasks held a
+    thousand times what was counted."""
+    tenant, _ = signed_tenant
+
+    async def run() -> None:
+        client, _ = await a2a(tenant=tenant)
+        sent = await collect(
+            client.send_message(SendMessageRequest(message=message("echo", data={})))
+        )
+        task_id = sent[-1].task.id
+        with Receiver() as receiver:
+            await refused(task_id, receiver.url)
+        listed = await client.list_task_push_notification_configs(
+            ListTaskPushNotificationConfigsRequest(task_id=task_id)
+        )
+        assert list(listed.configs) == []
+
+    async def refused(task_id: str, url: str) -> None:
+        client, _ = await a2a(tenant=tenant)
+        with pytest.raises(InvalidParamsError) as created:
+            await client.create_task_push_notification_config(
+                TaskPushNotificationConfig(task_id=task_id, url=url, **config)
+            )
+        assert "push config" in str(created.value.message), created.value
+        with pytest.raises(InvalidParamsError) as sent:
+            await collect(
+                client.send_message(
+                    SendMessageRequest(
+                        message=message("echo", data={}),
+                        configuration=SendMessageConfiguration(
+                            task_push_notification_config=TaskPushNotificationConfig(
+                                url=url, **config
+                            )
+                        ),
+                    )
+                )
+            )
+        assert "push config" in str(sent.value.message), sent.value
+
+    a2a.run(run)
+
+
 def test_the_context_id_is_the_session_and_lists_filter_by_it(
     a2a: Clients, api: ServedApp, make_key: KeyMaker
 ) -> None:

@@ -468,6 +468,152 @@ def test_a_stream_nobody_reads_holds_a_bounded_kernel_send_buffer(
     assert 64 * 1024 < held <= 2 * SEND_BUFFER_BYTES
 
 
+BIG_RESULT = "x" * (1024 * 1024)
+
+
+def _finished_with_a_big_result(engine: Engine, tenant: str) -> Any:
+    task_id = a_task_row(engine, tenant=tenant, status="running")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE tasks SET status = 'succeeded', result = to_jsonb(CAST(:r AS text)),"
+                " finished_at = now() WHERE id = :id"
+            ),
+            {"r": BIG_RESULT, "id": task_id},
+        )
+    return task_id
+
+
+def _asked_for(port: int, path: str, token: str, window: int = 4096) -> socket.socket:
+    """A connection that has sent one GET, with a receive buffer of ``window`` bytes."""
+    request = f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+    return _sent(port, request, window)
+
+
+def _sent(port: int, request: str, window: int = 4096) -> socket.socket:
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
+    reader.connect(("127.0.0.1", port))
+    reader.sendall(request.encode())
+    return reader
+
+
+@pytest.mark.parametrize("answer", ["a task with a 1 MiB result", "its event stream"])
+def test_a_client_that_stops_reading_loses_its_connection_and_what_waited_for_it(
+    stack_for: Callable[..., ServedApp],
+    engine: Engine,
+    make_key: KeyMaker,
+    settings: Settings,
+    answer: str,
+) -> None:
+    """Past the kernel's buffer an answer waits in the API process, and uvicorn closes a
+    connection by flushing it first: a client whose window stays shut held the answer and a
+    file descriptor for as long as it liked, outside every slot a tenant has (a plain answer
+    holds none once it has started; a stream gives its slot back at the send timeout and kept
+    its connection). ``REACH_CLIENT_STALL_S`` ends it."""
+    # Given a task with about 1 MiB to answer, and a client that asks for it and reads nothing
+    api = stack_for(client_stall_s=0.5, sse_send_timeout_s=0.5)
+    tenant, token = make_key()
+    task_id = _finished_with_a_big_result(engine, tenant)
+    path = f"/tasks/{task_id}" + ("/events" if "stream" in answer else "")
+    with contextlib.closing(_asked_for(api.port, path, token)) as reader:
+        client_port = reader.getsockname()[1]
+        # When bytes have been waiting for it for a while
+        eventually(
+            lambda: _server_side(api.port, client_port) == "waiting",
+            "the answer to fill the connection",
+        )
+        # Then the API has dropped its side of the connection
+        eventually(
+            lambda: _server_side(api.port, client_port) == "gone",
+            "the API to drop the connection",
+            timeout_s=20,
+        )
+
+
+def test_an_a2a_subscription_nobody_reads_loses_its_connection(
+    stack_for: Callable[..., ServedApp], engine: Engine, make_key: KeyMaker, own_redis: str
+) -> None:
+    """The a2a-sdk's event streams set no send timeout of their own: one that nobody read
+    held its connection, its stream slot and its listener until the client closed."""
+    # Given a running task, and a client that subscribes to it and reads nothing
+    api = stack_for(client_stall_s=0.5)
+    tenant, token = make_key()
+    task_id = a_task_row(engine, tenant=tenant, status="running")
+    body = json.dumps(
+        {"jsonrpc": "2.0", "id": 1, "method": "SubscribeToTask", "params": {"id": str(task_id)}}
+    )
+    request = (
+        f"POST /a2a/jsonrpc HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        "A2A-Version: 1.0\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    )
+    log = EventLog(redis.Redis.from_url(own_redis), 600, 64 * 1024 * 1024)
+    with contextlib.closing(_sent(api.port, request)) as reader:
+        client_port = reader.getsockname()[1]
+
+        # When the task's outputs come faster than it reads
+        def filled() -> bool:
+            log.append(task_id, OUTPUT, "x" * 40_000, tenant=tenant, trace_id="t")
+            return _server_side(api.port, client_port) == "waiting"
+
+        eventually(filled, "the stream to fill the connection")
+        slots = api.server.config.app.state.services.streams
+        assert slots.open.get(tenant) == 1
+        # Then the API drops its side of the connection, and the stream gives its slot back
+        eventually(
+            lambda: _server_side(api.port, client_port) == "gone",
+            "the API to drop the connection",
+            timeout_s=20,
+        )
+        eventually(lambda: tenant not in slots.open, "the stream's slot to be given back")
+
+
+def test_a_client_that_reads_slowly_keeps_its_connection_to_the_end(
+    stack_for: Callable[..., ServedApp], engine: Engine, make_key: KeyMaker
+) -> None:
+    # Given a task with about 1 MiB to answer
+    api = stack_for(client_stall_s=0.5)
+    tenant, token = make_key()
+    task_id = _finished_with_a_big_result(engine, tenant)
+    # When its client reads it 32 KiB at a time, 0.1 s apart (a tenth of what the API needs)
+    asked = _asked_for(api.port, f"/tasks/{task_id}", token, window=64 * 1024)
+    with contextlib.closing(asked) as reader:
+        received = bytearray()
+        while b"\r\n\r\n" not in received or len(received) < _whole(received):
+            chunk = reader.recv(32 * 1024)
+            if not chunk:
+                break
+            received += chunk
+            time.sleep(0.1)
+    # Then the whole answer came
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head[:100]
+    assert json.loads(body)["result"] == BIG_RESULT
+
+
+def _whole(received: bytearray) -> int:
+    """The length of the answer whose head is in ``received``: head, blank line, body."""
+    head, _, _ = bytes(received).partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(head) + 4 + int(value)
+    raise AssertionError(f"no content-length in {head!r}")
+
+
+def _server_side(server_port: int, client_port: int) -> str:
+    """The API's side of this connection in ``/proc/net/tcp``: "gone", "waiting" (bytes the
+    kernel holds for the client) or "idle"."""
+    with open("/proc/net/tcp") as table:
+        for line in table.read().splitlines()[1:]:
+            fields = line.split()
+            local, remote = fields[1].split(":")[1], fields[2].split(":")[1]
+            if (int(local, 16), int(remote, 16)) == (server_port, client_port):
+                return "waiting" if int(fields[4].split(":")[0], 16) else "idle"
+    return "gone"
+
+
 def _settled_send_queue(server_port: int, client_port: int) -> int:
     """The bytes the kernel holds to send on the server's side of this connection, once they
     stop growing (``/proc/net/tcp``'s ``tx_queue``)."""
