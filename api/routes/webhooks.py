@@ -180,8 +180,8 @@ async def webhook_deliveries(
     limit: Limit = LIMIT_DEFAULT,
     cursor: Cursor = None,
 ) -> JSONResponse:
-    """Its deliveries, newest first, each with every attempt: time, status code, error,
-    latency and the address connected to."""
+    """Its deliveries, newest first, each with its latest 20 attempts (``attempt_count``
+    counts them all): time, status code, error, latency and the address connected to."""
     state = services(request)
     webhook = await _webhook(request, caller, webhook_id)
     rows, next_cursor = await delivery_log.page(
@@ -213,7 +213,10 @@ async def send_again(
 ) -> JSONResponse:
     """Redeliver within ``scope`` and answer with the delivery as it now stands."""
     state = services(request)
-    attempt = await delivery_log.redeliver(state.engine, tenant, delivery_id, scope)
+    scheduled = len(state.settings.webhook_schedule_s)
+    attempt = await delivery_log.redeliver(
+        state.engine, tenant, delivery_id, scope, scheduled=scheduled
+    )
     # A publish lost here is not lost for good: the sweep republishes late deliveries.
     await anyio.to_thread.run_sync(state.dispatcher.deliver, delivery_id, attempt)
     rows, _ = await delivery_log.page(state.engine, tenant, delivery_log.only(delivery_id), limit=1)

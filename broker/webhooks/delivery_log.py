@@ -21,6 +21,13 @@ from broker.timestamps import iso
 from broker.webhooks.deliveries import message_id
 from broker.webhooks.policy import DEAD, FAILED, PENDING
 
+# A delivery may be sent again by hand this many times past its schedule's attempts: each
+# redelivery logs an attempt, and a tenant looping over its failed deliveries piled them up
+# without end (every page then listed them all).
+REDELIVERIES_MAX = 10
+# The attempts a page shows of each delivery, the latest ones (``attempt_count``: all of them).
+ATTEMPTS_SHOWN = 20
+
 
 def render(row: dict[str, Any], attempts: list[dict[str, Any]]) -> dict[str, Any]:
     return {
@@ -69,10 +76,16 @@ async def page(
         rows, next_cursor = await newest_first(
             conn, query, deliveries.c.id, limit=limit, cursor=cursor
         )
-        logged = await conn.execute(
-            select(attempts_log)
+        latest = func.row_number().over(
+            partition_by=attempts_log.c.delivery_id, order_by=attempts_log.c.attempt.desc()
+        )
+        numbered = (
+            select(attempts_log, latest.label("latest"))
             .where(attempts_log.c.delivery_id.in_([r["id"] for r in rows]))
-            .order_by(attempts_log.c.attempt)
+            .subquery()
+        )
+        logged = await conn.execute(
+            select(numbered).where(numbered.c.latest <= ATTEMPTS_SHOWN).order_by(numbered.c.attempt)
         )
         by_delivery: dict[uuid.UUID, list[dict[str, Any]]] = {}
         for a in logged:
@@ -100,15 +113,24 @@ def only(delivery_id: uuid.UUID) -> ColumnElement[bool]:
 
 
 async def redeliver(
-    engine: AsyncEngine, tenant: str, delivery_id: uuid.UUID, scope: ColumnElement[bool]
+    engine: AsyncEngine,
+    tenant: str,
+    delivery_id: uuid.UUID,
+    scope: ColumnElement[bool],
+    *,
+    scheduled: int,
 ) -> int:
     """Make a failed or dead delivery due now for one more attempt (same webhook-id and
-    body); returns that attempt's number for the message that sends it."""
+    body); returns that attempt's number for the message that sends it. ``scheduled``: the
+    attempts of the schedule; past them a delivery is sent again ``REDELIVERIES_MAX`` times
+    at most."""
+    attempts_max = scheduled + REDELIVERIES_MAX
     async with engine.begin() as conn:
         found = (
             await conn.execute(
                 select(
                     deliveries.c.status,
+                    deliveries.c.attempts,
                     webhooks.c.disabled_at,
                     (deliveries.c.body_expires_at <= func.now()).label("body_expired"),
                 )
@@ -122,6 +144,11 @@ async def redeliver(
             raise Conflict("the webhook is disabled", code="webhook_disabled")
         if found.body_expired:
             raise Conflict("the task has expired, and the message with it", code="delivery_expired")
+        if found.attempts >= attempts_max:
+            raise Conflict(
+                f"the delivery was attempted {found.attempts} times, the most it may be",
+                code="delivery_not_redeliverable",
+            )
         attempt = (
             await conn.execute(
                 update(deliveries)
@@ -129,6 +156,7 @@ async def redeliver(
                     deliveries.c.id == delivery_id,
                     deliveries.c.status.in_((FAILED, DEAD)),
                     deliveries.c.body_id.is_not(None),
+                    deliveries.c.attempts < attempts_max,
                 )
                 .values(
                     status=PENDING,

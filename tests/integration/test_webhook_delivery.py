@@ -9,9 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import Engine, text
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from broker.settings import Settings
+from broker.webhooks import delivery_log
 from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.stack import CeleryProcess, start_worker, wait_for_task
 from tests.integration.webhook_client import finished, register, submit, wait_deliveries
@@ -106,6 +108,47 @@ def test_given_a_receiver_that_always_fails_expect_the_message_dead_after_the_sc
         [delivered] = wait_deliveries(client, path, finished("succeeded"))
     assert delivered["attempt_count"] == attempts + 1
     assert receiver.requests[-1].headers["webhook-id"] == dead["message_id"]
+
+
+def test_a_delivery_is_sent_again_by_hand_a_bounded_number_of_times_and_lists_its_latest(
+    client: httpx.Client, settings: Settings, engine: Engine
+) -> None:
+    """Each redelivery logs an attempt, and a page lists each delivery's attempts: a tenant
+    looping over its failed deliveries piled attempts up without end, and every page read
+    them all."""
+    with Receiver(always(Reply(400, body=b"x" * 512))) as receiver:
+        webhook, _ = register(client, receiver.url)
+        submit(client)
+        path = f"/webhooks/{webhook['webhook_id']}/deliveries"
+        [failed] = wait_deliveries(client, path, finished("failed"))
+        # When it is sent again, each time once it has failed, until it is refused
+        allowed = len(settings.webhook_schedule_s) + delivery_log.REDELIVERIES_MAX
+        answers = []
+        for attempts in range(1, allowed + 1):
+            again = client.post(f"{path}/{failed['delivery_id']}/redeliver")
+            answers.append(again.status_code)
+            if again.status_code != 202:
+                break
+            wait_deliveries(
+                client, path, lambda found, n=attempts: found[0]["attempt_count"] == n + 1
+            )
+            wait_deliveries(client, path, finished("failed"))
+    # Then it was sent again until it had been attempted that many times, and no more
+    assert answers == [202] * (allowed - 1) + [409], answers
+    assert again.json()["code"] == "delivery_not_redeliverable"
+    assert len(receiver.requests) == allowed
+    # And a page lists its latest attempts only, whatever its log holds
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO webhook_attempts (delivery_id, attempt, at, latency_ms) SELECT :id,"
+                " n, now(), 1 FROM generate_series(CAST(:first AS int), CAST(:last AS int)) n"
+            ),
+            {"id": failed["delivery_id"], "first": allowed + 1, "last": allowed + 30},
+        )
+    [listed] = client.get(path).json()["deliveries"]
+    shown = [a["attempt"] for a in listed["attempts"]]
+    assert shown == list(range(allowed + 30 - delivery_log.ATTEMPTS_SHOWN + 1, allowed + 31))
 
 
 def test_given_410_gone_expect_the_subscription_disabled_and_no_more_deliveries(
