@@ -128,9 +128,9 @@ async def wait_until_final(
         return render(row) if row is not None else None
 
     async with hub.listen(str(task_id)) as live:
-        final = [e for e in await hub.read_log(str(task_id), 0) if e.final]
-        if final:
-            return dict(final[-1].data)
+        final = await hub.closing_event(str(task_id))
+        if final is not None:
+            return dict(final.data)
         while (remaining := deadline - loop.time()) > 0:
             try:
                 event: Event | None = await asyncio.wait_for(

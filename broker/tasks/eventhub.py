@@ -142,6 +142,13 @@ class EventHub:
         entries = await self.redis.xrange(log_key(task_id), min=f"(0-{after}", max="+", count=count)
         return parse_entries(entries)
 
+    async def closing_event(self, task_id: str) -> Event | None:
+        """The log's final event, if it has one: a final event closes the log (see
+        ``broker.tasks.events``), so it is the last one, read alone however long the log."""
+        entries = await self.redis.xrevrange(log_key(task_id), max="+", min="-", count=1)
+        last = parse_entries(entries)
+        return last[0] if last and last[0].final else None
+
     async def tally(self, task_id: str, event_type: str) -> tuple[int, int]:
         """The log's last ``seq`` and how many of its events are of ``event_type``, read a page
         at a time: a long log is never held whole."""

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from broker.errors import EventsTooLarge
+from broker.settings import Settings
 from broker.tasks.events import Event, EventLog, bytes_key, log_key, parse_entries
 from tests.integration.stack import CeleryProcess, wait_for_task
 from tests.integration.test_replies import read_stream
@@ -158,3 +159,30 @@ def test_a_result_past_its_limit_fails_result_too_large(
     succeeded = wait_for_task(client, fits, FINAL)
     assert succeeded["status"] == "succeeded"
     assert len(succeeded["result"]["blob"]) == 3 * MiB
+
+
+def test_a_sync_wait_on_a_finished_task_reads_its_final_event_alone_however_long_the_log(
+    client: httpx.Client, settings: Settings
+) -> None:
+    """A sync submit looks for its task's final event before it listens, and read the whole
+    log to find it: an idempotent replay of a finished task with a full log read megabytes
+    from Redis for one answer, at the tenant's submit rate. The final event closes the log,
+    so it is the last one."""
+    # Given a task that finished with a log of about 2 MB
+    envelope = {"capability": "test.flood", "payload": {"n": 64, "size": 32_000}}
+    key = {"Idempotency-Key": f"long-log-{uuid.uuid4()}"}
+    first = client.post("/tasks", json=envelope, headers=key)
+    assert first.status_code == 202, first.text
+    task_id = first.json()["task_id"]
+    assert wait_for_task(client, task_id, FINAL)["status"] == "succeeded"
+    store = redis.Redis.from_url(settings.redis_url)
+    held_bytes = int(store.get(bytes_key(task_id)) or 0)
+    assert held_bytes > 1_500_000
+    # When the same submit comes again, waiting for the task
+    sent_before = store.info("stats")["total_net_output_bytes"]
+    again = client.post("/tasks", json={**envelope, "reply_mode": "sync"}, headers=key)
+    sent = store.info("stats")["total_net_output_bytes"] - sent_before
+    # Then it is answered with the finished task, and Redis sent a small part of the log
+    assert again.status_code == 200, again.text
+    assert (again.json()["task_id"], again.json()["status"]) == (task_id, "succeeded")
+    assert sent < held_bytes / 4, f"Redis sent {sent} bytes for a log of {held_bytes}"
