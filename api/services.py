@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import redis.asyncio as aioredis
@@ -38,6 +38,8 @@ from broker.tenancy.heavy import HeavyReads
 from broker.tenancy.usage import PostgresHeld, Quota, Quotas, RedisHeld
 from broker.webhooks.ssrf import HostLookups
 
+READINESS_S = 1.0
+
 
 @dataclass
 class Services:
@@ -67,6 +69,8 @@ class Services:
     heavy_reads: HeavyReads
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
+    # ``/readyz``'s answer, for a second: it needs no key (see ``api.routes.health``).
+    readiness: TimedCache = field(default_factory=lambda: TimedCache(ttl_s=READINESS_S))
 
     @classmethod
     def build(cls, settings: Settings) -> Services:

@@ -24,6 +24,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, event, text
 
+from api import services
 from api.app import create_app
 from api.connections import SEND_BUFFER_BYTES
 from broker.settings import Settings
@@ -680,3 +681,30 @@ def test_one_tenants_task_lists_run_one_at_a_time(
     # Then each list is answered (empty: nothing it sees), one at a time in Postgres
     assert answers == [(200, [])] * 8
     assert max(seen) == 1, Counter(seen)
+
+
+def test_readiness_asked_by_many_at_once_without_a_key_checks_postgres_once_a_second(
+    settings: Settings,
+) -> None:
+    """``/readyz`` needs no key and is outside the waiting cap: each request took a connection
+    of the pool every tenant's requests share and sent a query, for anyone who asked."""
+    app = create_app(settings)
+    checks: list[str] = []
+    event.listen(
+        app.state.services.engine.sync_engine,
+        "before_cursor_execute",
+        lambda conn, cursor, statement, *rest: (
+            checks.append(statement) if statement.strip() == "SELECT 1" else None
+        ),
+    )
+    with ServedApp(app) as api:
+
+        async def burst() -> tuple[list[int], float]:
+            async with httpx.AsyncClient(base_url=api.url, timeout=30) as http:
+                started = time.monotonic()
+                answers = await asyncio.gather(*(http.get("/readyz") for _ in range(50)))
+                return [a.status_code for a in answers], time.monotonic() - started
+
+        statuses, elapsed_s = asyncio.run(burst())
+    assert statuses == [200] * 50
+    assert 1 <= len(checks) <= 1 + int(elapsed_s / services.READINESS_S), (checks, elapsed_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import jsonschema._keywords
 import pytest
 from jsonschema.exceptions import SchemaError
 
@@ -73,3 +74,58 @@ def test_given_a_number_the_check_cannot_compute_expect_it_uncheckable() -> None
         "1.25 is not a multiple of 0.5"
     ]
     assert schemas.problems(checker, {"n": 3}) == []
+
+
+UNIQUE = {"type": "array", "uniqueItems": True}
+
+
+@pytest.mark.parametrize(
+    ("items", "unique"),
+    [
+        ([{"a": 1}, {"a": 1.0}], False),
+        ([{"a": 1, "b": [1, 2]}, {"b": [1, 2], "a": 1}], False),
+        ([None, None], False),
+        (["x", "x"], False),
+        ([1, True], True),
+        ([0, False], True),
+        (["1", 1], True),
+        ([[1, 2], [2, 1]], True),
+        ([{"a": 1}, {"a": 2}, {"b": 1}], True),
+    ],
+)
+def test_unique_items_counts_json_values_as_json_schema_does(
+    items: list[Any], unique: bool
+) -> None:
+    found = schemas.problems(schemas.validator(UNIQUE), items)
+    assert (found == []) == unique, found
+
+
+def test_unique_items_keys_each_item_once_instead_of_comparing_every_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """jsonschema compares every pair of items that do not sort (objects): 4,000 distinct
+    objects, 51 KB of JSON, held the API's event loop 16.5 s."""
+
+    def pairwise(*_: Any, **__: Any) -> bool:
+        raise AssertionError("jsonschema's pairwise uniqueItems check was used")
+
+    monkeypatch.setattr(jsonschema._keywords, "uniq", pairwise)
+    assert schemas.problems(schemas.validator(UNIQUE), [{"i": i} for i in range(4000)]) == []
+
+
+def test_a_payload_with_many_errors_is_checked_only_as_far_as_the_errors_reported() -> None:
+    """500,000 items of the wrong type, 1 MB of JSON, built half a million errors to report
+    20: 13.7 s and 1.7 GiB at the peak."""
+    checker = schemas.validator({"type": "array", "items": {"type": "string"}})
+    taken = 0
+
+    class Counted:
+        def iter_errors(self, payload: Any) -> Any:
+            nonlocal taken
+            for error in checker.iter_errors(payload):
+                taken += 1
+                yield error
+
+    found = schemas.problems(Counted(), [0] * 10_000)  # type: ignore[arg-type]
+    assert len(found) == schemas.PROBLEMS_MAX
+    assert taken == schemas.PROBLEMS_MAX

@@ -122,10 +122,14 @@ def _retry_after(value: str | None) -> float | None:
 
 
 async def _read_all(response: aiohttp.ClientResponse) -> bytes:
-    data = await response.content.read(MAX_ANSWER_BYTES + 1)
-    if len(data) > MAX_ANSWER_BYTES:
-        raise AgentFailure("the agent's answer is too large", code="agent_protocol")
-    return data
+    """The whole body, up to ``MAX_ANSWER_BYTES``. aiohttp's ``read(n)`` answers what has
+    arrived, up to n bytes: an answer that came in several pieces was cut at the first."""
+    data = bytearray()
+    while chunk := await response.content.read(MAX_ANSWER_BYTES + 1 - len(data)):
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            raise AgentFailure("the agent's answer is too large", code="agent_protocol")
+    return bytes(data)
 
 
 def _outcome(answer: Any, *, streamed: bool) -> Any:
