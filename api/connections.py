@@ -10,8 +10,8 @@ bounds on what a client that stops reading can hold:
   process's memory. 128 KiB carries a page of any listing (1 MiB at most) in a few turns of
   the loop, and loopback and LAN round trips fill it many times a second; a client a long
   way off reads a large answer at up to this much per round trip.
-- A connection whose client takes less than ``MIN_TAKEN_BYTES`` of what waits for it in
-  ``REACH_CLIENT_STALL_S`` is aborted (``Stall``). Past the kernel's buffer, an answer waits
+- A connection whose client acknowledges less than ``MIN_TAKEN_BYTES`` of what waits for it
+  in ``REACH_CLIENT_STALL_S`` is reset (``Stall``). Past the kernel's buffer, an answer waits
   in the process, and nothing else ends it: uvicorn closes a connection by flushing it first,
   and a client whose receive window stays shut never lets that happen. One tenant's requests
   for a 1 MiB page from sockets that read nothing each held the page and a file descriptor

@@ -530,6 +530,10 @@ def test_a_client_that_stops_reading_loses_its_connection_and_what_waited_for_it
             "the API to drop the connection",
             timeout_s=20,
         )
+        assert _server_side(api.port, client_port) == "gone"
+        with pytest.raises(ConnectionResetError):  # a reset, not an answer that ended
+            while reader.recv(65536):
+                pass
 
 
 def test_an_a2a_subscription_nobody_reads_loses_its_connection(
