@@ -607,35 +607,32 @@ def _whole(received: bytearray) -> int:
     raise AssertionError(f"no content-length in {head!r}")
 
 
-def _server_side(server_port: int, client_port: int) -> str:
-    """The API's side of this connection in ``/proc/net/tcp``: "gone", "waiting" (bytes the
-    kernel holds for the client) or "idle"."""
+def _send_queue(server_port: int, client_port: int) -> int | None:
+    """The bytes the kernel holds to send on the server's side of this connection
+    (``/proc/net/tcp``'s ``tx_queue``); None when the server holds no such socket."""
     with open("/proc/net/tcp") as table:
         for line in table.read().splitlines()[1:]:
             fields = line.split()
             local, remote = fields[1].split(":")[1], fields[2].split(":")[1]
             if (int(local, 16), int(remote, 16)) == (server_port, client_port):
-                return "waiting" if int(fields[4].split(":")[0], 16) else "idle"
-    return "gone"
+                return int(fields[4].split(":")[0], 16)
+    return None
+
+
+def _server_side(server_port: int, client_port: int) -> str:
+    """The API's side of this connection: "gone", "waiting" (bytes the kernel holds for the
+    client) or "idle"."""
+    queued = _send_queue(server_port, client_port)
+    return "gone" if queued is None else "waiting" if queued else "idle"
 
 
 def _settled_send_queue(server_port: int, client_port: int) -> int:
     """The bytes the kernel holds to send on the server's side of this connection, once they
-    stop growing (``/proc/net/tcp``'s ``tx_queue``)."""
-
-    def queued() -> int:
-        with open("/proc/net/tcp") as table:
-            for line in table.read().splitlines()[1:]:
-                fields = line.split()
-                local, remote = fields[1].split(":")[1], fields[2].split(":")[1]
-                if (int(local, 16), int(remote, 16)) == (server_port, client_port):
-                    return int(fields[4].split(":")[0], 16)
-        return 0
-
+    stop growing (``_send_queue``)."""
     samples: list[int] = []
 
     def settled() -> bool:
-        samples.append(queued())
+        samples.append(_send_queue(server_port, client_port) or 0)
         time.sleep(0.3)
         return len(samples) > 3 and samples[-1] == samples[-2] == samples[-3] > 0
 
