@@ -89,7 +89,6 @@ REST_PATH = "/a2a/rest"
 BEARER = "bearer"
 LIST_PAGE_DEFAULT = 50
 JSON_PARSE_ERROR, INVALID_REQUEST = -32700, -32600
-BUG_MESSAGE = "internal error: the server failed to answer this request"
 
 log = logging.getLogger("reach.api")
 
@@ -124,7 +123,7 @@ def _bug_hidden(method: Method) -> Method:
 
     def hidden(exc: Exception) -> InternalError:
         log.error("A2A %s failed", method.__name__, exc_info=exc)
-        return InternalError(message=BUG_MESSAGE)
+        return InternalError(message=errors.BUG_MESSAGE)
 
     if inspect.isasyncgenfunction(method):
 

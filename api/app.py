@@ -47,6 +47,8 @@ def create_app(settings: Settings) -> FastAPI:
         description=contract.DESCRIPTION,
         lifespan=lifespan,
         generate_unique_id_function=contract.operation_id,
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
     )
     app.state.services = svc
     errors.install(app)

@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
-import psycopg
-import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,6 +20,8 @@ from starlette.routing import Match
 from broker import errors, outages
 
 log = logging.getLogger("reach.api")
+# What a bug answers on the JSON-RPC facades (A2A, MCP), naming nothing of it.
+BUG_MESSAGE = "internal error: the server failed to answer this request"
 
 STATUS_BY_CODE: dict[str, int] = {
     "invalid_json": 400,
@@ -213,12 +213,9 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(errors.ReachError, _reach_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    # Also 503: no pooled connection came free in time (the pool's TimeoutError), and a
-    # built-in ConnectionError that a client library let through unwrapped.
-    for cls in (*outages.INFRASTRUCTURE_ERRORS, sqlalchemy.exc.TimeoutError, ConnectionError):
+    for cls in outages.UNAVAILABLE_ERRORS:
         app.add_exception_handler(cls, _unavailable)
-    # psycopg's own: the grouped inserts go out on a psycopg connection (``LoopConnection``).
-    for refused in (sqlalchemy.exc.DataError, psycopg.DataError):
+    for refused in outages.REFUSED_VALUE_ERRORS:
         app.add_exception_handler(refused, _data_error)
     # Answered by ``TraceMiddleware`` first; here, for what escapes the middleware itself.
     app.add_exception_handler(Exception, internal)

@@ -29,3 +29,10 @@ INFRASTRUCTURE_ERRORS = (
     redis.exceptions.TimeoutError,
 )
 AGENT_TRANSIENT_ERRORS = (ConnectionError, TimeoutError)
+# What a request answers as "unavailable, try again" (HTTP 503, an MCP or A2A refusal): the
+# outages above, no pooled connection coming free in time (the pool's TimeoutError), and a
+# built-in ConnectionError that a client library let through unwrapped.
+UNAVAILABLE_ERRORS = (*INFRASTRUCTURE_ERRORS, sqlalchemy.exc.TimeoutError, ConnectionError)
+# A value Postgres refused (a request's data, not our fault nor an outage); the grouped
+# inserts go out on a psycopg connection of their own, hence its class too.
+REFUSED_VALUE_ERRORS = (sqlalchemy.exc.DataError, psycopg.DataError)

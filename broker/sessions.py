@@ -15,6 +15,7 @@ The order its tasks run in is ``broker.tasks.turns``'s.
 from __future__ import annotations
 
 import secrets
+import sys
 import uuid
 from datetime import datetime
 from types import SimpleNamespace
@@ -116,7 +117,18 @@ def revision_of(if_match: str | None) -> int:
 
 
 def check_size(state: Any, metadata: Any, max_bytes: int) -> None:
-    size = len(jsonbody.canonical(state)) + len(jsonbody.canonical(metadata))
+    """At most ``max_bytes``, and JSON Postgres keeps (SessionInvalid otherwise). A request's
+    body was parsed strictly already; an agent's ``ctx.session.update`` was not: NaN, a value
+    that is not JSON, a lone surrogate or nesting too deep to write fail here, and a NUL, which
+    JSON writes but Postgres refuses, fails the string check."""
+    try:
+        size = len(jsonbody.canonical(state)) + len(jsonbody.canonical(metadata))
+        # ``canonical`` wrote it, so its depth is one the interpreter walks; strings alone left.
+        jsonbody.check_tree([state, metadata], max_depth=sys.getrecursionlimit())
+    except BadRequest as exc:
+        raise SessionInvalid(exc.message) from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise SessionInvalid(f"state and metadata must be JSON: {exc}") from None
     if size > max_bytes:
         raise SessionTooLarge(
             f"the session would hold {size} bytes; at most {max_bytes}", max_bytes=max_bytes

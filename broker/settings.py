@@ -215,6 +215,10 @@ class Settings(BaseSettings):
     # listens on worker_metrics_host.
     metrics_token: SecretStr | None = Field(None, min_length=16)
     metrics_public: bool = False
+    # /docs and /redoc: FastAPI's pages, which load Swagger UI and ReDoc from jsDelivr, a
+    # script of another origin on this one (where the console keeps its key in the tab).
+    # Off: both 404; /openapi.json stays.
+    api_docs: bool = True
     metrics_refresh_s: float = Field(15.0, gt=0)
     worker_metrics_host: str = "127.0.0.1"
 

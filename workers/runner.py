@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import sqlalchemy.exc
 from sqlalchemy import Engine
 
 from broker import jsonbody, redisclients
@@ -55,6 +56,9 @@ REFUSED_BACK_S = 0.5  # a task a private card refused waits this long to be take
 # skipped, and the task was recovered as lost (run again, or worker_lost) or, on the bridge,
 # stayed running. About 18 s in all, inside a lease.
 FINISH_RETRY_S = (0.1, 0.5, 2.0, 5.0, 10.0)
+# What a database error raised in a handler tells the task's caller of itself: its text is SQL and
+# its parameters, for the worker's log only.
+HIDDEN = "a database statement failed; its detail is in the worker's log"
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -800,6 +804,8 @@ def _failure(exc: Exception, spec: CapabilitySpec, ctx: Context) -> Failed:
         message = f"{type(exc).__name__}: {exc}"
         return Failed(task_error("transient_error", message, retryable=True))
     log.exception("agent %s failed on task %s", spec.card.agent_id, ctx.task_id, exc_info=exc)
+    if isinstance(exc, sqlalchemy.exc.StatementError):
+        return Failed(task_error("agent_error", f"{type(exc).__name__}: {HIDDEN}"))
     return Failed(task_error("agent_error", f"{type(exc).__name__}: {exc}"))
 
 

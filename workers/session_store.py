@@ -1,7 +1,8 @@
 """The reads and writes behind one task's ``ctx.session``, through ``broker.sessions``.
 
 The domain's errors become what an agent can act on: a stale revision is SessionConflict;
-a session gone, too large a state, or a task no longer running fail the task with that code.
+a session gone, a state too large or not JSON Postgres keeps, or a task no longer running fail
+the task with that code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from broker import sessions
 from broker.errors import AgentFailure
 from workers.sdk.session import Session, SessionConflict, State
 
-_FAILURES = (sessions.SessionNotFound, sessions.SessionTooLarge, sessions.TaskNotRunning)
+_FAILURES = (
+    sessions.SessionNotFound,
+    sessions.SessionTooLarge,
+    sessions.SessionInvalid,
+    sessions.TaskNotRunning,
+)
 
 
 @dataclass(frozen=True)

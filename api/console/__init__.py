@@ -9,9 +9,11 @@ Nothing is fetched from elsewhere: the content security policy allows this origi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse
+from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -28,6 +30,18 @@ HEADERS = {
 router = APIRouter(include_in_schema=False)
 
 
+class ConsoleFiles(StaticFiles):
+    """The console's files. The page is among them, and served from here it takes the
+    headers ``/console`` gives it (else it could be framed); the others are not pages, and
+    take every response's (``api.middleware``)."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        if response.media_type == "text/html":
+            response.headers.update(HEADERS)
+        return response
+
+
 @router.get("/console")
 async def console() -> FileResponse:
     """The console's single page; its views are addressed by the fragment (``#/tasks``)."""
@@ -36,4 +50,4 @@ async def console() -> FileResponse:
 
 def mount(app: FastAPI) -> None:
     app.include_router(router)
-    app.mount("/console/static", StaticFiles(directory=STATIC), name="console-static")
+    app.mount("/console/static", ConsoleFiles(directory=STATIC), name="console-static")

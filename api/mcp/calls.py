@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -30,7 +31,7 @@ from mcp_types import (
 )
 from starlette.requests import Request
 
-from api import replies
+from api import errors, replies
 from api.mcp import tools
 from api.services import Services
 from broker import jsonbody, outages
@@ -43,9 +44,16 @@ from broker.tasks.resource import render
 from broker.tenancy.keys import Principal
 
 Context = ServerRequestContext[Any, Any]
+# What an outage and a refused value answer (a bug: ``errors.BUG_MESSAGE``), naming nothing
+# of them: the SDK's older protocol path sends an exception's text (a pool's limits, a host
+# and port, SQL).
+UNAVAILABLE = Unavailable("a backing service cannot be reached")
+REFUSED_VALUE = ReachError("the database refused a value in the request", code="invalid_data")
 SOURCE = "mcp"  # the tasks' ``source``: where they came from, for the audit
 # After the task has ended, how long its progress notifications still sent may take.
 PROGRESS_DRAIN_S = 1.0
+
+log = logging.getLogger("reach.api")
 
 
 class Calls:
@@ -57,7 +65,15 @@ class Calls:
     async def list_tools(
         self, ctx: Context, params: PaginatedRequestParams | None
     ) -> ListToolsResult:
-        return ListToolsResult(tools=await self._tools(ctx))
+        try:
+            return ListToolsResult(tools=await self._tools(ctx))
+        except outages.UNAVAILABLE_ERRORS as exc:
+            log.warning("MCP tools/list: %s: %s", type(exc).__name__, exc)
+            raise MCPError(INTERNAL_ERROR, UNAVAILABLE.message) from None
+        except MCPError:
+            raise
+        except Exception as exc:
+            raise _hidden("tools/list", exc) from None
 
     async def call_tool(self, ctx: Context, params: CallToolRequestParams) -> CallToolResult:
         caller = _caller(ctx)
@@ -74,8 +90,15 @@ class Calls:
             return await self._run(ctx, caller, params.name, arguments)
         except ReachError as exc:
             return tools.refusal(exc)
-        except outages.INFRASTRUCTURE_ERRORS:
-            return tools.refusal(Unavailable("a backing service cannot be reached"))
+        except outages.UNAVAILABLE_ERRORS as exc:
+            log.warning("MCP tools/call: %s: %s", type(exc).__name__, exc)
+            return tools.refusal(UNAVAILABLE)
+        except outages.REFUSED_VALUE_ERRORS:
+            return tools.refusal(REFUSED_VALUE)
+        except MCPError:
+            raise
+        except Exception as exc:
+            raise _hidden("tools/call", exc) from None
 
     async def _tools(self, ctx: Context) -> list[Tool]:
         known = await cards.latest_cards(self.svc.engine, self.svc.card_cache)
@@ -121,6 +144,12 @@ async def _forward_progress(
         if event is not None and event.type == PROGRESS:
             data = event.data
             await session.report_progress(float(data["percent"]), 100, data.get("message"))
+
+
+def _hidden(method: str, exc: Exception) -> MCPError:
+    """A bug, logged with its traceback and answered as MCP's internal error."""
+    log.error("MCP %s failed", method, exc_info=exc)
+    return MCPError(INTERNAL_ERROR, errors.BUG_MESSAGE)
 
 
 def _request(ctx: Context) -> Request:

@@ -208,13 +208,32 @@ def test_no_response_but_a_page_may_be_read_as_anything_else_or_run_anything(
     missing = client.get("/nowhere")
     script = httpx.get(f"{api.url}/console/static/app.js")
     page = httpx.get(f"{api.url}/console")
-    for response in (accepted, refused, anonymous, missing, script, page):
+    # the same page among the console's files: with the same policy, never framed
+    same_page = httpx.get(f"{api.url}/console/static/index.html")
+    for response in (accepted, refused, anonymous, missing, script, page, same_page):
         assert response.headers["x-content-type-options"] == "nosniff", response.url
     for response in (accepted, refused, anonymous, missing, script):
         policy = response.headers["content-security-policy"]
         assert policy == "default-src 'none'; frame-ancestors 'none'", response.url
     assert (refused.status_code, anonymous.status_code, missing.status_code) == (422, 401, 404)
     assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert same_page.status_code == 200
+    assert same_page.headers["content-security-policy"] == page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+
+
+@pytest.mark.parametrize("docs", [True, False])
+def test_the_api_docs_pages_can_be_turned_off_and_the_openapi_document_stays(
+    settings: Settings, docs: bool
+) -> None:
+    """They run jsDelivr's scripts on this origin; an operator may not want that."""
+    app = create_app(settings.model_copy(update={"api_docs": docs}))
+    with ServedApp(app) as served, httpx.Client(base_url=served.url) as http:
+        pages = [http.get("/docs"), http.get("/redoc")]
+        document = http.get("/openapi.json")
+
+    assert [page.status_code for page in pages] == ([200, 200] if docs else [404, 404])
+    assert document.status_code == 200 and document.json()["info"]["title"] == "Agent-Reach"
 
 
 def test_an_unexpected_error_is_a_500_problem_with_the_headers_and_count_of_any_response(

@@ -14,13 +14,18 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
+import sqlalchemy.exc
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent
 from sqlalchemy import Engine, text
 
 from api.app import create_app
+from api.errors import BUG_MESSAGE
+from broker.registry import cards
 from broker.settings import Settings
+from broker.tasks import queries
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import CeleryProcess, ServedApp
@@ -419,3 +424,53 @@ def test_a_tenant_holding_its_most_streams_is_refused_another_request_and_others
                 assert (await post(http, token)).status_code != 429
 
         asyncio.run(scenario())
+
+
+SECRET = "QueuePool limit of size 20 overflow 10 reached; SELECT * FROM cards at db:5432"
+FAILURES = {
+    "outage": (sqlalchemy.exc.TimeoutError(SECRET), "a backing service cannot be reached"),
+    "bug": (RuntimeError(SECRET), BUG_MESSAGE),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_an_unexpected_failure_answers_without_its_text_on_either_protocol(
+    api: ServedApp,
+    tenant: tuple[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    failure: str,
+) -> None:
+    """The SDK's older protocol path answered any exception with its text: a pool's limits,
+    a host and port, SQL. Both handlers now answer an outage and a bug in words of their own."""
+    exc, message = FAILURES[failure]
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    monkeypatch.setattr(cards, "latest_cards", failing)
+    monkeypatch.setattr(queries, "visible_task", failing)
+
+    async def session() -> tuple[str, CallToolResult | str]:
+        async with connected(api, tenant[1], mode) as client:
+            with pytest.raises(MCPError) as listed:
+                await client.list_tools()
+            try:
+                called: CallToolResult | str = await client.call_tool(
+                    "reach_get_task", {"task_id": str(uuid.uuid4())}
+                )
+            except MCPError as refused:
+                called = refused.error.message
+            return listed.value.error.message, called
+
+    listed, called = asyncio.run(session())
+
+    assert listed == message
+    if failure == "outage":  # a refusal the model can read, as a submit's outage is
+        assert isinstance(called, CallToolResult) and called.is_error
+        assert called.structured_content == {
+            "error": {"code": "service_unavailable", "message": message}
+        }
+    else:
+        assert called == message

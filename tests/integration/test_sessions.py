@@ -303,3 +303,27 @@ def test_a_task_writes_its_session_only_while_running_at_the_attempt_that_writes
     with engine.connect() as conn:
         state = conn.scalar(select(sessions_table.c.state).where(sessions_table.c.id == session_id))
     assert state == {"n": 2}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"note": "a\x00b"}, {"ratio": float("nan")}, {"tags": {"a", "b"}}, {"text": "\ud800"}],
+    ids=["nul", "nan", "not-json", "lone-surrogate"],
+)
+def test_a_tasks_session_write_postgres_or_json_would_refuse_fails_session_invalid(
+    api: ServedApp, make_key: KeyMaker, engine: Engine, state: dict[str, Any]
+) -> None:
+    """A request's body is parsed strictly; an agent's ``ctx.session.update`` was not, and a
+    NUL reached Postgres, whose refusal (the SQL and its values) became the task's error."""
+    tenant, token = make_key()
+    with client_for(api, token) as http:
+        session_id = http.post("/sessions", json={"state": {"n": 0}}).json()["session_id"]
+    task_id = a_task_row(engine, tenant=tenant, status="running")
+    store = SessionStore(engine, tenant, session_id, task_id, 1 << 20, 20)
+
+    with pytest.raises(AgentFailure) as refused:
+        store.write(1, state)
+
+    assert refused.value.code == "session_invalid"
+    assert "UPDATE" not in refused.value.message and "SQL" not in refused.value.message
+    assert store.read() == (1, {"n": 0})
