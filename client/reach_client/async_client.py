@@ -14,6 +14,7 @@ import httpx
 
 from reach_client.connection import Settings, build, response_of, translated
 from reach_client.errors import APIConnectionError, APIStatusError
+from reach_client.limits import Buffer
 from reach_client.models import (
     Agent,
     Capability,
@@ -107,21 +108,22 @@ class AsyncReach:
             return done.value  # type: ignore[no-any-return]
 
     async def _send(self, request: Request) -> Response:
-        with translated():
-            request_ = self._http.build_request(**build(self._settings, request))
-            answer = await self._http.send(request_)
-            return response_of(answer)
+        async with self._open(request, ok_only=False) as answer:
+            return await _read(answer)
 
     @asynccontextmanager
-    async def _open(self, request: Request) -> AsyncIterator[httpx.Response]:
+    async def _open(
+        self, request: Request, *, ok_only: bool = True
+    ) -> AsyncIterator[httpx.Response]:
+        """The answer to ``request``, its body unread; with ``ok_only`` an error status raises
+        its problem."""
         with translated():
             answer = await self._http.send(
                 self._http.build_request(**build(self._settings, request)), stream=True
             )
             try:
-                if answer.status_code >= 400:
-                    await answer.aread()
-                    raise problem_of(response_of(answer))
+                if ok_only and answer.status_code >= 400:
+                    raise problem_of(await _read(answer))
                 yield answer
             finally:
                 await answer.aclose()
@@ -131,12 +133,12 @@ class AsyncReach:
             try:
                 async with self._open(resume.request()) as answer:
                     decoder = SSEDecoder()
-                    async for line in _lines(answer):
-                        event = decoder.feed(line)
-                        if event is not None and resume.accept(event):
-                            yield event
-                            if resume.done:
-                                return
+                    async for piece in _pieces(answer):
+                        for event in decoder.decode(piece):
+                            if resume.accept(event):
+                                yield event
+                                if resume.done:
+                                    return
                 await anyio.sleep(resume.dropped(None))
             except (APIConnectionError, APIStatusError) as exc:
                 await anyio.sleep(resume.dropped(exc))
@@ -335,7 +337,15 @@ class Capabilities:
         return await self._client._run(registry.capabilities(self._policy))
 
 
-async def _lines(answer: httpx.Response) -> AsyncIterator[str]:
+async def _pieces(answer: httpx.Response) -> AsyncIterator[bytes]:
     with translated():
-        async for line in answer.aiter_lines():
-            yield line
+        async for piece in answer.aiter_bytes():
+            yield piece
+
+
+async def _read(answer: httpx.Response) -> Response:
+    """The answer with its body, read up to the cap of ``reach_client.limits``."""
+    body = Buffer("the answer")
+    async for piece in answer.aiter_bytes():
+        body.add(piece)
+    return response_of(answer, body.take())

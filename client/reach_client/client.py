@@ -14,6 +14,7 @@ import httpx
 
 from reach_client.connection import Settings, build, response_of, translated
 from reach_client.errors import APIConnectionError, APIStatusError
+from reach_client.limits import Buffer
 from reach_client.models import (
     Agent,
     Capability,
@@ -107,20 +108,20 @@ class Reach:
             return done.value  # type: ignore[no-any-return]
 
     def _send(self, request: Request) -> Response:
-        with translated():
-            answer = self._http.send(self._http.build_request(**build(self._settings, request)))
-            return response_of(answer)
+        with self._open(request, ok_only=False) as answer:
+            return _read(answer)
 
     @contextmanager
-    def _open(self, request: Request) -> Iterator[httpx.Response]:
+    def _open(self, request: Request, *, ok_only: bool = True) -> Iterator[httpx.Response]:
+        """The answer to ``request``, its body unread; with ``ok_only`` an error status raises
+        its problem."""
         with translated():
             answer = self._http.send(
                 self._http.build_request(**build(self._settings, request)), stream=True
             )
             try:
-                if answer.status_code >= 400:
-                    answer.read()
-                    raise problem_of(response_of(answer))
+                if ok_only and answer.status_code >= 400:
+                    raise problem_of(_read(answer))
                 yield answer
             finally:
                 answer.close()
@@ -130,12 +131,12 @@ class Reach:
             try:
                 with self._open(resume.request()) as answer, translated():
                     decoder = SSEDecoder()
-                    for line in answer.iter_lines():
-                        event = decoder.feed(line)
-                        if event is not None and resume.accept(event):
-                            yield event
-                            if resume.done:
-                                return
+                    for piece in answer.iter_bytes():
+                        for event in decoder.decode(piece):
+                            if resume.accept(event):
+                                yield event
+                                if resume.done:
+                                    return
                 time.sleep(resume.dropped(None))
             except (APIConnectionError, APIStatusError) as exc:
                 time.sleep(resume.dropped(exc))
@@ -325,3 +326,11 @@ class Capabilities:
 
     def list(self) -> builtins.list[Capability]:
         return self._client._run(registry.capabilities(self._policy))
+
+
+def _read(answer: httpx.Response) -> Response:
+    """The answer with its body, read up to the cap of ``reach_client.limits``."""
+    body = Buffer("the answer")
+    for piece in answer.iter_bytes():
+        body.add(piece)
+    return response_of(answer, body.take())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from reach_client.errors import ReachError
@@ -36,7 +36,7 @@ class ConfigurationError(ReachError):
 @dataclass(frozen=True)
 class Config:
     base_url: str
-    api_key: str
+    api_key: str = field(repr=False)
 
 
 def config_path(env: Mapping[str, str]) -> Path:

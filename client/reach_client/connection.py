@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -22,7 +22,7 @@ DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 @dataclass(frozen=True)
 class Settings:
     base_url: str
-    api_key: str
+    api_key: str = field(repr=False)
     timeout: httpx.Timeout
     policy: RetryPolicy
 
@@ -72,8 +72,8 @@ def build(settings: Settings, request: Request) -> dict[str, Any]:
     }
 
 
-def response_of(answer: httpx.Response) -> Response:
-    return Response(answer.status_code, answer.headers, answer.content)
+def response_of(answer: httpx.Response, content: bytes) -> Response:
+    return Response(answer.status_code, answer.headers, content)
 
 
 @contextmanager

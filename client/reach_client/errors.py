@@ -1,7 +1,8 @@
 """Every error the client raises, one tree with one root:
 
     ReachError                      .code .status .detail .trace_id .problem
-    ├── APIConnectionError          no answer: refused, reset, DNS (status None)
+    ├── APIConnectionError          no answer: refused, reset, DNS (status None), or one
+    │   │                           past the client's cap (``answer_too_large``)
     │   └── APITimeoutError         no answer in time
     ├── APIStatusError              the API answered with a problem (RFC 9457)
     │   ├── InvalidRequestError     400, 408, 413, 415, 422 and any other 4xx

@@ -263,7 +263,7 @@ class Webhook:
     status: str
     capabilities: list[str] | None = None
     description: str | None = None
-    secret: str | None = None  # only in the answer to create: never shown again
+    secret: str | None = field(default=None, repr=False)  # in the answer to create only
     created_at: datetime | None = None
     disabled_at: datetime | None = None
     disabled_reason: str | None = None

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from reach_client.errors import APIConnectionError, APIStatusError, APITimeoutError, from_problem
+from reach_client.limits import TOO_LARGE
 from reach_client.retries import RetryPolicy, is_retried, may_retry
 
 T = TypeVar("T")
@@ -85,6 +86,7 @@ def send(request: Request, policy: RetryPolicy) -> Plan[Response]:
             timed_out = isinstance(exc, APITimeoutError)
             if (
                 not retriable
+                or exc.code == TOO_LARGE
                 or retry >= policy.max_retries
                 or (timed_out and not request.retry_timeouts)
             ):

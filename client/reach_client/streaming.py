@@ -4,21 +4,47 @@ Pure: the clients own the sockets."""
 
 from __future__ import annotations
 
+import re
+
 from reach_client.errors import APIConnectionError, APIStatusError, ReachError
+from reach_client.limits import TOO_LARGE, Buffer, bound
 from reach_client.models import Event
 from reach_client.operations.tasks import events_request
 from reach_client.plans import Request
 from reach_client.retries import RETRY_STATUSES, RetryPolicy
 
+LINE_BREAK = re.compile(rb"\r\n|\r|\n")
+
 
 class SSEDecoder:
-    """Lines of ``text/event-stream`` (WHATWG HTML 9.2) in, events out. Comments
-    (``: ping``) and frames without data are skipped."""
+    """``text/event-stream`` (WHATWG HTML 9.2) in, as bytes or as lines, events out. Comments
+    (``: ping``) and frames without data are skipped. A line or an event past the cap of
+    ``reach_client.limits`` raises ``APIConnectionError``."""
 
     def __init__(self) -> None:
         self._id = ""
         self._type = ""
         self._data: list[str] = []
+        self._size = 0
+        self._line = Buffer("a line of the event stream")
+        self._after_cr = False
+
+    def decode(self, piece: bytes) -> list[Event]:
+        """The events that ``piece``, the next bytes of the stream, completes."""
+        if not piece:
+            return []
+        if self._after_cr and piece.startswith(b"\n"):
+            piece = piece[1:]  # the rest of a CRLF that the last piece cut in two
+        self._after_cr = piece.endswith(b"\r")
+        *ended, rest = LINE_BREAK.split(piece)
+        events = []
+        for part in ended:
+            self._line.add(part)
+            event = self.feed(self._line.take().decode("utf-8", "replace"))
+            if event is not None:
+                events.append(event)
+        self._line.add(rest)
+        return events
 
     def feed(self, line: str) -> Event | None:
         """The event a blank line completes, else None."""
@@ -33,12 +59,14 @@ class SSEDecoder:
         elif name == "event":
             self._type = value
         elif name == "data":
+            self._size += len(value) + 1
+            bound(self._size, "an event of the event stream")
             self._data.append(value)
         return None
 
     def _dispatch(self) -> Event | None:
         data, event_type = "\n".join(self._data), self._type or "message"
-        self._data, self._type = [], ""
+        self._data, self._type, self._size = [], "", 0
         return Event.from_sse(self._id, event_type, data) if data else None
 
 
@@ -70,6 +98,8 @@ class Resume:
         """The pause before reconnecting after ``error`` (None: the server ended the stream
         before the final event)."""
         if isinstance(error, APIStatusError) and error.status not in RETRY_STATUSES:
+            raise error
+        if error is not None and error.code == TOO_LARGE:
             raise error
         self.failures += 1
         if self.failures > self.policy.max_retries:

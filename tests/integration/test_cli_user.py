@@ -83,6 +83,31 @@ def test_a_wait_that_runs_out_exits_5_and_the_task_goes_on(env: dict[str, str]) 
     assert reach(env, "submit", "echo", "--wait", "--timeout", "0").returncode == 2
 
 
+def test_an_agents_text_is_shown_as_text_never_as_markup_or_terminal_control(
+    env: dict[str, str],
+) -> None:
+    hostile = (
+        "\x1b[2J\x1b[H\x1b[32mtask succeeded\x1b[0m [link=https://evil.example/]docs[/link] "
+        "[/x] \x9b31m"
+    )
+    shown = "[2J[H[32mtask succeeded[0m [link=https://evil.example/]docs[/link] [/x] 31m"
+    payload = json.dumps({"fail": "boom", "message": hostile})
+    waited = reach(env, "submit", "echo", "--payload", payload, "--wait")
+    assert waited.returncode == 1 and "Traceback" not in waited.stderr, waited.stderr
+    task_id = waited.stderr.split("task ", 1)[1].split()[0]
+    got = reach(env, "tasks", "get", task_id)
+    assert got.returncode == 0, got.stderr
+    for printed in (waited.stdout, got.stdout):
+        assert "\x1b" not in printed and "\x9b" not in printed
+        assert f"error boom: {shown}" in printed, printed
+    # --json keeps the text whole, C1 escaped: the same JSON, safe in a terminal
+    echoed = {"note": "\x9b31m\x85 caf\u00e9"}
+    done = reach(env, "submit", "echo", "--payload", json.dumps(echoed), "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "\x9b" not in done.stdout and "\x85" not in done.stdout and "caf\u00e9" in done.stdout
+    assert json.loads(done.stdout)["result"] == echoed
+
+
 def test_submit_stream_json_prints_every_event_once_in_order(env: dict[str, str]) -> None:
     payload = json.dumps({"text": TEXT, "max_sentences": 2})
     streamed = reach(env, "submit", "text.summarize", "--payload", payload, "--stream", "--json")

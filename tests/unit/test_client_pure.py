@@ -11,7 +11,10 @@ import httpx
 import pytest
 import standardwebhooks.webhooks as standard
 from reach_client import errors
-from reach_client.models import Event, Task
+from reach_client.config import resolve
+from reach_client.connection import Settings
+from reach_client.limits import MAX_ANSWER_BYTES
+from reach_client.models import Event, Task, Webhook
 from reach_client.operations import tasks
 from reach_client.plans import Plan, Request, Response, Sleep, send
 from reach_client.retries import RetryPolicy, may_retry, parse_retry_after
@@ -178,6 +181,34 @@ def test_the_sse_decoder_reads_frames_and_skips_pings() -> None:
     ]
     found = [e for e in map(decoder.feed, lines) if e is not None]
     assert found == [Event(id=4, type="output", data={"x": 1}, trace_id="t", at=1.5)]
+
+
+def test_the_sse_decoder_reads_bytes_split_anywhere_with_any_line_break() -> None:
+    frame = 'id: 4\r\ndata: {"seq": 4, "type": "output", "data": "caf\u00e9"}\r\n\r\n'
+    stream = (": ping\r" + frame + frame.replace("\r\n", "\n").replace("4", "5")).encode()
+    for size in (1, 2, 3, 7, len(stream)):  # a CRLF, a line and a UTF-8 character split
+        decoder = SSEDecoder()
+        pieces = [stream[i : i + size] for i in range(0, len(stream), size)]
+        found = [e for piece in pieces for e in decoder.decode(piece)]
+        assert [(e.id, e.data) for e in found] == [(4, "caf\u00e9"), (5, "caf\u00e9")], size
+
+
+def test_an_event_past_the_cap_is_given_up() -> None:
+    decoder = SSEDecoder()
+    line = "data: " + "a" * (1024 * 1024)
+    with pytest.raises(errors.APIConnectionError) as raised:
+        for _ in range(MAX_ANSWER_BYTES // len(line) + 2):
+            decoder.feed(line)
+    assert raised.value.code == "answer_too_large"
+
+
+def test_the_api_key_is_in_no_repr() -> None:
+    key = "rk_secret_key_1234"
+    settings = Settings.of("http://x", key, None, None, 0)
+    config = resolve("http://x", key, env={"REACH_CONFIG": "/nonexistent/reach.toml"})
+    assert key not in repr(settings) and key not in repr(config)
+    hook = Webhook.from_json({"webhook_id": "w", "url": "u", "events": [], "secret": "whsec_x"})
+    assert "whsec_x" not in repr(hook)
 
 
 def event(seq: int, kind: str = "output") -> Event:

@@ -13,6 +13,7 @@ import sys
 from importlib.metadata import entry_points
 
 from reach_client.cli import exits
+from reach_client.cli.render import printable
 from reach_client.config import ConfigurationError
 from reach_client.errors import APIConnectionError, APIStatusError, ReachError
 
@@ -57,16 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted (a submitted task goes on)", file=sys.stderr)
         return exits.INTERRUPTED
     except ConfigurationError as exc:
-        print(f"reach: {exc.detail}", file=sys.stderr)
+        print(f"reach: {printable(exc.detail)}", file=sys.stderr)
         return exits.USAGE
     except APIConnectionError as exc:
-        print(f"reach: cannot reach the API: {exc.detail}", file=sys.stderr)
+        print(f"reach: cannot reach the API: {printable(exc.detail)}", file=sys.stderr)
         return exits.UNREACHABLE
-    except APIStatusError as exc:
-        print(f"reach: {exc}", file=sys.stderr)
+    except APIStatusError as exc:  # its problem is the server's text
+        print(f"reach: {printable(exc)}", file=sys.stderr)
         for problem in exc.problem.get("errors") or []:
-            print(f"  {problem}", file=sys.stderr)
+            print(f"  {printable(problem)}", file=sys.stderr)
         return exits.API_ERROR
     except ReachError as exc:
-        print(f"reach: {exc}", file=sys.stderr)
+        print(f"reach: {printable(exc)}", file=sys.stderr)
         return exits.API_ERROR

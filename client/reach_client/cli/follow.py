@@ -4,37 +4,32 @@ itself when the connection drops."""
 
 from __future__ import annotations
 
-import json
+import math
 import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from reach_client.cli import render
 from reach_client.client import Reach
-from reach_client.models import Event, Task
+from reach_client.models import Task
 
 
 def progress_bar() -> Progress:
+    """The status and the message are the server's text: shown as ``printable`` text, never
+    read as markup."""
     return Progress(
-        TextColumn("{task.fields[status]:<9}"),
+        TextColumn("{task.fields[status]:<9}", markup=False),
         BarColumn(),
         TaskProgressColumn(),
         TimeElapsedColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         console=render.stderr(),
         transient=False,
     )
-
-
-def describe(event: Event) -> str:
-    data: Any = event.data
-    if event.type == "output":
-        return json.dumps(data, ensure_ascii=False)
-    return json.dumps(data, ensure_ascii=False) if data is not None else ""
 
 
 class StillRunning(Exception):
@@ -84,14 +79,25 @@ def follow(
             if events_as_json:
                 render.emit_json_line(event.raw)
             if event.type == "status" and isinstance(event.data, dict):
-                bar.update(row, status=str(event.data.get("status", "")))
+                bar.update(row, status=render.printable(event.data.get("status", "")))
             elif event.type == "progress" and isinstance(event.data, dict):
-                percent = float(event.data.get("percent") or 0)
-                bar.update(row, completed=percent, description=event.data.get("message") or "")
+                percent = _percent(event.data.get("percent"))
+                message = render.printable(event.data.get("message") or "")
+                bar.update(row, completed=percent, description=message)
             elif event.type == "output" and not as_json:
-                out.print(f"[cyan]output[/] {describe(event)}")
+                out.print(Text.assemble(("output", "cyan"), " ", render.json_text(event.data)))
             if event.final:
                 finished = event.task or reach.tasks.get(task.task_id)
                 done = 100 if finished.status == "succeeded" else None
-                bar.update(row, status=finished.status, completed=done)
+                bar.update(row, status=render.printable(finished.status), completed=done)
     return finished
+
+
+def _percent(value: object) -> float:
+    """A progress event's percent within 0 to 100; 0 when it is no number (it is the
+    server's, not to be trusted with a crash)."""
+    try:
+        percent = float(value) if isinstance(value, int | float | str) else 0.0
+    except ValueError:
+        return 0.0
+    return min(max(percent, 0.0), 100.0) if math.isfinite(percent) else 0.0

@@ -7,6 +7,8 @@ import itertools
 import json
 from typing import Any
 
+from rich.text import Text
+
 from reach_client.cli import exits, render
 from reach_client.cli.arguments import PAGE_MAX, comma_list, json_object, open_client
 from reach_client.models import Session, Webhook
@@ -123,9 +125,10 @@ def show_session(args: argparse.Namespace, session: Session) -> int:
         render.emit_json(session.raw)
         return exits.OK
     out = render.stdout()
-    out.print(f"session {session.session_id}  revision {session.revision}")
+    shown = render.printable
+    out.print(f"session {shown(session.session_id)}  revision {shown(session.revision)}")
     out.print(f"expires {render.when(session.expires_at)}")
-    out.print_json(json.dumps(session.state, ensure_ascii=False))
+    render.print_json(out, session.state)
     return exits.OK
 
 
@@ -197,13 +200,14 @@ def show_hook(args: argparse.Namespace, hook: Webhook) -> int:
     if args.json:
         render.emit_json(hook.raw)
         return exits.OK
-    out = render.stdout()
-    out.print(f"webhook {hook.webhook_id}  {render.status(hook.status)}  {hook.url}")
-    out.print(f"events: {', '.join(hook.events)}")
+    out, shown = render.stdout(), render.printable
+    webhook_id, url = shown(hook.webhook_id), shown(hook.url)
+    out.print(Text.assemble(f"webhook {webhook_id}  ", render.status(hook.status), f"  {url}"))
+    out.print(f"events: {shown(', '.join(hook.events))}")
     if hook.capabilities:
-        out.print(f"capabilities: {', '.join(hook.capabilities)}")
+        out.print(f"capabilities: {shown(', '.join(hook.capabilities))}")
     if hook.secret:
-        out.print(f"secret: {hook.secret}  (shown once: keep it to verify calls)")
+        out.print(f"secret: {shown(hook.secret)}  (shown once: keep it to verify calls)")
     return exits.OK
 
 

@@ -85,7 +85,7 @@ def run_submit(args: argparse.Namespace) -> int:
             show(args, task)
             return exits.OK
         if not args.json:
-            render.stderr().print(f"submitted task {task.task_id}")
+            render.stderr().print(f"submitted task {render.printable(task.task_id)}")
         events_as_json = args.json and args.stream
         try:
             finished = follow(
@@ -100,7 +100,8 @@ def run_submit(args: argparse.Namespace) -> int:
 def still_running(args: argparse.Namespace, task: Task, *, events_printed: bool) -> int:
     """The task as it is when the wait ran out (unless its events were the output), and exit
     status 5: it goes on."""
-    render.stderr().print(f"task {task.task_id} is still {task.status} after {args.timeout:g} s")
+    task_id, status = render.printable(task.task_id), render.printable(task.status)
+    render.stderr().print(f"task {task_id} is still {status} after {args.timeout:g} s")
     if not events_printed:
         show(args, task)
     return exits.STILL_RUNNING
