@@ -62,7 +62,8 @@ _DESCRIPTIONS = {
     429: "Over the tenant's rate (tasks, or requests of any kind) or the address's key"
     " lookups (rate_limited), or the tenant holds its most streams open (too_many_streams)"
     " or its share of a queue (too_many_queued), or its tasks and sessions, or its event"
-    " logs, hold its quota of bytes (quota_exceeded); retry after Retry-After",
+    " logs, hold its quota of bytes (quota_exceeded), or the task's session holds its most"
+    " unfinished turns (session_turns_exceeded); retry after Retry-After",
     503: "Overloaded or a backing service unavailable; retry after Retry-After",
 }
 _HEADERS = {401: _WWW_AUTHENTICATE, 429: _RETRY_AFTER, 503: _RETRY_AFTER}

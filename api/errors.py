@@ -58,6 +58,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "too_many_streams": 429,
     "too_many_queued": 429,
     "quota_exceeded": 429,
+    "session_turns_exceeded": 429,
     "revision_conflict": 412,
     "precondition_required": 428,
     "body_too_large": 413,

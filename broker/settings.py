@@ -182,6 +182,10 @@ class Settings(BaseSettings):
     # ones older than this many, so a session's history is bounded however often it is
     # written; without it, each write kept a copy of up to session_max_bytes for good.
     session_revisions_kept: int = Field(20, gt=0)
+    # The turns one session may hold unfinished (queued or running); one more is 429
+    # session_turns_exceeded. A waiting turn's message is dropped by the worker, so no queue
+    # bound counts it: without this a session took turns without end, a row each.
+    session_max_unfinished_turns: int = Field(100, gt=0)
 
     # Remote agents (PUT /agents/{agent_id}). Their endpoints are registered by operators and
     # may be internal: the networks listed here may be reached, besides public addresses; the

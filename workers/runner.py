@@ -551,15 +551,18 @@ class Runner:
         return str(row["status"])
 
     def _release_next_turn(self, row: TaskRow) -> None:
-        """A session's task went final: the session's next turn may run (``turns``)."""
+        """A session's task went final: the session's next turn may run (``turns``), and the
+        mark of a message of it dropped while it waited is of no use any more."""
         place = turns.of_row(row)
-        if place is None or self.republish is None:
+        if place is None:
             return
         try:
-            with self.engine.connect() as conn:
-                due = turns.next_due(conn, *place)
-            if due is not None:
-                self.republish(due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0)
+            if self.republish is not None:
+                with self.engine.connect() as conn:
+                    due = turns.next_due(conn, *place)
+                if due is not None:
+                    self.republish(due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0)
+            turns.take_dropped(self.redis, row["id"])
         except Exception:  # the task is final either way; the sweeper publishes the next turn
             log.exception("could not release the turn after task %s", row["id"])
 

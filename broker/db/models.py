@@ -118,6 +118,25 @@ class Task(Base):
             "created_at",
             postgresql_where=text("status = 'queued'"),
         ),
+        # ... and a group's tasks outside any session, its oldest a range of this: the turns
+        # waiting behind another are not in it (the sweep reads each session's first instead,
+        # ``turns.session_heads``), so their number costs the sweep nothing.
+        Index(
+            "ix_tasks_queued_no_session_tenant_queue_created_at",
+            "tenant",
+            "queue",
+            "created_at",
+            postgresql_where=text("status = 'queued' AND session_id IS NULL"),
+        ),
+        # The sweep's expiry of queued tasks past their deadline (``execution.overdue_query``):
+        # each tenant found by one probe, its earliest a range of it. Without it each sweep
+        # read every queued task to find the overdue ones.
+        Index(
+            "ix_tasks_queued_tenant_deadline_at",
+            "tenant",
+            "deadline_at",
+            postgresql_where=text("status = 'queued' AND deadline_at IS NOT NULL"),
+        ),
         # The running tasks of an instance, or of all (``execution.running_tasks``): every
         # lease keeper's and bridge's orphan check and the reaper read them each tick. Running
         # rows only: small. Without it each read was a scan of the whole table (262 ms at

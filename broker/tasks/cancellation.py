@@ -101,6 +101,8 @@ class Canceller:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(flag_key(row["id"]), "1", ex=FLAG_TTL_S)
             pipe.publish(CANCELS_CHANNEL, str(row["id"]))
+            if turns.of_row(row) is not None:  # a waiting turn's mark (``turns.take_dropped``)
+                pipe.delete(turns.DROPPED_KEY.format(row["id"]))
             await pipe.execute()
         await self._stop_if_cancellable(row)
         event = event_for_status(row["status"])

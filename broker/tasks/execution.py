@@ -28,6 +28,8 @@ from typing import Any, cast
 
 from sqlalchemy import (
     CTE,
+    Column,
+    ColumnElement,
     Connection,
     Engine,
     Integer,
@@ -45,6 +47,7 @@ from sqlalchemy import (
     text,
     true,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
@@ -68,7 +71,7 @@ from broker.tasks.resource import (
     TaskRow,
     task_error,
 )
-from broker.tasks.turns import IS_DUE
+from broker.tasks.turns import IS_DUE, session_heads
 
 
 @dataclass(frozen=True)
@@ -509,76 +512,121 @@ def rows_of(engine: Engine, task_ids: list[uuid.UUID]) -> list[TaskRow]:
 
 
 def overdue_queued(engine: Engine, *, limit: int) -> list[uuid.UUID]:
-    """Queued tasks past their deadline (their message may have expired in the broker)."""
-    query = (
-        select(tasks.c.id)
-        .where(tasks.c.status == QUEUED, tasks.c.deadline_at <= func.now())
-        .limit(limit)
-    )
+    """Queued tasks past their deadline (``overdue_query``)."""
     with engine.connect() as conn:
-        return [r.id for r in conn.execute(query)]
+        return [r.id for r in conn.execute(overdue_query(limit))]
+
+
+def overdue_query(limit: int) -> Select[Any]:
+    """Queued tasks past their deadline: their message may have expired in the broker, or they
+    waited for an earlier turn of their session, which holds no message of theirs anywhere.
+
+    Shared out as ``stale_queued`` does, by tenant: each tenant with such tasks gets its
+    ``limit / tenants`` earliest, at least one; past ``limit`` tenants, every tenant's first
+    before any tenant's second. The tenants come from one probe each of
+    ``ix_tasks_queued_tenant_deadline_at`` and the tasks from a range of it. Before, any
+    ``limit`` of them were taken, found by reading every queued task: one tenant's parked
+    turns past their deadline filled every sweep, and another's waited."""
+    found = _queued_groups(
+        (tasks.c.tenant,), tasks.c.deadline_at, tasks.c.deadline_at.is_not(None), name="deadline"
+    )
+    groups = select(found).where(found.c.first <= func.now()).cte("overdue_groups")
+    share = select((limit + func.count() - 1) // func.greatest(func.count(), 1)).select_from(groups)
+    earliest = (
+        select(tasks.c.id, tasks.c.deadline_at)
+        .where(
+            tasks.c.status == QUEUED,
+            tasks.c.tenant == groups.c.tenant,
+            tasks.c.deadline_at <= func.now(),
+        )
+        .order_by(tasks.c.deadline_at)
+        .limit(share.scalar_subquery())
+        .lateral("earliest")
+    )
+    nth = func.row_number().over(partition_by=groups.c.tenant, order_by=earliest.c.deadline_at)
+    taken = (
+        select(earliest, nth.label("nth"))
+        .select_from(groups.join(earliest, true()))
+        .subquery("taken")
+    )
+    return select(taken.c.id).order_by(taken.c.nth, taken.c.deadline_at).limit(limit)
 
 
 def stale_queued(engine: Engine, *, older_than_s: float, limit: int) -> list[dict[str, Any]]:
+    """Queued tasks accepted at least ``older_than_s`` ago (``stale_query``)."""
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(stale_query(older_than_s, limit))]
+
+
+def stale_query(older_than_s: float, limit: int) -> Select[Any]:
     """Queued tasks accepted a while ago: candidates for a message the broker lost. A turn
     still waiting for an earlier one of its session is not: its message would be dropped.
 
     Shared fairly, so that one tenant's backlog (or one queue's) never hides another's lost
     task: each (tenant, queue) with such tasks gets its ``limit / groups`` oldest, at least
     one; past ``limit`` groups, every tenant's first before any tenant's second. The groups
-    come from one probe each of ``ix_tasks_queued_tenant_queue_created_at`` and the tasks from
-    a range of it: at most ``limit`` plus a row a group are read."""
+    come from one probe each of ``ix_tasks_queued_tenant_queue_created_at``; a group's tasks
+    outside any session from a range of ``ix_tasks_queued_no_session_tenant_queue_created_at``,
+    its turns from the first unfinished turn of each session (``session_heads``). So a
+    sweep reads ``limit`` rows, a row a group and a row a session with unfinished turns, never
+    the turns waiting behind those: it read each of them and asked of each whether it was
+    due, 0.8 s a sweep for 1,000 sessions of 100 turns."""
     before = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s)
-    queued = _queued_groups()
-    groups = select(queued).where(queued.c.oldest < before).cte("stale_groups")
-    share = select((limit + func.count() - 1) // func.greatest(func.count(), 1)).select_from(groups)
-    oldest = (
-        select(tasks.c.id, tasks.c.queue, tasks.c.trace_id, tasks.c.deadline_at)
-        .add_columns(tasks.c.session_id, tasks.c.created_at)
+    queued = _queued_groups((tasks.c.tenant, tasks.c.queue), tasks.c.created_at, name="queued")
+    groups = select(queued).where(queued.c.first < before).cte("stale_groups")
+    count = func.count()
+    share = select((limit + count - 1) // func.greatest(count, 1)).select_from(groups)
+    columns = ("id", "queue", "trace_id", "deadline_at", "session_id", "created_at")
+    alone = (
+        select(*(tasks.c[c] for c in columns))
         .where(
             tasks.c.status == QUEUED,
+            tasks.c.session_id.is_(None),
             tasks.c.tenant == groups.c.tenant,
             tasks.c.queue == groups.c.queue,
             tasks.c.created_at < before,
-            IS_DUE,
         )
         .order_by(tasks.c.created_at)
         .limit(share.scalar_subquery())
-        .lateral("oldest")
+        .lateral("alone")
     )
+    heads = session_heads()
+    found = union_all(
+        select(alone, groups.c.tenant).select_from(groups.join(alone, true())),
+        select(*(heads.c[c] for c in (*columns, "tenant"))).where(
+            heads.c.status == QUEUED, heads.c.created_at < before
+        ),
+    ).subquery("found")
     nth = func.row_number().over(
-        partition_by=(groups.c.tenant, groups.c.queue), order_by=oldest.c.created_at
+        partition_by=(found.c.tenant, found.c.queue), order_by=found.c.created_at
     )
-    taken = (
-        select(oldest, groups.c.tenant, nth.label("nth"))
-        .select_from(groups.join(oldest, true()))
-        .subquery("taken")
-    )
+    ranked = select(found, nth.label("nth")).subquery("ranked")
+    taken = select(ranked).where(ranked.c.nth <= share.scalar_subquery()).subquery("taken")
     in_tenant = func.row_number().over(
         partition_by=taken.c.tenant, order_by=(taken.c.nth, taken.c.created_at)
     )
-    query = (
+    return (
         select(taken.c.id, taken.c.queue, taken.c.trace_id, taken.c.deadline_at)
         .add_columns(taken.c.session_id)
         .order_by(in_tenant, taken.c.created_at)
         .limit(limit)
     )
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(query)]
 
 
-def _queued_groups() -> CTE:
-    """Each (tenant, queue) holding queued tasks, with its oldest one's ``created_at``: a
-    loose scan of the queued tasks' index, one probe a group (Postgres has no skip scan)."""
-    key = (tasks.c.tenant, tasks.c.queue)
+def _queued_groups(
+    key: tuple[Column[Any], ...], order: Column[Any], *where: ColumnElement[bool], name: str
+) -> CTE:
+    """Each ``key`` (such as (tenant, queue)) holding queued tasks (of ``where``), with the
+    least ``order`` of its tasks as ``first``: a loose scan of a partial index of queued tasks
+    on ``key`` and ``order``, one probe a group (Postgres has no skip scan)."""
     first = (
-        select(*key, tasks.c.created_at.label("oldest"))
-        .where(tasks.c.status == QUEUED)
-        .order_by(*key, tasks.c.created_at)
+        select(*key, order.label("first"))
+        .where(tasks.c.status == QUEUED, *where)
+        .order_by(*key, order)
         .limit(1)
     )
-    found = first.cte("queued_groups", recursive=True)
-    after = first.where(tuple_(*key) > tuple_(found.c.tenant, found.c.queue)).lateral("after")
+    found = first.cte(f"{name}_groups", recursive=True)
+    after = first.where(tuple_(*key) > tuple_(*(found.c[c.key] for c in key))).lateral("after")
     return found.union_all(select(after).select_from(found.join(after, true())))
 
 

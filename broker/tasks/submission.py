@@ -237,7 +237,7 @@ async def submit(
             raise
         return replayed
     try:
-        row = await _write(inserter, values)
+        row = await _write(inserter, values, settings.session_max_unfinished_turns)
     except BaseException:
         quota.give_back(principal.tenant, size)
         raise
@@ -284,12 +284,21 @@ async def submit(
     return Accepted(row=row, replayed=False)
 
 
-async def _write(inserter: GroupInsert, values: dict[str, Any]) -> TaskRow | Accepted:
-    """The new task's row, or the task its idempotency key already made."""
+async def _write(
+    inserter: GroupInsert, values: dict[str, Any], max_turns: int
+) -> TaskRow | Accepted:
+    """The new task's row, or the task its idempotency key already made (even when its
+    session holds its ``max_turns`` unfinished turns now)."""
     engine = inserter.engine
     for _ in range(2):
         if values["session_id"] is not None:
-            inserted = await _insert_turn(engine, values)
+            try:
+                inserted = await _insert_turn(engine, values, max_turns)
+            except turns.SessionTurnsExceeded:
+                replayed = await _replay(engine, values) if values["idempotency_key"] else None
+                if replayed is None:
+                    raise
+                return replayed
         else:
             inserted = await inserter.insert(values)
         if inserted:
@@ -301,18 +310,32 @@ async def _write(inserter: GroupInsert, values: dict[str, Any]) -> TaskRow | Acc
     raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
 
 
-async def _insert_turn(engine: AsyncEngine, values: dict[str, Any]) -> bool:
+async def _insert_turn(engine: AsyncEngine, values: dict[str, Any], max_turns: int) -> bool:
     """Insert a session's task with the session's next turn (set in ``values``), in one
     transaction; False when its idempotency key was already taken (no turn is used up).
-    SessionNotLive when the session is unknown, expired or another tenant's."""
+    SessionNotLive when the session is unknown, expired or another tenant's;
+    SessionTurnsExceeded when it holds ``max_turns`` unfinished turns already. The count is
+    taken with the session's row locked (``ALLOCATE``), so submits to one session count one
+    after another, each seeing the turns the ones before it committed."""
+    session_id = values["session_id"]
     async with engine.connect() as conn:
         turn = await conn.scalar(
-            turns.ALLOCATE, {"turn_session": values["session_id"], "turn_tenant": values["tenant"]}
+            turns.ALLOCATE, {"turn_session": session_id, "turn_tenant": values["tenant"]}
         )
         if turn is None:
             raise sessions.SessionNotLive(
                 "session_id names no live session of this tenant",
                 errors=[{"field": "session_id", "message": "no live session of this tenant"}],
+            )
+        counted = await conn.execute(turns.UNFINISHED, {"session": session_id, "cap": max_turns})
+        if counted.scalar_one() >= max_turns:
+            await conn.rollback()
+            metrics.rejections.labels("session_turns_exceeded").inc()
+            raise turns.SessionTurnsExceeded(
+                f"session {session_id} already holds {max_turns} unfinished turns"
+                " (REACH_SESSION_MAX_UNFINISHED_TURNS); submit again once some have finished",
+                retry_after_s=turns.RETRY_AFTER_S,
+                limit_turns=max_turns,
             )
         values["session_turn"] = turn
         if (await conn.execute(_INSERT, values)).first() is None:

@@ -4,6 +4,10 @@
   that inserts the task. Concurrent submits to one session wait for each other on the
   session's row, so turn order is commit order is acceptance order, and no turn becomes
   visible before the turns below it.
+- A session holds at most ``REACH_SESSION_MAX_UNFINISHED_TURNS`` turns queued or running
+  (``UNFINISHED``, counted under that same lock, so concurrent submits cannot pass it
+  together); one more is refused (``SessionTurnsExceeded``) and takes no turn. A waiting
+  turn holds no message in its queue (below), so no queue bound counts it.
 - A claim succeeds only when the task's turn is due (``IS_DUE``): no earlier turn of its
   session is queued or running. A message whose claim fails so is dropped and its task stays
   ``queued``, parked: it holds no worker slot while it waits.
@@ -15,8 +19,8 @@
   (``execution.stale_queued``): the safety net for a release lost between commit and publish.
   It does so for any task when its queue is empty; in a busy queue only for one whose message
   a worker dropped (``mark_dropped``), once per drop, so a queue nobody consumes never fills
-  with copies. A parked task past its deadline is expired by the sweeper too, which releases
-  the next.
+  with copies. The mark goes when the task is final. A parked task past its deadline is
+  expired by the sweeper too, which releases the next.
 
 An earlier turn stops holding the line when it is final, or when its row has expired (it
 reads as gone everywhere, and the janitor deletes it).
@@ -30,10 +34,11 @@ from datetime import datetime
 from typing import Any
 
 import redis
-from sqlalchemy import Connection, bindparam, exists, func, or_, select, update
+from sqlalchemy import CTE, Connection, bindparam, exists, func, or_, select, true, update
 
 from broker.db.models import sessions_table as sessions
 from broker.db.models import tasks_table as tasks
+from broker.errors import ReachError
 from broker.tasks.resource import QUEUED, RUNNING
 
 DROPPED_KEY = "reach:dropped:{}"
@@ -51,9 +56,16 @@ ALLOCATE = (
     .values(turns=sessions.c.turns + 1)
     .returning(sessions.c.turns)
 )
+RETRY_AFTER_S = 5  # a refused turn may try again once the session's turns move on
 
 
-# Both statements below imply the predicate of ``ix_tasks_session_id_session_turn_unfinished``
+class SessionTurnsExceeded(ReachError):
+    """The session holds its most unfinished turns: wait until some finish."""
+
+    code = "session_turns_exceeded"
+
+
+# The statements below imply the predicate of ``ix_tasks_session_id_session_turn_unfinished``
 # (``broker.db.models.UNFINISHED_TURNS``), so they read only a session's unfinished turns, not
 # its whole history: change one with the other.
 def _waiting_or_running(table: Any) -> Any:
@@ -74,6 +86,14 @@ IS_DUE = or_(
     ),
 )
 
+# The session's unfinished turns, counted up to ``cap``: at most ``cap`` entries of the index.
+UNFINISHED = select(func.count()).select_from(
+    select(tasks.c.id)
+    .where(tasks.c.session_id == bindparam("session"), *_waiting_or_running(tasks))
+    .limit(bindparam("cap"))
+    .subquery()
+)
+
 _HEAD = (
     select(
         tasks.c.id,
@@ -91,6 +111,31 @@ _HEAD = (
     .order_by(tasks.c.session_turn)
     .limit(1)
 )
+
+
+def session_heads() -> CTE:
+    """The lowest unfinished turn of each session that has one: the one ``IS_DUE`` lets run
+    when it is queued. A loose scan of the unfinished turns' index, one probe a session,
+    however many turns wait behind each (Postgres has no skip scan)."""
+    first = (
+        select(
+            tasks.c.id,
+            tasks.c.session_id,
+            tasks.c.status,
+            tasks.c.tenant,
+            tasks.c.queue,
+            tasks.c.trace_id,
+            tasks.c.deadline_at,
+            tasks.c.created_at,
+        )
+        .where(tasks.c.session_id.is_not(None), tasks.c.session_turn.is_not(None))
+        .where(*_waiting_or_running(tasks))
+        .order_by(tasks.c.session_id, tasks.c.session_turn)
+        .limit(1)
+    )
+    found = first.cte("session_heads", recursive=True)
+    after = first.where(tasks.c.session_id > found.c.session_id).lateral("next_head")
+    return found.union_all(select(after).select_from(found.join(after, true())))
 
 
 @dataclass(frozen=True)
@@ -134,5 +179,7 @@ def mark_dropped(client: redis.Redis, task_id: uuid.UUID) -> None:
 
 
 def take_dropped(client: redis.Redis, task_id: uuid.UUID) -> bool:
-    """Whether a message of this task was dropped since this was last asked."""
+    """Whether a message of this task was dropped since this was last asked; the mark is
+    gone after. Whoever makes a session task final asks too, so a final task's mark does not
+    stay ``DROPPED_TTL_S``: a day long, that was a key for every turn that ever waited."""
     return bool(client.delete(DROPPED_KEY.format(task_id)))

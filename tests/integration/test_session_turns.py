@@ -7,18 +7,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, create_engine, func, select, text, update
 
+from api.app import create_app
 from broker.db.models import sessions_table, tasks_table
 from broker.settings import Settings
-from broker.tasks import turns
+from broker.tasks import execution, turns
+from reach import localservices, migrate
 from tests.agents import GATE_KEY
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
@@ -488,3 +492,209 @@ def test_a_turns_claim_and_release_read_only_the_sessions_unfinished_turns(
         assert "ix_tasks_session_id_session_turn_unfinished" in plan_of(engine, statement)
     with engine.connect() as conn:
         assert turns.next_due(conn, session_id, 5_000) is not None
+
+
+# -- how many turns a session may hold unfinished ----------------------------------------------
+
+MAX_UNFINISHED = 3
+
+
+@pytest.fixture(scope="module")
+def capped_api(settings: Settings) -> Iterator[ServedApp]:
+    """An API whose sessions hold at most three unfinished turns."""
+    capped = settings.model_copy(update={"session_max_unfinished_turns": MAX_UNFINISHED})
+    with ServedApp(create_app(capped)) as served:
+        yield served
+
+
+def a2a_send(api: ServedApp, token: str, session_id: str, text: str) -> dict[str, Any]:
+    """A JSON-RPC ``SendMessage`` of ``chat.reply`` in the session (its ``contextId``)."""
+    message = {
+        "messageId": uuid.uuid4().hex,
+        "role": "ROLE_USER",
+        "contextId": session_id,
+        "parts": [{"text": text}],
+        "metadata": {"capability": "chat.reply"},
+    }
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "SendMessage",
+        "params": {"message": message, "configuration": {"returnImmediately": True}},
+    }
+    headers = {"Authorization": f"Bearer {token}", "A2A-Version": "1.0"}
+    answer = httpx.post(f"{api.url}/a2a/jsonrpc", json=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    sent: dict[str, Any] = answer.json()
+    return sent
+
+
+def test_a_session_holding_its_most_unfinished_turns_is_refused_another_until_they_finish(
+    capped_api: ServedApp,
+    make_key: KeyMaker,
+    engine: Engine,
+    turn_worker: CeleryProcess,
+    gates: Callable[[str], None],
+) -> None:
+    """Waiting turns hold no message in their queue (a worker drops it), so no queue bound
+    saw them: a session took turns without end, a row each."""
+    tenant, token = make_key()
+    with client_for(capped_api, token) as client:
+        # given a session holding its most unfinished turns: one running, two waiting on it
+        session_id = new_session(client)
+        gate = secrets.token_hex(4)
+        first = submit(client, "test.turn", {"gate": gate, "text": "one"}, session_id)
+        wait_for_task(client, first, {"running"})
+        keyed = {t: {"idempotency_key": f"turn-{t}"} for t in ("two", "three")}
+        waiting = [submit(client, "chat.reply", {"text": t}, session_id, **keyed[t]) for t in keyed]
+        # when one more is submitted, through POST /tasks and through A2A's contextId
+        envelope = {"capability": "chat.reply", "payload": {"text": "four"}}
+        refused = client.post("/tasks", json={**envelope, "session_id": session_id})
+        sent = a2a_send(capped_api, token, session_id, "four")
+        # expect 429 session_turns_exceeded with Retry-After, nothing written, no turn taken
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert refused.json()["code"] == "session_turns_exceeded"
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert sent["error"]["data"][0]["metadata"]["code"] == "session_turns_exceeded", sent
+        assert count_tasks(engine, tenant) == MAX_UNFINISHED
+        assert turns_taken(engine, session_id) == MAX_UNFINISHED
+        # and a replay of an accepted turn still answers with its task
+        replay = {"capability": "chat.reply", "payload": {"text": "three"}, **keyed["three"]}
+        again = client.post("/tasks", json={**replay, "session_id": session_id})
+        assert (again.status_code, again.json()["task_id"]) == (202, waiting[1]), again.text
+        # when the turns finish, expect them run one at a time, in the order accepted
+        gates(gate)
+        for task_id in (first, *waiting):
+            assert wait_for_task(client, task_id, FINAL)["status"] == "succeeded"
+        assert said_by_user(session_of(client, session_id)) == ["two", "three"]
+        assert_one_at_a_time(rows_by_turn(engine, [first, *waiting]))
+        # and the session takes new turns again
+        later = [submit(client, "chat.reply", {"text": t}, session_id) for t in ("four", "five")]
+        for task_id in later:
+            assert wait_for_task(client, task_id, FINAL)["status"] == "succeeded"
+        assert said_by_user(session_of(client, session_id)) == ["two", "three", "four", "five"]
+
+
+def test_a_waiting_turns_drop_mark_goes_when_the_turn_ends(
+    client: httpx.Client,
+    redis_url: str,
+    turn_worker: CeleryProcess,
+    gates: Callable[[str], None],
+) -> None:
+    """A worker that drops a waiting turn's message marks it for the sweeper
+    (``turns.mark_dropped``); the mark stayed a day after the turn had ended, one key for
+    every turn that ever waited."""
+    marks = redis.Redis.from_url(redis_url)
+    try:
+        # given two turns waiting on a running one, each message dropped and marked
+        session_id = new_session(client)
+        gate = secrets.token_hex(4)
+        first = submit(client, "test.turn", {"gate": gate}, session_id)
+        wait_for_task(client, first, {"running"})
+        ran = submit(client, "chat.reply", {"text": "ran"}, session_id)
+        cancelled = submit(client, "chat.reply", {"text": "cancelled"}, session_id)
+        keys = [turns.DROPPED_KEY.format(t) for t in (ran, cancelled)]
+        eventually(lambda: marks.exists(*keys) == 2, "both waiting turns marked as dropped")
+        # when one is cancelled as it waits, and the other runs once the first is done
+        assert client.post(f"/tasks/{cancelled}/cancel").json()["status"] == "cancelled"
+        gates(gate)
+        assert wait_for_task(client, ran, FINAL)["status"] == "succeeded"
+        # expect neither mark left
+        eventually(lambda: marks.exists(*keys), "the marks gone", 10, until=(0).__eq__)
+    finally:
+        marks.close()
+
+
+# -- the sweeper's expiry of queued tasks past their deadline ------------------------------------
+
+
+@pytest.fixture
+def own_engine(services: localservices.Services) -> Iterator[Engine]:
+    """A database of the test's own: no sweeper of the session's stack expires its rows."""
+    name = f"reach_overdue_{secrets.token_hex(4)}"
+    url = localservices.create_database(services.database_url, name)
+    migrate.upgrade(url)
+    built = create_engine(url)
+    yield built
+    built.dispose()
+    localservices.drop_database(services.database_url, name)
+
+
+def test_overdue_queued_tasks_are_shared_out_by_tenant_from_their_own_index(
+    own_engine: Engine,
+) -> None:
+    """The expiry took any 1,000 overdue queued tasks, found by reading every queued one: a
+    tenant's parked turns past their deadline filled every sweep, another's waited."""
+    # given many finished tasks, a tenant with 30 queued past their deadline long ago, and
+    # another with one past it just now (and one not yet)
+    with own_engine.begin() as conn:
+        conn.execute(FINISHED_TURNS, {"tenant": "t-old", "session": "sess_old", "turns": 5_000})
+    now = datetime.now(UTC)
+    for minutes in range(30):
+        a_task_row(own_engine, tenant="t-hog", deadline_at=now - timedelta(minutes=60 - minutes))
+    ours = a_task_row(own_engine, tenant="t-other", deadline_at=now - timedelta(seconds=1))
+    a_task_row(own_engine, tenant="t-other", deadline_at=now + timedelta(hours=1))
+    with own_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("ANALYZE tasks")
+    # when a sweep takes 10 of them
+    taken = execution.overdue_queued(own_engine, limit=10)
+    # expect ours among them, the hog's no more than its share, the hog's earliest first
+    assert ours in taken
+    assert 1 < len(taken) <= 10
+    with own_engine.connect() as conn:
+        hogs = conn.execute(
+            select(tasks_table.c.deadline_at)
+            .where(tasks_table.c.id.in_(taken), tasks_table.c.tenant == "t-hog")
+            .order_by(tasks_table.c.deadline_at)
+        ).all()
+    assert len(hogs) <= 5
+    assert hogs[0].deadline_at == now - timedelta(minutes=60)
+    # and the sweep reads the index of queued tasks' deadlines, not every queued task
+    plan = plan_of(own_engine, execution.overdue_query(10))
+    assert "ix_tasks_queued_tenant_deadline_at" in plan, plan
+
+
+WAITING_TURNS = text(
+    "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
+    " payload_size, trace_id, session_id, session_turn, result_ttl_s, created_at, expires_at)"
+    " SELECT gen_random_uuid(), CAST(:tenant AS text), 'echo', 'echo',"
+    " CASE WHEN turn = 1 THEN 'running' ELSE 'queued' END, '{}', 'd', 2, 'trace',"
+    " 'sess_waiting_' || s, turn, 600, now() - interval '10 minutes' + make_interval(secs => turn),"
+    " now() + interval '1 hour'"
+    " FROM generate_series(1, CAST(:sessions AS integer)) AS s, generate_series(1, 100) AS turn"
+)
+
+
+def buffers_read(engine: Engine, statement: Any) -> int:
+    """The shared buffers ``statement`` touched (hit or read), as EXPLAIN ANALYZE counts them."""
+    sql = statement.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})
+    with engine.connect() as conn:
+        explained = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}")
+        plan = explained.scalar_one()[0]["Plan"]
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
+def test_the_sweep_reads_each_sessions_first_unfinished_turn_not_every_waiting_one(
+    own_engine: Engine,
+) -> None:
+    """The sweep's search for lost messages read every waiting turn of a (tenant, queue) and
+    asked of each whether its turn was due: 0.8 s a sweep for 1,000 sessions of 100 turns."""
+    # given 20 sessions, each with a running turn and 99 waiting behind it; a session whose
+    # first unfinished turn is queued (its release was lost) with one behind it; and a task
+    # outside any session: all accepted ten minutes ago
+    with own_engine.begin() as conn:
+        conn.execute(WAITING_TURNS, {"tenant": "t-busy", "sessions": 20})
+    accepted = timedelta(minutes=10)
+    due = a_task_row(own_engine, tenant="t-busy", age=accepted, turn=("sess_lost", 7))
+    a_task_row(own_engine, tenant="t-busy", age=accepted, turn=("sess_lost", 8))
+    alone = a_task_row(own_engine, tenant="t-busy", age=accepted)
+    with own_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("VACUUM ANALYZE tasks")
+    # when the sweep looks for queued tasks whose message may be lost
+    found = execution.stale_queued(own_engine, older_than_s=30, limit=100)
+    # expect the due turn and the lone task, no turn still waiting
+    assert {row["id"] for row in found} == {due, alone}
+    # and a read of about a row a session, not of each of the 1,980 waiting turns
+    read = buffers_read(own_engine, execution.stale_query(30, 100))
+    assert read < 400, read

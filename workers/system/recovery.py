@@ -4,7 +4,9 @@
   while the instance lives on) runs again if its agent is idempotent and attempts remain;
   otherwise it fails with ``worker_lost``, never running twice. Each loss counts as an
   attempt, so a task that crashes its worker every time ends ``failed`` instead of looping.
-- A queued task past its deadline is expired (its message may have expired in the broker).
+- A queued task past its deadline is expired (its message may have expired in the broker,
+  or it waited for an earlier turn): the earliest first, shared out by tenant
+  (``execution.overdue_query``).
 - A queued task whose message is not in its queue long after it was accepted (the API died
   between commit and publish; Redis restarted without persistence) is published again. On
   a Redis broker the queue's waiting messages are read for it; on another, a queue that
