@@ -59,6 +59,12 @@ FINISH_RETRY_S = (0.1, 0.5, 2.0, 5.0, 10.0)
 # What a database error raised in a handler tells the task's caller of itself: its text is SQL and
 # its parameters, for the worker's log only.
 HIDDEN = "a database statement failed; its detail is in the worker's log"
+# A task's progress reports: each is a write to its row and an event (and a webhook message
+# where one is subscribed), so a handler reporting once per item of a tenant's payload, or a
+# remote agent streaming reports, made as many. Up to the burst at once, then this many a
+# second; a report past them is dropped (the next one let through carries the latest).
+PROGRESS_BURST = 50
+PROGRESS_PER_S = 10.0
 FinalHook = Callable[[TaskRow], None]
 # (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
 Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
@@ -376,6 +382,7 @@ class Runner:
             append_async=append_async,
         )
         publish = running.publish
+        reports = Bucket(PROGRESS_BURST, PROGRESS_PER_S)
         ctx = Context(
             task_id=tid,
             capability=claimed.capability,
@@ -385,7 +392,7 @@ class Runner:
             session_id=claimed.session_id,
             metadata=claimed.metadata,
             session=self._session_of(claimed),
-            _progress_sink=lambda p: self._progress(tid, attempt, p, publish),
+            _progress_sink=lambda p: self._progress(tid, attempt, p, publish, reports),
             _readiness_sink=self._readiness_sink(instance, spec.name),
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
@@ -480,8 +487,10 @@ class Runner:
         return True
 
     def _progress(
-        self, tid: uuid.UUID, attempt: int, progress: dict[str, Any], publish: Any
+        self, tid: uuid.UUID, attempt: int, progress: dict[str, Any], publish: Any, reports: Bucket
     ) -> None:
+        if not reports.take():
+            return  # past the task's rate of reports (``PROGRESS_BURST``)
         if not execution.report_progress(self.engine, tid, progress, attempt=attempt):
             return  # the task is not this attempt's any more (final, cancelled, or requeued)
         publish(events.PROGRESS, progress)
@@ -857,3 +866,25 @@ def _drain_generator(generator: Any, ctx: Context) -> Any:
             return stop.value if stop.value is not None else {"outputs": chunks}
         ctx.emit(chunk)
         chunks.append(chunk)
+
+
+class Bucket:
+    """A token bucket of ``burst`` tokens refilled at ``per_s`` a second: ``take`` says
+    whether one was there (and takes it). For one task's reports; threads that race on it
+    may let one more through, which is harmless here."""
+
+    def __init__(
+        self, burst: int, per_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.burst, self.per_s, self._clock = burst, per_s, clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True

@@ -2,7 +2,9 @@
 (``REACH_AGENT_NETWORKS`` and public ones), decided on each connection's own lookup.
 
 GuardedResolver   aiohttp's resolver, filtered through the SSRF guard
-guarded_session   an aiohttp session using it, with no limit on connections
+address_refused   whether a URL's host is an IP address agents may not reach
+guarded_session   an aiohttp session using both, with no limit on connections
+read_body         a whole answer, up to a size
 no_cookies        a cookie jar for httpx clients that calls agents: it keeps nothing
 AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
                   (the a2a-sdk's): hundreds of calls in flight are aiohttp's strength, not
@@ -16,10 +18,12 @@ import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from http.cookiejar import CookieJar, DefaultCookiePolicy
+from ipaddress import ip_address
 
 import aiohttp
 import httpx
 from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.client_middlewares import ClientHandlerType
 from aiohttp.resolver import ThreadedResolver
 
 from broker.webhooks.ssrf import Guard
@@ -37,8 +41,8 @@ _NOT_RETURNED = frozenset({"content-encoding", "content-length", "transfer-encod
 class GuardedResolver(AbstractResolver):
     """Host names resolve only to addresses agents may reach, checked on the connection's own
     lookup: a name that resolved to an allowed address when it was registered cannot be
-    pointed at another one later (DNS rebinding). Addresses written in the URL were checked at
-    registration and are checked again by each health check."""
+    pointed at another one later (DNS rebinding). aiohttp asks no resolver for an address
+    written in the URL: ``guarded_session`` checks those (``address_refused``)."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
@@ -57,20 +61,54 @@ class GuardedResolver(AbstractResolver):
         await self._resolver.close()
 
 
+def address_refused(guard: Guard, host: str) -> bool:
+    """Whether ``host`` (a URL's, as aiohttp connects to it) is an IP address agents may not
+    reach. A name is not: the resolver judges the addresses it resolves to."""
+    try:
+        address = ip_address(host.strip("[]"))
+    except ValueError:
+        return False  # a name, or a form aiohttp refuses itself ("127.1")
+    return not guard.address_allowed(str(address))
+
+
 def guarded_session(guard: Guard) -> aiohttp.ClientSession:
     """A session for calling agents, on the running loop: no limit on connections (the
-    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``. It
+    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``. Each
+    request's host is checked, a name on its lookup and an address before it is sent, so every
+    call of the bridge, whatever URL made it, reaches only addresses agents may reach. It
     keeps no cookies: one session makes every tenant's calls, so a cookie an agent set while
     answering one tenant's task would go out with the next tenant's, and a jar that agents
     fill grows for as long as the process runs."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, resolver=GuardedResolver(guard))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+
+    async def only_reachable_addresses(
+        request: aiohttp.ClientRequest, send: ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        if address_refused(guard, request.host):
+            refused = OSError(f"{request.host} is an address agents may not reach")
+            raise aiohttp.ClientConnectorError(request.connection_key, refused)
+        return await send(request)
+
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         auto_decompress=True,
         cookie_jar=aiohttp.DummyCookieJar(),
+        middlewares=(only_reachable_addresses,),
     )
+
+
+async def read_body(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The whole body, or its first ``max_bytes + 1`` bytes when it is longer (the caller
+    refuses it then). aiohttp's ``read(n)`` answers what has arrived, up to n bytes: a body
+    that came in several pieces was cut at the first."""
+    data = bytearray()
+    while len(data) <= max_bytes and (
+        chunk := await response.content.read(max_bytes + 1 - len(data))
+    ):
+        data += chunk
+    return bytes(data)
 
 
 def no_cookies() -> CookieJar:

@@ -3,6 +3,7 @@ and jitter, within the attempt limit and never past the deadline."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -11,6 +12,9 @@ BASE_S = 0.2
 FACTOR = 2.0
 CAP_S = 60.0
 DEFAULT_MAX_ATTEMPTS = 3
+# The longest wait an agent may ask for (``Retryable.delay_s``, a remote agent's
+# ``Retry-After``): the retry is a countdown message a worker holds in memory until it is due.
+REQUESTED_CAP_S = 300.0
 
 
 def backoff_s(attempt: int, rng: random.Random | None = None) -> float:
@@ -47,7 +51,18 @@ def decide(
         return Decision(False, reason="not retryable")
     if attempt >= limit:
         return Decision(False, reason=f"attempt {attempt} of {limit}")
-    delay = requested_delay_s if requested_delay_s is not None else backoff_s(attempt, rng)
+    delay = _requested(requested_delay_s)
+    if delay is None:
+        delay = backoff_s(attempt, rng)
     if deadline_at is not None and now + timedelta(seconds=delay) >= deadline_at:
         return Decision(False, reason="the deadline comes first")
     return Decision(True, delay_s=delay)
+
+
+def _requested(delay_s: float | None) -> float | None:
+    """The wait an agent asked for, within 0 and ``REQUESTED_CAP_S``; None (the back-off)
+    when it asked for none, or for no number (NaN). ``Retry-After: inf`` from a remote agent
+    overflowed the deadline's arithmetic and left its task running."""
+    if delay_s is None or math.isnan(delay_s):
+        return None
+    return min(max(delay_s, 0.0), REQUESTED_CAP_S)

@@ -12,6 +12,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,7 @@ from tests.integration.stack import (
 )
 from tests.integration.test_replies import read_stream
 from workers import faults
+from workers.runner import PROGRESS_BURST, PROGRESS_PER_S
 
 ASYNC_QUEUES = "test.async,test.async-fuse,test.async-stream,test.sync-slow"
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -294,6 +296,27 @@ def test_progress_of_an_async_handler_reaches_the_task_and_its_stream(
     kinds = [e["event"] for e in events]
     assert kinds[2:-1] == ["output", "progress"] * 2
     assert client.get(f"/tasks/{task_id}").json()["progress"]["percent"] == 100
+
+
+def test_a_handler_reporting_progress_for_each_of_many_items_makes_a_bounded_number_of_writes(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    """Each report is a write to the task's row and an event (and a webhook message where one
+    is subscribed): one per item of a tenant's payload made 400 of each. Past the burst the
+    reports pass at the task's rate, and the outputs, which are the answer, all arrive."""
+    items = 400
+    task_id = submit(client, "test.async-stream", {"n": items, "progress": True})
+    stream = read_stream(client, "GET", f"/tasks/{task_id}/events")
+    task = client.get(f"/tasks/{task_id}").json()
+    ran_s = (
+        datetime.fromisoformat(task["finished_at"]) - datetime.fromisoformat(task["started_at"])
+    ).total_seconds()
+    reports = [e for e in stream if e["event"] == "progress"]
+
+    assert task["status"] == "succeeded"
+    assert len([e for e in stream if e["event"] == "output"]) == items
+    assert PROGRESS_BURST <= len(reports) <= PROGRESS_BURST + PROGRESS_PER_S * ran_s + 1
+    assert len(reports) < items, ran_s  # the run took under 35 s: a bound that held back most
 
 
 # -- crashes and shutdowns: workers of their own, on queues no other test worker consumes --

@@ -9,14 +9,19 @@ from broker.webhooks.ssrf import Guard
 from workers.bridge.registry import RemoteRegistry
 
 
-def _agent(agent_id: str, *capabilities: str) -> RemoteAgent:
+def _agent(
+    agent_id: str, *capabilities: str, tenants: tuple[str, ...] | None = None
+) -> RemoteAgent:
     return RemoteAgent(
         agent_id=agent_id,
         version="1.0.0",
         protocol="http",
         url=f"http://127.0.0.1:9/{agent_id}",
         capability_prefix=None,
-        cards=tuple(Card.declare(c, agent_id=agent_id, version="1.0.0") for c in capabilities),
+        cards=tuple(
+            Card.declare(c, agent_id=agent_id, version="1.0.0", tenants=tenants)
+            for c in capabilities
+        ),
         secret="whsec_" + "A" * 32,
     )
 
@@ -77,3 +82,19 @@ def test_a_capabilitys_own_queue_goes_to_an_agent_that_is_up_while_one_is() -> N
     registry.route(["second"])
     registry.forget("second")
     assert _served_by(registry, "text.upper") == "first"
+
+
+def test_a_capabilitys_own_queue_goes_to_an_agent_of_every_tenant_before_a_private_one() -> None:
+    """Any tenant's task may wait there: a private card's claim put another tenant's back,
+    every half second, while the public agent that was up never got it."""
+    registry = RemoteRegistry(Guard())
+    registry.serve(_agent("a-private", "text.upper", tenants=("acme",)))
+    registry.serve(_agent("b-public", "text.upper"))
+
+    registry.route(["a-private", "b-public"])
+    assert _served_by(registry, "text.upper") == "b-public"
+    registry.route(["a-private"])  # the public one down: still it, as the first served is
+    assert _served_by(registry, "text.upper") == "b-public"
+    registry.forget("b-public")  # only the private one: a message taken still reaches it
+    assert _served_by(registry, "text.upper") == "a-private"
+    assert _served_by(registry, "text.upper@a-private@1.0.0") == "a-private"

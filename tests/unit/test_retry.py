@@ -3,12 +3,13 @@ the attempt limit, and the deadline that comes first."""
 
 from __future__ import annotations
 
+import math
 import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from broker.tasks.retry import attempt_limit, backoff_s, decide
+from broker.tasks.retry import REQUESTED_CAP_S, attempt_limit, backoff_s, decide
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SEEDS = range(50)
@@ -71,6 +72,41 @@ def test_a_delay_the_agent_asked_for_replaces_the_back_off() -> None:
         retryable=True, attempt=1, limit=3, deadline_at=None, now=NOW, requested_delay_s=7.5
     )
     assert (decision.retry, decision.delay_s) == (True, 7.5)
+
+
+@pytest.mark.parametrize(
+    ("asked", "waited"),
+    [(math.inf, REQUESTED_CAP_S), (1e300, REQUESTED_CAP_S), (1e8, REQUESTED_CAP_S), (-5.0, 0.0)],
+)
+def test_a_delay_the_agent_asked_for_is_kept_within_bounds(asked: float, waited: float) -> None:
+    """A remote agent's ``Retry-After: inf`` overflowed the deadline's arithmetic (the task
+    stayed running); ``1e8`` parked its task for years."""
+    with_deadline = decide(
+        retryable=True,
+        attempt=1,
+        limit=3,
+        deadline_at=NOW + timedelta(hours=1),
+        now=NOW,
+        requested_delay_s=asked,
+    )
+    without = decide(
+        retryable=True, attempt=1, limit=3, deadline_at=None, now=NOW, requested_delay_s=asked
+    )
+    assert (with_deadline.retry, with_deadline.delay_s) == (True, waited)
+    assert (without.retry, without.delay_s) == (True, waited)
+
+
+def test_a_delay_that_is_no_number_is_the_back_off() -> None:
+    decision = decide(
+        retryable=True,
+        attempt=2,
+        limit=3,
+        deadline_at=None,
+        now=NOW,
+        requested_delay_s=math.nan,
+        rng=random.Random(1),
+    )
+    assert decision.delay_s == backoff_s(2, random.Random(1))
 
 
 def test_a_retry_never_lands_past_the_deadline() -> None:

@@ -40,7 +40,8 @@ class RemoteRegistry(AgentRegistry):
     """Specs by card queue (``capability@agent@version``, and an instance's queue under it),
     and by capability for tasks sent to the capability's own queue. Routing uses that queue
     when one agent is live for the capability (``routing._one_card``), so it goes to the first
-    agent served that counts as up (``route``), and only while none does to the first served.
+    agent served that counts as up (``route``), and only while none does to the first served;
+    a card of every tenant's before a private one.
     Both are looked up by every run message: they are dicts, rebuilt when the registrations
     or the agents up change."""
 
@@ -103,11 +104,15 @@ class RemoteRegistry(AgentRegistry):
         for _, specs in self._agents.values():
             for spec in specs:
                 by_queue[spec.card.ref().queue()] = spec
-        for up in (True, False):
+        # Every tenant's task may wait in a capability's own queue: a card of every tenant's
+        # serves it before a private one, whose claim would put another tenant's task back
+        # there (to come to it again, while a public agent that was up never got it).
+        for public, up in ((True, True), (True, False), (False, True), (False, False)):
             for agent_id, (_, specs) in self._agents.items():
                 if (agent_id in self._up) is up:
                     for spec in specs:
-                        by_name.setdefault(spec.name, spec)
+                        if (spec.card.tenants is None) is public:
+                            by_name.setdefault(spec.name, spec)
         self._by_queue, self._by_name = by_queue, by_name
 
     def agents(self) -> dict[str, RemoteAgent]:

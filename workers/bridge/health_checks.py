@@ -1,0 +1,153 @@
+"""The bridge's health checks of remote agents: a round checks every agent at once, and no
+agent's check can hold up or fail another's.
+
+``HealthChecks.run(agents)`` gives each agent's outcome within one deadline. A check is
+``GET <origin>/healthz`` for an ``http`` agent (200), the card for an ``a2a`` one (200, and a
+card the bridge can call), and passes only if all of it (connection, headers and the whole
+body, at most ``MAX_HEALTH_BYTES`` or ``a2a_card.MAX_CARD_BYTES``) comes within
+``timeout_s``. A timeout on each read is not enough: a server sending a byte every second
+never tripped one, and held a thread of the check pool for as long as it liked.
+
+The checks run as coroutines on an event loop of their own, over the same guarded aiohttp
+session the calls use (``guarded_session``): a host name is looked up, and checked, for each
+connection, so a name checked once cannot be pointed at another address before the connect.
+An agent whose last check is still running gets no new one; that round counts as its failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from ipaddress import ip_address
+from typing import Any, TypeVar
+
+import aiohttp
+import httpx
+from a2a.utils.constants import PROTOCOL_VERSION_CURRENT, VERSION_HEADER
+
+from broker.remote import a2a_card
+from broker.remote.connections import guarded_session
+from broker.remote.registration import A2A, RemoteAgent
+from broker.webhooks.ssrf import Guard, UrlNotAllowed, parse_url
+
+MAX_HEALTH_BYTES = 64 * 2**10  # a /healthz body: its status is what counts
+# A round waits this long past the checks' own deadline, so that a check ending at its
+# deadline is reported as what it was, not as one still running.
+GRACE_S = 0.5
+CLOSE_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
+
+
+class HealthChecks:
+    """Checks of remote agents, each within ``timeout_s``. Name lookups run on
+    ``lookup_threads`` threads of their own; aiohttp makes at most one lookup of a name at a
+    time, so a name server that never answers ties up one of them per name."""
+
+    def __init__(self, guard: Guard, timeout_s: float, lookup_threads: int) -> None:
+        self.guard = guard
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        lookups = ThreadPoolExecutor(lookup_threads, thread_name_prefix="reach-health")
+        self._loop.set_default_executor(lookups)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="reach-health", daemon=True
+        )
+        self._thread.start()
+        self._session = self._submit(_open(guard)).result()
+        self._running: dict[str, Future[bool]] = {}
+
+    def run(self, agents: Iterable[RemoteAgent]) -> dict[str, bool]:
+        """Check each agent, all at once; whether each passed. Returns within ``timeout_s``
+        (and ``GRACE_S``) whatever the agents do."""
+        outcomes: dict[str, bool] = {}
+        started: dict[str, Future[bool]] = {}
+        running: dict[str, Future[bool]] = {}
+        for agent in agents:
+            last = self._running.get(agent.agent_id)
+            if last is not None and not last.done():
+                outcomes[agent.agent_id] = False
+                running[agent.agent_id] = last
+            else:
+                started[agent.agent_id] = running[agent.agent_id] = self._submit(
+                    self.check(agent)
+                )
+        self._running = running  # a removed agent's check ends by its deadline, unwatched
+        wait(started.values(), timeout=self.timeout_s + GRACE_S)
+        for agent_id, future in started.items():
+            outcomes[agent_id] = _passed(future)
+        return outcomes
+
+    async def check(self, agent: RemoteAgent) -> bool:
+        """One check of ``agent``, all of it within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if agent.protocol == A2A:
+                    a2a_card.parse(await self._read(agent.url, a2a_card.MAX_CARD_BYTES))
+                else:
+                    await self._read(health_url(agent.url), MAX_HEALTH_BYTES)
+        except (CheckFailed, UrlNotAllowed, a2a_card.CardUnavailable):
+            return False
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+        return True
+
+    async def _read(self, url: str, limit: int) -> bytes:
+        """The body of a 200 answer to ``GET url``, read to its end."""
+        self._vet(url)
+        headers = {"Accept": "application/json", VERSION_HEADER: PROTOCOL_VERSION_CURRENT}
+        async with self._session.get(url, headers=headers, allow_redirects=False) as answer:
+            if answer.status != 200:
+                raise CheckFailed(f"{url} answered {answer.status}")
+            body = bytearray()
+            # Not ``content.read(n)``: it returns what has arrived, not the whole body.
+            async for chunk in answer.content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    raise CheckFailed(f"{url} answered more than {limit} bytes")
+            return bytes(body)
+
+    def _vet(self, url: str) -> None:
+        """The URL's form, and an address written in it: aiohttp looks up no IP address, so
+        the session's resolver (which checks every name's lookup) never sees one."""
+        host = parse_url(url).host
+        try:
+            address = ip_address(host)
+        except ValueError:
+            return
+        if not self.guard.address_allowed(str(address)):
+            raise UrlNotAllowed(f"{host} is not an address agents may use")
+
+    def close(self) -> None:
+        for future in self._running.values():
+            future.cancel()
+        closing = self._submit(self._session.close())
+        try:
+            closing.result(timeout=CLOSE_TIMEOUT_S)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(CLOSE_TIMEOUT_S)
+
+    def _submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+
+class CheckFailed(Exception):
+    """The agent answered, but not 200, or more than the check reads."""
+
+
+def _passed(future: Future[bool]) -> bool:
+    """Whether a check ended, and passed (one that has not ended by now failed)."""
+    return future.done() and not future.cancelled() and future.exception() is None and future.result()
+
+
+async def _open(guard: Guard) -> aiohttp.ClientSession:
+    return guarded_session(guard)  # on the loop that will use it
+
+
+def health_url(endpoint_url: str) -> str:
+    """``<origin>/healthz``: a path of its own, never the business path."""
+    url = httpx.URL(endpoint_url)
+    return str(url.copy_with(path="/healthz", query=None, fragment=None))
