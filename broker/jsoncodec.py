@@ -13,7 +13,10 @@ work:
   as ``json.loads`` itself on a 1 KB run message. On a short text the expression is faster.
 - orjson refuses what ``json`` reads (``NaN``, ``1e400``, lone surrogates), and what it
   writes (integers beyond 64 bits, keys that are not strings): ``json`` then does it, and
-  raises where it always did.
+  raises where it always did, but for nesting deeper than it reads (orjson reads 1,024
+  levels): there ``json`` raises RecursionError, and ``loads`` a ValueError, as for any
+  text that is not JSON, so that a caller catching that (an agent's answer, a message)
+  catches this too.
 - orjson writes NaN and the infinities as ``null``, where ``json`` writes invalid JSON, and
   writes datetimes, UUIDs and dataclasses, which ``json`` refuses. Nothing reaches these
   paths with them: the API refuses them, and an agent's result, progress and output are
@@ -58,7 +61,10 @@ def loads(raw: str | bytes | bytearray | memoryview) -> Any:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(raw)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
 
 
 def has_long_number(raw: str | bytes) -> bool:

@@ -198,8 +198,9 @@ class Settings(BaseSettings):
         "192.168.0.0/16",
         "fc00::/7",
     ]
-    # The bridge: health checks every interval, each within its timeout, on a pool of their
-    # own; an agent goes offline after remote_fail_after failures in a row and comes back
+    # The bridge: health checks every interval, all at once, each (connect, headers, body)
+    # within its timeout, on a loop of their own whose name lookups take remote_health_threads
+    # threads; an agent goes offline after remote_fail_after failures in a row and comes back
     # after remote_recover_after_s and remote_recover_passes passes in a row.
     remote_health_interval_s: float = Field(5.0, gt=0)
     remote_health_timeout_s: float = Field(2.0, gt=0, le=30)

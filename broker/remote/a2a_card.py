@@ -5,26 +5,37 @@ card becomes the capability ``<prefix>.<skill id>``: the id lowercased, each run
 our names do not allow made one ``-``, a dot kept as a segment's end; an id that still does
 not make a name (one starting with a digit, one spelling a reserved name) is refused. The
 skill's name and description become the card's; ``streaming`` is the agent card's. The
-bridge calls the agent at the first interface on its card that it speaks (JSON-RPC or
-HTTP+JSON, the card's order being the agent's preference), and checks its health by fetching
-the card.
+bridge calls the agent at the first interface on its card that it speaks (``interface``:
+JSON-RPC or HTTP+JSON, at a protocol version the a2a-sdk speaks, the card's order being the
+agent's preference), and checks its health by fetching the card.
+
+That interface is checked against the networks agents may reach each time the card is read,
+at registration and by the bridge (``checked``), and the a2a-sdk is given the card with that
+interface alone: given the whole card, it picks one itself (one of protocol version 1.0
+before the card's first), which nobody had checked.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 import aiohttp
 from a2a.client.card_resolver import parse_agent_card
+from a2a.client.client_factory import major_minor
 from a2a.types import AgentCard, AgentInterface
-from a2a.utils.constants import PROTOCOL_VERSION_CURRENT, VERSION_HEADER, TransportProtocol
+from a2a.utils.constants import (
+    PROTOCOL_VERSION_0_3,
+    PROTOCOL_VERSION_CURRENT,
+    VERSION_HEADER,
+    TransportProtocol,
+)
 from google.protobuf.json_format import ParseError
 
+from broker import jsoncodec
 from broker.registry.capabilities import is_valid_name
 from broker.registry.model import Card
-from broker.remote.connections import guarded_session
+from broker.remote.connections import guarded_session, read_body
 from broker.remote.registration import (
     A2A,
     MAX_CAPABILITIES,
@@ -59,18 +70,48 @@ def capability_name(prefix: str, skill_id: str) -> str:
 
 
 def interface(card: AgentCard) -> AgentInterface | None:
-    """The card's first interface the bridge speaks."""
-    return next((i for i in card.supported_interfaces if i.protocol_binding in BINDINGS), None)
+    """The interface the bridge calls: the card's first it speaks, a binding of ``BINDINGS``
+    at a protocol version the a2a-sdk speaks."""
+    return next((i for i in card.supported_interfaces if _speaks(i)), None)
+
+
+def _speaks(candidate: AgentInterface) -> bool:
+    # The versions the a2a-sdk's ClientFactory takes: none given, or 0.3 and later.
+    if candidate.protocol_binding not in BINDINGS:
+        return False
+    try:
+        version = candidate.protocol_version
+        return not version or major_minor(version) >= major_minor(PROTOCOL_VERSION_0_3)
+    except ValueError:  # packaging's InvalidVersion
+        return False
+
+
+async def checked(guard: Guard, card: AgentCard) -> AgentCard:
+    """The card with its ``interface`` alone, once that passes the guard as a registered
+    endpoint does (EndpointNotAllowed)."""
+    called = interface(card)
+    assert called is not None  # parse() refuses a card without one
+    try:
+        await check_endpoint(guard, called.url)
+    except EndpointNotAllowed as exc:
+        raise EndpointNotAllowed(f"the card's {called.protocol_binding} interface: {exc}") from None
+    trimmed = AgentCard()
+    trimmed.CopyFrom(card)
+    trimmed.ClearField("supported_interfaces")
+    trimmed.supported_interfaces.append(called)
+    return trimmed
 
 
 def parse(body: bytes) -> AgentCard:
     """The card in ``body``; CardUnavailable when it is not one the bridge can call."""
     try:
-        card = parse_agent_card(json.loads(body))
-    except (ValueError, ParseError) as exc:  # JSONDecodeError is a ValueError
+        card = parse_agent_card(jsoncodec.loads(body))
+    except (ValueError, ParseError) as exc:  # jsoncodec's errors, nesting included
         raise CardUnavailable(f"not an agent card: {exc}") from None
     if interface(card) is None:
-        raise CardUnavailable("the agent card names no JSON-RPC or HTTP+JSON interface")
+        raise CardUnavailable(
+            "the agent card names no JSON-RPC or HTTP+JSON interface of protocol 0.3 or later"
+        )
     return card
 
 
@@ -86,7 +127,7 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float) -> A
         ) as answer:
             if answer.status != 200:
                 raise CardUnavailable(f"the agent card URL answered {answer.status}")
-            body = await answer.content.read(MAX_CARD_BYTES + 1)
+            body = await read_body(answer, MAX_CARD_BYTES)
     except (aiohttp.ClientError, TimeoutError) as exc:
         reason = str(exc) or f"no answer within {timeout_s:g} s"
         raise CardUnavailable(f"the agent card could not be fetched: {reason}") from None
@@ -101,13 +142,7 @@ async def read(url: str, guard: Guard, timeout_s: float) -> AgentCard:
     await check_endpoint(guard, url)
     async with guarded_session(guard) as session:
         card = await fetch(session, url, timeout_s)
-    called = interface(card)
-    assert called is not None  # parse() refuses a card without one
-    try:
-        await check_endpoint(guard, called.url)
-    except EndpointNotAllowed as exc:
-        raise EndpointNotAllowed(f"the card's {called.protocol_binding} interface: {exc}") from None
-    return card
+    return await checked(guard, card)
 
 
 def documents(agent_id: str, registration: Registration, card: AgentCard) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 
 GuardedResolver   aiohttp's resolver, filtered through the SSRF guard
 address_refused   whether a URL's host is an IP address agents may not reach
-guarded_session   an aiohttp session using both, with no limit on connections
+GuardedConnector  aiohttp's connector checking both on each new connection
+guarded_session   an aiohttp session on it, with no limit on connections
 read_body         a whole answer, up to a size
 no_cookies        a cookie jar for httpx clients that calls agents: it keeps nothing
 AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
@@ -16,15 +17,17 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from errno import EACCES
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from ipaddress import ip_address
+from typing import Any
 
 import aiohttp
 import httpx
 from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.client_middlewares import ClientHandlerType
 from aiohttp.resolver import ThreadedResolver
+from aiohttp.tracing import Trace
 
 from broker.webhooks.ssrf import Guard
 
@@ -54,7 +57,7 @@ class GuardedResolver(AbstractResolver):
         found = await self._resolver.resolve(host, port, family)
         allowed = [r for r in found if self.guard.address_allowed(r["host"])]
         if not allowed:
-            raise OSError(f"{host} resolves only to addresses agents may not reach")
+            raise OSError(EACCES, f"{host} resolves only to addresses agents may not reach")
         return allowed
 
     async def close(self) -> None:
@@ -71,31 +74,38 @@ def address_refused(guard: Guard, host: str) -> bool:
     return not guard.address_allowed(str(address))
 
 
+class GuardedConnector(aiohttp.TCPConnector):
+    """Every new connection's addresses checked: a name's by the resolver (``GuardedResolver``),
+    an address written in the URL here, as aiohttp gives it to no resolver. Per connection,
+    not per request: a kept-alive connection was checked when it was made. Refused, either
+    fails the call as a name that resolves nowhere does (``ClientConnectorDNSError``)."""
+
+    def __init__(self, guard: Guard, **kwargs: Any) -> None:
+        super().__init__(resolver=GuardedResolver(guard), **kwargs)
+        self._guard = guard
+
+    async def _resolve_host(
+        self, host: str, port: int, traces: Sequence[Trace] | None = None
+    ) -> list[ResolveResult]:
+        if address_refused(self._guard, host):
+            raise OSError(EACCES, f"{host} is an address agents may not reach")
+        return await super()._resolve_host(host, port, traces)
+
+
 def guarded_session(guard: Guard) -> aiohttp.ClientSession:
     """A session for calling agents, on the running loop: no limit on connections (the
-    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``. Each
-    request's host is checked, a name on its lookup and an address before it is sent, so every
-    call of the bridge, whatever URL made it, reaches only addresses agents may reach. It
+    caller's concurrency is the limit), connections made within ``CONNECT_TIMEOUT_S``, each
+    only to an address agents may reach (``GuardedConnector``), whatever URL made it. It
     keeps no cookies: one session makes every tenant's calls, so a cookie an agent set while
     answering one tenant's task would go out with the next tenant's, and a jar that agents
     fill grows for as long as the process runs."""
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, resolver=GuardedResolver(guard))
+    connector = GuardedConnector(guard, limit=0, ttl_dns_cache=60)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-
-    async def only_reachable_addresses(
-        request: aiohttp.ClientRequest, send: ClientHandlerType
-    ) -> aiohttp.ClientResponse:
-        if address_refused(guard, request.host):
-            refused = OSError(f"{request.host} is an address agents may not reach")
-            raise aiohttp.ClientConnectorError(request.connection_key, refused)
-        return await send(request)
-
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         auto_decompress=True,
         cookie_jar=aiohttp.DummyCookieJar(),
-        middlewares=(only_reachable_addresses,),
     )
 
 

@@ -1,43 +1,67 @@
-"""How the bridge reads an ``http`` agent's answer off a real loopback connection."""
+"""How the bridge reads an agent's answer off a real loopback connection: an ``http`` agent's
+JSON or event stream, an A2A agent's card."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
+from a2a.types import AgentCard
 
 from broker.errors import AgentFailure
+from broker.remote import a2a_card
 from broker.remote.connections import MAX_ANSWER_BYTES
 from workers.bridge import http_agent
+from workers.sdk.context import Context
 
 
-async def _answered_in_pieces(pieces: list[bytes], length: int | None = None) -> bytes:
-    """What ``http_agent._read_all`` reads of an answer whose body comes in ``pieces``, a
-    pause between each, with their total as its Content-Length (or ``length``)."""
+@contextlib.asynccontextmanager
+async def answering(
+    pieces: list[bytes], kind: str = "application/json", length: int | None = None
+) -> AsyncIterator[str]:
+    """An agent whose answer's body comes in ``pieces``, a pause between each, with their
+    total as its Content-Length (or ``length``); its URL."""
+
+    handlers: list[asyncio.Task[Any]] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        size = sum(map(len, pieces)) if length is None else length
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {size}\r\nConnection: close\r\n\r\n".encode()
-        )
-        for piece in pieces:
-            writer.write(piece)
-            await writer.drain()
-            await asyncio.sleep(0.05)
+        handlers.extend(filter(None, [asyncio.current_task()]))
+        with contextlib.suppress(ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")
+            size = sum(map(len, pieces)) if length is None else length
+            writer.write(
+                f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n".encode()
+                + f"Content-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+            )
+            for i, piece in enumerate(pieces):
+                await asyncio.sleep(0.05 if i else 0)
+                writer.write(piece)
+                await writer.drain()
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     try:
-        url = f"http://127.0.0.1:{port}/run"
-        async with aiohttp.ClientSession() as session, session.post(url, data=b"{}") as response:
-            return await http_agent._read_all(response)
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/run"
     finally:
         server.close()
+        if handlers:  # not left to be cancelled (and logged) as the loop closes
+            await asyncio.wait(handlers, timeout=5)
+
+
+async def _answered_in_pieces(pieces: list[bytes], length: int | None = None) -> bytes:
+    """What ``http_agent._read_all`` reads of an answer whose body comes in ``pieces``."""
+    async with (
+        answering(pieces, length=length) as url,
+        aiohttp.ClientSession() as session,
+        session.post(url, data=b"{}") as response,
+    ):
+        return await http_agent._read_all(response)
 
 
 def test_an_answer_that_arrives_in_pieces_is_read_whole() -> None:
@@ -53,3 +77,67 @@ def test_an_answer_past_the_limit_in_pieces_is_refused() -> None:
     count = MAX_ANSWER_BYTES // len(piece) + 1
     with pytest.raises(AgentFailure, match="too large"):
         asyncio.run(_answered_in_pieces([piece] * count))
+
+
+def test_a_card_that_arrives_in_pieces_is_read_whole() -> None:
+    """The card was read with one ``read(n)`` too: a 6 KB card in two writes was cut at the
+    first, and its registration refused as no agent card."""
+    card = {
+        "name": "Travel",
+        "description": "x" * 6000,
+        "version": "1",
+        "supportedInterfaces": [{"url": "http://127.0.0.1:9/rpc", "protocolBinding": "JSONRPC"}],
+        "capabilities": {},
+        "skills": [{"id": "book", "name": "Book", "description": ""}],
+    }
+    body = json.dumps(card).encode()
+
+    async def fetched() -> AgentCard:
+        async with answering([body[:3000], body[3000:]]) as url, aiohttp.ClientSession() as s:
+            return await a2a_card.fetch(s, url, timeout_s=5)
+
+    assert asyncio.run(fetched()).description == "x" * 6000
+
+
+def called(kind: str, body: bytes) -> Any:
+    """The outcome of a call to an ``http`` agent that answers ``body`` of type ``kind``."""
+
+    async def call() -> Any:
+        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="t" * 32, attempt=1)
+        async with answering([body], kind) as url, aiohttp.ClientSession() as session:
+            endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,))
+            return await http_agent.call(session, endpoint, ctx, {})
+
+    return asyncio.run(call())
+
+
+def test_an_event_may_be_one_line_longer_than_aiohttps_limit() -> None:
+    """aiohttp reads a line of at most 512 KiB: past it, ``LineTooLong`` (no ClientError)
+    failed the task ``agent_error``, though an event may be 16 MiB."""
+    text = "x" * 600_000
+    body = f"event: result\ndata: {json.dumps({'text': text})}\n\n".encode()
+    assert called("text/event-stream", body) == {"text": text}
+
+
+def test_an_event_line_past_the_limit_of_an_event_fails_agent_protocol() -> None:
+    body = b"event: result\ndata: " + b"x" * MAX_ANSWER_BYTES + b"\n\n"
+    with pytest.raises(AgentFailure, match="too large") as failed:
+        called("text/event-stream", body)
+    assert failed.value.code == "agent_protocol"
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("application/json", b"[" * 10_000),
+        ("text/event-stream", b"event: result\ndata: " + b"[" * 10_000 + b"\n\n"),
+    ],
+)
+def test_json_nested_deeper_than_it_can_be_read_fails_agent_protocol(
+    kind: str, body: bytes
+) -> None:
+    """json raised RecursionError, which no one caught: the task failed ``agent_error``, with
+    a traceback logged."""
+    with pytest.raises(AgentFailure) as failed:
+        called(kind, body)
+    assert failed.value.code == "agent_protocol"

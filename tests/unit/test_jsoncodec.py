@@ -70,7 +70,20 @@ def test_what_only_json_reads_is_read_as_json_reads_it(raw: str) -> None:
         assert read == expected
 
 
-@pytest.mark.parametrize("raw", ["", "{", '{"a": }', "[1,]", b"\xff"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "",
+        "{",
+        '{"a": }',
+        "[1,]",
+        b"\xff",
+        # Nested past what either reads: json raised RecursionError, which callers catching
+        # ValueError let through (an agent's answer failed its task agent_error).
+        b"[" * 10_000,
+        "[" * 1_000 + "1" * 19 + "]" * 1_000,  # a long number: json alone reads it
+    ],
+)
 def test_invalid_json_raises_a_value_error(raw: str | bytes) -> None:
     with pytest.raises(ValueError):
         jsoncodec.loads(raw)

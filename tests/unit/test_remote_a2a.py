@@ -4,6 +4,7 @@ failures are retried (``workers.bridge.a2a_agent``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any
@@ -25,7 +26,8 @@ from google.protobuf.json_format import ParseDict
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
 from broker.remote.connections import MAX_ANSWER_BYTES, AnswerTooLarge
-from broker.remote.registration import Registration, RegistrationInvalid
+from broker.remote.registration import EndpointNotAllowed, Registration, RegistrationInvalid
+from broker.webhooks.ssrf import Guard
 from workers.bridge.a2a_agent import failure_of, message_of
 from workers.sdk.context import Context
 
@@ -55,6 +57,10 @@ def registration(prefix: str = "travel") -> Registration:
             "capability_prefix": prefix,
         }
     )
+
+
+def interface_at(url: str, version: str = "") -> dict[str, str]:
+    return {"url": url, "protocolBinding": "JSONRPC", "protocolVersion": version}
 
 
 def data(value: Any) -> Part:
@@ -119,11 +125,43 @@ def test_a_prefix_that_is_no_capability_name_is_refused(prefix: str) -> None:
         json.dumps(
             card_json(supportedInterfaces=[{"url": "x:1", "protocolBinding": "GRPC"}])
         ).encode(),
+        # A version the a2a-sdk makes no client for.
+        json.dumps(card_json(supportedInterfaces=[interface_at("http://a/", "0.2")])).encode(),
+        b"[" * 10_000,  # json raised RecursionError: registration answered 500
     ],
 )
 def test_what_is_not_a_card_the_bridge_can_call_is_unavailable(body: bytes) -> None:
     with pytest.raises(a2a_card.CardUnavailable):
         a2a_card.parse(body)
+
+
+def resolving(host: str, port: int) -> list[str]:
+    """Every name at one public address; an address is itself."""
+    return [host] if host[0].isdigit() else ["93.184.216.34"]
+
+
+def test_the_interface_called_is_the_cards_first_the_bridge_speaks_whatever_the_versions() -> None:
+    """The a2a-sdk, given the card, would call the interface of version 1.0: the bridge calls
+    the card's first, and gives the SDK that one alone."""
+    interfaces = [
+        {"url": "grpc://agent.example.com", "protocolBinding": "GRPC"},
+        interface_at("https://old.example.com/rpc", "0.2"),
+        interface_at("https://agent.example.com/rpc"),
+        interface_at("http://169.254.169.254/latest/", "1.0"),
+    ]
+    card = a2a_card.parse(json.dumps(card_json(supportedInterfaces=interfaces)).encode())
+    called = a2a_card.interface(card)
+    assert called is not None and called.url == "https://agent.example.com/rpc"
+    trimmed = asyncio.run(a2a_card.checked(Guard(resolver=resolving), card))
+    assert list(trimmed.supported_interfaces) == [called]
+    assert [s.id for s in trimmed.skills] == ["find-flights", "book"]
+
+
+def test_a_card_whose_interface_may_not_be_reached_is_refused_however_it_came() -> None:
+    interfaces = [interface_at("http://169.254.169.254/latest/", "1.0")]
+    card = a2a_card.parse(json.dumps(card_json(supportedInterfaces=interfaces)).encode())
+    with pytest.raises(EndpointNotAllowed, match="the card's JSONRPC interface"):
+        asyncio.run(a2a_card.checked(Guard(allow=["10.0.0.0/8"], resolver=resolving), card))
 
 
 def test_a_card_of_protocol_0_3_is_read_too() -> None:

@@ -15,6 +15,7 @@ from broker.remote.connections import (
     MAX_ANSWER_BYTES,
     AiohttpTransport,
     AnswerTooLarge,
+    address_refused,
     guarded_session,
     no_cookies,
 )
@@ -140,3 +141,22 @@ def test_an_answer_or_event_larger_than_the_cap_is_refused(kind: str, body: byte
 def test_a_stream_of_events_may_add_up_to_more_than_the_cap() -> None:
     body = b"data: x\r\n\r\n" * (MAX_ANSWER_BYTES // 11 + 1)
     assert read_through_the_transport("text/event-stream", body) == len(body)
+
+
+@pytest.mark.parametrize(
+    ("host", "refused"),
+    [
+        ("127.0.0.1", False),
+        ("10.1.2.3", True),
+        ("169.254.169.254", True),
+        ("::ffff:169.254.169.254", True),  # judged by its IPv4 form too
+        ("[::1]", True),
+        ("fe80::1%25eth0", True),
+        ("93.184.216.34", False),  # public
+        ("agent.example.com", False),  # a name: its lookup is the resolver's to judge
+    ],
+)
+def test_an_address_written_in_a_url_is_judged_as_a_resolved_one(host: str, refused: bool) -> None:
+    """aiohttp asks no resolver for an IP address: the session checks it before each request
+    (``tests/unit/test_bridge_calls.py`` sees no connection made)."""
+    assert address_refused(Guard(allow=["127.0.0.1/32"]), host) is refused

@@ -10,8 +10,8 @@ import pytest
 from broker.errors import AgentFailure, Retryable
 from broker.remote.connections import GuardedResolver
 from broker.webhooks.ssrf import Guard
+from workers.bridge.health_checks import health_url
 from workers.bridge.http_agent import RETRIED_STATUSES, _outcome
-from workers.bridge.keeper import health_url
 
 
 def test_a_result_answer_gives_its_result_even_when_null() -> None:

@@ -1,15 +1,18 @@
 """The ``a2a`` protocol: how the bridge calls a remote A2A agent (protocol 1.0, ``a2a-sdk``).
 
 The agent's card is fetched at its first call, and again after a connection failure or a new
-registration. A task is one message to the card's first interface the bridge speaks: a text
-part when the payload is ``{"text": ...}`` alone, else a data part holding the payload;
-``metadata.skill`` names the skill, ``context_id`` is the task's session. An agent whose card
-says it streams gets ``SendStreamingMessage``: its status updates become the task's progress
-(``metadata.percent`` when the agent gives one, else the last percent, with the status
-message's text), its artifact updates the task's output. Any other gets ``SendMessage``
-returning at once, then ``GetTask`` until its task ends. The result is ``{"text",
-"artifacts"}``: the text parts of the task's final artifacts joined by newlines, and each
-artifact as JSON (``broker.remote.a2a_json``).
+registration; each time the interface the bridge calls is checked as a registration checks it
+(``a2a_card.checked``), and the SDK is given that interface alone. A card whose interface is
+not one agents may reach fails the call ``endpoint_not_allowed`` (retried: the next attempt
+reads the card again). A task is one message to that interface: a text part when the payload
+is ``{"text": ...}`` alone, else a data part holding the payload; ``metadata.skill`` names
+the skill, ``context_id`` is the task's session. An agent whose card says it streams gets
+``SendStreamingMessage``: its status updates become the task's progress (``metadata.percent``
+when the agent gives one, else the last percent, with the status message's text), its
+artifact updates the task's output. Any other gets ``SendMessage`` returning at once, then
+``GetTask`` until its task ends. The result is ``{"text", "artifacts"}``: the text parts of
+the task's final artifacts joined by newlines, and each artifact as JSON
+(``broker.remote.a2a_json``).
 
 What is retried follows the http protocol: a connection that fails, a first event not within
 ``first_byte_timeout_s``, HTTP 408, 429 and 5xx; never once output was streamed. A task that
@@ -53,7 +56,9 @@ from google.protobuf.json_format import ParseDict, ParseError
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
 from broker.remote.connections import MAX_ANSWER_BYTES, AiohttpTransport, no_cookies
+from broker.remote.registration import EndpointNotAllowed
 from broker.webhooks import signing
+from broker.webhooks.ssrf import Guard
 from workers.bridge.http_agent import RETRIED_STATUSES
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
@@ -69,6 +74,9 @@ _FAILED = {
     TaskState.TASK_STATE_AUTH_REQUIRED: "agent_auth_required",
 }
 _INTERRUPTED = {TaskState.TASK_STATE_INPUT_REQUIRED, TaskState.TASK_STATE_AUTH_REQUIRED}
+# What an answer the SDK could not read raises: it reads JSON with ``json``, which raises
+# RecursionError past about 1,000 levels of nesting.
+_UNREAD = (A2AError, ParseError, ValueError, RecursionError)
 
 
 @dataclass
@@ -78,6 +86,7 @@ class Agent:
 
     card_url: str
     secrets: tuple[str, ...]
+    guard: Guard  # where agents may be: the card's interface is checked at each fetch
     first_byte_timeout_s: float = 30.0
     card_timeout_s: float = 5.0
     _client: tuple[A2AClient, bool] | None = field(default=None, repr=False)
@@ -86,7 +95,8 @@ class Agent:
         """The SDK's client for the card's interface, and whether the agent streams."""
         if self._client is None:
             session = transport.session()
-            card = await a2a_card.fetch(session, self.card_url, self.card_timeout_s)
+            fetched = await a2a_card.fetch(session, self.card_url, self.card_timeout_s)
+            card = await a2a_card.checked(self.guard, fetched)
             http = httpx.AsyncClient(
                 transport=transport,
                 timeout=httpx.Timeout(None),  # the task's deadline bounds the call
@@ -148,6 +158,8 @@ async def call(
         client, streams = await agent.client(transport)
     except a2a_card.CardUnavailable as exc:
         raise Retryable(exc.message, code="agent_unreachable") from None
+    except EndpointNotAllowed as exc:
+        raise Retryable(exc.message, code="endpoint_not_allowed") from None
     run = _Run(client, ctx, ClientCallContext(service_parameters=ctx.trace_headers()))
     request = SendMessageRequest(message=message_of(ctx, skill, payload))
     try:
@@ -157,7 +169,7 @@ async def call(
     except asyncio.CancelledError:
         await run.cancel_remote()
         raise
-    except (A2AError, ParseError, ValueError) as exc:
+    except _UNREAD as exc:
         failure = failure_of(exc, streamed=run.streamed_output)
         if isinstance(failure, Retryable) or failure.code == "agent_stream_broken":
             agent.forget_card()  # the agent may have moved: read its card again
@@ -281,7 +293,7 @@ class _Run:
         )
         try:
             await asyncio.wait_for(asyncio.shield(cancelling), CANCEL_TIMEOUT_S)
-        except (A2AError, ParseError, ValueError, TimeoutError) as exc:
+        except (*_UNREAD, TimeoutError) as exc:
             log.info("CancelTask for the agent's task %s failed: %r", self.task_id, exc)
 
     def _broken(self, message: str) -> AgentFailure:

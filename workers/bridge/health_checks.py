@@ -3,14 +3,14 @@ agent's check can hold up or fail another's.
 
 ``HealthChecks.run(agents)`` gives each agent's outcome within one deadline. A check is
 ``GET <origin>/healthz`` for an ``http`` agent (200), the card for an ``a2a`` one (200, and a
-card the bridge can call), and passes only if all of it (connection, headers and the whole
-body, at most ``MAX_HEALTH_BYTES`` or ``a2a_card.MAX_CARD_BYTES``) comes within
-``timeout_s``. A timeout on each read is not enough: a server sending a byte every second
-never tripped one, and held a thread of the check pool for as long as it liked.
+card the bridge can call, at an address it may), and passes only if all of it (connection,
+headers and the whole body, at most ``MAX_HEALTH_BYTES`` or ``a2a_card.MAX_CARD_BYTES``)
+comes within ``timeout_s``. A timeout on each read is not enough: a server sending a byte
+every second never tripped one, and held a thread of the check pool for as long as it liked.
 
-The checks run as coroutines on an event loop of their own, over the same guarded aiohttp
-session the calls use (``guarded_session``): a host name is looked up, and checked, for each
-connection, so a name checked once cannot be pointed at another address before the connect.
+The checks run as coroutines on an event loop of their own, over a guarded aiohttp session
+like the calls' (``guarded_session``): each connection's addresses are checked on its own
+lookup, so a name checked once cannot be pointed at another address before the connect.
 An agent whose last check is still running gets no new one; that round counts as its failure.
 """
 
@@ -20,7 +20,6 @@ import asyncio
 import threading
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from ipaddress import ip_address
 from typing import Any, TypeVar
 
 import aiohttp
@@ -28,15 +27,16 @@ import httpx
 from a2a.utils.constants import PROTOCOL_VERSION_CURRENT, VERSION_HEADER
 
 from broker.remote import a2a_card
-from broker.remote.connections import guarded_session
-from broker.remote.registration import A2A, RemoteAgent
-from broker.webhooks.ssrf import Guard, UrlNotAllowed, parse_url
+from broker.remote.connections import guarded_session, read_body
+from broker.remote.registration import A2A, RegistrationInvalid, RemoteAgent
+from broker.webhooks.ssrf import Guard
 
 MAX_HEALTH_BYTES = 64 * 2**10  # a /healthz body: its status is what counts
 # A round waits this long past the checks' own deadline, so that a check ending at its
 # deadline is reported as what it was, not as one still running.
 GRACE_S = 0.5
 CLOSE_TIMEOUT_S = 5.0
+CARD_HEADERS = {"Accept": "application/json", VERSION_HEADER: PROTOCOL_VERSION_CURRENT}
 
 T = TypeVar("T")
 
@@ -52,9 +52,7 @@ class HealthChecks:
         self._loop = asyncio.new_event_loop()
         lookups = ThreadPoolExecutor(lookup_threads, thread_name_prefix="reach-health")
         self._loop.set_default_executor(lookups)
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="reach-health", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name="reach-health", daemon=True)
         self._thread.start()
         self._session = self._submit(_open(guard)).result()
         self._running: dict[str, Future[bool]] = {}
@@ -71,9 +69,7 @@ class HealthChecks:
                 outcomes[agent.agent_id] = False
                 running[agent.agent_id] = last
             else:
-                started[agent.agent_id] = running[agent.agent_id] = self._submit(
-                    self.check(agent)
-                )
+                started[agent.agent_id] = running[agent.agent_id] = self._submit(self.check(agent))
         self._running = running  # a removed agent's check ends by its deadline, unwatched
         wait(started.values(), timeout=self.timeout_s + GRACE_S)
         for agent_id, future in started.items():
@@ -85,50 +81,38 @@ class HealthChecks:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if agent.protocol == A2A:
-                    a2a_card.parse(await self._read(agent.url, a2a_card.MAX_CARD_BYTES))
+                    card = await self._read(agent.url, a2a_card.MAX_CARD_BYTES, CARD_HEADERS)
+                    # the interface the bridge would call, where it may: else no call works
+                    await a2a_card.checked(self.guard, a2a_card.parse(card))
                 else:
-                    await self._read(health_url(agent.url), MAX_HEALTH_BYTES)
-        except (CheckFailed, UrlNotAllowed, a2a_card.CardUnavailable):
-            return False
-        except (aiohttp.ClientError, TimeoutError, OSError):
+                    await self._read(health_url(agent.url), MAX_HEALTH_BYTES, {})
+        except (CheckFailed, RegistrationInvalid, aiohttp.ClientError, OSError):
+            # OSError: TimeoutError (the deadline) is one
             return False
         return True
 
-    async def _read(self, url: str, limit: int) -> bytes:
-        """The body of a 200 answer to ``GET url``, read to its end."""
-        self._vet(url)
-        headers = {"Accept": "application/json", VERSION_HEADER: PROTOCOL_VERSION_CURRENT}
+    async def _read(self, url: str, limit: int, headers: dict[str, str]) -> bytes:
+        """The whole body of a 200 answer to ``GET url``."""
         async with self._session.get(url, headers=headers, allow_redirects=False) as answer:
             if answer.status != 200:
                 raise CheckFailed(f"{url} answered {answer.status}")
-            body = bytearray()
-            # Not ``content.read(n)``: it returns what has arrived, not the whole body.
-            async for chunk in answer.content.iter_any():
-                body += chunk
-                if len(body) > limit:
-                    raise CheckFailed(f"{url} answered more than {limit} bytes")
-            return bytes(body)
-
-    def _vet(self, url: str) -> None:
-        """The URL's form, and an address written in it: aiohttp looks up no IP address, so
-        the session's resolver (which checks every name's lookup) never sees one."""
-        host = parse_url(url).host
-        try:
-            address = ip_address(host)
-        except ValueError:
-            return
-        if not self.guard.address_allowed(str(address)):
-            raise UrlNotAllowed(f"{host} is not an address agents may use")
+            body = await read_body(answer, limit)
+        if len(body) > limit:
+            raise CheckFailed(f"{url} answered more than {limit} bytes")
+        return body
 
     def close(self) -> None:
         for future in self._running.values():
             future.cancel()
-        closing = self._submit(self._session.close())
+        wait([self._submit(self._session.close())], timeout=CLOSE_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+    def _serve(self) -> None:
         try:
-            closing.result(timeout=CLOSE_TIMEOUT_S)
+            self._loop.run_forever()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(CLOSE_TIMEOUT_S)
+            self._loop.close()
 
     def _submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
@@ -140,7 +124,9 @@ class CheckFailed(Exception):
 
 def _passed(future: Future[bool]) -> bool:
     """Whether a check ended, and passed (one that has not ended by now failed)."""
-    return future.done() and not future.cancelled() and future.exception() is None and future.result()
+    return (
+        future.done() and not future.cancelled() and future.exception() is None and future.result()
+    )
 
 
 async def _open(guard: Guard) -> aiohttp.ClientSession:

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
 from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
-from broker.remote.connections import MAX_ANSWER_BYTES
+from broker.remote.connections import MAX_ANSWER_BYTES, read_body
 from broker.webhooks import signing
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
@@ -122,14 +123,11 @@ def _retry_after(value: str | None) -> float | None:
 
 
 async def _read_all(response: aiohttp.ClientResponse) -> bytes:
-    """The whole body, up to ``MAX_ANSWER_BYTES``. aiohttp's ``read(n)`` answers what has
-    arrived, up to n bytes: an answer that came in several pieces was cut at the first."""
-    data = bytearray()
-    while chunk := await response.content.read(MAX_ANSWER_BYTES + 1 - len(data)):
-        data += chunk
-        if len(data) > MAX_ANSWER_BYTES:
-            raise AgentFailure("the agent's answer is too large", code="agent_protocol")
-    return bytes(data)
+    """The whole body, up to ``MAX_ANSWER_BYTES``."""
+    body = await read_body(response, MAX_ANSWER_BYTES)
+    if len(body) > MAX_ANSWER_BYTES:
+        raise AgentFailure("the agent's answer is too large", code="agent_protocol")
+    return body
 
 
 def _outcome(answer: Any, *, streamed: bool) -> Any:
@@ -180,12 +178,12 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
     event, size = "message", 0
     data: list[str] = []
     while True:
-        line = await response.content.readline()
+        line = await _line(response, MAX_ANSWER_BYTES - size)
         if not line:
             return
         size += len(line)
         if size > MAX_ANSWER_BYTES:
-            raise AgentFailure("an event of the agent's stream is too large", code="agent_protocol")
+            raise _event_too_large()
         text = line.decode("utf-8", "replace").rstrip("\r\n")
         if not text:
             if data:
@@ -205,3 +203,18 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
             event = value
         elif field == "data":
             data.append(value)
+
+
+async def _line(response: aiohttp.ClientResponse, left: int) -> bytes:
+    """The stream's next line, read up to ``left`` bytes, what is left of its event's budget
+    (aiohttp's own limit for a line is 512 KiB); a longer one fails the task. aiohttp takes a
+    limit of 0 for its default, so it is given one byte more, which the caller's count
+    refuses."""
+    try:
+        return await response.content.readline(max_line_length=left + 1)
+    except LineTooLong:
+        raise _event_too_large() from None
+
+
+def _event_too_large() -> AgentFailure:
+    return AgentFailure("an event of the agent's stream is too large", code="agent_protocol")

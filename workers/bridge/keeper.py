@@ -4,11 +4,11 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
 
 - reads the registrations, so a new agent is served and a removed one dropped without a
   restart;
-- checks each agent's health on a small pool of its own, each check bounded by
-  ``remote_health_timeout_s``: ``GET <origin>/healthz`` for an ``http`` agent, its card (200,
-  and a card the bridge can call) for an ``a2a`` one. In the seeds' bug 5.1, slow pings took
-  the worker's threads and real calls timed out at random; here no check ever runs where a
-  task's call runs;
+- checks every agent's health at once (``workers.bridge.health_checks``), each check, body
+  included, within ``remote_health_timeout_s``, and the round too: one agent's slow answer
+  never delays or fails another's check. In the seeds' bug 5.1, slow pings took the worker's
+  threads and real calls timed out at random; here no check ever runs where a task's call
+  runs;
 - dampens what it saw (``broker.remote.health``), and while the agent counts as up renews its
   lease and consumes its queues; once it does not, gives up both, so routing answers 503
   ``no_agent_available`` at once and queued tasks wait for it;
@@ -30,24 +30,20 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from celery import bootsteps
 
 from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
 from broker.registry.model import OFFLINE, READY, Lease, now_s
-from broker.remote import a2a_card
-from broker.remote.connections import no_cookies
 from broker.remote.health import Dampening, Health
 from broker.remote.registration import A2A, HTTP, RemoteAgent, load_all, remote_instance
 from broker.settings import Settings
-from broker.webhooks.ssrf import Guard, HostUnresolved, UrlNotAllowed
+from broker.webhooks.ssrf import Guard
+from workers.bridge.health_checks import HealthChecks
 from workers.bridge.registry import RemoteRegistry
 from workers.lease_keeper import OrphanHandler, orphans
 
@@ -61,12 +57,6 @@ class Watched:
     agent: RemoteAgent
     health: Health = field(default_factory=Health)
     state: str = ""  # last recorded for the read side
-
-
-def health_url(endpoint_url: str) -> str:
-    """``<origin>/healthz``: a path of its own, never the business path."""
-    url = httpx.URL(endpoint_url)
-    return str(url.copy_with(path="/healthz", query=None, fragment=None))
 
 
 class RemoteKeeper:
@@ -91,14 +81,8 @@ class RemoteKeeper:
             recover_passes=settings.remote_recover_passes,
             recover_after_s=settings.remote_recover_after_s,
         )
-        self.checks = ThreadPoolExecutor(
-            settings.remote_health_threads, thread_name_prefix="reach-health"
-        )
-        self.http = httpx.Client(
-            timeout=settings.remote_health_timeout_s,
-            follow_redirects=False,
-            trust_env=False,
-            cookies=no_cookies(),
+        self.checks = HealthChecks(
+            self.guard, settings.remote_health_timeout_s, settings.remote_health_threads
         )
         self.watched: dict[str, Watched] = {}
         self.revoked: set[tuple[str, str]] = set()
@@ -112,7 +96,7 @@ class RemoteKeeper:
 
     def stop(self) -> None:
         self._stop.set()
-        self.checks.shutdown(wait=False, cancel_futures=True)
+        self.checks.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -138,16 +122,9 @@ class RemoteKeeper:
                 health = watched.health if watched is not None else Health()
                 self.watched[agent_id] = Watched(agent, health)
                 log.info("serving remote agent %s %s at %s", agent_id, agent.version, agent.url)
-        outcomes = {
-            agent_id: self.checks.submit(self._healthy, w.agent)
-            for agent_id, w in self.watched.items()
-        }
+        outcomes = self.checks.run(w.agent for w in self.watched.values())
         now = time.monotonic()
-        for agent_id, future in outcomes.items():
-            try:
-                passed = future.result(timeout=self.settings.remote_health_timeout_s + 1)
-            except (FutureTimeout, Exception):
-                passed = False
+        for agent_id, passed in outcomes.items():
             watched = self.watched[agent_id]
             before = watched.health.state
             state = watched.health.observe(passed, now, self.policy)
@@ -218,19 +195,6 @@ class RemoteKeeper:
         )
         if found:
             self.on_orphans(found)
-
-    def _healthy(self, agent: RemoteAgent) -> bool:
-        url = agent.url if agent.protocol == A2A else health_url(agent.url)
-        try:
-            self.guard.check(url)
-            answer = self.http.get(url)
-            if answer.status_code != 200:
-                return False
-            if agent.protocol == A2A:
-                a2a_card.parse(answer.content)
-            return True
-        except (UrlNotAllowed, HostUnresolved, httpx.HTTPError, a2a_card.CardUnavailable):
-            return False
 
     def _lease(self, watched: Watched) -> Lease:
         return Lease(

@@ -66,6 +66,7 @@ class RemoteRegistry(AgentRegistry):
             remote = a2a_agent.Agent(
                 agent.url,
                 (agent.secret,),
+                self.sessions.guard,
                 first_byte_timeout_s=self.first_byte_timeout_s,
                 card_timeout_s=self.card_timeout_s,
             )
