@@ -8,14 +8,14 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, create_engine, func, select
 
 from api.app import create_app
 from broker.db.models import tasks_table
 from broker.registry import leases
 from broker.settings import Settings
 from broker.tenancy import key_store
-from reach import localservices
+from reach import localservices, migrate
 from tests.integration import remote
 from tests.integration.stack import (
     CeleryProcess,
@@ -222,3 +222,16 @@ def caller(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
     _, token = key_store.create_key(engine, f"t-{uuid.uuid4().hex[:8]}", ["*"])
     with client_for(api, token) as http:
         yield http
+
+
+@pytest.fixture
+def own_engine(services: localservices.Services) -> Iterator[Engine]:
+    """A migrated database of the test's own: no sweeper of the session's stack takes or
+    expires its rows, and its plans see only what the test put there."""
+    name = f"reach_own_{secrets.token_hex(4)}"
+    url = localservices.create_database(services.database_url, name)
+    migrate.upgrade(url)
+    built = create_engine(url)
+    yield built
+    built.dispose()
+    localservices.drop_database(services.database_url, name)

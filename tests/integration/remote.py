@@ -1,13 +1,15 @@
-"""What the remote-agent tests share: a bridge worker with its clocks shortened, and a wait
-for an agent to be routed. Their fixtures (``bridge``, ``ops``, ``caller``) are in the
-integration conftest."""
+"""What the remote-agent tests share: a bridge worker with its clocks shortened, a wait for
+an agent to be routed, and an ``http`` agent of a test's own on loopback. Their fixtures
+(``bridge``, ``ops``, ``caller``) are in the integration conftest."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import redis
@@ -117,3 +119,32 @@ def events_of(caller: httpx.Client, task_id: str) -> list[tuple[str, Any]]:
             elif line.startswith("data:") and event is not None:
                 found.append((event, json.loads(line.split(":", 1)[1])["data"]))
     return found
+
+
+class LoopbackAgent:
+    """An ``http`` agent on a threaded HTTP server of its own on loopback, answering with the
+    handler ``_handler`` gives (a ``QuietHandler``); ``url`` is its ``/run``. Set a
+    subclass's own attributes before calling ``__init__``: the handler may read them."""
+
+    def __init__(self) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/run"
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing (the test's output stays the test's)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass

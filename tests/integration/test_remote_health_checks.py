@@ -7,19 +7,17 @@ offline; now each check ends at its deadline and only the dripping agent fails."
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from broker.settings import Settings
 from tests.eventually import eventually
-from tests.integration.remote import start_bridge, wait_routed
+from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
 from tests.integration.stack import CeleryProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +26,7 @@ FAIL_AFTER = 2
 DRIP_S = 0.5  # under the 1 s health timeout of the tests' bridge (``remote.FAST``)
 
 
-class Agent:
+class Agent(LoopbackAgent):
     """An ``http`` agent on loopback answering its calls with its name; its ``/healthz``
     answers 200 at once, or, once ``drip`` is set, a byte every ``DRIP_S`` for as long as
     the client listens. ``health_checks`` counts the health requests it got."""
@@ -37,14 +35,12 @@ class Agent:
         self.name = name
         self.drip = False
         self.health_checks = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/run"
+        super().__init__()
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         agent = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 agent.health_checks += 1
                 self.send_response(200)
@@ -70,18 +66,7 @@ class Agent:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
         return Handler
-
-    def __enter__(self) -> Agent:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")

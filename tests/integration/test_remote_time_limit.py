@@ -5,39 +5,35 @@ of its own (2 s), so it is not the integration conftest's."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from broker.settings import Settings
 from tests.eventually import eventually
-from tests.integration.remote import start_bridge, wait_routed
+from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
 from tests.integration.stack import CeleryProcess, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class EndlessAgent:
+class EndlessAgent(LoopbackAgent):
     """An ``http`` agent that answers every call with an event stream of comments that never
     ends (and its health check with 200); ``closed``: the task ids whose call the bridge
     closed."""
 
     def __init__(self) -> None:
         self.closed: list[str] = []
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/run"
+        super().__init__()
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         agent = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 self.send_response(200)
                 self.send_header("Content-Length", "2")
@@ -57,18 +53,7 @@ class EndlessAgent:
                 except OSError:
                     agent.closed.append(self.headers.get("idempotency-key", ""))
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
         return Handler
-
-    def __enter__(self) -> EndlessAgent:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine, create_engine, func, select, text, update
+from sqlalchemy import Engine, func, select, text, update
 
 from api.app import create_app
 from broker.db.models import sessions_table, tasks_table
 from broker.settings import Settings
 from broker.tasks import execution, turns
-from reach import localservices, migrate
 from tests.agents import GATE_KEY
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
@@ -607,18 +606,6 @@ def test_a_waiting_turns_drop_mark_goes_when_the_turn_ends(
 
 
 # -- the sweeper's expiry of queued tasks past their deadline ------------------------------------
-
-
-@pytest.fixture
-def own_engine(services: localservices.Services) -> Iterator[Engine]:
-    """A database of the test's own: no sweeper of the session's stack expires its rows."""
-    name = f"reach_overdue_{secrets.token_hex(4)}"
-    url = localservices.create_database(services.database_url, name)
-    migrate.upgrade(url)
-    built = create_engine(url)
-    yield built
-    built.dispose()
-    localservices.drop_database(services.database_url, name)
 
 
 def test_overdue_queued_tasks_are_shared_out_by_tenant_from_their_own_index(

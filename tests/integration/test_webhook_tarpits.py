@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy import Engine, func, select, text
 
 from api.app import create_app
 from broker.db.models import webhook_attempts_table as attempts_log
@@ -29,7 +29,7 @@ from broker.settings import Settings
 from broker.tasks.dispatch import WEBHOOK_SWEEP_TASK, WEBHOOKS_QUEUE, celery_config
 from broker.tenancy import key_store
 from broker.webhooks import deliveries, policy
-from reach import localservices, migrate
+from reach import localservices
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver, Tarpit
 from tests.integration.rows import a_delivery_row
@@ -271,18 +271,6 @@ def _unfinished(engine: Engine, webhook_ids: list[str]) -> list[str]:
     )
     with engine.connect() as conn:
         return [str(s) for s in conn.execute(query).scalars()]
-
-
-@pytest.fixture
-def own_engine(services: localservices.Services) -> Iterator[Engine]:
-    """A database of the test's own: no sweeper of the session's stack takes its rows."""
-    name = f"reach_lost_{secrets.token_hex(4)}"
-    url = localservices.create_database(services.database_url, name)
-    migrate.upgrade(url)
-    built = create_engine(url)
-    yield built
-    built.dispose()
-    localservices.drop_database(services.database_url, name)
 
 
 @pytest.fixture
