@@ -28,9 +28,14 @@ pytestmark = pytest.mark.timeout(120)
 def bridge(
     settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
 ) -> Iterator[CeleryProcess]:
-    """The module's only bridge: 127.0.0.2 is loopback, refused as any local address is."""
+    """The module's only bridge: 127.0.0.2 is loopback, refused as any local address is. Its
+    health checks, which fail a card naming such an address, come every 2 s (five failures
+    take an agent out of routing): a task's three attempts, checked at each call, end first."""
     process = start_bridge(
-        settings, log_dir / "bridge-test_remote_addresses.log", REACH_AGENT_NETWORKS="127.0.0.1/32"
+        settings,
+        log_dir / "bridge-test_remote_addresses.log",
+        REACH_AGENT_NETWORKS="127.0.0.1/32",
+        REACH_REMOTE_HEALTH_INTERVAL_S="2",
     )
     yield process
     process.stop()
