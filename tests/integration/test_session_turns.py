@@ -464,11 +464,16 @@ FINISHED_TURNS = text(
 )
 
 
-def plan_of(engine: Engine, statement: Any) -> str:
-    """EXPLAIN (no ANALYZE: nothing runs) of ``statement`` with its values inlined."""
+def explained(engine: Engine, options: str, statement: Any) -> list[Any]:
+    """``EXPLAIN (options)`` of ``statement`` with its values inlined: the rows it answers."""
     sql = statement.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})
     with engine.connect() as conn:
-        return "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) {sql}"))
+        return [r[0] for r in conn.exec_driver_sql(f"EXPLAIN ({options}) {sql}")]
+
+
+def plan_of(engine: Engine, statement: Any) -> str:
+    """The plan of ``statement`` (no ANALYZE: nothing runs)."""
+    return "\n".join(explained(engine, "COSTS OFF", statement))
 
 
 def test_a_turns_claim_and_release_read_only_the_sessions_unfinished_turns(
@@ -655,10 +660,8 @@ WAITING_TURNS = text(
 
 def buffers_read(engine: Engine, statement: Any) -> int:
     """The shared buffers ``statement`` touched (hit or read), as EXPLAIN ANALYZE counts them."""
-    sql = statement.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True})
-    with engine.connect() as conn:
-        explained = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}")
-        plan = explained.scalar_one()[0]["Plan"]
+    (document,) = explained(engine, "ANALYZE, BUFFERS, FORMAT JSON", statement)
+    plan = document[0]["Plan"]
     return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
 
 
