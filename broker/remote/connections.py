@@ -44,8 +44,10 @@ _NOT_RETURNED = frozenset({"content-encoding", "content-length", "transfer-encod
 class GuardedResolver(AbstractResolver):
     """Host names resolve only to addresses agents may reach, checked on the connection's own
     lookup: a name that resolved to an allowed address when it was registered cannot be
-    pointed at another one later (DNS rebinding). aiohttp asks no resolver for an address
-    written in the URL: ``guarded_session`` checks those (``address_refused``)."""
+    pointed at another one later (DNS rebinding). A host name listed in
+    ``REACH_AGENT_NETWORKS`` may resolve anywhere, as ``Guard.check`` lets it register.
+    aiohttp asks no resolver for an address written in the URL: ``guarded_session`` checks
+    those (``address_refused``)."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
@@ -55,6 +57,8 @@ class GuardedResolver(AbstractResolver):
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
         found = await self._resolver.resolve(host, port, family)
+        if host.lower().rstrip(".") in self.guard.allowed_hosts:
+            return found  # listed by name: every address it resolves to, as registration let it
         allowed = [r for r in found if self.guard.address_allowed(r["host"])]
         if not allowed:
             raise OSError(EACCES, f"{host} resolves only to addresses agents may not reach")

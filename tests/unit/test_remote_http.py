@@ -64,3 +64,22 @@ def test_a_host_name_resolves_only_to_addresses_agents_may_reach() -> None:
     assert asyncio.run(resolve(["127.0.0.0/8"])) == ["127.0.0.1"]
     with pytest.raises(OSError, match="may not reach"):
         asyncio.run(resolve([]))  # loopback is refused unless listed
+
+
+def test_a_host_name_listed_by_name_resolves_as_its_registration_was_checked() -> None:
+    """``REACH_AGENT_NETWORKS`` may list a host name (``Guard``): registration lets it
+    resolve to any address, so the bridge's connections must too, or an agent registered
+    under it could never be called."""
+
+    async def resolve(allow: list[str]) -> list[str]:
+        resolver = GuardedResolver(Guard(allow=allow))
+        try:
+            return [r["host"] for r in await resolver.resolve("LocalHost", 80, socket.AF_INET)]
+        finally:
+            await resolver.close()
+
+    allow = ["localhost", "10.0.0.0/8"]
+    assert Guard(allow=allow, resolver=lambda host, port: ["127.0.0.1"]).check(
+        "http://localhost:9/run"
+    ).addresses == ("127.0.0.1",)
+    assert asyncio.run(resolve(allow)) == ["127.0.0.1"]
