@@ -14,7 +14,7 @@ import httpx
 
 from reach_client.connection import Settings, build, response_of, translated
 from reach_client.errors import APIConnectionError, APIStatusError
-from reach_client.limits import Buffer
+from reach_client.limits import MAX_ANSWER_BYTES, Buffer
 from reach_client.models import (
     Agent,
     Capability,
@@ -39,8 +39,10 @@ class AsyncReach:
     ``REACH_URL`` / ``REACH_API_KEY``, else the profile file (``reach_client.config``).
 
     ``max_retries`` bounds retries of connection errors, 429 and 503 (``Retry-After``
-    honoured); pass ``http_client`` to bring your own ``httpx.AsyncClient`` (proxies, TLS,
-    transports): it is then yours to close."""
+    honoured); ``max_answer_bytes`` bounds what one answer, event-stream line or event may
+    hold (``reach_client.limits``: 32 MiB, far above the server's default 4 MiB result; raise
+    it for a server whose ``REACH_MAX_RESULT_BYTES`` is near it); pass ``http_client`` to
+    bring your own ``httpx.AsyncClient`` (proxies, TLS, transports): it is then yours to close."""
 
     def __init__(
         self,
@@ -50,9 +52,12 @@ class AsyncReach:
         profile: str | None = None,
         timeout: float | httpx.Timeout | None = None,
         max_retries: int = 2,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
-        self._settings = Settings.of(base_url, api_key, profile, timeout, max_retries)
+        self._settings = Settings.of(
+            base_url, api_key, profile, timeout, max_retries, max_answer_bytes
+        )
         self._http = http_client or httpx.AsyncClient()
         self._owns_http = http_client is None
         self.tasks = Tasks(self)
@@ -109,7 +114,7 @@ class AsyncReach:
 
     async def _send(self, request: Request) -> Response:
         async with self._open(request, ok_only=False) as answer:
-            return await _read(answer)
+            return await _read(answer, self._settings.max_answer_bytes)
 
     @asynccontextmanager
     async def _open(
@@ -123,7 +128,7 @@ class AsyncReach:
             )
             try:
                 if ok_only and answer.status_code >= 400:
-                    raise problem_of(await _read(answer))
+                    raise problem_of(await _read(answer, self._settings.max_answer_bytes))
                 yield answer
             finally:
                 await answer.aclose()
@@ -132,7 +137,7 @@ class AsyncReach:
         while not resume.done:
             try:
                 async with self._open(resume.request()) as answer:
-                    decoder = SSEDecoder()
+                    decoder = SSEDecoder(self._settings.max_answer_bytes)
                     async for piece in _pieces(answer):
                         for event in decoder.decode(piece):
                             if resume.accept(event):
@@ -343,9 +348,9 @@ async def _pieces(answer: httpx.Response) -> AsyncIterator[bytes]:
             yield piece
 
 
-async def _read(answer: httpx.Response) -> Response:
+async def _read(answer: httpx.Response, cap: int) -> Response:
     """The answer with its body, read up to the cap of ``reach_client.limits``."""
-    body = Buffer("the answer")
+    body = Buffer("the answer", cap)
     async for piece in answer.aiter_bytes():
         body.add(piece)
     return response_of(answer, body.take())

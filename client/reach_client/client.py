@@ -14,7 +14,7 @@ import httpx
 
 from reach_client.connection import Settings, build, response_of, translated
 from reach_client.errors import APIConnectionError, APIStatusError
-from reach_client.limits import Buffer
+from reach_client.limits import MAX_ANSWER_BYTES, Buffer
 from reach_client.models import (
     Agent,
     Capability,
@@ -39,8 +39,10 @@ class Reach:
     ``REACH_URL`` / ``REACH_API_KEY``, else the profile file (``reach_client.config``).
 
     ``max_retries`` bounds retries of connection errors, 429 and 503 (``Retry-After``
-    honoured); pass ``http_client`` to bring your own ``httpx.Client`` (proxies, TLS,
-    transports): it is then yours to close."""
+    honoured); ``max_answer_bytes`` bounds what one answer, event-stream line or event may
+    hold (``reach_client.limits``: 32 MiB, far above the server's default 4 MiB result; raise
+    it for a server whose ``REACH_MAX_RESULT_BYTES`` is near it); pass ``http_client`` to
+    bring your own ``httpx.Client`` (proxies, TLS, transports): it is then yours to close."""
 
     def __init__(
         self,
@@ -50,9 +52,12 @@ class Reach:
         profile: str | None = None,
         timeout: float | httpx.Timeout | None = None,
         max_retries: int = 2,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
         http_client: httpx.Client | None = None,
     ) -> None:
-        self._settings = Settings.of(base_url, api_key, profile, timeout, max_retries)
+        self._settings = Settings.of(
+            base_url, api_key, profile, timeout, max_retries, max_answer_bytes
+        )
         self._http = http_client or httpx.Client()
         self._owns_http = http_client is None
         self.tasks = Tasks(self)
@@ -109,7 +114,7 @@ class Reach:
 
     def _send(self, request: Request) -> Response:
         with self._open(request, ok_only=False) as answer:
-            return _read(answer)
+            return _read(answer, self._settings.max_answer_bytes)
 
     @contextmanager
     def _open(self, request: Request, *, ok_only: bool = True) -> Iterator[httpx.Response]:
@@ -121,7 +126,7 @@ class Reach:
             )
             try:
                 if ok_only and answer.status_code >= 400:
-                    raise problem_of(_read(answer))
+                    raise problem_of(_read(answer, self._settings.max_answer_bytes))
                 yield answer
             finally:
                 answer.close()
@@ -130,7 +135,7 @@ class Reach:
         while not resume.done:
             try:
                 with self._open(resume.request()) as answer, translated():
-                    decoder = SSEDecoder()
+                    decoder = SSEDecoder(self._settings.max_answer_bytes)
                     for piece in answer.iter_bytes():
                         for event in decoder.decode(piece):
                             if resume.accept(event):
@@ -328,9 +333,9 @@ class Capabilities:
         return self._client._run(registry.capabilities(self._policy))
 
 
-def _read(answer: httpx.Response) -> Response:
+def _read(answer: httpx.Response, cap: int) -> Response:
     """The answer with its body, read up to the cap of ``reach_client.limits``."""
-    body = Buffer("the answer")
+    body = Buffer("the answer", cap)
     for piece in answer.iter_bytes():
         body.add(piece)
     return response_of(answer, body.take())

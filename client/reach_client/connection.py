@@ -12,6 +12,7 @@ import httpx
 
 from reach_client.config import resolve
 from reach_client.errors import APIConnectionError, APITimeoutError
+from reach_client.limits import MAX_ANSWER_BYTES
 from reach_client.plans import Request, Response
 from reach_client.retries import RetryPolicy
 from reach_client.version import VERSION
@@ -25,6 +26,7 @@ class Settings:
     api_key: str = field(repr=False)
     timeout: httpx.Timeout
     policy: RetryPolicy
+    max_answer_bytes: int = MAX_ANSWER_BYTES
 
     @classmethod
     def of(
@@ -34,13 +36,17 @@ class Settings:
         profile: str | None,
         timeout: float | httpx.Timeout | None,
         max_retries: int,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> Settings:
         found = resolve(base_url, api_key, profile)
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
         elif not isinstance(timeout, httpx.Timeout):
             timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
-        return cls(found.base_url, found.api_key, timeout, RetryPolicy(max_retries=max_retries))
+        if max_answer_bytes < 1:
+            raise ValueError("max_answer_bytes must be at least 1")
+        policy = RetryPolicy(max_retries=max_retries)
+        return cls(found.base_url, found.api_key, timeout, policy, max_answer_bytes)
 
     def headers(self) -> dict[str, str]:
         return {

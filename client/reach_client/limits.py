@@ -1,7 +1,7 @@
 """How much of one answer the client holds: a hostile or broken server that never ends an
 answer, a line of an event stream or an event must not make the client grow without end.
-Past ``MAX_ANSWER_BYTES`` the client stops reading and raises ``APIConnectionError``
-(code ``answer_too_large``)."""
+Past ``MAX_ANSWER_BYTES`` (or the client's ``max_answer_bytes``) the client stops reading
+and raises ``APIConnectionError`` (code ``answer_too_large``)."""
 
 from __future__ import annotations
 
@@ -13,26 +13,26 @@ MAX_ANSWER_BYTES = 32 * 1024 * 1024
 TOO_LARGE = "answer_too_large"
 
 
-def bound(size: int, what: str) -> None:
-    """``APIConnectionError`` once ``what`` has grown to ``size`` bytes past the cap."""
-    if size > MAX_ANSWER_BYTES:
+def bound(size: int, what: str, cap: int = MAX_ANSWER_BYTES) -> None:
+    """``APIConnectionError`` once ``what`` has grown to ``size`` bytes past ``cap``."""
+    if size > cap:
         raise APIConnectionError(
-            f"{what} went past {MAX_ANSWER_BYTES} bytes: the client stopped reading it",
-            code=TOO_LARGE,
+            f"{what} went past {cap} bytes: the client stopped reading it", code=TOO_LARGE
         )
 
 
 class Buffer:
     """Bytes that come in pieces, held up to the cap."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, cap: int = MAX_ANSWER_BYTES) -> None:
         self._what = what
+        self._cap = cap
         self._pieces: list[bytes] = []
         self._size = 0
 
     def add(self, piece: bytes) -> None:
         self._size += len(piece)
-        bound(self._size, self._what)
+        bound(self._size, self._what, self._cap)
         self._pieces.append(piece)
 
     def take(self) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from reach_client.errors import APIConnectionError, APIStatusError, ReachError
-from reach_client.limits import TOO_LARGE, Buffer, bound
+from reach_client.limits import MAX_ANSWER_BYTES, TOO_LARGE, Buffer, bound
 from reach_client.models import Event
 from reach_client.operations.tasks import events_request
 from reach_client.plans import Request
@@ -21,12 +21,13 @@ class SSEDecoder:
     (``: ping``) and frames without data are skipped. A line or an event past the cap of
     ``reach_client.limits`` raises ``APIConnectionError``."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = MAX_ANSWER_BYTES) -> None:
+        self._cap = cap
         self._id = ""
         self._type = ""
         self._data: list[str] = []
         self._size = 0
-        self._line = Buffer("a line of the event stream")
+        self._line = Buffer("a line of the event stream", cap)
         self._after_cr = False
 
     def decode(self, piece: bytes) -> list[Event]:
@@ -60,7 +61,7 @@ class SSEDecoder:
             self._type = value
         elif name == "data":
             self._size += len(value) + 1
-            bound(self._size, "an event of the event stream")
+            bound(self._size, "an event of the event stream", self._cap)
             self._data.append(value)
         return None
 

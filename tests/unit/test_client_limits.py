@@ -140,3 +140,89 @@ def test_an_answer_past_the_cap_is_not_asked_for_again() -> None:
 
     assert raised.value.code == "answer_too_large"
     assert flood.requests == 1
+
+
+class Whole:
+    """Answers each request with ``answer`` whole, then hangs up."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(self.answer)
+
+    def __enter__(self) -> Whole:
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.close()
+
+
+SMALL_CAP = 2**20
+
+
+@pytest.mark.parametrize("read", ["answer", "stream"])
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_client_given_a_smaller_cap_gives_up_there(read: str, client: str) -> None:
+    head, unit = (JSON_200, b"a") if read == "answer" else (EVENTS_200 + b"data: ", b"a")
+    flood = Flood(head, unit, most=8 * SMALL_CAP)
+
+    async def in_async() -> object:
+        async with AsyncReach(flood.url, "rk_test", max_retries=0, max_answer_bytes=SMALL_CAP) as r:
+            if read == "answer":
+                return await r.tasks.get("t1")
+            return [event async for event in r.tasks.stream("t1")]
+
+    def in_sync() -> object:
+        with Reach(flood.url, "rk_test", max_retries=0, max_answer_bytes=SMALL_CAP) as r:
+            return r.tasks.get("t1") if read == "answer" else list(r.tasks.stream("t1"))
+
+    with flood, pytest.raises(APIConnectionError) as raised:
+        asyncio.run(in_async()) if client == "async" else in_sync()  # type: ignore[func-returns-value]
+
+    assert raised.value.code == "answer_too_large"
+    assert str(SMALL_CAP) in str(raised.value)
+    assert flood.hung_up.wait(10) and flood.sent < 4 * SMALL_CAP
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_client_given_a_larger_cap_reads_an_answer_past_the_default_whole(client: str) -> None:
+    """A server configured for results near the default cap (``REACH_MAX_RESULT_BYTES``):
+    its answers reach a client that raised its own cap to match."""
+    result = "r" * (MAX_ANSWER_BYTES + 1024)
+    body = (
+        b'{"task_id": "t1", "capability": "c", "status": "succeeded", "trace_id": "x", "result": "'
+        + result.encode()
+        + b'"}'
+    )
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    answer = head + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    cap = 2 * MAX_ANSWER_BYTES
+
+    async def in_async() -> object:
+        async with AsyncReach(server.url, "rk_test", max_retries=0, max_answer_bytes=cap) as r:
+            return await r.tasks.get("t1")
+
+    def in_sync() -> object:
+        with Reach(server.url, "rk_test", max_retries=0, max_answer_bytes=cap) as r:
+            return r.tasks.get("t1")
+
+    with Whole(answer) as server:
+        task = asyncio.run(in_async()) if client == "async" else in_sync()
+
+    assert task.result == result  # type: ignore[attr-defined]
+
+
+def test_a_cap_below_one_byte_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_answer_bytes"):
+        Reach("http://127.0.0.1:9", "rk_test", max_answer_bytes=0)
