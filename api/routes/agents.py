@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 import anyio
@@ -195,7 +196,8 @@ async def drain_instance(
             422,
             s403=ADMIN,
             s422="The registration is not valid (registration_invalid), its endpoint is not"
-            " allowed (endpoint_not_allowed), or its card cannot be read",
+            " allowed or its host did not resolve in time (endpoint_not_allowed), or its card"
+            " cannot be read",
         ),
     },
     openapi_extra=json_body(model_schema(registration.Registration)),
@@ -211,16 +213,21 @@ async def register_agent(agent_id: AgentId, request: Request, caller: Caller) ->
     state = services(request)
     raw = await read_json_body(request, REGISTRATION_MAX_BYTES)
     given = registration.parse(agent_id, jsonbody.parse(raw, max_depth=32))
-    guard = Guard(allow=state.settings.agent_networks)
+    allow = state.settings.agent_networks
+    # Host names looked up in the API's lookup threads, each within REACH_DNS_TIMEOUT_S
+    vet = functools.partial(registration.vet_endpoint, state.lookups, allow, caller.tenant)
     if given.endpoint.protocol == registration.A2A:
         card = await a2a_card.read(
-            given.endpoint.url, guard, timeout_s=state.settings.remote_health_timeout_s
+            given.endpoint.url,
+            Guard(allow=allow),
+            timeout_s=state.settings.remote_health_timeout_s,
+            vet=vet,
         )
         documents = a2a_card.documents(agent_id, given, card)
     else:
         cards = registration.cards_of(agent_id, given)
         documents = registration.documents(cards, given.endpoint.protocol)
-        await registration.check_endpoint(guard, given.endpoint.url)
+        await vet(given.endpoint.url)
     # Renewals may go on (a removal before this one stopped them): see ``leases.renew``
     await state.redis.delete(removed_key(registration.remote_instance(agent_id)))
     registered = await registration.register(state.engine, agent_id, given, documents)

@@ -9,14 +9,17 @@ bridge calls the agent at the first interface on its card that it speaks (``inte
 JSON-RPC or HTTP+JSON, at a protocol version the a2a-sdk speaks, the card's order being the
 agent's preference), and checks its health by fetching the card.
 
-That interface is checked against the networks agents may reach each time the card is read,
-at registration and by the bridge (``checked``), and the a2a-sdk is given the card with that
-interface alone: given the whole card, it picks one itself (one of protocol version 1.0
-before the card's first), which nobody had checked.
+That interface is checked against the networks agents may reach each time the card is read:
+at registration with its host name looked up (``read``), by the bridge by its form and any
+address written in it (``checked``; each connection the bridge makes is checked on its own
+lookup). The a2a-sdk is given the card with that interface alone: given the whole card, it
+picks one itself (one of protocol version 1.0 before the card's first), which nobody had
+checked.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -39,6 +42,7 @@ from broker.remote.connections import guarded_session, read_body
 from broker.remote.registration import (
     A2A,
     MAX_CAPABILITIES,
+    EndpointCheck,
     EndpointNotAllowed,
     Registration,
     RegistrationInvalid,
@@ -86,13 +90,13 @@ def _speaks(candidate: AgentInterface) -> bool:
         return False
 
 
-async def checked(guard: Guard, card: AgentCard) -> AgentCard:
-    """The card with its ``interface`` alone, once that passes the guard as a registered
-    endpoint does (EndpointNotAllowed)."""
+async def checked(guard: Guard, card: AgentCard, check: EndpointCheck | None = None) -> AgentCard:
+    """The card with its ``interface`` alone, once that passes ``check`` (EndpointNotAllowed):
+    by default the bridge's, ``check_endpoint``, which looks no name up."""
     called = interface(card)
     assert called is not None  # parse() refuses a card without one
     try:
-        await check_endpoint(guard, called.url)
+        await (check or functools.partial(check_endpoint, guard))(called.url)
     except EndpointNotAllowed as exc:
         raise EndpointNotAllowed(f"the card's {called.protocol_binding} interface: {exc}") from None
     trimmed = AgentCard()
@@ -136,13 +140,14 @@ async def fetch(session: aiohttp.ClientSession, url: str, timeout_s: float) -> A
     return parse(body)
 
 
-async def read(url: str, guard: Guard, timeout_s: float) -> AgentCard:
+async def read(url: str, guard: Guard, timeout_s: float, vet: EndpointCheck) -> AgentCard:
     """The card at ``url`` as a registration reads it: the URL and the interface the bridge
-    would call both pass the guard (EndpointNotAllowed), and the card answers in time."""
-    await check_endpoint(guard, url)
+    would call both pass ``vet``, registration's check (EndpointNotAllowed), and the card
+    answers in time."""
+    await vet(url)
     async with guarded_session(guard) as session:
         card = await fetch(session, url, timeout_s)
-    return await checked(guard, card)
+    return await checked(guard, card, vet)
 
 
 def documents(agent_id: str, registration: Registration, card: AgentCard) -> list[dict[str, Any]]:

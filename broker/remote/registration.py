@@ -9,8 +9,7 @@ any other agent, once a bridge holds its lease.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,8 +23,9 @@ from broker.db.models import remote_agents_table as remote_agents
 from broker.errors import InvalidEnvelope
 from broker.registry import addresses, leases
 from broker.registry.model import Card, check_tenants
+from broker.remote.connections import address_refused
 from broker.webhooks import signing
-from broker.webhooks.ssrf import URL_MAX, Guard, HostUnresolved, UrlNotAllowed
+from broker.webhooks.ssrf import URL_MAX, Guard, HostLookups, UrlNotAllowed, parse_url
 
 HTTP, A2A = "http", "a2a"
 VERSION = rf"^{addresses.VERSION.pattern}$"
@@ -154,15 +154,39 @@ def _tenants(given: list[str] | None) -> tuple[str, ...] | None:
     return tuple(given) if given is not None else None
 
 
+# How a URL an agent is reached at is checked: registration's ``vet_endpoint`` (its name
+# looked up), or the bridge's ``check_endpoint`` (its form only).
+EndpointCheck = Callable[[str], Awaitable[None]]
+
+
 async def check_endpoint(guard: Guard, url: str) -> None:
-    """EndpointNotAllowed unless ``url`` is one the broker may call (the guard's lookup runs
-    in a thread)."""
+    """EndpointNotAllowed unless ``url`` has a form the broker calls and its host, when it is
+    an address, is one agents may reach. A host name is not looked up: this is how the bridge
+    checks a URL it reads from a card (at each health check, before calls), and every
+    connection the bridge makes is checked on its own lookup (``GuardedConnector``). A lookup
+    here ran in a thread that a name server that never answers held past any deadline,
+    until the health checks had none left. Registration looks names up (``vet_endpoint``).
+    Async, though it waits for nothing: it is an ``EndpointCheck``, as that one is."""
     try:
-        await asyncio.to_thread(guard.check, url)
-    except (UrlNotAllowed, HostUnresolved) as exc:
-        raise EndpointNotAllowed(
-            f"{exc}; REACH_AGENT_NETWORKS lists the networks agents may use"
-        ) from None
+        host = parse_url(url).raw_host.decode("ascii")
+    except UrlNotAllowed as exc:
+        raise _not_allowed(exc.message) from None
+    if address_refused(guard, host):
+        raise _not_allowed(f"{host} is an address agents may not reach")
+
+
+async def vet_endpoint(lookups: HostLookups, allow: Iterable[str], tenant: str, url: str) -> None:
+    """EndpointNotAllowed unless ``url`` is one the broker may call, its host name looked up
+    as the API looks up every URL it is given (``HostLookups``: threads of their own, each
+    lookup within their timeout, RateLimited past a few of one tenant at once)."""
+    try:
+        await lookups.vet(url, allow=allow, tenant=tenant)
+    except UrlNotAllowed as exc:
+        raise _not_allowed(exc.message) from None
+
+
+def _not_allowed(reason: str) -> EndpointNotAllowed:
+    return EndpointNotAllowed(f"{reason}; REACH_AGENT_NETWORKS lists the networks agents may use")
 
 
 def documents(cards: list[Card], protocol: str) -> list[dict[str, Any]]:

@@ -224,3 +224,47 @@ def test_given_a_card_whose_interface_the_guard_refuses_expect_a_failure() -> No
             ]
         )
     assert outcomes == {"refused": False, "callable": True}
+
+
+class NeverAnswersFor:
+    """A resolver standing in for a name server that never answers for ``host`` (until the
+    test releases it), and gives loopback for any other name; it notes each name asked."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.release = threading.Event()
+        self.asked: list[str] = []
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        self.asked.append(host)
+        if host == self.host:
+            self.release.wait(30)
+        return ["127.0.0.1"]
+
+
+def test_given_a_card_naming_a_host_that_never_resolves_expect_every_round_to_pass() -> None:
+    """Reading a card's interface looked its name up in a thread of the checks' pool, which
+    the deadline stopped waiting for but never freed: one more thread held each round, until
+    no check that needed one could pass and healthy agents went offline. The bridge reads a
+    card's interface by its form alone; each connection it makes checks its own lookup."""
+    tarpit = NeverAnswersFor("tarpit.example")
+    at_tarpit = {**CALLABLE, "url": "http://tarpit.example/rpc"}
+    with (
+        Server(functools.partial(card_in_pieces, interface=at_tarpit)) as tarpit_card,
+        Server(card_in_pieces) as healthy_card,
+        checks(Guard(allow=["127.0.0.0/8"], resolver=tarpit)) as health,
+    ):
+        agents = [
+            agent("tarpit", f"{tarpit_card.origin}/card", A2A),
+            agent("healthy", f"{healthy_card.origin}/card", A2A),
+        ]
+        try:
+            # When more rounds pass than the checks have lookup threads
+            rounds = [health.run(agents) for _ in range(5)]
+        finally:
+            tarpit.release.set()
+    # Then the healthy agent passed each round; so did the other, whose calls' connections
+    # check their own lookups; and no check asked for a lookup of its own
+    assert [r["healthy"] for r in rounds] == [True] * 5
+    assert [r["tarpit"] for r in rounds] == [True] * 5
+    assert tarpit.asked == []

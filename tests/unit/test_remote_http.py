@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import uuid
 
 import pytest
 
 from broker.errors import AgentFailure, Retryable
-from broker.remote.connections import GuardedResolver
+from broker.remote.connections import GuardedResolver, guarded_session
 from broker.webhooks.ssrf import Guard
+from workers.bridge import http_agent
 from workers.bridge.health_checks import health_url
 from workers.bridge.http_agent import RETRIED_STATUSES, _outcome
+from workers.sdk.context import Context
 
 
 def test_a_result_answer_gives_its_result_even_when_null() -> None:
@@ -83,3 +87,30 @@ def test_a_host_name_listed_by_name_resolves_as_its_registration_was_checked() -
         "http://localhost:9/run"
     ).addresses == ("127.0.0.1",)
     assert asyncio.run(resolve(allow)) == ["127.0.0.1"]
+
+
+def test_a_connection_that_fails_tells_the_tenant_no_address_and_logs_it_all(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The error's text became the task's message: ``ClientConnectorError: Cannot connect to
+    host 127.0.0.1:<port> ...``, an agent's address a tenant is never otherwise shown."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]  # closed when the test calls it
+    ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="t" * 32, attempt=1)
+    endpoint = http_agent.Endpoint(f"http://127.0.0.1:{port}/run", ("whsec_" + "A" * 32,))
+
+    async def called() -> Retryable:
+        async with guarded_session(Guard(allow=["127.0.0.0/8"])) as session:
+            with pytest.raises(Retryable) as failed:
+                await http_agent.call(session, endpoint, ctx, {"text": "hi"})
+        return failed.value
+
+    with caplog.at_level(logging.WARNING, logger="reach.bridge"):
+        failure = asyncio.run(called())
+    assert (failure.code, failure.message) == (
+        "agent_unreachable",
+        "the agent could not be reached",
+    )
+    (logged,) = [r.getMessage() for r in caplog.records if r.name == "reach.bridge"]
+    assert str(ctx.task_id) in logged
+    assert f"127.0.0.1:{port}" in logged

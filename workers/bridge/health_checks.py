@@ -3,10 +3,12 @@ agent's check can hold up or fail another's.
 
 ``HealthChecks.run(agents)`` gives each agent's outcome within one deadline. A check is
 ``GET <origin>/healthz`` for an ``http`` agent (200), the card for an ``a2a`` one (200, and a
-card the bridge can call, at an address it may), and passes only if all of it (connection,
-headers and the whole body, at most ``MAX_HEALTH_BYTES`` or ``a2a_card.MAX_CARD_BYTES``)
-comes within ``timeout_s``. A timeout on each read is not enough: a server sending a byte
-every second never tripped one, and held a thread of the check pool for as long as it liked.
+card the bridge can call whose interface is no address agents may not reach: a name in it
+is not looked up, each call's connection checks its own), and passes only if all of it
+(connection, headers and the whole body, at most ``MAX_HEALTH_BYTES`` or
+``a2a_card.MAX_CARD_BYTES``) comes within ``timeout_s``. A timeout on each read is not
+enough: a server sending a byte every second never tripped one, and held a thread of the
+check pool for as long as it liked.
 
 The checks run as coroutines on an event loop of their own, over a guarded aiohttp session
 like the calls' (``guarded_session``): each connection's addresses are checked on its own
@@ -42,9 +44,12 @@ T = TypeVar("T")
 
 
 class HealthChecks:
-    """Checks of remote agents, each within ``timeout_s``. Name lookups run on
-    ``lookup_threads`` threads of their own; aiohttp makes at most one lookup of a name at a
-    time, so a name server that never answers ties up one of them per name."""
+    """Checks of remote agents, each within ``timeout_s``. The lookups of their connections
+    run on ``lookup_threads`` threads of their own; aiohttp makes at most one lookup of a name
+    at a time, so a name server that never answers ties up one of them per name. Nothing
+    else looks a name up here: a deadline ends the wait for a lookup, not its thread, so a
+    lookup made at each round (as reading a card's interface made one) held one more thread
+    each round until none was left for any agent."""
 
     def __init__(self, guard: Guard, timeout_s: float, lookup_threads: int) -> None:
         self.guard = guard
@@ -83,6 +88,7 @@ class HealthChecks:
                 if agent.protocol == A2A:
                     card = await self._read(agent.url, a2a_card.MAX_CARD_BYTES, CARD_HEADERS)
                     # the interface the bridge would call, where it may: else no call works
+                    # (its form only: no lookup, see ``registration.check_endpoint``)
                     await a2a_card.checked(self.guard, a2a_card.parse(card))
                 else:
                     await self._read(health_url(agent.url), MAX_HEALTH_BYTES, {})

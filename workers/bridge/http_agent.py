@@ -11,11 +11,16 @@ within ``first_byte_timeout_s``, 408, 429 and 5xx; never once output was streame
 has seen it). Any other 4xx fails at once. The call's own end (its timeout, the task's
 deadline, a cancel) cancels this coroutine, which closes the connection: the agent sees the
 call closed.
+
+A failure of the connection or of what the agent sent becomes the task's error with a fixed
+message, the exception's text logged with the task's id: the text names the agent's address
+(``Cannot connect to host 127.0.0.1:1 ...``), which tenants are never shown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,8 @@ from broker.errors import AgentFailure, Retryable
 from broker.remote.connections import MAX_ANSWER_BYTES, read_body
 from broker.webhooks import signing
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
+
+log = logging.getLogger("reach.bridge")
 
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 ACCEPT = "text/event-stream, application/json"
@@ -85,7 +92,8 @@ async def call(
             f"no answer within {endpoint.first_byte_timeout_s:g}s", code="agent_timeout"
         ) from None
     except aiohttp.ClientError as exc:
-        raise Retryable(f"{type(exc).__name__}: {exc}", code="agent_unreachable") from None
+        _log(ctx, exc)
+        raise Retryable("the agent could not be reached", code="agent_unreachable") from None
     async with response:
         if response.status != 200:
             await _refuse(response)
@@ -97,12 +105,17 @@ async def call(
         try:
             answer = jsoncodec.loads(await _read_all(response))
         except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
-            raise Retryable(f"the answer broke off: {exc}", code="agent_unreachable") from None
+            _log(ctx, exc)
+            raise Retryable("the agent's answer broke off", code="agent_unreachable") from None
         except ValueError as exc:
-            raise AgentFailure(
-                f"the agent's JSON is invalid: {exc}", code="agent_protocol"
-            ) from None
+            _log(ctx, exc)
+            raise AgentFailure("the agent's JSON is invalid", code="agent_protocol") from None
         return _outcome(answer, streamed=False)
+
+
+def _log(ctx: Context, exc: BaseException) -> None:
+    """What the task's error does not say: the exception, with the agent's address."""
+    log.warning("the call of task %s failed: %s: %s", ctx.task_id, type(exc).__name__, exc)
 
 
 async def _refuse(response: aiohttp.ClientResponse) -> None:
@@ -165,9 +178,10 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
             elif event == "error":
                 return _outcome({"error": data}, streamed=streamed)
     except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+        _log(ctx, exc)
         if streamed:
-            raise AgentFailure(f"the stream broke off: {exc}", code="agent_stream_broken") from None
-        raise Retryable(f"the stream broke off: {exc}", code="agent_unreachable") from None
+            raise AgentFailure("the stream broke off", code="agent_stream_broken") from None
+        raise Retryable("the stream broke off", code="agent_unreachable") from None
     if streamed:
         raise AgentFailure("the stream ended without a result", code="agent_stream_broken")
     raise Retryable("the stream ended without a result", code="agent_unreachable")
