@@ -10,7 +10,8 @@ no_cookies        a cookie jar for httpx clients that calls agents: it keeps not
 AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
                   (the a2a-sdk's): hundreds of calls in flight are aiohttp's strength, not
                   httpx's pool (``docs/performance.md``)
-AnswerTooLarge    what its answers raise past ``MAX_ANSWER_BYTES``
+AnswerTooLarge    what its answers raise past ``MAX_ANSWER_BYTES`` or ``MAX_ANSWER_ELEMENTS``
+JsonElements      a count of a JSON text's elements as it arrives, in pieces
 """
 
 from __future__ import annotations
@@ -33,12 +34,21 @@ from broker.webhooks.ssrf import Guard
 
 CONNECT_TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 16 * 2**20  # an answer, or one event of an event stream
+# The elements (``JsonElements``) an answer or an event of an ``AiohttpTransport``'s may hold:
+# the a2a-sdk turns each into protobuf in Python, about 1.5 us an element, on the loop that
+# makes every tenant's calls (16 MiB of ``[0,0,...]`` took 12 s), and the bridge turns it
+# back. 100,000 cost about 0.25 s together.
+MAX_ANSWER_ELEMENTS = 100_000
 # Where an event of an event stream ends: a line ending followed by an empty line.
 _EVENT_END = re.compile(rb"\n[\r\n]|\r\r")
 # Set by the session itself, or meaningless once the request is aiohttp's.
 _NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding"})
 # aiohttp decompresses the body; httpx must not try again, nor trust the encoded length.
 _NOT_RETURNED = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+# The rest of a JSON string from inside it, up to its closing quote, a lone backslash at the
+# end of the text, or a line end (which no JSON string holds). Possessive: linear, whatever
+# the escapes.
+_IN_STRING = re.compile(rb'(?:[^"\\\r\n]++|\\[^\r\n])*+')
 
 
 class GuardedResolver(AbstractResolver):
@@ -177,14 +187,70 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
 
 class AnswerTooLarge(httpx.DecodingError):
-    """An answer longer than ``MAX_ANSWER_BYTES``, or an event of an event stream that is: a
-    client reading it (the a2a-sdk's holds a whole answer, and a whole event, in memory) gets
-    this instead of the rest, and the agent's connection is closed."""
+    """An answer longer than ``MAX_ANSWER_BYTES`` or holding more than ``MAX_ANSWER_ELEMENTS``,
+    or an event of an event stream that is: a client reading it (the a2a-sdk's holds a whole
+    answer, and a whole event, in memory, and parses it) gets this instead of the rest, and
+    the agent's connection is closed."""
+
+
+class JsonElements:
+    """How many elements a JSON text holds, counted as it arrives in pieces (``add``): each
+    string, and each ``,`` ``:`` ``[`` ``{`` outside strings, so about two for an array's
+    value and three for an object's member. Neither parsed nor checked: a text that is not
+    JSON is counted all the same, and its reader refuses it. A line end ends a string (no
+    JSON string holds one), so the lines of an event stream that are not JSON cannot hide
+    the next one's structure in a string they open."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._in_string = False
+        self._escaped = False  # the piece ended with a backslash in a string
+
+    def add(self, data: bytes, start: int = 0, end: int | None = None, most: int = 0) -> int:
+        """Count ``data[start:end]``; stop once past ``most`` (when given). The count so far.
+        Each turn of the loop passes a string, so the loop turns about ``count`` times."""
+        end = len(data) if end is None else end
+        while start < end and not (most and self.count > most):
+            if self._in_string:
+                start = self._in_string_from(data, start, end)
+                continue
+            quote = data.find(b'"', start, end)
+            stop = end if quote < 0 else quote
+            self.count += (
+                data.count(b",", start, stop)
+                + data.count(b":", start, stop)
+                + data.count(b"[", start, stop)
+                + data.count(b"{", start, stop)
+            )
+            if quote < 0:
+                break
+            self.count += 1
+            self._in_string, start = True, quote + 1
+        return self.count
+
+    def _in_string_from(self, data: bytes, start: int, end: int) -> int:
+        """Where the string going on at ``start`` ends, or ``end``."""
+        if self._escaped:
+            self._escaped = False
+            self._in_string = data[start] not in b"\r\n"
+            return start + 1
+        found = _IN_STRING.match(data, start, end)  # it matches "" too: never None
+        at = found.end() if found else start
+        if at < end:
+            if data[at] == ord("\\"):  # then the text's end, or a line end
+                self._escaped = at + 1 == end
+                self._in_string = self._escaped
+            else:  # its closing quote, or a line end
+                self._in_string = False
+            at += 1
+        return at
 
 
 class _Body(httpx.AsyncByteStream):
-    """The answer's body, decompressed (``auto_decompress``), at most ``MAX_ANSWER_BYTES`` of
-    it; for an event stream, of each event."""
+    """The answer's body, decompressed (``auto_decompress``), at most ``MAX_ANSWER_BYTES`` and
+    ``MAX_ANSWER_ELEMENTS`` of it; for an event stream, of each event. Both are checked on
+    each piece before the client gets it, so a client parsing each event as it ends never
+    gets one past them."""
 
     def __init__(self, answer: aiohttp.ClientResponse, request: httpx.Request) -> None:
         self._answer = answer
@@ -192,7 +258,7 @@ class _Body(httpx.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         streamed = self._answer.content_type == "text/event-stream"
-        size, tail = 0, b""
+        size, tail, elements = 0, b"", JsonElements()
         try:
             async for chunk in self._answer.content.iter_any():
                 # Offsets in ``chunk`` past each event's end (an event ending in it is no
@@ -201,6 +267,14 @@ class _Body(httpx.AsyncByteStream):
                 ends = [m.end() - len(tail) for m in found]
                 if size + (ends[0] if ends else len(chunk)) > MAX_ANSWER_BYTES:
                     raise AnswerTooLarge("the agent's answer is too large", request=self._request)
+                for start, end in zip([0, *ends], [*ends, len(chunk)], strict=True):
+                    if start:
+                        elements = JsonElements()  # a new event
+                    if elements.add(chunk, start, end, MAX_ANSWER_ELEMENTS) > MAX_ANSWER_ELEMENTS:
+                        raise AnswerTooLarge(
+                            f"the agent's answer holds more than {MAX_ANSWER_ELEMENTS} elements",
+                            request=self._request,
+                        )
                 size = len(chunk) - ends[-1] if ends else size + len(chunk)
                 tail = chunk[-1:]
                 yield chunk

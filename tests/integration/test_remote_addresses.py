@@ -104,7 +104,7 @@ def test_the_bridge_calls_the_interface_registration_checked_not_the_one_the_sdk
 
 
 def test_a_card_changed_after_registration_to_an_address_not_allowed_fails_its_task(
-    ops: httpx.Client, caller: httpx.Client, agent: A2AAgent
+    ops: httpx.Client, caller: httpx.Client, agent: A2AAgent, bridge: CeleryProcess
 ) -> None:
     """The card is read again at the bridge's first call, and after each failure that may
     mean the agent moved: each time its interface is checked, as registration checks it."""
@@ -121,9 +121,11 @@ def test_a_card_changed_after_registration_to_an_address_not_allowed_fails_its_t
             done = echo(caller, "moved", {"city": "Faro"})
         finally:
             ops.delete("/agents/a2a-moved")
-    # Then the task fails saying so, and nothing reached that address
+    # Then the task fails saying so, and nothing reached that address; the tenant is not
+    # told the address, the bridge's log is
     assert done["status"] == "failed"
     error = done["error"]
     assert error["code"] == "endpoint_not_allowed", error
-    assert "127.0.0.2" in error["message"]
+    assert "127.0.0.2" not in error["message"]
+    assert "127.0.0.2 is an address agents may not reach" in bridge.output()
     assert canary.requests == []

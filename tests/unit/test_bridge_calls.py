@@ -149,8 +149,11 @@ def test_the_bridge_calls_the_interface_it_checked_not_the_one_the_sdk_prefers()
     assert outcome["text"] == "from /rpc"
 
 
-def test_a_card_whose_interface_may_not_be_reached_fails_the_call_before_any_connection() -> None:
-    """As a card changed after registration would: it is read again after a failure."""
+def test_a_card_whose_interface_may_not_be_reached_fails_the_call_before_any_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As a card changed after registration would: it is read again after a failure. The
+    tenant is not told the address; the bridge's log is."""
     outcome, at_agent, at_canary = with_agent_and_canary(
         lambda agent, canary: card_with(
             {"url": f"{canary}/rpc", "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}
@@ -160,15 +163,17 @@ def test_a_card_whose_interface_may_not_be_reached_fails_the_call_before_any_con
     assert at_agent == ["/card"]
     assert isinstance(outcome, Retryable)
     assert outcome.code == "endpoint_not_allowed"
-    assert "127.0.0.2" in outcome.message
+    assert "127.0.0.2" not in outcome.message
+    assert "127.0.0.2 is an address agents may not reach" in caplog.text
 
 
 @pytest.mark.parametrize("protocol", ["http", "a2a"])
 def test_an_ip_address_agents_may_not_reach_is_refused_like_a_name_resolving_there(
-    protocol: str,
+    protocol: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """aiohttp asks no resolver for an address written in the URL: the guard on lookups
-    never saw it. An ``http`` agent's URL, an ``a2a`` agent's card URL."""
+    never saw it. An ``http`` agent's URL, an ``a2a`` agent's card URL. The tenant is not
+    told the address; the bridge's log is."""
     at_canary: list[str] = []
 
     async def scenario() -> Any:
@@ -179,7 +184,8 @@ def test_an_ip_address_agents_may_not_reach_is_refused_like_a_name_resolving_the
     assert at_canary == []
     assert isinstance(outcome, Retryable)
     assert outcome.code == "agent_unreachable"
-    assert "127.0.0.2 is an address agents may not reach" in outcome.message
+    assert "127.0.0.2" not in outcome.message
+    assert "127.0.0.2 is an address agents may not reach" in caplog.text
 
 
 def test_an_a2a_answer_nested_too_deep_for_json_fails_agent_protocol() -> None:

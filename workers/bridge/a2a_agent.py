@@ -1,18 +1,20 @@
 """The ``a2a`` protocol: how the bridge calls a remote A2A agent (protocol 1.0, ``a2a-sdk``).
 
 The agent's card is fetched at its first call, and again after a connection failure or a new
-registration; each time the interface the bridge calls is checked as a registration checks it
+registration, by one call at a time (the others waiting for it share its outcome); each time
+the interface the bridge calls is checked as a registration checks it
 (``a2a_card.checked``), and the SDK is given that interface alone. A card whose interface is
 not one agents may reach fails the call ``endpoint_not_allowed`` (retried: the next attempt
 reads the card again). A task is one message to that interface: a text part when the payload
 is ``{"text": ...}`` alone, else a data part holding the payload; ``metadata.skill`` names
-the skill, ``context_id`` is the task's session. An agent whose card says it streams gets
-``SendStreamingMessage``: its status updates become the task's progress (``metadata.percent``
-when the agent gives one, else the last percent, with the status message's text), its
-artifact updates the task's output. Any other gets ``SendMessage`` returning at once, then
-``GetTask`` until its task ends. The result is ``{"text", "artifacts"}``: the text parts of
-the task's final artifacts joined by newlines, and each artifact as JSON
-(``broker.remote.a2a_json``).
+the skill, ``context_id`` is the task's session. A payload A2A cannot carry (a number beyond
+a double, nesting past protobuf's 100 levels) fails the task ``payload_invalid``. An agent
+whose card says it streams gets ``SendStreamingMessage``: its status updates become the
+task's progress (``metadata.percent`` when the agent gives one, else the last percent, with
+the status message's text), its artifact updates the task's output. Any other gets
+``SendMessage`` returning at once, then ``GetTask`` until its task ends. The result is
+``{"text", "artifacts"}``: the text parts of the task's final artifacts joined by newlines,
+and each artifact as JSON (``broker.remote.a2a_json``).
 
 What is retried follows the http protocol: a connection that fails, a first event not within
 ``first_byte_timeout_s``, HTTP 408, 429 and 5xx; never once output was streamed. A task that
@@ -20,6 +22,13 @@ ends failed, rejected or cancelled by the agent, or one that wants input, fails 
 does any error the agent answers. A cancel or the deadline cancels this coroutine, which
 closes the call and sends the agent ``CancelTask`` for its task (best effort, shielded, within
 ``CANCEL_TIMEOUT_S``).
+
+The bridge's calls share one event loop, and the SDK parses each answer and event into
+protobuf in Python on it: the transport refuses one of more than ``MAX_ANSWER_ELEMENTS``
+before the SDK sees it (``broker.remote.connections``), and the task fails
+``agent_protocol``. A failure's message is one fixed text per code where the cause is the
+bridge's (a card it could not read or may not call, a connection, a timeout): those causes
+name addresses and settings, and are logged instead.
 """
 
 from __future__ import annotations
@@ -55,7 +64,12 @@ from google.protobuf.json_format import ParseDict, ParseError
 
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
-from broker.remote.connections import MAX_ANSWER_BYTES, AiohttpTransport, no_cookies
+from broker.remote.connections import (
+    MAX_ANSWER_BYTES,
+    AiohttpTransport,
+    AnswerTooLarge,
+    no_cookies,
+)
 from broker.remote.registration import EndpointNotAllowed
 from broker.webhooks import signing
 from broker.webhooks.ssrf import Guard
@@ -77,6 +91,11 @@ _INTERRUPTED = {TaskState.TASK_STATE_INPUT_REQUIRED, TaskState.TASK_STATE_AUTH_R
 # What an answer the SDK could not read raises: it reads JSON with ``json``, which raises
 # RecursionError past about 1,000 levels of nesting.
 _UNREAD = (A2AError, ParseError, ValueError, RecursionError)
+# What ``ParseDict`` raises for a payload a protobuf ``Value`` cannot hold: an integer beyond a
+# double (the API takes 4,300 digits), nesting past its 100 levels.
+_UNSENDABLE = (OverflowError, ParseError, RecursionError)
+# CancelTask requests in flight: the loop holds its tasks only weakly.
+_CANCELLING: set[asyncio.Task[None]] = set()
 
 
 @dataclass
@@ -90,31 +109,55 @@ class Agent:
     first_byte_timeout_s: float = 30.0
     card_timeout_s: float = 5.0
     _client: tuple[A2AClient, bool] | None = field(default=None, repr=False)
+    _reading: asyncio.Task[tuple[A2AClient, bool]] | None = field(default=None, repr=False)
 
     async def client(self, transport: AiohttpTransport) -> tuple[A2AClient, bool]:
-        """The SDK's client for the card's interface, and whether the agent streams."""
-        if self._client is None:
-            session = transport.session()
-            fetched = await a2a_card.fetch(session, self.card_url, self.card_timeout_s)
-            card = await a2a_card.checked(self.guard, fetched)
-            http = httpx.AsyncClient(
-                transport=transport,
-                timeout=httpx.Timeout(None),  # the task's deadline bounds the call
-                follow_redirects=False,
-                trust_env=False,
-                cookies=no_cookies(),  # every tenant's calls to this agent go through it
-                event_hooks={"request": [self._sign]},
-            )
-            config = ClientConfig(
-                streaming=card.capabilities.streaming,
-                httpx_client=http,
-                supported_protocol_bindings=list(a2a_card.BINDINGS),
-            )
-            self._client = (ClientFactory(config).create(card), card.capabilities.streaming)
-        return self._client
+        """The SDK's client for the card's interface, and whether the agent streams. One
+        call at a time reads the card; the others that need it meanwhile wait for that read
+        and share its outcome: a hundred first calls read it once, not a hundred times, and
+        one call cancelled does not end the read the others wait for."""
+        if self._client is not None:
+            return self._client
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._connect(transport))
+            self._reading.add_done_callback(self._read)
+        return await asyncio.shield(self._reading)
 
-    def forget_card(self) -> None:
-        self._client = None
+    async def _connect(self, transport: AiohttpTransport) -> tuple[A2AClient, bool]:
+        session = transport.session()
+        fetched = await a2a_card.fetch(session, self.card_url, self.card_timeout_s)
+        card = await a2a_card.checked(self.guard, fetched)
+        http = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(None),  # the task's deadline bounds the call
+            follow_redirects=False,
+            trust_env=False,
+            cookies=no_cookies(),  # every tenant's calls to this agent go through it
+            event_hooks={"request": [self._sign]},
+        )
+        config = ClientConfig(
+            streaming=card.capabilities.streaming,
+            httpx_client=http,
+            supported_protocol_bindings=list(a2a_card.BINDINGS),
+        )
+        return ClientFactory(config).create(card), card.capabilities.streaming
+
+    def _read(self, reading: asyncio.Task[tuple[A2AClient, bool]]) -> None:
+        """Once a read of the card ended: its client kept, or why it failed logged, once for
+        every call that waited for it (the calls' tasks say no more than its code)."""
+        self._reading = None
+        failure = None if reading.cancelled() else reading.exception()
+        if isinstance(failure, a2a_card.CardUnavailable | EndpointNotAllowed):
+            log.warning("A2A agent card %s: %s", self.card_url, failure.message)
+        elif failure is None and not reading.cancelled():
+            self._client = reading.result()
+
+    def forget_card(self, client: A2AClient) -> None:
+        """Read the card again at the next call, unless it was read since ``client`` was
+        made: of many calls failing together, the last would otherwise forget the card the
+        first had read again."""
+        if self._client is not None and self._client[0] is client:
+            self._client = None
 
     async def _sign(self, request: httpx.Request) -> None:
         """Standard Webhooks headers, as on every call of the broker to an agent."""
@@ -124,7 +167,18 @@ class Agent:
 
 
 def message_of(ctx: Context, skill: str, payload: Any) -> Message:
-    """The task as an A2A message."""
+    """The task as an A2A message; AgentFailure ``payload_invalid`` when A2A cannot carry its
+    payload or metadata (``_UNSENDABLE``)."""
+    try:
+        return _message(ctx, skill, payload)
+    except _UNSENDABLE as exc:
+        reason = "nested too deep" if isinstance(exc, ParseError | RecursionError) else str(exc)
+        raise AgentFailure(
+            f"an A2A message cannot carry the task's payload: {reason}", code="payload_invalid"
+        ) from None
+
+
+def _message(ctx: Context, skill: str, payload: Any) -> Message:
     if (
         isinstance(payload, dict)
         and payload.keys() == {"text"}
@@ -154,14 +208,15 @@ async def call(
 ) -> Any:
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
     failure at the deadline ends the task ``expired``: the runner's rule for every agent."""
+    request = SendMessageRequest(message=message_of(ctx, skill, payload))
     try:
         client, streams = await agent.client(transport)
-    except a2a_card.CardUnavailable as exc:
-        raise Retryable(exc.message, code="agent_unreachable") from None
-    except EndpointNotAllowed as exc:
-        raise Retryable(exc.message, code="endpoint_not_allowed") from None
+    except a2a_card.CardUnavailable:  # logged, with its cause, by ``Agent._read``
+        raise Retryable("the agent's card could not be read", code="agent_unreachable") from None
+    except EndpointNotAllowed:
+        message = "the agent's card names an interface the bridge may not call"
+        raise Retryable(message, code="endpoint_not_allowed") from None
     run = _Run(client, ctx, ClientCallContext(service_parameters=ctx.trace_headers()))
-    request = SendMessageRequest(message=message_of(ctx, skill, payload))
     try:
         if streams:
             return await run.streamed(request, agent.first_byte_timeout_s)
@@ -172,7 +227,7 @@ async def call(
     except _UNREAD as exc:
         failure = failure_of(exc, streamed=run.streamed_output)
         if isinstance(failure, Retryable) or failure.code == "agent_stream_broken":
-            agent.forget_card()  # the agent may have moved: read its card again
+            agent.forget_card(client)  # the agent may have moved: read its card again
         raise failure from None
 
 
@@ -284,17 +339,24 @@ class _Run:
         return None
 
     async def cancel_remote(self) -> None:
-        """``CancelTask`` for the agent's task: best effort, bounded, and shielded from a
-        second cancel, so the agent hears it even while this call is being torn down."""
+        """``CancelTask`` for the agent's task: best effort, and shielded from a second
+        cancel, so the agent hears it even while this call is being torn down. The request
+        itself ends within ``CANCEL_TIMEOUT_S``, answered or not: a wait for it that gave up
+        left it running (the SDK's client has no timeout), holding its connection for as
+        long as the agent kept it open."""
         if not self.task_id:
             return
-        cancelling = self.client.cancel_task(
-            CancelTaskRequest(id=self.task_id), context=self.call_ctx
-        )
+        cancelling = asyncio.ensure_future(self._cancel_task(self.task_id))
+        _CANCELLING.add(cancelling)
+        cancelling.add_done_callback(_CANCELLING.discard)
+        await asyncio.shield(cancelling)
+
+    async def _cancel_task(self, task_id: str) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(cancelling), CANCEL_TIMEOUT_S)
+            async with asyncio.timeout(CANCEL_TIMEOUT_S):
+                await self.client.cancel_task(CancelTaskRequest(id=task_id), context=self.call_ctx)
         except (*_UNREAD, TimeoutError) as exc:
-            log.info("CancelTask for the agent's task %s failed: %r", self.task_id, exc)
+            log.info("CancelTask for the agent's task %s failed: %r", task_id, exc)
 
     def _broken(self, message: str) -> AgentFailure:
         if self.streamed_output:
@@ -306,7 +368,7 @@ def failure_of(exc: Exception, *, streamed: bool) -> AgentFailure:
     """The task's failure for an error of the SDK's: the network's are retried before any
     output, the agent's answers never."""
     if isinstance(exc, A2AClientTimeoutError):
-        return _transient(f"the agent did not answer in time: {exc}", "agent_timeout", streamed)
+        return _transient("the agent did not answer in time", "agent_timeout", streamed)
     if isinstance(exc, A2AClientError):
         cause = exc.__cause__
         if isinstance(cause, httpx.HTTPStatusError):
@@ -315,8 +377,14 @@ def failure_of(exc: Exception, *, streamed: bool) -> AgentFailure:
             if status in RETRIED_STATUSES and not streamed:
                 return Retryable(message, code=f"agent_http_{status}")
             return AgentFailure(message, code=f"agent_http_{status}")
-        if isinstance(cause, httpx.TransportError):
-            return _transient(f"{type(cause).__name__}: {cause}", "agent_unreachable", streamed)
+        if isinstance(cause, AnswerTooLarge):
+            return AgentFailure(str(cause), code="agent_protocol")
+        if isinstance(cause, httpx.RequestError):  # its text may name the agent's address
+            log.warning("an A2A agent's call failed: %s: %s", type(cause).__name__, cause)
+            if isinstance(cause, httpx.TransportError):
+                message = "the connection to the agent failed"
+                return _transient(message, "agent_unreachable", streamed)
+            return AgentFailure("the agent's answer could not be read", code="agent_protocol")
         return AgentFailure(str(exc)[:2000], code="agent_protocol")
     if isinstance(exc, A2AError):
         return AgentFailure(str(exc)[:2000], code=a2a_json.error_code(exc))
