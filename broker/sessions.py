@@ -32,6 +32,7 @@ from broker.db.models import tasks_table as tasks
 from broker.db.paging import Budget, first_rows, json_bytes, newest_created_first
 from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.tasks.resource import RUNNING
+from broker.tenancy.heavy import HeavyReads
 from broker.timestamps import iso
 
 ID_PREFIX = "sess_"
@@ -148,9 +149,16 @@ async def create(
     ttl_s: int,
     max_bytes: int,
     max_per_tenant: int,
+    turns: HeavyReads,
 ) -> dict[str, Any]:
     """A new session at revision 1; SessionLimitReached when the tenant already holds
-    ``max_per_tenant`` live ones (expired ones do not count: the janitor deletes them)."""
+    ``max_per_tenant`` live ones (expired ones do not count: the janitor deletes them).
+
+    A tenant's creations take the tenant's lock in Postgres, so the limit holds across
+    processes; in this process they first wait their turn in ``turns``, without a connection,
+    so at most one of the pool's waits for that lock. Were each to wait holding its own, a
+    tenant's waiting requests (up to 256) would hold every connection of the pool, and every
+    other tenant's requests would wait for them."""
     check_size(state, metadata, max_bytes)
     values = {
         "id": new_id(),
@@ -161,8 +169,7 @@ async def create(
         "ttl_s": ttl_s,
         "expires_at": _expiry(ttl_s),
     }
-    async with engine.begin() as conn:
-        # Serialises a tenant's concurrent creations, so the limit holds.
+    async with turns.turn(tenant, "session create"), engine.begin() as conn:
         await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"sess:{tenant}"))))
         live = await conn.scalar(
             select(func.count()).select_from(

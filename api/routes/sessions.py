@@ -170,6 +170,7 @@ async def create_session(request: Request, caller: Metered) -> JSONResponse:
             ttl_s=ttl_s,
             max_bytes=settings.session_max_bytes,
             max_per_tenant=settings.session_max_per_tenant,
+            turns=services(request).heavy_reads,
         )
     return _answer(created, 201)
 
@@ -184,13 +185,16 @@ async def list_sessions(
     """The tenant's live sessions, newest first (by creation); pass ``next_cursor`` back as
     ``cursor`` for more. Expired ones are not listed."""
     state = services(request)
-    found, next_cursor = await sessions.list_live(
-        state.engine,
-        caller.tenant,
-        limit=min(limit, state.settings.list_page_max),
-        cursor=cursor,
-        max_bytes=state.settings.list_page_max_bytes,
-    )
+    # Its byte budget measures each candidate's state (up to 256 KiB of JSON each): one
+    # tenant's lists run one at a time, with its task lists (``HeavyReads``).
+    async with state.heavy_reads.turn(caller.tenant, "list"):
+        found, next_cursor = await sessions.list_live(
+            state.engine,
+            caller.tenant,
+            limit=min(limit, state.settings.list_page_max),
+            cursor=cursor,
+            max_bytes=state.settings.list_page_max_bytes,
+        )
     return JSONResponse({"sessions": found, "next_cursor": next_cursor})
 
 
@@ -271,11 +275,12 @@ async def list_revisions(
     fewer when their states would pass the page's byte budget (list_page_max_bytes). Only
     the last session_revisions_kept are kept: older ones are gone."""
     state = services(request)
-    found = await sessions.history(
-        state.engine,
-        caller.tenant,
-        session_id,
-        limit=limit,
-        max_bytes=state.settings.list_page_max_bytes,
-    )
+    async with state.heavy_reads.turn(caller.tenant, "list"):  # as GET /sessions
+        found = await sessions.history(
+            state.engine,
+            caller.tenant,
+            session_id,
+            limit=limit,
+            max_bytes=state.settings.list_page_max_bytes,
+        )
     return JSONResponse({"session_id": session_id, "revisions": found})

@@ -37,6 +37,7 @@ from broker.tasks import events, turns
 from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
 from broker.tasks.resource import QUEUED, TaskRow, new_task_id
+from broker.tenancy.heavy import HeavyReads
 from broker.tenancy.keys import Principal
 from broker.tenancy.usage import QuotaExceeded, Quotas, task_bytes
 
@@ -128,6 +129,8 @@ class GroupInsert:
     def __init__(self, engine: AsyncEngine, max_rows: int = GROUP_MAX_ROWS) -> None:
         self.engine = engine
         self._db = LoopConnection(engine.url)
+        # A session's submits, one at a time in this process (``_insert_turn``).
+        self.turns = HeavyReads()
         self._insert = Grouped(
             self._insert_many, max_items=max_rows, name="inserts", retry_alone=True
         )
@@ -293,7 +296,7 @@ async def _write(
     for _ in range(2):
         if values["session_id"] is not None:
             try:
-                inserted = await _insert_turn(engine, values, max_turns)
+                inserted = await _insert_turn(inserter, values, max_turns)
             except turns.SessionTurnsExceeded:
                 replayed = await _replay(engine, values) if values["idempotency_key"] else None
                 if replayed is None:
@@ -310,15 +313,21 @@ async def _write(
     raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
 
 
-async def _insert_turn(engine: AsyncEngine, values: dict[str, Any], max_turns: int) -> bool:
+async def _insert_turn(inserter: GroupInsert, values: dict[str, Any], max_turns: int) -> bool:
     """Insert a session's task with the session's next turn (set in ``values``), in one
     transaction; False when its idempotency key was already taken (no turn is used up).
     SessionNotLive when the session is unknown, expired or another tenant's;
     SessionTurnsExceeded when it holds ``max_turns`` unfinished turns already. The count is
     taken with the session's row locked (``ALLOCATE``), so submits to one session count one
-    after another, each seeing the turns the ones before it committed."""
+    after another, each seeing the turns the ones before it committed.
+
+    In this process they first wait their turn (``inserter.turns``) without a connection, so
+    at most one of the pool's waits for the row (held through a payload's insert, up to
+    1 MiB): were each to wait holding its own, one session's submits (up to 256 waiting
+    requests) would hold every connection of the pool, and every other tenant would wait."""
     session_id = values["session_id"]
-    async with engine.connect() as conn:
+    turn_of_session = inserter.turns.turn(values["tenant"], f"turn {session_id}")
+    async with turn_of_session, inserter.engine.connect() as conn:
         turn = await conn.scalar(
             turns.ALLOCATE, {"turn_session": session_id, "turn_tenant": values["tenant"]}
         )
