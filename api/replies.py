@@ -22,20 +22,28 @@ from api.sse import EventStreamResponse, Slot
 from broker.observability import metrics
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope
-from broker.tasks.eventhub import EventHub, FinalFromStore
+from broker.tasks.eventhub import POLL_S, EventHub, FinalFromStore
 from broker.tasks.events import Event
 from broker.tasks.resource import FINAL, TaskRow, render
 from broker.tasks.submission import Accepted
 from broker.tenancy.keys import Principal
 
-STORE_CHECK_S = 2.0
+STORE_CHECK_S = POLL_S  # a wait looks at Postgres as often as one look is shared
 
 
 async def _final_row(svc: Services, tenant: str, task_id: uuid.UUID) -> TaskRow | None:
     """The task if Postgres has it final, its final event appended to the log first (refused
-    when the log has it already): a worker that died between its two writes left it out."""
-    row = await queries.get_task(svc.engine, tenant, task_id)
-    if row is None or row["status"] not in FINAL:
+    when the log has it already): a worker that died between its two writes left it out.
+
+    Until then only its status is read, once an interval for all the waits and streams of
+    this process on it (``EventHub.polled``); its row (no payload) once it is final."""
+    status = await svc.hub.polled(
+        ("status", tenant, task_id), lambda: queries.task_status(svc.engine, tenant, task_id)
+    )
+    if status not in FINAL:
+        return None
+    row = await queries.final_task(svc.engine, tenant, task_id)
+    if row is None:
         return None
     await svc.event_log.append_final_async(row)
     return row
@@ -114,9 +122,10 @@ async def wait_until_final(
     """The task (as rendered) once final, or None when ``timeout_s`` passes first; raises
     ``Unauthenticated`` once the caller's key is no longer valid.
 
-    Subscribes, then checks (so a completion during the start is not missed), and reads
-    Postgres whenever pub/sub has been quiet for a while. The final event carries the task as
-    the worker wrote it, so the usual path reads nothing more.
+    Subscribes, then checks (so a completion during the start is not missed), and looks at
+    the task's status in Postgres whenever pub/sub has been quiet for a while (``_final_row``).
+    The final event carries the task as the worker wrote it, so the usual path reads nothing
+    more.
     """
     hub: EventHub = svc.hub
     key = key_watch(svc, caller)

@@ -162,7 +162,8 @@ async def get_task(
     """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
     key's patterns are all 404. ``include=payload`` adds the envelope's ``payload`` (the
     console shows it and submits it again)."""
-    row = await queries.visible_task(services(request).engine, caller, task_id)
+    engine = services(request).engine
+    row = await queries.visible_task(engine, caller, task_id, payload=include == "payload")
     resource = render(row)
     if include == "payload":
         resource["payload"] = row["payload"]

@@ -5,6 +5,9 @@ A reader subscribes first and waits for Redis to confirm, then reads the log: an
 either in what it read or arrives on the channel afterwards. Pub/sub may still drop (a slow
 reader's queue overflowing, a reconnect), so every gap in ``seq`` and every quiet spell is
 filled from the log. Nothing is delivered twice: the reader skips what it already sent.
+
+Looks at Postgres are shared the same way (``polled``): the waiters and streams of one task
+in a process read its status once an interval between them, however many they are.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
 
+from broker.cache import TimedCache
 from broker.tasks.events import Event, channel, log_key, parse_entries, seq_key
 
 log = logging.getLogger("reach.events")
@@ -33,6 +37,10 @@ LOG_PAGE = 100
 # died between the two writes, or Redis lost the log) and returns it, with seq ``last + 1``
 # for the case where the log began again below what this reader has sent.
 FinalFromStore = Callable[[int], Awaitable[Event | None]]
+# How long one look at Postgres answers every reader of this process that asks the same: the
+# interval at which a waiter looks (``api.replies.STORE_CHECK_S``).
+POLL_S = 2.0
+T = TypeVar("T")
 
 
 class EventHub:
@@ -47,6 +55,7 @@ class EventHub:
         # new listener's confirmation is read at once, not after a polling interval.
         self._wake = asyncio.Event()
         self._leaving: set[asyncio.Task[None]] = set()
+        self._polls = TimedCache(ttl_s=POLL_S)
 
     async def close(self) -> None:
         for leave in list(self._leaving):
@@ -87,6 +96,13 @@ class EventHub:
                 leave = asyncio.create_task(self._unsubscribe_unheard(name))
                 self._leaving.add(leave)  # the loop holds its tasks weakly
                 leave.add_done_callback(self._leaving.discard)
+
+    async def polled(self, key: Hashable, poll: Callable[[], Awaitable[T]]) -> T:
+        """``poll()``'s answer, read once per ``POLL_S`` for every reader that asks with
+        ``key`` (``TimedCache.computed``): 256 waits on one task, each reading its row every
+        2 s, decoded its megabyte payload 128 times a second on the loop every tenant's
+        requests share. Keep the answer small: it is held until the cache is full."""
+        return cast(T, await self._polls.computed(key, poll))
 
     async def _unsubscribe_unheard(self, name: str) -> None:
         """Unsubscribe from a channel left by its last listener, unless a new one came."""

@@ -1,7 +1,8 @@
 """What the API reads of tasks: those of one tenant (expired ones read as gone), paged.
 
 A read narrowed by ``patterns`` (a key's ``Principal.sees``) finds only tasks of capabilities
-they allow: a task outside them reads as gone, like a foreign one.
+they allow: a task outside them reads as gone, like a foreign one. A read selects the columns
+it shows and no more: a task's payload (up to a megabyte) only when asked for.
 """
 
 from __future__ import annotations
@@ -10,17 +11,27 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, false, func, or_, select, true
+from sqlalchemy import ColumnElement, Select, false, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from broker.db.models import as_task_row
+from broker.db.models import FINAL_COLUMNS, as_task_row
 from broker.db.models import tasks_table as tasks
 from broker.db.paging import Budget, json_bytes, newest_first
 from broker.errors import NotFound
-from broker.tasks.resource import SHOWN_COLUMNS, SHOWN_JSON, TaskRow, parse_task_id, render
+from broker.tasks.resource import (
+    FINAL,
+    SHOWN_COLUMNS,
+    SHOWN_JSON,
+    TaskRow,
+    parse_task_id,
+    render,
+)
 from broker.tenancy.keys import Principal
 
 EVERY_CAPABILITY = ("*",)
+# What the readers of one task show of it: the resource's columns (``render``) and its
+# callback (A2A shows it as the task's push config). Not its payload, unless asked for.
+READ_COLUMNS = (*SHOWN_COLUMNS, "callback")
 
 
 def allowed_by(patterns: Sequence[str], column: ColumnElement[str]) -> ColumnElement[bool]:
@@ -38,29 +49,86 @@ def allowed_by(patterns: Sequence[str], column: ColumnElement[str]) -> ColumnEle
     return or_(false(), *clauses)
 
 
+def _one_task(
+    columns: Sequence[str], tenant: str, task_id: uuid.UUID, patterns: Sequence[str]
+) -> Select[Any]:
+    """The ``columns`` of one task of ``tenant`` the ``patterns`` allow, unless expired."""
+    return select(*(tasks.c[name] for name in columns)).where(
+        tasks.c.id == task_id,
+        tasks.c.tenant == tenant,
+        tasks.c.expires_at > func.now(),
+        allowed_by(patterns, tasks.c.capability),
+    )
+
+
+def task_query(
+    tenant: str,
+    task_id: uuid.UUID,
+    *,
+    patterns: Sequence[str] = EVERY_CAPABILITY,
+    payload: bool = False,
+) -> Select[Any]:
+    """What ``get_task`` reads: ``READ_COLUMNS``, and the payload only when ``payload`` asks
+    for it (``GET /tasks/{id}?include=payload``). A payload may be a megabyte, and nothing
+    else shows it."""
+    columns = (*READ_COLUMNS, "payload") if payload else READ_COLUMNS
+    return _one_task(columns, tenant, task_id, patterns)
+
+
+def status_query(tenant: str, task_id: uuid.UUID) -> Select[Any]:
+    """What ``task_status`` reads: the status alone."""
+    return _one_task(("status",), tenant, task_id, EVERY_CAPABILITY)
+
+
+def final_query(tenant: str, task_id: uuid.UUID) -> Select[Any]:
+    """What ``final_task`` reads: every column but the payload, of a final task only."""
+    columns = tuple(column.key for column in FINAL_COLUMNS)
+    query = _one_task(columns, tenant, task_id, EVERY_CAPABILITY)
+    return query.where(tasks.c.status.in_(sorted(FINAL)))
+
+
 async def get_task(
     engine: AsyncEngine,
     tenant: str,
     task_id: uuid.UUID,
     *,
     patterns: Sequence[str] = EVERY_CAPABILITY,
+    payload: bool = False,
 ) -> TaskRow | None:
-    query = select(tasks).where(
-        tasks.c.id == task_id,
-        tasks.c.tenant == tenant,
-        tasks.c.expires_at > func.now(),
-        allowed_by(patterns, tasks.c.capability),
-    )
+    """The task's ``READ_COLUMNS`` (``render`` reads no others of a row), and its ``payload``
+    when asked: no other column is read, and no other key is in the row."""
+    query = task_query(tenant, task_id, patterns=patterns, payload=payload)
     async with engine.connect() as conn:
         row = (await conn.execute(query)).first()
     return as_task_row(row) if row is not None else None
 
 
-async def visible_task(engine: AsyncEngine, caller: Principal, task_id: str) -> TaskRow:
-    """The task if this key may see it, else ``task_not_found``: unknown, expired, other
-    tenants' ids and tasks of capabilities outside the key's patterns do not exist for it."""
+async def task_status(engine: AsyncEngine, tenant: str, task_id: uuid.UUID) -> str | None:
+    """The task's status alone, None when it is gone: what a wait polls while the task runs
+    (``api.replies``), a query that costs the same whatever the task holds."""
+    async with engine.connect() as conn:
+        status: str | None = (await conn.execute(status_query(tenant, task_id))).scalar()
+    return status
+
+
+async def final_task(engine: AsyncEngine, tenant: str, task_id: uuid.UUID) -> TaskRow | None:
+    """The task once final, as a final write returns it (every column but the payload:
+    enough for its final event), else None."""
+    async with engine.connect() as conn:
+        row = (await conn.execute(final_query(tenant, task_id))).first()
+    return as_task_row(row) if row is not None else None
+
+
+async def visible_task(
+    engine: AsyncEngine, caller: Principal, task_id: str, *, payload: bool = False
+) -> TaskRow:
+    """The task if this key may see it (as ``get_task`` reads it), else ``task_not_found``:
+    unknown, expired, other tenants' ids and tasks of capabilities outside the key's patterns
+    do not exist for it."""
     tid = parse_task_id(task_id)
-    row = None if tid is None else await get_task(engine, caller.tenant, tid, patterns=caller.sees)
+    row = None
+    if tid is not None:
+        row = await get_task(engine, caller.tenant, tid, patterns=caller.sees, payload=payload)
     if row is None:
         raise NotFound("no such task", code="task_not_found")
     return row
