@@ -3,11 +3,11 @@
 A2A tasks are our tasks: the request handler below submits, reads, lists, cancels and streams
 them through the same intake, tables and event log as the HTTP API, so any API process serves
 any of them, and a key sees exactly what it sees there. The SDK's in-memory task store and
-queue manager are not used. Every route takes the caller's bearer key first, and its body within
-the API's size and depth limits, before the SDK parses it. A bug in a handler is answered as
-A2A's internal error in general terms and logged with its traceback: the SDK's JSON-RPC
-dispatcher would send the exception's text (SQL, say) as the message. The mapping is
-``broker.facades.a2a``.
+queue manager are not used. Every route takes the caller's bearer key first, then (for a body
+not small) a token of its tenant's rate, and its body within the API's size and depth limits,
+before the SDK parses it. A bug in a handler is answered as A2A's internal error in general
+terms and logged with its traceback: the SDK's JSON-RPC dispatcher would send the exception's
+text (SQL, say) as the message. The mapping is ``broker.facades.a2a``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from api import errors, replies
-from api.deps import authenticate, read_json_body
+from api.deps import authenticate, read_metered_body
 from api.services import Services
 from api.sse import Slot
 from broker import jsonbody
@@ -196,7 +196,8 @@ class ReachRequestHandler(RequestHandler):
             fields["idempotency_key"] = f"a2a:{params.message.message_id}"[:255]
         fields["source"] = "a2a"
         try:
-            await self.svc.door.take(caller.tenant)
+            if not context.state.get("metered"):  # a large body took its token before reading
+                await self.svc.door.take(caller.tenant)
             envelope = parse_envelope(fields)
             accepted = await self.svc.intake.submit(
                 caller,
@@ -471,6 +472,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context.state["principal"] = request.state.principal
         context.state["trace_id"] = getattr(request.state, "trace_id", None)
         context.state["base_url"] = str(request.base_url)
+        context.state["metered"] = getattr(request.state, "metered", False)
         return context
 
 
@@ -479,16 +481,21 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
     """The endpoint behind our key check and body limits: a request the API would refuse is
-    refused here the same way (problem+json), before the SDK parses anything. A JSON-RPC body
-    that is not acceptable JSON gets JSON-RPC's answer: -32700 when it does not parse, -32600
-    when it breaks a limit (too deep, a number out of range), our ``code`` in ``data``."""
+    refused here the same way (problem+json), before the SDK parses anything. The tenant's
+    token comes before a body is read, as for ``POST /tasks`` (``read_metered_body``: but a
+    small body already here whole), so a caller out of tokens has no body read or parsed
+    (429 ``rate_limited``); a message sent takes no second one. A JSON-RPC body that is not
+    acceptable JSON gets JSON-RPC's answer: -32700 when it does not parse, -32600 when it
+    breaks a limit (too deep, a number out of range), our ``code`` in ``data``."""
 
     async def guarded(request: Request) -> Response:
         try:
-            request.state.principal = await authenticate(request)
+            caller = request.state.principal = await authenticate(request)
             if request.method != "POST" or (not json_rpc and _bodiless(request)):
                 return await endpoint(request)
-            raw = await read_json_body(request, svc.settings.max_body_bytes)
+            raw, request.state.metered = await read_metered_body(
+                request, caller, svc.settings.max_body_bytes
+            )
         except ReachError as exc:
             return errors.problem_response(request, exc)
         try:

@@ -3,6 +3,11 @@
 Python's ``json`` accepts things that break later: NaN and Infinity (jsonb rejects them),
 integers beyond 4,300 digits (ValueError), ``"\\u0000"`` (Postgres rejects NUL in text and
 jsonb), lone surrogates (unencodable as UTF-8) and deep nesting (RecursionError).
+
+``parse`` decides at C speed what it can (a hook in Python per integer, or a walk over every
+string, cost a 1 MiB body several times the parse): strings are checked on the text, the depth
+on the containers alone. Whatever the text cannot clear takes the walk over every node
+(``check_tree``), so every body gets the same answer and code it would from the walk.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+import sys
+from itertools import chain, compress
 from typing import Any
 
 from broker.errors import BadRequest
@@ -18,6 +26,14 @@ from broker.errors import BadRequest
 # quadratic time, and json raises ValueError there. Any integer a client can send as JSON
 # below it is accepted, as the OpenAPI document's plain "integer" and "number" say.
 MAX_INT_DIGITS = 4300
+
+# A decoded string can hold NUL or a surrogate only through a \u escape: the body is strict
+# UTF-8 (no raw surrogate) and json refuses raw control characters. Bytes patterns, as the
+# text is ASCII wherever they match; none can backtrack.
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+_SURROGATE_PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_CONTAINER_TYPES = frozenset((dict, list))
 
 
 def _parse_int(text: str) -> int:
@@ -48,13 +64,17 @@ def _check_string(s: str) -> None:
         ) from None
 
 
+def _too_deep(max_depth: int) -> BadRequest:
+    return BadRequest(f"nesting deeper than {max_depth}", code="json_too_deep")
+
+
 def check_tree(value: Any, *, max_depth: int) -> None:
     """Walk iteratively (no recursion to exhaust) checking depth and strings."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict | list) and depth > max_depth:
-            raise BadRequest(f"nesting deeper than {max_depth}", code="json_too_deep")
+            raise _too_deep(max_depth)
         if isinstance(node, dict):
             for key, child in node.items():
                 _check_string(key)
@@ -65,23 +85,65 @@ def check_tree(value: Any, *, max_depth: int) -> None:
             _check_string(node)
 
 
+def _check_depth(value: Any, *, max_depth: int) -> None:
+    """``check_tree``'s depth check alone, on what ``json.loads`` built (dicts and lists, no
+    subclass), a level at a time: each level's children listed, and the containers among
+    them picked, by C loops."""
+    dicts = [value] if type(value) is dict else []
+    lists = [value] if type(value) is list else []
+    for _ in range(max_depth):
+        children = [*chain.from_iterable(lists), *chain.from_iterable(map(dict.values, dicts))]
+        containers = list(
+            compress(children, map(_CONTAINER_TYPES.__contains__, map(type, children)))
+        )
+        if not containers:
+            return
+        dicts = [node for node in containers if type(node) is dict]
+        lists = [node for node in containers if type(node) is list]
+    raise _too_deep(max_depth)
+
+
+def _strings_clean(raw: bytes) -> bool:
+    """Whether no string of ``raw``, valid JSON, decodes to NUL or a lone surrogate: False
+    may be wrong (a duplicate key drops its value), True never is.
+
+    Each escaped backslash is blanked first, so every backslash left starts an escape; then
+    the escaped pairs are taken out as json pairs them (a high surrogate with the low one
+    right after it), and any surrogate escape left is lone."""
+    if _SUSPECT_ESCAPE.search(raw) is None:
+        return True
+    escapes = raw.replace(b"\\\\", b"__")
+    if b"\\u0000" in escapes:
+        return False
+    return _SURROGATE.search(_SURROGATE_PAIR.sub(b"", escapes)) is None
+
+
+def _loads(text: str, *, max_depth: int) -> Any:
+    # Python refuses integers past its limit by itself, without a hook called per integer,
+    # when that limit is ours (it can be set otherwise: then the hook decides).
+    parse_int = None if sys.get_int_max_str_digits() == MAX_INT_DIGITS else _parse_int
+    try:
+        return json.loads(
+            text, parse_int=parse_int, parse_float=_parse_float, parse_constant=_reject_constant
+        )
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON: {exc.msg} at {exc.pos}", code="invalid_json") from None
+    except ValueError:  # an integer past Python's limit: nothing else raises it
+        raise BadRequest("integer too large", code="number_out_of_range") from None
+
+
 def parse(raw: bytes, *, max_depth: int) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise BadRequest("body is not UTF-8", code="invalid_json") from None
-    try:
-        value = json.loads(
-            text,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-            parse_constant=_reject_constant,
-        )
-    except RecursionError:
-        raise BadRequest(f"nesting deeper than {max_depth}", code="json_too_deep") from None
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON: {exc.msg} at {exc.pos}", code="invalid_json") from None
-    check_tree(value, max_depth=max_depth)
+    value = _loads(text, max_depth=max_depth)
+    if not _strings_clean(raw):
+        check_tree(value, max_depth=max_depth)
+    elif raw.count(b"[") + raw.count(b"{") > max_depth:  # fewer containers: none that deep
+        _check_depth(value, max_depth=max_depth)
     return value
 
 

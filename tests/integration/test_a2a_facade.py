@@ -41,7 +41,9 @@ from google.protobuf.json_format import ParseDict
 from sqlalchemy import Engine, text
 from standardwebhooks import Webhook
 
+from api.a2a import JSON_PARSE_ERROR
 from api.app import create_app
+from api.deps import SMALL_BODY_BYTES
 from broker.remote.a2a_json import to_json
 from broker.settings import Settings
 from tests.integration.conftest import KeyMaker
@@ -382,6 +384,53 @@ REST = "/a2a/rest"
 def rest_get(api: ServedApp, token: str, path: str, **params: str) -> httpx.Response:
     headers = {**A2A_VERSION, "Authorization": f"Bearer {token}"}
     return httpx.get(f"{api.url}{REST}{path}", params=params, headers=headers, timeout=30)
+
+
+def test_a_tenant_out_of_tokens_has_its_body_refused_before_it_is_parsed(
+    settings: Settings, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    """A body past ``SMALL_BODY_BYTES`` takes its tenant's token before it is read, as for
+    ``POST /tasks``: once the bucket is empty, 64 KiB that are not even JSON get 429
+    ``rate_limited`` on both bindings, not -32700 (what their parse answered while a token
+    was left). A message that large is sent for its one token, not charged twice."""
+    _, token = make_key()
+    _, sender = make_key()
+    large_message = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "SendMessage",
+        "params": {
+            "message": {
+                "messageId": str(uuid.uuid4()),
+                "role": "ROLE_USER",
+                "parts": [{"text": "x" * (4 * SMALL_BODY_BYTES)}],
+                "metadata": {"capability": "echo"},
+            },
+            "configuration": {"returnImmediately": True},
+        },
+    }
+    not_json = b"{" + b"x" * (16 * SMALL_BODY_BYTES)
+    one_token = settings.model_copy(update={"rate_limit_per_s": 0.001, "rate_limit_burst": 1})
+    with ServedApp(create_app(one_token)) as api:
+        parsed = rpc(api, token, not_json)
+        refused = rpc(api, token, not_json)
+        rest_refused = httpx.post(
+            f"{api.url}{REST}/message:send",
+            content=not_json,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+        sent = rpc(api, sender, large_message)
+    assert parsed.status_code == 200
+    assert parsed.json()["error"]["code"] == JSON_PARSE_ERROR
+    for answer in (refused, rest_refused):
+        assert answer.status_code == 429, answer.text
+        assert answer.headers["content-type"].startswith("application/problem+json")
+        assert answer.json()["code"] == "rate_limited"
+        assert int(answer.headers["retry-after"]) >= 1
+    assert sent.status_code == 200
+    assert "result" in sent.json(), sent.text
+    assert sent.json()["result"]["task"]["id"], sent.text
 
 
 def test_a_negative_page_size_is_invalid_params_not_a_500_naming_the_sql(
