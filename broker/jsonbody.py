@@ -4,10 +4,11 @@ Python's ``json`` accepts things that break later: NaN and Infinity (jsonb rejec
 integers beyond 4,300 digits (ValueError), ``"\\u0000"`` (Postgres rejects NUL in text and
 jsonb), lone surrogates (unencodable as UTF-8) and deep nesting (RecursionError).
 
-``parse`` decides at C speed what it can (a hook in Python per integer, or a walk over every
-string, cost a 1 MiB body several times the parse): strings are checked on the text, the depth
-on the containers alone. Whatever the text cannot clear takes the walk over every node
-(``check_tree``), so every body gets the same answer and code it would from the walk.
+``parse`` decides at C speed (a hook in Python per integer, or a walk over every string, cost
+a 1 MiB body several times the parse): the depth on the containers alone, then the strings on
+the text; a text that holds a suspect escape has its value written out again by ``json.dumps``,
+whose output says exactly whether a string holds NUL or a lone surrogate. A body refused costs
+what one accepted does. A body both too deep and with a bad string is refused as too deep.
 """
 
 from __future__ import annotations
@@ -103,6 +104,21 @@ def _check_depth(value: Any, *, max_depth: int) -> None:
     raise _too_deep(max_depth)
 
 
+def _check_strings(value: Any) -> None:
+    """``_check_string`` on every string of ``value`` (keys too), at C speed: ``json.dumps``
+    writes NUL as ``\\u0000`` and a backslash as two, and keeps a lone surrogate, which
+    UTF-8 then refuses."""
+    text = json.dumps(value, ensure_ascii=False, check_circular=False)
+    if "\\u0000" in text.replace("\\\\", "__"):
+        raise BadRequest("strings must not contain NUL (\\u0000)", code="invalid_string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "strings must not contain lone surrogates", code="invalid_string"
+        ) from None
+
+
 def _strings_clean(raw: bytes) -> bool:
     """Whether no string of ``raw``, valid JSON, decodes to NUL or a lone surrogate: False
     may be wrong (a duplicate key drops its value), True never is.
@@ -140,10 +156,10 @@ def parse(raw: bytes, *, max_depth: int) -> Any:
     except UnicodeDecodeError:
         raise BadRequest("body is not UTF-8", code="invalid_json") from None
     value = _loads(text, max_depth=max_depth)
-    if not _strings_clean(raw):
-        check_tree(value, max_depth=max_depth)
-    elif raw.count(b"[") + raw.count(b"{") > max_depth:  # fewer containers: none that deep
+    if raw.count(b"[") + raw.count(b"{") > max_depth:  # fewer containers: none that deep
         _check_depth(value, max_depth=max_depth)
+    if not _strings_clean(raw):
+        _check_strings(value)
     return value
 
 

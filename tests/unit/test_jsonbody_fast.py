@@ -1,5 +1,7 @@
-"""``jsonbody.parse`` decides at C speed what the text allows, and answers exactly what the walk
-over every node did: the same value, or the same refusal (code and message)."""
+"""``jsonbody.parse`` decides at C speed, and answers what the walk over every node did: the
+same value, or the same refusal (code and message), but that a body both too deep and with a bad
+string is refused as too deep, and of a NUL and a lone surrogate the NUL is named (the walk named
+whichever it met first: a refused body cost it the whole walk)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ DEPTH = 32
 
 def walked(raw: bytes, *, max_depth: int) -> Any:
     """The parse before the fast path, kept as the reference: a Python hook per integer and
-    a walk checking every string."""
+    a walk over every node, the depth first, then the strings, NUL before lone surrogates."""
 
     def parse_int(text: str) -> int:
         if len(text.lstrip("-")) > 4300:
@@ -47,7 +49,23 @@ def walked(raw: bytes, *, max_depth: int) -> Any:
         raise BadRequest(f"nesting deeper than {max_depth}", code="json_too_deep") from None
     except json.JSONDecodeError as exc:
         raise BadRequest(f"invalid JSON: {exc.msg} at {exc.pos}", code="invalid_json") from None
-    jsonbody.check_tree(tree, max_depth=max_depth)
+    strings: list[str] = []
+    stack: list[tuple[Any, int]] = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list) and depth > max_depth:
+            raise BadRequest(f"nesting deeper than {max_depth}", code="json_too_deep")
+        if isinstance(node, dict):
+            strings += node
+            stack += [(child, depth + 1) for child in node.values()]
+        elif isinstance(node, list):
+            stack += [(child, depth + 1) for child in node]
+        elif isinstance(node, str):
+            strings.append(node)
+    if any("\x00" in s for s in strings):
+        raise BadRequest("strings must not contain NUL (\\u0000)", code="invalid_string")
+    for s in strings:
+        jsonbody._check_string(s)
     return tree
 
 
@@ -95,7 +113,7 @@ CORPUS: list[tuple[bytes, str]] = [
     (b'{"k\\u0000": 1}', "invalid_string"),
     (b'{"a": "\\u0000", "a": 1}', "ok"),  # the NUL's value is replaced by the duplicate key
     (b'{"a": "\\ud800", "b": "\\u0000"}', "invalid_string"),
-    (b'["\\u0000", "\\ud800"]', "invalid_string"),  # which one is named: as the walk did
+    (b'["\\u0000", "\\ud800"]', "invalid_string"),  # the NUL is named, whichever comes first
     (b'["\\ud800", "\\u0000"]', "invalid_string"),
     ('"Zoë 你好 😀"'.encode(), "ok"),
     (string(b'\\u00e9\\u4f60\\t\\n\\\\\\/\\"'), "ok"),
@@ -128,9 +146,9 @@ CORPUS: list[tuple[bytes, str]] = [
     (b'[{"a":' * 15 + b"[1, {}]" + b"}]" * 15, "ok"),  # objects and lists mixed: exactly 32
     (b'[{"a":' * 15 + b"[1, [[]]]" + b"}]" * 15, "json_too_deep"),
     (nested_objects(DEPTH, b'"\\u0000"'), "invalid_string"),
-    (nested_objects(DEPTH + 1, b'{"b": "\\u0000"}'), "json_too_deep"),  # the walk meets it first
+    (nested_objects(DEPTH + 1, b'{"b": "\\u0000"}'), "json_too_deep"),  # too deep is named first
     (b'["\\u0000", ' + nested(DEPTH) + b"]", "json_too_deep"),
-    (b"[" + nested(DEPTH) + b', "\\u0000"]', "invalid_string"),
+    (b"[" + nested(DEPTH) + b', "\\u0000"]', "json_too_deep"),
     (b'["\\u0000", "' + b"[" * 40 + b'"]', "invalid_string"),  # brackets in a string
     (b'"' + b"[" * 40 + b'"', "ok"),
     (nested(900), "json_too_deep"),
@@ -233,9 +251,15 @@ def test_given_a_megabyte_of_small_values_expect_no_string_or_integer_checked_in
     assert string_checks == []
 
 
-def test_given_a_lone_surrogate_in_a_megabyte_expect_the_walk_that_names_it(
-    string_checks: list[str],
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [(b"\\udfff", "lone surrogates"), (b"\\u0000", "NUL"), (b"\\\\\\u0000", "NUL")],
+)
+def test_given_a_bad_string_in_a_megabyte_expect_it_refused_with_no_string_checked_in_python(
+    string_checks: list[str], bad: bytes, message: str
 ) -> None:
-    raw = megabyte_of_small_values().replace(b'"s7"', b'"\\udfff"')
-    assert outcome(jsonbody.parse, raw)[0] == "invalid_string"
-    assert string_checks  # the refusal came from the walk over the strings
+    """A refused body costs what an accepted one does: a tenant's bad bodies buy no walk."""
+    raw = megabyte_of_small_values().replace(b'"s7"', b'"' + bad + b'"')
+    code, said = outcome(jsonbody.parse, raw)
+    assert (code, message in said) == ("invalid_string", True)
+    assert string_checks == []
