@@ -34,7 +34,7 @@ from broker.tasks.eventhub import EventHub
 from broker.tasks.events import EventLog
 from broker.tasks.intake import Intake
 from broker.tasks.submission import GroupInsert
-from broker.tenancy.heavy import HeavyReads
+from broker.tenancy.heavy import OneAtATime
 from broker.tenancy.usage import PostgresHeld, Quota, Quotas, RedisHeld
 from broker.webhooks.ssrf import HostLookups
 
@@ -66,7 +66,7 @@ class Services:
     # The tenants' figures and series: one at a time per tenant, each kept a few seconds.
     aggregates: Aggregates
     # A tenant's reads whose cost grows with its history (lists): one at a time per kind.
-    heavy_reads: HeavyReads
+    heavy_reads: OneAtATime
     # When the system gauges were last computed (``system_gauges``); None before the first.
     gauges_refreshed_at: float | None = None
     # ``/readyz``'s answer, for a second: it needs no key (see ``api.routes.health``).
@@ -87,7 +87,7 @@ class Services:
             broker_redis = redisclients.async_client(broker, socket_timeout=5)
         dispatcher = Dispatcher(settings)
         bucket = TokenBucket(settings.rate_limit_per_s, settings.rate_limit_burst)
-        heavy_reads = HeavyReads()
+        heavy_reads = OneAtATime()
         intake = Intake(
             settings=settings,
             engine=engine,

@@ -32,7 +32,7 @@ from broker.db.models import tasks_table as tasks
 from broker.db.paging import Budget, first_rows, json_bytes, newest_created_first
 from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.tasks.resource import RUNNING
-from broker.tenancy.heavy import HeavyReads
+from broker.tenancy.heavy import OneAtATime
 from broker.timestamps import iso
 
 ID_PREFIX = "sess_"
@@ -149,7 +149,7 @@ async def create(
     ttl_s: int,
     max_bytes: int,
     max_per_tenant: int,
-    turns: HeavyReads,
+    turns: OneAtATime,
 ) -> dict[str, Any]:
     """A new session at revision 1; SessionLimitReached when the tenant already holds
     ``max_per_tenant`` live ones (expired ones do not count: the janitor deletes them).

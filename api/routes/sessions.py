@@ -186,7 +186,7 @@ async def list_sessions(
     ``cursor`` for more. Expired ones are not listed."""
     state = services(request)
     # Its byte budget measures each candidate's state (up to 256 KiB of JSON each): one
-    # tenant's lists run one at a time, with its task lists (``HeavyReads``).
+    # tenant's lists run one at a time, with its task lists (``OneAtATime``).
     async with state.heavy_reads.turn(caller.tenant, "list"):
         found, next_cursor = await sessions.list_live(
             state.engine,

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
 from broker.tasks.resource import FAILED, SUCCEEDED
-from broker.tenancy.heavy import HeavyReads
+from broker.tenancy.heavy import OneAtATime
 from broker.timestamps import iso
 
 WINDOW_S = 300
@@ -35,11 +35,11 @@ class Aggregates:
     requests wait for its aggregate in progress (within its share of the waiting requests,
     ``REACH_MAX_REQUESTS_WAITING_PER_TENANT``), and the same question within ``ttl_s`` gets the
     answer already computed: one tenant keeps at most one Postgres backend busy per API
-    process (``HeavyReads``). The last answer of each kind is kept per tenant, so asking many
+    process (``OneAtATime``). The last answer of each kind is kept per tenant, so asking many
     questions keeps no more of them."""
 
     ttl_s: float
-    reads: HeavyReads = field(default_factory=HeavyReads)
+    reads: OneAtATime = field(default_factory=OneAtATime)
     _answers: TimedCache = field(init=False)
 
     def __post_init__(self) -> None:

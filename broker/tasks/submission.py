@@ -37,7 +37,7 @@ from broker.tasks import events, turns
 from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
 from broker.tasks.resource import QUEUED, TaskRow, new_task_id
-from broker.tenancy.heavy import HeavyReads
+from broker.tenancy.heavy import OneAtATime
 from broker.tenancy.keys import Principal
 from broker.tenancy.usage import QuotaExceeded, Quotas, task_bytes
 
@@ -130,7 +130,7 @@ class GroupInsert:
         self.engine = engine
         self._db = LoopConnection(engine.url)
         # A session's submits, one at a time in this process (``_insert_turn``).
-        self.turns = HeavyReads()
+        self.turns = OneAtATime()
         self._insert = Grouped(
             self._insert_many, max_items=max_rows, name="inserts", retry_alone=True
         )

@@ -1,4 +1,7 @@
-"""A tenant's reads whose cost grows with its history, one at a time per kind in this process.
+"""A tenant's costly work, one at a time per kind in this process, before it takes a pooled
+database connection: reads whose cost grows with its history (lists, series), and writes that
+wait on a lock of the tenant's (a session's creation) or of one session (its next turn), where
+every waiter held a connection blocked on that lock until one tenant held the whole pool.
 
 A list filtered by the key's patterns (a key that sees ``invoice.*`` of a tenant that ran
 mostly other capabilities) reads the tenant's tasks newest first until a page is full: every
@@ -17,14 +20,14 @@ import contextlib
 from collections.abc import AsyncIterator
 
 
-class HeavyReads:
+class OneAtATime:
     def __init__(self) -> None:
         # (tenant, kind) -> (its lock, how many requests hold or wait for it): gone when none
         self._turns: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
 
     @contextlib.asynccontextmanager
     async def turn(self, tenant: str, kind: str) -> AsyncIterator[None]:
-        """Held while the tenant's read of ``kind`` runs; the next one waits for it."""
+        """Held while the tenant's work of ``kind`` runs; the next one waits for it."""
         key = (tenant, kind)
         lock, users = self._turns.setdefault(key, (asyncio.Lock(), [0]))
         users[0] += 1
@@ -38,5 +41,5 @@ class HeavyReads:
 
     @property
     def in_progress(self) -> int:
-        """How many (tenant, kind) have a read running or waiting."""
+        """How many (tenant, kind) have work running or waiting."""
         return len(self._turns)

@@ -13,7 +13,7 @@ import pytest
 
 from broker.cache import TimedCache
 from broker.registry.figures import Aggregates
-from broker.tenancy.heavy import HeavyReads
+from broker.tenancy.heavy import OneAtATime
 
 
 def sync(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -148,7 +148,7 @@ async def test_a_failed_computation_fails_its_readers_and_the_next_one_computes_
 
 @sync
 async def test_a_tenants_reads_of_one_kind_wait_for_each_other_not_for_another_kind() -> None:
-    reads, work = HeavyReads(), Computing()
+    reads, work = OneAtATime(), Computing()
 
     async def read(tenant: str, kind: str) -> Any:
         async with reads.turn(tenant, kind):
