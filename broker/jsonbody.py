@@ -163,6 +163,27 @@ def parse(raw: bytes, *, max_depth: int) -> Any:
     return value
 
 
+def written(value: Any, *, max_depth: int) -> bytes:
+    """``canonical(value)``, for a value no body brought (an agent's result, output or session
+    state), refused (BadRequest, with ``parse``'s codes) where a body would be: a string
+    holding NUL or a lone surrogate, nesting past ``max_depth``. A TypeError or ValueError
+    when it is not JSON at all (NaN, the infinities, a set). At C speed: ``json.dumps`` writes
+    NUL as ``\\u0000`` and a backslash as two, and UTF-8 has no surrogate."""
+    try:
+        data = canonical(value)
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "strings must not contain lone surrogates", code="invalid_string"
+        ) from None
+    if b"\\u0000" in data and b"\\u0000" in data.replace(b"\\\\", b"__"):
+        raise BadRequest("strings must not contain NUL (\\u0000)", code="invalid_string")
+    if data.count(b"[") + data.count(b"{") > max_depth:  # fewer containers: none that deep
+        _check_depth(json.loads(data), max_depth=max_depth)
+    return data
+
+
 def canonical(value: Any) -> bytes:
     """One byte form per JSON value, so equal payloads have equal digests. NaN and the
     infinities are not JSON: a ValueError (an agent that returns one fails `result_invalid`)."""

@@ -123,9 +123,9 @@ def check_size(state: Any, metadata: Any, max_bytes: int) -> None:
     that is not JSON, a lone surrogate or nesting too deep to write fail here, and a NUL, which
     JSON writes but Postgres refuses, fails the string check."""
     try:
-        size = len(jsonbody.canonical(state)) + len(jsonbody.canonical(metadata))
-        # ``canonical`` wrote it, so its depth is one the interpreter walks; strings alone left.
-        jsonbody.check_tree([state, metadata], max_depth=sys.getrecursionlimit())
+        # Any depth the interpreter writes: strings, NaN and what is not JSON alone refused.
+        depth = sys.getrecursionlimit()
+        size = sum(len(jsonbody.written(v, max_depth=depth)) for v in (state, metadata))
     except BadRequest as exc:
         raise SessionInvalid(exc.message) from None
     except (ValueError, TypeError, RecursionError) as exc:

@@ -46,7 +46,10 @@ def boom(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 @agent.capability("test.not-json", agent_id="test-not-json", version="0.0.1")
 def not_json(ctx: Context, payload: dict[str, Any]) -> object:
-    """A set, or NaN (which Python's json would write, and Postgres refuse)."""
+    """A set, NaN (which Python's json would write, and Postgres refuse), or a NUL in a
+    tuple (written as an array; the check of strings went into dicts and lists only)."""
+    if payload.get("nul_in_tuple"):
+        return {"t": ("a\x00",)}
     return {"x": float("nan")} if payload.get("nan") else {"a set": {1, 2}}
 
 

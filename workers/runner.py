@@ -585,9 +585,9 @@ class Runner:
         return value
 
     def _size(self, value: Any) -> int:
-        """The bytes of ``value`` as canonical JSON; a TypeError/ValueError when it is none."""
-        jsonbody.check_tree(value, max_depth=self.settings.max_json_depth)
-        return len(jsonbody.canonical(value))
+        """The bytes of ``value`` as canonical JSON; a TypeError/ValueError when it is none,
+        BadRequest when Postgres would refuse it or it is nested past ``max_json_depth``."""
+        return len(jsonbody.written(value, max_depth=self.settings.max_json_depth))
 
     def _readiness_sink(self, instance: str, capability: str) -> Any:
         def apply(ready: bool, for_s: float) -> None:

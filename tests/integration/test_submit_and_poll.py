@@ -107,7 +107,9 @@ def test_an_unexpected_exception_fails_the_task_and_the_worker_keeps_serving(
     assert wait_for_task(client, after["task_id"], FINAL)["result"] == {"n": 1}
 
 
-@pytest.mark.parametrize("payload", [{}, {"nan": True}], ids=["a set", "NaN"])
+@pytest.mark.parametrize(
+    "payload", [{}, {"nan": True}, {"nul_in_tuple": True}], ids=["a set", "NaN", "NUL in a tuple"]
+)
 def test_a_result_that_is_not_json_fails_as_result_invalid(
     client: httpx.Client, payload: dict[str, Any]
 ) -> None:

@@ -263,3 +263,63 @@ def test_given_a_bad_string_in_a_megabyte_expect_it_refused_with_no_string_check
     code, said = outcome(jsonbody.parse, raw)
     assert (code, message in said) == ("invalid_string", True)
     assert string_checks == []
+
+
+# --- what a value no body brought is written as (``written``) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "code"),
+    [
+        ({"a": ["b", 1, 2.5, None, True]}, "ok"),
+        ("a\\u0000", "ok"),  # a backslash, then the text u0000
+        ("\\\x00", "invalid_string"),  # a backslash, then a NUL
+        ("a\x00", "invalid_string"),
+        ({"k\x00": 1}, "invalid_string"),
+        (("in a tuple\x00",), "invalid_string"),  # the walk went into dicts and lists only
+        ("\ud800", "invalid_string"),
+        (nested_value := [[[[1]]]], "ok"),
+        ([nested_value], "ok"),
+        ([[nested_value]], "json_too_deep"),
+        ([(((((1,),),),),)], "json_too_deep"),  # tuples are written as arrays
+        ([["[" * 10]], "ok"),  # brackets in a string are no nesting
+    ],
+)
+def test_given_a_value_expect_it_written_or_refused_as_a_body_would_be(
+    value: Any, code: str
+) -> None:
+    try:
+        data = jsonbody.written(value, max_depth=5)
+    except BadRequest as exc:
+        assert exc.code == code
+    else:
+        assert code == "ok"
+        assert data == jsonbody.canonical(value)
+
+
+def test_given_a_value_that_is_no_json_expect_a_type_or_value_error() -> None:
+    for value in (math.nan, {1, 2}, object()):
+        with pytest.raises((TypeError, ValueError)) as raised:
+            jsonbody.written(value, max_depth=5)
+        assert not isinstance(raised.value, BadRequest)
+
+
+def test_given_a_value_nested_past_the_interpreter_expect_too_deep_not_a_recursion_error() -> None:
+    value: Any = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        value = [value]
+    with pytest.raises(BadRequest) as raised:
+        jsonbody.written(value, max_depth=sys.getrecursionlimit())
+    assert raised.value.code == "json_too_deep"
+
+
+def test_given_a_megabyte_result_expect_no_node_walked_in_python(
+    string_checks: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's result of up to ``REACH_MAX_RESULT_BYTES`` was walked node by node on the
+    worker's loop (the bridge's, that every tenant's calls share) before it was written."""
+    walks: list[Any] = []
+    monkeypatch.setattr(jsonbody, "check_tree", lambda value, **_: walks.append(value))
+    value = json.loads(megabyte_of_small_values())
+    assert jsonbody.written(value, max_depth=DEPTH) == jsonbody.canonical(value)
+    assert (walks, string_checks) == ([], [])
