@@ -440,6 +440,13 @@ class WebhookDelivery(Base):
             "tenant",
             postgresql_where=text("status = 'sending'"),
         ),
+        # ... and its releases on their way at every release: the few marked, not its backlog.
+        Index(
+            "ix_webhook_deliveries_released_tenant_lease_until",
+            "tenant",
+            "lease_until",
+            postgresql_where=text("status = 'pending' AND lease_until IS NOT NULL"),
+        ),
     )
 
 

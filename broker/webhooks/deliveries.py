@@ -29,6 +29,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import IntegrityError
 
 from broker.db.models import callback_secrets_table as callback_secrets
 from broker.db.models import tasks_table as tasks
@@ -45,6 +46,10 @@ EARLY_TOLERANCE_S = 1.0
 # A released delivery counts as on its way this long; past it, its message is taken as lost
 # (the delivery may be released again: a second message finds its attempt taken).
 RELEASE_HOLD_S = 30.0
+# What ``record`` answers when the delivery went while its attempt was under way (its
+# subscription was deleted, and its deliveries with it): not a status a row holds.
+DELETED = "deleted"
+_ATTEMPT_OF_A_DELIVERY = "fk_webhook_attempts_delivery_id_webhook_deliveries"
 
 
 def message_id(delivery_id: uuid.UUID) -> str:
@@ -103,7 +108,10 @@ def _lock_tenant(conn: Connection, tenant: str) -> None:
 
 
 def _count(tenant: str, status: str) -> Any:
-    """The tenant's deliveries in ``status`` whose lease (or release mark) has not lapsed."""
+    """The tenant's deliveries in ``status`` whose lease (or release mark) has not lapsed:
+    read from ``ix_webhook_deliveries_tenant_sending`` or, for the marked pending ones,
+    ``ix_webhook_deliveries_released_tenant_lease_until`` (migration 0019), never the
+    tenant's backlog: a release follows every attempt."""
     return (
         select(func.count())
         .select_from(deliveries)
@@ -146,7 +154,7 @@ def claim(
         if row is None:
             return None
         valid, disabled = _signing(conn, dict(row._mapping))
-        headers = _callback_headers(conn, row.task_id) if row.webhook_id is None else {}
+        headers = _callback_headers(conn, row.task_id, row.url) if row.webhook_id is None else {}
     return Claimed(
         delivery_id=row.id,
         tenant=row.tenant,
@@ -162,14 +170,18 @@ def claim(
     )
 
 
+def slots_taken(tenant: str) -> Any:
+    """The tenant's attempts in flight and releases on their way, as one statement."""
+    return select(_count(tenant, SENDING) + _count(tenant, PENDING))
+
+
 def release(engine: Engine, tenant: str, *, max_inflight: int) -> list[tuple[uuid.UUID, int]]:
     """Mark the tenant's oldest due deliveries released, as many as it has slots free (its
     bound less its attempts in flight and its releases on their way); returns (delivery,
     attempt) for each, to publish after this commits."""
     with engine.begin() as conn:
         _lock_tenant(conn, tenant)
-        taken = conn.execute(select(_count(tenant, SENDING) + _count(tenant, PENDING)))
-        free = max_inflight - taken.scalar_one()
+        free = max_inflight - conn.execute(slots_taken(tenant)).scalar_one()
         if free <= 0:
             return []
         oldest = (
@@ -202,8 +214,13 @@ def tenants_of(engine: Engine, delivery_ids: list[uuid.UUID]) -> list[str]:
         return [str(t) for t in conn.execute(query).scalars()]
 
 
-def _callback_headers(conn: Connection, task_id: uuid.UUID) -> dict[str, str]:
+def _callback_headers(conn: Connection, task_id: uuid.UUID, url: str) -> dict[str, str]:
+    """The push config's token and credentials, when the task's callback still names the
+    delivery's URL: a config replaced meanwhile (a new URL, a new token) has its credentials
+    sent to its own URL only, never to the one its predecessor named."""
     callback = conn.execute(select(tasks.c.callback).where(tasks.c.id == task_id)).scalar()
+    if not callback or callback.get("url") != url:
+        return {}
     return a2a.push_headers(callback)
 
 
@@ -240,8 +257,8 @@ def due_in_s(engine: Engine, delivery_id: uuid.UUID, attempt: int) -> float | No
 def record(
     engine: Engine, claimed: Claimed, outcome: Outcome, verdict: Verdict, retry_in_s: float
 ) -> str:
-    """Log the attempt and move the delivery on; returns its new status. A 410 disables the
-    subscription in the same transaction."""
+    """Log the attempt and move the delivery on; returns its new status, or ``DELETED`` when
+    the delivery no longer exists. A 410 disables the subscription in the same transaction."""
     status = status_after(verdict, claimed.attempt, claimed.final_attempt)
     values: dict[str, Any] = {
         "status": status,
@@ -253,26 +270,42 @@ def record(
         values["next_attempt_at"] = func.now() + interval(retry_in_s)
     else:
         values["finished_at"] = func.now()
-    with engine.begin() as conn:
-        # The sweep may have logged this attempt as lost already: that entry stays.
-        logged = insert(attempts_log).values(**_attempt_row(claimed, outcome))
-        conn.execute(logged.on_conflict_do_nothing())
-        conn.execute(
-            update(deliveries)
-            .where(
-                deliveries.c.id == claimed.delivery_id,
-                deliveries.c.status == SENDING,
-                deliveries.c.attempts == claimed.attempt,
-            )
-            .values(**values)
-        )
-        if verdict == "gone" and claimed.webhook_id is not None:
-            conn.execute(
-                update(webhooks)
-                .where(webhooks.c.id == claimed.webhook_id, webhooks.c.disabled_at.is_(None))
-                .values(disabled_at=func.now(), disabled_reason="the endpoint answered 410 Gone")
-            )
+    try:
+        with engine.begin() as conn:
+            _write_outcome(conn, claimed, outcome, values, gone=verdict == "gone")
+    except IntegrityError as exc:
+        if not _violates(exc, _ATTEMPT_OF_A_DELIVERY):
+            raise
+        return DELETED  # nothing is left to log the attempt against
     return status
+
+
+def _write_outcome(
+    conn: Connection, claimed: Claimed, outcome: Outcome, values: dict[str, Any], *, gone: bool
+) -> None:
+    # The sweep may have logged this attempt as lost already: that entry stays.
+    logged = insert(attempts_log).values(**_attempt_row(claimed, outcome))
+    conn.execute(logged.on_conflict_do_nothing())
+    conn.execute(
+        update(deliveries)
+        .where(
+            deliveries.c.id == claimed.delivery_id,
+            deliveries.c.status == SENDING,
+            deliveries.c.attempts == claimed.attempt,
+        )
+        .values(**values)
+    )
+    if gone and claimed.webhook_id is not None:
+        conn.execute(
+            update(webhooks)
+            .where(webhooks.c.id == claimed.webhook_id, webhooks.c.disabled_at.is_(None))
+            .values(disabled_at=func.now(), disabled_reason="the endpoint answered 410 Gone")
+        )
+
+
+def _violates(exc: IntegrityError, constraint: str) -> bool:
+    diag = getattr(exc.orig, "diag", None)
+    return diag is not None and diag.constraint_name == constraint
 
 
 def _attempt_row(claimed: Claimed, outcome: Outcome) -> dict[str, Any]:

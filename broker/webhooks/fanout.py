@@ -98,8 +98,8 @@ def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
 def fanout(
     engine: Engine, task_id: uuid.UUID, event_type: str, settings: Settings
 ) -> Written | None:
-    """Write the event's deliveries; returns those not yet attempted, None when the event
-    has none."""
+    """Write the event's deliveries; returns those waiting for their first attempt (of a
+    progress report, the ones it wrote), None when the event has none."""
     now = datetime.now(UTC)
     with engine.begin() as conn:
         query = select(tasks).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
@@ -125,14 +125,22 @@ def fanout(
             _delivery(task, event_type, target, body_ids[kind], now, settings)
             for target, kind in zip(found, kinds, strict=True)
         ]
-        conn.execute(insert(deliveries).values(values).on_conflict_do_nothing())
+        written = insert(deliveries).values(values).on_conflict_do_nothing()
+        if event_type == PROGRESS:
+            # Each report's deliveries are its own: an earlier report's have their messages.
+            new = conn.execute(written.returning(deliveries.c.id)).scalars()
+            return Written(task["tenant"], list(new))
+        conn.execute(written)
+        # A final event's fanout run again (its first run may have stopped before
+        # publishing) finds its deliveries written: those not yet attempted are waiting.
         waiting = select(deliveries.c.id).where(
+            deliveries.c.tenant == task["tenant"],  # ix_webhook_deliveries_tenant_task_id
             deliveries.c.task_id == task_id,
             deliveries.c.event_type == event_type,
             deliveries.c.status == PENDING,
             deliveries.c.attempts == 0,
         )
-        return Written(task["tenant"], [r.id for r in conn.execute(waiting)])
+        return Written(task["tenant"], list(conn.execute(waiting).scalars()))
 
 
 def _delivery(

@@ -72,19 +72,21 @@ def next_delay_s(
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
     """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent or
-    unreadable."""
+    unreadable. Any text the receiver sends is read without raising: ``str.isdigit`` holds
+    for other scripts' digits and ``²`` (which ``float`` refuses), and a date's year may be
+    past what ``datetime`` holds."""
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        return max((when - (now or datetime.now(UTC))).total_seconds(), 0.0)
+    except (TypeError, ValueError, OverflowError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max((when - (now or datetime.now(UTC))).total_seconds(), 0.0)
 
 
 def status_after(verdict: Verdict, attempt: int, final_attempt: int) -> str:

@@ -39,12 +39,22 @@ class HostUnresolved(Unavailable):
     code = "host_unresolved"
 
 
+def unreachable(host: str) -> str:
+    """What a caller is told of a host it may not name: the same whether the host does not
+    resolve or resolves only to refused addresses, so that no tenant learns from it which
+    internal names exist."""
+    return (
+        f"{host} does not resolve to an address that may be reached (it has none, or only "
+        "loopback, private, link-local, reserved ... ones)"
+    )
+
+
 def system_resolver(host: str, port: int) -> list[str]:
     """Every address the system resolver gives for ``host``, in its order, once each."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise HostUnresolved(f"{host} does not resolve: {exc}") from None
+    except (socket.gaierror, UnicodeError):
+        raise HostUnresolved(f"{host} does not resolve") from None
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
@@ -133,10 +143,7 @@ class Guard:
             return Target(url, host, port, tuple(addresses))
         passed = tuple(a for a in addresses if self.address_allowed(a))
         if not passed:
-            raise UrlNotAllowed(
-                f"{host} resolves only to addresses that may not be reached "
-                "(loopback, private, link-local, reserved ...)"
-            )
+            raise UrlNotAllowed(unreachable(host))
         return Target(url, host, port, passed)
 
 
@@ -166,14 +173,14 @@ class HostLookups:
         """Check a URL a caller submits (registration or a task's callback): UrlNotAllowed when
         its form or every address it resolves to is refused, or when it does not resolve in
         time; RateLimited when the tenant already has its share of checks in flight."""
-        parse_url(raw)  # a malformed URL costs no thread
+        host = parse_url(raw).raw_host.decode("ascii").lower()  # a malformed URL costs no thread
         self._enter(tenant)
         future = self._pool.submit(Guard(allow, self.resolver).check, raw)
         future.add_done_callback(lambda _: self._leave(tenant))
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except HostUnresolved as exc:
-            raise UrlNotAllowed(f"the URL's host cannot be checked: {exc.message}") from None
+        except HostUnresolved:
+            raise UrlNotAllowed(unreachable(host)) from None
         except TimeoutError:
             raise UrlNotAllowed(
                 f"the URL's host did not resolve within {self.timeout_s:g} s"

@@ -6,11 +6,13 @@
 - A delivery whose message was lost (due a while ago) is published again.
 - A body lives only as long as its task: it is removed at the task's expiry, and a delivery
   still waiting is failed; the attempts' log stays.
-- A delivery past its retention goes, its attempts with it.
+- A delivery past its retention goes, its attempts with it: batch after batch, until none
+  is left or the sweep's time for it is spent.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import UTC, datetime
 
@@ -171,12 +173,21 @@ def purge_expired_bodies(engine: Engine, *, batch: int, max_batches: int = 20) -
     return removed
 
 
-def purge_expired(engine: Engine, *, batch: int) -> int:
-    """Delete one batch of deliveries past their retention (their attempts go with them)."""
+def purge_expired(engine: Engine, *, batch: int, budget_s: float) -> int:
+    """Delete deliveries past their retention (their attempts go with them) in batches of
+    ``batch``, each its own short transaction, until none is left or ``budget_s`` is spent.
+    One batch a sweep removed 17 rows a second, while one task's progress reports may write
+    thirty times that (a delivery per report and endpoint): the table grew without end."""
     statement = text(
         "DELETE FROM webhook_deliveries WHERE id IN ("
         " SELECT id FROM webhook_deliveries WHERE expires_at <= now()"
         " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
     )
-    with engine.begin() as conn:
-        return int(conn.execute(statement, {"batch": batch}).rowcount)
+    removed = 0
+    stop_at = time.monotonic() + budget_s
+    while True:
+        with engine.begin() as conn:
+            count = int(conn.execute(statement, {"batch": batch}).rowcount)
+        removed += count
+        if count < batch or time.monotonic() >= stop_at:
+            return removed

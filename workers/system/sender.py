@@ -10,6 +10,7 @@ dribbles its headers or body is cut there, however steadily it sends.
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
 import time
@@ -22,7 +23,10 @@ from broker.webhooks.policy import Outcome, parse_retry_after
 from broker.webhooks.ssrf import Guard, HostUnresolved, Target, UrlNotAllowed
 from workers.system.deadline import Deadline, DeadlineBackend
 
+log = logging.getLogger("reach.webhooks")
 USER_AGENT = "Agent-Reach-Webhooks/0.1"
+# What the delivery log says of an attempt the sender could not make: no exception text.
+SENDER_ERROR = "the attempt failed in the sender; it is not retried"
 EXCERPT_BYTES = 512
 _NETWORK_ERRORS = (
     httpcore.NetworkError,
@@ -43,8 +47,26 @@ def send(
     max_bytes: int,
     verify: ssl.SSLContext | bool = True,
 ) -> Outcome:
-    """POST ``body`` to ``url``; never raises for anything the network or receiver does, and
-    returns within ``timeout_s`` of being called (given a resolver that does)."""
+    """POST ``body`` to ``url``; returns within ``timeout_s`` of being called (given a
+    resolver that does) and never raises. What the network or receiver does is the outcome;
+    an error of ours is an attempt failed for good (a task that raised recorded nothing,
+    released nothing, and the sweep made its attempt due again at once, as lost)."""
+    try:
+        return _send(guard, url, body, headers, timeout_s, max_bytes, verify)
+    except Exception:
+        log.exception("webhook attempt to %s failed in the sender", url)
+        return Outcome(error=SENDER_ERROR, transient=False)
+
+
+def _send(
+    guard: Guard,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    max_bytes: int,
+    verify: ssl.SSLContext | bool,
+) -> Outcome:
     started = time.monotonic()
     deadline = Deadline(timeout_s)
     try:

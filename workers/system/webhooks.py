@@ -51,6 +51,9 @@ INFRA_RETRY_S = 2
 # An attempt ends by its deadline (the timeout); its lease adds room for the database writes.
 LEASE_MARGIN_S = 30.0
 PROGRESS_CACHE_MAX = 10_000
+# A sweep deletes expired deliveries until none is left or this is spent: it holds one
+# maintenance process meanwhile, as the janitor (REACH_JANITOR_BUDGET_S) may hold the other.
+PURGE_BUDGET_S = 5.0
 
 
 class Webhooks:
@@ -93,8 +96,8 @@ class Webhooks:
         if first_s == 0:
             self._release(written.tenant)
         elif first_s <= COUNTDOWN_MAX_S:
-            # Not due yet, so none can be released: each gets its countdown message, and
-            # one that finds its tenant's slots taken is parked (it costs one claim, once).
+            # Not due yet, so none can be released: each new one gets its countdown message,
+            # and one that finds its tenant's slots taken is parked (it costs one claim, once).
             for delivery_id in written.waiting:
                 send_deliver(self.app, delivery_id, 1, first_s)
         return len(written.waiting)
@@ -120,20 +123,28 @@ class Webhooks:
             if early_by <= COUNTDOWN_MAX_S:  # else the sweep publishes it when due
                 send_deliver(self.app, did, attempt, early_by)
             return "early"
+        try:
+            return self._attempt(claimed)
+        finally:
+            # However the attempt ended (a recording that failed too), the tenant's next
+            # due deliveries get the slots it has free.
+            self._release(claimed.tenant)
+
+    def _attempt(self, claimed: deliveries.Claimed) -> str:
         outcome = self._send(claimed)
         verdict = policy.verdict(outcome)
         retry_in_s = policy.next_delay_s(
             self.settings.webhook_schedule_s,
-            attempt,
+            claimed.attempt,
             jitter=self.settings.webhook_jitter,
             retry_after_s=outcome.retry_after_s,
         )
         status = deliveries.record(self.engine(), claimed, outcome, verdict, retry_in_s)
         metrics.webhook_attempts.labels(status).inc()
+        did, attempt = claimed.delivery_id, claimed.attempt
         log.info("delivery %s attempt %d: %s (%s)", did, attempt, status, outcome.status_code)
         if status == policy.PENDING and retry_in_s <= COUNTDOWN_MAX_S:
             send_deliver(self.app, did, attempt + 1, retry_in_s)
-        self._release(claimed.tenant)
         return status
 
     def _release(self, tenant: str) -> int:
@@ -180,7 +191,7 @@ class Webhooks:
         tenants = deliveries.tenants_of(engine, [delivery_id for delivery_id, _ in stranded])
         republished = sum(self._release(tenant) for tenant in tenants)
         bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH)
-        purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH)
+        purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH, budget_s=PURGE_BUDGET_S)
         return {
             "lost": len(lost),
             "republished": republished,
