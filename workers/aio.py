@@ -14,10 +14,10 @@ subscription (``CANCELS_CHANNEL``), read by a thread of its own.
 
 A cancel is published only after the task's row moved to ``cancelled``, so after any claim
 that won. A subscription that was up before the claim therefore hears every cancel of the
-task: one that comes before the call is known here is kept (``RECENT_CANCELS``) and applied
+task: one that comes before the call is known here is kept (``RECENT_CANCEL_S``) and applied
 when it is. Only a call claimed while the subscription was not up (the process starting,
-Redis lost) asks Redis for the task's cancel flag, and a new subscription asks it for every
-call in flight, for the cancels it could not hear.
+Redis lost), or before a kept cancel was let go, asks Redis for the task's cancel flag, and a
+new subscription asks it for every call in flight, for the cancels it could not hear.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -41,7 +42,47 @@ from broker.tasks.cancellation import CANCELS_CHANNEL, flag_key
 
 log = logging.getLogger("reach.worker")
 CANCEL_LISTEN_RETRY_S = 1.0
-RECENT_CANCELS = 4096  # cancels heard for no call in flight here, kept for one that starts
+# A tenant's payload of more JSON than this is worked on in Python (its schema check, the
+# bridge's conversion to protobuf) in a thread, not on the loop every call here shares: that
+# work takes about a second a MiB. A smaller one stays on the loop, spared the thread's hop.
+ON_LOOP_BYTES = 64 * 2**10
+# The threads for that work, apart from the loop's default ones, which every call's progress,
+# outputs and session writes wait for: a burst of big payloads holds these alone. Python under
+# the GIL runs no faster on more of them.
+PAYLOAD_THREADS = 4
+T = TypeVar("T")
+# A cancel heard for no call in flight here is kept for a call that starts, for this long: a
+# claim's way to its call takes milliseconds, or the seconds a big payload's check takes.
+# Every process hears every tenant's cancels, so a bound by count alone (it was 4,096) let
+# other tasks' cancels push out one heard a moment before, and its call ran to its timeout.
+RECENT_CANCEL_S = 60.0
+# And at most this many, far above a minute's cancels (about 240 bytes each). Whatever is let
+# go, by age or by this cap, a call claimed before it was heard asks Redis for its flag.
+RECENT_CANCELS_MAX = 200_000
+
+
+_payload_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_payload_pool_lock = threading.Lock()
+
+
+async def off_the_loop(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on one of ``PAYLOAD_THREADS``, with the caller's context: for work on a
+    payload past ``ON_LOOP_BYTES``."""
+    context = contextvars.copy_context()
+    call = functools.partial(context.run, work, *args)
+    return await asyncio.get_running_loop().run_in_executor(_payload_threads(), call)
+
+
+def _payload_threads() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's (a forked child makes its own: its parent's threads are not in it)."""
+    global _payload_pool
+    with _payload_pool_lock:
+        if _payload_pool is None or _payload_pool[0] != os.getpid():
+            threads = concurrent.futures.ThreadPoolExecutor(
+                PAYLOAD_THREADS, thread_name_prefix="reach-payloads"
+            )
+            _payload_pool = (os.getpid(), threads)
+        return _payload_pool[1]
 
 
 class CallCancelled(Exception):
@@ -91,7 +132,7 @@ class Calls:
         self._pid = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: dict[uuid.UUID, concurrent.futures.Future[Any] | _LoopTask] = {}
-        self._recent: OrderedDict[uuid.UUID, None] = OrderedDict()
+        self._recent: OrderedDict[uuid.UUID, float] = OrderedDict()  # id: heard at (monotonic)
         self._listening_since: float | None = None  # monotonic; None: not subscribed
 
     def _started(self) -> asyncio.AbstractEventLoop:
@@ -129,7 +170,7 @@ class Calls:
         future = asyncio.run_coroutine_threadsafe(_in_context(values, call), loop)
         with self._lock:
             self._running[task_id] = future
-            heard = self._recent.pop(task_id, False) is None
+            heard = self._recent.pop(task_id, None) is not None
             since = self._listening_since
         try:
             if started is not None:
@@ -169,7 +210,7 @@ class Calls:
         task.add_done_callback(_retrieved)
         with self._lock:
             self._running[task_id] = _LoopTask(task)
-            heard = self._recent.pop(task_id, False) is None
+            heard = self._recent.pop(task_id, None) is not None
             since = self._listening_since
         try:
             try:
@@ -242,9 +283,22 @@ class Calls:
         with self._lock:
             future = self._running.get(task_id)
             if future is None:
-                self._recent[task_id] = None
-                if len(self._recent) > RECENT_CANCELS:
-                    self._recent.popitem(last=False)
+                self._keep(task_id, time.monotonic())
         if future is not None:
             log.info("cancelling the running coroutine of task %s", task_id)
             future.cancel()
+
+    def _keep(self, task_id: uuid.UUID, now: float) -> None:
+        """Keep a cancel heard for no call in flight, oldest first; let go of those past
+        ``RECENT_CANCEL_S`` or ``RECENT_CANCELS_MAX``. With the lock held."""
+        self._recent[task_id] = now
+        self._recent.move_to_end(task_id)  # heard again: kept from now
+        while self._recent:
+            oldest, heard_at = next(iter(self._recent.items()))
+            if heard_at > now - RECENT_CANCEL_S and len(self._recent) <= RECENT_CANCELS_MAX:
+                return
+            del self._recent[oldest]
+            # A call claimed before this cancel was heard may have been its task's: from now
+            # on such a call asks Redis, as one claimed before the subscription was up does.
+            if self._listening_since is not None:
+                self._listening_since = max(self._listening_since, heard_at)

@@ -3,7 +3,8 @@ to the deadline, whichever is shorter). Celery's own limits are per task type, a
 capabilities share one task type; this one is set for each call.
 
 It uses SIGALRM, so it applies where the handler runs in the main thread of its process (the
-prefork pool); elsewhere only Celery's hard limit applies.
+prefork pool); elsewhere only Celery's hard limit applies. None is no limit; a limit of zero
+or less is one already passed, anywhere: the body does not run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ def _raise(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def soft_limit(seconds: float | None) -> Iterator[None]:
-    if not seconds or threading.current_thread() is not threading.main_thread():
+    # Zero is the deadline reached (``Context.time_left_s`` stops there), not "no limit":
+    # read as none, it let a handler run to Celery's hard limit, the longest of any agent's.
+    if seconds is not None and seconds <= 0:
+        raise SoftTimeLimit("the time limit had passed before the handler started")
+    if seconds is None or threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGALRM, _raise)

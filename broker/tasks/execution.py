@@ -90,6 +90,7 @@ class Claimed:
     tenant: str
     # {"revision", "state"} of its session as the claim found it; None without a live one.
     session: dict[str, Any] | None = None
+    payload_size: int = 0  # its payload's bytes as JSON, as stored at submit
 
 
 def moment() -> Any:

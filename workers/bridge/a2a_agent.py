@@ -26,7 +26,8 @@ closes the call and sends the agent ``CancelTask`` for its task (best effort, sh
 The bridge's calls share one event loop, and the SDK parses each answer and event into
 protobuf in Python on it: the transport refuses one of more than ``MAX_ANSWER_ELEMENTS``
 before the SDK sees it (``broker.remote.connections``), and the task fails
-``agent_protocol``. A failure's message is one fixed text per code where the cause is the
+``agent_protocol``. A payload past ``workers.aio.ON_LOOP_BYTES`` is made protobuf in a
+thread (``message_for``). A failure's message is one fixed text per code where the cause is the
 bridge's (a card it could not read or may not call, a connection, a timeout): those causes
 name addresses and settings, and are logged instead.
 """
@@ -62,6 +63,7 @@ from a2a.utils.errors import A2AError
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict, ParseError
 
+from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
 from broker.remote import a2a_card, a2a_json
 from broker.remote.connections import (
@@ -73,6 +75,7 @@ from broker.remote.connections import (
 from broker.remote.registration import EndpointNotAllowed
 from broker.webhooks import signing
 from broker.webhooks.ssrf import Guard
+from workers.aio import ON_LOOP_BYTES, off_the_loop
 from workers.bridge.http_agent import RETRIED_STATUSES
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
@@ -166,6 +169,34 @@ class Agent:
         request.headers.update(signing.headers(self.secrets, message_id, int(time.time()), body))
 
 
+async def message_for(ctx: Context, skill: str, payload: Any) -> Message:
+    """``message_of``, in a thread for a payload past ``ON_LOOP_BYTES``: protobuf's
+    ``ParseDict`` is Python over every node (0.65-0.9 s for a MiB), and the loop it would
+    hold runs every tenant's calls."""
+    if _heavy(payload):
+        return await off_the_loop(message_of, ctx, skill, payload)
+    return message_of(ctx, skill, payload)
+
+
+def _heavy(payload: Any) -> bool:
+    """Whether a data part's payload is past ``ON_LOOP_BYTES`` as JSON, measured in C (about
+    1 ms a MiB); a text part costs no conversion."""
+    if not isinstance(payload, dict | list) or _as_text(payload) is not None:
+        return False
+    try:
+        return len(jsoncodec.dumps(payload)) > ON_LOOP_BYTES
+    except (TypeError, ValueError, RecursionError):  # ``message_of`` says what it is, there
+        return True
+
+
+def _as_text(payload: Any) -> str | None:
+    """The text of a payload that is ``{"text": ...}`` alone, sent as a text part."""
+    if isinstance(payload, dict) and payload.keys() == {"text"}:
+        text = payload["text"]
+        return text if isinstance(text, str) else None
+    return None
+
+
 def message_of(ctx: Context, skill: str, payload: Any) -> Message:
     """The task as an A2A message; AgentFailure ``payload_invalid`` when A2A cannot carry its
     payload or metadata (``_UNSENDABLE``)."""
@@ -179,12 +210,9 @@ def message_of(ctx: Context, skill: str, payload: Any) -> Message:
 
 
 def _message(ctx: Context, skill: str, payload: Any) -> Message:
-    if (
-        isinstance(payload, dict)
-        and payload.keys() == {"text"}
-        and isinstance(payload["text"], str)
-    ):
-        part = Part(text=payload["text"])
+    text = _as_text(payload)
+    if text is not None:
+        part = Part(text=text)
     else:
         part = Part(data=ParseDict(payload, struct_pb2.Value()))
     reach = {
@@ -208,7 +236,7 @@ async def call(
 ) -> Any:
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
     failure at the deadline ends the task ``expired``: the runner's rule for every agent."""
-    request = SendMessageRequest(message=message_of(ctx, skill, payload))
+    request = SendMessageRequest(message=await message_for(ctx, skill, payload))
     try:
         client, streams = await agent.client(transport)
     except a2a_card.CardUnavailable:  # logged, with its cause, by ``Agent._read``
