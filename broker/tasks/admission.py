@@ -4,7 +4,9 @@ Route to the most specific live capability the caller's key allows (see ``routin
 rules of the request (``policy``: its target, hint, channels, revoked versions, the cards its
 tenant may use); none is 503 ``no_agent_available`` unless the envelope asks to wait in the
 queue of a card that would serve it (a name nobody ever served would only leave a list in
-Redis behind). The payload is checked against the chosen card's input schema and size limit.
+Redis behind). The payload is checked against the chosen card's input schema and size limit;
+one that waits in a queue, against the cards whose instances take from that queue (it fits
+when one of them takes it). A payload of many values is checked on a thread (``Door.fit``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
+from jsonschema import Draft202012Validator
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,15 +26,25 @@ from broker.errors import BadRequest, InvalidEnvelope, Unavailable
 from broker.grouping import Grouped
 from broker.observability import metrics
 from broker.registry import cards, figures, policy, routing, schemas
-from broker.registry.model import LEASE_PREFIX, live_key, now_s
+from broker.registry.model import LEASE_PREFIX, card_queue, live_key, now_s
 from broker.tasks.backpressure import BUCKET_LUA, TokenBucket
 from broker.tasks.envelope import Envelope
+from broker.tenancy.heavy import OneAtATime
 
 NO_AGENT_RETRY_AFTER_S = 5
 # The metric label of a capability no card has served: not a valid name, so never a real one,
 # and one series however many names callers make up.
 UNKNOWN_LABEL = "_unknown"
 MAX_SCHEMA_ERRORS = 20
+# A payload holding more values than this is checked against its schema on a thread. The check
+# is pure Python, a few microseconds a value (a 1 MiB array of small integers: 1.8 s); on a
+# thread the event loop still gets the GIL every switch interval, so no request waits for the
+# whole check. Counted in values, not bytes, as the check costs (a long string is one value).
+CHECK_ON_THREAD_VALUES = 2_000
+# Such checks at once in this process, a tenant's one at a time. They share the GIL with the
+# loop, so more would only take more of its turns; and they have tokens of their own, apart
+# from the default ones the publishes to Celery wait for.
+CHECKS_AT_ONCE = 2
 
 GROUP_MAX_REQUESTS = 100
 
@@ -83,15 +97,18 @@ return answers
 
 
 class Door:
-    """The two checks at the door, each grouped over the requests arriving together
+    """The checks at the door. Two are grouped over the requests arriving together
     (``grouping``): the tenant's rate, taken before anything slow (reading the body, resolving
     a host name), and the capability's live leases, once the envelope is read. A request
     whose small body had already arrived whole takes both in one call (``live`` with
-    ``metering``; ``api.deps.read_metered_body`` says why that is as safe)."""
+    ``metering``; ``api.deps.read_metered_body`` says why that is as safe). Then the payload
+    against its card (``fit``)."""
 
     def __init__(self, redis: Redis, bucket: TokenBucket) -> None:
         self.redis = redis
         self.bucket = bucket
+        self._checks = anyio.CapacityLimiter(CHECKS_AT_ONCE)
+        self._check_turns = OneAtATime()
         self._tokens = Grouped(
             self._take_many, max_items=GROUP_MAX_REQUESTS, name="door", retry_alone=False
         )
@@ -117,6 +134,23 @@ class Door:
             wait, now, leases = await self._metered((metering, capability))
             self.bucket.check(wait)
         return now, routing.candidates_from(leases, capability, now)
+
+    async def fit(
+        self, document: dict[str, Any], payload: Any, cache: TimedCache, *, tenant: str
+    ) -> None:
+        """BadRequest ``payload_too_large`` or InvalidEnvelope ``payload_invalid`` unless the
+        payload fits the card; one of more than ``CHECK_ON_THREAD_VALUES`` values is checked
+        on a thread, the tenant's one at a time."""
+        checker = _fit_size(document, payload, cache)
+        if checker is None:
+            return
+        if not _more_values_than(payload, CHECK_ON_THREAD_VALUES):
+            _check_schema(document, checker, payload)
+            return
+        async with self._check_turns.turn(tenant, "payload check"):
+            await anyio.to_thread.run_sync(
+                _check_schema, document, checker, payload, limiter=self._checks
+            )
 
     async def _take_many(self, tenants: list[str]) -> list[float]:
         keys = [self.bucket.key(tenant) for tenant in tenants]
@@ -168,11 +202,13 @@ async def admit(
         rules=rules,
     )
     if route is None:
-        return await _unrouted(envelope, known_policy, rules, engine, cache)
+        waiting = await _unrouted(envelope, known_policy, rules, engine, cache)
+        await _fit_waiting(envelope, waiting, known_policy, door, engine, cache, tenant=tenant)
+        return waiting
     key = (route.card.agent_id, route.card.version, route.card.capability)
     document = await cards.card(engine, cache, key)
     if document is not None:
-        check_payload(document, envelope.payload, cache)
+        await door.fit(document, envelope.payload, cache, tenant=tenant)
     return route.queue
 
 
@@ -201,7 +237,61 @@ async def _unrouted(
     )
 
 
-def check_payload(document: dict[str, Any], payload: Any, cache: TimedCache) -> None:
+async def _fit_waiting(
+    envelope: Envelope,
+    queue: str,
+    known_policy: policy.Policy,
+    door: Door,
+    engine: AsyncEngine,
+    cache: TimedCache,
+    *,
+    tenant: str,
+) -> None:
+    """A payload waiting in ``queue`` fits one of the cards whose instances take from it
+    (every card of the capability, for the capability's own queue), or is refused as the
+    first of them refuses it. A schema and limit that refused it are not checked again."""
+    capability = envelope.capability
+    refused: list[tuple[Any, Any]] = []
+    refusal: BadRequest | None = None
+    for known in known_policy.cards:
+        own = card_queue(capability, known.agent_id, known.version)
+        if known.capability != capability or queue not in (capability, own):
+            continue
+        document = await cards.card(engine, cache, (known.agent_id, known.version, capability))
+        if document is None:
+            return  # gone since the policy was read: nothing to check against, as in admit
+        rule = (document.get("input_schema"), document.get("constraints"))
+        if rule in refused:
+            continue
+        try:
+            await door.fit(document, envelope.payload, cache, tenant=tenant)
+        except BadRequest as exc:  # payload_too_large, and InvalidEnvelope payload_invalid
+            refused.append(rule)
+            refusal = refusal or exc
+        else:
+            return
+    if refusal is not None:
+        raise refusal
+
+
+def _more_values_than(payload: Any, limit: int) -> bool:
+    """Whether ``payload`` holds more than ``limit`` JSON values, counting no further."""
+    seen, pending = 0, [payload]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict | list):
+            seen += len(node)
+            if seen > limit:
+                return True
+            pending.extend(node.values() if isinstance(node, dict) else node)
+    return False
+
+
+def _fit_size(
+    document: dict[str, Any], payload: Any, cache: TimedCache
+) -> Draft202012Validator | None:
+    """The validator of the card's input schema (None without one), once the payload is
+    within the card's size limit (else BadRequest ``payload_too_large``)."""
     limit = (document.get("constraints") or {}).get("max_payload_bytes")
     if limit is not None:
         _, size = jsonbody.digest(payload)
@@ -212,11 +302,16 @@ def check_payload(document: dict[str, Any], payload: Any, cache: TimedCache) -> 
             )
     schema = document.get("input_schema")
     if not schema:
-        return
+        return None
     key = ("validator", document["agent_id"], document["version"], document["capability"])
     found, validator = cache.get(key)
     if not found:
         validator = cache.put(key, schemas.validator(schema))
+    checker: Draft202012Validator = validator
+    return checker
+
+
+def _check_schema(document: dict[str, Any], validator: Draft202012Validator, payload: Any) -> None:
     try:
         problems = schemas.problems(validator, payload)
     except schemas.PayloadUncheckable as exc:
