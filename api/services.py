@@ -146,7 +146,9 @@ class Services:
             queue_bound=intake.queue_bound,
             event_log=intake.event_log,
             intake=intake,
-            canceller=Canceller(engine, redis, intake.cards, dispatcher, intake.event_log),
+            canceller=Canceller(
+                engine, redis, intake.cards, dispatcher, intake.event_log, intake.queue_bound
+            ),
             streams=StreamSlots(settings.max_streams_per_tenant),
             aggregates=Aggregates(ttl_s=settings.figures_cache_s, reads=heavy_reads),
             heavy_reads=heavy_reads,

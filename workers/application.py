@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import uuid
+from datetime import datetime
 from typing import Any
 
 from celery import Celery, signals
@@ -15,6 +17,7 @@ from broker.observability import logs, metrics, otel
 from broker.outages import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
 from broker.tasks import execution
+from broker.tasks.backpressure import FairPlace, count_queued
 from broker.tasks.dispatch import (
     PURGE_TASK,
     REAP_TASK,
@@ -22,12 +25,13 @@ from broker.tasks.dispatch import (
     SWEEP_TASK,
     VISIBILITY_TIMEOUT_S,
     celery_config,
+    redis_depth,
     send_run,
 )
 from workers.lease_keeper import lease_step
 from workers.loop_consumer import LoopConsumer, loop_consumer_step
 from workers.pool import Direct, use_direct_pool
-from workers.runner import Runner
+from workers.runner import Republish, Runner
 from workers.sdk.agent import AgentRegistry, agent
 from workers.system import recovery
 from workers.system.webhooks import register as register_webhooks
@@ -84,6 +88,38 @@ def _forget_process_metrics(pid: int | None = None, **_: object) -> None:
         multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
+def _republish(app: Celery, settings: Settings, runner: Runner) -> Republish:
+    """``Runner.republish``: retries, a session's turns that came due, recoveries. Each goes
+    where its tenant's fair slice of the queue puts it, as a submit does; only a Redis
+    broker has that order (``dispatch.send_run``), so only there is anything read."""
+    redis_broker = settings.celery_broker_url.startswith(("redis://", "rediss://"))
+    fair = FairPlace(
+        lambda queue: redis_depth(app, queue),
+        lambda tenant, queue, limit: count_queued(runner.engine, tenant, queue, limit),
+        settings.queue_fair_slice if redis_broker else 0,
+    )
+
+    def republish(
+        task_id: uuid.UUID,
+        queue: str,
+        trace_id: str,
+        deadline_at: datetime | None,
+        countdown_s: float,
+        tenant: str,
+    ) -> None:
+        send_run(
+            app,
+            task_id,
+            queue,
+            trace_id=trace_id,
+            deadline_at=deadline_at,
+            countdown_s=countdown_s,
+            behind=fair.behind(queue, tenant),
+        )
+
+    return republish
+
+
 def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Celery:
     app = Celery("workers", set_as_current=True)
     app.conf.update(celery_config(settings))
@@ -114,9 +150,7 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     webhooks = register_webhooks(app, settings, lambda: runner.engine)
     runner.on_final.append(webhooks.on_final)
     runner.on_progress.append(webhooks.on_progress)
-    runner.republish = lambda task_id, queue, trace_id, deadline_at, countdown_s: send_run(
-        app, task_id, queue, trace_id=trace_id, deadline_at=deadline_at, countdown_s=countdown_s
-    )
+    runner.republish = _republish(app, settings, runner)
     # Tasks claimed under this worker's name that it no longer holds (``lease_keeper.orphans``)
     app.reach_recover_orphans = lambda rows: recovery.recover_lost(
         runner, rows, "its run ended without a final write, or its pool process died"

@@ -1,6 +1,7 @@
 """Saying no early: a per-tenant token bucket (429), a per-queue depth bound (503) and one
 tenant's share of a queue (429), all decided before anything is written, so a refused request
-consumes no idempotency key.
+consumes no idempotency key. And a tenant's fair slice of a queue: where its messages go, at
+submit (``QueueBound``) and each time a task's message is published again (``FairPlace``).
 
 The bucket lives in Redis and is updated by one Lua function (``admission`` runs it in the
 same script as the route lookup), so every API process shares it and concurrent requests cannot
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from typing import Any
 
 from kombu.transport.redis import PRIORITY_STEPS
 from redis.asyncio import Redis
-from sqlalchemy import func, select
+from sqlalchemy import Engine, Select, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import RecentFigures
@@ -96,21 +98,38 @@ def redis_depths(client: Redis) -> Depths:
 Queued = Callable[[str, str, int], Awaitable[int]]
 
 
+def queued_query(tenant: str, queue: str, limit: int) -> Select[Any]:
+    """A tenant's waiting tasks in a queue, as Postgres holds them, counted up to ``limit``:
+    at most that many rows of ``ix_tasks_tenant_status_id`` are read, however many there are."""
+    waiting = (
+        select(tasks.c.id)
+        .where(tasks.c.tenant == tenant, tasks.c.status == QUEUED, tasks.c.queue == queue)
+        .limit(limit)
+        .subquery()
+    )
+    return select(func.count()).select_from(waiting)
+
+
 def postgres_queued(engine: AsyncEngine) -> Queued:
-    """A tenant's waiting tasks in a queue, as Postgres holds them: at most ``limit`` rows of
-    ``ix_tasks_tenant_status_id`` are read, however many there are."""
+    """``queued_query`` on the API's engine."""
 
     async def queued(tenant: str, queue: str, limit: int) -> int:
-        waiting = (
-            select(tasks.c.id)
-            .where(tasks.c.tenant == tenant, tasks.c.status == QUEUED, tasks.c.queue == queue)
-            .limit(limit)
-            .subquery()
-        )
         async with engine.connect() as conn:
-            return int(await conn.scalar(select(func.count()).select_from(waiting)) or 0)
+            return int(await conn.scalar(queued_query(tenant, queue, limit)) or 0)
 
     return queued
+
+
+def count_queued(engine: Engine, tenant: str, queue: str, limit: int) -> int:
+    """``queued_query`` on a worker's engine."""
+    with engine.connect() as conn:
+        return int(conn.scalar(queued_query(tenant, queue, limit)) or 0)
+
+
+def past_slice(depth: int, waiting: int, fair_slice: int) -> bool:
+    """Whether a tenant with ``waiting`` other tasks in a queue that holds ``depth`` messages
+    has its next one put behind every other tenant's (a ``fair_slice`` of 0: never)."""
+    return 0 < fair_slice <= depth and waiting >= fair_slice
 
 
 @dataclass
@@ -196,7 +215,21 @@ class QueueBound:
             )
         counted_at, _, counted_to = self._counts[key]
         self._counts[key] = (counted_at, waiting + 1, counted_to)  # this one, until the next
-        return fair and waiting >= self.fair_slice
+        return past_slice(depth, waiting, self.fair_slice)
+
+    async def republish_behind(self, queue: str, tenant: str) -> bool:
+        """Whether the message of a task of ``tenant`` that waits already (a session's turn a
+        cancel let go) goes behind the other tenants' in ``queue``: as ``check`` decides for
+        a new one, but never refused (it was accepted) and with the task itself among the
+        tenant's waiting ones. Its message counts in the depth until the next read."""
+        if self.queued is None or self.fair_slice <= 0:
+            return False
+        depth = await self._depths.get(queue, refresh_s=self.refresh_s, stale_s=self.stale_s)
+        self._depths.add(queue, 1)
+        if depth < self.fair_slice:
+            return False  # not crowded: nothing counted
+        waiting = await self._waiting((tenant, queue), self.fair_slice + 1)
+        return past_slice(depth, waiting - 1, self.fair_slice)
 
     async def _waiting(self, key: tuple[str, str], limit: int) -> int:
         """The tenant's waiting tasks in the queue, counted up to at least ``limit``."""
@@ -230,6 +263,73 @@ class QueueBound:
         """How many queues, and tenants' shares of them, this bound holds a figure or a lock
         for."""
         return self._depths.tracked + len(self._count_locks.keys() | self._counts.keys())
+
+
+@dataclass
+class FairPlace:
+    """Where a worker puts the message of a task it publishes again (a retry, a session's turn
+    that came due, a task recovered or moved): behind the other tenants' in its queue when
+    the queue holds ``fair_slice`` messages and the tenant has that many other tasks waiting
+    in it, as ``QueueBound`` decides at submit. A turn's message from its submit is dropped
+    when taken while the turn waits, so the one that runs it is most often published here:
+    without this, a session's later turns went in front however much of the queue their
+    tenant held.
+
+    For the workers' threads: sync reads (``depth``, a Redis broker's lists; ``queued``,
+    Postgres), each figure kept ``refresh_s``, so a burst of retries costs one depth read a
+    queue and, only past the slice, one count a tenant. A message published here counts in
+    its queue's depth until the next read. A figure that cannot be read puts the message in
+    front: the task was accepted, and its message matters more than its place."""
+
+    depth: Callable[[str], int]
+    queued: Callable[[str, str, int], int]  # (tenant, queue, limit), as ``Queued``
+    fair_slice: int
+    refresh_s: float = 1.0
+    max_tracked: int = 4096
+    # a queue's depth, a (tenant, queue)'s count: when read, and the figure
+    _figures: dict[Any, tuple[float, int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def behind(self, queue: str, tenant: str) -> bool:
+        """Whether the message of ``tenant``'s task, queued in Postgres, goes behind."""
+        if self.fair_slice <= 0:
+            return False
+        try:
+            depth = self._figure(queue, lambda: self.depth(queue), added=1)
+            if depth < self.fair_slice:
+                return False  # not crowded: nothing counted
+            limit = self.fair_slice + 1  # the task itself is one of its tenant's waiting
+            waiting = self._figure((tenant, queue), lambda: self.queued(tenant, queue, limit))
+        except Exception as exc:  # a broker or a database away: see the docstring
+            log.warning("the fair place of a task of %r in %r: %r", tenant, queue, exc)
+            return False
+        return past_slice(depth, waiting - 1, self.fair_slice)
+
+    def _figure(self, key: Any, read: Callable[[], int], added: int = 0) -> int:
+        """The figure of ``key``, read when none is younger than ``refresh_s``; ``added``
+        counts in it from now on, until the next read."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._figures.get(key)
+            if known is not None and now - known[0] <= self.refresh_s:
+                self._figures[key] = (known[0], known[1] + added)
+                return known[1]
+        figure = read()  # threads racing here read twice, harmlessly
+        with self._lock:
+            if len(self._figures) >= self.max_tracked and key not in self._figures:
+                self._forget_older_than(now - self.refresh_s)
+            self._figures[key] = (now, figure + added)
+        return figure
+
+    def _forget_older_than(self, cutoff: float) -> None:
+        old = [key for key, (at, _) in self._figures.items() if at <= cutoff]
+        for key in old or list(self._figures):  # all fresh: start again
+            del self._figures[key]
+
+    @property
+    def tracked(self) -> int:
+        """How many queues' depths and tenants' counts this holds."""
+        return len(self._figures)
 
 
 def _forget_stale(locks: dict[Any, asyncio.Lock], seen: dict[Any, Any], refresh_s: float) -> None:

@@ -2,10 +2,12 @@
 Redis tells a running agent through its context. The task id is also published on
 ``CANCELS_CHANNEL``: a worker running the task's coroutine cancels it there and then. Whatever
 the agent does afterwards cannot move the task: every later write is conditional on
-``running`` (its session's too). A cancelled turn lets its session's next one go."""
+``running`` (its session's too). A cancelled turn lets its session's next one go, in the place
+its tenant's fair slice of the queue gives it (``backpressure.QueueBound``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from broker.errors import Conflict
 from broker.registry import cards as card_reads
 from broker.registry.model import capability_of
 from broker.tasks import turns
+from broker.tasks.backpressure import QueueBound
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.events import EventLog
 from broker.tasks.execution import expiry, moment
@@ -82,6 +85,7 @@ class Canceller:
     cards: TimedCache
     dispatcher: Dispatcher
     event_log: EventLog
+    queue_bound: QueueBound
 
     async def cancel_visible(self, caller: Principal, task_id: str) -> TaskRow:
         """The cancelled task; ``task_not_found`` when the key may not see it, ``task_final``
@@ -119,8 +123,10 @@ class Canceller:
         try:
             async with self.engine.connect() as conn:
                 due = await conn.run_sync(turns.next_due, *place)
-            if due is not None:
-                await anyio.to_thread.run_sync(self.dispatcher.run, due)
+            if due is not None:  # a turn of the same session: the same tenant's
+                behind = await self.queue_bound.republish_behind(due.queue, row["tenant"])
+                run = functools.partial(self.dispatcher.run, due, behind=behind)
+                await anyio.to_thread.run_sync(run)
         except Exception:  # the cancel stands; the sweeper publishes the next turn
             log.exception("could not release the turn after task %s", row["id"])
 

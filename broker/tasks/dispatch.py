@@ -214,6 +214,16 @@ def waiting_ids(app: Celery, queue: str) -> set[str] | None:
     return found
 
 
+def redis_depth(app: Celery, queue: str) -> int:
+    """The messages waiting in ``queue`` on a Redis broker, in all its lists: one round trip,
+    on a connection of ``app``'s pool (``queue_depths`` opens one of its own)."""
+    with app.pool.acquire(block=True) as conn:
+        pipe = conn.default_channel.client.pipeline(transaction=False)
+        for key in redis_lists(queue):
+            pipe.llen(key)
+        return sum(int(n) for n in pipe.execute())
+
+
 def queue_depths(app: Celery, queues: list[str]) -> dict[str, int]:
     """Messages waiting in each queue, as the broker counts them.
 
@@ -243,10 +253,16 @@ class Dispatcher:
         broker = settings.celery_broker_url
         self.direct = broker == settings.redis_url and broker.startswith(("redis://", "rediss://"))
 
-    def run(self, due: Due) -> None:
-        """Publish the run message of a session's turn that came due (``turns``)."""
+    def run(self, due: Due, *, behind: bool = False) -> None:
+        """Publish the run message of a session's turn that came due (``turns``); ``behind``:
+        as ``send_run``'s (``QueueBound.republish_behind`` decides it)."""
         send_run(
-            self.app, due.task_id, due.queue, trace_id=due.trace_id, deadline_at=due.deadline_at
+            self.app,
+            due.task_id,
+            due.queue,
+            trace_id=due.trace_id,
+            deadline_at=due.deadline_at,
+            behind=behind,
         )
 
     def announce(self, task_id: uuid.UUID, event_type: str) -> None:

@@ -430,9 +430,9 @@ def fail_outsider(engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]) 
 def queued_outsider(
     engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]
 ) -> dict[str, Any] | None:
-    """(trace_id, deadline_at) of a queued task of a tenant outside ``tenants``; None when
-    the task is not such a one."""
-    query = select(tasks.c.trace_id, tasks.c.deadline_at).where(
+    """(trace_id, deadline_at, tenant) of a queued task of a tenant outside ``tenants``; None
+    when the task is not such a one."""
+    query = select(tasks.c.trace_id, tasks.c.deadline_at, tasks.c.tenant).where(
         tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.tenant.not_in(tenants)
     )
     with _autocommit(engine) as conn:
@@ -465,12 +465,12 @@ def requeue(
 
 def rehome(engine: Engine, queue: str, home: str) -> list[dict[str, Any]]:
     """Queued tasks of ``queue`` (an instance's, that stopped taking work) now wait in
-    ``home``: (id, trace_id, deadline_at) of each, to publish there."""
+    ``home``: (id, trace_id, deadline_at, tenant) of each, to publish there."""
     query = (
         update(tasks)
         .where(tasks.c.queue == queue, tasks.c.status == QUEUED)
         .values(queue=home)
-        .returning(tasks.c.id, tasks.c.trace_id, tasks.c.deadline_at)
+        .returning(tasks.c.id, tasks.c.trace_id, tasks.c.deadline_at, tasks.c.tenant)
     )
     with engine.begin() as conn:
         return [dict(r._mapping) for r in conn.execute(query)]
@@ -608,7 +608,7 @@ def stale_query(older_than_s: float, limit: int) -> Select[Any]:
     )
     return (
         select(taken.c.id, taken.c.queue, taken.c.trace_id, taken.c.deadline_at)
-        .add_columns(taken.c.session_id)
+        .add_columns(taken.c.session_id, taken.c.tenant)
         .order_by(in_tenant, taken.c.created_at)
         .limit(limit)
     )

@@ -17,6 +17,9 @@
   still waiting for an earlier one is left alone. Each sweep reads at most ``limit`` such
   tasks, shared out by (tenant, queue) (``execution.stale_queued``): one tenant's backlog,
   however old, takes only its share, so another's lost task is found at the next sweep.
+- What is published again (a task requeued, republished or moved) goes where its tenant's
+  fair slice of the queue puts it, as a submit does (``backpressure.FairPlace``): a tenant
+  whose tasks were lost by the thousand does not have them all put ahead of the others'.
 - A queued task waiting in the queue of an instance that holds no ready lease (a hint to an
   instance that died or drained before taking it) moves to its card's queue.
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
@@ -86,7 +89,7 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                     tenant=row["tenant"],
                     attempt=row["attempts"] + 1,  # the lost attempt's events end here
                 )
-                runner.republish(row["id"], home, row["trace_id"], None, 0.0)
+                runner.republish(row["id"], home, row["trace_id"], None, 0.0, row["tenant"])
                 counts["requeued"] += 1
                 metrics.lost_tasks.labels("requeued").inc()
             continue
@@ -133,7 +136,8 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
         for row in rows:
             if _first_republish(runner.redis, row["id"], older_than_s):
                 assert runner.republish is not None
-                runner.republish(row["id"], queue, row["trace_id"], row["deadline_at"], 0.0)
+                trace_id, deadline_at, tenant = row["trace_id"], row["deadline_at"], row["tenant"]
+                runner.republish(row["id"], queue, trace_id, deadline_at, 0.0, tenant)
                 republished += 1
     if expired or republished or refused:
         log.warning("sweep: %d expired, %d republished, %d refused", expired, republished, refused)
@@ -174,7 +178,8 @@ def rehome(runner: Runner, queue: str) -> int:
     assert runner.republish is not None
     moved = execution.rehome(runner.engine, queue, home_queue(queue))
     for row in moved:
-        runner.republish(row["id"], home_queue(queue), row["trace_id"], row["deadline_at"], 0.0)
+        trace_id, deadline_at, tenant = row["trace_id"], row["deadline_at"], row["tenant"]
+        runner.republish(row["id"], home_queue(queue), trace_id, deadline_at, 0.0, tenant)
     return len(moved)
 
 
