@@ -39,7 +39,7 @@ from broker.tasks.events import EVENTS_SLACK_S
 from broker.tasks.execution import Claim, Claimed, Finish
 from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
 from workers import faults
-from workers.aio import CallCancelled, Calls, CallTimedOut
+from workers.aio import ON_LOOP_BYTES, CallCancelled, Calls, CallTimedOut, off_the_loop
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
 from workers.sdk.session import Session
@@ -66,8 +66,10 @@ HIDDEN = "a database statement failed; its detail is in the worker's log"
 PROGRESS_BURST = 50
 PROGRESS_PER_S = 10.0
 FinalHook = Callable[[TaskRow], None]
-# (task_id, queue, trace_id, deadline_at, countdown_s): publishes the task's message again.
-Republish = Callable[[uuid.UUID, str, str, datetime | None, float], None]
+# (task_id, queue, trace_id, deadline_at, countdown_s, tenant): publishes the task's message
+# again, behind the other tenants' when its tenant holds its fair slice of the queue, as at
+# submit (``backpressure.FairPlace``).
+Republish = Callable[[uuid.UUID, str, str, datetime | None, float, str], None]
 
 
 class Runner:
@@ -286,7 +288,7 @@ class Runner:
             if gone is not None:
                 return await self.finish_async(gone)
             running, ctx = self._prepare(claimed, spec, instance, direct=True)
-            outcome = await self._call_async(spec, ctx, claimed.payload, claimed_at, running)
+            outcome = await self._call_async(spec, ctx, claimed, claimed_at, running)
             await running.announce_async()  # as in ``_run``
             finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
             if retry_in_s is not None and await asyncio.to_thread(
@@ -328,7 +330,8 @@ class Runner:
             found = execution.queued_outsider(self.engine, tid, tenants)
             if found is None or self.republish is None:
                 return None
-            self.republish(tid, queue, found["trace_id"], found["deadline_at"], REFUSED_BACK_S)
+            trace_id, deadline_at, tenant = found["trace_id"], found["deadline_at"], found["tenant"]
+            self.republish(tid, queue, trace_id, deadline_at, REFUSED_BACK_S, tenant)
             log.warning("task %s is of a tenant this card does not admit; put back", tid)
             return "skipped"
         refused = execution.fail_outsider(self.engine, tid, tenants)
@@ -483,7 +486,9 @@ class Runner:
             ttl_s=claimed.result_ttl_s + EVENTS_SLACK_S,
             attempt=claimed.attempt + 1,  # it opens the next attempt
         )
-        self.republish(claimed.task_id, home, claimed.trace_id, claimed.deadline_at, delay_s)
+        self.republish(
+            claimed.task_id, home, claimed.trace_id, claimed.deadline_at, delay_s, claimed.tenant
+        )
         return True
 
     def _progress(
@@ -569,8 +574,10 @@ class Runner:
             if self.republish is not None:
                 with self.engine.connect() as conn:
                     due = turns.next_due(conn, *place)
-                if due is not None:
-                    self.republish(due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0)
+                if due is not None:  # a turn of the same session: the same tenant's
+                    self.republish(
+                        due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0, row["tenant"]
+                    )
             turns.take_dropped(self.redis, row["id"])
         except Exception:  # the task is final either way; the sweeper publishes the next turn
             log.exception("could not release the turn after task %s", row["id"])
@@ -609,9 +616,11 @@ class Runner:
         invalid = _invalid(spec, payload)
         if invalid is not None:
             return invalid
+        limit_s = _limit_s(spec, ctx, self.settings.default_task_timeout_s)
+        if limit_s <= 0:  # the deadline passed while the payload was checked
+            return _too_late()
         with metrics.labelled(metrics.task_run, spec.name).time():
             try:
-                limit_s = _limit_s(spec, ctx, self.settings.default_task_timeout_s)
                 result = self._result_of(spec, ctx, payload, limit_s, claimed_at, announce)
             except Exception as exc:
                 return _failure(exc, spec, ctx)
@@ -621,14 +630,18 @@ class Runner:
         self,
         spec: CapabilitySpec,
         ctx: Context,
-        payload: Any,
+        claimed: Claimed,
         claimed_at: float,
         running: Running,
     ) -> Outcome:
         """``_call`` on the event loop: the handler's coroutine runs as a task of its own."""
-        invalid = _invalid(spec, payload)
+        payload = claimed.payload
+        invalid = await _invalid_async(spec, payload, claimed.payload_size)
         if invalid is not None:
             return invalid
+        limit_s = _limit_s(spec, ctx, self.settings.default_task_timeout_s)
+        if limit_s <= 0:  # as in ``_call``
+            return _too_late()
         tid = ctx.task_id
 
         async def cancelled() -> bool:
@@ -640,7 +653,7 @@ class Runner:
                 result = await self.calls.arun(
                     tid,
                     _awaited(spec, ctx, payload),
-                    timeout_s=_limit_s(spec, ctx, self.settings.default_task_timeout_s),
+                    timeout_s=limit_s,
                     claimed_at=claimed_at,
                     cancelled=cancelled,
                     started=running.announce_async,
@@ -792,11 +805,28 @@ def _invalid(spec: CapabilitySpec, payload: Any) -> Failed | None:
     return Failed(task_error("payload_invalid", detail))
 
 
+async def _invalid_async(spec: CapabilitySpec, payload: Any, payload_size: int) -> Failed | None:
+    """``_invalid`` from the event loop. The check is Python over every node (about 2 s for a
+    MiB of integers), and the loop runs every call of this process (on the bridge, every
+    tenant's): a payload past ``ON_LOOP_BYTES`` is checked in a thread (``off_the_loop``)."""
+    if spec.validator is None or payload_size <= ON_LOOP_BYTES:
+        return _invalid(spec, payload)
+    return await off_the_loop(_invalid, spec, payload)
+
+
+def _too_late() -> Failed:
+    """A task whose deadline passed after its claim, before its handler started (its payload's
+    check took the time left): it ends as one not claimed before its deadline does
+    (``execution.expire_overdue``), and its handler never runs."""
+    error = task_error("deadline_exceeded", "its deadline passed before its handler started")
+    return Failed(error, expired=True)
+
+
 def _limit_s(spec: CapabilitySpec, ctx: Context, default_s: float) -> float:
     """How long the handler may run: its agent's timeout (``default_s`` when its card sets
-    none) or the time left to the deadline, whichever is shorter. Without the default, an
-    async handler on the threads pool, where Celery's hard limit does not act (a remote
-    agent's call on the bridge), could run for ever."""
+    none) or the time left to the deadline, whichever is shorter; 0 when the deadline has
+    passed. Without the default, an async handler on the threads pool, where Celery's hard
+    limit does not act (a remote agent's call on the bridge), could run for ever."""
     timeout_s = spec.card.timeout_s or default_s
     left_s = ctx.time_left_s()
     return timeout_s if left_s is None else min(timeout_s, left_s)
