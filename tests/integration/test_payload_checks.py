@@ -21,9 +21,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import Engine, select
 
 from broker.db.models import tasks_table
+from broker.registry.model import lease_key
 from broker.settings import Settings
 from tests.integration.rows import a_task_row
 from workers.aio import ON_LOOP_BYTES
@@ -115,6 +117,10 @@ class Agent:
 @pytest.fixture
 def agents(settings: Settings) -> Iterator[Any]:
     made: list[Agent] = []
+    # The instance holds a lease, as a worker's does: a reaper of the session's other workers
+    # takes back a running task whose instance holds none (the check takes seconds here).
+    leases = redis.Redis.from_url(settings.redis_url)
+    leases.set(lease_key(INSTANCE), "payload-checks", ex=600)
 
     def make(*, is_async: bool) -> Agent:
         made.append(Agent(settings, f"test.checked-{uuid.uuid4().hex[:8]}", is_async=is_async))
@@ -123,6 +129,8 @@ def agents(settings: Settings) -> Iterator[Any]:
     yield make
     for agent in made:
         agent.close()
+    leases.delete(lease_key(INSTANCE))
+    leases.close()
 
 
 def row_of(engine: Engine, task_id: uuid.UUID) -> Any:
