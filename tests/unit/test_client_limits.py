@@ -142,32 +142,6 @@ def test_an_answer_past_the_cap_is_not_asked_for_again() -> None:
     assert flood.requests == 1
 
 
-class Whole:
-    """Answers each request with ``answer`` whole, then hangs up."""
-
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                conn.sendall(self.answer)
-
-    def __enter__(self) -> Whole:
-        threading.Thread(target=self._serve, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._listener.close()
-
-
 SMALL_CAP = 2**20
 
 
@@ -219,7 +193,7 @@ def test_a_client_given_a_larger_cap_reads_an_answer_past_the_default_whole(clie
         with Reach(server.url, "rk_test", max_retries=0, max_answer_bytes=cap) as r:
             return r.tasks.get("t1")
 
-    with Whole(answer) as server:
+    with Flood(answer, b" ", most=0) as server:  # the answer whole, then the end
         task = asyncio.run(in_async()) if client == "async" else in_sync()
 
     assert task.result == result  # type: ignore[attr-defined]
