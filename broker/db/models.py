@@ -450,6 +450,19 @@ class WebhookDelivery(Base):
     )
 
 
+class WebhookOutbox(Base):
+    """A task's final event whose fanout is owed (``broker.webhooks.outbox``): written by the
+    task's final write when anyone may want the event, removed by the fanout. Only those in
+    flight, so it stays small whatever the number of tasks."""
+
+    __tablename__ = "webhook_outbox"
+
+    # No foreign key: its check would cost each final write a second probe of the task's
+    # row. The sweep removes a record whose task is gone.
+    task_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    finished_at: Mapped[datetime] = mapped_column(TZ)
+
+
 class WebhookAttempt(Base):
     """One HTTP attempt of a delivery, as the sender saw it."""
 
@@ -486,6 +499,7 @@ callback_secrets_table = cast(Table, CallbackSecret.__table__)
 webhook_deliveries_table = cast(Table, WebhookDelivery.__table__)
 webhook_bodies_table = cast(Table, WebhookBody.__table__)
 webhook_attempts_table = cast(Table, WebhookAttempt.__table__)
+webhook_outbox_table = cast(Table, WebhookOutbox.__table__)
 
 
 def in_sources(move: Move) -> ColumnElement[bool]:

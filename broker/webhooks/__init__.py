@@ -13,6 +13,7 @@ succeeds, fails for good, or is dead.
     policy         what an attempt's outcome means, and when to try again (pure)
     subscriptions  subscriptions and the callback secret (API side)
     fanout         deliveries for a task event (worker side)
+    outbox         the final events whose fanout is owed (the final write records them)
     deliveries     claiming and recording attempts (worker side)
     upkeep         lost attempts, lost messages, expired bodies and deliveries (the sweep)
     delivery_log   listing deliveries and redelivering (API side)

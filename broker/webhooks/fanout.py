@@ -2,7 +2,8 @@
 
 Fanout runs at least once (a redelivered Celery message runs it again), so a final event
 makes at most one delivery per endpoint: the ``dedupe_key`` is unique. Progress events are
-not deduplicated: each report is its own message.
+not deduplicated: each report is its own message. A final event's fanout settles what the
+task's final write recorded as owed (``outbox``), in the transaction that writes it.
 
 The worker publishes no more of what it wrote than the tenant has delivery slots free
 (``deliveries.release``); the rest wait in Postgres for an attempt of the tenant to end.
@@ -33,6 +34,7 @@ from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
 from broker.tasks.resource import TaskRow, new_task_id, render
 from broker.timestamps import iso
+from broker.webhooks import outbox
 from broker.webhooks.events import PROGRESS
 from broker.webhooks.policy import PENDING
 
@@ -102,6 +104,8 @@ def fanout(
     progress report, the ones it wrote), None when the event has none."""
     now = datetime.now(UTC)
     with engine.begin() as conn:
+        if event_type != PROGRESS:  # written below, or nothing to write: owed no more
+            outbox.settle(conn, task_id)
         query = select(tasks).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
         row = conn.execute(query).first()
         if row is None:  # expired or purged already: nothing left to tell

@@ -11,6 +11,10 @@ A tenant's due deliveries beyond its slots free wait in Postgres, not on the que
 publishes no more than its slots free, a message that finds them all taken is dropped (the
 delivery parked), and each attempt that ends publishes the tenant's next due delivery
 (``deliveries.release``). So the queue holds a few messages per tenant, whatever its backlog.
+
+A final event's fanout is owed from the task's final write, which records it (``outbox``):
+the hook's message is the fast way, and the sweep runs a fanout whose message never came
+(its process died after the final write, or Redis refused the message).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from broker.tasks.dispatch import (
     send_deliver,
 )
 from broker.tasks.resource import FINAL, TaskRow
-from broker.webhooks import deliveries, fanout, policy, signing, upkeep
+from broker.webhooks import deliveries, fanout, outbox, policy, signing, upkeep
 from broker.webhooks.events import PROGRESS, event_for_status
 from broker.webhooks.ssrf import Guard
 from workers.system.sender import send
@@ -44,6 +48,10 @@ log = logging.getLogger("reach.webhooks")
 SWEEP_BATCH = 500
 # The sweep republishes a pending delivery only when its message is this late.
 SWEEP_GRACE_S = 60.0
+# The sweep runs a final event's fanout itself when it is owed this long after the task's
+# final write: its message, published right after that write, was lost. A fanout run twice
+# writes no second delivery.
+FANOUT_GRACE_S = 10.0
 # Waits up to this long are countdown messages; longer ones are published by the sweep.
 COUNTDOWN_MAX_S = SWEEP_GRACE_S
 PROGRESS_CACHE_S = 5.0
@@ -71,7 +79,8 @@ class Webhooks:
     def on_final(self, row: TaskRow) -> None:
         """The runner's hook: announce a task's final state, when anyone may want it (its
         callback, or a subscription of its tenant): most tasks cost no extra message. The
-        final update returned ``tenant_subscribes``, so a subscription made before it counts."""
+        final update returned ``tenant_subscribes``, so a subscription made before it counts.
+        That update recorded the fanout as owed: if this message is lost, the sweep runs it."""
         wanted = row.get("callback") or row.get("tenant_subscribes", True)
         if row["status"] in FINAL and wanted:
             send_announce(self.app, row["id"], event_for_status(row["status"]))
@@ -147,6 +156,27 @@ class Webhooks:
             send_deliver(self.app, did, attempt + 1, retry_in_s)
         return status
 
+    def _fan_out_owed(self) -> int:
+        """Run each final event's fanout still owed past ``FANOUT_GRACE_S``; how many ran."""
+        engine = self.engine()
+        owed = outbox.owed(engine, grace_s=FANOUT_GRACE_S, limit=SWEEP_BATCH)
+        outbox.forget(engine, [task_id for task_id, status in owed if status is None])
+        ran = 0
+        for task_id, status in owed:
+            if status is None:
+                continue
+            try:
+                self.fanout(str(task_id), event_for_status(status))
+            except INFRASTRUCTURE_ERRORS:
+                raise  # the next sweep finds them all again
+            except Exception:  # one task's fanout must not hold up the others'
+                log.exception("fanout owed for task %s failed", task_id)
+                continue
+            ran += 1
+        if ran:
+            log.warning("ran %d fanouts whose message was lost", ran)
+        return ran
+
     def _release(self, tenant: str) -> int:
         """Publish the tenant's oldest due deliveries, as many as it has slots free."""
         released = deliveries.release(
@@ -178,10 +208,11 @@ class Webhooks:
         )
 
     def sweep(self) -> dict[str, int]:
-        """Take back attempts that never reported, release what waits past its time (a
-        message or a release was lost), remove bodies whose task expired, drop deliveries
-        past their retention."""
+        """Run the fanouts whose message was lost, take back attempts that never reported,
+        release what waits past its time (a message or a release was lost), remove bodies
+        whose task expired, drop deliveries past their retention."""
         engine = self.engine()
+        fanned_out = self._fan_out_owed()
         lost = upkeep.take_back_lost(engine, limit=SWEEP_BATCH)
         for delivery_id, attempt in lost:
             send_deliver(self.app, delivery_id, attempt)
@@ -193,6 +224,7 @@ class Webhooks:
         bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH)
         purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH, budget_s=PURGE_BUDGET_S)
         return {
+            "fanned_out": fanned_out,
             "lost": len(lost),
             "republished": republished,
             "bodies_purged": bodies,
