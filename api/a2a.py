@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import logging
 import uuid
@@ -98,6 +99,13 @@ def _principal(context: ServerCallContext) -> Principal:
     if not isinstance(principal, Principal):  # the routes authenticate before the SDK runs
         raise InternalError(message="the request was not authenticated")
     return principal
+
+
+def idempotency_key_of(message_id: str) -> str:
+    """The submit's idempotency key for an A2A ``messageId``: a digest of the whole id, so any
+    string A2A allows is a key (a key must be printable ASCII of at most 255 characters) and
+    two ids are one key only if they are one id. The id's length is bounded by the body's."""
+    return "a2a:" + hashlib.sha256(message_id.encode()).hexdigest()
 
 
 def _a2a_error(exc: ReachError) -> A2AError:
@@ -193,7 +201,7 @@ class ReachRequestHandler(RequestHandler):
             raise InvalidParamsError(message=str(exc)) from None
         if params.message.message_id:
             # A message resent with the same id is the same request: A2A's idempotency.
-            fields["idempotency_key"] = f"a2a:{params.message.message_id}"[:255]
+            fields["idempotency_key"] = idempotency_key_of(params.message.message_id)
         fields["source"] = "a2a"
         try:
             if not context.state.get("metered"):  # a large body took its token before reading

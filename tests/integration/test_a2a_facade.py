@@ -347,6 +347,49 @@ def test_bad_json_rpc_gets_the_spec_codes_never_a_500(
         assert answer.json()["error"]["code"] == code, (body, answer.text)
 
 
+def sent_message(api: ServedApp, token: str, message_id: str, data: Any) -> str:
+    """``SendMessage`` to echo with ``returnImmediately``: the task's id, or the error."""
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "SendMessage",
+        "params": {
+            "message": {
+                "messageId": message_id,
+                "role": "ROLE_USER",
+                "parts": [{"data": data}],
+                "metadata": {"capability": "echo"},
+            },
+            "configuration": {"returnImmediately": True},
+        },
+    }
+    answer = rpc(api, token, body).json()
+    assert "error" not in answer, (message_id[:40], answer["error"])
+    task_id: str = answer["result"]["task"]["id"]
+    return task_id
+
+
+def test_each_message_id_is_its_own_task_and_a_resent_one_replays_it(
+    api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    """The idempotency key was ``a2a:<messageId>`` cut to 255 characters, and a key must be
+    printable ASCII: two ids alike in their first 251 characters were one task (or -32602
+    "used with a different payload"), and an id with a space, a tab or an é was refused."""
+    # Given a tenant, and ids that differ only past their 251st character or hold any text
+    _, token = make_key()
+    unique = uuid.uuid4().hex
+    long_a, long_b = "L" * 251 + "A" + unique, "L" * 251 + "B" + unique
+    spaced, tabbed, accented = f"msg {unique}", f"msg\t{unique}", f"msgé{unique}"
+    # When each is sent with the same data
+    ids = [long_a, long_b, spaced, tabbed, accented]
+    tasks = {mid: sent_message(api, token, mid, {"t": "one"}) for mid in ids}
+    # Then each is a task of its own
+    assert len(set(tasks.values())) == 5
+    # And each resent is its first task again
+    for mid, task_id in tasks.items():
+        assert sent_message(api, token, mid, {"t": "one"}) == task_id
+
+
 def test_without_a_key_it_is_401_problem_json(api: ServedApp) -> None:
     answer = rpc(api, None, {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {}})
     assert answer.status_code == 401
