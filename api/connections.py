@@ -17,21 +17,41 @@ bounds on what a client that stops reading can hold:
   for a 1 MiB page from sockets that read nothing each held the page and a file descriptor
   for as long as they stayed open, at the request rate's 1,000 a second: no stream slot and
   no waiting slot counts a plain answer once it has started.
+- A request's head (its line and headers) past ``HEAD_MAX_BYTES`` is answered 431
+  ``headers_too_large``, and one not whole within ``HEAD_TIMEOUT_S`` 408 ``head_timeout``
+  (a connection that never sent a byte is closed unanswered). httptools holds a head in
+  memory until it ends, with no bound of its own, before any key is checked: one 16 MiB
+  ``traceparent`` was answered 200, and ten connections each sending 16 MiB of a header they
+  never finished took an API process from 181 to 353 MiB for as long as they stayed open.
+  After either answer the connection is half-closed: what the client still sends is read and
+  dropped for up to ``LINGER_S`` (closing with bytes unread would reset the connection and
+  could take the answer with it), then the connection is reset.
+
+h11 (the fallback) refuses a head past 16 KiB itself (400); the head bounds here are
+httptools' only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import struct
+from http import HTTPStatus
 from typing import Any
+
+from api.errors import PROBLEM_JSON
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Uvicorns
+
+    HEADS_BOUNDED_HERE = True
 except ImportError:  # pragma: no cover - no httptools (PyPy, some platforms): uvicorn's other
     from uvicorn.protocols.http.h11_impl import H11Protocol as _Uvicorns  # type: ignore[assignment]
+
+    HEADS_BOUNDED_HERE = False
 
 try:
     import fcntl
@@ -43,6 +63,12 @@ SEND_BUFFER_BYTES = 128 * 1024
 MIN_TAKEN_BYTES = 16 * 1024  # in each REACH_CLIENT_STALL_S while bytes wait: about 0.5 KiB/s
 STALL_KEY = "reach.client_stall_s"  # the lifespan state's entry (``api.app``)
 DEFAULT_STALL_S = 30.0
+HEAD_MAX_BYTES = 64 * 1024
+# From the connection's start, or a request's first byte, to its last header. A real client's
+# head comes in its first packet or two; a body has REACH_BODY_READ_TIMEOUT_S (10 s) too.
+HEAD_TIMEOUT_S = 10.0
+LINGER_S = 5.0
+TOO_LARGE = f"the request's line and headers are over {HEAD_MAX_BYTES} bytes"
 log = logging.getLogger("reach.api")
 
 
@@ -53,11 +79,138 @@ class Protocol(_Uvicorns):
         self._stall = Stall(
             counted, self.loop, float(self.app_state.get(STALL_KEY, DEFAULT_STALL_S))
         )
+        # From a request's last byte (or the connection's start) to the next one's last
+        # header the parser is in a head, and holds what it has of it.
+        self._in_head = True
+        self._crossings = 0  # heads and bodies the parser has finished
+        self._head_fed = 0  # bytes of reads that fell wholly in the current head
+        self._head_begun = False  # a byte of the current head has come
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
+        if HEADS_BOUNDED_HERE:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
         super().connection_made(counted)  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stall.stop()
+        self._stop_head_timer()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped: the answer is sent, the connection lingers
+        in_head, crossings = self._in_head, self._crossings
+        super().data_received(data)
+        if not HEADS_BOUNDED_HERE or self._refused:
+            return
+        if in_head and self._crossings == crossings:
+            # The whole read is head so far, all of it held by the parser. A read that also
+            # ended a request counts nothing of the next head: the next head may pass the
+            # bound by that read at most before it is refused, and is measured whole once
+            # it ends (``on_headers_complete``).
+            self._head_fed += len(data)
+            if self._head_fed > HEAD_MAX_BYTES:
+                self._refuse_head(431, "headers_too_large", TOO_LARGE)
+
+    # The parser's callbacks (httptools'): after a refusal the rest of the read is dropped.
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        super().on_message_begin()
+        self._head_begun = True
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._in_head = False
+        self._crossings += 1
+        self._stop_head_timer()
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > HEAD_MAX_BYTES:
+            self._refuse_head(431, "headers_too_large", TOO_LARGE)
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        self._in_head = True
+        self._crossings += 1
+        self._head_fed = 0
+        self._head_begun = False
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # what follows a refused head in the same read is no request
+            super().send_400_response(msg)
+
+    # The head's bounds.
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head behind an answer still under way: bounded in size meanwhile.
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+        elif self._head_begun:
+            late = f"the request's line and headers did not arrive within {HEAD_TIMEOUT_S:g} s"
+            self._refuse_head(408, "head_timeout", late)
+        elif not self.transport.is_closing():
+            self.transport.close()  # nothing asked, nothing to answer
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _refuse_head(self, status: int, code: str, detail: str) -> None:
+        """Answer ``status`` and end the connection. Once the client has had the answer and
+        the end of it, what it still sends is read and dropped, for ``LINGER_S`` at most."""
+        self._refused = True
+        self._stop_head_timer()
+        if self.transport.is_closing():  # already answered (uvicorn's 400) or gone
+            return
+        log.info("a request's head was refused %d %s", status, code)
+        if self.cycle is not None and not self.cycle.response_complete:
+            reset(self.transport)  # a pipelined head: no answer may go before the one under way
+            return
+        self.transport.write(_problem(status, code, detail, self.server_state.default_headers))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger = self.loop.call_later(LINGER_S, reset, self.transport)
+
+
+def _problem(status: int, code: str, detail: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The whole answer, problem+json as ``api.errors.problem`` writes it; no request was
+    read, so no trace and no path."""
+    phrase = HTTPStatus(status).phrase
+    body = json.dumps(
+        {
+            "type": f"urn:reach:problem:{code}",
+            "title": phrase,
+            "status": status,
+            "detail": detail,
+            "code": code,
+            "trace_id": None,
+        }
+    ).encode()
+    head = [f"HTTP/1.1 {status} {phrase}".encode()]
+    head += [name + b": " + value for name, value in headers]
+    head += [
+        b"content-type: " + PROBLEM_JSON.encode(),
+        b"content-length: " + str(len(body)).encode(),
+        b"connection: close",
+    ]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
 def bound_send_buffer(transport: asyncio.BaseTransport) -> None:
