@@ -236,6 +236,24 @@ def slow_once(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
     return {"runs": runs}
 
 
+HANG_READINESS_KEY = "reach:test:hang-readiness"
+
+
+def _hangs_while_told() -> bool:
+    """A readiness probe of a dependency that stopped answering, with no timeout of its
+    own: it does not return while ``HANG_READINESS_KEY`` exists."""
+    with redis.Redis.from_url(os.environ["REACH_REDIS_URL"]) as client:
+        while client.exists(HANG_READINESS_KEY):
+            time.sleep(0.05)
+    return True
+
+
+# Served only by the worker of the test that hangs its readiness (``test_lease_keeper_faults``).
+agent.capability(
+    "test.hung-ready", agent_id="test-hung-ready", version="0.0.1", readiness=_hangs_while_told
+)(slow_once)
+
+
 @agent.capability(
     "test.poison", agent_id="test-poison", version="0.0.1", idempotent=True, max_attempts=2
 )

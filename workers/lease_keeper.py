@@ -1,17 +1,31 @@
 """The worker's lease: advertised at start, renewed every TTL/3 by a thread of its own (never
 from the task path, so an idle worker stays live), and given up on drain or shutdown.
 
-Each renewal also applies readiness: a capability whose readiness callable says no, or that an
-agent marked not ready through the SDK, is removed from routing and its queues stop being
-consumed until it is ready again; the worker itself stays up.
+The renewal waits on nothing but Redis. Everything else the keeper does each interval runs on
+a second thread (``upkeep``): drain requests, readiness, the instance's row in Postgres and
+the orphan check. In the seeds a readiness callable that hung held the one thread: the lease
+expired while the worker went on taking tasks, and the reaper took back each one it ran.
+
+Upkeep applies readiness: a capability whose readiness check says no, raises or does not
+answer in time (``workers.readiness``), or that an agent marked not ready through the SDK,
+is removed from routing and its queues stop being consumed until it is ready again; the
+worker itself stays up and keeps its lease, so the tasks it is running are not taken back.
 
 A revoked version is dropped for good: the renewal leaves its card out (``leases.renew``), and
 the keeper then stops serving that capability. Revocations in Postgres are read at start too,
 so a worker of a revoked version started after Redis lost the set serves nothing of it.
 
-Each card has three queues: the capability's, the card's, and this instance's own (hints); a
+Each card has three queues: the capability's, the card's and this instance's own (hints); a
 card naming ``tenants`` does not take from the capability's (``CardRef.queues``), whatever
 ``-Q`` says. On drain the tasks waiting in the instance's queues move to their cards' queues.
+
+One name, one process (``NameRoll``): Celery names a worker ``celery@<host>`` unless ``-n``
+says otherwise, so two workers started on one host without it share a name, its lease and
+the tasks claimed under it. Each process stamps itself in the name's roll at each renewal.
+While another is alive under the name, no process of it recovers orphans (each would take the
+other's running tasks for lost), only the one that started first writes the lease (each
+overwrote the other's cards, so routing lost the first's capabilities), the others keep that
+lease from expiring (it covers their tasks too), and each logs an error naming ``-n``.
 """
 
 from __future__ import annotations
@@ -20,10 +34,11 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import redis
 from celery import bootsteps
 from sqlalchemy import Engine
 
@@ -37,15 +52,20 @@ from broker.registry.model import (
     READY,
     Lease,
     drain_key,
+    lease_key,
     now_s,
 )
 from broker.settings import Settings
 from broker.tasks import execution
 from broker.tasks.dispatch import send_run
+from workers.readiness import ReadinessChecks
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 
 log = logging.getLogger("reach.lease")
 OrphanHandler = Callable[[list[dict[str, Any]]], object]
+# Per instance name: each process running under it, and until when it said it lives.
+PROCESSES_PREFIX = "reach:instance:processes:"
+ROLL_KEPT_S = 3600  # a name's roll, after its last stamp (its entries' own times decide)
 
 
 class LeaseKeeper:
@@ -74,8 +94,18 @@ class LeaseKeeper:
             pid=os.getpid(),
             cards=tuple(s.card.ref() for s in self.specs),
         )
+        self.roll = NameRoll(self.redis, self.lease)
+        # Whether another process runs under this name, and whether this one holds the
+        # name's lease (it started first), as of the last renewal.
+        self.shared = False
+        self.first = True
+        self.readiness = ReadinessChecks(timeout_s=self.lease.renew_every_s)
+        # The lease and the specs change on the renewal's thread, upkeep's, and the
+        # consumer's (drain, shutdown); the lock is never held while agent code runs.
+        self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reach-lease", daemon=True)
+        self._renewals = threading.Thread(target=self._renew_each, name="reach-lease", daemon=True)
+        self._upkeep = threading.Thread(target=self._tick_each, name="reach-upkeep", daemon=True)
         self.started = False
 
     def start(self) -> None:
@@ -98,8 +128,9 @@ class LeaseKeeper:
                 if queue != spec.name:
                     self.consumer.add_task_queue(queue)
         self.renew()
-        leases.record_instance(self.engine, self.lease, READY)
-        self._thread.start()
+        self._record(READY)
+        self._renewals.start()
+        self._upkeep.start()
         log.info(
             "lease held by %s for %s (ttl %.1fs)",
             self.instance,
@@ -107,32 +138,42 @@ class LeaseKeeper:
             self.lease.lease_ttl_s,
         )
 
-    def _run(self) -> None:
+    def _renew_each(self) -> None:
         while not self._stop.wait(self.lease.renew_every_s):
             try:
-                self.tick()
+                self.renew()
             except Exception:  # a missed renewal is survivable; the next one may succeed
                 metrics.heartbeat_failures.inc()
                 log.exception("lease renewal failed for %s", self.instance)
 
+    def _tick_each(self) -> None:
+        while not self._stop.wait(self.lease.renew_every_s):
+            try:
+                self.tick()
+            except Exception:  # the next tick reads everything again
+                log.exception("lease upkeep failed for %s", self.instance)
+
     def tick(self) -> None:
+        """Upkeep: a drain request, readiness, the instance's row, orphans."""
         if self.lease.state == READY and leases.drain_requested(self.redis, self.instance):
             self.begin_drain()
         if self.lease.state == DRAINING:
             if self._holding() == 0:
                 self.go_offline()
-                self._stop.set()
                 return
         else:
             self._apply_readiness()
-        self.renew()
-        leases.record_instance(self.engine, self.lease, self.lease.state)
+        if self.lease.state != OFFLINE:
+            self._record(self.lease.state)
         self._find_orphans()
 
     def _find_orphans(self) -> None:
         """Tasks this instance claimed that none of its pool processes is running any more:
-        the process died (kill -9, OOM) while the worker lives on, so no lease expires."""
-        if self.on_orphans is None:
+        the process died (kill -9, OOM) while the worker lives on, so no lease expires. Not
+        while another process runs under the name: its tasks are not ours to hold. The roll
+        is read here, after the renewal's: a process stamps itself before it takes a task,
+        and a task is looked at only once it is two renewals old."""
+        if self.on_orphans is None or self.roll.others(now_s()):
             return
         found = orphans(
             self.engine, self.consumer, self.instance, started_before_s=2 * self.lease.renew_every_s
@@ -141,36 +182,85 @@ class LeaseKeeper:
             self.on_orphans(found)
 
     def renew(self) -> None:
-        self.lease = replace(self.lease, heartbeat_at=now_s(), active=self._holding())
-        written = leases.renew(self.redis, self.lease)
-        revoked = [
-            (spec, card)
-            for spec, card in zip(self.specs, self.lease.cards, strict=True)
-            if card not in written.cards
-        ]
-        for spec, card in revoked:
-            log.warning("%s: %s %s is revoked", self.instance, card.agent_id, card.version)
-            if card.ready and self.lease.state == READY:
-                self._toggle_queues(spec, consume=False)
-            self._drop(spec)
+        """Stamp this process in its name's roll and, if it holds the name's lease, write
+        it. Redis only: nothing here waits on agent code or on Postgres."""
+        with self._lock:
+            if self.lease.state == OFFLINE:
+                return
+            self.lease = replace(self.lease, heartbeat_at=now_s(), active=self._holding())
+            self._read_roll(self.roll.stamp(self.lease))
+            if not self.first:
+                self._extend_first_lease()
+                return
+            written = leases.renew(self.redis, self.lease)
+            revoked = [
+                (spec, card)
+                for spec, card in zip(self.specs, self.lease.cards, strict=True)
+                if card not in written.cards
+            ]
+            for spec, card in revoked:
+                log.warning("%s: %s %s is revoked", self.instance, card.agent_id, card.version)
+                if card.ready and self.lease.state == READY:
+                    self._toggle_queues(spec, consume=False)
+                self._drop(spec)
+
+    def _read_roll(self, others: list[str]) -> None:
+        first = self.roll.first_among(others)
+        if others and (not self.shared or first != self.first):
+            log.error(
+                "%s is the name of %d other worker process(es) (%s), alive or stopped less than"
+                " a lease TTL ago without giving it up: start each worker with a name of its"
+                " own (-n <name>@%%h). Meanwhile no orphaned task is recovered here, and %s",
+                self.instance,
+                len(others),
+                ", ".join(others),
+                "this process holds the name's lease: the others' capabilities are not routed"
+                if first
+                else "this process's capabilities are not routed (the first one's lease holds"
+                " the name)",
+            )
+        elif not others and self.shared:
+            log.info("%s: no other process runs under this name any more", self.instance)
+        self.shared, self.first = bool(others), first
+
+    def _extend_first_lease(self) -> None:
+        """Keep the name's lease (the first process's) alive by its own TTL, never shorter:
+        it covers this process's running tasks too, should the first stop without giving it
+        up (kill -9), until this one takes the name over at a renewal."""
+        key = lease_key(self.instance)
+        raw = self.redis.get(key)
+        if raw is not None:
+            self.redis.pexpire(key, int(1000 * Lease.from_json(raw).lease_ttl_s))
 
     def _drop(self, spec: CapabilitySpec) -> None:
         """Stop serving ``spec`` for good (its version is revoked)."""
-        at = self.specs.index(spec)
-        self.specs.pop(at)
-        cards = list(self.lease.cards)
-        cards.pop(at)
-        self.lease = replace(self.lease, cards=tuple(cards))
+        with self._lock:
+            at = self.specs.index(spec)
+            self.specs.pop(at)
+            cards = list(self.lease.cards)
+            cards.pop(at)
+            self.lease = replace(self.lease, cards=tuple(cards))
 
     def _apply_readiness(self) -> None:
-        flagged = leases.not_ready_flags(self.redis, self.instance, [s.name for s in self.specs])
-        cards = []
-        for spec, card in zip(self.specs, self.lease.cards, strict=True):
-            ready = spec.name not in flagged and _ready(spec)
-            if ready != card.ready:
-                self._toggle_queues(spec, consume=ready)
-            cards.append(replace(card, ready=ready))
-        self.lease = replace(self.lease, cards=tuple(cards))
+        """Check readiness off the lock (agent code, bounded by ``ReadinessChecks``), then
+        apply what changed and publish it at once."""
+        specs = list(self.specs)
+        flagged = leases.not_ready_flags(self.redis, self.instance, [s.name for s in specs])
+        ready = self.readiness.run(s for s in specs if s.name not in flagged)
+        with self._lock:
+            if self.lease.state != READY:
+                return
+            changed = False
+            cards = []
+            for spec, card in zip(self.specs, self.lease.cards, strict=True):
+                now_ready = ready.get(spec.name, False)
+                if now_ready != card.ready:
+                    self._toggle_queues(spec, consume=now_ready)
+                    changed = True
+                cards.append(replace(card, ready=now_ready))
+            self.lease = replace(self.lease, cards=tuple(cards))
+            if changed:
+                self.renew()
 
     def _toggle_queues(self, spec: CapabilitySpec, *, consume: bool) -> None:
         log.info("%s: %s %s", self.instance, "resuming" if consume else "pausing", spec.name)
@@ -179,25 +269,32 @@ class LeaseKeeper:
             # call_soon runs it on the consumer's own loop: its queues are not thread-safe.
             self.consumer.call_soon(action, queue)
 
+    def _record(self, state: str) -> None:
+        """The instance's row in Postgres: the first process of the name writes it."""
+        if self.first:
+            leases.record_instance(self.engine, self.lease, state)
+
     def begin_drain(self, *, stop_consuming: bool = True) -> None:
         """Stop taking work: leave routing, stop consuming, finish what is held.
         On warm shutdown Celery stops consuming itself (``stop_consuming=False``)."""
-        if self.lease.state in (DRAINING, OFFLINE) or not self.started:
-            return
-        log.info("%s: draining", self.instance)
-        self.lease = replace(self.lease, state=DRAINING)
-        leases.withdraw(self.redis, self.lease)
-        for spec, card in zip(self.specs, self.lease.cards, strict=True):
-            if stop_consuming and card.ready:
-                self._toggle_queues(spec, consume=False)
-        self.renew()
-        leases.record_instance(self.engine, self.lease, DRAINING)
+        with self._lock:
+            if self.lease.state in (DRAINING, OFFLINE) or not self.started:
+                return
+            log.info("%s: draining", self.instance)
+            self.lease = replace(self.lease, state=DRAINING)
+            if self.first:
+                leases.withdraw(self.redis, self.lease)
+            for spec, card in zip(self.specs, self.lease.cards, strict=True):
+                if stop_consuming and card.ready:
+                    self._toggle_queues(spec, consume=False)
+            self.renew()
+        self._record(DRAINING)
         self._rehome_hinted()
 
     def _rehome_hinted(self) -> None:
         """Tasks hinted to this instance that it will not take now wait in their cards'
         queues (their messages left here find them gone, or claim them once)."""
-        for spec in self.specs:
+        for spec in list(self.specs):
             ref = spec.card.ref()
             own = ref.instance_queue(self.instance)
             for row in execution.rehome(self.engine, own, ref.queue()):
@@ -210,12 +307,21 @@ class LeaseKeeper:
                 )
 
     def go_offline(self) -> None:
-        if not self.started or self.lease.state == OFFLINE:
-            return
-        self._stop.set()
-        self.lease = replace(self.lease, state=OFFLINE)
-        leases.release(self.redis, self.lease)
-        leases.record_instance(self.engine, self.lease, OFFLINE)
+        """Give up the lease. A process that shares its name leaves the name's lease to the
+        others: the first one's cards leave routing, and the next renewal of another process
+        writes the lease as its own."""
+        with self._lock:
+            if not self.started or self.lease.state == OFFLINE:
+                return
+            self._stop.set()
+            self.lease = replace(self.lease, state=OFFLINE)
+            alone = not self.roll.leave(now_s())
+            if alone:
+                leases.release(self.redis, self.lease)
+            elif self.first:
+                leases.withdraw(self.redis, self.lease)
+        if alone:
+            leases.record_instance(self.engine, self.lease, OFFLINE)
         self._rehome_hinted()  # any routed here while the drain began
         log.info("%s: offline", self.instance)
 
@@ -223,6 +329,55 @@ class LeaseKeeper:
         from celery.worker import state
 
         return len(held(self.consumer)) + len(state.reserved_requests)
+
+
+class NameRoll:
+    """The processes running under one instance name, in Redis: each stamps its own entry
+    (``<host>:<pid>:<started_at>``) with the time its lease would expire, and reads the
+    others'. One whose time has passed is gone: stopped for good, or the one before a restart
+    after kill -9 (a restart within the TTL finds it still there, and waits it out)."""
+
+    def __init__(self, client: redis.Redis, lease: Lease) -> None:
+        self.client = client
+        self.key = PROCESSES_PREFIX + lease.instance
+        self.me = f"{lease.hostname}:{lease.pid}:{lease.started_at}"
+
+    def stamp(self, lease: Lease) -> list[str]:
+        """Say this process lives until ``lease`` would expire; the others alive."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key, self.me, lease.heartbeat_at + lease.lease_ttl_s)
+            pipe.expire(self.key, ROLL_KEPT_S)
+            pipe.hgetall(self.key)
+            roll = pipe.execute()[2]
+        return self._alive(roll, lease.heartbeat_at)
+
+    def others(self, now: float) -> list[str]:
+        """The other processes alive under the name."""
+        return self._alive(self.client.hgetall(self.key), now)
+
+    def leave(self, now: float) -> list[str]:
+        """Take this process off the roll; the others alive."""
+        self.client.hdel(self.key, self.me)
+        return self.others(now)
+
+    def first_among(self, others: list[str]) -> bool:
+        """Whether this process started before every other (the entry breaks a tie)."""
+        return all((_started_at(self.me), self.me) < (_started_at(o), o) for o in others)
+
+    def _alive(self, roll: Mapping[bytes | str, bytes | str], now: float) -> list[str]:
+        until = {_text(entry): float(at) for entry, at in roll.items()}
+        gone = [entry for entry, at in until.items() if at < now]
+        if gone:
+            self.client.hdel(self.key, *gone)
+        return sorted(entry for entry in until if entry not in gone and entry != self.me)
+
+
+def _text(entry: bytes | str) -> str:
+    return entry.decode() if isinstance(entry, bytes) else entry
+
+
+def _started_at(entry: str) -> float:
+    return float(entry.rsplit(":", 1)[1])
 
 
 def held(consumer: Any) -> set[str]:
@@ -245,16 +400,6 @@ def orphans(
     running = execution.running_tasks(engine, instance=instance, started_before_s=started_before_s)
     holding = held(consumer)
     return [row for row in running if str(row["id"]) not in holding]
-
-
-def _ready(spec: CapabilitySpec) -> bool:
-    if spec.readiness is None:
-        return True
-    try:
-        return bool(spec.readiness())
-    except Exception:
-        log.exception("readiness check of %s raised; treating it as not ready", spec.name)
-        return False
 
 
 def lease_step(
