@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
 
@@ -24,39 +25,91 @@ from broker.tasks import queries
 from broker.tasks.envelope import Envelope
 from broker.tasks.eventhub import POLL_S, EventHub, FinalFromStore
 from broker.tasks.events import Event
-from broker.tasks.resource import FINAL, TaskRow, render
+from broker.tasks.resource import (
+    EXPIRED,
+    FINAL,
+    SHOWN_COLUMNS,
+    TaskRow,
+    render,
+    task_error,
+)
 from broker.tasks.submission import Accepted
 from broker.tenancy.keys import Principal
 
 STORE_CHECK_S = POLL_S  # a wait looks at Postgres as often as one look is shared
 
 
-async def _final_row(svc: Services, tenant: str, task_id: uuid.UUID) -> TaskRow | None:
+class Gone(enum.Enum):
+    """What ``_final_row`` answers for a task no longer there."""
+
+    GONE = "gone"
+
+
+GONE = Gone.GONE
+
+
+async def _final_row(svc: Services, tenant: str, task_id: uuid.UUID) -> TaskRow | Gone | None:
     """The task if Postgres has it final, its final event appended to the log first (refused
     when the log has it already): a worker that died between its two writes left it out.
+    ``GONE`` when it is not there at all (expired: its ``result_ttl_s`` passed, as it does
+    for a queued task no agent took), None while it is queued or running.
 
     Until then only its status is read, once an interval for all the waits and streams of
     this process on it (``EventHub.polled``); its row (no payload) once it is final."""
     status = await svc.hub.polled(
         ("status", tenant, task_id), lambda: queries.task_status(svc.engine, tenant, task_id)
     )
+    if status is None:
+        return GONE
     if status not in FINAL:
         return None
     row = await queries.final_task(svc.engine, tenant, task_id)
     if row is None:
-        return None
+        return GONE  # it went since its status was read
     await svc.event_log.append_final_async(row)
     return row
 
 
-def final_from_store(svc: Services, tenant: str, task_id: uuid.UUID) -> FinalFromStore:
+def gone_task(task_id: uuid.UUID, task: TaskRow | None) -> dict[str, Any]:
+    """What a stream or a wait ends with when its task went without a final event: the task
+    as the caller had it (``task``; its id alone when unknown), ``expired`` with
+    ``ttl_exceeded``. Its row has gone the way of every expired task: ``result_ttl_s`` after
+    it was accepted, never started (a worker's claim holds it while it runs). Without it a
+    stream pinged for ever, holding its tenant's stream slot, and a sync wait waited its
+    whole time to answer 202 with a task that was gone."""
+    error = task_error("ttl_exceeded", "the task is gone: its result_ttl_s passed before it ended")
+    shown = render(task) if task is not None else {"task_id": str(task_id)}
+    return shown | {"status": EXPIRED, "error": error}
+
+
+def _kept(task: TaskRow | None) -> TaskRow | None:
+    """What a stream keeps of its task for ``gone_task``, for as long as it lasts: the columns
+    the resource shows, but its result (a task that has one is final: the log closes with
+    it), nor its payload (a megabyte, in a submit's row)."""
+    if task is None:
+        return None
+    kept = {name: task[name] for name in SHOWN_COLUMNS}  # type: ignore[literal-required]
+    return cast(TaskRow, kept | {"result": None})
+
+
+def final_from_store(
+    svc: Services, tenant: str, task_id: uuid.UUID, task: TaskRow | None = None
+) -> FinalFromStore:
     """For a quiet stream: the final event, now in the log, or None while the task runs. The
-    event returned stands in for the log's only when the log was lost meanwhile."""
+    event returned stands in for the log's only when the log was lost meanwhile, or when the
+    task is gone (``gone_task``: ``task`` is the task as the caller had it)."""
+    task = _kept(task)
 
     async def final(last_seq: int) -> Event | None:
         row = await _final_row(svc, tenant, task_id)
         if row is None:
             return None
+        if row is GONE:
+            data = gone_task(task_id, task)
+            trace_id = task["trace_id"] if task is not None else ""
+            return Event(
+                seq=last_seq + 1, type=EXPIRED, data=data, trace_id=trace_id, at=time.time()
+            )
         return Event(
             seq=last_seq + 1,
             type=row["status"],
@@ -73,16 +126,24 @@ def key_watch(svc: Services, caller: Principal) -> KeyWatch:
 
 
 async def task_events(
-    svc: Services, caller: Principal, task_id: uuid.UUID, *, after: int = 0, quiet_s: float = 2.0
+    svc: Services,
+    caller: Principal,
+    task_id: uuid.UUID,
+    *,
+    after: int = 0,
+    quiet_s: float = 2.0,
+    task: TaskRow | None = None,
 ) -> AsyncIterator[Event | None]:
     """The task's events for a stream (``EventHub.events``: None at each quiet spell), each
-    passed on only while the caller's key is valid; raises ``Unauthenticated`` once not."""
+    passed on only while the caller's key is valid; raises ``Unauthenticated`` once not.
+    ``task``: the task as the caller read it, for the final event of one that goes
+    (``gone_task``)."""
     key = key_watch(svc, caller)
     events = svc.hub.events(
         str(task_id),
         after=after,
         quiet_s=quiet_s,
-        final_from_store=final_from_store(svc, caller.tenant, task_id),
+        final_from_store=final_from_store(svc, caller.tenant, task_id, task),
     )
     async with contextlib.aclosing(events):  # type: ignore[type-var]  # an async generator
         async for event in events:
@@ -100,13 +161,16 @@ def event_stream(
     headers: dict[str, str] | None = None,
     started: float | None = None,
     slot: Slot | None = None,
+    task: TaskRow | None = None,
 ) -> EventStreamResponse:
     """The task's events as SSE, in a stream slot of the tenant's: ``slot`` when one was taken
-    already (before a stream-mode submit), else one taken here (429 when none is left)."""
+    already (before a stream-mode submit), else one taken here (429 when none is left).
+    ``task``: as ``task_events``'s."""
     settings = svc.settings
     slot = slot or svc.streams.take(caller.tenant)
+    quiet_s = min(2.0, settings.sse_ping_s)
     return EventStreamResponse(
-        task_events(svc, caller, task_id, after=after, quiet_s=min(2.0, settings.sse_ping_s)),
+        task_events(svc, caller, task_id, after=after, quiet_s=quiet_s, task=task),
         send_timeout_s=settings.sse_send_timeout_s,
         ping_s=settings.sse_ping_s,
         status_code=status_code,
@@ -117,10 +181,16 @@ def event_stream(
 
 
 async def wait_until_final(
-    svc: Services, caller: Principal, task_id: uuid.UUID, timeout_s: float
+    svc: Services,
+    caller: Principal,
+    task_id: uuid.UUID,
+    timeout_s: float,
+    *,
+    task: TaskRow | None = None,
 ) -> dict[str, Any] | None:
     """The task (as rendered) once final, or None when ``timeout_s`` passes first; raises
-    ``Unauthenticated`` once the caller's key is no longer valid.
+    ``Unauthenticated`` once the caller's key is no longer valid. A task that goes meanwhile
+    ends the wait at once: ``gone_task`` when the caller gave it (``task``), else None.
 
     Subscribes, then checks (so a completion during the start is not missed), and looks at
     the task's status in Postgres whenever pub/sub has been quiet for a while (``_final_row``).
@@ -132,8 +202,10 @@ async def wait_until_final(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
-    async def final_task() -> dict[str, Any] | None:
+    async def final_task() -> dict[str, Any] | Gone | None:
         row = await _final_row(svc, caller.tenant, task_id)
+        if row is GONE:
+            return gone_task(task_id, task) if task is not None else GONE
         return render(row) if row is not None else None
 
     async with hub.listen(str(task_id)) as live:
@@ -148,8 +220,8 @@ async def wait_until_final(
             except TimeoutError:
                 event = None
             await key.check()
-            if event is None and (task := await final_task()) is not None:
-                return task
+            if event is None and (found := await final_task()) is not None:
+                return None if found is GONE else found
             if event is not None and event.final:
                 return dict(event.data)
     return None
@@ -173,9 +245,12 @@ async def answer(
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if envelope.reply_mode == "stream":
-        return event_stream(svc, caller, row["id"], headers=headers, started=started, slot=slot)
+        return event_stream(
+            svc, caller, row["id"], headers=headers, started=started, slot=slot, task=row
+        )
     if envelope.reply_mode == "sync":
-        finished = await wait_until_final(svc, caller, row["id"], sync_wait_s(svc, envelope))
+        wait_s = sync_wait_s(svc, envelope)
+        finished = await wait_until_final(svc, caller, row["id"], wait_s, task=row)
         metrics.sync_round_trip.observe(time.perf_counter() - started)
         if finished is not None:
             return JSONResponse(finished, status_code=200, headers=headers)

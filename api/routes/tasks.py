@@ -136,7 +136,7 @@ async def task_events(
 ) -> EventStreamResponse:
     """SSE: the task's events from the start, or after ``Last-Event-ID``; ends after the final
     event. Opening it on a finished task replays the log."""
-    tid = (await queries.visible_task(services(request).engine, caller, task_id))["id"]
+    task = await queries.visible_task(services(request).engine, caller, task_id)
     after = 0
     if last_event_id is not None:
         if LAST_EVENT_ID.fullmatch(last_event_id.strip()) is None:
@@ -144,7 +144,7 @@ async def task_events(
                 "Last-Event-ID must be an event id this stream sent", code="invalid_last_event_id"
             )
         after = int(last_event_id.strip())
-    return replies.event_stream(services(request), caller, tid, after=after)
+    return replies.event_stream(services(request), caller, task["id"], after=after, task=task)
 
 
 @router.get(

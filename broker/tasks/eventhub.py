@@ -185,11 +185,19 @@ class EventHub:
         final_from_store: FinalFromStore | None = None,
     ) -> AsyncIterator[Event | None]:
         """Every event after ``after``, in order, once each, ending with the final one.
-        Yields None after ``quiet_s`` without news (the caller may send a keep-alive)."""
+        Yields None after ``quiet_s`` without news (the caller may send a keep-alive).
+
+        A final event at or below ``after`` ends it at once, with nothing sent: a client
+        that resumes past it has it already, by its own account (a ``Last-Event-ID`` of
+        10^18 - 1 on a finished task held its stream for 30 s, then got a final event made up
+        with that id plus one). One between ``after`` and what this reader has sent is of a
+        log that began again (Redis lost it): the store's final event stands in for it."""
         last = after
         quiet_spells = 0
         async with self.listen(task_id) as queue:
             backlog = await self.read_log(task_id, last, LOG_PAGE)
+            if after and not backlog and await self.closing_event(task_id) is not None:
+                return
             while True:
                 for event in backlog:
                     if event.seq <= last:
@@ -218,11 +226,16 @@ class EventHub:
                         if substitute is not None:
                             backlog = await self.read_log(task_id, last, LOG_PAGE)
                             if len(backlog) < LOG_PAGE and not any(e.final for e in backlog):
+                                closing = await self.closing_event(task_id)
+                                if closing is not None and closing.seq <= after:
+                                    return  # see above
                                 backlog = [substitute]
                     if not backlog:
                         yield None
                     continue
                 quiet_spells = 0
+                if event.final and event.seq <= after:
+                    return  # see above
                 if event.seq == last + 1:
                     backlog = [event]
                 elif event.seq > last + 1:  # something was dropped: the log has it

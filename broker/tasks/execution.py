@@ -57,6 +57,7 @@ from broker.db.engines import LoopConnection, ThreadConnection
 from broker.db.models import FINAL_COLUMNS, as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhooks_table as webhooks
+from broker.tasks.dispatch import VISIBILITY_TIMEOUT_S
 from broker.tasks.resource import (
     CLAIM,
     EXPIRE_UNSTARTED,
@@ -149,6 +150,29 @@ _CLAIMS = _rows(
     column("instance", Text),
     column("tenants", JSONB),
 )
+# How long past its claim a task's row outlives its run: no worker accepts a hard time limit
+# that reaches the broker's redelivery timeout, a lost worker's task goes back to its queue
+# within its lease, and a retry waits at most 300 s for its next claim.
+RUN_HOLD_S = VISIBILITY_TIMEOUT_S
+
+
+def held_expiry() -> Any:
+    """When a task just claimed expires at the soonest: ``RUN_HOLD_S`` and its
+    ``result_ttl_s`` from now (or later, if it was due later).
+
+    Its ``expires_at`` was set at submit, ``result_ttl_s`` after it, so that a task that never
+    runs is gone then. Left so, a task running past it read as gone, its key was free for a
+    second task run beside it, a session's next turn started beside it, and the janitor
+    deleted its row, so its outcome had nowhere to go. Moved here, past any end of the run
+    (its final write sets it again, ``expiry``), every reader that takes ``expires_at <=
+    now()`` as gone is right about a task a worker holds, with no change of its own. The
+    agent's timeout would be a tighter bound, but not one for a handler its pool cannot stop
+    nor for a lease longer than a margin; this one bounds them all, and costs the claim no
+    parameter and no round trip."""
+    hold = func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s + RUN_HOLD_S)
+    return func.greatest(tasks.c.expires_at, moment() + hold)
+
+
 # Statements are built once: building one per task cost a worker more CPU than running it.
 _CLAIM = (
     update(tasks)
@@ -165,6 +189,7 @@ _CLAIM = (
     .values(
         status=CLAIM.target,
         started_at=moment(),
+        expires_at=held_expiry(),
         attempts=tasks.c.attempts + 1,
         agent_id=_CLAIMS.c.agent_id,
         agent_version=_CLAIMS.c.version,

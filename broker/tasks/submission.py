@@ -206,7 +206,8 @@ def _values(
         "result_ttl_s": ttl_s,
         "created_at": now,
         "deadline_at": deadline_at,
-        # A task that never runs is still gone after its TTL; finishing restarts the clock.
+        # A task that never starts is gone after its TTL; its claim holds it while it runs
+        # (``execution.held_expiry``), and its end restarts the clock.
         "expires_at": now + timedelta(seconds=ttl_s),
     }
     return row, task_bytes(size, metadata_size)
@@ -355,7 +356,10 @@ async def _insert_turn(inserter: GroupInsert, values: dict[str, Any], max_turns:
 
 
 async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | None:
-    """Same key seen before: the same payload gets the first task, another payload an error.
+    """Same key seen before: the same payload in the same session (or none) gets the first
+    task; another payload, or another session, an error. A session's task is a turn of that
+    session: handing a submit to session B the task made for session A would tell B's caller
+    its turn was taken when B got none.
 
     None when that task is gone: purged, or expired, which reads as gone everywhere else, so
     its row is deleted here as the janitor would (only while still expired: two replays
@@ -375,10 +379,15 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
             await conn.execute(gone)
             await conn.commit()
             return None
+    differs = None
     if existing.payload_digest != values["payload_digest"]:
+        differs = "payload"
+    elif existing.session_id != values["session_id"]:
+        differs = "session_id"
+    if differs is not None:
         metrics.idempotency.labels("conflict").inc()
         raise BadRequest(
-            "this idempotency key was used with a different payload",
+            f"this idempotency key was used with a different {differs}",
             code="idempotency_key_reused",
         )
     metrics.idempotency.labels("replayed").inc()

@@ -1,0 +1,144 @@
+"""Every stream ends, and every wait: on a task gone with its TTL, and on a client that
+resumes past the final event."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from api.app import create_app
+from broker.settings import Settings
+from tests.integration.conftest import client_for
+from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
+from tests.integration.test_replies import frames
+
+# No worker serves it: its tasks wait in its queue until their TTL passes.
+UNSERVED = "test.nobody"
+# Only a bound on a hang: a stream that still runs then has failed the test.
+STREAM_BOUND_S = 90
+# The wait a sync submit may take here: its task's 2 s TTL passes well before it ends.
+SYNC_WAIT_S = 40
+
+
+@pytest.fixture
+def quick(settings: Settings, worker: CeleryProcess) -> Iterator[ServedApp]:
+    """An API whose streams go quiet (and look at Postgres) after 0.2 s, not 2 s, and whose
+    sync submits wait up to ``SYNC_WAIT_S``."""
+    tuned = settings.model_copy(update={"sse_ping_s": 0.2, "sync_max_wait_s": SYNC_WAIT_S})
+    with ServedApp(create_app(tuned)) as served:
+        yield served
+
+
+@pytest.fixture
+def http(quick: ServedApp, tenant: tuple[str, str]) -> Iterator[httpx.Client]:
+    with client_for(quick, tenant[1]) as client:
+        yield client
+
+
+@dataclass
+class Stream:
+    events: list[dict[str, Any]] = field(default_factory=list)  # not its pings
+    ended: bool = False  # by itself, within ``STREAM_BOUND_S``
+    location: str = ""
+
+
+def read_until_end(http: httpx.Client, method: str, url: str, **kwargs: Any) -> Stream:
+    bound = time.monotonic() + STREAM_BOUND_S
+    stream = Stream()
+    with http.stream(method, url, timeout=httpx.Timeout(10, read=30), **kwargs) as response:
+        assert response.status_code == 200, response.read()
+        stream.location = response.headers.get("location", "")
+        for frame in frames(response.iter_lines()):
+            if "comment" not in frame:
+                stream.events.append(frame)
+            if time.monotonic() > bound:
+                return stream
+    stream.ended = True
+    return stream
+
+
+def unserved(**extra: Any) -> dict[str, Any]:
+    """A task that waits for an agent nobody runs, kept two seconds."""
+    return {
+        "capability": UNSERVED,
+        "payload": {"n": 1},
+        "queue_if_unavailable": True,
+        "result_ttl_s": 2,
+        **extra,
+    }
+
+
+def assert_gone_with_its_ttl(task: dict[str, Any], task_id: str) -> None:
+    assert task["task_id"] == task_id
+    assert task["capability"] == UNSERVED
+    assert task["status"] == "expired"
+    assert task["error"]["code"] == "ttl_exceeded"
+
+
+def test_a_stream_mode_submit_whose_task_goes_with_its_ttl_ends_with_expired(
+    http: httpx.Client,
+) -> None:
+    # Given a stream-mode submit of a task no agent takes, kept two seconds
+    # When its TTL passes and the task is gone
+    stream = read_until_end(http, "POST", "/tasks", json=unserved(reply_mode="stream"))
+    # Then the stream ends by itself, its last event ``expired``: the task, gone with its TTL
+    assert stream.ended, f"the stream of a gone task was still open after {STREAM_BOUND_S} s"
+    assert [e["event"] for e in stream.events] == ["status", "expired"]
+    task_id = stream.location.rsplit("/", 1)[-1]
+    assert_gone_with_its_ttl(stream.events[-1]["data"]["data"], task_id)
+    assert [int(e["id"]) for e in stream.events] == [1, 2]
+    assert http.get(f"/tasks/{task_id}").status_code == 404
+
+
+def test_a_task_stream_whose_task_goes_with_its_ttl_ends_with_expired(
+    http: httpx.Client,
+) -> None:
+    # Given a task no agent takes, kept two seconds, and its event stream opened at once
+    task_id = http.post("/tasks", json=unserved()).json()["task_id"]
+    # When its TTL passes
+    stream = read_until_end(http, "GET", f"/tasks/{task_id}/events")
+    # Then the stream ends, with the task as the caller read it, expired
+    assert stream.ended, f"the stream of a gone task was still open after {STREAM_BOUND_S} s"
+    assert [e["event"] for e in stream.events] == ["status", "expired"]
+    assert_gone_with_its_ttl(stream.events[-1]["data"]["data"], task_id)
+
+
+def test_a_sync_wait_whose_task_goes_with_its_ttl_answers_expired(http: httpx.Client) -> None:
+    # Given a sync submit of a task no agent takes, kept two seconds, that may wait 40 s
+    response = http.post("/tasks", json=unserved(reply_mode="sync"), timeout=SYNC_WAIT_S + 30)
+    # Then once the task is gone the wait ends: 200, the task expired with its TTL (before,
+    # 202 after the whole wait, with the task as it was accepted: queued, though gone)
+    assert response.status_code == 200, response.text
+    task = response.json()
+    assert_gone_with_its_ttl(task, task["task_id"])
+    assert http.get(f"/tasks/{task['task_id']}").status_code == 404
+
+
+def test_a_last_event_id_at_or_past_the_final_event_ends_the_stream_with_nothing(
+    http: httpx.Client,
+) -> None:
+    # Given a finished task and its stream's events
+    echo = {"capability": "echo", "payload": {"e": 1}}
+    task_id = http.post("/tasks", json=echo).json()["task_id"]
+    wait_for_task(http, task_id, {"succeeded"})
+    whole = read_until_end(http, "GET", f"/tasks/{task_id}/events")
+    assert whole.ended and whole.events[-1]["event"] == "succeeded"
+    final_id = int(whole.events[-1]["id"])
+    # When a client resumes after the final event, or far past it
+    for resumed_after in (final_id, 10**18 - 1):  # the largest id a client may send
+        resumed = read_until_end(
+            http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(resumed_after)}
+        )
+        # Then the stream ends with nothing: no event comes after that id, none made up
+        assert resumed.ended and resumed.events == [], (resumed_after, resumed.events)
+    # And one resuming just below it gets the final event, with its own id, once
+    last = read_until_end(
+        http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(final_id - 1)}
+    )
+    assert last.ended
+    assert [(e["id"], e["event"]) for e in last.events] == [(str(final_id), "succeeded")]
