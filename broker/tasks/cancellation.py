@@ -32,6 +32,7 @@ from broker.tasks.execution import expiry, moment
 from broker.tasks.queries import allowed_by, visible_task
 from broker.tasks.resource import CANCEL, TaskRow, parse_task_id, task_error
 from broker.tenancy.keys import Principal
+from broker.webhooks import outbox
 from broker.webhooks.events import event_for_status
 
 log = logging.getLogger("reach.api")
@@ -71,7 +72,7 @@ async def cancel(
         .returning(*FINAL_COLUMNS)
     )
     async with engine.begin() as conn:
-        row = (await conn.execute(query)).first()
+        row = (await conn.execute(outbox.recording(query))).first()
     return as_task_row(row) if row is not None else None
 
 

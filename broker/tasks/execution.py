@@ -73,6 +73,7 @@ from broker.tasks.resource import (
     task_error,
 )
 from broker.tasks.turns import IS_DUE, session_heads
+from broker.webhooks import outbox
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,9 @@ def _finish_statement(move: Move, of_attempt: bool) -> Any:
     # Not the payload (``FINAL_COLUMNS``): nothing reads it once the task has ended, and
     # reading it back cost every finish its whole JSON again. 100 finishes of tasks with
     # 64 KB payloads took 51-98 ms with it and 13 ms without (``docs/performance.md``).
-    return update(tasks).where(*guard).values(values).returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
+    final = update(tasks).where(*guard).values(values)
+    # The webhooks' fanout owed is recorded by the same statement (``outbox``).
+    return outbox.recording(final.returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES))
 
 
 def finish_many(db: Engine | ThreadConnection, finishes: list[Finish]) -> list[TaskRow | None]:
@@ -427,7 +430,7 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
         .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
     )
     with engine.begin() as conn:
-        row = conn.execute(query).first()
+        row = conn.execute(outbox.recording(query)).first()
     return as_task_row(row) if row is not None else None
 
 
@@ -448,7 +451,7 @@ def fail_outsider(engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]) 
         .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
     )
     with engine.begin() as conn:
-        row = conn.execute(query).first()
+        row = conn.execute(outbox.recording(query)).first()
     return as_task_row(row) if row is not None else None
 
 
