@@ -8,6 +8,7 @@ the transaction that inserts it (``turns``), so it goes in alone, not in a group
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,6 +41,8 @@ from broker.tasks.resource import QUEUED, TaskRow, new_task_id
 from broker.tenancy.heavy import OneAtATime
 from broker.tenancy.keys import Principal
 from broker.tenancy.usage import QuotaExceeded, Quotas, task_bytes
+
+log = logging.getLogger("reach.api")
 
 # Built once: constructing and caching the statement per request cost more than running it.
 # RETURNING only the id (did the insert happen?): the row is what was sent, plus the
@@ -282,9 +285,19 @@ async def submit(
                 )
             )
     except Exception as exc:
-        await _withdraw(engine, row["id"])
-        quota.give_back(principal.tenant, size)
-        raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
+        # A reply that never came (a timeout) may be of a call Redis ran: the message may be
+        # out. The row is withdrawn only while still queued; a task a worker has claimed was
+        # published, and the caller is told so, not 503 (which a caller answers by submitting
+        # again: the work would run twice). A queued one withdrawn here finds no row if its
+        # message was out after all, and does not run.
+        if await _withdraw(engine, row["id"]):
+            quota.give_back(principal.tenant, size)
+            raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
+        log.warning(
+            "task %s: the queue's reply was lost (%r), and a worker had claimed it: accepted",
+            row["id"],
+            exc,
+        )
     return Accepted(row=row, replayed=False)
 
 
@@ -396,6 +409,11 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
     return Accepted(row=cast(TaskRow, row), replayed=True)
 
 
-async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> None:
+async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> bool:
+    """Delete the task's row while it is still queued; False when a worker has claimed it
+    (or it is gone): its message went out."""
     async with engine.begin() as conn:
-        await conn.execute(delete(tasks).where(tasks.c.id == task_id, tasks.c.status == QUEUED))
+        deleted = await conn.execute(
+            delete(tasks).where(tasks.c.id == task_id, tasks.c.status == QUEUED)
+        )
+    return bool(deleted.rowcount)

@@ -1,0 +1,131 @@
+"""A Redis reply lost on the submit's way: the command ran, the API never heard back.
+
+The submit's one Redis call appends the task's ``queued`` event and pushes its message. When
+Redis runs it but its reply does not come within the client's timeout, the API cannot tell
+a message that went out from one that did not. It withdraws the row only while the task is
+still queued; a task a worker has claimed meanwhile was published, and the caller is told
+so (202), not 503: a caller told 503 submits again, and the work runs twice.
+
+A proxy on loopback stands between the API and Redis and, once armed, passes the call that
+carries the task's message on to Redis but withholds every reply on that connection, as a
+Redis stalled past the client's timeout does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from sqlalchemy import Engine, text
+
+from api.app import create_app
+from broker.settings import Settings
+from tests.integration.conftest import KeyMaker
+from tests.integration.stack import ServedApp, free_port, wait_for_task
+
+pytestmark = pytest.mark.usefixtures("worker")
+
+CAPABILITY = "echo"
+MESSAGE_MARK = f'"routing_key": "{CAPABILITY}"'.encode()
+
+
+class WithholdingProxy:
+    """TCP to Redis, in a thread of its own. While ``armed``, a connection whose request
+    carries a message for ``CAPABILITY`` gets no reply from then on (Redis still runs it)."""
+
+    def __init__(self, redis_url: str) -> None:
+        parts = urlsplit(redis_url)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self.port = free_port()
+        self.url = parts._replace(netloc=f"127.0.0.1:{self.port}").geturl()
+        self.armed = threading.Event()
+        self.withheld = threading.Event()  # a reply was withheld
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> WithholdingProxy:
+        self.thread.start()
+        started = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port), self.loop
+        )
+        self.server = started.result(timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+    async def _close(self) -> None:
+        self.server.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        redis_r, redis_w = await asyncio.open_connection(*self.upstream)
+        stalled = {"on": False}
+
+        async def pipe(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: bool
+        ) -> None:
+            try:
+                while data := await reader.read(65536):
+                    if requests and self.armed.is_set() and MESSAGE_MARK in data:
+                        stalled["on"] = True
+                        self.withheld.set()
+                    if not requests and stalled["on"]:
+                        continue
+                    writer.write(data)
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(pipe(client_r, redis_w, True), pipe(redis_r, client_w, False))
+
+
+@pytest.fixture
+def proxied_api(settings: Settings) -> Iterator[tuple[ServedApp, WithholdingProxy]]:
+    with WithholdingProxy(settings.redis_url) as proxy:
+        # The broker is the same Redis (Settings.broker_url unset): the message goes out in
+        # the call that appends the queued event, through the proxy.
+        app = create_app(settings.model_copy(update={"redis_url": proxy.url}))
+        with ServedApp(app) as served:
+            yield served, proxy
+
+
+def test_a_task_claimed_after_a_lost_reply_is_accepted_not_refused_and_runs_once(
+    proxied_api: tuple[ServedApp, WithholdingProxy],
+    make_key: KeyMaker,
+    engine: Engine,
+) -> None:
+    served, proxy = proxied_api
+    tenant, token = make_key([CAPABILITY])
+    with httpx.Client(
+        base_url=served.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+    ) as client:
+        warm = client.post("/tasks", json={"capability": CAPABILITY, "payload": {"n": 0}})
+        assert warm.status_code == 202, warm.text
+        proxy.armed.set()
+        answer = client.post("/tasks", json={"capability": CAPABILITY, "payload": {"n": 1}})
+        proxy.armed.clear()
+        assert proxy.withheld.is_set(), "the proxy never saw the task's message"
+        assert answer.status_code == 202, answer.text
+        task_id = answer.json()["task_id"]
+        done = wait_for_task(client, task_id, {"succeeded", "failed", "expired"}, timeout_s=60)
+    assert done["status"] == "succeeded"
+    assert done["result"] == {"n": 1}
+    with engine.connect() as conn:
+        made = conn.execute(
+            text("SELECT count(*), max(attempts) FROM tasks WHERE tenant = :t"), {"t": tenant}
+        ).one()
+    assert tuple(made) == (2, 1)  # the warm-up and this one, each run once
