@@ -465,7 +465,12 @@ class Runner:
         if (
             self.republish is None
             or execution.requeue(
-                self.engine, claimed.task_id, err, attempt=claimed.attempt, queue=home
+                self.engine,
+                claimed.task_id,
+                err,
+                attempt=claimed.attempt,
+                queue=home,
+                delay_s=delay_s,
             )
             is None
         ):

@@ -86,6 +86,9 @@ class Task(Base):
     started_at: Mapped[datetime | None] = mapped_column(TZ)
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
     deadline_at: Mapped[datetime | None] = mapped_column(TZ)
+    # When a task queued again (``execution.requeue``) is due: its requeue plus the retry's
+    # delay. The sweep counts its wait from then; NULL: it was never queued again.
+    retry_at: Mapped[datetime | None] = mapped_column(TZ)
     expires_at: Mapped[datetime] = mapped_column(TZ)
     # The envelope's callback, {"url", "events"}: where this task's own webhook goes.
     callback: Mapped[Any | None] = mapped_column(JSONB)

@@ -36,6 +36,7 @@ from sqlalchemy import (
     Select,
     TableValuedAlias,
     Text,
+    and_,
     any_,
     bindparam,
     column,
@@ -475,14 +476,23 @@ def requeue(
     *,
     attempt: int | None = None,
     queue: str | None = None,
+    delay_s: float = 0.0,
 ) -> TaskRow | None:
     """running -> queued for another attempt, keeping the last error visible. ``attempt``:
     only if the row is still at that attempt (see ``fail``). ``queue``: where it now waits,
-    when not where it waited before (an instance's queue: that instance may be gone)."""
+    when not where it waited before (an instance's queue: that instance may be gone).
+    ``delay_s``: how long its message is held back (a retry's countdown); the row's
+    ``retry_at`` says when it is due, so the sweep does not take it for lost before then
+    (``stale_query``)."""
     guard = [tasks.c.id == task_id, in_sources(RETRY)]
     if attempt is not None:
         guard.append(tasks.c.attempts == attempt)
-    values: dict[str, Any] = {"status": RETRY.target, "error": error, "instance": None}
+    values: dict[str, Any] = {
+        "status": RETRY.target,
+        "error": error,
+        "instance": None,
+        "retry_at": moment() + func.make_interval(0, 0, 0, 0, 0, 0, delay_s),
+    }
     if queue is not None:
         values["queue"] = queue
     query = update(tasks).where(*guard).values(values).returning(*tasks.c)
@@ -582,14 +592,16 @@ def overdue_query(limit: int) -> Select[Any]:
 
 
 def stale_queued(engine: Engine, *, older_than_s: float, limit: int) -> list[dict[str, Any]]:
-    """Queued tasks accepted at least ``older_than_s`` ago (``stale_query``)."""
+    """Queued tasks waiting for at least ``older_than_s`` (``stale_query``)."""
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(stale_query(older_than_s, limit))]
 
 
 def stale_query(older_than_s: float, limit: int) -> Select[Any]:
-    """Queued tasks accepted a while ago: candidates for a message the broker lost. A turn
+    """Queued tasks waiting a while: candidates for a message the broker lost. A turn
     still waiting for an earlier one of its session is not: its message would be dropped.
+    Nor is a task queued again whose retry is not due yet, nor one whose requeue is recent
+    (``waited_since``).
 
     Shared fairly, so that one tenant's backlog (or one queue's) never hides another's lost
     task: each (tenant, queue) with such tasks gets its ``limit / groups`` oldest, at least
@@ -613,18 +625,19 @@ def stale_query(older_than_s: float, limit: int) -> Select[Any]:
             tasks.c.session_id.is_(None),
             tasks.c.tenant == groups.c.tenant,
             tasks.c.queue == groups.c.queue,
-            tasks.c.created_at < before,
+            waited_since(tasks, before),
         )
         .order_by(tasks.c.created_at)
         .limit(share.scalar_subquery())
         .lateral("alone")
     )
     heads = session_heads()
+    head = tasks.alias("head")  # a head's ``retry_at``, by its primary key
     found = union_all(
         select(alone, groups.c.tenant).select_from(groups.join(alone, true())),
-        select(*(heads.c[c] for c in (*columns, "tenant"))).where(
-            heads.c.status == QUEUED, heads.c.created_at < before
-        ),
+        select(*(heads.c[c] for c in (*columns, "tenant")))
+        .select_from(heads.join(head, head.c.id == heads.c.id))
+        .where(heads.c.status == QUEUED, waited_since(head, before)),
     ).subquery("found")
     nth = func.row_number().over(
         partition_by=(found.c.tenant, found.c.queue), order_by=found.c.created_at
@@ -640,6 +653,16 @@ def stale_query(older_than_s: float, limit: int) -> Select[Any]:
         .order_by(in_tenant, taken.c.created_at)
         .limit(limit)
     )
+
+
+def waited_since(row: Any, before: Any) -> ColumnElement[bool]:
+    """The queued task ``row`` (``tasks`` or an alias of it) has waited since ``before``:
+    accepted before it and, if queued again (``requeue``), due before it. A retry's message
+    is held back for its delay in the worker that published it (kombu's unacked messages,
+    not its queue's list), so the sweep took a task retried after 60 s for lost 3 s after
+    its first attempt and ran it at once. ``created_at`` stays the indexed bound: a
+    ``retry_at`` is never before it."""
+    return and_(row.c.created_at < before, or_(row.c.retry_at.is_(None), row.c.retry_at < before))
 
 
 def _queued_groups(

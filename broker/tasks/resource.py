@@ -84,6 +84,7 @@ class TaskRow(TypedDict):
     started_at: datetime | None
     finished_at: datetime | None
     deadline_at: datetime | None
+    retry_at: datetime | None
     expires_at: datetime
     callback: dict[str, Any] | None
     tenant_subscribes: NotRequired[bool]

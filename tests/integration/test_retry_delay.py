@@ -1,0 +1,67 @@
+"""A retry waits as long as its agent asked (``Retryable.delay_s``, a remote agent's
+Retry-After): its countdown message is held in the worker that published it, not in its
+queue's list, and the sweeper took the queued task for lost and ran it again within seconds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from api.app import create_app
+from broker.settings import Settings
+from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.retry_agent import CAPABILITY, attempts_key
+from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
+
+# Past the test settings' sweep_after_s (3 s) and sweep interval (1 s), so the sweeper looks
+# at the waiting task several times before it is due.
+DELAY_S = 10.0
+# How early a worker's timer may fire a message due at a moment.
+TIMER_SLACK_S = 0.5
+
+
+@pytest.fixture
+def retry_worker(settings: Settings, log_dir: Path) -> Iterator[CeleryProcess]:
+    """A worker of the retrying agent alone: its card is advertised before the test's API
+    starts, which then accepts tasks for it."""
+    own = settings.model_copy(update={"agents": ["tests.integration.retry_agent"]})
+    process = start_worker(own, CAPABILITY, "retry-after", log_dir)
+    yield process
+    process.stop()
+
+
+def attempts(redis_url: str, task_id: str) -> list[dict[str, Any]]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [json.loads(entry) for entry in client.lrange(attempts_key(task_id), 0, -1)]
+    finally:
+        client.close()
+
+
+def test_a_retry_runs_again_no_sooner_than_its_agent_asked(
+    settings: Settings,
+    redis_url: str,
+    make_key: KeyMaker,
+    system_beat: CeleryProcess,
+    retry_worker: CeleryProcess,
+) -> None:
+    _, token = make_key()
+    with ServedApp(create_app(settings)) as api, client_for(api, token) as http:
+        # Given an agent that asks, on its first attempt, to be tried again in DELAY_S
+        answer = http.post(
+            "/tasks", json={"capability": CAPABILITY, "payload": {"delay_s": DELAY_S}}
+        )
+        assert answer.status_code == 202, answer.text
+        task_id = answer.json()["task_id"]
+        # When the sweeper runs every second meanwhile, then it runs again
+        done = wait_for_task(http, task_id, {"succeeded", "failed"}, timeout_s=DELAY_S + 60)
+    assert (done["status"], done["attempts"]) == ("succeeded", 2)
+    # Then its second attempt started no sooner than DELAY_S after its first ended
+    first, second = attempts(redis_url, task_id)
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert second["started_at"] - first["ended_at"] >= DELAY_S - TIMER_SLACK_S
