@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, TypeVar, cast
@@ -187,17 +188,24 @@ class EventHub:
         """Every event after ``after``, in order, once each, ending with the final one.
         Yields None after ``quiet_s`` without news (the caller may send a keep-alive).
 
-        A final event at or below ``after`` ends it at once, with nothing sent: a client
-        that resumes past it has it already, by its own account (a ``Last-Event-ID`` of
-        10^18 - 1 on a finished task held its stream for 30 s, then got a final event made up
-        with that id plus one). One between ``after`` and what this reader has sent is of a
-        log that began again (Redis lost it): the store's final event stands in for it."""
+        A resumed stream whose log's final event is ``after`` itself ends at once, with
+        nothing sent: the client has it (an EventSource reconnects after the final event,
+        with its id). One below ``after`` is of a log that began again (Redis lost the one
+        the client read, or its id is made up): the client never had it, so it goes out at
+        once, numbered ``after + 1`` for the client to take it (``_past``); before, a
+        ``Last-Event-ID`` of 10^18 - 1 on a finished task held its stream for 30 s until the
+        store's final event stood in. A final event between ``after`` and what this reader
+        has sent is of a log that began again too: the store's stands in for it."""
         last = after
         quiet_spells = 0
         async with self.listen(task_id) as queue:
             backlog = await self.read_log(task_id, last, LOG_PAGE)
-            if after and not backlog and await self.closing_event(task_id) is not None:
-                return
+            if after and not backlog:
+                closing = await self.closing_event(task_id)
+                if closing is not None:
+                    if closing.seq < after:
+                        yield _past(closing, after)
+                    return
             while True:
                 for event in backlog:
                     if event.seq <= last:
@@ -228,15 +236,25 @@ class EventHub:
                             if len(backlog) < LOG_PAGE and not any(e.final for e in backlog):
                                 closing = await self.closing_event(task_id)
                                 if closing is not None and closing.seq <= after:
-                                    return  # see above
+                                    if closing.seq < after:  # see above
+                                        yield _past(closing, after)
+                                    return
                                 backlog = [substitute]
                     if not backlog:
                         yield None
                     continue
                 quiet_spells = 0
                 if event.final and event.seq <= after:
-                    return  # see above
+                    if event.seq < after:  # see above
+                        yield _past(event, after)
+                    return
                 if event.seq == last + 1:
                     backlog = [event]
                 elif event.seq > last + 1:  # something was dropped: the log has it
                     backlog = await self.read_log(task_id, last, LOG_PAGE)
+
+
+def _past(final: Event, after: int) -> Event:
+    """A final event of a log that began again, below the ``after`` a client resumed from:
+    numbered past it, or the client would take it for one it has."""
+    return dataclasses.replace(final, seq=after + 1)

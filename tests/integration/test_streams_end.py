@@ -10,9 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from api.app import create_app
 from broker.settings import Settings
+from broker.tasks.events import attempt_key, bytes_key, log_key, seq_key
 from tests.integration.conftest import client_for
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.test_replies import frames
@@ -119,7 +121,7 @@ def test_a_sync_wait_whose_task_goes_with_its_ttl_answers_expired(http: httpx.Cl
     assert http.get(f"/tasks/{task['task_id']}").status_code == 404
 
 
-def test_a_last_event_id_at_or_past_the_final_event_ends_the_stream_with_nothing(
+def test_a_last_event_id_at_the_final_event_ends_the_stream_with_nothing_and_past_it_gets_it(
     http: httpx.Client,
 ) -> None:
     # Given a finished task and its stream's events
@@ -129,16 +131,52 @@ def test_a_last_event_id_at_or_past_the_final_event_ends_the_stream_with_nothing
     whole = read_until_end(http, "GET", f"/tasks/{task_id}/events")
     assert whole.ended and whole.events[-1]["event"] == "succeeded"
     final_id = int(whole.events[-1]["id"])
-    # When a client resumes after the final event, or far past it
-    for resumed_after in (final_id, 10**18 - 1):  # the largest id a client may send
-        resumed = read_until_end(
-            http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(resumed_after)}
-        )
-        # Then the stream ends with nothing: no event comes after that id, none made up
-        assert resumed.ended and resumed.events == [], (resumed_after, resumed.events)
+    # When a client resumes from the final event (an EventSource's reconnect after it)
+    resumed = read_until_end(
+        http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(final_id)}
+    )
+    # Then the stream ends with nothing: it has every event
+    assert resumed.ended and resumed.events == []
+    # And one resuming far past it (an id of no log of this task's) gets the final event
+    # once, numbered past its id, without waiting for the store to stand in
+    far = 10**18 - 1  # the largest id a client may send
+    past = read_until_end(
+        http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(far)}
+    )
+    assert past.ended
+    assert [(e["id"], e["event"]) for e in past.events] == [(str(far + 1), "succeeded")]
     # And one resuming just below it gets the final event, with its own id, once
     last = read_until_end(
         http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(final_id - 1)}
     )
     assert last.ended
     assert [(e["id"], e["event"]) for e in last.events] == [(str(final_id), "succeeded")]
+
+
+def test_a_stream_resumed_past_a_log_that_began_again_gets_the_final_event(
+    http: httpx.Client, settings: Settings
+) -> None:
+    # Given a running task whose stream a client read to id 2, then dropped
+    sleepy = {"capability": "test.sleepy", "payload": {"sleep_s": 3}}
+    task_id = http.post("/tasks", json=sleepy).json()["task_id"]
+    wait_for_task(http, task_id, {"running"})
+    seen: list[dict[str, Any]] = []
+    with http.stream("GET", f"/tasks/{task_id}/events", timeout=30) as response:
+        for frame in frames(response.iter_lines()):
+            if "comment" not in frame:
+                seen.append(frame)
+            if len(seen) == 2:
+                break
+    assert [e["id"] for e in seen] == ["1", "2"]
+    # And its log lost in Redis meanwhile (a restart without persistence, an eviction): the
+    # final event begins a new log at id 1
+    with redis.Redis.from_url(settings.redis_url) as client:
+        client.delete(log_key(task_id), seq_key(task_id), attempt_key(task_id), bytes_key(task_id))
+    wait_for_task(http, task_id, {"succeeded"})
+    # When the client resumes from id 2
+    resumed = read_until_end(
+        http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": "2"}
+    )
+    # Then it gets the final event it never had, numbered past 2, and the stream ends
+    assert resumed.ended
+    assert [(e["id"], e["event"]) for e in resumed.events] == [("3", "succeeded")]
