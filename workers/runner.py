@@ -413,7 +413,10 @@ class Runner:
         again, the delay before the next attempt (None: it is not retried)."""
         tid, attempt = claimed.task_id, claimed.attempt  # a stale attempt's writes miss
         if isinstance(outcome, Succeeded):
-            return Finish.succeeded(tid, outcome.result, attempt=attempt), None
+            finish = Finish.succeeded(
+                tid, outcome.result, attempt=attempt, result_size=outcome.size
+            )
+            return finish, None
         left = ctx.time_left_s()
         if (
             not outcome.expired
@@ -676,7 +679,7 @@ class Runner:
         if size > limit:
             message = f"the agent returned {size} bytes of JSON, over the limit of {limit}"
             return Failed(task_error("result_too_large", message))
-        return Succeeded(result)
+        return Succeeded(result, size)
 
     def _result_of(
         self,
@@ -863,6 +866,7 @@ def timed_out(cause: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Succeeded:
     result: Any
+    size: int  # its bytes as canonical JSON, kept with it (``Finish.result_size``)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,12 @@ class Task(Base):
     payload_digest: Mapped[str] = mapped_column(String(64))
     payload_size: Mapped[int] = mapped_column(Integer)
     result: Mapped[Any | None] = mapped_column(JSONB)
+    # The bytes of its metadata and of its result as canonical JSON, measured where each is
+    # written (the submit, the worker's finish): what a listing's byte budget adds, instead
+    # of turning up to a megabyte of JSON into text per row. NULL: written before they were
+    # kept (migration 0022), measured as text.
+    metadata_size: Mapped[int | None] = mapped_column(Integer)
+    result_size: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[Any | None] = mapped_column(JSONB)
     progress: Mapped[Any | None] = mapped_column(JSONB)
     attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))

@@ -312,11 +312,21 @@ class Finish:
     move: Move
     outcome: Any
     attempt: int | None = None
+    # A result's bytes as canonical JSON, as the worker measured it (None: not measured, and
+    # a listing measures it as text).
+    result_size: int | None = None
 
     @classmethod
-    def succeeded(cls, task_id: uuid.UUID, result: Any, *, attempt: int | None = None) -> Finish:
+    def succeeded(
+        cls,
+        task_id: uuid.UUID,
+        result: Any,
+        *,
+        attempt: int | None = None,
+        result_size: int | None = None,
+    ) -> Finish:
         """A success; the error of an earlier, retried attempt is cleared."""
-        return cls(task_id, SUCCEED, result, attempt)
+        return cls(task_id, SUCCEED, result, attempt, result_size)
 
     @classmethod
     def failed(
@@ -354,7 +364,11 @@ def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow
 
 
 _FINISHES = _rows(
-    "finishes", column("task_id", UUID), column("outcome", JSONB), column("attempt", Integer)
+    "finishes",
+    column("task_id", UUID),
+    column("outcome", JSONB),
+    column("attempt", Integer),
+    column("result_size", Integer),
 )
 
 
@@ -373,6 +387,8 @@ def _finish_statement(move: Move, of_attempt: bool) -> Any:
     }
     if move is SUCCEED:
         values["error"] = null()
+        # Kept beside the result, so a listing's budget adds it (``queries.list_tasks``).
+        values["result_size"] = _FINISHES.c.result_size
     guard = [tasks.c.id == _IDS, tasks.c.id == _FINISHES.c.task_id, in_sources(move)]
     if of_attempt:
         guard.append(tasks.c.attempts == _FINISHES.c.attempt)
@@ -406,7 +422,12 @@ def _finish_statements(finishes: list[Finish]) -> list[tuple[Any, dict[str, Any]
     """One statement and its rows for each kind of move among ``finishes``."""
     kinds: dict[tuple[Move, bool], list[dict[str, Any]]] = {}
     for f in finishes:
-        row = {"task_id": str(f.task_id), "outcome": {"v": f.outcome}, "attempt": f.attempt}
+        row = {
+            "task_id": str(f.task_id),
+            "outcome": {"v": f.outcome},
+            "attempt": f.attempt,
+            "result_size": f.result_size,
+        }
         kinds.setdefault((f.move, f.attempt is not None), []).append(row)
     return [
         (_finish_statement(move, of_attempt), _params(rows))

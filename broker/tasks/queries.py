@@ -29,6 +29,9 @@ from broker.tasks.resource import (
 from broker.tenancy.keys import Principal
 
 EVERY_CAPABILITY = ("*",)
+# The JSON columns whose bytes a row keeps, measured as they were written: a listing's budget
+# adds them rather than measure the JSON (``paging.json_bytes``).
+KEPT_SIZES = {"metadata": "metadata_size", "result": "result_size"}
 # What the readers of one task show of it: the resource's columns (``render``) and its
 # callback (A2A shows it as the task's push config). Not its payload, unless asked for.
 READ_COLUMNS = (*SHOWN_COLUMNS, "callback")
@@ -149,9 +152,10 @@ async def list_tasks(
     """The task resources, newest first, a page at a time (``broker.db.paging``) of at most
     ``max_bytes`` of their JSON (and at least one task). ``status``: one, or any of several.
 
-    Only the columns the resource shows are read: a payload of up to a megabyte a task is
-    not, since a listing never shows it."""
-    query = select(*(tasks.c[name] for name in SHOWN_COLUMNS)).where(
+    Only the columns the resource shows are read, and the sizes its budget adds: a payload
+    of up to a megabyte a task is not, since a listing never shows it."""
+    columns = (*SHOWN_COLUMNS, *KEPT_SIZES.values())
+    query = select(*(tasks.c[name] for name in columns)).where(
         tasks.c.tenant == tenant,
         tasks.c.expires_at > func.now(),
         allowed_by(patterns, tasks.c.capability),
@@ -164,7 +168,7 @@ async def list_tasks(
         query = query.where(tasks.c.status.in_(list(status)))
     if session_id is not None:
         query = query.where(tasks.c.session_id == session_id)
-    budget = Budget(max_bytes, json_bytes(*SHOWN_JSON))
+    budget = Budget(max_bytes, json_bytes(*SHOWN_JSON, kept=KEPT_SIZES))
     async with engine.connect() as conn:
         rows, next_cursor = await newest_first(
             conn, query, tasks.c.id, limit=limit, cursor=cursor, budget=budget

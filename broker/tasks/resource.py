@@ -65,6 +65,8 @@ class TaskRow(TypedDict):
     payload_digest: str
     payload_size: int
     result: Any
+    metadata_size: int | None
+    result_size: int | None
     error: dict[str, Any] | None
     progress: Any
     attempts: int

@@ -38,6 +38,7 @@ def _row(tenant: str, **changes: Any) -> dict[str, Any]:
         "session_id": None,
         "source": None,
         "metadata": {},
+        "metadata_size": 2,
         "idempotency_key": None,
         "callback": None,
         "result_ttl_s": 600,
