@@ -508,11 +508,17 @@ def requeue(
     guard = [tasks.c.id == task_id, in_sources(RETRY)]
     if attempt is not None:
         guard.append(tasks.c.attempts == attempt)
+    due = moment() + func.make_interval(0, 0, 0, 0, 0, 0, delay_s)
     values: dict[str, Any] = {
         "status": RETRY.target,
         "error": error,
         "instance": None,
-        "retry_at": moment() + func.make_interval(0, 0, 0, 0, 0, 0, delay_s),
+        "retry_at": due,
+        # Waiting again, it is kept its TTL from when it is due, as a submit is from its
+        # submit: the claim's hold (``held_expiry``, hours) is for a run, and left so it kept a
+        # task requeued after a crash (its quota bytes, its key, its session's next turn) for
+        # hours past its TTL, never run.
+        "expires_at": due + func.make_interval(0, 0, 0, 0, 0, 0, tasks.c.result_ttl_s),
     }
     if queue is not None:
         values["queue"] = queue

@@ -102,3 +102,26 @@ def test_a_run_cut_by_its_time_limit_still_ends_expired(client: httpx.Client) ->
     done = wait_for_task(client, task_id, FINAL)
     assert done["status"] == "expired"
     assert done["error"]["code"] == "timeout"
+
+
+def test_a_task_requeued_from_a_run_is_kept_its_ttl_from_then_not_the_runs_hold(
+    client: httpx.Client, engine: Engine
+) -> None:
+    # Given a task kept two seconds, claimed: its row is held for as long as a run may last
+    envelope = {"capability": "test.sleepy", "payload": {"sleep_s": 3}, "result_ttl_s": 2}
+    task_id = client.post("/tasks", json=envelope).json()["task_id"]
+    wait_for_task(client, task_id, {"running"})
+    held = "SELECT expires_at > now() + interval '1 hour' FROM tasks WHERE id = :id"
+    with engine.connect() as conn:
+        assert conn.execute(text(held), {"id": task_id}).scalar_one()
+    # When it goes back to its queue, as the reaper sends back a lost worker's task
+    lost = {"code": "worker_lost", "message": "its worker was lost", "retryable": True}
+    requeued = execution.requeue(engine, uuid.UUID(task_id), lost, attempt=1)
+    assert requeued is not None and requeued["status"] == "queued"
+    # Then it is kept its two seconds from then, as a submitted task is (before: the run's
+    # hold of hours, never run)
+    kept = (
+        "SELECT expires_at <= now() + make_interval(secs => result_ttl_s) FROM tasks WHERE id = :id"
+    )
+    with engine.connect() as conn:
+        assert conn.execute(text(kept), {"id": task_id}).scalar_one()
