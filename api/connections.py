@@ -18,8 +18,9 @@ bounds on what a client that stops reading can hold:
   for as long as they stayed open, at the request rate's 1,000 a second: no stream slot and
   no waiting slot counts a plain answer once it has started.
 - A request's head (its line and headers) past ``HEAD_MAX_BYTES`` is answered 431
-  ``headers_too_large``, and one not whole within ``HEAD_TIMEOUT_S`` 408 ``head_timeout``
-  (a connection that never sent a byte is closed unanswered). httptools holds a head in
+  ``headers_too_large``, and one not whole within ``HEAD_TIMEOUT_S`` of its first byte 408
+  ``head_timeout`` (a connection that sends no byte within ``HEAD_TIMEOUT_S`` of its start
+  is closed unanswered). httptools holds a head in
   memory until it ends, with no bound of its own, before any key is checked: one 16 MiB
   ``traceparent`` was answered 200, and ten connections each sending 16 MiB of a header they
   never finished took an API process from 181 to 353 MiB for as long as they stayed open.
@@ -64,9 +65,13 @@ MIN_TAKEN_BYTES = 16 * 1024  # in each REACH_CLIENT_STALL_S while bytes wait: ab
 STALL_KEY = "reach.client_stall_s"  # the lifespan state's entry (``api.app``)
 DEFAULT_STALL_S = 30.0
 HEAD_MAX_BYTES = 64 * 1024
-# From the connection's start, or a request's first byte, to its last header. A real client's
-# head comes in its first packet or two; a body has REACH_BODY_READ_TIMEOUT_S (10 s) too.
+# From a request's first byte to its last header, and from the connection's start to its first
+# byte. A real client's head comes in its first packet or two; a body has
+# REACH_BODY_READ_TIMEOUT_S (10 s) too.
 HEAD_TIMEOUT_S = 10.0
+# A head's deadline, once passed, is judged this much later, after the loop has read what
+# waits: see ``Protocol._head_late``.
+READ_FIRST_S = 0.5
 LINGER_S = 5.0
 TOO_LARGE = f"the request's line and headers are over {HEAD_MAX_BYTES} bytes"
 log = logging.getLogger("reach.api")
@@ -87,9 +92,10 @@ class Protocol(_Uvicorns):
         self._head_begun = False  # a byte of the current head has come
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_read_up = False  # the deadline has passed, and what waited is being read
         self._linger: asyncio.TimerHandle | None = None
         if HEADS_BOUNDED_HERE:
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+            self._start_head_timer()  # for the first byte
         super().connection_made(counted)  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -122,8 +128,10 @@ class Protocol(_Uvicorns):
             return
         super().on_message_begin()
         self._head_begun = True
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+        # The head's own deadline, from its first byte: the first request's does not count
+        # the time the connection waited for it (a client may open one ahead of its request).
+        self._stop_head_timer()
+        self._start_head_timer()
 
     def on_headers_complete(self) -> None:
         if self._refused:
@@ -156,11 +164,24 @@ class Protocol(_Uvicorns):
 
     # The head's bounds.
 
+    def _start_head_timer(self) -> None:
+        self._head_read_up = False
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
     def _head_late(self) -> None:
+        """The deadline has passed: judged only once the loop has read what waits for it.
+        libuv (uvloop, what the API runs on) runs the timers that are due before it polls for
+        reads, so after a stall of the loop (a long callback, a GC or VM pause, SIGSTOP) a
+        head that arrived whole in time still waits in the kernel as its deadline fires: it
+        was answered 408. ``READ_FIRST_S`` later the loop has polled, read it and stopped this
+        timer; what is still not whole then is late."""
         self._head_timer = None
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined head behind an answer still under way: bounded in size meanwhile.
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+            self._start_head_timer()
+        elif not self._head_read_up:
+            self._head_read_up = True
+            self._head_timer = self.loop.call_later(READ_FIRST_S, self._head_late)
         elif self._head_begun:
             late = f"the request's line and headers did not arrive within {HEAD_TIMEOUT_S:g} s"
             self._refuse_head(408, "head_timeout", late)

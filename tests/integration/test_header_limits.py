@@ -9,17 +9,26 @@ heads of a normal size, the requests after them on one connection, and a large b
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import closing
+from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from api import connections
 from api.app import create_app
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker
-from tests.integration.stack import ServedApp
+from tests.integration.stack import ROOT, ServedApp, environment, free_port
 
 KIB = 1024
 
@@ -148,3 +157,126 @@ def test_a_connection_that_sends_nothing_is_closed_unanswered(
     with closing(_connected(api)) as sock:
         # Then once the deadline has passed the API closes it, with nothing to answer
         assert _until_closed(sock) == b""
+
+
+def test_a_head_begun_after_the_connection_waited_has_its_own_deadline(
+    api: ServedApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the first request's deadline counted from the connection's start: a client
+    that opened its connection ahead of its request was answered 408 for a head that took
+    less than the deadline. The durations below are the client's pace, not a bound on the API."""
+    deadline_s = 2.0
+    monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", deadline_s)
+    # Given a connection that waits three quarters of the deadline before its request
+    with closing(_connected(api)) as sock:
+        time.sleep(0.75 * deadline_s)
+        # When its head comes in two parts, the second past the connection's deadline but
+        # well within the head's own
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.5 * deadline_s)
+        sock.sendall(b"X-Late: yes\r\n\r\n")
+        # Then it is answered as usual
+        status, _ = _one_answer(sock)
+    assert status == 200
+
+
+# The API process of the test below: uvicorn's command line as deployed, run with the head's
+# deadline shortened (argv[1]) so the test need not wait 10 s.
+SERVE_WITH_DEADLINE = (
+    "import sys; from api import connections; "
+    "connections.HEAD_TIMEOUT_S = float(sys.argv.pop(1)); "
+    "from uvicorn.main import main; main()"
+)
+
+
+STALLED_DEADLINE_S = 2.0
+
+
+@pytest.fixture
+def api_process(settings: Settings, log_dir: Path) -> Iterator[tuple[int, int]]:
+    """``uvicorn ... --loop uvloop --http api.connections:Protocol`` in a process of its own
+    (one the test can stop), with a head deadline of ``STALLED_DEADLINE_S``: its port and pid."""
+    port = free_port()
+    argv = [sys.executable, "-c", SERVE_WITH_DEADLINE, str(STALLED_DEADLINE_S)]
+    argv += ["api.app:create_app_from_env", "--factory", "--loop", "uvloop"]
+    argv += ["--http", "api.connections:Protocol", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--log-level", "warning"]
+    log_path = log_dir / f"stalled-api-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv, env=environment(settings), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        eventually(
+            lambda: _healthy(port) or process.poll() is not None, "the API to start or exit", 90
+        )
+        assert process.poll() is None, log_path.read_text(errors="replace")
+        yield port, process.pid
+    finally:
+        os.kill(process.pid, signal.SIGCONT)  # should the test have ended it stopped
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _unread_by_server(port: int, client_port: int) -> int | None:
+    """The bytes the kernel holds for the API from this client's connection, unread
+    (``/proc/net/tcp``'s rx_queue): None until the connection shows there."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, queues = fields[1], fields[2], fields[4]
+        if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == client_port:
+            return int(queues.split(":")[1], 16)
+    return None
+
+
+def _stop_while_polling(pid: int) -> None:
+    """SIGSTOP the process while its loop waits in epoll for something to do. Stopped in a
+    callback instead, the loop would poll (and read) as it goes on, before it ran its timers:
+    that stall shows nothing. ``/proc/<pid>/syscall`` names the call a process is stopped in."""
+    api = psutil.Process(pid)
+
+    def stopped_in_poll() -> bool:
+        if Path(f"/proc/{pid}/wchan").read_text() != "do_epoll_wait":
+            return False
+        polling = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+        os.kill(pid, signal.SIGSTOP)
+        eventually(lambda: api.status() == psutil.STATUS_STOPPED, "the API to stop", 10, 0.01)
+        if Path(f"/proc/{pid}/syscall").read_text().split()[0] == polling:
+            return True
+        os.kill(pid, signal.SIGCONT)
+        return False
+
+    eventually(stopped_in_poll, "the API stopped while its loop polls", 10, 0.01)
+
+
+def test_a_head_that_arrived_in_time_is_answered_after_the_loop_stalls_past_its_deadline(
+    api_process: tuple[int, int],
+) -> None:
+    """uvloop runs the timers that are due before it reads what a poll found: after a stall
+    of the API's loop (a long callback, a GC or VM pause; SIGSTOP here) longer than the
+    deadline, the head's deadline fired before the loop read the rest of the head, waiting
+    in the kernel since well before the deadline, and a request sent in time was 408."""
+    port, pid = api_process
+    # Given a connection whose head has begun and been read, the API waiting for more
+    with closing(socket.create_connection(("127.0.0.1", port), timeout=30)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        client_port = sock.getsockname()[1]
+        eventually(lambda: _unread_by_server(port, client_port) == 0, "the API to read it")
+        # When the API's loop stalls, the rest of the head arrives at once, and the stall
+        # lasts past the head's deadline
+        _stop_while_polling(pid)
+        try:
+            sock.sendall(b"Host: x\r\n\r\n")
+            time.sleep(2 * STALLED_DEADLINE_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Then the request is answered, not refused
+        status, _ = _one_answer(sock)
+    assert status == 200
