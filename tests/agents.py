@@ -253,6 +253,23 @@ agent.capability(
     "test.hung-ready", agent_id="test-hung-ready", version="0.0.1", readiness=_hangs_while_told
 )(slow_once)
 
+SLOW_READINESS_ANSWERS_KEY = "reach:test:slow-readiness-answers"
+
+
+def _ready_slowly() -> bool:
+    """A readiness probe slower than a lease renewal (TTL/3) but within the TTL: two thirds
+    of it, a remote health check on a slow day. Counts its answers in Redis."""
+    time.sleep(2 / 3 * float(os.environ["REACH_LEASE_TTL_S"]))
+    with redis.Redis.from_url(os.environ["REACH_REDIS_URL"]) as client:
+        client.incr(SLOW_READINESS_ANSWERS_KEY)
+    return True
+
+
+# Served only by the worker of the test of a slow readiness check (``test_lease_keeper_faults``).
+agent.capability(
+    "test.slow-ready", agent_id="test-slow-ready", version="0.0.1", readiness=_ready_slowly
+)(slow_once)
+
 
 @agent.capability(
     "test.poison", agent_id="test-poison", version="0.0.1", idempotent=True, max_attempts=2

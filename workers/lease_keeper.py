@@ -99,7 +99,11 @@ class LeaseKeeper:
         # name's lease (it started first), as of the last renewal.
         self.shared = False
         self.first = True
-        self.readiness = ReadinessChecks(timeout_s=self.lease.renew_every_s)
+        # Each round of upkeep waits a renewal interval at most for the checks it starts; a
+        # check still running past the TTL counts as not ready, a slower answer still counts.
+        self.readiness = ReadinessChecks(
+            wait_s=self.lease.renew_every_s, hang_s=self.lease.lease_ttl_s
+        )
         # The lease and the specs change on the renewal's thread, upkeep's, and the
         # consumer's (drain, shutdown); the lock is never held while agent code runs.
         self._lock = threading.RLock()

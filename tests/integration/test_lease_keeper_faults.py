@@ -1,6 +1,7 @@
 """The lease keeper against faults of the workers' own making, with real processes: a
-readiness check that stops answering, and two workers started under one name. Each made the
-tasks a live worker was running look lost, so they were taken back while they ran."""
+readiness check that stops answering, one that answers slowly, and two workers started under
+one name. The first and the last made the tasks a live worker was running look lost, so they
+were taken back while they ran; the second kept its capability out of routing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from broker.settings import Settings
-from tests.agents import HANG_READINESS_KEY
+from tests.agents import HANG_READINESS_KEY, SLOW_READINESS_ANSWERS_KEY
 from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess, start_worker, wait_for_task
 
@@ -80,6 +81,30 @@ def test_a_task_on_a_worker_whose_readiness_check_hangs_runs_once_and_succeeds(
     eventually(lambda: live_instances(client, capability) == 1, "the capability back in routing")
     later = submit(client, capability, sleep_s=0.1)
     assert wait_for_task(client, later, FINAL)["status"] == "succeeded"
+
+
+def test_a_capability_whose_readiness_check_answers_slower_than_a_renewal_is_routed(
+    client: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    redis_url: str,
+    started: list[CeleryProcess],
+) -> None:
+    """Before, each round of upkeep waited a renewal interval (TTL/3) for the check it
+    started, counted one still running as not ready and threw its answer away when it came:
+    a check that said yes in two thirds of the TTL kept its capability out of routing for as
+    long as the worker ran."""
+    capability = "test.slow-ready"
+    answers = redis.Redis.from_url(redis_url)
+    answers.delete(SLOW_READINESS_ANSWERS_KEY)
+    # Given a worker whose readiness check says ready, each time after two renewal intervals
+    started.append(start_worker(settings, capability, f"slow-{uuid.uuid4().hex[:6]}", log_dir))
+    # When its check has answered twice (each round of upkeep has judged it by then)
+    eventually(lambda: int(answers.get(SLOW_READINESS_ANSWERS_KEY) or 0) >= 2, "two answers", 60)
+    # Then its capability is routed, and a task sent to it is served
+    eventually(lambda: live_instances(client, capability) == 1, "the capability in routing")
+    task_id = submit(client, capability, sleep_s=0.1)
+    assert wait_for_task(client, task_id, FINAL)["status"] == "succeeded"
 
 
 def start_named(
