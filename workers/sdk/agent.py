@@ -62,8 +62,9 @@ class AgentRegistry:
         The keywords are the card's fields (``broker.registry.model.Card``: ``agent_id`` is
         required; ``version``, ``input_schema``, ``timeout_s``, ``idempotent``, ``weight`` ...);
         any other keyword is kept in the card's ``extra``. The description defaults to the
-        handler's docstring. ``readiness`` is called every lease renewal, and while it returns
-        False the worker stops taking this capability's tasks.
+        handler's docstring. ``readiness`` is called once a lease renewal, on a thread of its
+        own (``workers.readiness``), and while it returns False (or raises, or has run longer
+        than the lease's TTL) the worker stops taking this capability's tasks.
         """
         declared = Card.declare(name, **card)
 
