@@ -22,7 +22,14 @@ from typing import Any, TypeVar, cast
 from redis.asyncio import Redis
 
 from broker.cache import TimedCache
-from broker.tasks.events import Event, channel, log_key, parse_entries, seq_key
+from broker.tasks.events import (
+    Event,
+    channel,
+    handed_key,
+    log_key,
+    parse_entries,
+    seq_key,
+)
 
 log = logging.getLogger("reach.events")
 QUEUE_MAX = 1024
@@ -33,6 +40,8 @@ STORE_EVERY_WITH_LOG = 15
 # when its client stops reading; reading the whole log first, 600 streams of a task whose log
 # held 1.4 MB, that none of them read, grew the API by 108 MiB.
 LOG_PAGE = 100
+# How long a handed-out final event's id is kept when its log has no expiry to follow.
+HANDED_KEPT_MS = 3_600_000
 # What a reader does when the log has been quiet without a final event: the caller looks the
 # task up in Postgres and, when it is final, appends its final event to the log (its worker
 # died between the two writes, or Redis lost the log) and returns it, with seq ``last + 1``
@@ -177,6 +186,25 @@ class EventHub:
             if len(page) < LOG_PAGE:
                 return last, count
 
+    async def _unseen(self, task_id: str, final: Event, after: int) -> bool:
+        """Whether a client resuming from ``after`` has not had ``final``, the log's final
+        event at or below ``after``: it has it under its own id, or under the one it was
+        handed (``_hand``)."""
+        if final.seq == after:
+            return False
+        handed = await self.redis.get(handed_key(task_id))
+        return handed is None or int(handed) != after
+
+    async def _hand(self, task_id: str, final: Event, last: int) -> Event:
+        """``final``, numbered past ``last`` (what the stream has sent, or the client's id),
+        with that id kept as long as the log."""
+        handed = dataclasses.replace(final, seq=last + 1)
+        ttl_ms = await self.redis.pttl(log_key(task_id))
+        await self.redis.set(
+            handed_key(task_id), handed.seq, px=ttl_ms if ttl_ms > 0 else HANDED_KEPT_MS
+        )
+        return handed
+
     async def events(
         self,
         task_id: str,
@@ -191,8 +219,10 @@ class EventHub:
         A resumed stream whose log's final event is ``after`` itself ends at once, with
         nothing sent: the client has it (an EventSource reconnects after the final event,
         with its id). One below ``after`` is of a log that began again (Redis lost the one
-        the client read, or its id is made up): the client never had it, so it goes out at
-        once, numbered ``after + 1`` for the client to take it (``_past``); before, a
+        the client read), or ``after`` is made up: the client never had it, so it goes out at
+        once, numbered past what the stream has sent for the client to take it, and the id
+        it went out with is kept (``_handed``) so that a client resuming from that id ends
+        with nothing, not with the same event again under a new id, for ever. Before, a
         ``Last-Event-ID`` of 10^18 - 1 on a finished task held its stream for 30 s until the
         store's final event stood in. A final event between ``after`` and what this reader
         has sent is of a log that began again too: the store's stands in for it."""
@@ -202,9 +232,12 @@ class EventHub:
             backlog = await self.read_log(task_id, last, LOG_PAGE)
             if after and not backlog:
                 closing = await self.closing_event(task_id)
-                if closing is not None:
-                    if closing.seq < after:
-                        yield _past(closing, after)
+                if closing is not None and closing.seq > after:
+                    # Appended since the read: the client has not had it.
+                    backlog = await self.read_log(task_id, last, LOG_PAGE)
+                elif closing is not None:
+                    if await self._unseen(task_id, closing, after):
+                        yield await self._hand(task_id, closing, last)
                     return
             while True:
                 for event in backlog:
@@ -236,8 +269,8 @@ class EventHub:
                             if len(backlog) < LOG_PAGE and not any(e.final for e in backlog):
                                 closing = await self.closing_event(task_id)
                                 if closing is not None and closing.seq <= after:
-                                    if closing.seq < after:  # see above
-                                        yield _past(closing, after)
+                                    if await self._unseen(task_id, closing, after):
+                                        yield await self._hand(task_id, closing, last)
                                     return
                                 backlog = [substitute]
                     if not backlog:
@@ -245,16 +278,10 @@ class EventHub:
                     continue
                 quiet_spells = 0
                 if event.final and event.seq <= after:
-                    if event.seq < after:  # see above
-                        yield _past(event, after)
+                    if await self._unseen(task_id, event, after):
+                        yield await self._hand(task_id, event, last)
                     return
                 if event.seq == last + 1:
                     backlog = [event]
                 elif event.seq > last + 1:  # something was dropped: the log has it
                     backlog = await self.read_log(task_id, last, LOG_PAGE)
-
-
-def _past(final: Event, after: int) -> Event:
-    """A final event of a log that began again, below the ``after`` a client resumed from:
-    numbered past it, or the client would take it for one it has."""
-    return dataclasses.replace(final, seq=after + 1)

@@ -158,6 +158,12 @@ def final_key(task_id: uuid.UUID | str) -> str:
     return f"reach:final:{task_id}"
 
 
+def handed_key(task_id: uuid.UUID | str) -> str:
+    """The id a resumed stream gave the final event of a log that began again
+    (``broker.tasks.eventhub``)."""
+    return f"reach:handed:{task_id}"
+
+
 def bytes_key(task_id: uuid.UUID | str) -> str:
     """The bytes the log's events hold, its final event aside (see the module's doc)."""
     return f"reach:logbytes:{task_id}"

@@ -126,3 +126,92 @@ def test_a_stream_of_a_long_log_reads_it_a_page_at_a_time_in_order_from_where_it
             await client.aclose()
 
     asyncio.run(main())
+
+
+async def lose_log(client: Redis, task_id: str) -> None:
+    """The task's log lost in Redis (a restart without persistence, an eviction)."""
+    keys = (events.log_key, events.seq_key, events.final_key, events.attempt_key, events.bytes_key)
+    await client.delete(*(key(task_id) for key in keys))
+
+
+async def append(log: events.EventLog, task_id: str, event_type: str, data: Any) -> None:
+    await log.append_async(task_id, event_type, data, tenant="t", trace_id="t")
+
+
+def test_a_final_event_handed_to_a_resumed_stream_is_not_handed_again_to_its_reconnect(
+    own_redis: str,
+) -> None:
+    task_id = str(uuid.uuid4())
+
+    async def steps(client: Redis, hub: EventHub, log: events.EventLog) -> None:
+        # Given a client that read a task's log to id 5, then the log lost, then the task done
+        for i in range(5):
+            await append(log, task_id, events.OUTPUT, {"i": i})
+        await lose_log(client, task_id)
+        await append(log, task_id, "succeeded", {"status": "succeeded"})  # id 1 of a new log
+        # When it resumes from 5: it gets the final event, numbered past 5
+        first = [(e.seq, e.type) async for e in hub.events(task_id, after=5) if e is not None]
+        assert first == [(6, "succeeded")]
+        # Then an EventSource's reconnect from that id ends with nothing (before: the same
+        # event again as 7, then 8, for ever)
+        again = [e async for e in hub.events(task_id, after=6) if e is not None]
+        assert again == []
+
+    run(own_redis, steps)
+
+
+def test_a_final_event_of_a_log_that_began_again_is_numbered_past_what_the_stream_sent(
+    own_redis: str,
+) -> None:
+    task_id = str(uuid.uuid4())
+
+    async def steps(client: Redis, hub: EventHub, log: events.EventLog) -> None:
+        # Given a stream resumed from id 2 that has sent ids 3 to 5
+        for status in ("queued", "running"):
+            await append(log, task_id, events.STATUS, {"status": status})
+        sent: list[tuple[int, str]] = []
+
+        async def read() -> None:
+            async for event in hub.events(task_id, after=2, quiet_s=5):
+                if event is not None:
+                    sent.append((event.seq, event.type))
+
+        reader = asyncio.create_task(read())
+        for i in range(3):
+            await append(log, task_id, events.OUTPUT, {"i": i})
+        for _ in range(250):
+            if len(sent) == 3:
+                break
+            await asyncio.sleep(0.02)
+        # When the log is lost and the final event begins a new one at id 1
+        await lose_log(client, task_id)
+        await append(log, task_id, "succeeded", {"status": "succeeded"})
+        await asyncio.wait_for(reader, 30)
+        # Then it goes out numbered past 5, an id the stream has not sent (before: 3 again,
+        # which a client drops as one it has)
+        assert sent == [(3, "output"), (4, "output"), (5, "output"), (6, "succeeded")]
+
+    run(own_redis, steps)
+
+
+def test_a_final_event_appended_while_a_resumed_stream_starts_is_sent(own_redis: str) -> None:
+    task_id = str(uuid.uuid4())
+
+    async def steps(client: Redis, hub: EventHub, log: events.EventLog) -> None:
+        for status in ("queued", "running"):
+            await append(log, task_id, events.STATUS, {"status": status})
+        looks = hub.closing_event
+
+        async def finished_meanwhile(of: str) -> events.Event | None:
+            # The worker's final event lands between the stream's read of the log (nothing
+            # after 2) and its look at the log's closing event
+            await append(log, task_id, "succeeded", {"status": "succeeded"})
+            hub.closing_event = looks  # type: ignore[method-assign]
+            return await looks(of)
+
+        hub.closing_event = finished_meanwhile  # type: ignore[method-assign]
+        sent = [(e.seq, e.type) async for e in hub.events(task_id, after=2) if e is not None]
+        # Before: the stream ended with nothing
+        assert sent == [(3, "succeeded")]
+
+    run(own_redis, steps)
