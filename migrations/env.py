@@ -24,6 +24,12 @@ def run_offline() -> None:
 def run_online() -> None:
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
+        # A lock not had in time fails the try rather than queue every other session behind
+        # it (``reach.migrate``).
+        lock_timeout_ms = config.attributes.get("lock_timeout_ms")
+        if lock_timeout_ms is not None:
+            connection.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
+            connection.commit()
         context.configure(connection=connection, target_metadata=Base.metadata)
         with context.begin_transaction():
             context.run_migrations()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -58,3 +59,21 @@ def test_downgrade_to_base_and_upgrade_again(empty_database: str) -> None:
 def test_an_empty_database_differs_from_the_models(empty_database: str) -> None:
     # The comparison above is only worth something if it can see a difference.
     assert schema_diff(empty_database) != []
+
+
+def test_a_migration_that_cannot_take_its_lock_gives_up_and_says_so_then_goes_through(
+    empty_database: str,
+) -> None:
+    # Given a database one migration behind, and a session reading tasks in a long transaction
+    migrate.upgrade(empty_database, "0021")
+    with psycopg.connect(localservices.libpq_url(empty_database)) as reader:
+        reader.execute("SELECT count(*) FROM tasks").fetchone()  # holds ACCESS SHARE on tasks
+        # When the next migration (an ALTER TABLE on tasks) is run, its tries bounded
+        # Then each try gives its lock up rather than queue every session behind it, and the
+        # run fails saying why (before: it waited for as long as the reader lived)
+        with pytest.raises(migrate.MigrationBlocked, match="could not take their locks"):
+            migrate.upgrade(empty_database, lock_timeout_s=0.2, tries=2, pause_s=0.1)
+        assert reader.execute("SELECT count(*) FROM tasks").fetchone() == (0,)
+    # And once the reader is gone it goes through
+    migrate.upgrade(empty_database)
+    assert schema_diff(empty_database) == []
