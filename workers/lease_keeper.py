@@ -3,8 +3,8 @@ from the task path, so an idle worker stays live), and given up on drain or shut
 
 The renewal waits on nothing but Redis. Everything else the keeper does each interval runs on
 a second thread (``upkeep``): drain requests, readiness, the instance's row in Postgres and
-the orphan check. In the seeds a readiness callable that hung held the one thread: the lease
-expired while the worker went on taking tasks, and the reaper took back each one it ran.
+the orphan check. When one thread did it all, a readiness callable that hung held it: the
+lease expired while the worker went on taking tasks, and the reaper took back each one it ran.
 
 Upkeep applies readiness: a capability whose readiness check says no, raises or does not
 answer in time (``workers.readiness``), or that an agent marked not ready through the SDK,
