@@ -125,7 +125,8 @@ def check_size(state: Any, metadata: Any, max_bytes: int) -> None:
     try:
         # Any depth the interpreter writes: strings, NaN and what is not JSON alone refused.
         depth = sys.getrecursionlimit()
-        size = sum(len(jsonbody.written(v, max_depth=depth)) for v in (state, metadata))
+        written = (jsonbody.written(v, max_depth=depth) for v in (state, metadata))
+        size = sum(map(jsonbody.sent_size, written))
     except BadRequest as exc:
         raise SessionInvalid(exc.message) from None
     except (ValueError, TypeError, RecursionError) as exc:

@@ -600,9 +600,11 @@ class Runner:
         return value
 
     def _size(self, value: Any) -> int:
-        """The bytes of ``value`` as canonical JSON; a TypeError/ValueError when it is none,
-        BadRequest when Postgres would refuse it or it is nested past ``max_json_depth``."""
-        return len(jsonbody.written(value, max_depth=self.settings.max_json_depth))
+        """The bytes of ``value`` as the API will send it (``jsonbody.sent_size``); a
+        TypeError/ValueError when it is no JSON, BadRequest when Postgres would refuse it or
+        it is nested past ``max_json_depth``."""
+        data = jsonbody.written(value, max_depth=self.settings.max_json_depth)
+        return jsonbody.sent_size(data)
 
     def _readiness_sink(self, instance: str, capability: str) -> Any:
         def apply(ready: bool, for_s: float) -> None:
@@ -866,7 +868,7 @@ def timed_out(cause: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Succeeded:
     result: Any
-    size: int  # its bytes as canonical JSON, kept with it (``Finish.result_size``)
+    size: int  # its bytes as the API sends it, kept with it (``Finish.result_size``)
 
 
 @dataclass(frozen=True)

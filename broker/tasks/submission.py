@@ -179,7 +179,7 @@ def _values(
         )
     metadata_size = 2  # {}
     if envelope.metadata:
-        metadata_size = len(jsonbody.canonical(envelope.metadata))
+        metadata_size = jsonbody.sent_size(jsonbody.canonical(envelope.metadata))
         if metadata_size > settings.max_metadata_bytes:
             raise BadRequest(
                 f"metadata is {metadata_size} bytes, the limit is {settings.max_metadata_bytes}",

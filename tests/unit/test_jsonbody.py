@@ -182,3 +182,53 @@ def test_given_non_ascii_text_expect_size_counted_in_utf8_bytes_not_characters()
     _, size = jsonbody.digest(value)
     assert size == len('{"k":"é你"}'.encode()) == 13
     assert size > len('{"k":"é你"}')
+
+
+# --- sent_size: a number as Postgres gives it back -----------------------------------------
+
+# Each value, and its bytes once jsonb has kept it and the API sends it back: numeric's text
+# has no exponent (Postgres's own, as psql shows it).
+KEPT_AS_NUMERIC = [
+    (1e308, 309),  # "1000...0": 309 digits, read back as an integer and sent whole
+    (-1e308, 310),
+    (-1.5e-300, 304 + 1),  # "-0.000...15", and a byte for the fraction (an upper bound)
+    (1e-05, 7),  # "0.00001"
+    (1e16, 17),
+    ([1e300, 1e300], 2 + 301 + 1 + 301),
+    ({"n": [1e22]}, len('{"n":[]}') + 23),
+]
+
+
+@pytest.mark.parametrize(("value", "size"), KEPT_AS_NUMERIC)
+def test_given_numbers_in_exponent_form_expect_them_counted_as_numeric_text(
+    value: object, size: int
+) -> None:
+    assert jsonbody.sent_size(jsonbody.canonical(value)) == size
+    assert jsonbody.digest(value)[1] == size
+
+
+def test_given_a_mantissa_with_a_fraction_expect_at_most_17_bytes_over() -> None:
+    biggest = 1.7976931348623157e308  # "17976931348623157" and 292 zeros
+    assert 309 <= jsonbody.sent_size(jsonbody.canonical(biggest)) <= 309 + 17
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"order": 7731, "price": 12.5, "ratio": 0.0001, "big": 123456789012345678901},
+        [0, -7, 1e15, 3.14159, 2.5e-4],  # json.dumps writes these without an exponent
+        {"text": "1E+20, 1e+20 and 3e-300 inside strings"},
+        {"v": "1E+20"},
+        "é你 1e+308",
+    ],
+)
+def test_given_no_number_in_exponent_form_expect_the_canonical_size(value: object) -> None:
+    data = jsonbody.canonical(value)
+    assert jsonbody.sent_size(data) == len(data)
+
+
+def test_given_exponent_text_inside_a_string_expect_at_most_an_overcount() -> None:
+    # A string that looks like numbers between commas may be counted as them: too high,
+    # never too low.
+    data = jsonbody.canonical({"s": "a,1e+308,b"})
+    assert jsonbody.sent_size(data) >= len(data)
