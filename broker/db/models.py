@@ -470,6 +470,25 @@ class WebhookOutbox(Base):
     # row. The sweep removes a record whose task is gone.
     task_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     finished_at: Mapped[datetime] = mapped_column(TZ)
+    # The sweep's runs of the fanout that failed, and when it may run it again (NULL: it has
+    # not failed); the sweep gives it up after the deliveries' number of attempts.
+    failures: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
+    retry_at: Mapped[datetime | None] = mapped_column(TZ)
+
+    __table_args__ = (
+        # The sweep takes the fanouts owed oldest first, and those to try again by when they
+        # are due: each from an index of its own, so neither walks past the other's rows.
+        Index(
+            "ix_webhook_outbox_finished_at",
+            "finished_at",
+            postgresql_where=text("retry_at IS NULL"),
+        ),
+        Index(
+            "ix_webhook_outbox_retry_at",
+            "retry_at",
+            postgresql_where=text("retry_at IS NOT NULL"),
+        ),
+    )
 
 
 class WebhookAttempt(Base):

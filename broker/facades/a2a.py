@@ -8,6 +8,8 @@
 - The result is the data artifact ``result``; each ``output`` event is an update of the
   artifact ``output`` (appended after the first); ``progress`` is a WORKING status whose
   message says how far along it is.
+- A protobuf number is a double: an integer a double does not hold exactly (a result's
+  ``10**400``, an id of 20 digits) goes as a string of its digits, never rounded nor refused.
 
 Pure: protobuf in, protobuf out; the facade's handler does the I/O.
 """
@@ -61,6 +63,8 @@ STATUSES_OF: Mapping[TaskState, tuple[str, ...]] = {
     TaskState.TASK_STATE_CANCELED: ("cancelled",),
 }
 RESULT_ARTIFACT, OUTPUT_ARTIFACT = "result", "output"
+# Every integer up to this is a double exactly.
+_EXACT_INT = 2**53
 
 
 class NotAnEnvelope(ValueError):
@@ -94,11 +98,35 @@ def payload_of(message: Message) -> dict[str, Any]:
 
 
 def _data(value: Any) -> Part:
-    return Part(data=ParseDict(value, struct_pb2.Value()))
+    return Part(data=ParseDict(_exact(value), struct_pb2.Value()))
 
 
 def _struct(value: Mapping[str, Any]) -> struct_pb2.Struct:
-    return ParseDict(dict(value), struct_pb2.Struct())
+    return ParseDict(_exact(dict(value)), struct_pb2.Struct())
+
+
+def _exact(value: Any) -> Any:
+    """``value`` as a protobuf ``Value`` holds it exactly: an integer a double does not hold
+    (past 2**53 with digits a double would round, or beyond a double's range, where
+    ``ParseDict`` raises OverflowError) as a string of its digits. The API and agents give
+    integers of up to 4,300 digits; a number would lose them, or fail the push of a task
+    whose result holds one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if _a_double_holds(value) else str(value)
+    if isinstance(value, dict):
+        return {key: _exact(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_exact(item) for item in value]
+    return value
+
+
+def _a_double_holds(number: int) -> bool:
+    if -_EXACT_INT <= number <= _EXACT_INT:
+        return True
+    try:
+        return float(number) == number
+    except OverflowError:
+        return False
 
 
 def _timestamp(iso_time: str | None) -> Timestamp | None:

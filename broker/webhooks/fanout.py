@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import ColumnElement, Connection, Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
 
-from broker.db.models import as_task_row
+from broker.db.models import FINAL_COLUMNS, as_task_row
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_bodies_table as bodies
 from broker.db.models import webhook_deliveries_table as deliveries
@@ -72,6 +72,14 @@ def _body_id(task: TaskRow, event_type: str, kind: str) -> uuid.UUID:
     return uuid.uuid5(_BODY_IDS, f"{task['id']}:{event_type}:{kind}")
 
 
+# What ``targets`` reads of a task.
+_TARGETED_BY: tuple[ColumnElement[Any], ...] = (
+    tasks.c.tenant,
+    tasks.c.capability,
+    tasks.c.callback,
+)
+
+
 def targets(conn: Connection, task: TaskRow, event_type: str) -> list[Target]:
     """The task's callback when it asked for the event, then each matching subscription."""
     found: list[Target] = []
@@ -93,7 +101,7 @@ def wanted(engine: Engine, task_id: uuid.UUID, event_type: str) -> bool:
     """Whether any endpoint wants this event of the task (saves a message per progress
     report when nobody subscribed to progress)."""
     with engine.connect() as conn:
-        row = conn.execute(select(tasks).where(tasks.c.id == task_id)).first()
+        row = conn.execute(select(*_TARGETED_BY).where(tasks.c.id == task_id)).first()
         return row is not None and bool(targets(conn, as_task_row(row), event_type))
 
 
@@ -106,7 +114,8 @@ def fanout(
     with engine.begin() as conn:
         if event_type != PROGRESS:  # written below, or nothing to write: owed no more
             outbox.settle(conn, task_id)
-        query = select(tasks).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
+        # Not the payload: neither body carries it, and it may be large.
+        query = select(*FINAL_COLUMNS).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
         row = conn.execute(query).first()
         if row is None:  # expired or purged already: nothing left to tell
             return None

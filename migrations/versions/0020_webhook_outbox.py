@@ -25,7 +25,23 @@ def upgrade() -> None:
         "webhook_outbox",
         sa.Column("task_id", sa.UUID(), nullable=False),
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("failures", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+        sa.Column("retry_at", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("task_id", name=op.f("pk_webhook_outbox")),
+    )
+    op.create_index(
+        "ix_webhook_outbox_finished_at",
+        "webhook_outbox",
+        ["finished_at"],
+        unique=False,
+        postgresql_where=sa.text("retry_at IS NULL"),
+    )
+    op.create_index(
+        "ix_webhook_outbox_retry_at",
+        "webhook_outbox",
+        ["retry_at"],
+        unique=False,
+        postgresql_where=sa.text("retry_at IS NOT NULL"),
     )
 
 

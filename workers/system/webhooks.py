@@ -14,7 +14,8 @@ delivery parked), and each attempt that ends publishes the tenant's next due del
 
 A final event's fanout is owed from the task's final write, which records it (``outbox``):
 the hook's message is the fast way, and the sweep runs a fanout whose message never came
-(its process died after the final write, or Redis refused the message).
+(its process died after the final write, or Redis refused the message). A fanout that fails
+there is tried again on the deliveries' schedule, then given up (``outbox.failed``).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ class Webhooks:
         return status
 
     def _fan_out_owed(self) -> int:
-        """Run each final event's fanout still owed past ``FANOUT_GRACE_S``; how many ran."""
+        """Run each final event's fanout still owed past ``FANOUT_GRACE_S``, and those due
+        again after a failure, the longest due first; how many ran."""
         engine = self.engine()
         owed = outbox.owed(engine, grace_s=FANOUT_GRACE_S, limit=SWEEP_BATCH)
         outbox.forget(engine, [task_id for task_id, status in owed if status is None])
@@ -168,14 +170,34 @@ class Webhooks:
             try:
                 self.fanout(str(task_id), event_for_status(status))
             except INFRASTRUCTURE_ERRORS:
-                raise  # the next sweep finds them all again
-            except Exception:  # one task's fanout must not hold up the others'
-                log.exception("fanout owed for task %s failed", task_id)
+                raise  # not the fanout's fault: the next sweep finds them all again
+            except Exception as exc:  # one task's fanout must not hold up the others'
+                self._fanout_failed(task_id, exc)
                 continue
             ran += 1
         if ran:
             log.warning("ran %d fanouts whose message was lost", ran)
         return ran
+
+    def _fanout_failed(self, task_id: uuid.UUID, exc: Exception) -> None:
+        """Put a failed fanout back for later, or give it up after its tries: it would fail
+        again at every sweep, reading the task's result each time, until the task expired."""
+        schedule_s = self.settings.webhook_schedule_s
+        failures = outbox.failed(self.engine(), task_id, schedule_s=schedule_s)
+        if failures is None:  # another sweep's run settled it, or gave it up, meanwhile
+            log.warning("fanout owed for task %s failed: %r", task_id, exc)
+        elif failures < len(schedule_s):
+            tries = len(schedule_s)
+            log.warning(
+                "fanout owed for task %s failed (%d of %d tries): %r", task_id, failures, tries, exc
+            )
+        else:
+            log.error(
+                "gave up the fanout owed for task %s after %d failures: its webhooks are not sent",
+                task_id,
+                failures,
+                exc_info=exc,
+            )
 
     def _release(self, tenant: str) -> int:
         """Publish the tenant's oldest due deliveries, as many as it has slots free."""
