@@ -10,7 +10,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 from a2a.types import TaskPushNotificationConfig
 from sqlalchemy import Engine, func, select, update
 
@@ -25,24 +24,13 @@ from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.receiver import Receiver
 from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker
+from tests.integration.test_webhook_push_configs import rpc
 from tests.integration.webhook_client import submit
 from workers.system.webhooks import SWEEP_BATCH
 
 # The sweep's grace (``FANOUT_GRACE_S``) and interval, a few sweeps of failing fanouts, with
 # room for a slow machine.
 DELIVERED_WITHIN_S = 120
-
-
-def rpc(api: ServedApp, token: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
-    answer = httpx.post(
-        f"{api.url}/a2a/jsonrpc",
-        json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
-        headers={"Authorization": f"Bearer {token}", "A2A-Version": "1.0"},
-        timeout=30,
-    )
-    assert answer.status_code == 200 and "result" in answer.json(), answer.text
-    result: dict[str, Any] = answer.json()["result"]
-    return result
 
 
 def with_callback_secret(api: ServedApp, make_key: KeyMaker) -> tuple[str, str]:

@@ -6,24 +6,11 @@ import json
 from typing import Any
 
 from broker.facades import a2a
+from tests.unit.test_a2a_facade import task
 
 
 def succeeded(result: Any, progress: Any = None) -> dict[str, Any]:
-    return {
-        "task_id": "0b0c5f0e-0000-7000-8000-000000000001",
-        "capability": "echo",
-        "status": "succeeded",
-        "progress": progress,
-        "result": result,
-        "error": None,
-        "attempts": 1,
-        "agent": None,
-        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
-        "session_id": None,
-        "created_at": "2026-12-01T08:00:00+00:00",
-        "started_at": None,
-        "finished_at": None,
-    }
+    return task("succeeded", result=result, progress=progress)
 
 
 def test_an_integer_a_double_cannot_hold_exactly_goes_as_its_digits() -> None:
