@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from api.app import create_app
 from broker import jsonbody
 from broker.db.models import tasks_table as tasks
 from broker.settings import Settings
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
+from tests.integration.test_listing_sizes import pages_of
 
 # Each 1e308 is 6 bytes as Python writes it, 309 digits as the API sends it back.
 BIG = 1e308
@@ -32,10 +32,7 @@ OTHER_FIELDS = 1024
 
 @pytest.fixture
 def small_pages(settings: Settings) -> Iterator[ServedApp]:
-    with ServedApp(
-        create_app(settings.model_copy(update={"list_page_max_bytes": PAGE_BYTES}))
-    ) as api:
-        yield api
+    yield from pages_of(settings, PAGE_BYTES)
 
 
 def compact(value: Any) -> int:

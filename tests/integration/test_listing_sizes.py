@@ -28,8 +28,13 @@ PAGE_BYTES = 25_000
 
 @pytest.fixture
 def small_pages(settings: Settings) -> Iterator[ServedApp]:
+    yield from pages_of(settings, PAGE_BYTES)
+
+
+def pages_of(settings: Settings, max_bytes: int) -> Iterator[ServedApp]:
+    """An API whose listings hold at most ``max_bytes`` of JSON a page."""
     with ServedApp(
-        create_app(settings.model_copy(update={"list_page_max_bytes": PAGE_BYTES}))
+        create_app(settings.model_copy(update={"list_page_max_bytes": max_bytes}))
     ) as api:
         yield api
 
