@@ -227,7 +227,7 @@ class ReachRequestHandler(RequestHandler):
             return mapping.task_of(render(row))
         wait_s = self.svc.settings.sync_max_wait_s
         try:
-            finished = await replies.wait_until_final(self.svc, caller, row["id"], wait_s)
+            finished = await replies.wait_until_final(self.svc, caller, row["id"], wait_s, task=row)
         except ReachError as exc:  # the key was revoked meanwhile
             raise _a2a_error(exc) from None
         if finished is not None:

@@ -121,7 +121,9 @@ class Calls:
         if ctx.meta and ctx.meta.get("progress_token") is not None:
             forwarding = asyncio.create_task(_forward_progress(svc, caller, task_id, ctx.session))
         try:
-            finished = await replies.wait_until_final(svc, caller, task_id, svc.settings.mcp_wait_s)
+            finished = await replies.wait_until_final(
+                svc, caller, task_id, svc.settings.mcp_wait_s, task=accepted.row
+            )
             if finished is not None and forwarding is not None:
                 await asyncio.wait({forwarding}, timeout=PROGRESS_DRAIN_S)
         finally:
