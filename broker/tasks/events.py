@@ -24,11 +24,14 @@ streaming large chunks filled Redis for every tenant: 10,000 events of any size.
 Every event counts against its tenant too, in one hash per tenant (``tenant_bytes_key``)
 whose fields are the hours by which the bytes added to them are gone: the hour the event's
 log expires, as of the append. The script adds each event it stores (the final one too: it
-carries the result) and takes back each one it lets go, so the live fields' sum is what
-the tenant's logs hold in Redis (``broker.tenancy.usage.RedisHeld``) to within a task's run
-time (a log's expiry moves on with each append). Redis is the broker's memory, and every
-tenant's: past ``REACH_TENANT_MAX_EVENT_BYTES`` a tenant's submits are refused until some
-of its logs expire.
+carries the result) and takes back each one it lets go, and with the event that creates a
+log it adds what the log holds beside its events (``LOG_OVERHEAD_BYTES``: a small task's
+stream and keys take about six times its events' bytes), counted in the same hour. So the
+live fields' sum is what the tenant's logs hold in Redis (``broker.tenancy.usage.RedisHeld``)
+to within a task's run time (a log's expiry moves on with each append), and at most a node's
+4 KiB over for each. Redis is the broker's memory, and every tenant's: past
+``REACH_TENANT_MAX_EVENT_BYTES`` a tenant's submits are refused until some of its logs
+expire.
 
 A worker's events carry the attempt they belong to, and the log keeps the latest attempt it
 has seen under ``attempt_key``: an event of an earlier attempt is refused (0), as its final
@@ -57,21 +60,30 @@ STATUS, PROGRESS, OUTPUT = "status", "progress", "output"
 STREAM_EVENT_TYPES = (STATUS, PROGRESS, OUTPUT, *(s for s in STATUSES if s in FINAL))
 LOG_MAX_EVENTS = 10_000
 FULL = -1  # what an append past the budget comes to
+# What a log holds in Redis beside its events' bytes, by MEMORY USAGE on Redis 7.0.15: its
+# stream, 4,784 bytes for one event or for as many as fill 4 KiB (the stream's first node is
+# allocated whole, stream-node-max-bytes' 4,096), and its four small keys (seq, attempt,
+# bytes and final marker), 104 bytes each. Counted without it, 2,000 small echo tasks held
+# 5.85 times what their tenant was counted.
+STREAM_NODE_BYTES = 4_784
+LOG_KEY_BYTES = 104
+LOG_OVERHEAD_BYTES = STREAM_NODE_BYTES + 4 * LOG_KEY_BYTES
 CHANNEL_PREFIX = "reach:task:"
 
 # Appends any number of events (one per task): ARGV[1] is the most events a log holds, ARGV[2]
-# the most bytes, then per event i (from 0) ARGV[3+6i] the event without its seq, ARGV[4+6i]
-# its TTL, ARGV[5+6i] a Celery message to LPUSH after it or '', ARGV[6+6i] '1' for a final
-# event, ARGV[7+6i] the attempt it belongs to or 0, ARGV[8+6i] the hour its bytes are gone by;
+# the most bytes, ARGV[3] what a new log counts beside its events (``LOG_OVERHEAD_BYTES``),
+# then per event i (from 0) ARGV[4+6i] the event without its seq, ARGV[5+6i] its TTL,
+# ARGV[6+6i] a Celery message to LPUSH after it or '', ARGV[7+6i] '1' for a final event,
+# ARGV[8+6i] the attempt it belongs to or 0, ARGV[9+6i] the hour its bytes are gone by;
 # KEYS[1+8i..8+8i] its log, seq, channel, list, final marker, latest attempt, the bytes the
 # log holds and its tenant's bytes by hour. An event for a closed log, or of an attempt older
 # than the latest, is refused (0); one larger than the whole budget too (-1, a final one
 # aside). Past either bound the oldest events give way (never the newest).
 _APPEND = """
 local seqs = {}
-local cap, budget = tonumber(ARGV[1]), tonumber(ARGV[2])
-for i = 0, (#ARGV - 2) / 6 - 1 do
-  local k, a = 8 * i, 3 + 6 * i
+local cap, budget, overhead = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 0, (#ARGV - 3) / 6 - 1 do
+  local k, a = 8 * i, 4 + 6 * i
   local log, held, ttl = KEYS[k + 1], KEYS[k + 7], ARGV[a + 1]
   local tenant, hour = KEYS[k + 8], ARGV[a + 5]
   local final = ARGV[a + 3] == '1'
@@ -89,6 +101,8 @@ for i = 0, (#ARGV - 2) / 6 - 1 do
     local seq = redis.call('INCR', KEYS[k + 2])
     local event = '{"seq":' .. seq .. ',' .. string.sub(ARGV[a], 2)
     local added = #event
+    -- A new log takes its stream's first node and its keys: counted once, gone by its hour
+    if redis.call('EXISTS', log) == 0 then added = added + overhead end
     if final then
       redis.call('XADD', log, 'MAXLEN', cap, '0-' .. seq, 'e', event)
       redis.call('SET', KEYS[k + 5], seq, 'EX', ttl)
@@ -274,7 +288,7 @@ class EventLog:
 
     def _args(self, items: list[Append]) -> dict[str, Any]:
         keys: list[Any] = []
-        argv: list[Any] = [self.max_events, self.max_bytes]
+        argv: list[Any] = [self.max_events, self.max_bytes, LOG_OVERHEAD_BYTES]
         now = time.time()
         for item in items:
             task_id = str(item.task_id)

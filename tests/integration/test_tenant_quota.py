@@ -25,7 +25,7 @@ from sqlalchemy import Engine, text
 from api.app import create_app
 from broker import sessions
 from broker.settings import Settings
-from broker.tasks import execution
+from broker.tasks import events, execution
 from broker.tasks.events import EventLog, log_key, parse_entries, tenant_bytes_key
 from broker.tenancy.usage import EVENT_BYTES, ROW_BYTES, RedisHeld, task_bytes
 from tests.eventually import eventually
@@ -261,8 +261,10 @@ def in_redis(url: str, tenant: str) -> int:
 
 
 def stored(client: redis.Redis, task_ids: list[uuid.UUID]) -> int:
-    """The bytes of every event these tasks' logs hold now, the final ones too."""
-    return sum(len(fields[b"e"]) for t in task_ids for _, fields in client.xrange(log_key(t)))
+    """The bytes of every event these tasks' logs hold now, the final ones too, and each
+    log's stream and keys."""
+    kept = sum(len(fields[b"e"]) for t in task_ids for _, fields in client.xrange(log_key(t)))
+    return kept + events.LOG_OVERHEAD_BYTES * sum(client.exists(log_key(t)) for t in task_ids)
 
 
 def test_the_bytes_a_tenants_event_logs_hold_follow_every_event_stored_and_let_go(
