@@ -4,11 +4,14 @@ Each route declares the statuses it can answer with ``answers(...)``; this modul
 each is written (problem+json, the headers its status carries) and finishes the document
 FastAPI builds: schemas nested under ``$defs`` become components (a client generator cannot
 follow ``#/$defs/...`` inside a path), FastAPI's own 422 (a shape we never send: every
-refusal is problem+json) gives way to ours, and the bearer key is the security scheme.
+refusal is problem+json) gives way to ours, the bearer key is the security scheme, and every
+``{name}`` of a path is a declared path parameter (a2a-sdk's REST routes, plain Starlette
+routes, declare none: a client generator skips an operation whose template has no parameter).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,6 +30,7 @@ a body that breaks one of these is 400 (`invalid_string`, `number_out_of_range`,
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
 BEARER = "bearer"
+PATH_TEMPLATE = re.compile(r"\{([^{}]+)\}")
 # Headers a route reads as optional, to answer their absence itself (428 for If-Match).
 REQUIRED_HEADERS = frozenset({"if-match"})
 
@@ -169,9 +173,10 @@ def finish(doc: dict[str, Any]) -> dict[str, Any]:
     components["securitySchemes"] = {
         BEARER: {"type": "http", "scheme": "bearer", "description": "An API key"}
     }
-    for operations in doc["paths"].values():
+    for path, operations in doc["paths"].items():
         for operation in operations.values():
             _finish_operation(operation)
+            _declare_path_parameters(path, operation)
     return doc
 
 
@@ -186,6 +191,17 @@ def _finish_operation(operation: dict[str, Any]) -> None:
             parameter["required"] = True
     if "401" in responses and "security" not in operation:
         operation["security"] = [{BEARER: []}]
+
+
+def _declare_path_parameters(path: str, operation: dict[str, Any]) -> None:
+    """A string path parameter for each ``{name}`` of ``path`` the operation does not
+    declare (a2a-sdk's ``/a2a/rest/tasks/{id}``)."""
+    declared = {p["name"] for p in operation.get("parameters", []) if p["in"] == "path"}
+    for name in dict.fromkeys(PATH_TEMPLATE.findall(path)):
+        if name not in declared:
+            schema = {"type": "string", "minLength": 1}
+            parameter = {"name": name, "in": "path", "required": True, "schema": schema}
+            operation.setdefault("parameters", []).append(parameter)
 
 
 def _without_null(schema: dict[str, Any]) -> dict[str, Any]:

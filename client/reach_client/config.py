@@ -33,6 +33,17 @@ class ConfigurationError(ReachError):
         super().__init__(detail, code="configuration_error")
 
 
+class NoAPIKeyError(ConfigurationError):
+    """No key in the arguments, the environment or the profile file (``config_path``)."""
+
+    def __init__(self, config_path: Path) -> None:
+        super().__init__(
+            "no API key: pass api_key=, set REACH_API_KEY, or add api_key to a profile in "
+            f"{config_path}"
+        )
+        self.config_path = config_path
+
+
 @dataclass(frozen=True)
 class Config:
     base_url: str
@@ -81,8 +92,5 @@ def resolve(
     url = base_url or env.get("REACH_URL") or from_file.get("url") or DEFAULT_URL
     key = api_key or env.get("REACH_API_KEY") or from_file.get("api_key")
     if not key:
-        raise ConfigurationError(
-            "no API key: pass api_key=, set REACH_API_KEY, or add api_key to a profile in "
-            f"{config_path(env)}"
-        )
+        raise NoAPIKeyError(config_path(env))
     return Config(base_url=url.rstrip("/"), api_key=key)

@@ -207,7 +207,55 @@ def test_webhooks_create_list_and_delete(env: dict[str, str]) -> None:
     assert gone.returncode == 6 and "webhook_not_found" in gone.stderr
 
 
-def test_without_a_key_it_is_a_usage_error(env: dict[str, str]) -> None:
+def test_without_a_key_it_is_a_usage_error_naming_the_commands_own_ways(
+    env: dict[str, str],
+) -> None:
     del env["REACH_API_KEY"]
     result = reach(env, "tasks", "list")
     assert result.returncode == 2 and "REACH_API_KEY" in result.stderr
+    # the command's option, not the Python client's argument
+    assert "--api-key" in result.stderr and "api_key=" not in result.stderr, result.stderr
+
+
+def test_the_url_and_key_work_before_the_command_and_the_ones_after_it_win(
+    env: dict[str, str],
+) -> None:
+    # Given a user whose environment names neither the API nor a key
+    url, key = env.pop("REACH_URL"), env.pop("REACH_API_KEY")
+    submitted = json.loads(
+        reach(env, "submit", "echo", "--url", url, "--api-key", key, "--json").stdout
+    )
+    # When they come before the command (and --json too), it lists the tenant's task
+    before = reach(env, "--url", url, "--api-key", key, "--json", "tasks", "list")
+    assert before.returncode == 0, before.stderr
+    assert [t["task_id"] for t in json.loads(before.stdout)] == [submitted["task_id"]]
+    # and given on both sides, the one after the command is used: a dead URL before it is
+    # never asked, a dead one after it is
+    nowhere = "http://127.0.0.1:9"
+    after_wins = reach(env, "--url", nowhere, "--api-key", key, "tasks", "list", "--url", url)
+    assert after_wins.returncode == 0, after_wins.stderr
+    dead_after = reach(env, "--url", url, "--api-key", key, "tasks", "list", "--url", nowhere)
+    assert dead_after.returncode == 7, dead_after.stderr
+
+
+def test_a_closed_stdout_ends_it_quietly_with_141(env: dict[str, str]) -> None:
+    # Given a stdout whose reader is gone (``reach ... | head -0``): a pipe, its read end shut
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        # When it streams a task's events there as JSON lines
+        streamed = subprocess.run(
+            [REACH, "submit", "echo", "--payload", "{}", "--stream", "--json"],
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    # Then it stops with 128 + SIGPIPE, as Unix tools do, and no traceback: not 1, which
+    # says the task failed
+    assert streamed.returncode == 141, streamed.stderr
+    assert "Traceback" not in streamed.stderr and "BrokenPipe" not in streamed.stderr

@@ -9,23 +9,27 @@ default taking the parsed arguments and returning the exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from importlib.metadata import entry_points
 
 from reach_client.cli import exits
 from reach_client.cli.render import printable
-from reach_client.config import ConfigurationError
+from reach_client.config import ConfigurationError, NoAPIKeyError
 from reach_client.errors import APIConnectionError, APIStatusError, ReachError
 
 PLUGIN_GROUP = "reach.commands"
-EPILOG = """configuration: --url/--api-key, else REACH_URL and REACH_API_KEY, else the profile
-(--profile or REACH_PROFILE, default "default") of the file REACH_CONFIG names, else of
-$XDG_CONFIG_HOME/reach/config.toml (~/.config/reach/config.toml when XDG_CONFIG_HOME is
-unset). The URL defaults to http://localhost:8000.
+EPILOG = """configuration: --url, --api-key, --profile and --json go before the command or
+after it (after it wins). The URL and key: --url/--api-key, else REACH_URL and REACH_API_KEY,
+else the profile (--profile or REACH_PROFILE, default "default") of the file REACH_CONFIG
+names, else of $XDG_CONFIG_HOME/reach/config.toml (~/.config/reach/config.toml when
+XDG_CONFIG_HOME is unset). The URL defaults to http://localhost:8000.
 
 exit status: 0 done or succeeded, 1 task failed, 2 usage, 3 task expired, 4 task cancelled,
 5 --timeout ran out (the task goes on), 6 the API refused (its problem code is printed),
-7 the API could not be reached, 130 interrupted."""
+7 the API could not be reached, 130 interrupted, 141 stdout was closed (a reader such as
+head stopped reading)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
         description="Agent-Reach from the command line.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common(after_command=False)],
     )
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
     shared = common()
@@ -54,9 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.handler(args))
+    except BrokenPipeError:
+        # The reader of stdout went away (``| head -1``): stop quietly, as Unix tools do.
+        # Whatever stdout still buffers goes nowhere, so the flush at exit raises nothing.
+        with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return exits.BROKEN_PIPE
     except KeyboardInterrupt:
         print("interrupted (a submitted task goes on)", file=sys.stderr)
         return exits.INTERRUPTED
+    except NoAPIKeyError as exc:
+        where = printable(exc.config_path)
+        print(
+            f"reach: no API key: give --api-key, set REACH_API_KEY, or add api_key to a "
+            f"profile in {where}",
+            file=sys.stderr,
+        )
+        return exits.USAGE
     except ConfigurationError as exc:
         print(f"reach: {printable(exc.detail)}", file=sys.stderr)
         return exits.USAGE

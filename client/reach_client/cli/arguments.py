@@ -15,18 +15,32 @@ from reach_client.client import Reach
 PAGE_MAX = 100  # a page the server serves whole (its list_page_max, by default)
 
 
-def common() -> argparse.ArgumentParser:
+def common(*, after_command: bool = True) -> argparse.ArgumentParser:
+    """The options every user command takes, before the command (``reach --url X tasks
+    list``, ``after_command=False``: the top level's) or after it. Given after the command,
+    an option has no default: a subcommand's parser copies each of its attributes over the
+    top level's, so a default there would undo ``--url`` given before the command."""
+    unset = argparse.SUPPRESS if after_command else None
     shared = argparse.ArgumentParser(add_help=False)
     where = shared.add_argument_group("connection")
     where.add_argument(
-        "--url", help="the API's base URL [REACH_URL, else the profile, else http://localhost:8000]"
+        "--url",
+        default=unset,
+        help="the API's base URL [REACH_URL, else the profile, else http://localhost:8000]",
     )
-    where.add_argument("--api-key", help="the API key [REACH_API_KEY, else the profile]")
     where.add_argument(
-        "--profile", help="a profile of the config file (see reach --help) [REACH_PROFILE]"
+        "--api-key", default=unset, help="the API key [REACH_API_KEY, else the profile]"
+    )
+    where.add_argument(
+        "--profile",
+        default=unset,
+        help="a profile of the config file (see reach --help) [REACH_PROFILE]",
     )
     shared.add_argument(
-        "--json", action="store_true", help="print JSON only on stdout (for scripts)"
+        "--json",
+        action="store_true",
+        default=unset if after_command else False,
+        help="print JSON only on stdout (for scripts)",
     )
     return shared
 

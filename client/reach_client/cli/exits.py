@@ -10,6 +10,8 @@
 6     the API refused the request (the problem's code is printed)
 7     the API could not be reached (connection refused, timeout)
 130   interrupted (Ctrl-C); a task already submitted goes on
+141   stdout was closed (``| head -1``): 128 + SIGPIPE, as Unix tools exit; a task already
+      submitted goes on
 ====  ==============================================================
 """
 
@@ -24,6 +26,7 @@ STILL_RUNNING = 5
 API_ERROR = 6
 UNREACHABLE = 7
 INTERRUPTED = 130
+BROKEN_PIPE = 141
 
 BY_STATUS = {"succeeded": OK, "failed": FAILED, "expired": EXPIRED, "cancelled": CANCELLED}
 

@@ -1,6 +1,7 @@
 """A small A2A agent (protocol 1.0), served with ``a2a-sdk``'s server side.
 
-    python examples/agents/a2a/agent.py --port 9100
+    .venv/bin/python examples/agents/a2a/agent.py --port 9100
+    # card at http://127.0.0.1:9100/.well-known/agent-card.json
 
 Skills, picked by the message's ``metadata.skill``:
 
@@ -195,6 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     base_url = f"http://{args.host}:{args.port}"
     app = create_app(base_url, streaming=not args.no_streaming, binding=args.binding)
+    print(f"card at {base_url}/.well-known/agent-card.json", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

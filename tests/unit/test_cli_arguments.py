@@ -1,0 +1,52 @@
+"""Where ``reach`` takes its connection options: before the command or after it, the one
+after winning; a command given neither leaves them unset (the environment decides)."""
+
+from __future__ import annotations
+
+import pytest
+from reach_client.cli import parser
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--url", "http://a:1", "--api-key", "k", "--profile", "p", "--json", "tasks", "list"],
+        ["tasks", "list", "--url", "http://a:1", "--api-key", "k", "--profile", "p", "--json"],
+        ["--url", "http://a:1", "--profile", "p", "submit", "echo", "--api-key", "k", "--json"],
+        [
+            "--api-key",
+            "k",
+            "--json",
+            "sessions",
+            "get",
+            "S",
+            "--url",
+            "http://a:1",
+            "--profile",
+            "p",
+        ],
+    ],
+)
+def test_connection_options_are_taken_before_or_after_the_command(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    assert (args.url, args.api_key, args.profile, args.json) == ("http://a:1", "k", "p", True)
+
+
+def test_the_option_after_the_command_wins() -> None:
+    argv = [
+        "--url",
+        "http://before:1",
+        "--api-key",
+        "before",
+        "tasks",
+        "list",
+        "--url",
+        "http://after:1",
+    ]
+    args = parser().parse_args(argv)
+    assert (args.url, args.api_key) == ("http://after:1", "before")
+
+
+def test_a_command_given_no_connection_option_leaves_them_unset() -> None:
+    args = parser().parse_args(["webhooks", "list"])
+    assert (args.url, args.api_key, args.profile, args.json) == (None, None, None, False)
