@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from broker.settings import Settings
@@ -80,20 +81,55 @@ def _dev(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _operator(command: Command) -> Callable[[argparse.Namespace], int]:
-    """The handler: the server's settings from the environment, and a refusal printed with
-    its code (exit status 2)."""
+    """The handler: the server's settings from the environment, a refusal printed with its
+    code (exit status 2), and Postgres or Redis out of reach in one line (exit status 7, as
+    the user's commands say of the API)."""
 
     def handle(args: argparse.Namespace) -> int:
+        from reach_client.cli import exits
+
         from broker.errors import ReachError
         from broker.settings import Settings
 
+        settings = Settings()
         try:
-            return command(args, Settings())
+            return command(args, settings)
         except ReachError as exc:
             print(f"error ({exc.code}): {exc.message}", file=sys.stderr)
             return 2
+        except Exception as exc:
+            where = _unreachable(exc, settings)
+            if where is None:
+                raise
+            reason = " ".join(str(getattr(exc, "orig", None) or exc).split())
+            print(f"reach: cannot connect to {where}: {reason}", file=sys.stderr)
+            return exits.UNREACHABLE
 
     return handle
+
+
+def _unreachable(exc: Exception, settings: Settings) -> str | None:
+    """The service ``exc`` says cannot be reached (its URL without the password), or None."""
+    import psycopg
+    import redis
+    import sqlalchemy.exc
+
+    cause = exc.orig if isinstance(exc, sqlalchemy.exc.OperationalError) else exc
+    # Exactly OperationalError: its subclasses (a cancelled query, a lock) are not connections.
+    if type(cause) is psycopg.OperationalError:
+        return without_password(settings.database_url)
+    if isinstance(exc, redis.ConnectionError):
+        return without_password(settings.redis_url)
+    return None
+
+
+def without_password(url: str) -> str:
+    """``url`` for a message: its password, if any, replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}").geturl()
 
 
 def register(sub: Any) -> None:

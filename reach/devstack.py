@@ -2,12 +2,15 @@
 
 Uses ``REACH_DATABASE_URL``/``DATABASE_URL`` and ``REACH_REDIS_URL``/``REDIS_URL`` when set,
 the services on the standard local ports when they answer, and otherwise starts an embedded
-Postgres and Redis under ``.reach/``. Ctrl-C stops everything it started.
+Postgres and Redis under ``.reach/``; a database the URL names that does not exist yet is
+created. Each process writes its output to ``.reach/logs/<name>.log``. Each run prints a fresh
+operator key and revokes the one the previous run printed. Ctrl-C stops everything it started.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +20,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import psycopg
+from sqlalchemy import Engine
 
 from broker.db.engines import sync_engine
 from broker.settings import Settings
@@ -25,6 +30,12 @@ from broker.tenancy import key_store
 from reach import localservices, migrate
 
 DATA_DIR = Path(".reach")
+DEV_TENANT = "dev"
+DEV_KEY_NAME = "reach dev"  # marks the keys this command printed: the next run revokes them
+OPTIONAL = frozenset({"flower"})  # the stack is whole without these; they only warn when they stop
+# Each worker serves its own /metrics: from REACH_WORKER_METRICS_PORT up, one port each.
+ERROR_LINE = re.compile(r"error|exception|fatal|refused|denied", re.IGNORECASE)
+WORKERS = ("worker", "async-worker", "bridge", "maintenance", "webhooks")
 CAPABILITY_QUEUES = "echo,invoice.extract,text.summarize,chat.reply"
 ASYNC_QUEUES = "llm.complete"  # async agents: one process on the threads pool
 DEMO_STREAM = (
@@ -49,7 +60,9 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
         redis_url=env.get("REACH_REDIS_URL") or env.get("REDIS_URL"),
     )
     database_url = services.database_url
-    if not (env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL")):
+    if env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL"):
+        _ensure_database(database_url)
+    else:
         database_url = localservices.create_database(database_url, "reach", exist_ok=True)
     env.update(REACH_DATABASE_URL=database_url, REACH_REDIS_URL=services.redis_url)
     # Webhooks to a receiver on this machine: the deny table refuses loopback otherwise.
@@ -59,6 +72,29 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
     # llm.complete calls the stand-in model the stack runs, unless a real one is named.
     env.setdefault("REACH_MODEL_URL", f"http://127.0.0.1:{_free_port()}")
     return env, services
+
+
+def _ensure_database(url: str) -> None:
+    """Create the database ``url`` names when its server says there is none (and lets us)."""
+    name = urlsplit(url).path.lstrip("/")
+    try:
+        psycopg.connect(localservices.libpq_url(url), connect_timeout=10).close()
+    except psycopg.OperationalError as exc:
+        if not name or f'database "{name}" does not exist' not in str(exc):
+            raise
+        try:
+            localservices.create_database(
+                localservices.with_database(url, "postgres"), name, exist_ok=True
+            )
+        except psycopg.Error as refused:
+            raise psycopg.OperationalError(f"{exc}; creating it failed: {refused}") from refused
+        print(f"reach dev: created database {name!r}", file=sys.stderr, flush=True)
+
+
+def worker_metrics_ports(base: int) -> dict[str, int]:
+    """Each worker's REACH_WORKER_METRICS_PORT: ``base``, ``base + 1``, ...; 0 leaves all off.
+    Processes on one host cannot share a port: all but the first would serve nothing."""
+    return {name: base + i if base else 0 for i, name in enumerate(WORKERS)}
 
 
 def _free_port() -> int:
@@ -123,21 +159,60 @@ def _worker(celery: list[str], queues: str, name: str, concurrency: int) -> list
     return [*celery, "worker", "-Q", queues, "-n", node, "-c", str(concurrency), "-l", "INFO"]
 
 
+class StackError(Exception):
+    """The stack cannot run; its message is one line for the terminal."""
+
+
+def exit_message(name: str, code: int | None, log: Path) -> str:
+    """One line: which process stopped, its status, the error its log ends with and where
+    the rest of it is."""
+    error = last_error(log)
+    return f"{name} exited with {code}" + (f": {error}" if error else "") + f" (log: {log})"
+
+
+def last_error(log: Path, tail_bytes: int = 8192, most_chars: int = 300) -> str:
+    """The last line of ``log`` that tells of an error, else its last line."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - tail_bytes))
+            lines = [ln.strip() for ln in file.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ERROR_LINE.search(ln)]
+    return (errors or lines or [""])[-1][:most_chars]
+
+
+def _check_children(processes: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
+    """Raise for a stopped process the stack needs; warn once for an optional one (Flower on
+    a taken port) and stop watching it."""
+    for name, proc in list(processes.items()):
+        if proc.poll() is None:
+            continue
+        message = exit_message(name, proc.returncode, logs / f"{name}.log")
+        if name not in OPTIONAL:
+            raise StackError(message)
+        print(f"reach dev: warning: {message}; the rest runs on", file=sys.stderr, flush=True)
+        del processes[name]
+
+
 def _wait_ready(
-    api: str, token: str, processes: dict[str, subprocess.Popen[bytes]], timeout_s: float
+    api: str,
+    token: str,
+    processes: dict[str, subprocess.Popen[bytes]],
+    logs: Path,
+    timeout_s: float,
 ) -> None:
     """Until the API is ready and every example capability has a live agent, so the printed
     curl works the moment it is shown."""
     deadline = time.monotonic() + timeout_s
     wanted = {*CAPABILITY_QUEUES.split(","), *ASYNC_QUEUES.split(",")}
     while time.monotonic() < deadline:
-        for name, proc in processes.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}; see its output above")
+        _check_children(processes, logs)
         if wanted <= _live_capabilities(api, token):
             return
         time.sleep(0.3)
-    raise RuntimeError(f"{api} not ready with live agents after {timeout_s:.0f} s")
+    raise StackError(f"{api} not ready with live agents after {timeout_s:.0f} s (logs: {logs})")
 
 
 def _live_capabilities(api: str, token: str) -> set[str]:
@@ -152,17 +227,54 @@ def _live_capabilities(api: str, token: str) -> set[str]:
         return set()
 
 
+def _create_dev_key(engine: Engine) -> tuple[str, str]:
+    return key_store.create_key(
+        engine, DEV_TENANT, ["*"], is_admin=True, tenant_admin=True, name=DEV_KEY_NAME
+    )
+
+
+def earlier_dev_keys(rows: list[dict[str, object]], current: str) -> list[str]:
+    """The ids of the live keys earlier runs printed (``current`` is this run's)."""
+    return [
+        str(row["key_id"])
+        for row in rows
+        if row["tenant"] == DEV_TENANT
+        and row["name"] == DEV_KEY_NAME
+        and row["revoked_at"] is None
+        and row["key_id"] != current
+    ]
+
+
+def _revoke_earlier_dev_keys(engine: Engine, current: str) -> None:
+    for key_id in earlier_dev_keys(key_store.list_keys(engine, DEV_TENANT), current):
+        key_store.revoke_key(engine, key_id)
+
+
 def _banner(
-    port: int, flower_port: int, token: str, services: localservices.Services, allow: str
+    port: int,
+    flower: str,
+    token: str,
+    services: localservices.Services,
+    allow: str,
+    logs: Path,
+    metrics_ports: dict[str, int],
 ) -> str:
     api = f"http://127.0.0.1:{port}"
+    metrics = (
+        ", ".join(f"{n} :{p}" for n, p in metrics_ports.items())
+        if any(metrics_ports.values())
+        else "(off: REACH_WORKER_METRICS_PORT=0)"
+    )
     where = f"embedded {', '.join(services.embedded)}" if services.embedded else "local services"
     return f"""
 Agent-Reach is running ({where}).
   API      {api}        docs {api}/docs
-  Flower   http://127.0.0.1:{flower_port}
+  Flower   {flower}
+  Metrics  {api}/metrics, the workers' on {metrics}
+  Logs     {logs}/<process>.log
   API key  {token}
-           tenant "dev", operator and tenant admin: it sets the callback secret too
+           tenant "dev", operator and tenant admin: it sets the callback secret too;
+           the next run revokes it and prints another
   Webhooks REACH_WEBHOOK_ALLOW={allow or "(none)"}
            the SSRF guard lets webhooks reach these (loopback by default in dev;
            production allows none)
@@ -189,35 +301,57 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     data_dir = DATA_DIR.resolve()
-    data_dir.mkdir(exist_ok=True)
+    logs = data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     processes: dict[str, subprocess.Popen[bytes]] = {}
     services: localservices.Services | None = None
+    key_id = None
+    ready = False
     try:
         env, services = _environment(data_dir)
         migrate.upgrade(env["REACH_DATABASE_URL"])
         settings = Settings(
             database_url=env["REACH_DATABASE_URL"], redis_url=env["REACH_REDIS_URL"]
         )
-        _, token = key_store.create_key(
-            sync_engine(settings), "dev", ["*"], is_admin=True, tenant_admin=True, name="dev"
-        )
+        engine = sync_engine(settings)
+        # The readiness probe needs a key; a run that never gets ready revokes it below.
+        key_id, token = _create_dev_key(engine)
         commands = _commands(port, flower_port, data_dir, env["REACH_MODEL_URL"])
+        metrics_ports = worker_metrics_ports(settings.worker_metrics_port)
         for name, command in commands.items():
-            # Their own process group: Ctrl-C reaches only this process, which then stops
-            # them in order (the worker finishes what it holds).
-            processes[name] = subprocess.Popen(command, env=env, process_group=0)
-        _wait_ready(f"http://127.0.0.1:{port}", token, processes, timeout_s=90)
+            own_env = {**env, "REACH_WORKER_METRICS_PORT": str(metrics_ports.get(name, 0))}
+            processes[name] = _start(command, own_env, logs / f"{name}.log")
+        print(f"reach dev: starting; each process logs to {logs}/<name>.log", flush=True)
+        _wait_ready(f"http://127.0.0.1:{port}", token, processes, logs, timeout_s=90)
+        ready = True
+        _revoke_earlier_dev_keys(engine, key_id)
+        flower = f"http://127.0.0.1:{flower_port}" if "flower" in processes else "(not running)"
         allow = env["REACH_WEBHOOK_ALLOW"]
-        print(_banner(port, flower_port, token, services, allow), flush=True)
-        while all(p.poll() is None for p in processes.values()):
+        banner = _banner(port, flower, token, services, allow, logs, metrics_ports)
+        print(banner, flush=True)
+        while True:
+            _check_children(processes, logs)
             time.sleep(0.5)
+    except StackError as exc:
+        print(f"reach dev: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
         _stop(processes)
+        if key_id is not None and not ready:
+            key_store.revoke_key(engine, key_id)
         if services is not None:
             services.stop()
+
+
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    # Their own process group: Ctrl-C reaches only this process, which then stops them in
+    # order (the worker finishes what it holds).
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
+        )
 
 
 def _interrupt(signum: int, frame: object) -> None:

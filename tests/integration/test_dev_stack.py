@@ -3,10 +3,13 @@ that works, and Ctrl-C stops everything it started."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +24,7 @@ from reach import localservices
 from tests.eventually import eventually
 from tests.integration.stack import environment, free_port
 
+Popen = subprocess.Popen[bytes]
 REACH = str(Path(sys.executable).parent / "reach")
 STARTUP_S = 90  # the whole stack, embedded Postgres and Redis included, on a slow machine
 
@@ -32,14 +36,18 @@ def own_database(services: localservices.Services) -> Iterator[str]:
     localservices.drop_database(services.database_url, name)
 
 
-@pytest.mark.timeout(240)
-def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
-    settings: Settings, tmp_path: Path, own_database: str, own_redis: str
-) -> None:
-    port, flower_port = free_port(), free_port()
+@pytest.fixture
+def missing_database(services: localservices.Services) -> Iterator[str]:
+    """The URL of a database that does not exist (yet), dropped afterwards."""
+    name = f"reach_dev_{secrets.token_hex(4)}"
+    yield localservices.with_database(services.database_url, name)
+    localservices.drop_database(services.database_url, name)
+
+
+def _dev_environment(settings: Settings, database_url: str, redis_url: str) -> dict[str, str]:
     env = environment(settings)
     # Its own database and Redis db: no test worker may serve its tasks or hold its leases.
-    env.update(DATABASE_URL=own_database, REDIS_URL=own_redis)
+    env.update(DATABASE_URL=database_url, REDIS_URL=redis_url)
     for name in (
         "REACH_DATABASE_URL",
         "REACH_REDIS_URL",
@@ -48,23 +56,47 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
         "REACH_WEBHOOK_ALLOW",
     ):
         env.pop(name, None)
-    log = tmp_path / "dev.log"
+    return env
+
+
+def _start_dev(env: dict[str, str], cwd: Path, log: Path, port: int, flower_port: int) -> Popen:
     with log.open("wb") as out:
-        dev = subprocess.Popen(
+        return subprocess.Popen(
             [REACH, "dev", "--port", str(port), "--flower-port", str(flower_port)],
             env=env,
-            cwd=tmp_path,
+            cwd=cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+def _banner(log: Path, dev: Popen) -> str:
+    """The output up to the banner, or up to the command's end if it stopped before."""
+    return eventually(
+        lambda: log.read_text(errors="replace"),
+        "the banner",
+        STARTUP_S,
+        0.2,
+        until=lambda text: "Ctrl-C stops everything" in text or dev.poll() is not None,
+    )
+
+
+def _stop_dev(dev: Popen, log: Path) -> None:
+    dev.send_signal(signal.SIGINT)
+    code = dev.wait(timeout=60)
+    assert code == 0, log.read_text(errors="replace")[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
+    settings: Settings, tmp_path: Path, own_database: str, own_redis: str
+) -> None:
+    port, flower_port = free_port(), free_port()
+    env = _dev_environment(settings, own_database, own_redis)
+    log = tmp_path / "dev.log"
+    dev = _start_dev(env, tmp_path, log, port, flower_port)
     try:
-        banner = eventually(
-            lambda: log.read_text(errors="replace"),
-            "the banner",
-            STARTUP_S,
-            0.2,
-            until=lambda text: "Ctrl-C stops everything" in text,
-        )
+        banner = _banner(log, dev)
         submit = re.search(r"^\s*(curl -s \S+/tasks -H .*?)\n(?=Poll)", banner, re.M | re.S)
         poll = re.search(r"^\s*(curl -s \S+/tasks/TASK_ID .*)$", banner, re.M)
         assert submit and poll, banner
@@ -107,6 +139,74 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
     assert code == 0, log.read_text(errors="replace")[-3000:]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert alive == []
+
+
+@pytest.mark.timeout(360)
+def test_a_taken_flower_port_leaves_the_stack_running_and_the_next_run_revokes_the_key(
+    settings: Settings, tmp_path: Path, missing_database: str, own_redis: str
+) -> None:
+    """Given Flower's port taken and a DATABASE_URL naming no database yet: the stack comes up
+    (the database created, one warning for Flower, each worker's metrics on a port of its
+    own); a second run prints a new key and the first run's no longer opens the API."""
+    port, flower_port, metrics_base = free_port(), free_port(), _free_ports(5)
+    env = _dev_environment(settings, missing_database, own_redis)
+    env["REACH_WORKER_METRICS_PORT"] = str(metrics_base)
+    api = f"http://127.0.0.1:{port}"
+    tokens = []
+    with socket.socket() as flower_squatter:
+        flower_squatter.bind(("127.0.0.1", flower_port))
+        flower_squatter.listen()
+        for run in (1, 2):
+            log = tmp_path / f"dev{run}.log"
+            dev = _start_dev(env, tmp_path, log, port, flower_port)
+            try:
+                banner = _banner(log, dev)
+                assert "Traceback" not in banner, banner[-3000:]
+                token = re.search(r"API key\s+(rk_\S+)", banner)
+                assert token, banner[-3000:]
+                tokens.append(token.group(1))
+                output = eventually(
+                    functools.partial(log.read_text, errors="replace"),
+                    "Flower's warning",
+                    STARTUP_S,
+                    0.2,
+                    until=lambda text: "flower exited" in text,
+                )
+                warnings = [ln for ln in output.splitlines() if "flower exited" in ln]
+                assert len(warnings) == 1 and "the rest runs on" in warnings[0], output
+                assert _status(f"{api}/capabilities", tokens[-1]) == 200
+                if run == 1:
+                    assert "created database" in banner
+                    # maintenance and webhooks need not be ready with the agents' workers
+                    for metrics_port in range(metrics_base, metrics_base + 5):
+                        url = f"http://127.0.0.1:{metrics_port}/metrics"
+                        eventually(functools.partial(_answers, url), url, STARTUP_S, 0.2)
+                else:
+                    assert _status(f"{api}/capabilities", tokens[0]) == 401
+            finally:
+                _stop_dev(dev, log)
+    served = "".join(p.read_text() for p in (tmp_path / ".reach" / "logs").glob("*.log"))
+    assert "worker metrics not served" not in served
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports on loopback."""
+    while True:
+        first = free_port()
+        if first + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
+def _status(url: str, token: str) -> int:
+    return httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code
 
 
 def _answers(url: str) -> bool:
