@@ -177,23 +177,40 @@ class LoopConnection:
     Autocommit: each statement is atomic by itself. A connection found gone before a
     statement (``_gone``), or used from another event loop than the one it was opened on, is
     opened again first; one that breaks under a statement fails it
-    (``INFRASTRUCTURE_ERRORS``) and is opened again for the next."""
+    (``INFRASTRUCTURE_ERRORS``) and is opened again for the next.
+
+    A lock keeps it to one statement at a time, from its sending to its last row, whoever
+    calls: two coroutines on one psycopg connection interleave their protocol, and ``_gone``
+    reads the other's reply on the socket as the server's last word and closes the
+    connection under it (a NULL connection pointer, a read that never returns, libpq
+    crashing the process)."""
 
     def __init__(self, url: str | URL) -> None:
         self._statements = _Statements(url)
         self._connection: psycopg.AsyncConnection[DictRow] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     async def execute(self, statement: ClauseElement, params: dict[str, Any]) -> list[DictRow]:
         sql, values = self._statements.prepare(statement, params)
-        connection = await self._connect()
-        cursor = await connection.execute(sql, values)
-        return await cursor.fetchall() if _has_rows(cursor) else []
+        async with self._one_at_a_time():
+            connection = await self._connect()
+            cursor = await connection.execute(sql, values)
+            return await cursor.fetchall() if _has_rows(cursor) else []
 
     async def close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None and self._loop is asyncio.get_running_loop():
-            await connection.close()
+        async with self._one_at_a_time():
+            connection, self._connection = self._connection, None
+            if connection is not None and self._loop is asyncio.get_running_loop():
+                await connection.close()
+
+    def _one_at_a_time(self) -> asyncio.Lock:
+        """This loop's lock: an asyncio lock serves the loop it was first awaited on only."""
+        loop = asyncio.get_running_loop()
+        if self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        return self._lock
 
     async def _connect(self) -> psycopg.AsyncConnection[DictRow]:
         connection = self._connection
