@@ -30,8 +30,8 @@ into megabytes. So the event log's script counts each tenant's bytes in Redis as
 (``broker.tasks.events``, ``RedisHeld`` reads them), and a tenant whose logs hold
 ``REACH_TENANT_MAX_EVENT_BYTES`` is refused new tasks the same way (``Quotas``) until some
 of its logs expire. A submit cannot know what its agent will send back: each counts
-``EVENT_BYTES`` (its status events) until the next read, and the tasks already admitted
-may take a tenant past the limit by what they send.
+``EVENT_BYTES`` (its log's stream and keys, and its status events) until the next read,
+and the tasks already admitted may take a tenant past the limit by what they send.
 
 Results in Postgres are not counted: an agent's answer is bounded per task
 (``REACH_MAX_RESULT_BYTES``); the event quota bounds the same answers in Redis.
@@ -54,16 +54,17 @@ from broker.db.models import tenant_usage_table as usage
 from broker.errors import ReachError
 from broker.grouping import Grouped
 from broker.observability import metrics
-from broker.tasks.events import tenant_bytes_key
+from broker.tasks.events import LOG_OVERHEAD_BYTES, tenant_bytes_key
 
 # A task's row and index entries beyond its payload and metadata, counted with each: a
 # tenant of empty payloads still holds its rows. (The triggers of migration 0016 count the
 # same.)
 ROW_BYTES = 1024
 RETRY_AFTER_S = 60  # tasks expire one by one; a minute is a fair time to look again
-# What a new task's own events hold in Redis before its agent sends anything: its status
-# events, queued, running and the final one's envelope (a few hundred bytes).
-EVENT_BYTES = 1024
+# What a new task's own log holds in Redis before its agent sends anything: its stream and
+# keys (``LOG_OVERHEAD_BYTES``, what the event that creates it counts) and its status events,
+# queued, running and the final one's envelope (a few hundred bytes).
+EVENT_BYTES = LOG_OVERHEAD_BYTES + 1024
 
 
 class Held(Protocol):
