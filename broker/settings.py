@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     # One janitor run deletes batches until no expired row is left or this is spent; it holds
     # one maintenance process meanwhile, so the reaper keeps the other.
     janitor_budget_s: float = Field(10.0, gt=0)
+    # An instance's row (``GET /agents``) is kept this long after it was last seen live, then
+    # the janitor deletes it: every worker name ever used stayed listed offline forever.
+    instance_retention_s: float = Field(86400.0, gt=0)
     # Tasks of dead workers are found this often; queued tasks the broker lost are published
     # again once they are sweep_after_s old and their message is not in their queue.
     reaper_interval_s: float = Field(5.0, gt=0)

@@ -15,6 +15,7 @@ from prometheus_client import multiprocess, start_http_server
 from broker import runtime, sessions
 from broker.observability import logs, metrics, otel
 from broker.outages import INFRASTRUCTURE_ERRORS
+from broker.registry import retention
 from broker.settings import Settings
 from broker.tasks import execution
 from broker.tasks.backpressure import FairPlace, count_queued
@@ -189,6 +190,15 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
         gone = sessions.purge_expired(runner.engine, batch=settings.janitor_batch)
         if gone:
             log.info("janitor removed %d expired sessions", gone)
+        instances = retention.purge_gone(
+            runner.engine,
+            runner.redis,
+            retention_s=settings.instance_retention_s,
+            batch=settings.janitor_batch,
+            budget_s=settings.janitor_budget_s,
+        )
+        if instances:
+            log.info("janitor removed %d instances gone longer than the retention", instances)
         return removed
 
     @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]

@@ -64,12 +64,15 @@ def _nameable(agent_id: str) -> str:
 
 
 @router.get("/agents", response_model=AgentList, responses=answers(*AUTHENTICATED))
-async def list_agents(request: Request, caller: Caller) -> JSONResponse:
+async def list_agents(request: Request, caller: Metered) -> JSONResponse:
     """Every agent that advertised a card, with its instances and their state. A key other
     than an operator's sees only agents of capabilities its patterns allow, and no instance's
     name, host or process id."""
     state = services(request)
-    found = views.seen_by(await views.agents(state.engine, state.redis), caller)
+    # Every card and every instance kept (``REACH_INSTANCE_RETENTION_S``): a token, and one
+    # tenant's lists one at a time, as its task lists
+    async with state.heavy_reads.turn(caller.tenant, "agents"):
+        found = views.seen_by(await views.agents(state.engine, state.redis), caller)
     return JSONResponse({"agents": found})
 
 
@@ -78,7 +81,7 @@ async def list_agents(request: Request, caller: Caller) -> JSONResponse:
     response_model=AgentResource,
     responses=answers(*AUTHENTICATED, 404, 422),
 )
-async def get_agent(agent_id: AgentId, request: Request, caller: Caller) -> JSONResponse:
+async def get_agent(agent_id: AgentId, request: Request, caller: Metered) -> JSONResponse:
     """An agent's cards and instances: state and seconds since the last heartbeat."""
     state = services(request)
     found = await views.agents(state.engine, state.redis, agent_id=_nameable(agent_id))

@@ -79,11 +79,14 @@ async def agents(
     """Each agent: its cards, versions, channels and every instance that served it, with
     live state."""
     card_query = select(cards).order_by(cards.c.agent_id, cards.c.capability, cards.c.version)
+    instance_query = select(instances)
     if agent_id is not None:
         card_query = card_query.where(cards.c.agent_id == agent_id)
+        # Only the rows of instances serving one of its cards, and only their leases read
+        instance_query = instance_query.where(instances.c.cards.contains([{"agent_id": agent_id}]))
     async with engine.connect() as conn:
         card_rows = [dict(r._mapping) for r in await conn.execute(card_query)]
-        instance_rows = [dict(r._mapping) for r in await conn.execute(select(instances))]
+        instance_rows = [dict(r._mapping) for r in await conn.execute(instance_query)]
     live = await leases(redis, [r["instance"] for r in instance_rows])
     set_channels = await channels.of_agent(engine, agent_id)
     now = now_s()

@@ -1,0 +1,265 @@
+"""What the registry keeps of instances that are gone, and what reading an agent costs.
+
+Every worker name ever used (a pod restarted under a new host name) and every remote agent
+ever registered kept its row, listed offline forever; ``GET /agents/{id}`` read every row and
+every lease of them all, without a token. And each worker start left a metrics folder in
+/tmp that nothing removed."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kombu
+import pytest
+import redis
+from sqlalchemy import Engine, event, select, update
+
+from api.app import create_app
+from broker.db.engines import sync_engine
+from broker.db.models import agent_instances_table as instances
+from broker.registry import leases, retention
+from broker.registry.model import OFFLINE, READY, CardRef, Lease
+from broker.settings import Settings
+from broker.tenancy import key_store
+from reach import localservices, migrate
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.stack import CeleryProcess, ServedApp, start_worker
+from tests.integration.test_capacity import stack_for
+
+__all__ = ["stack_for"]  # a fixture of test_capacity's, used here
+DAY_S = 86400.0
+
+
+def _lease(instance: str, agent_id: str = "echo-agent", ttl_s: float = 60) -> Lease:
+    return Lease(
+        instance=instance,
+        state=READY,
+        heartbeat_at=time.time(),
+        started_at=time.time(),
+        lease_ttl_s=ttl_s,
+        hostname="host",
+        pid=1,
+        cards=(CardRef(agent_id, "1.0.0", "echo"),),
+    )
+
+
+def _record(engine: Engine, lease: Lease, state: str, seen_ago_s: float) -> None:
+    """The instance's row as ``leases.record_instance`` writes it, last seen that long ago."""
+    leases.record_instance(engine, lease, state)
+    seen = datetime.now(UTC) - timedelta(seconds=seen_ago_s)
+    with engine.begin() as conn:
+        conn.execute(
+            update(instances)
+            .where(instances.c.instance == lease.instance)
+            .values(last_seen_at=seen)
+        )
+
+
+def _kept(engine: Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.execute(select(instances.c.instance)).scalars())
+
+
+def test_the_janitor_deletes_instances_not_seen_for_the_retention_and_keeps_live_ones(
+    own_engine: Engine, own_redis: str
+) -> None:
+    client = redis.Redis.from_url(own_redis)
+    # Given instances last recorded two days ago: 25 stopped, one killed with -9 (its row
+    # still says ready, its lease expired), one running all along (its lease is there)
+    stopped = [f"stopped-{n}@old-pod" for n in range(25)]
+    for name in stopped:
+        _record(own_engine, _lease(name), OFFLINE, 2 * DAY_S)
+    _record(own_engine, _lease("killed@old-pod"), READY, 2 * DAY_S)
+    running = _lease("running@pod")
+    _record(own_engine, running, READY, 2 * DAY_S)
+    leases.renew(client, running)
+    # ... and one stopped an hour ago; each with its own queue declared, as a worker does
+    _record(own_engine, _lease("stopped@new-pod"), OFFLINE, 3600)
+    names = ["killed@old-pod", "running@pod", "stopped@new-pod"]
+    queues = {name: _lease(name).cards[0].instance_queue(name) for name in names}
+    _declare(own_redis, list(queues.values()))
+    assert all(client.exists(retention.binding_key(q)) for q in queues.values())
+
+    # When one janitor run with a retention of a day deletes in batches of 10
+    removed = retention.purge_gone(own_engine, client, retention_s=DAY_S, batch=10, budget_s=60)
+
+    # Expect the stopped and the killed ones gone, the running and the recent ones kept
+    assert removed == 26
+    assert _kept(own_engine) == {"running@pod", "stopped@new-pod"}
+    # ... and the running one seen now: its retention counts from today, should it die
+    with own_engine.connect() as conn:
+        seen = conn.execute(
+            select(instances.c.last_seen_at).where(instances.c.instance == "running@pod")
+        ).scalar_one()
+    assert datetime.now(UTC) - seen < timedelta(hours=1)
+    # ... and the kombu binding of the killed one's queue gone with it, the others' kept
+    bound = {name for name, q in queues.items() if client.exists(retention.binding_key(q))}
+    assert bound == {"running@pod", "stopped@new-pod"}
+    client.close()
+
+
+def _declare(url: str, queues: list[str]) -> None:
+    """Declare each queue as a Celery worker consuming it does (its exchange named after it)."""
+    with kombu.Connection(url) as conn:
+        channel = conn.default_channel
+        for queue in queues:
+            kombu.Queue(queue, kombu.Exchange(queue), routing_key=queue)(channel).declare()
+
+
+def test_beats_janitor_deletes_an_instance_row_older_than_the_retention(
+    engine: Engine, settings: Settings, system_beat: CeleryProcess
+) -> None:
+    # Given a worker name last seen two days ago, and one seen just now
+    suffix = secrets.token_hex(4)
+    old, new = f"old-{suffix}@gone-pod", f"new-{suffix}@pod"
+    _record(engine, _lease(old), OFFLINE, 2 * DAY_S)
+    _record(engine, _lease(new), OFFLINE, 1)
+    # When beat's janitor runs (every half second here), expect the old one deleted
+    eventually(lambda: old not in _kept(engine), "the janitor to delete the old instance")
+    assert new in _kept(engine)
+
+
+@dataclass
+class InstanceReads:
+    """How many ``agent_instances`` rows each statement of the API returned."""
+
+    rows: list[tuple[str, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "FROM agent_instances" in statement:
+            with self.lock:
+                self.rows.append((statement, cursor.rowcount))
+
+
+@pytest.fixture
+def crowded(
+    services: localservices.Services, settings: Settings, own_redis: str
+) -> Iterator[tuple[ServedApp, Engine, InstanceReads]]:
+    """An API on a database of its own, whose reads of instance rows are counted."""
+    name = f"reach_instances_{secrets.token_hex(3)}"
+    url = localservices.create_database(services.database_url, name)
+    migrate.upgrade(url)
+    # The system gauges read every instance when the API starts, and then not within the test
+    update = {"database_url": url, "redis_url": own_redis, "metrics_refresh_s": 3600}
+    local = settings.model_copy(update=update)
+    engine = sync_engine(local)
+    app = create_app(local)
+    reads = InstanceReads()
+    event.listen(app.state.services.engine.sync_engine, "after_cursor_execute", reads.record)
+    try:
+        with ServedApp(app) as served:
+            yield served, engine, reads
+    finally:
+        engine.dispose()
+        localservices.drop_database(services.database_url, name)
+
+
+def test_an_agents_page_reads_only_its_own_instances_among_thousands(
+    crowded: tuple[ServedApp, Engine, InstanceReads], own_redis: str
+) -> None:
+    api, engine, reads = crowded
+    client = redis.Redis.from_url(own_redis)
+    # Given 3,000 offline instances of other agents, and two of "mine": one live, one gone
+    leases.advertise_cards(engine, [_card("mine"), _card("other")])
+    with engine.begin() as conn:
+        conn.execute(
+            instances.insert(),
+            [_row(f"other-{n}@pod-{n}", "other") for n in range(3000)],
+        )
+    live = _lease("mine-live@pod", agent_id="mine")
+    _record(engine, live, READY, 0)
+    leases.renew(client, live)
+    _record(engine, _lease("mine-gone@pod", agent_id="mine"), OFFLINE, 60)
+    _, token = key_store.create_key(engine, "ops", ["*"], is_admin=True)
+
+    # When an operator reads the agent
+    before = len(reads.rows)
+    with client_for(api, token) as http:
+        page = http.get("/agents/mine")
+
+    # Expect its own two instances, in their states, and only their rows read
+    assert page.status_code == 200
+    states = {i["instance"]: i["state"] for i in page.json()["instances"]}
+    assert states == {"mine-live@pod": READY, "mine-gone@pod": OFFLINE}
+    assert [count for _, count in reads.rows[before:]] == [2]
+    client.close()
+
+
+def _card(agent_id: str) -> dict[str, Any]:
+    return {
+        "agent_id": agent_id,
+        "version": "1.0.0",
+        "capability": "echo",
+        "schema_version": 1,
+        "tenants": None,
+    }
+
+
+def _row(instance: str, agent_id: str) -> dict[str, Any]:
+    now = datetime.now(UTC)
+    return {
+        "instance": instance,
+        "hostname": "pod",
+        "pid": 1,
+        "state": OFFLINE,
+        "cards": [{"agent_id": agent_id, "version": "1.0.0", "capability": "echo"}],
+        "lease_ttl_s": 30.0,
+        "started_at": now,
+        "last_seen_at": now,
+        "stopped_at": now,
+    }
+
+
+def test_the_agent_reads_take_a_rate_token(stack_for: Any, make_key: KeyMaker) -> None:
+    # Given a tenant with a burst of two tokens that come back once in 1,000 s
+    api = stack_for(rate_limit_per_s=0.001, rate_limit_burst=2)
+    _, token = make_key()
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        # When it reads the agents three times, expect the third refused
+        listed = [http.get("/agents") for _ in range(2)]
+        one = http.get("/agents/echo-agent")
+    assert [a.status_code for a in listed] == [200, 200]
+    assert (one.status_code, one.json()["code"]) == (429, "rate_limited")
+
+    # ... and a single agent's page takes one as well
+    _, other = make_key()
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {other}"}) as http:
+        pages = [http.get("/agents/echo-agent").status_code for _ in range(3)]
+    assert pages[2] == 429
+
+
+def _metrics_dirs(parent: Path) -> list[Path]:
+    return sorted(parent.glob("reach-metrics-*"))
+
+
+def test_a_workers_metrics_folder_goes_at_its_clean_stop_and_a_killed_ones_at_the_next_start(
+    settings: Settings, tmp_path: Path
+) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {"TMPDIR": str(temp)}
+    queue = f"test.metrics-{secrets.token_hex(3)}"  # a queue nothing is sent to
+    # Given a worker killed with -9: its folder stays
+    killed = start_worker(settings, queue, "metrics-killed", tmp_path, env, concurrency=1)
+    [left] = _metrics_dirs(temp)
+    killed.kill_hard()
+    assert left.exists()
+
+    # When another worker starts, expect the dead one's folder removed and its own made
+    worker = start_worker(settings, queue, "metrics-stopped", tmp_path, env, concurrency=1)
+    assert not left.exists()
+    assert len(_metrics_dirs(temp)) == 1
+
+    # ... and when it stops cleanly, its own removed too
+    worker.stop()
+    assert _metrics_dirs(temp) == []
