@@ -5,6 +5,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+from broker.db.engines import bounded
 from broker.db.models import Base
 from broker.settings import Settings
 
@@ -22,7 +23,7 @@ def run_offline() -> None:
 
 
 def run_online() -> None:
-    engine = create_engine(url, poolclass=pool.NullPool)
+    engine = create_engine(bounded(url), poolclass=pool.NullPool)
     with engine.connect() as connection:
         # A lock not had in time fails the try rather than queue every other session behind
         # it (``reach.migrate``).

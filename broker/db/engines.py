@@ -27,6 +27,30 @@ from broker.settings import Settings
 # A connection back in the pool for less than this is used again without a ping.
 PING_IF_IDLE_S = 1.0
 
+# How long a connection may take to open, and how long the kernel may go without a word from
+# Postgres on an open one, unless the URL says otherwise (libpq's parameters, in its query).
+# Without them a Postgres cut off by a partition (no reset, no answer) held every request and
+# every worker's statement until the kernel gave up on the connection: many minutes, the
+# API's waiting slots and pool held throughout. Keepalives end a quiet connection whose peer
+# went (10 s idle, then 3 probes 5 s apart); ``tcp_user_timeout`` one whose sent bytes go
+# unacknowledged for 15 s; ``connect_timeout`` a connection not made in 10 s.
+LIBPQ_BOUNDS: dict[str, str] = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "15000",
+}
+
+
+def bounded(url: str | URL) -> URL:
+    """``url`` with ``LIBPQ_BOUNDS`` added where its query does not name them."""
+    url = make_url(url)
+    missing = {name: value for name, value in LIBPQ_BOUNDS.items() if name not in url.query}
+    return url.update_query_dict(missing)
+
+
 # JSON binds and columns through orjson where it is exact: each engine's psycopg adapters,
 # and through them the connections of our own (``_Statements``), not psycopg's globals.
 JSON_CODEC: dict[str, Any] = {
@@ -44,7 +68,7 @@ def sync_engine(settings: Settings, *, pool_size: int = 1, max_overflow: int = 2
     # using one and the rest sit. In turn (FIFO), each of a threads worker's ten sat past
     # PING_IF_IDLE_S between uses, and every claim and finish paid a ping first.
     engine = create_engine(
-        settings.database_url,
+        bounded(settings.database_url),
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_use_lifo=True,
@@ -87,7 +111,7 @@ def async_engine(settings: Settings, *, pool_size: int = 20) -> AsyncEngine:
     # than that opens and closes an overflow connection per request (a fifth of the API's CPU
     # at 64 connections with 10).
     engine = create_async_engine(
-        settings.database_url,
+        bounded(settings.database_url),
         pool_size=pool_size,
         max_overflow=10,
         pool_timeout=15,  # a request waits at most this for a connection, then 503
@@ -118,7 +142,7 @@ class _Statements:
 
     def __init__(self, url: str | URL) -> None:
         self._dialect = PGDialect_psycopg()  # type: ignore[no-untyped-call]
-        args, kwargs = self._dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
+        args, kwargs = self._dialect.create_connect_args(bounded(url))  # type: ignore[no-untyped-call]
         self.connect_args: tuple[list[Any], dict[str, Any]] = (
             args,
             {**kwargs, "context": _json_adapters()},
