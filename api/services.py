@@ -109,7 +109,11 @@ class Services:
             dispatcher=dispatcher,
             event_log=EventLog(redis, settings.result_ttl_s, settings.event_log_max_bytes),
             quota=Quotas(
-                rows=Quota(PostgresHeld(engine.url), settings.tenant_max_held_bytes),
+                rows=Quota(
+                    PostgresHeld(engine.url),
+                    settings.tenant_max_held_bytes,
+                    what="tasks, webhook deliveries and sessions hold",
+                ),
                 events=Quota(
                     RedisHeld(redis),
                     settings.tenant_max_event_bytes,

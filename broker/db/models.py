@@ -186,9 +186,10 @@ class Task(Base):
 
 
 class TenantUsage(Base):
-    """The bytes a tenant's tasks and sessions hold (``broker.tenancy.usage``): kept by
-    triggers on ``tasks`` (migration 0016), ``sessions`` and ``session_revisions`` (0017), in
-    shards a writer's backend picks, summed on read."""
+    """The bytes a tenant's tasks, sessions and webhook deliveries hold
+    (``broker.tenancy.usage``): kept by triggers on ``tasks`` (migration 0016), ``sessions``
+    and ``session_revisions`` (0017) and ``webhook_deliveries`` (0023), in shards a writer's
+    backend picks, summed on read."""
 
     __tablename__ = "tenant_usage"
 

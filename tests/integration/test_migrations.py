@@ -77,3 +77,51 @@ def test_a_migration_that_cannot_take_its_lock_gives_up_and_says_so_then_goes_th
     # And once the reader is gone it goes through
     migrate.upgrade(empty_database)
     assert schema_diff(empty_database) == []
+
+
+# Two tenants' deliveries (the second's a fanout's worth, attempted twice) and a task.
+POPULATED = """
+INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest, payload_size,
+  trace_id, result_ttl_s, expires_at)
+VALUES (gen_random_uuid(), 'a', 'echo', 'echo', 'queued', '{}', 'd', 2, 't', 60,
+  now() + interval '1 hour');
+INSERT INTO webhook_deliveries (id, tenant, task_id, event_type, dedupe_key, url,
+  body_expires_at, trace_id, status, attempts, final_attempt, next_attempt_at, expires_at)
+SELECT gen_random_uuid(), CASE WHEN i <= 3 THEN 'a' ELSE 'b' END, gen_random_uuid(),
+  'task.succeeded', 'k' || i, 'http://127.0.0.1:9/hook/' || i, now(), md5(i::text), 'dead',
+  CASE WHEN i <= 3 THEN 1 ELSE 2 END, 5, now(), now() + interval '7 days'
+FROM generate_series(1, 53) AS i
+"""
+TASK = 2 + 2 + 1024  # its payload, its metadata ({}) and 1 KiB
+HELD = "SELECT tenant, sum(bytes) FROM tenant_usage GROUP BY tenant HAVING sum(bytes) <> 0"
+ONE_MORE = """
+INSERT INTO webhook_deliveries (id, tenant, task_id, event_type, url, body_expires_at, trace_id,
+  status, attempts, final_attempt, next_attempt_at, expires_at)
+VALUES (gen_random_uuid(), 'b', gen_random_uuid(), 'task.progress', 'http://127.0.0.1:9/x',
+  now(), 't', 'pending', 0, 5, now(), now() + interval '7 days')
+"""
+
+
+def test_0023_counts_the_deliveries_already_written_and_its_downgrade_takes_them_back(
+    empty_database: str,
+) -> None:
+    # Given deliveries written before 0023, which nothing counted
+    migrate.upgrade(empty_database, "0022")
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as conn:
+        conn.execute(POPULATED)
+        assert dict(conn.execute(HELD).fetchall()) == {"a": TASK}
+    # When it goes up: each delivery counts its url, its dedupe key, 1 KiB and 1 KiB an attempt
+    migrate.upgrade(empty_database)
+    url = len("http://127.0.0.1:9/hook/") + 1  # the first nine; the rest have 2-digit numbers
+    a = 3 * (url + 2 + 1024 + 1024) + TASK
+    b = 6 * (url + 2 + 1024 + 2048) + 44 * (url + 1 + 3 + 1024 + 2048)
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as conn:
+        assert dict(conn.execute(HELD).fetchall()) == {"a": a, "b": b}
+        conn.execute(ONE_MORE)  # and what is written next counts too
+        assert dict(conn.execute(HELD).fetchall()) == {"a": a, "b": b + 20 + 1024}
+    # When it goes down: the deliveries' bytes are taken back, the task's stay
+    migrate.downgrade(empty_database, "0022")
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as conn:
+        assert dict(conn.execute(HELD).fetchall()) == {"a": TASK}
+        conn.execute(ONE_MORE)  # and nothing counts them any more
+        assert dict(conn.execute(HELD).fetchall()) == {"a": TASK}
