@@ -41,8 +41,9 @@ class Settings(BaseSettings):
     # agent needed, put 52 MiB in Redis in 6 s with 120 KiB of metadata each.
     max_metadata_bytes: int = Field(16 * 1024, gt=0)
     max_json_depth: int = Field(32, gt=0, le=500)
-    # What one tenant's tasks and sessions may hold in Postgres: their payloads, their
-    # metadata and a KiB a task; its sessions' state, metadata and revisions, a KiB each
+    # What one tenant's tasks, sessions and webhook deliveries may hold in Postgres: their
+    # payloads, their metadata and a KiB a task; its sessions' state, metadata and
+    # revisions, a KiB each; its deliveries' URLs and a KiB each and per attempt
     # (``broker.tenancy.usage``), until they expire. Past it a submit, or a session's
     # creation or write, is 429 ``quota_exceeded``. Without it a tenant held its rate times
     # the TTL times a payload: 200 tasks/s of 1 MiB for a day is 17 TB, every tenant's disk.

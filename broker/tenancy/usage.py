@@ -1,5 +1,5 @@
-"""What a tenant holds in Postgres (its tasks, its sessions) and in Redis (its tasks' events),
-and the quotas on them.
+"""What a tenant holds in Postgres (its tasks, its sessions, its webhook deliveries) and in
+Redis (its tasks' events), and the quotas on them.
 
 Every other bound on a tenant is a rate or a size: a tenant held its task rate times the TTL
 times a task's size, 17 TB at the defaults (200 tasks/s of 1 MiB for a day), every tenant's
@@ -11,6 +11,10 @@ withdrawn submit, the janitor. The figure is exact when read; no code path can f
 A tenant's sessions count in the same figure (migration 0017): each session its state, its
 metadata and ``ROW_BYTES``, each revision kept its copy of the state and ``ROW_BYTES``.
 Without them a tenant held up to 10,000 sessions of 256 KiB with 20 revisions each, 51 GiB.
+Its webhook deliveries count too (migration 0023): each its URL, its dedupe key and
+``ROW_BYTES``, and a KiB for each attempt. They are kept ``REACH_WEBHOOK_DELIVERY_TTL_S``
+(7 days) whatever their task's TTL: 50 subscriptions made 50 rows of each task, about 11 MB
+a second at the default rate, counted nowhere.
 
 A submit past ``REACH_TENANT_MAX_HELD_BYTES`` is 429 ``quota_exceeded`` before anything is
 written (``Quota.take``), and so is a session's creation or write through the API
@@ -162,7 +166,7 @@ class Quota:
     held: Held
     limit: int
     setting: str = "REACH_TENANT_MAX_HELD_BYTES"
-    what: str = "tasks and sessions hold"
+    what: str = "tasks, webhook deliveries and sessions hold"
     refresh_s: float = 1.0
     stale_s: float = 30.0
     max_tracked: int = 4096
