@@ -1,5 +1,7 @@
 """The worker's lease: advertised at start, renewed every TTL/3 by a thread of its own (never
-from the task path, so an idle worker stays live), and given up on drain or shutdown.
+from the task path, so an idle worker stays live), written again at once when that thread
+finds it gone from Redis (a FLUSHDB, a Redis back after longer than the TTL), and given up on
+drain or shutdown.
 
 The renewal waits on nothing but Redis. Everything else the keeper does each interval runs on
 a second thread (``upkeep``): drain requests, readiness, the instance's row in Postgres and
@@ -34,6 +36,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -66,6 +69,7 @@ OrphanHandler = Callable[[list[dict[str, Any]]], object]
 # Per instance name: each process running under it, and until when it said it lives.
 PROCESSES_PREFIX = "reach:instance:processes:"
 ROLL_KEPT_S = 3600  # a name's roll, after its last stamp (its entries' own times decide)
+LEASE_CHECK_S = 1.0  # how often the renewal thread looks for its lease in Redis
 
 
 class LeaseKeeper:
@@ -143,12 +147,32 @@ class LeaseKeeper:
         )
 
     def _renew_each(self) -> None:
-        while not self._stop.wait(self.lease.renew_every_s):
+        """Renew every ``renew_every_s``, and at once when the lease is found gone from Redis
+        (checked each ``LEASE_CHECK_S``): Redis that lost its data, or came back after
+        longer than the TTL, would otherwise route nothing here until the next renewal."""
+        due = time.monotonic() + self.lease.renew_every_s
+        while not self._stop.wait(min(LEASE_CHECK_S, self.lease.renew_every_s)):
+            if time.monotonic() < due and not self._lease_missing():
+                continue
+            due = time.monotonic() + self.lease.renew_every_s
             try:
                 self.renew()
             except Exception:  # a missed renewal is survivable; the next one may succeed
                 metrics.heartbeat_failures.inc()
                 log.exception("lease renewal failed for %s", self.instance)
+
+    def _lease_missing(self) -> bool:
+        """Whether the lease this process writes is gone from Redis (False when Redis does
+        not answer: the due renewal tries, and reports it)."""
+        if not self.first or self.lease.state == OFFLINE:
+            return False
+        try:
+            missing = not self.redis.exists(lease_key(self.instance))
+        except redis.RedisError:
+            return False
+        if missing:
+            log.warning("%s: the lease is gone from Redis; writing it again", self.instance)
+        return missing
 
     def _tick_each(self) -> None:
         while not self._stop.wait(self.lease.renew_every_s):
@@ -159,17 +183,25 @@ class LeaseKeeper:
 
     def tick(self) -> None:
         """Upkeep: a drain request, readiness, the instance's row, orphans."""
+        try:
+            self._steer()
+        finally:
+            # Written while Redis does not answer too: the reaper takes a worker whose lease
+            # is gone for dead only once this row is a TTL old (``recovery.seen_live``).
+            if self.lease.state != OFFLINE:
+                self._record(self.lease.state)
+        if self.lease.state != OFFLINE:
+            self._find_orphans()
+
+    def _steer(self) -> None:
+        """A drain request, the end of a drain, readiness: each read from Redis."""
         if self.lease.state == READY and leases.drain_requested(self.redis, self.instance):
             self.begin_drain()
         if self.lease.state == DRAINING:
             if self._holding() == 0:
                 self.go_offline()
-                return
         else:
             self._apply_readiness()
-        if self.lease.state != OFFLINE:
-            self._record(self.lease.state)
-        self._find_orphans()
 
     def _find_orphans(self) -> None:
         """Tasks this instance claimed that none of its pool processes is running any more:

@@ -82,8 +82,12 @@ class QoS(kombu_redis.QoS):
 
         Until it is sent, the message is still recorded as unacked: a process that dies
         meanwhile has it delivered again, and the runner, finding its task final, only acks
-        it (the same as a death just before kombu's own ack)."""
-        if threading.get_ident() == self.channel.connection.hub_thread:
+        it (the same as a death just before kombu's own ack). A run that outlived its
+        channel (a broker connection lost while it ran: the channel closed and put its
+        unacked messages back) acks at once too; it crashed the worker reading the closed
+        channel's connection."""
+        connection = self.channel.connection
+        if connection is not None and threading.get_ident() == connection.hub_thread:
             self.acked.append(delivery_tag)
             return
         super().ack(delivery_tag)  # type: ignore[no-untyped-call]

@@ -68,8 +68,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        # A lost broker connection would otherwise let a late-acked task run twice (celery #6654).
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # A lost broker connection (a Redis restart, a failover, a reset connection) leaves the
+        # running tasks running: True terminated each one, so a sub-second blip ended every
+        # task in flight `worker_lost` (or ran it again). The unacked message comes back at
+        # once and finds its task claimed (skipped); the run's own ack then finds the message
+        # gone, and its final write lands once (celery #6654's double run needs a claim that
+        # can succeed twice; ours, from 'queued', cannot).
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_routes": {
             PURGE_TASK: {"queue": MAINTENANCE_QUEUE},
             REAP_TASK: {"queue": MAINTENANCE_QUEUE},

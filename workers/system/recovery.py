@@ -1,9 +1,10 @@
 """Nothing accepted is lost: tasks of dead workers, and messages the broker lost.
 
-- A task whose worker died mid-run (its instance's lease expired, or its pool process died
-  while the instance lives on) runs again if its agent is idempotent and attempts remain;
-  otherwise it fails with ``worker_lost``, never running twice. Each loss counts as an
-  attempt, so a task that crashes its worker every time ends ``failed`` instead of looping.
+- A task whose worker died mid-run (its instance's lease expired and its row in Postgres was
+  not written for as long, or its pool process died while the instance lives on) runs again
+  if its agent is idempotent and attempts remain; otherwise it fails with ``worker_lost``,
+  never running twice. Each loss counts as an attempt, so a task that crashes its worker
+  every time ends ``failed`` instead of looping.
 - A queued task past its deadline is expired (its message may have expired in the broker,
   or it waited for an earlier turn): the earliest first, shared out by tenant
   (``execution.overdue_query``).
@@ -41,11 +42,14 @@ from typing import Any
 
 import redis
 from celery import Celery
+from sqlalchemy import Engine, func, select
 
+from broker.db.models import agent_instances_table
 from broker.observability import metrics
 from broker.registry import leases
 from broker.registry.capabilities import is_valid_name
 from broker.registry.model import (
+    OFFLINE,
     READY,
     Lease,
     capability_of,
@@ -103,15 +107,31 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
 
 
 def reap(runner: Runner) -> dict[str, int]:
-    """Running tasks whose instance no longer holds a lease."""
+    """Running tasks whose instance no longer holds a lease and has not been seen in
+    Postgres within its lease's TTL either."""
     rows = execution.running_tasks(runner.engine, started_before_s=1)
     instances = sorted({r["instance"] for r in rows if r["instance"]})
     if not instances:
         return {"requeued": 0, "failed": 0}
     alive = runner.redis.mget([lease_key(i) for i in instances])
-    dead = {i for i, lease in zip(instances, alive, strict=True) if lease is None}
+    unleased = [i for i, lease in zip(instances, alive, strict=True) if lease is None]
+    dead = set(unleased) - seen_live(runner.engine, unleased) if unleased else set()
     lost = [r for r in rows if r["instance"] in dead]
     return recover_lost(runner, lost, "the worker running it stopped holding its lease")
+
+
+def seen_live(engine: Engine, names: list[str]) -> set[str]:
+    """The instances among ``names`` whose row a live keeper wrote within their lease's TTL.
+    A lease missing from Redis alone is no death: Redis that lost its data (FLUSHDB, a
+    restart without persistence, a failover to a replica behind) or that the worker could
+    not reach for a while drops the leases of live workers, and the reaper ran before their
+    next renewal: each of their tasks ended ``worker_lost`` or ran again beside itself. The
+    keeper writes the row every renewal interval (TTL/3) whether or not Redis answers."""
+    rows = agent_instances_table.c
+    fresh = rows.last_seen_at > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, rows.lease_ttl_s)
+    query = select(rows.instance).where(rows.instance.in_(names), rows.state != OFFLINE, fresh)
+    with engine.connect() as conn:
+        return set(conn.execute(query).scalars())
 
 
 def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000) -> dict[str, int]:

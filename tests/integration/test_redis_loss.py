@@ -1,0 +1,243 @@
+"""Redis lost under running tasks: its data (FLUSHDB), or the worker's connections to it.
+
+Neither is a dead worker. A worker whose lease a FLUSHDB removed lives on: the reaper used to
+take it for dead before its next renewal (a non-idempotent task ended ``worker_lost`` though
+its handler finished, an idempotent one ran again beside itself). A prefork worker whose
+broker connection broke terminated every task it was running (Celery's
+``worker_cancel_long_running_tasks_on_connection_loss``), so a sub-second blip ended each
+one ``worker_lost``. Each test runs its own stack (API, agent worker, maintenance worker and
+beat, so the reaper runs) on a Redis db of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import Engine
+
+from api.app import create_app
+from broker.registry.model import lease_key
+from broker.settings import Settings
+from broker.tasks.dispatch import MAINTENANCE_QUEUE
+from broker.tenancy import key_store
+from tests.eventually import eventually
+from tests.integration.stack import (
+    CeleryProcess,
+    ServedApp,
+    free_port,
+    start_beat,
+    start_worker,
+    wait_for_task,
+)
+
+FINAL = {"succeeded", "failed", "cancelled", "expired"}
+SLOW = "test.slow-once,test.slow-idem"
+
+
+class ResettingProxy:
+    """TCP to Redis on loopback, in a thread of its own; ``reset`` breaks every connection
+    open through it (as a Redis restart, a failover or a load balancer's reset does), and
+    new ones are let through as before."""
+
+    def __init__(self, redis_url: str) -> None:
+        parts = urlsplit(redis_url)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self.port = free_port()
+        self.url = parts._replace(netloc=f"127.0.0.1:{self.port}").geturl()
+        self.open: set[asyncio.StreamWriter] = set()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> ResettingProxy:
+        self.thread.start()
+        started = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port), self.loop
+        )
+        self.server = started.result(timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+    def reset(self) -> int:
+        """Break every open connection (RST); how many there were."""
+        return asyncio.run_coroutine_threadsafe(self._cut(), self.loop).result(timeout=10)
+
+    async def _cut(self) -> int:
+        writers, self.open = list(self.open), set()
+        for writer in writers:
+            writer.transport.abort()
+        return len(writers)
+
+    async def _close(self) -> None:
+        self.server.close()
+        await self._cut()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        redis_r, redis_w = await asyncio.open_connection(*self.upstream)
+        self.open |= {client_w, redis_w}
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+                self.open.discard(writer)
+
+        await asyncio.gather(pipe(client_r, redis_w), pipe(redis_r, client_w))
+
+
+class Stack:
+    """An API, an agent worker for the slow test agents, a maintenance worker and beat (the
+    reaper, every second), on ``settings``; the agent worker on ``worker_settings``."""
+
+    def __init__(self, settings: Settings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.processes: list[CeleryProcess] = []
+        self.name = f"loss-{uuid.uuid4().hex[:6]}"
+
+    def start(self, worker_settings: Settings, pool: str) -> CeleryProcess:
+        self.processes.append(
+            start_worker(
+                self.settings, MAINTENANCE_QUEUE, f"{self.name}-m", self.log_dir, concurrency=1
+            )
+        )
+        self.processes.append(start_beat(self.settings, self.log_dir, name=f"{self.name}-beat"))
+        agents = start_worker(
+            worker_settings, SLOW, self.name, self.log_dir, concurrency=3, pool=pool
+        )
+        self.processes.append(agents)
+        return agents
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+
+@pytest.fixture
+def stack(settings: Settings, own_redis: str, log_dir: Path) -> Iterator[Stack]:
+    own = settings.model_copy(update={"redis_url": own_redis, "reaper_interval_s": 1})
+    started = Stack(own, log_dir)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def http(stack: Stack, engine: Engine) -> Iterator[httpx.Client]:
+    _, token = key_store.create_key(engine, f"loss-{uuid.uuid4().hex[:6]}", ["*"])
+    with (
+        ServedApp(create_app(stack.settings)) as api,
+        httpx.Client(
+            base_url=api.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+        ) as client,
+    ):
+        yield client
+
+
+def submit(http: httpx.Client, capability: str, sleep_s: float) -> str:
+    answer = http.post("/tasks", json={"capability": capability, "payload": {"sleep_s": sleep_s}})
+    assert answer.status_code == 202, answer.text
+    task_id: str = answer.json()["task_id"]
+    return task_id
+
+
+def statuses(http: httpx.Client, ids: list[str]) -> list[dict[str, object]]:
+    return [http.get(f"/tasks/{task_id}").json() for task_id in ids]
+
+
+def test_a_flushdb_while_tasks_run_takes_no_worker_for_dead_and_each_task_runs_once(
+    stack: Stack, http: httpx.Client, own_redis: str
+) -> None:
+    # Given a worker with a 60 s lease (renewed every 20 s), the reaper running every second,
+    # and two non-idempotent tasks and an idempotent one running on it
+    worker_settings = stack.settings.model_copy(update={"lease_ttl_s": 60})
+    stack.start(worker_settings, "prefork")
+    ids = [
+        submit(http, "test.slow-once", 8),
+        submit(http, "test.slow-once", 8),
+        submit(http, "test.slow-idem", 8),
+    ]
+    running = eventually(
+        lambda: statuses(http, ids),
+        "the three tasks running",
+        until=lambda tasks: all(t["status"] == "running" for t in tasks),
+    )
+    instance = running[0]["agent"]["instance"]  # type: ignore[index]
+    client = redis.Redis.from_url(own_redis)
+    # A lease renewed in the last 2 s: its next renewal is 18 s away, long after the reaper's
+    # next run and after the tasks end
+    eventually(lambda: client.pttl(lease_key(instance)) > 58_000, "a renewal", 30)
+
+    # When Redis loses every key
+    client.flushdb()
+
+    # Then the worker writes its lease again while its tasks still run
+    eventually(
+        lambda: (
+            client.exists(lease_key(instance))
+            or any(t["status"] in FINAL for t in statuses(http, ids))
+        ),
+        "the lease back or a task ended",
+    )
+    assert [t["status"] for t in statuses(http, ids)] == ["running"] * 3
+    # And each task succeeds, run once: none taken for lost
+    done = [wait_for_task(http, task_id, FINAL, timeout_s=60) for task_id in ids]
+    assert [(t["status"], t["error"], t["attempts"]) for t in done] == [("succeeded", None, 1)] * 3
+
+
+@pytest.fixture
+def proxy(own_redis: str) -> Iterator[ResettingProxy]:
+    """Set up before the stack, so that the workers stop before it does."""
+    with ResettingProxy(own_redis) as started:
+        yield started
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_redis_connection_reset_mid_run_leaves_the_task_running_and_it_succeeds_once(
+    pool: str, proxy: ResettingProxy, stack: Stack, http: httpx.Client, own_redis: str
+) -> None:
+    # Given a worker whose every Redis connection (broker, lease, events) goes through a proxy,
+    # and a non-idempotent task running on it
+    worker = stack.start(stack.settings.model_copy(update={"redis_url": proxy.url}), pool)
+    task_id = submit(http, "test.slow-once", 6)
+    client = redis.Redis.from_url(own_redis)
+    runs = f"reach:test:runs:{task_id}"
+    eventually(lambda: client.get(runs) == b"1", "the handler to start")
+
+    # When every connection to Redis is reset under it
+    assert proxy.reset() > 0
+    eventually(lambda: "Connection to broker lost" in worker.output(), "the consumer to see it")
+
+    # Then the task's message (on prefork, put back when its channel closed, and taken again)
+    # finds it running and does nothing, and the run that was cut off ends it, once
+    done = wait_for_task(http, task_id, FINAL, timeout_s=60)
+    assert (done["status"], done["error"], done["attempts"]) == ("succeeded", None, 1)
+    assert done["result"] == {"runs": 1}
+    assert client.get(runs) == b"1"
+    # And no message of it is left unacked (one would come again after the visibility
+    # timeout), and the worker goes on taking tasks
+    eventually(lambda: client.hlen("unacked") == 0, "every message acked")
+    after = wait_for_task(http, submit(http, "test.slow-once", 0), FINAL)
+    assert (after["status"], after["attempts"]) == ("succeeded", 1)
+    assert "cannot be acknowledged after a connection loss" not in worker.output()
