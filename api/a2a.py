@@ -220,20 +220,18 @@ class ReachRequestHandler(RequestHandler):
     async def on_message_send(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> Task | Message:
-        """Blocking: our sync mode (the task once final, or as it stands when the wait ends;
-        an error once the key is revoked). ``return_immediately``: our async mode."""
+        """Blocking: our sync mode (the task once final, or as it stands when the wait ends,
+        or as accepted when an outage cuts it: ``replies.waited``; an error once the key is
+        revoked). ``return_immediately``: our async mode."""
         caller, row = await self._submit(params, context)
         if params.configuration.return_immediately:
             return mapping.task_of(render(row))
         wait_s = self.svc.settings.sync_max_wait_s
         try:
-            finished = await replies.wait_until_final(self.svc, caller, row["id"], wait_s, task=row)
+            task, _ = await replies.waited(self.svc, caller, row, wait_s)
         except ReachError as exc:  # the key was revoked meanwhile
             raise _a2a_error(exc) from None
-        if finished is not None:
-            return mapping.task_of(finished)
-        current = await queries.get_task(self.svc.engine, caller.tenant, row["id"])
-        return mapping.task_of(render(current or row))
+        return mapping.task_of(task)
 
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext

@@ -89,7 +89,8 @@ class KeyWatch:
     Through the cache ``authenticate`` uses, so watching costs what requests do: Postgres is
     asked about a key at most once per ``ttl_s``, however many answers watch it (with a cache
     of 0 s, by each answer at most once per ``EVERY_S``). So nothing is passed on more than
-    ``ttl_s`` plus ``EVERY_S`` after the key was revoked."""
+    ``ttl_s`` plus ``EVERY_S`` after the key was revoked. A lookup an outage failed raises
+    the outage and counts as no check: the next ``check`` looks again."""
 
     # With a cache of 0 s, a stream replaying its log would otherwise query once per event.
     EVERY_S = 0.1
@@ -103,8 +104,9 @@ class KeyWatch:
         now = time.monotonic()
         if now - self._checked_at < self.EVERY_S:
             return
-        self._checked_at = now
-        if await self.cache.get(self.engine, self.key_id, client=None) is None:
+        row = await self.cache.get(self.engine, self.key_id, client=None)
+        self._checked_at = now  # after the lookup: one an outage failed checked nothing
+        if row is None:
             raise Unauthenticated("the API key is not valid")
 
 

@@ -3,6 +3,10 @@
 Both last as long as the task may, so each looks at the caller's key again while it lasts
 (``api.callers.KeyWatch``): a key revoked meanwhile ends the stream, or the wait with 401,
 before the outcome is passed on.
+
+Both begin after the task was accepted, so an outage (Postgres or Redis away, ``OUTAGES``)
+meanwhile is no refusal: a wait it cuts answers the task as accepted (``waited``), and a
+stream pings on and reads again at its next quiet spell (``task_events``).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api.callers import KeyWatch
 from api.services import Services
-from api.sse import EventStreamResponse, Slot
+from api.sse import OUTAGES, EventStreamResponse, Slot
 from broker.observability import metrics
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope
@@ -36,7 +41,11 @@ from broker.tasks.resource import (
 from broker.tasks.submission import Accepted
 from broker.tenancy.keys import Principal
 
+log = logging.getLogger("reach.replies")
 STORE_CHECK_S = POLL_S  # a wait looks at Postgres as often as one look is shared
+# How long a stream outlives an outage: then it ends, cleanly, and its client resumes with
+# Last-Event-ID (from another API process, perhaps, or once this one can read again).
+OUTAGE_S = 30.0
 
 
 class Gone(enum.Enum):
@@ -137,18 +146,73 @@ async def task_events(
     """The task's events for a stream (``EventHub.events``: None at each quiet spell), each
     passed on only while the caller's key is valid; raises ``Unauthenticated`` once not.
     ``task``: the task as the caller read it, for the final event of one that goes
-    (``gone_task``)."""
+    (``gone_task``).
+
+    An outage does not end the stream: a read of the log or the store that fails is made
+    again at the next quiet spell, from the last event passed on, and an event whose key
+    cannot be looked at is held until it can, with None meanwhile (the stream pings on). One
+    that lasts ``OUTAGE_S`` ends the stream without its final event. Before, the outage
+    raised out of a response already started: the client's connection was cut mid-chunk,
+    with a 500 in the log."""
     key = key_watch(svc, caller)
-    events = svc.hub.events(
-        str(task_id),
-        after=after,
-        quiet_s=quiet_s,
-        final_from_store=final_from_store(svc, caller.tenant, task_id, task),
-    )
-    async with contextlib.aclosing(events):  # type: ignore[type-var]  # an async generator
-        async for event in events:
-            await key.check()
-            yield event
+    from_store = final_from_store(svc, caller.tenant, task_id, task)
+    outage = _Outage()
+    last = after
+    while True:
+        events = svc.hub.events(
+            str(task_id), after=last, quiet_s=quiet_s, final_from_store=from_store
+        )
+        try:
+            async with contextlib.aclosing(events):  # type: ignore[type-var]  # an async generator
+                async for event in events:
+                    while not await _key_checked(key):
+                        if outage.outlasted(task_id):
+                            return
+                        yield None
+                        await asyncio.sleep(quiet_s)
+                    outage.over()
+                    last = event.seq if event is not None else last
+                    yield event
+            return
+        except OUTAGES as exc:
+            log.info("stream of task %s: %s: %s", task_id, type(exc).__name__, exc)
+            if outage.outlasted(task_id):
+                return
+        yield None
+        await asyncio.sleep(quiet_s)
+
+
+class _Outage:
+    """Since when a stream's reads fail: ``outlasted`` notes one more failure and says
+    whether they have failed for ``OUTAGE_S``; ``over`` once one succeeds."""
+
+    def __init__(self) -> None:
+        self._clock = asyncio.get_running_loop().time
+        self._since: float | None = None
+
+    def outlasted(self, task_id: uuid.UUID) -> bool:
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+        if now - self._since < OUTAGE_S:
+            return False
+        log.warning(
+            "ended the stream of task %s: Postgres or Redis away for %s s", task_id, OUTAGE_S
+        )
+        return True
+
+    def over(self) -> None:
+        self._since = None
+
+
+async def _key_checked(key: KeyWatch) -> bool:
+    """Whether the caller's key could be looked at (False during an outage); raises
+    ``Unauthenticated`` once it is revoked."""
+    try:
+        await key.check()
+    except OUTAGES:
+        return False
+    return True
 
 
 def event_stream(
@@ -189,7 +253,8 @@ async def wait_until_final(
     task: TaskRow | None = None,
 ) -> dict[str, Any] | None:
     """The task (as rendered) once final, or None when ``timeout_s`` passes first; raises
-    ``Unauthenticated`` once the caller's key is no longer valid. A task that goes meanwhile
+    ``Unauthenticated`` once the caller's key is no longer valid, and an outage as it comes
+    (``waited`` answers the task as accepted then). A task that goes meanwhile
     ends the wait at once: ``gone_task`` when the caller gave it (``task``), else None.
 
     Subscribes, then checks (so a completion during the start is not missed), and looks at
@@ -227,6 +292,28 @@ async def wait_until_final(
     return None
 
 
+async def waited(
+    svc: Services, caller: Principal, row: TaskRow, timeout_s: float
+) -> tuple[dict[str, Any], bool]:
+    """The accepted task ``row`` after a wait of at most ``timeout_s`` (``wait_until_final``),
+    as rendered, and whether it is final: as it stands when the wait ends first. Raises
+    ``Unauthenticated`` once the caller's key is revoked.
+
+    An outage meanwhile (the key, the task's status, the log or the task itself cannot be
+    read) ends the wait with the task as accepted: its caller has its id, and polls. Before,
+    it answered 503 with no task id, and a caller that submitted again ran the work twice.
+    The key was valid at acceptance; a revoked one is refused whenever it can be looked at."""
+    try:
+        finished = await wait_until_final(svc, caller, row["id"], timeout_s, task=row)
+        if finished is not None:
+            return finished, True
+        current = await queries.get_task(svc.engine, caller.tenant, row["id"])
+    except OUTAGES as exc:
+        log.warning("answered task %s as accepted: %s: %s", row["id"], type(exc).__name__, exc)
+        return render(row), False
+    return render(current or row), False
+
+
 async def answer(
     svc: Services,
     caller: Principal,
@@ -237,9 +324,9 @@ async def answer(
     slot: Slot | None = None,
 ) -> Response:
     """The answer to a submit, in the envelope's ``reply_mode``: ``async`` 202 with the task;
-    ``sync`` 200 with the finished task if it finishes within the wait, else 202; ``stream``
-    its events, in ``slot`` (taken before the submit). A sync wait is 401 once the caller's key
-    is revoked."""
+    ``sync`` 200 with the finished task if it finishes within the wait, else 202 (``waited``);
+    ``stream`` its events, in ``slot`` (taken before the submit). A sync wait is 401 once the
+    caller's key is revoked."""
     row = accepted.row
     headers = {"Location": f"/tasks/{row['id']}"}
     if accepted.replayed:
@@ -249,12 +336,9 @@ async def answer(
             svc, caller, row["id"], headers=headers, started=started, slot=slot, task=row
         )
     if envelope.reply_mode == "sync":
-        wait_s = sync_wait_s(svc, envelope)
-        finished = await wait_until_final(svc, caller, row["id"], wait_s, task=row)
+        task, final = await waited(svc, caller, row, sync_wait_s(svc, envelope))
         metrics.sync_round_trip.observe(time.perf_counter() - started)
-        if finished is not None:
-            return JSONResponse(finished, status_code=200, headers=headers)
-        row = await queries.get_task(svc.engine, caller.tenant, row["id"]) or row
+        return JSONResponse(task, status_code=200 if final else 202, headers=headers)
     return JSONResponse(render(row), status_code=202, headers=headers)
 
 

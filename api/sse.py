@@ -4,7 +4,10 @@ A client that stops reading fills its socket buffer; the next write then waits, 
 ``send_timeout_s`` the stream is dropped instead of pinning memory. A client that disconnects
 ends the stream at once; the task itself is never affected. A stream whose key is revoked
 (the events raise ``Unauthenticated``) ends too, without its final event: the stream contract
-has no error event, and the client's reconnect is answered 401.
+has no error event, and the client's reconnect is answered 401. So does one whose events
+raise an outage (``OUTAGES``; ``api.replies.task_events`` outlives a short one): the client
+resumes with ``Last-Event-ID``. Raised out of a response already started, either cut the
+client's connection mid-chunk and logged a 500.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from broker.errors import ReachError, Unauthenticated
+from broker import outages
+from broker.errors import ReachError, Unauthenticated, Unavailable
 from broker.observability import metrics
 from broker.tasks.events import Event
 
@@ -29,6 +33,8 @@ HEADERS = {
     "X-Accel-Buffering": "no",  # nginx would otherwise buffer the stream
     "Connection": "keep-alive",
 }
+# What a request answers 503 ``service_unavailable`` for: Postgres or Redis away.
+OUTAGES = (*outages.UNAVAILABLE_ERRORS, Unavailable)
 
 
 class TooManyStreams(ReachError):
@@ -134,6 +140,8 @@ class EventStreamResponse(Response):
                         await write(PING)  # keeps proxies from cutting an idle stream
             except Unauthenticated:
                 log.info("ended an SSE stream: its key is no longer valid")
+            except OUTAGES as exc:
+                log.warning("ended an SSE stream: %s: %s", type(exc).__name__, exc)
             await write(b"", more=False)
 
         async def disconnected() -> None:

@@ -121,20 +121,18 @@ class Calls:
         if ctx.meta and ctx.meta.get("progress_token") is not None:
             forwarding = asyncio.create_task(_forward_progress(svc, caller, task_id, ctx.session))
         try:
-            finished = await replies.wait_until_final(
-                svc, caller, task_id, svc.settings.mcp_wait_s, task=accepted.row
-            )
-            if finished is not None and forwarding is not None:
+            # As accepted when an outage cuts the wait (``replies.waited``): not an error.
+            task, final = await replies.waited(svc, caller, accepted.row, svc.settings.mcp_wait_s)
+            if final and forwarding is not None:
                 await asyncio.wait({forwarding}, timeout=PROGRESS_DRAIN_S)
         finally:
             if forwarding is not None:
                 forwarding.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await forwarding
-        if finished is not None:
-            return tools.outcome(finished, ctx.protocol_version)
-        row = await queries.get_task(svc.engine, caller.tenant, task_id) or accepted.row
-        return tools.still_running(render(row))
+        if final:
+            return tools.outcome(task, ctx.protocol_version)
+        return tools.still_running(task)
 
 
 async def _forward_progress(

@@ -87,7 +87,12 @@ class EventHub:
             self._queues.setdefault(name, set()).add(queue)
             if first:
                 self._confirmed[name] = asyncio.Event()
-                await self._pubsub.subscribe(name)
+                try:
+                    await self._pubsub.subscribe(name)
+                except BaseException:
+                    # Not subscribed (Redis away): the channel's next listener tries again.
+                    del self._queues[name], self._confirmed[name]
+                    raise
                 self._wake.set()
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="reach-event-hub")
