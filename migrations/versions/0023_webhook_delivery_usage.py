@@ -17,6 +17,10 @@ counts an UPDATE that moves the attempt counter (a claim), one a delivery's atte
 
 An attempt's log has no tenant, and goes with its delivery by a cascade that runs before the
 delivery's own statement trigger: its bytes are counted by the delivery, from its counter.
+
+The upgrade creates the triggers and counts the deliveries already there in one transaction,
+so no write falls between the two: writes to ``webhook_deliveries`` wait for it (1,000,000
+deliveries, 361 MB: 5.4 s, a concurrent claim waited 4.2 s). The README says so.
 """
 
 from __future__ import annotations
