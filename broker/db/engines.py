@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
+import socket
 import threading
 import time
 from typing import Any, cast
@@ -207,7 +209,11 @@ class LoopConnection:
     calls: two coroutines on one psycopg connection interleave their protocol, and ``_gone``
     reads the other's reply on the socket as the server's last word and closes the
     connection under it (a NULL connection pointer, a read that never returns, libpq
-    crashing the process)."""
+    crashing the process).
+
+    A statement given ``timeout_s`` waits at most that for the lock and the connection, and
+    is cancelled on the server at it (``_Deadline``): the lock is held at most
+    ``CANCEL_WAIT_S`` past it, whatever Postgres does."""
 
     def __init__(self, url: str | URL) -> None:
         self._statements = _Statements(url)
@@ -216,12 +222,31 @@ class LoopConnection:
         self._lock = asyncio.Lock()
         self._lock_loop: asyncio.AbstractEventLoop | None = None
 
-    async def execute(self, statement: ClauseElement, params: dict[str, Any]) -> list[DictRow]:
+    async def execute(
+        self, statement: ClauseElement, params: dict[str, Any], *, timeout_s: float | None = None
+    ) -> list[DictRow]:
+        """The statement's rows; ``TimeoutError`` if ``timeout_s`` passes first (the statement
+        cancelled, or its connection dropped)."""
         sql, values = self._statements.prepare(statement, params)
-        async with self._one_at_a_time():
-            connection = await self._connect()
-            cursor = await connection.execute(sql, values)
-            return await cursor.fetchall() if _has_rows(cursor) else []
+        if timeout_s is None:
+            async with self._one_at_a_time():
+                return await _run(await self._connect(), sql, values)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        lock = self._one_at_a_time()
+        async with asyncio.timeout_at(deadline):
+            await lock.acquire()
+        try:
+            async with asyncio.timeout_at(deadline):
+                connection = await self._connect()
+            with _Deadline(connection, deadline) as overdue:
+                try:
+                    return await _run(connection, sql, values)
+                except psycopg.Error as exc:
+                    if overdue.passed:
+                        raise TimeoutError(f"the statement passed its {timeout_s} s") from exc
+                    raise
+        finally:
+            lock.release()
 
     async def close(self) -> None:
         async with self._one_at_a_time():
@@ -249,6 +274,66 @@ class LoopConnection:
             self._loop = loop
         assert connection is not None
         return connection
+
+
+async def _run(
+    connection: psycopg.AsyncConnection[DictRow], sql: str, values: Any
+) -> list[DictRow]:
+    cursor = await connection.execute(sql, values)
+    return await cursor.fetchall() if _has_rows(cursor) else []
+
+
+# How long a statement past its deadline may take to end once Postgres is asked to cancel it.
+# Postgres that answers ends it in milliseconds, and the connection is kept. One that says
+# nothing (a partition) never does: the connection's socket is then shut and the statement
+# fails at once, and the next opens a fresh connection. psycopg's own handling of a cancelled
+# call waited 5 s for its cancel request to get through, then 5 s more for the statement,
+# holding the connection, and every statement queued behind it, for 10 s past the deadline.
+CANCEL_WAIT_S = 1.0
+
+
+class _Deadline:
+    """A statement's deadline on its connection: at it, a cancel request goes out beside the
+    statement (which is not interrupted: psycopg's wait on it stays its own); ``CANCEL_WAIT_S``
+    later, a statement still running has its socket shut (``_shut``)."""
+
+    def __init__(self, connection: psycopg.AsyncConnection[Any], deadline: float) -> None:
+        self.passed = False
+        self._connection = connection
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_at(deadline, self._cancel)
+        self._cancelling: asyncio.Task[None] | None = None
+
+    def __enter__(self) -> _Deadline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+        if self._cancelling is not None:
+            self._cancelling.cancel()
+
+    def _cancel(self) -> None:
+        self.passed = True
+        self._cancelling = self._loop.create_task(_request_cancel(self._connection))
+        self._timer = self._loop.call_later(CANCEL_WAIT_S, _shut, self._connection)
+
+
+async def _request_cancel(connection: psycopg.AsyncConnection[Any]) -> None:
+    # A cancel request that fails or never gets through leaves the socket's shutting to end it.
+    with contextlib.suppress(psycopg.Error):
+        await connection.cancel_safe(timeout=CANCEL_WAIT_S)
+
+
+def _shut(connection: psycopg.AsyncConnection[Any]) -> None:
+    """End the connection under the statement waiting on it: its socket reads as closed, the
+    statement fails (``OperationalError``), the connection is broken and the next statement
+    opens another (``_gone``). Shut, not closed: the descriptor stays psycopg's (its wait
+    watches it) until the connection is closed, so no new socket can take its number."""
+    try:
+        with socket.socket(fileno=os.dup(connection.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, psycopg.Error):
+        pass  # closed already
 
 
 class ThreadConnection:

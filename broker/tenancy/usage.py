@@ -24,7 +24,10 @@ task.
 Each API process reads a tenant's figure at most once a second, and a figure up to
 ``stale_s`` old answers while the next is read beside the request, so a submit does not wait
 on Postgres for it; the process counts what it admits until the next read. Several API
-processes may each admit about a second's worth of the tenant's submits past the quota.
+processes may each admit about a second's worth of the tenant's submits past the quota. A
+read gives up ``READ_TIMEOUT_S`` after its call, whatever it waits behind (a Postgres that
+says nothing, the reads before it), and the submit that needed it is 503
+``service_unavailable``.
 
 Redis holds each task's event log as long as its result: the events its agent streamed and
 the final one, which carries the result. An agent that answers with what it was given
@@ -90,10 +93,11 @@ def task_bytes(payload_size: int, metadata_size: int) -> int:
     return payload_size + metadata_size + ROW_BYTES
 
 
-# A tenant's figure read waits at most this for Postgres (for the connection, and for its
-# statement). A read that never returned held every new tenant's first submit, which waits for
-# it (``RecentFigures``); past it the read fails as an outage does (503 ``service_unavailable``)
-# and nothing is kept of it. As the API's Redis client's ``socket_timeout``.
+# A tenant's figure read waits at most this, from its call, whatever it waits for: the
+# reads grouped before it, the connection, its statement. A read that never returned held every
+# new tenant's first submit, which waits for it (``RecentFigures``); past it the read fails as
+# an outage does (503 ``service_unavailable``) and nothing is kept of it. As the API's Redis
+# client's ``socket_timeout``.
 READ_TIMEOUT_S = 5.0
 GROUP_MAX_TENANTS = 256
 
@@ -109,7 +113,13 @@ class PostgresHeld:
     own: the read goes out beside a submit, on the API's event loop, and through the
     engine's pool and result layers it cost a quiet sync call about 1.5 ms at its p50
     (``docs/performance.md``). The tenants whose figures are due together are read in one
-    statement (``Grouped``), one statement at a time on the connection."""
+    statement (``Grouped``), one statement at a time on the connection.
+
+    Each caller gives up after ``timeout_s`` of its own: a read queued behind a statement
+    Postgres did not answer waited, before, for that statement's end, 10 s past the
+    statement's timeout (psycopg's wait on its cancel request, then on the statement). The
+    statement is left to end for the others grouped in it, at its own ``timeout_s``: cancelled
+    on the server, its connection dropped if Postgres says nothing (``LoopConnection``)."""
 
     def __init__(self, url: str | URL, *, timeout_s: float = READ_TIMEOUT_S) -> None:
         self._db = LoopConnection(url)
@@ -119,22 +129,29 @@ class PostgresHeld:
         )
 
     async def __call__(self, tenant: str) -> int:
-        return await self._read(tenant)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._read(tenant)
+        except TimeoutError:
+            raise self._outage() from None
 
     async def close(self) -> None:
         await self._db.close()
 
     async def _read_many(self, tenants: list[str]) -> list[int]:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                rows = await self._db.execute(_HELD, {"tenants": sorted(set(tenants))})
+            rows = await self._db.execute(
+                _HELD, {"tenants": sorted(set(tenants))}, timeout_s=self.timeout_s
+            )
         except TimeoutError:
-            # psycopg cancelled the statement, or closed a connection that would not say.
-            raise psycopg.OperationalError(
-                f"Postgres gave no tenant's bytes held within {self.timeout_s} s"
-            ) from None
+            raise self._outage() from None
         held = {row["tenant"]: int(row["held"]) for row in rows}
         return [held.get(tenant, 0) for tenant in tenants]
+
+    def _outage(self) -> psycopg.OperationalError:
+        return psycopg.OperationalError(
+            f"Postgres gave no tenant's bytes held within {self.timeout_s} s"
+        )
 
 
 class RedisHeld:
