@@ -39,9 +39,8 @@ def purge_gone(
         held = client.mget([lease_key(n) for n in names])
         live = [n for n, lease in zip(names, held, strict=True) if lease is not None]
         deleted = _settle(engine, live, [n for n in names if n not in live], cutoff)
-        bindings = [binding_key(q) for row in deleted for q in instance_queues(*row)]
-        if bindings:
-            client.delete(*bindings)
+        if deleted:
+            _unbind(client, deleted)
         removed += len(deleted)
         if len(names) < batch or time.monotonic() >= deadline:
             return removed
@@ -78,6 +77,29 @@ def _settle(
         return [(row.instance, row.cards) for row in deleted]
 
 
+def _unbind(client: redis.Redis, deleted: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    """Delete the kombu bindings of the deleted instances' queues, but not of one started
+    again under its name since its lease was read (a worker declares its queues, then writes
+    its lease): the leases are read again after the rows went, and watched until the bindings
+    are deleted. A worker between its declaration and its lease can still lose its bindings."""
+    watched = [lease_key(name) for name, _ in deleted]
+
+    def unbind(pipe: redis.client.Pipeline) -> None:
+        held = pipe.mget(watched)
+        keys = [
+            key
+            for (name, served), lease in zip(deleted, held, strict=True)
+            if lease is None
+            for queue in instance_queues(name, served)
+            for key in binding_keys(queue)
+        ]
+        pipe.multi()
+        if keys:
+            pipe.delete(*keys)
+
+    client.transaction(unbind, *watched)
+
+
 def instance_queues(instance: str, served: list[dict[str, Any]]) -> list[str]:
     """The queues of an instance's own (hints), one per card it served."""
     return [
@@ -86,12 +108,13 @@ def instance_queues(instance: str, served: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def binding_key(queue: str) -> str:
+def binding_keys(queue: str) -> list[str]:
     """Where kombu's Redis transport keeps the binding of a queue Celery declared (its
-    exchange is named after it). Declaring a queue writes it and nothing deletes it: once the
+    exchange is named after it): a set kombu routes by, and (kombu 5.7) its copy that marks
+    the binding permanent. Declaring a queue writes both and nothing deletes them: once the
     instance is gone for the retention, nothing publishes to its queue (a hint needs a live
     instance, and the sweeper moves what waited there to its card's queue)."""
-    return f"{KOMBU_BINDING_PREFIX}{queue}"
+    return [prefix + queue for prefix in KOMBU_BINDING_PREFIXES]
 
 
-KOMBU_BINDING_PREFIX = "_kombu.binding."
+KOMBU_BINDING_PREFIXES = ("_kombu.binding.", "_kombu.binding_permanent.")

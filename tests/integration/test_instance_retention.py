@@ -2,8 +2,7 @@
 
 Every worker name ever used (a pod restarted under a new host name) and every remote agent
 ever registered kept its row, listed offline forever; ``GET /agents/{id}`` read every row and
-every lease of them all, without a token. And each worker start left a metrics folder in
-/tmp that nothing removed."""
+every lease of them all, without a token."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,7 +30,7 @@ from broker.tenancy import key_store
 from reach import localservices, migrate
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
-from tests.integration.stack import CeleryProcess, ServedApp, start_worker
+from tests.integration.stack import CeleryProcess, ServedApp
 from tests.integration.test_capacity import stack_for
 
 __all__ = ["stack_for"]  # a fixture of test_capacity's, used here
@@ -87,7 +85,7 @@ def test_the_janitor_deletes_instances_not_seen_for_the_retention_and_keeps_live
     names = ["killed@old-pod", "running@pod", "stopped@new-pod"]
     queues = {name: _lease(name).cards[0].instance_queue(name) for name in names}
     _declare(own_redis, list(queues.values()))
-    assert all(client.exists(retention.binding_key(q)) for q in queues.values())
+    assert all(_bound(client, q) == 2 for q in queues.values())
 
     # When one janitor run with a retention of a day deletes in batches of 10
     removed = retention.purge_gone(own_engine, client, retention_s=DAY_S, batch=10, budget_s=60)
@@ -101,9 +99,39 @@ def test_the_janitor_deletes_instances_not_seen_for_the_retention_and_keeps_live
             select(instances.c.last_seen_at).where(instances.c.instance == "running@pod")
         ).scalar_one()
     assert datetime.now(UTC) - seen < timedelta(hours=1)
-    # ... and the kombu binding of the killed one's queue gone with it, the others' kept
-    bound = {name for name, q in queues.items() if client.exists(retention.binding_key(q))}
-    assert bound == {"running@pod", "stopped@new-pod"}
+    # ... and the kombu bindings of the killed one's queue gone with it, the others' kept
+    bound = {name: _bound(client, q) for name, q in queues.items()}
+    assert bound == {"killed@old-pod": 0, "running@pod": 2, "stopped@new-pod": 2}
+    client.close()
+
+
+def _bound(client: redis.Redis, queue: str) -> int:
+    """How many of the keys kombu keeps a queue's binding in are there (of two)."""
+    return len(list(client.scan_iter(match=f"_kombu.binding*.{queue}")))
+
+
+def test_the_janitor_keeps_the_bindings_of_a_worker_started_again_under_a_gone_name(
+    own_engine: Engine, own_redis: str
+) -> None:
+    client = redis.Redis.from_url(own_redis)
+    # Given an instance last seen two days ago, whose queue was declared
+    lease = _lease("restarted@pod")
+    _record(own_engine, lease, OFFLINE, 2 * DAY_S)
+    queue = lease.cards[0].instance_queue(lease.instance)
+    _declare(own_redis, [queue])
+
+    # When a worker starts again under its name as the janitor deletes its row: it declares
+    # its queue and writes its lease (its row comes later, once the janitor's delete is done)
+    def restart(conn: Any) -> None:
+        _declare(own_redis, [queue])
+        leases.renew(client, lease)
+
+    event.listen(own_engine, "commit", restart, once=True)
+    removed = retention.purge_gone(own_engine, client, retention_s=DAY_S, batch=10, budget_s=60)
+
+    # Expect the row deleted (the worker writes its own), and the live worker's bindings kept
+    assert removed == 1
+    assert _bound(client, queue) == 2
     client.close()
 
 
@@ -236,30 +264,3 @@ def test_the_agent_reads_take_a_rate_token(stack_for: Any, make_key: KeyMaker) -
     with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {other}"}) as http:
         pages = [http.get("/agents/echo-agent").status_code for _ in range(3)]
     assert pages[2] == 429
-
-
-def _metrics_dirs(parent: Path) -> list[Path]:
-    return sorted(parent.glob("reach-metrics-*"))
-
-
-def test_a_workers_metrics_folder_goes_at_its_clean_stop_and_a_killed_ones_at_the_next_start(
-    settings: Settings, tmp_path: Path
-) -> None:
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    env = {"TMPDIR": str(temp)}
-    queue = f"test.metrics-{secrets.token_hex(3)}"  # a queue nothing is sent to
-    # Given a worker killed with -9: its folder stays
-    killed = start_worker(settings, queue, "metrics-killed", tmp_path, env, concurrency=1)
-    [left] = _metrics_dirs(temp)
-    killed.kill_hard()
-    assert left.exists()
-
-    # When another worker starts, expect the dead one's folder removed and its own made
-    worker = start_worker(settings, queue, "metrics-stopped", tmp_path, env, concurrency=1)
-    assert not left.exists()
-    assert len(_metrics_dirs(temp)) == 1
-
-    # ... and when it stops cleanly, its own removed too
-    worker.stop()
-    assert _metrics_dirs(temp) == []
