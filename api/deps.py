@@ -10,6 +10,7 @@ import anyio
 from fastapi import Depends, Request
 from starlette.requests import ClientDisconnect
 
+from api.middleware import PLACE, Place
 from api.services import services
 from broker.errors import BadRequest, BodyTimeout, BodyTooLarge, Unauthenticated
 from broker.tenancy.keys import Principal, secret_matches, split_token
@@ -30,6 +31,9 @@ async def authenticate(request: Request) -> Principal:
     if row is None or not secret_matches(secret, row["secret_hash"]):
         raise Unauthenticated("the API key is not valid")
     state.tenant_of_key.remember(key_id, row["tenant"])
+    place: Place | None = request.scope.get("state", {}).get(PLACE)
+    if place is not None:  # from now on the request waits in its tenant's share
+        place.move_to(row["tenant"])
     state.requests.take(row["tenant"])
     return Principal(
         key_id=key_id,

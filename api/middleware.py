@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors
 from api.callers import TenantOfKey
+from broker.errors import Unavailable
 from broker.observability import logs, metrics, otel
 from broker.observability.tracing import trace_id_from, traceparent
 
@@ -104,6 +105,11 @@ class TraceparentFromTraceId:  # used with OpenTelemetry only
         await self.app(scope, receive, send)
 
 
+# Where a request's ``Place`` is in its scope's state (``request.state.waiting_place``).
+PLACE = "waiting_place"
+REFUSAL = "too many requests in progress; retry shortly"
+
+
 class WaitingLimit:
     """At most ``limit`` requests waiting for their answer, and at most ``per_tenant`` of them
     from one tenant; one more gets 503 ``overloaded`` at once, before it touches Postgres,
@@ -114,7 +120,8 @@ class WaitingLimit:
     The tenant is known before authentication from the key id in ``Authorization`` (``tenants``
     maps the ids of keys already verified); a key not yet verified counts under its own id, a
     request without a key under one shared name, and both are answered as soon as
-    authentication fails."""
+    authentication fails. Once it succeeds, the request counts under its tenant
+    (``Place.move_to``): keys this process had not seen yet hold no share of their own."""
 
     EXEMPT = ("/healthz", "/readyz", "/metrics")
 
@@ -131,34 +138,65 @@ class WaitingLimit:
             await self.app(scope, receive, send)
             return
         tenant = self.tenants.of_request(scope)
-        if self.waiting >= self.limit or self.by_tenant.get(tenant, 0) >= self.per_tenant:
+        if self.waiting >= self.limit or self.full(tenant):
             metrics.rejections.labels("overloaded").inc()
             await _refuse(scope, send)
             return
-        self.waiting += 1
-        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
-        answered = False
-
-        def release() -> None:
-            self.waiting -= 1
-            left = self.by_tenant[tenant] - 1
-            if left:
-                self.by_tenant[tenant] = left
-            else:
-                del self.by_tenant[tenant]  # bounded by the requests in flight, not by names
+        place = Place(self, tenant)
+        scope.setdefault("state", {})[PLACE] = place
 
         async def send_counted(message: Message) -> None:
-            nonlocal answered
-            if message["type"] == "http.response.start" and not answered:
-                answered = True
-                release()
+            if message["type"] == "http.response.start":
+                place.leave()
             await send(message)
 
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            if not answered:
-                release()
+            place.leave()
+
+    def full(self, tenant: str) -> bool:
+        return self.by_tenant.get(tenant, 0) >= self.per_tenant
+
+    def count(self, name: str, change: int) -> None:
+        left = self.by_tenant.get(name, 0) + change
+        if left:
+            self.by_tenant[name] = left
+        else:
+            del self.by_tenant[name]  # bounded by the requests in flight, not by names
+
+
+class Place:
+    """One request's place among those ``WaitingLimit`` counts: under ``name`` from its start
+    until ``leave`` (its response starts, or it ends without one). Every change happens
+    without an await between check and count, so no other request sees a count half made."""
+
+    def __init__(self, limit: WaitingLimit, name: str) -> None:
+        self._limit = limit
+        self.name: str | None = name
+        limit.waiting += 1
+        limit.count(name, 1)
+
+    def move_to(self, tenant: str) -> None:
+        """Counts the request under ``tenant``, whose key was just verified: until then a key
+        this process had not seen counted under its own id, a share of its own. Raises
+        ``Unavailable`` (503 ``overloaded``) when the tenant already holds its share; the
+        request then stays where it was until its refusal is sent."""
+        if self.name is None or self.name == tenant:
+            return  # answered already (a stream that started), or counted there from the start
+        if self._limit.full(tenant):
+            metrics.rejections.labels("overloaded").inc()
+            raise Unavailable(REFUSAL, code="overloaded", retry_after_s=1)
+        self._limit.count(tenant, 1)
+        self._limit.count(self.name, -1)
+        self.name = tenant
+
+    def leave(self) -> None:
+        if self.name is None:
+            return
+        self._limit.waiting -= 1
+        self._limit.count(self.name, -1)
+        self.name = None
 
 
 async def _refuse(scope: Scope, send: Send) -> None:
@@ -168,7 +206,7 @@ async def _refuse(scope: Scope, send: Send) -> None:
             "type": "urn:reach:problem:overloaded",
             "title": "Service Unavailable",
             "status": 503,
-            "detail": "too many requests in progress; retry shortly",
+            "detail": REFUSAL,
             "code": "overloaded",
             "trace_id": trace_id,
             "instance": scope["path"],
