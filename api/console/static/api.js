@@ -6,11 +6,33 @@ export const FINAL = ["succeeded", "failed", "cancelled", "expired"];
 const root = new URL(".", window.location.href);
 
 export class ApiError extends Error {
-  constructor(status, problem) {
+  constructor(status, problem, retryAfterS = null) {
     super(problem?.detail ?? `HTTP ${status}`);
     this.status = status;
     this.problem = problem;
+    this.retryAfterS = retryAfterS;
   }
+}
+
+async function refusal(response) {
+  const seconds = Number.parseInt(response.headers.get("Retry-After") ?? "", 10);
+  const doc = await response.json().catch(() => null);
+  return new ApiError(response.status, doc, Number.isFinite(seconds) ? seconds : null);
+}
+
+// Worth asking again: no answer at all (the network), a timeout, a refusal for now (429: too
+// many requests or streams) or a server's trouble (5xx). Any other 4xx (401, 403, 404, ...)
+// will answer the same next time.
+export function transient(error) {
+  const status = error?.status;
+  return !status || status === 408 || status === 429 || status >= 500;
+}
+
+// How long to wait before asking again after `attempt` failures in a row (0 for the first):
+// doubling from a second up to 30 s, never sooner than the answer's Retry-After.
+export function backoffMs(error, attempt) {
+  const doubling = Math.min(30, 2 ** Math.min(attempt, 5));
+  return 1000 * Math.max(doubling, error?.retryAfterS ?? 0);
 }
 
 export const session = {
@@ -31,13 +53,12 @@ export async function call(method, path, body, { signal } = {}) {
   }
   const response = await fetch(new URL(path, root), init);
   if (response.status === 204) return null;
-  const doc = await response.json().catch(() => null);
   if (!response.ok) {
-    const error = new ApiError(response.status, doc);
+    const error = await refusal(response);
     if (response.status === 401) window.dispatchEvent(new CustomEvent("reach:unauthenticated"));
     throw error;
   }
-  return doc;
+  return response.json().catch(() => null);
 }
 
 export const get = (path, options) => call("GET", path, undefined, options);
@@ -52,12 +73,14 @@ export function query(params) {
 
 // SSE through fetch: EventSource cannot send an Authorization header, and a key in the URL
 // would end up in logs. Yields {id, event, data} for each frame; comments (pings) are skipped.
-export async function* events(taskId, { after, signal } = {}) {
+// opened() is called once the stream is accepted.
+export async function* events(taskId, { after, signal, opened = () => {} } = {}) {
   const extra = { Accept: "text/event-stream" };
   if (after) extra["Last-Event-ID"] = String(after);
   const url = new URL(`tasks/${encodeURIComponent(taskId)}/events`, root);
   const response = await fetch(url, { headers: headers(extra), signal });
-  if (!response.ok) throw new ApiError(response.status, await response.json().catch(() => null));
+  if (!response.ok) throw await refusal(response);
+  opened();
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {

@@ -1,5 +1,7 @@
-// Capabilities: live instances, queue depth (operator keys), success rate and run times, and
-// each one's last hour in a chart (chart.js), all refreshed together.
+// Capabilities: live instances, queue depth (operator keys), success rate and run times every
+// few seconds, and each one's last hour in a chart (chart.js) once a minute or when asked. A
+// series is real work for the API (a task token, from the bucket POST /tasks takes from too):
+// read with the list every 5 s, one per capability, they left the tenant's submits a 429.
 
 import { get } from "./api.js";
 import { duration, seriesChart } from "./chart.js";
@@ -7,6 +9,7 @@ import { alertBox, h } from "./dom.js";
 import { poll } from "./live.js";
 
 const REFRESH_MS = 5000;
+const CHARTS_MS = 60_000;
 
 export function renderCapabilities(main) {
   const body = h("tbody");
@@ -14,6 +17,7 @@ export function renderCapabilities(main) {
   const windowNote = h("p", { class: "muted" });
   const charts = h("div", { class: "charts" });
   const idle = h("p", { class: "muted" });
+  const chartsProblem = h("div", { "aria-live": "polite" });
   main.append(
     h("h1", {}, "Capabilities"),
     windowNote,
@@ -23,26 +27,34 @@ export function renderCapabilities(main) {
         "Tasks", "Success rate", "p50 run", "p95 run", ""].map((t) => h("th", { scope: "col" }, t)))),
       body)),
     h("h2", {}, "The last hour"),
-    h("p", { class: "muted" }, "Your tenant's tasks finished per minute, and their run times."),
+    h("p", { class: "muted" }, "Your tenant's tasks finished per minute, and their run times, read once a minute. ",
+      h("button", { type: "button", class: "small", onclick: () => hour.refresh() }, "Refresh charts")),
+    chartsProblem,
     charts,
     idle,
   );
 
   const live = poll({
     every: REFRESH_MS,
-    read: async () => {
-      const found = await get("capabilities");
-      // A chart for each capability that finished tasks in the hour; the others in one line.
-      const series = await Promise.allSettled(found.capabilities.map((c) => get(
-        `capabilities/${encodeURIComponent(c.capability)}/series`)));
-      return { capabilities: found.capabilities, series };
-    },
-    show: ({ capabilities, series }) => {
+    read: () => get("capabilities"),
+    show: ({ capabilities }) => {
       const first = capabilities[0];
       windowNote.textContent = first
         ? `Figures from your tenant's tasks of the last ${Math.round(first.window_s / 60)} minutes.`
         : "No capability is served yet.";
       body.replaceChildren(...capabilities.map(row));
+    },
+    problem,
+  });
+  const hour = poll({
+    every: CHARTS_MS,
+    read: async () => {
+      const found = await get("capabilities");
+      // A chart for each capability that finished tasks in the hour; the others in one line.
+      return Promise.allSettled(found.capabilities.map((c) => get(
+        `capabilities/${encodeURIComponent(c.capability)}/series`)));
+    },
+    show: (series) => {
       const quiet = series.filter((s) => s.status === "fulfilled" && !s.value.total.tasks);
       charts.replaceChildren(...series.filter((s) => !quiet.includes(s)).map((s) => (
         s.status === "fulfilled" ? seriesChart(s.value) : alertBox(s.reason))));
@@ -50,9 +62,12 @@ export function renderCapabilities(main) {
         ? `No tasks in the last hour: ${quiet.map((s) => s.value.capability).join(", ")}.`
         : "";
     },
-    problem,
+    problem: chartsProblem,
   });
-  return live.stop;
+  return () => {
+    live.stop();
+    hour.stop();
+  };
 }
 
 function row(c) {

@@ -12,7 +12,8 @@ export function fieldsFor(schema, values = {}) {
   }
   const required = new Set(schema.required ?? []);
   const fields = Object.entries(properties).map(([name, property]) =>
-    field(name, property ?? {}, required.has(name), values?.[name]),
+    // Own properties only: a property named __proto__ or toString is not the object's.
+    field(name, property ?? {}, required.has(name), Object.hasOwn(values ?? {}, name) ? values[name] : undefined),
   );
   return { whole: null, fields, elements: fields.flatMap((f) => f.elements) };
 }
@@ -21,10 +22,10 @@ function field(name, property, required, value) {
   const id = `payload-${name}`;
   const type = Array.isArray(property.type) ? property.type.find((t) => t !== "null") : property.type;
   const label = h("label", { for: id }, name, required ? h("span", { class: "required" }, " *") : "");
-  const hint = property.description ? h("small", { class: "muted" }, property.description) : null;
+  const hint = property.description ? [h("small", { class: "muted" }, property.description)] : [];
   if (!SIMPLE.includes(type)) {
     const area = textarea(id, `${name} (JSON)`, value === undefined ? "" : JSON.stringify(value, null, 2));
-    return { name, kind: "json", required, input: area.input, elements: [...area.elements, hint] };
+    return { name, kind: "json", required, input: area.input, elements: [...area.elements, ...hint] };
   }
   let input;
   if (type === "boolean") {
@@ -46,7 +47,7 @@ function field(name, property, required, value) {
       value: value ?? property.default ?? null,
     });
   }
-  return { name, kind: type, required, input, elements: [label, input, hint] };
+  return { name, kind: type, required, input, elements: [label, input, ...hint] };
 }
 
 function textarea(id, text, value) {
@@ -57,16 +58,16 @@ function textarea(id, text, value) {
 
 export function readPayload(form) {
   if (form.whole) return parseJson(form.whole.value || "{}", "the payload");
-  const payload = {};
-  for (const f of form.fields) {
-    const raw = f.input.value;
-    if (raw === "") continue;
-    if (f.kind === "json") payload[f.name] = parseJson(raw, f.name);
-    else if (f.kind === "boolean") payload[f.name] = raw === "true";
-    else if (f.kind === "number" || f.kind === "integer") payload[f.name] = Number(raw);
-    else payload[f.name] = raw;
-  }
-  return payload;
+  // Entries made into an object: an assignment to payload["__proto__"] would set no property.
+  return Object.fromEntries(form.fields.filter((f) => f.input.value !== "").map((f) => [f.name, value(f)]));
+}
+
+function value(f) {
+  const raw = f.input.value;
+  if (f.kind === "json") return parseJson(raw, f.name);
+  if (f.kind === "boolean") return raw === "true";
+  if (f.kind === "number" || f.kind === "integer") return Number(raw);
+  return raw;
 }
 
 function parseJson(text, what) {

@@ -1,7 +1,8 @@
 // One task: its fields, payload and result, and its events as they happen (SSE).
 
-import { FINAL, events, get, post } from "./api.js";
-import { alertBox, badge, collapsible, definitionList, h, pretty, when } from "./dom.js";
+import { FINAL, backoffMs, events, get, post, transient } from "./api.js";
+import { alertBox, badge, collapsible, definitionList, h, pretty, problemText, when } from "./dom.js";
+import { tailList } from "./feed.js";
 import { act, poll } from "./live.js";
 import { delivery } from "./webhooks.js";
 
@@ -22,6 +23,9 @@ export function renderTask(main, taskId) {
   const outputs = h("ol", { id: "outputs", class: "outputs" });
   const timeline = h("ol", { id: "timeline", class: "timeline" });
   const live = h("span", { id: "stream-state", class: "muted" }, "connecting…");
+  const waiting = h("div", { id: "stream-problem", "aria-live": "polite" });
+  const shownOutputs = tailList(outputs, { noun: "outputs" });
+  const shownTimeline = tailList(timeline, { noun: "events" });
   const deliveries = h("div", { id: "deliveries", class: "deliveries" });
   const deliveryStatus = h("div", { "aria-live": "polite" });
   let task = null;
@@ -35,8 +39,8 @@ export function renderTask(main, taskId) {
     h("div", { class: "columns" }, h("div", {}, fields, failure, payload, result,
       h("section", {}, h("h2", {}, "Deliveries"), deliveryStatus, deliveries)),
       h("div", {},
-        h("section", {}, h("h2", {}, "Outputs"), outputs),
-        h("section", {}, h("h2", {}, "Timeline ", live), timeline))),
+        h("section", {}, h("h2", {}, "Outputs"), shownOutputs.note, outputs),
+        h("section", {}, h("h2", {}, "Timeline ", live), waiting, shownTimeline.note, timeline))),
   );
 
   function show(found) {
@@ -65,7 +69,7 @@ export function renderTask(main, taskId) {
         h("h2", {}, "Error"),
         definitionList([
           ["Code", task.error.code],
-          ["Message", task.error.message],
+          ["Message", isolated(task.error.message)],
           ["Retryable", String(task.error.retryable)],
         ])) : "",
     );
@@ -83,7 +87,8 @@ export function renderTask(main, taskId) {
 
   function showProgress(progress) {
     bar.value = Math.max(0, Math.min(100, Number(progress.percent) || 0));
-    barLabel.textContent = `${progress.percent}%${progress.message ? ` — ${progress.message}` : ""}`;
+    barLabel.replaceChildren(`${progress.percent}%`,
+      progress.message ? [" — ", isolated(progress.message)] : "");
   }
 
   function showActions() {
@@ -100,7 +105,7 @@ export function renderTask(main, taskId) {
 
   async function cancel() {
     try {
-      show(await post(`tasks/${taskId}/cancel`));
+      show(await post(`tasks/${encodeURIComponent(taskId)}/cancel`));
       problem.replaceChildren();
     } catch (error) {
       problem.replaceChildren(alertBox(error));
@@ -118,45 +123,103 @@ export function renderTask(main, taskId) {
     }
   }
 
-  function record(frame) {
-    const { type, data, seq, at } = frame.data;
-    timeline.append(h("li", { "data-type": type },
-      h("span", { class: "seq" }, `#${seq}`), " ", h("strong", {}, type), " ",
-      h("span", { class: "muted" }, when(at, { timeOnly: true })), " ", summary(type, data)));
-    if (type === "output") {
-      outputs.append(h("li", {}, typeof data === "string" ? data : h("code", {}, JSON.stringify(data))));
+  // Events change the page once an animation frame at most: the lists get what came since
+  // (their last items only), the bar the latest progress. A new status is shown a frame after
+  // what came before it, so the page never shows a status ahead of its outputs.
+  let frame = 0;
+  let nextStatus = null;
+  let nextProgress = null;
+
+  function record(event) {
+    const { type, data, seq, at } = event.data;
+    if (type === "status") {
+      paintLists();
+      nextStatus = data.status;
     } else if (type === "progress") {
-      showProgress(data);
-    } else if (type === "status") {
-      show({ status: data.status });
+      nextProgress = data;
+    } else if (type === "output") {
+      shownOutputs.add(() => h("li", {},
+        typeof data === "string" ? isolated(data) : h("code", {}, isolated(JSON.stringify(data)))));
     }
+    shownTimeline.add(() => h("li", { "data-type": type },
+      h("span", { class: "seq" }, `#${seq}`), " ", h("strong", {}, type), " ",
+      h("span", { class: "muted" }, when(at, { timeOnly: true })), " ", isolated(summary(type, data))));
+    if (!frame) frame = requestAnimationFrame(paint);
   }
 
+  function paintLists() {
+    shownOutputs.render();
+    shownTimeline.render();
+  }
+
+  function paint() {
+    cancelAnimationFrame(frame);
+    frame = 0;
+    if (nextStatus) show({ status: nextStatus });
+    if (nextProgress) showProgress(nextProgress);
+    nextStatus = nextProgress = null;
+    paintLists();
+  }
+
+  // Wait before asking again, saying why and for how long; false if the page was left.
+  async function pause(error, attempt) {
+    const ms = error ? backoffMs(error, attempt) : RECONNECT_MS;
+    live.textContent = "reconnecting…";
+    if (error) {
+      waiting.replaceChildren(h("p", { class: "note", role: "status" },
+        `${problemText(error)}: trying again in ${Math.round(ms / 1000)} s.`));
+    }
+    await new Promise((resolve) => setTimeout(resolve, ms));
+    return !stop.signal.aborted;
+  }
+
+  // A 429 (too many streams, or requests) or a 5xx is waited out; 401, 403, 404 are final.
   async function follow() {
     let after = 0;
+    let failures = 0;
     for (;;) {
+      let failed = null;
       try {
-        live.textContent = "live";
-        for await (const frame of events(taskId, { after, signal: stop.signal })) {
-          after = Number(frame.id) || after;
-          record(frame);
-          if (FINAL.includes(frame.data.type)) {
+        const opened = () => {
+          failures = 0;
+          waiting.replaceChildren();
+          live.textContent = "live";
+        };
+        for await (const event of events(taskId, { after, signal: stop.signal, opened })) {
+          after = Number(event.id) || after;
+          record(event);
+          if (FINAL.includes(event.data.type)) {
+            const found = await read();
+            paint();
+            show(found);
+            waiting.replaceChildren();
             live.textContent = "ended";
-            show(await get(`tasks/${taskId}?include=payload`, { signal: stop.signal }));
             return;
           }
         }
       } catch (error) {
         if (stop.signal.aborted) return;
-        if (error.status && error.status < 500) {
+        if (!transient(error)) {
           live.textContent = "stopped";
-          problem.replaceChildren(alertBox(error));
+          waiting.replaceChildren(alertBox(error));
           return;
         }
+        failed = error;
       }
-      if (stop.signal.aborted) return;
-      live.textContent = "reconnecting…";
-      await new Promise((resolve) => setTimeout(resolve, RECONNECT_MS));
+      if (!(await pause(failed, failures))) return;
+      if (failed) failures += 1;
+    }
+  }
+
+  // The task itself, asked for again while the answer is a 429, a 5xx or no answer.
+  async function read() {
+    for (let failures = 0; ; failures += 1) {
+      try {
+        return await get(`tasks/${encodeURIComponent(taskId)}?include=payload`, { signal: stop.signal });
+      } catch (error) {
+        if (stop.signal.aborted || !transient(error)) throw error;
+        if (!(await pause(error, failures))) throw error;
+      }
     }
   }
 
@@ -177,18 +240,28 @@ export function renderTask(main, taskId) {
     problem: deliveryStatus,
   });
 
-  get(`tasks/${encodeURIComponent(taskId)}?include=payload`, { signal: stop.signal })
+  read()
     .then((found) => {
+      waiting.replaceChildren();
       show(found);
       follow();
     })
     .catch((error) => {
-      if (!stop.signal.aborted) problem.replaceChildren(alertBox(error));
+      if (stop.signal.aborted) return;
+      live.textContent = "stopped";
+      problem.replaceChildren(alertBox(error));
     });
   return () => {
     stop.abort();
+    cancelAnimationFrame(frame);
     sent.stop();
   };
+}
+
+// What an agent wrote, kept apart from the text around it: its bidi controls (U+202E ...)
+// reorder nothing outside it.
+function isolated(text) {
+  return h("bdi", {}, text);
 }
 
 function summary(type, data) {

@@ -48,3 +48,46 @@ def test_a_capability_that_ran_tasks_has_a_chart_that_says_what_it_shows(
     expect(chart).to_be_visible()
     assert fits(console.page)
     assert console.errors == []
+
+
+# Counts the page's requests of the table and of the series.
+COUNT_READS = """
+window.__reads = { table: 0, series: 0 };
+const fetched = window.fetch;
+window.fetch = (url, init) => {
+  const path = new URL(url, location.href).pathname;
+  if (path.endsWith("/capabilities")) window.__reads.table += 1;
+  if (path.endsWith("/series")) window.__reads.series += 1;
+  return fetched(url, init);
+};
+"""
+
+
+def test_the_charts_are_read_once_a_minute_not_with_every_refresh_of_the_table(
+    console: Console, key: str
+) -> None:
+    """A series takes a task token from the bucket POST /tasks takes from: read with the table
+    every 5 s, one per capability, they left the tenant's own submits a 429."""
+    page = console.page
+    page.add_init_script(COUNT_READS)
+    page.clock.install()
+    console.sign_in(key)
+    expect(page.get_by_role("heading", name="Tasks")).to_be_visible()  # signed in
+    console.open("#/capabilities")
+    expect(page.get_by_text(re.compile("No tasks in the last hour: .*echo"))).to_be_visible()
+    first = page.evaluate("window.__reads")
+    assert first["series"] > 1  # one for each capability this key is shown
+
+    def reads_reach(kind: str, count: int) -> None:
+        page.wait_for_function("([k, n]) => window.__reads[k] >= n", arg=[kind, count])
+
+    # Refreshes of the table later (15 s on the page's clock), no chart was read again
+    page.clock.run_for(15_500)
+    reads_reach("table", first["table"] + 1)
+    assert page.evaluate("window.__reads.series") == first["series"]
+    # A minute on, the charts are read again; and at once when asked
+    page.clock.run_for(60_000)
+    reads_reach("series", 2 * first["series"])
+    page.get_by_role("button", name="Refresh charts").click()
+    reads_reach("series", 3 * first["series"])
+    assert console.errors == []
