@@ -20,9 +20,9 @@ def __getattr__(name: str) -> Any:
     global _app
     if name in ("app", "celery"):
         if _app is None:
-            from workers import _prepare_metrics_dir
+            from workers import metrics_dirs
 
-            _prepare_metrics_dir()
+            metrics_dirs.prepare()  # before prometheus_client's metrics are made
             from broker.settings import Settings
             from workers.bridge.application import create_bridge_app
 
