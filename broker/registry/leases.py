@@ -61,8 +61,11 @@ def card_upsert(documents: list[dict[str, Any]]) -> Any:
 
 
 def record_instance(engine: Engine, lease: Lease, state: str) -> None:
-    """The instance's last known state in Postgres, kept after its lease is gone."""
-    now = datetime.now(UTC)
+    """The instance's last known state in Postgres, kept after its lease is gone. Seen and
+    stopped by Postgres's clock, the one the reaper (``workers.system.recovery.seen_live``) and
+    the janitor compare them with: by the worker's own, a host whose clock ran ahead had its
+    dead worker's tasks left running for as long as it was ahead."""
+    now = func.now()
     values = {
         "instance": lease.instance,
         "hostname": lease.hostname,

@@ -14,11 +14,11 @@ lost task read them whether or not an instance serves them now."""
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, delete, select, update
+from sqlalchemy import ColumnElement, Engine, delete, func, select, update
 
 from broker.db.models import agent_instances_table as instances
 from broker.registry.model import card_queue, instance_queue, lease_key
@@ -32,7 +32,7 @@ def purge_gone(
     deadline = time.monotonic() + budget_s
     removed = 0
     while True:
-        cutoff = datetime.now(UTC) - timedelta(seconds=retention_s)
+        cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, retention_s)
         names = _not_seen_since(engine, cutoff, batch)
         if not names:
             return removed
@@ -46,7 +46,7 @@ def purge_gone(
             return removed
 
 
-def _not_seen_since(engine: Engine, cutoff: datetime, batch: int) -> list[str]:
+def _not_seen_since(engine: Engine, cutoff: ColumnElement[datetime], batch: int) -> list[str]:
     query = (
         select(instances.c.instance)
         .where(instances.c.last_seen_at < cutoff)
@@ -58,7 +58,7 @@ def _not_seen_since(engine: Engine, cutoff: datetime, batch: int) -> list[str]:
 
 
 def _settle(
-    engine: Engine, live: list[str], gone: list[str], cutoff: datetime
+    engine: Engine, live: list[str], gone: list[str], cutoff: ColumnElement[datetime]
 ) -> list[tuple[str, list[dict[str, Any]]]]:
     """Mark the live ones seen now, delete the gone ones; (instance, cards) of each deleted.
     ``last_seen_at`` is checked again: a row written since it was read (a worker started
@@ -66,7 +66,7 @@ def _settle(
     with engine.begin() as conn:
         if live:
             seen = update(instances).where(instances.c.instance.in_(live))
-            conn.execute(seen.values(last_seen_at=datetime.now(UTC)))
+            conn.execute(seen.values(last_seen_at=func.now()))
         if not gone:
             return []
         deleted = conn.execute(

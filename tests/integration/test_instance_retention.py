@@ -18,7 +18,7 @@ import httpx
 import kombu
 import pytest
 import redis
-from sqlalchemy import Engine, event, select, update
+from sqlalchemy import Engine, event, func, select, update
 
 from api.app import create_app
 from broker.db.engines import sync_engine
@@ -264,3 +264,37 @@ def test_the_agent_reads_take_a_rate_token(stack_for: Any, make_key: KeyMaker) -
     with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {other}"}) as http:
         pages = [http.get("/agents/echo-agent").status_code for _ in range(3)]
     assert pages[2] == 429
+
+
+def test_an_instances_row_is_stamped_by_postgress_clock_not_its_hosts(
+    own_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper and the janitor compare ``last_seen_at`` with Postgres's ``now()``: stamped
+    by a host whose clock ran ten minutes ahead, a worker killed with -9 kept its tasks
+    running for those ten minutes past its lease."""
+
+    class AheadClock(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> AheadClock:
+            return cls.fromtimestamp(time.time() + 600, tz)
+
+    # Given a host whose clock is ten minutes ahead of Postgres's
+    monkeypatch.setattr(leases, "datetime", AheadClock)
+    # When its worker records its row, and then stops
+    lease = _lease("ahead@pod")
+    leases.record_instance(own_engine, lease, READY)
+    with own_engine.connect() as conn:
+        seen_ahead = conn.execute(
+            select(instances.c.last_seen_at > func.now()).where(
+                instances.c.instance == lease.instance
+            )
+        ).scalar_one()
+    leases.record_instance(own_engine, lease, OFFLINE)
+    with own_engine.connect() as conn:
+        stopped_ahead = conn.execute(
+            select(instances.c.stopped_at > func.now()).where(
+                instances.c.instance == lease.instance
+            )
+        ).scalar_one()
+    # Then neither is in Postgres's future
+    assert (seen_ahead, stopped_ahead) == (False, False)
