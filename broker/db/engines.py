@@ -240,13 +240,30 @@ class LoopConnection:
                 connection = await self._connect()
             with _Deadline(connection, deadline) as overdue:
                 try:
-                    return await _run(connection, sql, values)
+                    rows = await _run(connection, sql, values)
                 except psycopg.Error as exc:
-                    if overdue.passed:
-                        raise TimeoutError(f"the statement passed its {timeout_s} s") from exc
-                    raise
+                    if not overdue.passed:
+                        raise
+                    if not isinstance(exc, psycopg.errors.QueryCanceled):
+                        await self._drop(connection)
+                    raise TimeoutError(f"the statement passed its {timeout_s} s") from exc
+                if overdue.passed:
+                    await self._drop(connection)
+                return rows
         finally:
             lock.release()
+
+    async def _drop(self, connection: psycopg.AsyncConnection[DictRow]) -> None:
+        """Close a connection a cancel request may still be on its way to: the statement it
+        was sent for ended otherwise (it finished as its deadline passed, or failed another
+        way), and the request, reaching Postgres late, would cancel whatever statement the
+        connection ran next (one in a hundred statements that ended at their deadline
+        cancelled the next one, answered as an outage). A statement the cancel did end
+        (``QueryCanceled``) spent it, and keeps its connection."""
+        if self._connection is connection:
+            self._connection = None
+        with contextlib.suppress(psycopg.Error, OSError):
+            await connection.close()
 
     async def close(self) -> None:
         async with self._one_at_a_time():
