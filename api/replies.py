@@ -175,7 +175,16 @@ async def task_events(
                     yield event
             return
         except OUTAGES as exc:
-            log.info("stream of task %s: %s: %s", task_id, type(exc).__name__, exc)
+            # The first failure of a spell with its traceback: an outage class also covers a
+            # bug's (a statement on a closed connection), which would otherwise pass unseen.
+            log.log(
+                logging.INFO if outage.going else logging.WARNING,
+                "stream of task %s: %s: %s",
+                task_id,
+                type(exc).__name__,
+                exc,
+                exc_info=not outage.going,
+            )
             if outage.outlasted(task_id):
                 return
         yield None
@@ -200,6 +209,11 @@ class _Outage:
             "ended the stream of task %s: Postgres or Redis away for %s s", task_id, OUTAGE_S
         )
         return True
+
+    @property
+    def going(self) -> bool:
+        """Whether the reads failed already, since the last that succeeded."""
+        return self._since is not None
 
     def over(self) -> None:
         self._since = None

@@ -127,6 +127,29 @@ def errors_logged() -> Iterator[list[logging.LogRecord]]:
     root.removeHandler(kept)
 
 
+@pytest.fixture
+def stream_failures() -> Iterator[list[logging.LogRecord]]:
+    """The records of a stream's failed reads logged while the test runs."""
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("stream of task"):
+                self.records.append(record)
+
+    kept = Kept()
+    logger = logging.getLogger("reach.replies")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(kept)
+    yield kept.records
+    logger.removeHandler(kept)
+    logger.setLevel(level)
+
+
 def status_of(engine: Engine, tenant: str) -> tuple[str, int] | None:
     """The status and attempts of the tenant's one task, read from Postgres directly."""
     with engine.connect() as conn:
@@ -240,6 +263,7 @@ def test_an_open_stream_outlives_a_short_redis_outage_and_ends_with_the_final_ev
     make_key: KeyMaker,
     engine: Engine,
     errors_logged: list[logging.LogRecord],
+    stream_failures: list[logging.LogRecord],
 ) -> None:
     proxy = CuttableProxy(settings.redis_url)
     tenant, token = make_key()
@@ -254,6 +278,12 @@ def test_an_open_stream_outlives_a_short_redis_outage_and_ends_with_the_final_ev
         eventually(lambda: hub._queues, "the hub to hold no listener", until=_empty)
     assert status_of(engine, tenant) == ("succeeded", 1)
     assert served_errors(errors_logged) == []
+    # and the spell's first failed read logged as a warning with its traceback (an outage's
+    # classes cover a bug's too), the ones after it as information
+    assert stream_failures, "no failed read of the stream was logged"
+    first, *rest = stream_failures
+    assert (first.levelno, first.exc_info is not None) == (logging.WARNING, True)
+    assert all(r.levelno == logging.INFO and not r.exc_info for r in rest)
 
 
 def streamed_through_outage(api: ServedApp, proxy: CuttableProxy, token: str) -> list[str]:
