@@ -166,13 +166,7 @@ class LeaseKeeper:
         not answer: the due renewal tries, and reports it)."""
         if not self.first or self.lease.state == OFFLINE:
             return False
-        try:
-            missing = not self.redis.exists(lease_key(self.instance))
-        except redis.RedisError:
-            return False
-        if missing:
-            log.warning("%s: the lease is gone from Redis; writing it again", self.instance)
-        return missing
+        return lease_missing(self.redis, self.instance)
 
     def _tick_each(self) -> None:
         while not self._stop.wait(self.lease.renew_every_s):
@@ -414,6 +408,18 @@ def _text(entry: bytes | str) -> str:
 
 def _started_at(entry: str) -> float:
     return float(entry.rsplit(":", 1)[1])
+
+
+def lease_missing(client: redis.Redis, instance: str) -> bool:
+    """Whether ``instance``'s lease is gone from Redis (False when Redis does not answer:
+    the next renewal tries, and reports it); logged, as it is written again."""
+    try:
+        missing = not client.exists(lease_key(instance))
+    except redis.RedisError:
+        return False
+    if missing:
+        log.warning("%s: the lease is gone from Redis; writing it again", instance)
+    return missing
 
 
 def held(consumer: Any) -> set[str]:

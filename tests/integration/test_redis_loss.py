@@ -5,16 +5,21 @@ take it for dead before its next renewal (a non-idempotent task ended ``worker_l
 its handler finished, an idempotent one ran again beside itself). A prefork worker whose
 broker connection broke terminated every task it was running (Celery's
 ``worker_cancel_long_running_tasks_on_connection_loss``), so a sub-second blip ended each
-one ``worker_lost``. Each test runs its own stack (API, agent worker, maintenance worker and
-beat, so the reaper runs) on a Redis db of its own.
+one ``worker_lost``. The bridge, whose calls are claimed under its own name, is no dead
+worker either. Each test runs its own stack (API, agent worker or bridge, maintenance worker
+and beat, so the reaper runs) on a Redis db of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,6 +34,7 @@ from broker.settings import Settings
 from broker.tasks.dispatch import MAINTENANCE_QUEUE
 from broker.tenancy import key_store
 from tests.eventually import eventually
+from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
@@ -118,17 +124,21 @@ class Stack:
         self.name = f"loss-{uuid.uuid4().hex[:6]}"
 
     def start(self, worker_settings: Settings, pool: str) -> CeleryProcess:
+        self.start_reaper()
+        agents = start_worker(
+            worker_settings, SLOW, self.name, self.log_dir, concurrency=3, pool=pool
+        )
+        self.processes.append(agents)
+        return agents
+
+    def start_reaper(self) -> None:
+        """The maintenance worker and beat."""
         self.processes.append(
             start_worker(
                 self.settings, MAINTENANCE_QUEUE, f"{self.name}-m", self.log_dir, concurrency=1
             )
         )
         self.processes.append(start_beat(self.settings, self.log_dir, name=f"{self.name}-beat"))
-        agents = start_worker(
-            worker_settings, SLOW, self.name, self.log_dir, concurrency=3, pool=pool
-        )
-        self.processes.append(agents)
-        return agents
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -144,14 +154,28 @@ def stack(settings: Settings, own_redis: str, log_dir: Path) -> Iterator[Stack]:
 
 
 @pytest.fixture
-def http(stack: Stack, engine: Engine) -> Iterator[httpx.Client]:
+def api(stack: Stack) -> Iterator[ServedApp]:
+    with ServedApp(create_app(stack.settings)) as served:
+        yield served
+
+
+@pytest.fixture
+def http(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
     _, token = key_store.create_key(engine, f"loss-{uuid.uuid4().hex[:6]}", ["*"])
-    with (
-        ServedApp(create_app(stack.settings)) as api,
-        httpx.Client(
-            base_url=api.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
-        ) as client,
-    ):
+    with httpx.Client(
+        base_url=api.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+def ops(api: ServedApp, engine: Engine) -> Iterator[httpx.Client]:
+    """An operator's client (registering agents is theirs), on the stack's API."""
+    name = f"loss-ops-{uuid.uuid4().hex[:6]}"
+    _, token = key_store.create_key(engine, name, ["*"], is_admin=True)
+    with httpx.Client(
+        base_url=api.url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+    ) as client:
         yield client
 
 
@@ -241,3 +265,122 @@ def test_a_redis_connection_reset_mid_run_leaves_the_task_running_and_it_succeed
     after = wait_for_task(http, submit(http, "test.slow-once", 0), FINAL)
     assert (after["status"], after["attempts"]) == ("succeeded", 1)
     assert "cannot be acknowledged after a connection loss" not in worker.output()
+
+
+class SlowAgent(LoopbackAgent):
+    """An ``http`` agent whose every call takes ``sleep_s``; ``calls`` counts them."""
+
+    def __init__(self, sleep_s: float) -> None:
+        self.sleep_s = sleep_s
+        self.calls = 0
+        super().__init__()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        agent = self
+
+        class Handler(QuietHandler):
+            def do_GET(self) -> None:  # the bridge's health check
+                self._answer({"ok": True})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                agent.calls += 1
+                time.sleep(agent.sleep_s)
+                self._answer({"result": {"ok": True}})
+
+            def _answer(self, document: object) -> None:
+                body = json.dumps(document).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        return Handler
+
+
+@dataclass
+class Bridged:
+    bridge: CeleryProcess
+    agent: SlowAgent
+    capability: str
+
+
+@pytest.fixture
+def bridged(stack: Stack, ops: httpx.Client, log_dir: Path) -> Iterator[Bridged]:
+    """A bridge whose own lease (6 s) it renews every 2 s, the reaper running every second,
+    and a non-idempotent remote agent whose calls take 8 s, routed."""
+    stack.start_reaper()
+    clocks = {"REACH_REMOTE_HEALTH_INTERVAL_S": "2", "REACH_REMOTE_FIRST_BYTE_TIMEOUT_S": "30"}
+    bridge = start_bridge(stack.settings, log_dir / f"{stack.name}-bridge.log", **clocks)
+    stack.processes.append(bridge)
+    agent_id = f"loss-bridge-{uuid.uuid4().hex[:6]}"
+    capability = f"test.{agent_id}"
+    with SlowAgent(sleep_s=8) as agent:
+        registration = {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "http", "url": agent.url},
+            "capabilities": [{"capability": capability, "idempotent": False}],
+        }
+        assert ops.put(f"/agents/{agent_id}", json=registration).status_code == 201
+        try:
+            wait_routed(ops, agent_id, timeout_s=60)
+            yield Bridged(bridge, agent, capability)
+        finally:
+            ops.delete(f"/agents/{agent_id}")
+
+
+def call_in_flight(http: httpx.Client, bridged: Bridged) -> tuple[str, str]:
+    """Submit a call and wait for it to reach the agent; its task's id and instance."""
+    answer = http.post("/tasks", json={"capability": bridged.capability, "payload": {}})
+    assert answer.status_code == 202, answer.text
+    task_id: str = answer.json()["task_id"]
+    eventually(lambda: bridged.agent.calls == 1, "the call to reach the agent")
+    instance: str = http.get(f"/tasks/{task_id}").json()["agent"]["instance"]
+    return task_id, instance
+
+
+def test_a_flushdb_while_a_bridge_call_runs_takes_no_bridge_for_dead_and_the_call_runs_once(
+    bridged: Bridged, http: httpx.Client, own_redis: str
+) -> None:
+    # Given a call running on the bridge
+    task_id, instance = call_in_flight(http, bridged)
+    client = redis.Redis.from_url(own_redis)
+    # And a renewal in the last half second: the next is 1.5 s or more away, after the
+    # reaper's next run (the task is more than a second old by then)
+    eventually(lambda: client.pttl(lease_key(instance)) > 5_500, "a renewal", 30, 0.05)
+
+    # When Redis loses every key
+    client.flushdb()
+
+    # Then the bridge writes its lease again while the call still runs
+    eventually(
+        lambda: (
+            client.exists(lease_key(instance))
+            or http.get(f"/tasks/{task_id}").json()["status"] in FINAL
+        ),
+        "the lease back or the task ended",
+    )
+    task = http.get(f"/tasks/{task_id}").json()
+    assert (task["status"], task["error"]) == ("running", None)
+    # And the call succeeds at its first attempt, the agent called once
+    done = wait_for_task(http, task_id, FINAL, timeout_s=60)
+    assert (done["status"], done["error"], done["attempts"]) == ("succeeded", None, 1)
+    assert bridged.agent.calls == 1
+
+
+def test_a_bridge_killed_mid_call_still_has_its_call_taken_for_lost(
+    bridged: Bridged, http: httpx.Client
+) -> None:
+    # Given a call running on the bridge
+    task_id, _ = call_in_flight(http, bridged)
+
+    # When the bridge is killed with -9 (its lease and its row in Postgres age from then)
+    bridged.bridge.kill_hard()
+
+    # Then the reaper takes the call for lost, a TTL later: not idempotent, it fails
+    done = wait_for_task(http, task_id, FINAL, timeout_s=60)
+    error = done["error"]
+    assert done["status"] == "failed" and isinstance(error, dict), done
+    assert error["code"] == "worker_lost"
+    assert bridged.agent.calls == 1

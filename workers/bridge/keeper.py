@@ -14,13 +14,17 @@ Every ``remote_health_interval_s`` a thread of its own (never the task path):
   ``no_agent_available`` at once and queued tasks wait for it;
 - reads the revoked versions: a revoked agent's cards leave its lease and its queues are no
   longer consumed (the renewal itself drops them too, ``leases.renew``);
-- renews the bridge's own lease, and recovers the tasks claimed under its name that it no
-  longer holds (``lease_keeper.orphans``): a call whose final write failed past its retries
-  (Postgres away), while the bridge lives on, left its task running. Only while this process
-  is the only one alive under that name (``_alone``): two bridges started with the same
-  ``-n`` would take each other's calls for orphans, so then the check waits (with a
-  warning). Once a process of the name is gone for good (a restart after kill -9), its
-  calls are recovered here after the lease's TTL.
+- renews the bridge's own lease and writes its own row in Postgres (``agent_instances``),
+  the row whether or not Redis answers: the reaper takes an instance whose lease is gone for
+  dead only once that row is a TTL old (``recovery.seen_live``), so Redis that lost its data
+  takes no live bridge's calls for lost. A thread of its own looks for that lease every
+  ``LEASE_CHECK_S`` and writes it again at once when it is gone. It also recovers the tasks
+  claimed under its name that it no longer holds (``lease_keeper.orphans``): a call whose
+  final write failed past its retries (Postgres away), while the bridge lives on, left its
+  task running. Only while this process is the only one alive under that name (``_alone``):
+  two bridges started with the same ``-n`` would take each other's calls for orphans, so
+  then the check waits (with a warning). Once a process of the name is gone for good (a
+  restart after kill -9), its calls are recovered here after the lease's TTL.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery import bootsteps
@@ -45,7 +49,7 @@ from broker.settings import Settings
 from broker.webhooks.ssrf import Guard
 from workers.bridge.health_checks import HealthChecks
 from workers.bridge.registry import RemoteRegistry
-from workers.lease_keeper import OrphanHandler, orphans
+from workers.lease_keeper import LEASE_CHECK_S, OrphanHandler, lease_missing, orphans
 
 log = logging.getLogger("reach.bridge")
 # Per bridge name: each process running under it, and when it last said so.
@@ -88,11 +92,16 @@ class RemoteKeeper:
         self.revoked: set[tuple[str, str]] = set()
         self.consumed: set[str] = set()
         self.started_at = now_s()
+        self.own = self._own_lease()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reach-bridge", daemon=True)
+        self._watch = threading.Thread(
+            target=self._rewrite_each, name="reach-bridge-lease", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
+        self._watch.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -106,8 +115,25 @@ class RemoteKeeper:
                 log.exception("bridge tick failed")
             self._stop.wait(self.settings.remote_health_interval_s)
 
+    def _rewrite_each(self) -> None:
+        """Write the bridge's own lease again at once when it is gone from Redis (a FLUSHDB,
+        a Redis back after longer than the TTL), not at the next tick only."""
+        while not self._stop.wait(LEASE_CHECK_S):
+            if not lease_missing(self.redis, self.own.instance):
+                continue
+            try:
+                leases.renew(self.redis, replace(self.own, heartbeat_at=now_s()))
+            except Exception:  # the next check, or the next tick, writes it
+                log.exception("writing %s's lease again failed", self.own.instance)
+
     def tick(self) -> None:
-        self._hold_own_lease()
+        self.own = self._own_lease()
+        try:
+            self._hold_own_lease()
+        finally:
+            # Written while Redis does not answer too: the reaper takes the bridge's calls
+            # for lost only once its lease is gone and this row is a TTL old.
+            leases.record_instance(self.engine, self.own, READY)
         self._find_orphans()
         agents = {a.agent_id: a for a in load_all(self.engine) if a.protocol in (HTTP, A2A)}
         self.revoked = revocations.revoked_among(
@@ -142,12 +168,12 @@ class RemoteKeeper:
             self._hold(watched)
         self._consume({q for w in up for q in _queues(w)})
 
-    def _hold_own_lease(self) -> None:
+    def _own_lease(self) -> Lease:
         """The bridge's own lease, with no card: it routes nothing, but tells the reaper that
         the tasks this process is running are held (without it, every call longer than a
         second was reaped as ``worker_lost``)."""
         ttl = max(self.settings.remote_lease_ttl_s, 3 * self.settings.remote_health_interval_s)
-        own = Lease(
+        return Lease(
             instance=self.consumer.hostname,
             state=READY,
             heartbeat_at=now_s(),
@@ -156,6 +182,9 @@ class RemoteKeeper:
             hostname=socket.gethostname(),
             pid=os.getpid(),
         )
+
+    def _hold_own_lease(self) -> None:
+        own = self.own
         alone = self._alone(own)
         if self.alone and not alone:
             log.warning(
