@@ -34,7 +34,7 @@ from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import ServedApp, wait_for_task
 from tests.integration.test_a2a_facade import Clients, collect, message
-from tests.integration.test_lost_replies import WithholdingProxy
+from tests.integration.test_lost_replies import WithholdingProxy, pipe
 from tests.integration.test_mcp import connected
 from tests.integration.test_replies import frames
 
@@ -80,16 +80,6 @@ class CuttableProxy(WithholdingProxy):
         pg_r, pg_w = await asyncio.open_connection(*self.upstream)
         ends = {client_w, pg_w}
         self.open |= ends
-
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
 
         try:
             await asyncio.gather(pipe(client_r, pg_w), pipe(pg_r, client_w))

@@ -25,6 +25,7 @@ from sqlalchemy.sql import func
 from broker.db.engines import LoopConnection
 from broker.settings import Settings
 from tests.integration.test_api_outages import CuttableProxy
+from tests.integration.test_lost_replies import pipe
 
 CANCEL_REQUEST_CODE = 80877102  # the protocol's CancelRequest
 LATE_S = 0.6
@@ -69,16 +70,6 @@ class LateCancelProxy(CuttableProxy):
     ) -> None:
         pg_r, pg_w = await asyncio.open_connection(*self.upstream)
         pg_w.write(head)
-
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
 
         await asyncio.gather(pipe(client_r, pg_w), pipe(pg_r, client_w))
 

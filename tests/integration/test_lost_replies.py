@@ -33,6 +33,19 @@ CAPABILITY = "echo"
 MESSAGE_MARK = f'"routing_key": "{CAPABILITY}"'.encode()
 
 
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """What ``reader`` reads, written to ``writer``, until either end goes; then ``writer``
+    closed (the proxies of the outage tests)."""
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
 class WithholdingProxy:
     """TCP to Redis, in a thread of its own. While ``armed``, a connection whose request
     carries a message for ``CAPABILITY`` gets no reply from then on (Redis still runs it)."""

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -38,44 +36,24 @@ from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, 
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
-    free_port,
     start_beat,
     start_worker,
     wait_for_task,
 )
+from tests.integration.test_lost_replies import WithholdingProxy, pipe
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 SLOW = "test.slow-once,test.slow-idem"
 
 
-class ResettingProxy:
+class ResettingProxy(WithholdingProxy):
     """TCP to Redis on loopback, in a thread of its own; ``reset`` breaks every connection
     open through it (as a Redis restart, a failover or a load balancer's reset does), and
     new ones are let through as before."""
 
     def __init__(self, redis_url: str) -> None:
-        parts = urlsplit(redis_url)
-        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 6379)
-        self.port = free_port()
-        self.url = parts._replace(netloc=f"127.0.0.1:{self.port}").geturl()
+        super().__init__(redis_url)
         self.open: set[asyncio.StreamWriter] = set()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> ResettingProxy:
-        self.thread.start()
-        started = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port), self.loop
-        )
-        self.server = started.result(timeout=10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        if not self.thread.is_alive():
-            self.loop.close()
 
     def reset(self) -> int:
         """Break every open connection (RST); how many there were."""
@@ -88,29 +66,17 @@ class ResettingProxy:
         return len(writers)
 
     async def _close(self) -> None:
-        self.server.close()
         await self._cut()
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        await super()._close()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         redis_r, redis_w = await asyncio.open_connection(*self.upstream)
-        self.open |= {client_w, redis_w}
-
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
-                self.open.discard(writer)
-
-        await asyncio.gather(pipe(client_r, redis_w), pipe(redis_r, client_w))
+        ends = {client_w, redis_w}
+        self.open |= ends
+        try:
+            await asyncio.gather(pipe(client_r, redis_w), pipe(redis_r, client_w))
+        finally:
+            self.open -= ends
 
 
 class Stack:
