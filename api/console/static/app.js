@@ -87,6 +87,8 @@ async function attempt(event, input, status) {
     signingIn = false;
   }
   show();
+  // As after a followed link: the focus on the page's content, the navigation a Shift+Tab back
+  main.focus({ preventScroll: true });
 }
 
 window.addEventListener("reach:unauthenticated", () => {
