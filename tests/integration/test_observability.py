@@ -268,6 +268,10 @@ def _counting(connect: Any, opened: list[str]) -> Any:
     return counted
 
 
+def finished_late(scraped: str) -> float:
+    return metric(scraped, "reach_tasks_finished_total", capability="test.late", status="succeeded")
+
+
 def test_a_worker_serves_its_metrics_merged_over_its_pool_on_loopback(
     client: httpx.Client, settings: Settings, log_dir: Path
 ) -> None:
@@ -282,7 +286,13 @@ def test_a_worker_serves_its_metrics_merged_over_its_pool_on_loopback(
         ]
         for task_id in ids:
             wait_for_task(client, task_id, FINAL)
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        # The worker counts a task finished once its final write is in: the API can answer
+        # the last one's read before its process has counted it
+        text = eventually(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/metrics").text,
+            "the worker to count the three tasks finished",
+            until=lambda scraped: finished_late(scraped) >= 3,
+        )
         listening = {
             c.laddr.ip
             for c in psutil.Process(late.pid).net_connections("tcp")
@@ -290,9 +300,7 @@ def test_a_worker_serves_its_metrics_merged_over_its_pool_on_loopback(
         }
     finally:
         late.stop()
-    assert (
-        metric(text, "reach_tasks_finished_total", capability="test.late", status="succeeded") == 3
-    )
+    assert finished_late(text) == 3
     assert metric(text, "reach_task_run_seconds_count", capability="test.late") == 3
     assert listening == {"127.0.0.1"}  # unauthenticated: not on every interface
 
