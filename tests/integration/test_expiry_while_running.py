@@ -87,9 +87,10 @@ def test_a_session_turn_running_past_its_ttl_still_holds_back_the_next(
     # it takes as due every second)
     eventually(lambda: ttl_passed(engine, first["created_at"], 1), "the first TTL to pass")
     # Then the second turn starts only once the first has ended (before: the first read as
-    # gone, so the second ran beside it), and the first keeps its outcome
-    done_second = wait_for_task(client, second["task_id"], FINAL, timeout_s=60)
+    # gone, so the second ran beside it), and the first keeps its outcome: read as it ends,
+    # within its second (read after the second turn, it could be gone by then)
     done_first = wait_for_task(client, first["task_id"], FINAL, timeout_s=60)
+    done_second = wait_for_task(client, second["task_id"], FINAL, timeout_s=60)
     assert done_first["status"] == done_second["status"] == "succeeded"
     assert str(done_second["started_at"]) >= str(done_first["finished_at"])
 
