@@ -88,3 +88,13 @@ def console(browser: Browser, api: ServedApp, worker: CeleryProcess) -> Iterator
 def key(make_key: KeyMaker) -> str:
     """A key of a fresh tenant, allowed every capability."""
     return make_key()[1]
+
+
+def unreachable_agent(capabilities: list[str]) -> dict[str, object]:
+    """A remote agent's registration (PUT /agents/{id}) at an address nothing answers (port
+    9), for pages that list agents and capabilities."""
+    return {
+        "version": "1.0.0",
+        "endpoint": {"protocol": "http", "url": "http://127.0.0.1:9/run"},
+        "capabilities": [{"capability": c, "timeout_s": 5} for c in capabilities],
+    }

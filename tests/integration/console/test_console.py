@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 
 from broker.tenancy import key_store
 from tests.integration.conftest import client_for
-from tests.integration.console.conftest import Console
+from tests.integration.console.conftest import Console, unreachable_agent
 from tests.integration.stack import ServedApp, wait_for_task
 
 TEXT = (
@@ -210,13 +210,7 @@ def test_every_page_is_reached_and_used_with_the_keyboard_alone(
     # Pages as long as a busy registry makes them: 30 capabilities, two links a row
     _, admin = key_store.create_key(engine, "console-keyboard", ["*"], is_admin=True)
     agent_id = f"console-many-{secrets.token_hex(3)}"
-    card = {
-        "version": "1.0.0",
-        "endpoint": {"protocol": "http", "url": "http://127.0.0.1:9/run"},
-        "capabilities": [
-            {"capability": f"test.{agent_id}.n{n}", "timeout_s": 5} for n in range(30)
-        ],
-    }
+    card = unreachable_agent([f"test.{agent_id}.n{n}" for n in range(30)])
     with client_for(api, admin) as ops:
         assert ops.put(f"/agents/{agent_id}", json=card).status_code == 201
         try:

@@ -14,7 +14,7 @@ from sqlalchemy import Engine
 from broker.settings import Settings
 from broker.tenancy import key_store
 from tests.integration.conftest import client_for
-from tests.integration.console.conftest import Console
+from tests.integration.console.conftest import Console, unreachable_agent
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker
 
 
@@ -67,11 +67,7 @@ def test_an_operator_sets_and_removes_a_channel_and_revokes_a_version(
 ) -> None:
     _, key = key_store.create_key(engine, "console-ops", ["*"], is_admin=True)
     agent_id = f"console-remote-{secrets.token_hex(3)}"
-    registration = {
-        "version": "1.0.0",
-        "endpoint": {"protocol": "http", "url": "http://127.0.0.1:9/run"},
-        "capabilities": [{"capability": f"test.{agent_id}", "timeout_s": 5}],
-    }
+    registration = unreachable_agent([f"test.{agent_id}"])
     page = console.page
     with client_for(api, key) as ops:
         assert ops.put(f"/agents/{agent_id}", json=registration).status_code == 201
