@@ -18,7 +18,8 @@ from tests.eventually import eventually
 from tests.integration.stack import CeleryProcess, wait_for_task
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
-RUN_S = 8  # how long the task runs: far past its one-second TTL
+TTL_S = 3  # a task's TTL: a loaded machine's pause between its end and the read fits in it
+RUN_S = 8  # how long the task runs: far past its TTL
 
 
 def ttl_passed(engine: Engine, created_at: str, ttl_s: int) -> bool:
@@ -39,20 +40,21 @@ def same_key_tasks(engine: Engine, key: str) -> list[uuid.UUID]:
 def test_a_task_running_past_its_ttl_keeps_its_row_its_key_and_its_outcome(
     client: httpx.Client, engine: Engine, settings: Settings
 ) -> None:
-    # Given a task kept one second that runs for eight
+    # Given a task kept three seconds that runs for eight
     key = f"charge-{uuid.uuid4().hex[:8]}"
     envelope: dict[str, Any] = {
         "capability": "test.sleepy",
         "payload": {"sleep_s": RUN_S},
-        "result_ttl_s": 1,
+        "result_ttl_s": TTL_S,
         "idempotency_key": key,
     }
     first = client.post("/tasks", json=envelope)
     assert first.status_code == 202, first.text
     task_id = first.json()["task_id"]
     wait_for_task(client, task_id, {"running"})
-    # When its second has passed while it runs, and the janitor has run since
-    eventually(lambda: ttl_passed(engine, first.json()["created_at"], 1), "the first TTL to pass")
+    # When its TTL has passed while it runs, and the janitor has run since
+    created = first.json()["created_at"]
+    eventually(lambda: ttl_passed(engine, created, TTL_S), "the first TTL to pass")
     execution.purge_expired(engine, batch=1000, budget_s=5)
     # Then it still reads as running (before: 404)
     read = client.get(f"/tasks/{task_id}")
@@ -75,20 +77,20 @@ def test_a_task_running_past_its_ttl_keeps_its_row_its_key_and_its_outcome(
 def test_a_session_turn_running_past_its_ttl_still_holds_back_the_next(
     client: httpx.Client, engine: Engine, system_beat: CeleryProcess
 ) -> None:
-    # Given a session whose first turn, kept one second, runs for eight, and a second turn
+    # Given a session whose first turn, kept three seconds, runs for eight, and a second turn
     session_id = client.post("/sessions", json={}).json()["session_id"]
-    slow = {"capability": "test.sleepy", "payload": {"sleep_s": RUN_S}, "result_ttl_s": 1}
+    slow = {"capability": "test.sleepy", "payload": {"sleep_s": RUN_S}, "result_ttl_s": TTL_S}
     first = client.post("/tasks", json={**slow, "session_id": session_id}).json()
     wait_for_task(client, first["task_id"], {"running"})
     second = client.post(
         "/tasks", json={"capability": "echo", "payload": {"n": 2}, "session_id": session_id}
     ).json()
-    # When the first turn's second has passed while it runs (the sweeper republishes a turn
+    # When the first turn's TTL has passed while it runs (the sweeper republishes a turn
     # it takes as due every second)
-    eventually(lambda: ttl_passed(engine, first["created_at"], 1), "the first TTL to pass")
+    eventually(lambda: ttl_passed(engine, first["created_at"], TTL_S), "the first TTL to pass")
     # Then the second turn starts only once the first has ended (before: the first read as
     # gone, so the second ran beside it), and the first keeps its outcome: read as it ends,
-    # within its second (read after the second turn, it could be gone by then)
+    # within its TTL (read after the second turn, it could be gone by then)
     done_first = wait_for_task(client, first["task_id"], FINAL, timeout_s=60)
     done_second = wait_for_task(client, second["task_id"], FINAL, timeout_s=60)
     assert done_first["status"] == done_second["status"] == "succeeded"
