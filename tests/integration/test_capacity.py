@@ -577,11 +577,14 @@ def test_an_a2a_subscription_nobody_reads_loses_its_connection(
 def test_a_client_that_reads_slowly_keeps_its_connection_to_the_end(
     stack_for: Callable[..., ServedApp], engine: Engine, make_key: KeyMaker
 ) -> None:
-    # Given a task with about 1 MiB to answer
-    api = stack_for(client_stall_s=0.5)
+    # Given a task with about 1 MiB to answer, and an API that resets a connection whose
+    # client took less than 16 KiB in 2 s while bytes waited for it: a stall this test's
+    # reader, descheduled for a second on a loaded machine, does not make
+    api = stack_for(client_stall_s=2)
     tenant, token = make_key()
     task_id = _finished_with_a_big_result(engine, tenant)
-    # When its client reads it 32 KiB at a time, 0.1 s apart (a tenth of what the API needs)
+    # When its client reads it 32 KiB at a time, 0.2 s apart (for some 6 s: the API judges
+    # its pace more than once)
     asked = _asked_for(api.port, f"/tasks/{task_id}", token, window=64 * 1024)
     with contextlib.closing(asked) as reader:
         received = bytearray()
@@ -590,7 +593,7 @@ def test_a_client_that_reads_slowly_keeps_its_connection_to_the_end(
             if not chunk:
                 break
             received += chunk
-            time.sleep(0.1)
+            time.sleep(0.2)
     # Then the whole answer came
     head, _, body = bytes(received).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), head[:100]
