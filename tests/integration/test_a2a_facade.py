@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from a2a.client import A2ACardResolver, ClientCallContext, ClientConfig, ClientFactory
 from a2a.client.auth import AuthInterceptor, CredentialService
 from a2a.client.client import Client
@@ -46,6 +47,7 @@ from api.app import create_app
 from api.deps import SMALL_BODY_BYTES
 from broker.remote.a2a_json import to_json
 from broker.settings import Settings
+from tests.agents import GATE_KEY
 from tests.integration.conftest import KeyMaker
 from tests.integration.receiver import Receiver
 from tests.integration.stack import CeleryProcess, ServedApp
@@ -776,7 +778,7 @@ def test_the_a2a_routes_show_in_the_openapi_document(api: ServedApp) -> None:
 
 
 def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_another(
-    a2a: Clients, settings: Settings, make_key: KeyMaker
+    a2a: Clients, settings: Settings, make_key: KeyMaker, redis_url: str
 ) -> None:
     """A2A tasks live in our tables and event log, not in an API process's memory."""
     with ServedApp(create_app(settings)) as other:
@@ -786,10 +788,20 @@ def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_anothe
             tenant = f"t-{uuid.uuid4().hex[:8]}"
             here, _ = await a2a(tenant=tenant)
             there, _ = await elsewhere(tenant=tenant, streaming=True)
-            # Long enough (about 1.5 s) to be still running when the other process subscribes.
-            slow_summary = {"text": TEXT, "max_sentences": 4, "delay_s": 0.5}
-            task_id = await sent_at_once(here, message("text.summarize", data=slow_summary))
-            streamed = await collect(there.subscribe(SubscribeToTaskRequest(id=task_id)))
+            # A task that waits at a gate until the other process has subscribed: one that ran
+            # a while on its own had ended, on a loaded machine, before the subscribe came in
+            # (refused: "the task is already succeeded").
+            gate = uuid.uuid4().hex
+            gated = {"gate": gate, "sleep_s": 0}
+            task_id = await sent_at_once(here, message("test.sleepy", data=gated))
+            subscribed = there.subscribe(SubscribeToTaskRequest(id=task_id))
+            first = await anext(subscribed)
+            assert first.HasField("task") and first.task.status.state in (
+                TaskState.TASK_STATE_SUBMITTED,
+                TaskState.TASK_STATE_WORKING,
+            )
+            redis.Redis.from_url(redis_url).set(GATE_KEY.format(gate), 1, ex=300)
+            streamed = [first, *await collect(subscribed)]
             assert streamed[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
             read = await there.get_task(GetTaskRequest(id=task_id))
             assert read.status.state == TaskState.TASK_STATE_COMPLETED
