@@ -360,8 +360,10 @@ def sync_slow(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
-    """Counts its runs; sleeps ``sleep_s`` on its first attempt and hardly at all after."""
+    """Counts its runs; given a ``gate``, waits for it (``_wait_for_gate``); sleeps
+    ``sleep_s`` on its first attempt and hardly at all after."""
     runs = await asyncio.to_thread(_runs, ctx)
+    await asyncio.to_thread(_wait_for_gate, payload, ctx)
     await asyncio.sleep(float(payload.get("sleep_s", 60)) if ctx.attempt == 1 else 0.05)
     return {"runs": runs, "attempt": ctx.attempt}
 
@@ -377,6 +379,7 @@ agent.capability("test.async-watched", agent_id="test-async-watched")(_lives)
 def sync_lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """``_lives`` as a sync handler: a pool thread each."""
     runs = _runs(ctx)
+    _wait_for_gate(payload, ctx)
     time.sleep(float(payload.get("sleep_s", 60)) if ctx.attempt == 1 else 0.05)
     return {"runs": runs, "attempt": ctx.attempt}
 

@@ -24,6 +24,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from broker.settings import Settings
 from broker.tasks import events
+from tests.agents import GATE_KEY
 from tests.eventually import eventually
 from tests.integration.stack import (
     CeleryProcess,
@@ -593,7 +594,12 @@ def test_sigterm_lets_runs_in_flight_finish_and_leaves_the_rest_queued(
     )
     after: CeleryProcess | None = None
     try:
-        envelopes = [{"capability": capability, "payload": {"sleep_s": 2}}] * 10
+        # Each run waits at a gate, opened once the worker has stopped taking runs after its
+        # SIGTERM: runs of 2 s had ended, on a loaded machine, between the test's look (five
+        # running) and its signal, and five more had started (10 succeeded, not 5)
+        gate = uuid.uuid4().hex
+        payload = {"gate": gate, "sleep_s": 0}
+        envelopes = [{"capability": capability, "payload": payload}] * 10
         responses = asyncio.run(submit_many(api, token, envelopes))
         ids = [r.json()["task_id"] for r in responses]
         with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
@@ -604,8 +610,14 @@ def test_sigterm_lets_runs_in_flight_finish_and_leaves_the_rest_queued(
                 0.1,
                 until=lambda found: sum(t["status"] == "running" for t in found.values()) == 5,
             )
-            draining.stop()  # SIGTERM: Celery's warm shutdown
-            assert draining.process is not None and draining.process.returncode == 0
+            assert draining.process is not None
+            draining.process.send_signal(signal.SIGTERM)  # Celery's warm shutdown
+            eventually(
+                lambda: "run queues taken on the event loop: none" in draining.output(),
+                "the worker to stop taking runs",
+            )
+            redis.Redis.from_url(redis_url).set(GATE_KEY.format(gate), 1, ex=300)
+            assert draining.process.wait(timeout=60) == 0
             drained = statuses_of(http, ids)
             counts = {s: sum(t["status"] == s for t in drained.values()) for s in FINAL}
             assert counts["succeeded"] == 5
