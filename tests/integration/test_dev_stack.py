@@ -81,9 +81,27 @@ def _banner(log: Path, dev: Popen) -> str:
     )
 
 
-def _stop_dev(dev: Popen, log: Path) -> None:
+def _interrupt(dev: Popen) -> int:
+    """Ctrl-C, as its user stops it: its exit code. A stack still running a minute later is
+    killed, each of its processes, before the test fails: it ran on beside the rest of the
+    suite, its workers and beat holding connections of the shared Postgres."""
+    family: list[psutil.Process] = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family = psutil.Process(dev.pid).children(recursive=True)
     dev.send_signal(signal.SIGINT)
-    code = dev.wait(timeout=60)
+    try:
+        return dev.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        dev.kill()
+        dev.wait()
+        raise
+
+
+def _stop_dev(dev: Popen, log: Path) -> None:
+    code = _interrupt(dev)
     assert code == 0, log.read_text(errors="replace")[-3000:]
 
 
@@ -134,8 +152,7 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
         children = psutil.Process(dev.pid).children(recursive=True)
         assert len(children) >= 4  # api, worker (and its pool), beat, flower
     finally:
-        dev.send_signal(signal.SIGINT)
-        code = dev.wait(timeout=60)
+        code = _interrupt(dev)
     assert code == 0, log.read_text(errors="replace")[-3000:]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert alive == []
