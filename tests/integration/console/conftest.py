@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    ConsoleMessage,
+    Page,
+    Playwright,
+    expect,
+    sync_playwright,
+)
 
 from tests.conftest import IN_CI
 from tests.integration.conftest import KeyMaker
@@ -71,6 +78,9 @@ class Console:
 def console(browser: Browser, api: ServedApp, worker: CeleryProcess) -> Iterator[Console]:
     context = browser.new_context(viewport=WIDE)
     context.set_default_timeout(20_000)
+    # The assertions wait as long as the actions: expect's own 5 s was not enough for a
+    # Chromium on a loaded machine (a page's list shown after 5 s failed the test)
+    expect.set_options(timeout=20_000)
     page = context.new_page()
     found = Console(page, api.url)
 
