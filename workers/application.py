@@ -159,6 +159,12 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     app.steps["consumer"].add(lease_step(settings, registry, app.reach_recover_orphans))
 
     def drain_on_shutdown(**_: object) -> None:
+        # From the signal on, no run starts here: Celery stops the consumer (and its step
+        # pauses this one) only after the pool, and runs ending before then made room for
+        # more (five more started in 0.5 s after a SIGTERM)
+        taking = getattr(app, "reach_loop_consumer", None)
+        if taking is not None:
+            taking.pause()
         keeper = getattr(app, "reach_lease_keeper", None)
         if keeper is not None:
             keeper.begin_drain(stop_consuming=False)
