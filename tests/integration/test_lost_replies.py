@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -33,13 +33,23 @@ CAPABILITY = "echo"
 MESSAGE_MARK = f'"routing_key": "{CAPABILITY}"'.encode()
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def passed(data: bytes) -> bytes | None:
+    return data
+
+
+async def pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    each: Callable[[bytes], Awaitable[bytes | None]] = passed,
+) -> None:
     """What ``reader`` reads, written to ``writer``, until either end goes; then ``writer``
-    closed (the proxies of the outage tests)."""
+    closed (the proxies of the outage tests). ``each`` sees every read first, and may hold
+    it back (by waiting) or drop it (``None``)."""
     try:
         while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
+            if (kept := await each(data)) is not None:
+                writer.write(kept)
+                await writer.drain()
     except ConnectionError:
         pass
     finally:
@@ -84,26 +94,19 @@ class WithholdingProxy:
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         redis_r, redis_w = await asyncio.open_connection(*self.upstream)
-        stalled = {"on": False}
+        stalled = False
 
-        async def pipe(
-            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: bool
-        ) -> None:
-            try:
-                while data := await reader.read(65536):
-                    if requests and self.armed.is_set() and MESSAGE_MARK in data:
-                        stalled["on"] = True
-                        self.withheld.set()
-                    if not requests and stalled["on"]:
-                        continue
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
+        async def request(data: bytes) -> bytes | None:
+            nonlocal stalled
+            if self.armed.is_set() and MESSAGE_MARK in data:
+                stalled = True
+                self.withheld.set()
+            return data
 
-        await asyncio.gather(pipe(client_r, redis_w, True), pipe(redis_r, client_w, False))
+        async def reply(data: bytes) -> bytes | None:
+            return None if stalled else data
+
+        await asyncio.gather(pipe(client_r, redis_w, request), pipe(redis_r, client_w, reply))
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from broker.db.models import tenant_usage_table
 from broker.settings import Settings
 from broker.tenancy.usage import PostgresHeld
 from tests.integration.test_api_outages import CuttableProxy
+from tests.integration.test_lost_replies import pipe
 
 TIMEOUT_S = 1.0
 # The contract is "gives up after its timeout"; a read still waiting at this bound has not
@@ -64,18 +65,11 @@ class FreezingProxy(CuttableProxy):
         await self.flowing.wait()
         pg_r, pg_w = await asyncio.open_connection(*self.upstream)
 
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    await self.flowing.wait()
-                    writer.write(data)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
+        async def when_flowing(data: bytes) -> bytes:
+            await self.flowing.wait()
+            return data
 
-        await asyncio.gather(pipe(client_r, pg_w), pipe(pg_r, client_w))
+        await asyncio.gather(pipe(client_r, pg_w, when_flowing), pipe(pg_r, client_w, when_flowing))
 
 
 @pytest.fixture
