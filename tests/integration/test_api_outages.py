@@ -98,19 +98,23 @@ def cut_api(settings: Settings) -> Iterator[tuple[ServedApp, CuttableProxy]]:
         proxy.restore()
 
 
+class Kept(logging.Handler):
+    """The records at ``level`` and above that ``keep`` takes."""
+
+    def __init__(self, level: int, keep: Callable[[logging.LogRecord], bool]) -> None:
+        super().__init__(level)
+        self.keep = keep
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.keep(record):
+            self.records.append(record)
+
+
 @pytest.fixture
 def errors_logged() -> Iterator[list[logging.LogRecord]]:
     """The records of level ERROR and above logged while the test runs."""
-
-    class Kept(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.ERROR)
-            self.records: list[logging.LogRecord] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.records.append(record)
-
-    kept = Kept()
+    kept = Kept(logging.ERROR, lambda _: True)
     root = logging.getLogger()
     root.addHandler(kept)
     yield kept.records
@@ -120,17 +124,7 @@ def errors_logged() -> Iterator[list[logging.LogRecord]]:
 @pytest.fixture
 def stream_failures() -> Iterator[list[logging.LogRecord]]:
     """The records of a stream's failed reads logged while the test runs."""
-
-    class Kept(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.records: list[logging.LogRecord] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith("stream of task"):
-                self.records.append(record)
-
-    kept = Kept()
+    kept = Kept(logging.INFO, lambda record: record.getMessage().startswith("stream of task"))
     logger = logging.getLogger("reach.replies")
     level = logger.level
     logger.setLevel(logging.INFO)

@@ -282,19 +282,15 @@ def test_an_instances_row_is_stamped_by_postgress_clock_not_its_hosts(
     monkeypatch.setattr(leases, "datetime", AheadClock)
     # When its worker records its row, and then stops
     lease = _lease("ahead@pod")
+
+    def in_the_future(column: Any) -> bool:
+        query = select(column > func.now()).where(instances.c.instance == lease.instance)
+        with own_engine.connect() as conn:
+            return bool(conn.execute(query).scalar_one())
+
     leases.record_instance(own_engine, lease, READY)
-    with own_engine.connect() as conn:
-        seen_ahead = conn.execute(
-            select(instances.c.last_seen_at > func.now()).where(
-                instances.c.instance == lease.instance
-            )
-        ).scalar_one()
+    seen_ahead = in_the_future(instances.c.last_seen_at)
     leases.record_instance(own_engine, lease, OFFLINE)
-    with own_engine.connect() as conn:
-        stopped_ahead = conn.execute(
-            select(instances.c.stopped_at > func.now()).where(
-                instances.c.instance == lease.instance
-            )
-        ).scalar_one()
+    stopped_ahead = in_the_future(instances.c.stopped_at)
     # Then neither is in Postgres's future
     assert (seen_ahead, stopped_ahead) == (False, False)
