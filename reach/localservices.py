@@ -220,17 +220,57 @@ def _local_redis(prefer_local: bool) -> str | None:
     return None
 
 
+# How long a start of the embedded Postgres may take in all: pgserver gives ``pg_ctl start``
+# 10 s, which a loaded machine's start has been seen to pass.
+POSTGRES_START_S = 120.0
+
+
 def _start_postgres(directory: Path, services: Services) -> str:
     from pgserver.postgres_server import get_server  # lazily: only needed without a Postgres
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    # "stop" keeps the data directory, so the next run finds its databases again.
-    server = get_server(directory, cleanup_mode="stop")
+    deadline = time.monotonic() + POSTGRES_START_S
+    while True:
+        try:
+            # "stop" keeps the data directory, so the next run finds its databases again.
+            server = get_server(directory, cleanup_mode="stop")
+            break
+        except subprocess.TimeoutExpired:
+            _log.warning("the embedded Postgres is slow to start; waiting for it")
+            _forget_failed_start(directory)
+            if not _wait_for_postmaster(directory, deadline):
+                raise
     services._own("postgres", server.cleanup)
     uri = urlsplit(server.get_uri())  # postgresql://postgres:@/postgres?host=/socket/dir
     userinfo, _, hostport = uri.netloc.rpartition("@")
     netloc = f"{userinfo.removesuffix(':')}@{hostport}" if userinfo else hostport
     return _unsplit(uri._replace(scheme="postgresql+psycopg", netloc=netloc))
+
+
+def _forget_failed_start(directory: Path) -> None:
+    """Drop the handle pgserver kept of a start whose ``pg_ctl`` it gave up on: the next
+    ``get_server`` would hand it back, unstarted. Its exit handler goes too: it would stop
+    the server another handle serves, or leave it running (it takes the handle count)."""
+    from pgserver.postgres_server import PostgresServer
+
+    failed = PostgresServer._instances.pop(directory.expanduser().resolve(), None)
+    if failed is not None:
+        atexit.unregister(failed._cleanup)
+
+
+def _wait_for_postmaster(directory: Path, deadline: float) -> bool:
+    """Wait for the postmaster a timed-out ``pg_ctl`` left starting (it goes on without
+    it) to be ready; True once it is, or once none is running (the next ``get_server``
+    starts one). False at the deadline."""
+    from pgserver.utils import PostmasterInfo
+
+    pgdata = directory.expanduser().resolve()
+    while time.monotonic() < deadline:
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+        if info is None or not info.is_running() or info.status == "ready":
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _start_redis(directory: Path, services: Services) -> str:

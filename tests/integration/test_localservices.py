@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import uuid
@@ -240,3 +241,44 @@ def test_embedded_postgres_keeps_its_data_between_runs(tmp_path: Path) -> None:
         assert query_one(with_database(second.database_url, "kept"), "select 1") == 1
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("left_starting", [True, False], ids=["left-starting", "never-started"])
+def test_an_embedded_postgres_slower_than_pg_ctls_timeout_is_waited_for_and_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, left_starting: bool
+) -> None:
+    """pgserver gives ``pg_ctl start`` 10 s; on a loaded machine a start took longer, and
+    ``ensure_services`` failed (before: TimeoutExpired, and every later try got pgserver's
+    unstarted handle back). Here the first ``pg_ctl start`` times out either after it set the
+    postmaster going (which goes on without it) or before."""
+    import pgserver.postgres_server as pgserver_module
+
+    real_pg_ctl = pgserver_module.pg_ctl
+    starts: list[list[str]] = []
+
+    def slow_pg_ctl(args: list[str], **kwargs: object) -> str:
+        if args[-1] == "start" and not starts:
+            starts.append(args)
+            if left_starting:  # the postmaster goes on starting, pg_ctl does not wait for it
+                real_pg_ctl([a for a in args if a != "-w"], **kwargs)
+            else:  # pg_ctl made its log and was stopped before it started anything
+                log = Path(str(kwargs["pgdata"])) / "log"
+                log.touch()
+                if kwargs.get("user"):  # pgserver runs the server as a user of its own
+                    shutil.chown(log, user=str(kwargs["user"]))
+            raise subprocess.TimeoutExpired(cmd="pg_ctl", timeout=10)
+        answer: str = real_pg_ctl(args, **kwargs)
+        return answer
+
+    monkeypatch.setattr(pgserver_module, "pg_ctl", slow_pg_ctl)
+    found = ensure_services(tmp_path, prefer_local=False, redis_url="redis://unused:1/0")
+    try:
+        assert starts, "the first pg_ctl start did not time out"
+        assert found.embedded == ["postgres"]
+        assert query_one(found.database_url, "select 1") == 1
+    finally:
+        found.stop()
+    # One server, stopped with the services: none left running past them
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(libpq_url(found.database_url), connect_timeout=2)
+    assert not (tmp_path / "postgres" / "postmaster.pid").exists()
