@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,11 +33,41 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and to ``bind(0)``."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()
+_ports = random.Random(os.getpid())
+
+
+def free_port(count: int = 1) -> int:
+    """A loopback port nothing listens on, for a server a test starts later (the first of
+    ``count`` in a row). Not one the kernel would pick (``bind(0)``): between the pick and the
+    server's bind, any outgoing connection of the machine (a worker's to Redis, a client's to
+    the API) could take such a port as its own end, and the server then failed to start.
+    Below the ephemeral range only a listener can hold one, and none is handed out twice in
+    one test session."""
+    ephemeral = _ephemeral_ports()
+    low, high = (20000, ephemeral.start - count) if ephemeral.start > 21000 else (1024, 65535)
+    while True:
+        first = _ports.randint(low, high)
+        wanted = range(first, first + count)
+        if any(p in _handed_out or p in ephemeral or p > 65535 for p in wanted):
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in wanted:
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _handed_out.update(wanted)
+        return first
 
 
 def environment(settings: Settings) -> dict[str, str]:

@@ -165,7 +165,7 @@ def test_a_taken_flower_port_leaves_the_stack_running_and_the_next_run_revokes_t
     """Given Flower's port taken and a DATABASE_URL naming no database yet: the stack comes up
     (the database created, one warning for Flower, each worker's metrics on a port of its
     own); a second run prints a new key and the first run's no longer opens the API."""
-    port, flower_port, metrics_base = free_port(), free_port(), _free_ports(5)
+    port, flower_port, metrics_base = free_port(), free_port(), free_port(5)
     env = _dev_environment(settings, missing_database, own_redis)
     env["REACH_WORKER_METRICS_PORT"] = str(metrics_base)
     api = f"http://127.0.0.1:{port}"
@@ -204,22 +204,6 @@ def test_a_taken_flower_port_leaves_the_stack_running_and_the_next_run_revokes_t
                 _stop_dev(dev, log)
     served = "".join(p.read_text() for p in (tmp_path / ".reach" / "logs").glob("*.log"))
     assert "worker metrics not served" not in served
-
-
-def _free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports on loopback."""
-    while True:
-        first = free_port()
-        if first + count > 65536:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
 
 
 def _status(url: str, token: str) -> int:

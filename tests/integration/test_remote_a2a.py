@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,11 @@ class A2AAgent:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        eventually(self._answers, "the A2A agent to serve its card", 20)
+        try:
+            eventually(self._answers, "the A2A agent to serve its card", 20)
+        except BaseException:
+            self.stop()  # not left serving the tests after this one
+            raise
         return self
 
     def _answers(self) -> bool:
@@ -79,13 +84,25 @@ def registration(card_url: str, prefix: str, **more: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def agent(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[A2AAgent]:
     """The example agent, registered as ``a2a-travel`` with the prefix ``travel``."""
-    served = A2AAgent(log_dir / "a2a-agent.log").start()
-    answer = ops.put("/agents/a2a-travel", json=registration(served.card_url, "travel"))
-    assert answer.status_code == 201, answer.text
-    wait_routed(ops, "a2a-travel")
-    yield served
-    served.stop()
-    ops.delete("/agents/a2a-travel")
+    with registered_agent(ops, log_dir / "a2a-agent.log", "a2a-travel", "travel") as served:
+        yield served
+
+
+@contextmanager
+def registered_agent(
+    ops: httpx.Client, log_path: Path, agent_id: str, prefix: str, *flags: str
+) -> Iterator[A2AAgent]:
+    """The example agent started, registered as ``agent_id`` with ``prefix`` and routed;
+    stopped and deregistered after, whatever went wrong on the way."""
+    served = A2AAgent(log_path, *flags).start()
+    try:
+        answer = ops.put(f"/agents/{agent_id}", json=registration(served.card_url, prefix))
+        assert answer.status_code == 201, answer.text
+        wait_routed(ops, agent_id)
+        yield served
+    finally:
+        served.stop()
+        ops.delete(f"/agents/{agent_id}")
 
 
 def submit(caller: httpx.Client, skill: str, payload: Any, **envelope: Any) -> httpx.Response:
@@ -247,11 +264,8 @@ def test_a_card_that_cannot_be_read_or_used_gets_422_and_writes_nothing(
 def test_an_agent_that_does_not_stream_is_polled_at_its_preferred_interface(
     ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess, log_dir: Path
 ) -> None:
-    plain = A2AAgent(log_dir / "a2a-plain.log", "--no-streaming", "--binding", "rest").start()
-    try:
-        answer = ops.put("/agents/a2a-plain", json=registration(plain.card_url, "plain"))
-        assert answer.status_code == 201, answer.text
-        wait_routed(ops, "a2a-plain")
+    flags = ("--no-streaming", "--binding", "rest")
+    with registered_agent(ops, log_dir / "a2a-plain.log", "a2a-plain", "plain", *flags) as plain:
         done = caller.post(
             "/tasks",
             json={
@@ -265,9 +279,6 @@ def test_an_agent_that_does_not_stream_is_polled_at_its_preferred_interface(
         outputs = [k for k, _ in events_of(caller, done.json()["task_id"]) if k == "output"]
         assert outputs == []
         assert plain.stats()["last_request"]["path"].startswith("/a2a/rest/")
-    finally:
-        plain.stop()
-        ops.delete("/agents/a2a-plain")
 
 
 def test_a_killed_agent_is_refused_once_its_lease_is_gone(

@@ -19,7 +19,7 @@ import pytest
 from broker.remote.connections import MAX_ANSWER_ELEMENTS
 from tests.integration.remote import LoopbackAgent, QuietHandler, wait_routed
 from tests.integration.stack import CeleryProcess, wait_for_task
-from tests.integration.test_remote_a2a import A2AAgent, registration
+from tests.integration.test_remote_a2a import A2AAgent, registered_agent, registration
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,13 +94,8 @@ class PastTheCap(LoopbackAgent):
 @pytest.fixture(scope="module")
 def calm(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[A2AAgent]:
     """The example agent, registered as ``a2a-calm`` with the prefix ``calm``."""
-    served = A2AAgent(log_dir / "a2a-agent-bounds.log").start()
-    answer = ops.put("/agents/a2a-calm", json=registration(served.card_url, "calm"))
-    assert answer.status_code == 201, answer.text
-    wait_routed(ops, "a2a-calm")
-    yield served
-    served.stop()
-    ops.delete("/agents/a2a-calm")
+    with registered_agent(ops, log_dir / "a2a-agent-bounds.log", "a2a-calm", "calm") as served:
+        yield served
 
 
 def ended(caller: httpx.Client, capability: str, payload: Any) -> dict[str, Any]:
