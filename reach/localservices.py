@@ -253,7 +253,8 @@ def _forget_failed_start(directory: Path) -> None:
     the server another handle serves, or leave it running (it takes the handle count)."""
     from pgserver.postgres_server import PostgresServer
 
-    failed = PostgresServer._instances.pop(directory.expanduser().resolve(), None)
+    handles = getattr(PostgresServer, "_instances", {})  # by data directory
+    failed = handles.pop(directory.expanduser().resolve(), None)
     if failed is not None:
         atexit.unregister(failed._cleanup)
 
