@@ -7,13 +7,16 @@ Before, the connection was kept and the next statement on it was cancelled now a
 in 400 statements that ended at their deadline, in a review): a tenant's figure read failed
 with ``QueryCanceled``, answered as an outage (503), though Postgres had answered at once.
 Here a loopback proxy the test owns makes that lateness certain: it takes a cancel request,
-tells the client it was sent, and delivers it ``LATE_S`` later.
+tells the client it was sent, and delivers it only when the test says: once the statement
+has ended and the next one is running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,17 +31,18 @@ from tests.integration.test_api_outages import CuttableProxy
 from tests.integration.test_lost_replies import pipe
 
 CANCEL_REQUEST_CODE = 80877102  # the protocol's CancelRequest
-LATE_S = 0.6
 # The first statement passes its deadline and ends before its cancel request lands; the next
-# is still running when it does.
+# is running when it does: it is seen running, then the request is delivered and has landed
+# (Postgres acts on it as it reads it), then the next statement ends.
 FIRST_SLEEP_S, FIRST_TIMEOUT_S = 0.3, 0.1
-NEXT_SLEEP_S = 1.5
+NEXT_SLEEP_S = 3.0
 HANG_S = 60  # bounds each await; each ends in seconds
 
 
 class LateCancelProxy(CuttableProxy):
     """TCP to Postgres; a cancel request is taken, its connection closed at once (so the client
-    counts it sent), and delivered to Postgres ``LATE_S`` later."""
+    counts it sent), and delivered to Postgres once ``deliver`` is set; ``landed`` is set once
+    Postgres has acted on it."""
 
     def __init__(self, database_url: str) -> None:
         super().__init__(database_url)
@@ -48,6 +52,7 @@ class LateCancelProxy(CuttableProxy):
             .update_query_dict({"sslmode": "disable"})
             .render_as_string(hide_password=False)
         )
+        self.deliver, self.landed = threading.Event(), threading.Event()
         self.delivered = 0  # cancel requests passed on, on the proxy's loop
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -58,12 +63,14 @@ class LateCancelProxy(CuttableProxy):
             return
         request = head + await client_r.readexactly(length - 8)
         client_w.close()
-        await asyncio.sleep(LATE_S)
-        _, pg_w = await asyncio.open_connection(*self.upstream)
+        await asyncio.to_thread(self.deliver.wait, HANG_S)
+        pg_r, pg_w = await asyncio.open_connection(*self.upstream)
         pg_w.write(request)
         await pg_w.drain()
+        await pg_r.read()  # Postgres closes it once it has acted on the request
         pg_w.close()
         self.delivered += 1
+        self.landed.set()
 
     async def _forward(
         self, head: bytes, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
@@ -85,7 +92,7 @@ def sleeping(seconds: float) -> Any:
 
 
 def test_a_cancel_request_landing_after_its_statement_ended_cancels_nothing_else(
-    proxy: LateCancelProxy,
+    proxy: LateCancelProxy, settings: Settings
 ) -> None:
     async def scenario() -> tuple[Any, Any, int]:
         db = LoopConnection(proxy.url)
@@ -95,20 +102,38 @@ def test_a_cancel_request_landing_after_its_statement_ended_cancels_nothing_else
             first = await asyncio.wait_for(
                 db.execute(sleeping(FIRST_SLEEP_S), {}, timeout_s=FIRST_TIMEOUT_S), HANG_S
             )
-            # When the next statement runs while the request lands
+            # When the request lands while the next statement runs
+            following_run = asyncio.create_task(db.execute(sleeping(NEXT_SLEEP_S), {}))
+            await asyncio.wait_for(asyncio.to_thread(sleep_seen, settings), HANG_S)
+            proxy.deliver.set()
+            await asyncio.to_thread(proxy.landed.wait, HANG_S)
+            delivered = proxy.delivered
             try:
-                following: Any = await asyncio.wait_for(
-                    db.execute(sleeping(NEXT_SLEEP_S), {}), HANG_S
-                )
+                following: Any = await asyncio.wait_for(following_run, HANG_S)
             except psycopg.errors.QueryCanceled as exc:
                 following = exc
-            return first, following, proxy.delivered
+            return first, following, delivered
         finally:
+            proxy.deliver.set()
             await asyncio.wait_for(db.close(), HANG_S)
 
     first, following, delivered = asyncio.run(scenario())
 
     assert len(first) == 1  # it ended with its row, its deadline passed meanwhile
+    assert delivered == 1  # the request landed while the next statement ran
     # Then the next statement is not cancelled by it
     assert not isinstance(following, BaseException), following
-    assert delivered == 1  # the request did land, meanwhile
+
+
+def sleep_seen(settings: Settings) -> None:
+    """Until a statement sleeping ``NEXT_SLEEP_S`` runs in the test's database."""
+    url = make_url(settings.database_url).set(drivername="postgresql")
+    with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
+        while True:
+            running = conn.execute(
+                "select count(*) from pg_stat_activity where datname = current_database()"
+                " and state = 'active' and query like '%pg_sleep%' and pid <> pg_backend_pid()"
+            ).fetchone()
+            if running is not None and running[0]:
+                return
+            time.sleep(0.02)
