@@ -104,8 +104,24 @@ class RemoteKeeper:
         self._watch.start()
 
     def stop(self) -> None:
+        """Stop, and say so as a worker does (``LeaseKeeper.go_offline``): the bridge's own
+        row ``offline``, its lease given up. Called once the worker has stopped, its calls in
+        flight ended. A process that shares its name leaves both to the others. The agents'
+        leases are left to their TTL: another bridge may serve them."""
         self._stop.set()
         self.checks.close()
+        # A tick in progress would write the row ready again after it.
+        self._thread.join(self.settings.remote_health_timeout_s + 5)
+        self._watch.join(LEASE_CHECK_S + 1)
+        offline = replace(self.own, state=OFFLINE, heartbeat_at=now_s())
+        try:
+            if not self._leave_roll(offline):
+                return
+            leases.release(self.redis, offline)
+        except Exception:  # Redis away: the lease goes at its TTL, the row is written below
+            log.exception("giving up %s's lease failed", offline.instance)
+        leases.record_instance(self.engine, offline, OFFLINE)
+        log.info("%s: offline", offline.instance)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -211,6 +227,16 @@ class RemoteKeeper:
         if stale:
             self.redis.hdel(key, *stale)
         return all(k.decode() == me for k in roll if k not in stale)
+
+    def _leave_roll(self, own: Lease) -> bool:
+        """Take this process off its name's roll; True if no other process of the name is
+        alive (``_alone``)."""
+        key = f"{PROCESSES_PREFIX}{own.instance}"
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(key, f"{own.hostname}:{own.pid}:{own.started_at}")
+            pipe.hgetall(key)
+            roll = pipe.execute()[1]
+        return not any(own.heartbeat_at - float(at) <= own.lease_ttl_s for at in roll.values())
 
     def _find_orphans(self) -> None:
         if self.on_orphans is None or not self.alone:
