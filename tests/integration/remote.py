@@ -143,8 +143,45 @@ class LoopbackAgent:
         self.server.server_close()
 
 
+class JsonAgent(LoopbackAgent):
+    """A ``LoopbackAgent`` whose health check answers 200 at once and whose every call is
+    answered with the JSON document ``on_call`` makes of its body."""
+
+    def on_call(self, body: bytes) -> object:
+        raise NotImplementedError
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        agent = self
+
+        class Handler(AgentHandler):
+            def do_POST(self) -> None:
+                self.answer(agent.on_call(self.read_call()))
+
+        return Handler
+
+
 class QuietHandler(BaseHTTPRequestHandler):
     """A request handler that logs nothing (the test's output stays the test's)."""
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+class AgentHandler(QuietHandler):
+    """A remote agent's request handler: its health check (any ``GET``) answers 200 at once,
+    and ``answer`` sends a JSON document."""
+
+    def do_GET(self) -> None:
+        self.answer({"ok": True})
+
+    def answer(self, document: object) -> None:
+        body = json.dumps(document).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def read_call(self) -> bytes:
+        """The call's body, read whole."""
+        return self.rfile.read(int(self.headers.get("Content-Length", "0")))

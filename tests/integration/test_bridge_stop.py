@@ -5,12 +5,10 @@ TTL."""
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
@@ -22,7 +20,7 @@ from broker.db.models import agent_instances_table
 from broker.registry.model import lease_key
 from broker.settings import Settings
 from tests.eventually import eventually
-from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
+from tests.integration.remote import JsonAgent, start_bridge, wait_routed
 from tests.integration.stack import wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,7 +47,7 @@ def states_over(engine: Engine, instance: str, seconds: float) -> set[str]:
     return seen
 
 
-class GatedAgent(LoopbackAgent):
+class GatedAgent(JsonAgent):
     """An ``http`` agent that answers each call once ``gate`` is set; ``called`` is set when a
     call has come."""
 
@@ -57,28 +55,10 @@ class GatedAgent(LoopbackAgent):
         self.gate, self.called = threading.Event(), threading.Event()
         super().__init__()
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        agent = self
-
-        class Handler(QuietHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", "0")))
-                agent.called.set()
-                agent.gate.wait(60)
-                body = json.dumps({"result": {"answered": True}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        return Handler
+    def on_call(self, body: bytes) -> object:
+        self.called.set()
+        self.gate.wait(60)
+        return {"result": {"answered": True}}
 
 
 def test_a_bridge_stopped_cleanly_ends_its_calls_then_goes_offline_and_gives_up_its_lease(

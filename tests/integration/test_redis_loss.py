@@ -13,12 +13,10 @@ and beat, so the reaper runs) on a Redis db of its own.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -32,7 +30,7 @@ from broker.settings import Settings
 from broker.tasks.dispatch import MAINTENANCE_QUEUE
 from broker.tenancy import key_store
 from tests.eventually import eventually
-from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
+from tests.integration.remote import JsonAgent, start_bridge, wait_routed
 from tests.integration.stack import (
     CeleryProcess,
     ServedApp,
@@ -233,7 +231,7 @@ def test_a_redis_connection_reset_mid_run_leaves_the_task_running_and_it_succeed
     assert "cannot be acknowledged after a connection loss" not in worker.output()
 
 
-class SlowAgent(LoopbackAgent):
+class SlowAgent(JsonAgent):
     """An ``http`` agent whose every call takes ``sleep_s``; ``calls`` counts them."""
 
     def __init__(self, sleep_s: float) -> None:
@@ -241,28 +239,10 @@ class SlowAgent(LoopbackAgent):
         self.calls = 0
         super().__init__()
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        agent = self
-
-        class Handler(QuietHandler):
-            def do_GET(self) -> None:  # the bridge's health check
-                self._answer({"ok": True})
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                agent.calls += 1
-                time.sleep(agent.sleep_s)
-                self._answer({"result": {"ok": True}})
-
-            def _answer(self, document: object) -> None:
-                body = json.dumps(document).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        return Handler
+    def on_call(self, body: bytes) -> object:
+        self.calls += 1
+        time.sleep(self.sleep_s)
+        return {"result": {"ok": True}}
 
 
 @dataclass

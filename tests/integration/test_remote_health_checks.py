@@ -6,7 +6,6 @@ offline; now each check ends at its deadline and only the dripping agent fails."
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -17,7 +16,7 @@ import pytest
 
 from broker.settings import Settings
 from tests.eventually import eventually
-from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
+from tests.integration.remote import AgentHandler, LoopbackAgent, start_bridge, wait_routed
 from tests.integration.stack import CeleryProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,7 +39,7 @@ class Agent(LoopbackAgent):
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         agent = self
 
-        class Handler(QuietHandler):
+        class Handler(AgentHandler):
             def do_GET(self) -> None:
                 agent.health_checks += 1
                 self.send_response(200)
@@ -58,13 +57,8 @@ class Agent(LoopbackAgent):
                     pass  # the check hung up
 
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", "0")))
-                body = json.dumps({"result": {"agent": agent.name}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.read_call()
+                self.answer({"result": {"agent": agent.name}})
 
         return Handler
 

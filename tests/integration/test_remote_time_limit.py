@@ -15,7 +15,7 @@ import pytest
 
 from broker.settings import Settings
 from tests.eventually import eventually
-from tests.integration.remote import LoopbackAgent, QuietHandler, start_bridge, wait_routed
+from tests.integration.remote import AgentHandler, LoopbackAgent, start_bridge, wait_routed
 from tests.integration.stack import CeleryProcess, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,15 +33,9 @@ class EndlessAgent(LoopbackAgent):
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         agent = self
 
-        class Handler(QuietHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
+        class Handler(AgentHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", "0")))
+                self.read_call()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
