@@ -22,6 +22,7 @@ from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.remote import JsonAgent, start_bridge, wait_routed
 from tests.integration.stack import wait_for_task
+from tests.integration.test_api_outages import CuttableProxy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,3 +114,26 @@ def test_a_bridge_stopped_cleanly_ends_its_calls_then_goes_offline_and_gives_up_
     assert (row.pid, row.state) == (pid, "offline")
     assert row.stopped_at is not None
     assert not client.exists(lease_key(instance))
+
+
+def test_a_bridge_stopped_while_postgres_is_away_still_stops(
+    settings: Settings, log_dir: Any
+) -> None:
+    """Its row cannot be written then: it says so in its log and ends as usual (before, the
+    error left its stop from the consumer's shutdown on)."""
+    with CuttableProxy(settings.database_url) as proxy:
+        through_proxy = settings.model_copy(update={"database_url": proxy.url})
+        bridge = start_bridge(through_proxy, log_dir / "bridge-stop-no-postgres.log")
+        try:
+            assert bridge.process is not None
+            # Given a bridge whose Postgres is gone
+            proxy.cut()
+            # When it is stopped cleanly
+            bridge.process.send_signal(signal.SIGTERM)
+            bridge.process.wait(60)
+        finally:
+            bridge.stop()
+            proxy.restore()
+    # Then it ends as a clean stop does, having said why its row was not written
+    assert bridge.process.returncode == 0, bridge.output()
+    assert "marking bridge@" in bridge.output()

@@ -120,7 +120,11 @@ class RemoteKeeper:
             leases.release(self.redis, offline)
         except Exception:  # Redis away: the lease goes at its TTL, the row is written below
             log.exception("giving up %s's lease failed", offline.instance)
-        leases.record_instance(self.engine, offline, OFFLINE)
+        try:
+            leases.record_instance(self.engine, offline, OFFLINE)
+        except Exception:  # Postgres away: the row ages out; the worker's stop goes on
+            log.exception("marking %s offline failed", offline.instance)
+            return
         log.info("%s: offline", offline.instance)
 
     def _run(self) -> None:
