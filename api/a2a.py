@@ -53,6 +53,7 @@ from a2a.types import (
     Task,
     TaskPushNotificationConfig,
 )
+from a2a.utils.constants import VERSION_HEADER
 from a2a.utils.errors import (
     A2AError,
     InternalError,
@@ -88,6 +89,22 @@ CARD_PATH = "/.well-known/agent-card.json"
 JSONRPC_PATH = "/a2a/jsonrpc"
 REST_PATH = "/a2a/rest"
 BEARER = "bearer"
+# The longest ``A2A-Version`` read as sent. The SDK parses the header with ``packaging``,
+# whose integer parts meet Python's 4,300-digit limit: a longer run of digits raised
+# ``ValueError`` there, outside any handler (JSON-RPC's internal error with Python's text,
+# REST's 500). A longer header is cut to this and marked, so it is a version not served.
+VERSION_HEADER_MAX = 32
+# What the SDK's JSON-RPC dispatcher logs with ``logger.exception`` when it cannot read a
+# request (its base fields, or a known method's params): the caller's own mistake, answered
+# -32600 or -32602 with the reason, logged at ERROR with a traceback whose text holds the
+# caller's input, as often as a tenant's rate allows. Kept as one INFO line (``_Mistaken``);
+# and every line of the dispatcher's (its warning for each error answered carries the
+# exception's text, which can hold the whole request) is cut at ``DISPATCHER_LINE_MAX``.
+DISPATCHER_LOG = "a2a.server.routes.jsonrpc_dispatcher"
+CALLERS_MISTAKES = frozenset(
+    {"Failed to validate base JSON-RPC request", "Failed to parse request params"}
+)
+DISPATCHER_LINE_MAX = 500
 LIST_PAGE_DEFAULT = 50
 JSON_PARSE_ERROR, INVALID_REQUEST = -32700, -32600
 
@@ -495,6 +512,7 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
     breaks a limit (too deep, a number out of range), our ``code`` in ``data``."""
 
     async def guarded(request: Request) -> Response:
+        _bounded_version(request)
         try:
             caller = request.state.principal = await authenticate(request)
             if request.method != "POST" or (not json_rpc and _bodiless(request)):
@@ -518,6 +536,43 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
     return guarded
 
 
+def _bounded_version(request: Request) -> None:
+    """An ``A2A-Version`` longer than ``VERSION_HEADER_MAX`` cut to it, with ``...`` after:
+    the SDK then answers it as any version it does not serve."""
+    version = request.headers.get(VERSION_HEADER)
+    if version is None or len(version) <= VERSION_HEADER_MAX:
+        return
+    name = VERSION_HEADER.lower().encode()
+    cut = (version[:VERSION_HEADER_MAX] + "...").encode("latin-1")
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != name]
+    request.scope["headers"] = [*headers, (name, cut)]
+    with contextlib.suppress(AttributeError):
+        del request._headers  # Starlette's copy, read from the scope again
+
+
+class _Mistaken(logging.Filter):
+    """The dispatcher's ``CALLERS_MISTAKES`` as one INFO line naming the exception's type, with
+    no traceback (handlers at WARNING and above drop it); any line of its cut at
+    ``DISPATCHER_LINE_MAX`` characters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg in CALLERS_MISTAKES and record.exc_info:
+            error = record.exc_info[1]
+            record.msg = f"{record.msg}: {type(error).__name__}"
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        line = record.getMessage()
+        if len(line) > DISPATCHER_LINE_MAX:
+            record.msg, record.args = f"{line[:DISPATCHER_LINE_MAX]} ... (cut)", None
+        return True
+
+
+def _quiet_callers_mistakes() -> None:
+    dispatcher = logging.getLogger(DISPATCHER_LOG)
+    if not any(isinstance(f, _Mistaken) for f in dispatcher.filters):
+        dispatcher.addFilter(_Mistaken())
+
+
 def _bodiless(request: Request) -> bool:
     """A POST that sends no body at all, as REST's SubscribeToTask: nothing to read or check
     (the body check refused it, 400, before the SDK ran)."""
@@ -539,6 +594,7 @@ def _guard(routes: list[BaseRoute], svc: Services, *, json_rpc: bool) -> list[Ba
 
 
 def mount(app: FastAPI, svc: Services) -> None:
+    _quiet_callers_mistakes()
     handler = ReachRequestHandler(svc)
     builder = _ContextBuilder()
 

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from mcp.server import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types.jsonrpc import INVALID_REQUEST
 from starlette.types import Message, Receive, Scope, Send
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body
@@ -27,6 +28,7 @@ from api.deps import authenticate, read_json_body
 from api.mcp.calls import Calls
 from api.services import Services
 from api.sse import Slot
+from broker import jsoncodec
 from broker.errors import BadRequest
 from broker.settings import Settings
 from broker.tenancy.keys import Principal
@@ -94,6 +96,8 @@ class McpFacade:
             capability the key may run, plus ``reach_get_task`` and ``reach_cancel_task``."""
             request.state.caller = caller
             body = await _read_body(request, self.svc.settings.max_body_bytes)
+            if _bad_request_id(body):
+                return _invalid_request("a request's id must be a string or an integer")
             # A tool call may hold its answer open (SSE) for the whole wait: one of the
             # tenant's stream slots until it ends (``api.sse.StreamSlots``).
             return _HandedOver(self.manager, self.svc.streams.take(caller.tenant), body)
@@ -134,6 +138,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
             "send the JSON-RPC message as application/json", code="unsupported_media_type"
         )
     return await read_json_body(request, limit)
+
+
+def _bad_request_id(body: bytes) -> bool:
+    """A request (it names a method and has an id) whose id is not a string or an integer,
+    which is all MCP allows (not null either). The SDK's transport read one as a
+    notification, whose extra field it ignores: 202, and nothing ran."""
+    try:
+        message = jsoncodec.loads(body)
+    except ValueError:
+        return False  # the transport answers it: -32700
+    if not isinstance(message, dict) or "method" not in message or "id" not in message:
+        return False
+    return type(message["id"]) not in (str, int)
+
+
+def _invalid_request(reason: str) -> Response:
+    """JSON-RPC's -32600, as the transport answers its own refusals (400, id null)."""
+    error = {"code": INVALID_REQUEST, "message": f"Invalid Request: {reason}"}
+    content = jsoncodec.dumps({"jsonrpc": "2.0", "id": None, "error": error})
+    return Response(content, status_code=400, media_type="application/json")
 
 
 class _HandedOver(Response):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -42,7 +43,7 @@ from google.protobuf.json_format import ParseDict
 from sqlalchemy import Engine, text
 from standardwebhooks import Webhook
 
-from api.a2a import JSON_PARSE_ERROR
+from api.a2a import DISPATCHER_LOG, JSON_PARSE_ERROR
 from api.app import create_app
 from api.deps import SMALL_BODY_BYTES
 from broker.remote.a2a_json import to_json
@@ -347,6 +348,58 @@ def test_bad_json_rpc_gets_the_spec_codes_never_a_500(
         answer = rpc(api, token, body)
         assert answer.status_code == 200, (body, answer.text)
         assert answer.json()["error"]["code"] == code, (body, answer.text)
+
+
+def test_bad_json_rpc_is_logged_without_a_traceback_and_cut_short(
+    api: ServedApp, make_key: KeyMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK's dispatcher logged each request it could not read at ERROR, with a traceback,
+    and then a warning, each holding the input: a tenant could write as much to the log as
+    its rate let it send."""
+    _, token = make_key()
+    marker = "x" * 5_000
+    cases = [
+        {"jsonrpc": "2.0", "id": {"k": marker}, "method": "GetTask", "params": {}},
+        {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": marker},
+        {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": {"x": marker}}},
+        {"jsonrpc": "2.0", "id": 1, "method": "ListTasks", "params": {"pageSize": marker}},
+    ]
+    with caplog.at_level(logging.INFO, logger=DISPATCHER_LOG):
+        answers = [rpc(api, token, body) for body in cases]
+
+    assert [a.json()["error"]["code"] for a in answers] == [-32600, -32600, -32602, -32602]
+    dispatched = [r for r in caplog.records if r.name == DISPATCHER_LOG]
+    read = [r for r in dispatched if r.getMessage().startswith("Failed to")]
+    assert len(read) == len(cases)
+    assert [r for r in read if r.levelno >= logging.WARNING or r.exc_info] == []
+    assert [r for r in dispatched if marker in r.getMessage()] == []
+
+
+@pytest.mark.parametrize("binding", ["jsonrpc", "rest"])
+def test_an_overlong_a2a_version_is_a_version_not_served(
+    api: ServedApp, make_key: KeyMaker, binding: str
+) -> None:
+    """A version of more than 4,300 digits broke the SDK's parse of it: JSON-RPC's internal
+    error carrying Python's text, REST's 500."""
+    _, token = make_key()
+    task_id = str(uuid.uuid4())
+
+    def asked(version: str) -> httpx.Response:
+        if binding == "rest":
+            headers = {"Authorization": f"Bearer {token}", "A2A-Version": version}
+            return httpx.get(f"{api.url}/a2a/rest/tasks/{task_id}", headers=headers, timeout=30)
+        body = {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": task_id}}
+        return rpc(api, token, body, **{"A2A-Version": version})
+
+    overlong, unserved = asked("1." + "9" * 4_400), asked("9.0")
+
+    assert unserved.status_code in (200, 400)  # JSON-RPC's errors come with a 200
+    assert overlong.status_code == unserved.status_code, overlong.text
+    if binding == "jsonrpc":
+        assert overlong.json()["error"]["code"] == unserved.json()["error"]["code"]
+    else:
+        assert overlong.json()["error"]["status"] == unserved.json()["error"]["status"]
+    assert "digits" not in overlong.text
 
 
 def sent_message(api: ServedApp, token: str, message_id: str, data: Any) -> str:

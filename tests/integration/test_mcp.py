@@ -285,6 +285,33 @@ def test_bad_requests_never_get_a_500(
     assert [a.status_code for a in answers if a.status_code >= 500] == []
 
 
+@pytest.mark.parametrize("request_id", [None, 1.5, 1e400, True, {"a": 1}, [1]])
+def test_a_request_whose_id_is_not_a_string_or_an_integer_is_invalid_and_runs_nothing(
+    api: ServedApp, tenant: tuple[str, str], engine: Engine, request_id: Any
+) -> None:
+    """The transport took such a request for a notification: 202, and the tool never ran."""
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    call = {"name": "echo", "arguments": {"i": 1}}
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": call}
+    listing = {**body, "method": "tools/list", "params": {}}
+    with client_for(api, tenant[1]) as http:
+        answer = http.post("/mcp", content=_with_huge_numbers(body), headers=headers)
+        listed = http.post("/mcp", content=_with_huge_numbers(listing), headers=headers)
+
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == -32600
+    assert answer.json()["id"] is None
+    assert listed.status_code == 400
+    with engine.connect() as conn:
+        tasks = conn.execute(text("SELECT count(*) FROM tasks WHERE tenant = :t"), {"t": tenant[0]})
+        assert tasks.scalar_one() == 0
+
+
+def _with_huge_numbers(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON, an infinite float written as 1e400 (JSON has no Infinity)."""
+    return json.dumps(body).replace("Infinity", "1e400").encode()
+
+
 def test_a_body_that_does_not_arrive_in_time_is_answered_408_holding_no_stream_slot(
     settings: Settings, tenant: tuple[str, str]
 ) -> None:
