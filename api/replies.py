@@ -293,9 +293,8 @@ async def wait_until_final(
             return dict(final.data)
         while (remaining := deadline - loop.time()) > 0:
             try:
-                event: Event | None = await asyncio.wait_for(
-                    live.get(), min(remaining, STORE_CHECK_S)
-                )
+                async with asyncio.timeout(min(remaining, STORE_CHECK_S)):
+                    event: Event | None = await live.get()
             except TimeoutError:
                 event = None
             await key.check()

@@ -170,7 +170,8 @@ class LoopConsumer:
                 if not keys:
                     assert self._changed is not None
                     self._changed.clear()
-                    await asyncio.wait_for(self._changed.wait(), BRPOP_TIMEOUT_S)
+                    async with asyncio.timeout(BRPOP_TIMEOUT_S):
+                        await self._changed.wait()
                     continue
                 queues = list(dict.fromkeys(keys.values()))
                 order = [q for q in order if q in queues] + [q for q in queues if q not in order]

@@ -37,7 +37,8 @@ async def _checks(request: Request) -> dict[str, str]:
     results: dict[str, str] = {}
     for name, check in checks.items():
         try:
-            await asyncio.wait_for(check(request), CHECK_TIMEOUT_S)
+            async with asyncio.timeout(CHECK_TIMEOUT_S):
+                await check(request)
             results[name] = "ok"
         except Exception as exc:
             results[name] = f"unavailable: {type(exc).__name__}"

@@ -98,7 +98,8 @@ class EventHub:
                 self._reader = asyncio.create_task(self._read(), name="reach-event-hub")
         with contextlib.suppress(TimeoutError):
             # Unconfirmed after this wait, the log reads below still cover the gap.
-            await asyncio.wait_for(self._confirmed[name].wait(), SUBSCRIBE_WAIT_S)
+            async with asyncio.timeout(SUBSCRIBE_WAIT_S):
+                await self._confirmed[name].wait()
         try:
             yield queue
         finally:
@@ -257,7 +258,8 @@ class EventHub:
                     continue
                 backlog = []
                 try:
-                    event = await asyncio.wait_for(queue.get(), quiet_s)
+                    async with asyncio.timeout(quiet_s):
+                        event = await queue.get()
                 except TimeoutError:
                     quiet_spells += 1
                     backlog = await self.read_log(task_id, last, LOG_PAGE)

@@ -178,7 +178,8 @@ class HostLookups:
         future = self._pool.submit(Guard(allow, self.resolver).check, raw)
         future.add_done_callback(lambda _: self._leave(tenant))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.wrap_future(future)
         except HostUnresolved:
             raise UrlNotAllowed(unreachable(host)) from None
         except TimeoutError:
