@@ -27,6 +27,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         runtime.tune_collector(settings.gc_gen0_threshold)  # in the process that serves
+        runtime.keep_cancels()
         gauges = asyncio.create_task(
             system_gauges.keep_fresh(svc, settings.metrics_refresh_s),
             name="reach-system-gauges",

@@ -29,9 +29,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from typing import Literal
+import sys
+from collections.abc import Awaitable
+from typing import Literal, TypeVar
 
 PYTHON_GEN0_THRESHOLD = 700
+T = TypeVar("T")
 EventLoopKind = Literal["uvloop", "asyncio"]
 log = logging.getLogger("reach.runtime")
 
@@ -54,3 +57,30 @@ def tune_collector(gen0_threshold: int) -> None:
     if gen0_threshold > 0:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(gen0_threshold, gen1, gen2)
+
+
+def keep_cancels() -> None:
+    """On Python 3.11, ``asyncio.wait_for`` as 3.12 has it (gh-86296), for every library in
+    the process. 3.11's returns the awaited result when a cancel and that result land
+    together, and the cancel is lost: redis-py waits so around every command's send, so a
+    task cancelled in a Redis call could run on. An SSE stream whose client hung up as its
+    SUBSCRIBE went out held its slot until its task ended; an async handler cut off at its
+    deadline in a Redis call would go on. 3.12's waits under ``asyncio.timeout``, in the
+    caller's own task, and keeps the cancel."""
+    if sys.version_info < (3, 12) and asyncio.wait_for is not _wait_for:
+        asyncio.wait_for = asyncio.tasks.wait_for = _wait_for  # type: ignore[assignment]
+
+
+async def _wait_for(fut: Awaitable[T], timeout: float | None) -> T:  # noqa: ASYNC109
+    """Python 3.12's ``asyncio.wait_for``."""
+    if timeout is not None and timeout <= 0:
+        task = asyncio.ensure_future(fut)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        try:
+            return task.result()
+        except asyncio.CancelledError as exc:
+            raise TimeoutError from exc
+    async with asyncio.timeout(timeout):
+        return await fut

@@ -148,6 +148,7 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     signals.worker_init.connect(
         lambda **_: runtime.tune_collector(settings.gc_gen0_threshold), weak=False
     )
+    signals.worker_init.connect(lambda **_: runtime.keep_cancels(), weak=False)
     webhooks = register_webhooks(app, settings, lambda: runner.engine)
     runner.on_final.append(webhooks.on_final)
     runner.on_progress.append(webhooks.on_progress)

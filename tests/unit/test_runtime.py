@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import gc
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,3 +82,48 @@ def test_asyncios_loop_where_uvloop_is_not_installed(monkeypatch: pytest.MonkeyP
 def test_an_unknown_loop_is_refused() -> None:
     with pytest.raises(ValueError, match="event_loop"):
         Settings(event_loop="trio")
+
+
+@pytest.fixture
+def stock_wait_for() -> Iterator[Any]:
+    """The interpreter's own ``asyncio.wait_for``, put back after the test."""
+    stock = asyncio.wait_for
+    yield stock
+    asyncio.wait_for = asyncio.tasks.wait_for = stock
+
+
+async def _cancelled_as_the_result_lands(wait_for: Any) -> Any:
+    """A task waiting in ``wait_for`` is cancelled in the same turn of the loop as the result
+    it waits for arrives: what the task then comes to."""
+    result: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(wait_for(result, 10))
+    await asyncio.sleep(0)  # it waits
+    result.set_result("the result")
+    waiting.cancel()
+    try:
+        return await waiting
+    except asyncio.CancelledError:
+        return "cancelled"
+
+
+def test_a_cancel_landing_with_wait_fors_result_is_kept(stock_wait_for: Any) -> None:
+    runtime.keep_cancels()
+
+    assert asyncio.run(_cancelled_as_the_result_lands(asyncio.wait_for)) == "cancelled"
+    # What the interpreter's own did (3.11: the cancel was lost; 3.12 keeps it)
+    stock = asyncio.run(_cancelled_as_the_result_lands(stock_wait_for))
+    assert stock == ("the result" if sys.version_info < (3, 12) else "cancelled")
+
+
+def test_wait_for_still_times_out_and_answers(stock_wait_for: Any) -> None:
+    runtime.keep_cancels()
+
+    async def scenario() -> None:
+        assert await asyncio.wait_for(asyncio.sleep(0, "done"), 1) == "done"
+        assert await asyncio.wait_for(asyncio.sleep(0, "done"), None) == "done"
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(10), 0.01)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(10), 0)
+
+    asyncio.run(scenario())
