@@ -1,7 +1,8 @@
 """What a server process sets in the interpreter it runs in: the API's and every worker's.
 
 The event loop a worker runs its async handlers on (the API's is uvicorn's, uvloop where
-installed), and the cyclic garbage collector.
+installed), the cyclic garbage collector, and, on Python 3.11, ``asyncio.wait_for``
+(``keep_cancels``).
 
 uvloop (libuv under asyncio's interface; installed with ``uvicorn[standard]`` on Linux and
 macOS) runs the same coroutines with less CPU each: a bridge process making 10,000 calls
