@@ -115,7 +115,11 @@ async def create_webhook(request: Request, caller: Metered) -> JSONResponse:
         )
     await state.lookups.vet(spec.url, allow=state.settings.webhook_allow, tenant=caller.tenant)
     row, secret = await subscriptions.create(
-        state.engine, caller.tenant, spec, max_per_tenant=state.settings.webhook_max_per_tenant
+        state.engine,
+        caller.tenant,
+        spec,
+        max_per_tenant=state.settings.webhook_max_per_tenant,
+        turns=state.heavy_reads,
     )
     headers = {"Location": f"/webhooks/{row['id']}"}
     return JSONResponse({**render(row), "secret": secret}, status_code=201, headers=headers)

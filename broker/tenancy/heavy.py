@@ -1,6 +1,7 @@
 """A tenant's costly work, one at a time per kind in this process, before it takes a pooled
 database connection: reads whose cost grows with its history (lists, series), and writes that
-wait on a lock of the tenant's (a session's creation) or of one session (its next turn), where
+wait on a lock of the tenant's (a session's or a webhook's creation) or of one session (its
+next turn), where
 every waiter held a connection blocked on that lock until one tenant held the whole pool.
 
 A list filtered by the key's patterns (a key that sees ``invoice.*`` of a tenant that ran

@@ -22,6 +22,7 @@ from broker.db.models import webhooks_table as webhooks
 from broker.errors import BadRequest
 from broker.registry.capabilities import NAME_MAX, PATTERN_PATTERN, is_valid_pattern
 from broker.tasks.resource import new_task_id
+from broker.tenancy.heavy import OneAtATime
 from broker.timestamps import iso
 from broker.webhooks.events import EVENTS_SCHEMA, FINAL_EVENTS, check_events
 from broker.webhooks.signing import new_secret
@@ -78,9 +79,13 @@ def render(row: dict[str, Any]) -> dict[str, Any]:
 
 
 async def create(
-    engine: AsyncEngine, tenant: str, spec: WebhookSpec, *, max_per_tenant: int
+    engine: AsyncEngine, tenant: str, spec: WebhookSpec, *, max_per_tenant: int, turns: OneAtATime
 ) -> tuple[dict[str, Any], str]:
-    """The new subscription and its secret (shown this once)."""
+    """The new subscription and its secret (shown this once). A tenant's creations take the
+    tenant's lock in Postgres, so the limit holds across processes; in this process they
+    first wait their turn in ``turns``, without a connection, as a session's creations do
+    (``broker.sessions.create``): each waiting with a pooled connection of its own, one
+    tenant's burst held the whole pool, and every other tenant's requests waited for it."""
     secret = new_secret()
     values = {
         "id": new_task_id(),
@@ -91,7 +96,7 @@ async def create(
         "description": spec.description,
         "secret": secret,
     }
-    async with engine.begin() as conn:
+    async with turns.turn(tenant, "webhook create"), engine.begin() as conn:
         # Serialises a tenant's concurrent creations, so the limit holds.
         await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"wh:{tenant}"))))
         count = await conn.scalar(

@@ -1,6 +1,6 @@
-"""One tenant's session requests cannot take the API's pool of Postgres connections from the
-others: its creates, its submits into one session and its session lists wait their turn in
-the API process without a connection.
+"""One tenant's session and webhook requests cannot take the API's pool of Postgres
+connections from the others: its session and webhook creates, its submits into one session
+and its session lists wait their turn in the API process without a connection.
 
 Given a lock in Postgres that the test holds (another API process creating a session of the
 tenant, submitting into the session, or a slow list), when one tenant sends more such
@@ -48,9 +48,18 @@ def api(settings: Settings, own_redis: str, worker: CeleryProcess) -> Iterator[S
     """An API of the test's own (its pool is the one the crowd may exhaust), on a Redis db of
     its own: the session worker has advertised ``echo``'s card; nobody serves it on this db,
     so its tasks wait in the queue."""
+    with crowded_api(settings, own_redis) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def crowded_api(settings: Settings, own_redis: str, **update: Any) -> Iterator[ServedApp]:
+    """``api``'s API, with ``update`` to its settings."""
     named = make_url(settings.database_url).update_query_dict({"application_name": API_NAME})
     database_url = named.render_as_string(hide_password=False)
-    own = settings.model_copy(update={"redis_url": own_redis, "database_url": database_url})
+    own = settings.model_copy(
+        update={"redis_url": own_redis, "database_url": database_url, **update}
+    )
     with ServedApp(create_app(own)) as served:
         yield served
 
@@ -130,6 +139,32 @@ def test_one_tenants_session_creates_wait_for_its_lock_on_one_connection(
         (other_token, lambda http: http.post("/sessions")),
         ("SELECT pg_advisory_lock(hashtext('sess:' || %s))", (tenant,)),
     )
+    # Then the other is answered while the crowd waits, which holds one backend at the lock
+    assert (answered, max(seen)) == (201, 1), Counter(seen).most_common(5)
+    # And once the lock is free, every create of the crowd is answered
+    assert statuses == [201] * AT_ONCE
+
+
+def test_one_tenants_webhook_creates_wait_for_its_lock_on_one_connection(
+    settings: Settings, own_redis: str, make_key: KeyMaker
+) -> None:
+    """A webhook's creation takes the tenant's lock in Postgres too (so the limit of webhooks
+    holds), and each waiter held a pooled connection while it waited, as session creates
+    did."""
+    # Given two tenants, an API that vets this many callback hosts of a tenant at once, and
+    # another process creating a webhook of the first (its lock held)
+    tenant, token = make_key()
+    _, other_token = make_key()
+    hook = {"url": "http://127.0.0.1:9/hook", "events": ["task.succeeded"]}
+    with crowded_api(settings, own_redis, dns_lookups_per_tenant=AT_ONCE) as api:
+        # When the first creates 40 webhooks at once, and the other creates one meanwhile
+        statuses, answered, seen = crowd(
+            api,
+            settings,
+            (tenant, token, lambda http: http.post("/webhooks", json=hook)),
+            (other_token, lambda http: http.post("/webhooks", json=hook)),
+            ("SELECT pg_advisory_lock(hashtext('wh:' || %s))", (tenant,)),
+        )
     # Then the other is answered while the crowd waits, which holds one backend at the lock
     assert (answered, max(seen)) == (201, 1), Counter(seen).most_common(5)
     # And once the lock is free, every create of the crowd is answered
