@@ -36,6 +36,7 @@ from typing import Literal, TypeVar
 
 PYTHON_GEN0_THRESHOLD = 700
 T = TypeVar("T")
+STOCK_WAIT_FOR = asyncio.wait_for  # the interpreter's own, before ``keep_cancels``
 EventLoopKind = Literal["uvloop", "asyncio"]
 log = logging.getLogger("reach.runtime")
 

@@ -86,10 +86,11 @@ def test_an_unknown_loop_is_refused() -> None:
 
 @pytest.fixture
 def stock_wait_for() -> Iterator[Any]:
-    """The interpreter's own ``asyncio.wait_for``, put back after the test."""
-    stock = asyncio.wait_for
-    yield stock
-    asyncio.wait_for = asyncio.tasks.wait_for = stock
+    """The interpreter's own ``asyncio.wait_for``; what was installed is put back after the
+    test (the API's tests in this process may have installed 3.12's already)."""
+    installed = asyncio.wait_for
+    yield runtime.STOCK_WAIT_FOR
+    asyncio.wait_for = asyncio.tasks.wait_for = installed
 
 
 async def _cancelled_as_the_result_lands(wait_for: Any) -> Any:
