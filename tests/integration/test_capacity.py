@@ -27,6 +27,7 @@ from sqlalchemy import Engine, event, text
 from api import services
 from api.app import create_app
 from api.connections import SEND_BUFFER_BYTES
+from broker.observability import metrics
 from broker.settings import Settings
 from broker.tasks.events import OUTPUT, EventLog
 from broker.webhooks.ssrf import HostLookups
@@ -744,8 +745,22 @@ def test_streams_whose_clients_hang_up_at_once_give_their_slots_back(
         await asyncio.gather(*(open_and_drop(t, 0.001 * (i % 20)) for i, t in enumerate(ids)))
         await asyncio.sleep(0.5)  # the loop closes each aborted socket (a reset) as it runs
 
+    before = _streams_answered()
     asyncio.run(scenario())
 
-    # Then every stream ends and gives its slot back
+    # Then every stream the API began (its answer's head sent) ends and gives its slot back
     slots = api.server.config.app.state.services.streams
+    eventually(lambda: _streams_answered() > before, "the API to begin streams")
     eventually(lambda: tenant not in slots.open, "every stream's slot to be given back")
+    assert slots.open.get(tenant, 0) == 0
+
+
+def _streams_answered() -> float:
+    """How many ``GET /tasks/{task_id}/events`` this process's APIs have begun answering 200."""
+    wanted = {"method": "GET", "route": "/tasks/{task_id}/events", "status": "200"}
+    return sum(
+        sample.value
+        for metric in metrics.http_requests.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total") and sample.labels == wanted
+    )
