@@ -28,7 +28,6 @@ from broker.tasks.events import Event
 
 log = logging.getLogger("reach.sse")
 PING = b": ping\n\n"
-RECANCEL_S = 0.1
 HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # nginx would otherwise buffer the stream
@@ -162,22 +161,11 @@ class EventStreamResponse(Response):
         finally:
             try:
                 for task in (streaming, watching):
-                    await _ended(task)
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
                 with contextlib.suppress(Exception):
                     await self.events.aclose()  # type: ignore[attr-defined]
             finally:
                 if self.slot is not None:
                     self.slot.release()
-
-
-async def _ended(task: asyncio.Task[None]) -> None:
-    """``task`` cancelled, and cancelled again until it has ended. On Python 3.11 a cancel can
-    be lost: ``asyncio.wait_for`` returns its result when the cancel and the result land
-    together, and redis-py waits so on every command it sends (the stream's SUBSCRIBE, say).
-    A stream whose client left as its subscription went out ran on, holding its slot, its
-    listener and its subscription, until its task ended."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=RECANCEL_S)
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        task.result()
