@@ -1,7 +1,9 @@
 """A remote agent's lost secret is replaced the way the README says (no route rotates it):
 ``DELETE /agents/{agent_id}``, then ``PUT`` it again, which answers a new secret. The agent
 still running with the old one refuses the calls signed with the new one, so their tasks
-fail ``agent_http_401``; restarted with the new secret, it serves again."""
+fail ``agent_http_401``; restarted with the new secret, it serves again. The bridge signs
+with the new secret from its next read of the registrations (every health interval): until
+then its lease of the agent is the one it held, so the test waits for that read (its log)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.eventually import eventually
 from tests.integration.remote import wait_routed
 from tests.integration.stack import CeleryProcess, free_port, wait_for_task
 from tests.integration.test_remote_agents import NodeAgent, registration, submit
@@ -27,6 +30,11 @@ def run_once(caller: httpx.Client) -> dict[str, Any]:
     return task
 
 
+def served(bridge: CeleryProcess) -> int:
+    """How many times the bridge began serving a registration of the agent."""
+    return bridge.output().count(f"serving remote agent {AGENT} ")
+
+
 def test_a_lost_secret_is_replaced_by_removing_the_agent_and_registering_it_again(
     bridge: CeleryProcess, ops: httpx.Client, caller: httpx.Client, log_dir: Path
 ) -> None:
@@ -40,11 +48,17 @@ def test_a_lost_secret_is_replaced_by_removing_the_agent_and_registering_it_agai
         wait_routed(ops, AGENT)
         assert run_once(caller)["status"] == "succeeded"
         # When the operator removes it and registers it again
+        before = served(bridge)
         assert ops.delete(f"/agents/{AGENT}").status_code in (200, 204)
         again = ops.put(f"/agents/{AGENT}", json=registration(endpoint))
         # Then the registration is new, with a new secret
         assert again.status_code == 201, again.text
         assert again.json()["secret"] != first.json()["secret"]
+        eventually(
+            lambda: served(bridge),
+            "the bridge to serve the new registration",
+            until=lambda n: n > before,
+        )
         wait_routed(ops, AGENT)
         # and the agent still holding the old one refuses the calls: the task fails 401
         refused = run_once(caller)
