@@ -26,6 +26,7 @@ BUG_MESSAGE = "internal error: the server failed to answer this request"
 STATUS_BY_CODE: dict[str, int] = {
     "invalid_json": 400,
     "json_too_deep": 400,
+    "too_many_values": 400,
     "number_out_of_range": 400,
     "invalid_string": 400,
     "invalid_cursor": 400,

@@ -229,3 +229,22 @@ def digest(value: Any) -> tuple[str, int]:
     """(sha256 hex of the canonical form, its ``sent_size``)."""
     data = canonical(value)
     return hashlib.sha256(data).hexdigest(), sent_size(data)
+
+
+def more_values_than(payload: Any, limit: int) -> bool:
+    """Whether ``payload`` holds more than ``limit`` JSON values, counting no further."""
+    return values_in(payload, limit) > limit
+
+
+def values_in(payload: Any, limit: int) -> int:
+    """The JSON values ``payload`` holds (its containers' members, at every depth), counting
+    no further than past ``limit``."""
+    seen, pending = 0, [payload]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict | list):
+            seen += len(node)
+            if seen > limit:
+                return seen
+            pending.extend(node.values() if isinstance(node, dict) else node)
+    return seen

@@ -6,7 +6,9 @@
 - A message picks its capability with ``metadata.capability``; its payload is its first data
   part (a JSON object), else ``{"text": <its text parts, joined by newlines>}``.
 - The result is the data artifact ``result``; each ``output`` event is an update of the
-  artifact ``output`` (appended after the first); ``progress`` is a WORKING status whose
+  artifact ``output`` (appended after the first). An answer carries at most
+  ``ANSWER_DATA_VALUES`` JSON values as data parts: a value past that goes as a text part of
+  its JSON (media type ``application/json``); ``progress`` is a WORKING status whose
   message says how far along it is.
 - A protobuf number is a double: an integer a double does not hold exactly (a result's
   ``10**400``, an id of 20 digits) goes as a string of its digits, never rounded nor refused.
@@ -41,6 +43,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from broker import jsonbody
 from broker.remote.a2a_json import to_json
 from broker.tasks.events import OUTPUT, PROGRESS, STATUS
 from broker.webhooks.events import FINAL_EVENTS
@@ -63,6 +66,11 @@ STATUSES_OF: Mapping[TaskState, tuple[str, ...]] = {
     TaskState.TASK_STATE_CANCELED: ("cancelled",),
 }
 RESULT_ARTIFACT, OUTPUT_ARTIFACT = "result", "output"
+# Protobuf builds a data part's ``Value`` and the SDK writes it out as JSON in Python, value by
+# value: about 5 us a value, on the API's event loop (a result of 750 KB of small values took
+# 1.2 s of it for every GetTask). An answer carries at most this many values as data parts.
+ANSWER_DATA_VALUES = 4_000
+JSON_MEDIA_TYPE = "application/json"
 # Every integer up to this is a double exactly.
 _EXACT_INT = 2**53
 
@@ -71,23 +79,30 @@ class NotAnEnvelope(ValueError):
     """The message does not say what to run, or with what."""
 
 
-def envelope_fields(message: Message, request_metadata: Mapping[str, Any]) -> dict[str, Any]:
+def envelope_fields(
+    message: Message, request_metadata: Mapping[str, Any], lifted: Mapping[int, Any] | None = None
+) -> dict[str, Any]:
     """The envelope's fields a message gives: ``capability`` (from the message's metadata, or
-    the request's), ``payload`` and ``session_id`` (its ``contextId``)."""
+    the request's), ``payload`` and ``session_id`` (its ``contextId``). ``lifted``: data parts
+    taken out of the request before it was parsed, by their place (``payload_of``)."""
     metadata = to_json(message.metadata) if message.HasField("metadata") else {}
     capability = metadata.get("capability") or request_metadata.get("capability")
     if not isinstance(capability, str) or not capability:
         raise NotAnEnvelope("name the capability to run in the message's metadata.capability")
-    fields: dict[str, Any] = {"capability": capability, "payload": payload_of(message)}
+    fields: dict[str, Any] = {"capability": capability, "payload": payload_of(message, lifted)}
     if message.context_id:
         fields["session_id"] = message.context_id
     return fields
 
 
-def payload_of(message: Message) -> dict[str, Any]:
-    for part in message.parts:
+def payload_of(message: Message, lifted: Mapping[int, Any] | None = None) -> dict[str, Any]:
+    """The message's first data part, else its text parts. ``lifted``: data parts the API
+    took out of the request before the SDK parsed it, as JSON, by their place among the
+    parts (the message holds ``{}`` there): protobuf would take each value through Python."""
+    lifted = lifted or {}
+    for index, part in enumerate(message.parts):
         if part.HasField("data"):
-            value = to_json(part.data)
+            value = lifted[index] if index in lifted else to_json(part.data)
             if not isinstance(value, dict):
                 raise NotAnEnvelope("a data part must hold a JSON object (the payload)")
             return value
@@ -97,8 +112,21 @@ def payload_of(message: Message) -> dict[str, Any]:
     return {"text": "\n".join(texts)}
 
 
-def _data(value: Any) -> Part:
-    return Part(data=ParseDict(_exact(value), struct_pb2.Value()))
+class DataBudget:
+    """The JSON values one answer may still carry as data parts (``ANSWER_DATA_VALUES``)."""
+
+    def __init__(self, values: int = ANSWER_DATA_VALUES) -> None:
+        self.left = values
+
+    def part(self, value: Any) -> Part:
+        """A data part of ``value`` while the answer has values left for it; else a text part
+        of its JSON, written in C."""
+        count = jsonbody.values_in(value, self.left)
+        if count > self.left:
+            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+            return Part(text=text, media_type=JSON_MEDIA_TYPE)
+        self.left -= count
+        return Part(data=ParseDict(_exact(value), struct_pb2.Value()))
 
 
 def _struct(value: Mapping[str, Any]) -> struct_pb2.Struct:
@@ -169,13 +197,18 @@ def progress_text(progress: Mapping[str, Any]) -> str:
     return f"{shown} {message}".strip() if message else shown
 
 
-def result_artifact(result: Any) -> Artifact:
-    return Artifact(artifact_id=RESULT_ARTIFACT, name=RESULT_ARTIFACT, parts=[_data(result)])
+def result_artifact(result: Any, budget: DataBudget | None = None) -> Artifact:
+    part = (budget or DataBudget()).part(result)
+    return Artifact(artifact_id=RESULT_ARTIFACT, name=RESULT_ARTIFACT, parts=[part])
 
 
-def task_of(task: Mapping[str, Any]) -> Task:
+def task_of(
+    task: Mapping[str, Any], budget: DataBudget | None = None, *, artifacts: bool = True
+) -> Task:
     """Our task (as the HTTP API renders it) as an A2A task. Its metadata keeps what A2A has
-    no field for: the capability, the error, the progress, the agent that ran it."""
+    no field for: the capability, the error, the progress, the agent that ran it. ``budget``:
+    the answer's, when it holds more than this task; ``artifacts``: False leaves the result
+    out (ListTasks without ``includeArtifacts``)."""
     a2a = Task(
         id=task["task_id"],
         context_id=task.get("session_id") or "",
@@ -190,8 +223,8 @@ def task_of(task: Mapping[str, Any]) -> Task:
             }
         ),
     )
-    if task["status"] == "succeeded":
-        a2a.artifacts.append(result_artifact(task.get("result")))
+    if artifacts and task["status"] == "succeeded":
+        a2a.artifacts.append(result_artifact(task.get("result"), budget))
     return a2a
 
 
@@ -222,7 +255,7 @@ class EventMapper:
         elif event_type == OUTPUT:
             self.outputs += 1
             artifact = Artifact(
-                artifact_id=OUTPUT_ARTIFACT, name=OUTPUT_ARTIFACT, parts=[_data(data)]
+                artifact_id=OUTPUT_ARTIFACT, name=OUTPUT_ARTIFACT, parts=[DataBudget().part(data)]
             )
             yield TaskArtifactUpdateEvent(
                 task_id=self.task_id,

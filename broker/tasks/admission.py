@@ -144,7 +144,7 @@ class Door:
         checker = _fit_size(document, payload, cache)
         if checker is None:
             return
-        if not _more_values_than(payload, CHECK_ON_THREAD_VALUES):
+        if not jsonbody.more_values_than(payload, CHECK_ON_THREAD_VALUES):
             _check_schema(document, checker, payload)
             return
         async with self._check_turns.turn(tenant, "payload check"):
@@ -272,19 +272,6 @@ async def _fit_waiting(
             return
     if refusal is not None:
         raise refusal
-
-
-def _more_values_than(payload: Any, limit: int) -> bool:
-    """Whether ``payload`` holds more than ``limit`` JSON values, counting no further."""
-    seen, pending = 0, [payload]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, dict | list):
-            seen += len(node)
-            if seen > limit:
-                return True
-            pending.extend(node.values() if isinstance(node, dict) else node)
-    return False
 
 
 def _fit_size(

@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import jsonbody, sessions
 from broker.db.engines import LoopConnection
+from broker.db.models import FINAL_COLUMNS, as_task_row
 from broker.db.models import tasks_table as tasks
 from broker.errors import BadRequest, Unavailable
 from broker.grouping import Grouped
@@ -380,7 +381,10 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
     its row is deleted here as the janitor would (only while still expired: two replays
     racing delete it once) and the key is free for a new task.
     """
-    query = select(tasks, (tasks.c.expires_at <= func.now()).label("expired")).where(
+    # What the comparison needs first: a request of a few bytes with another payload costs
+    # no read of the first task's payload or result (up to megabytes, decoded on the loop).
+    compared = (tasks.c.id, tasks.c.payload_digest, tasks.c.session_id)
+    query = select(*compared, (tasks.c.expires_at <= func.now()).label("expired")).where(
         tasks.c.tenant == values["tenant"],
         tasks.c.capability == values["capability"],
         tasks.c.idempotency_key == values["idempotency_key"],
@@ -405,10 +409,14 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
             f"this idempotency key was used with a different {differs}",
             code="idempotency_key_reused",
         )
+    # The first task as it stands, every column but its payload (as a final write reads it).
+    first = select(*FINAL_COLUMNS).where(tasks.c.id == existing.id)
+    async with engine.connect() as conn:
+        found = (await conn.execute(first)).first()
+    if found is None:  # purged between the two reads: the key is free
+        return None
     metrics.idempotency.labels("replayed").inc()
-    row = dict(existing._mapping)
-    del row["expired"]
-    return Accepted(row=cast(TaskRow, row), replayed=True)
+    return Accepted(row=as_task_row(found), replayed=True)
 
 
 async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> bool:

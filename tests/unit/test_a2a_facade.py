@@ -163,3 +163,33 @@ def test_a_callback_set_through_the_http_api_is_no_push_config() -> None:
     assert not a2a.is_push(plain) and a2a.push_headers(plain) == {}
     with pytest.raises(a2a.NotAPushConfig):
         a2a.push_config_of("t1", plain)
+
+
+def test_an_answer_carries_its_values_as_data_until_its_budget_then_json_text() -> None:
+    budget = a2a.DataBudget(10)
+    first = budget.part({"a": [1, 2, 3]})  # 4 values
+    second = budget.part([1, 2, 3, 4, 5, 6, 7])  # 7: past the 6 left
+    third = budget.part({"b": 1, "c": 2})  # 2: within them
+    assert to_json(first.data) == {"a": [1, 2, 3]}
+    assert (second.text, second.media_type) == ("[1,2,3,4,5,6,7]", a2a.JSON_MEDIA_TYPE)
+    assert to_json(third.data) == {"b": 1, "c": 2}
+    assert budget.left == 4
+
+
+def test_a_result_past_the_answers_values_is_its_exact_json_text() -> None:
+    result = {"n": 10**30, "rows": list(range(a2a.ANSWER_DATA_VALUES)), "s": "é"}
+    (part,) = a2a.task_of(task("succeeded", result=result)).artifacts[0].parts
+    assert part.media_type == a2a.JSON_MEDIA_TYPE
+    assert json.loads(part.text) == result
+
+
+def test_a_listed_task_leaves_its_result_out_unless_asked() -> None:
+    done = task("succeeded", result={"total": 10})
+    assert list(a2a.task_of(done, artifacts=False).artifacts) == []
+    assert len(a2a.task_of(done).artifacts) == 1
+
+
+def test_a_lifted_data_part_is_the_payload_as_parsed() -> None:
+    sent = Message(parts=[Part(text="t"), Part(data=ParseDict({}, struct_pb2.Value()))])
+    assert a2a.payload_of(sent, {1: {"id": 2**60 + 1}}) == {"id": 2**60 + 1}
+    assert a2a.payload_of(sent) == {}

@@ -232,3 +232,13 @@ def test_given_exponent_text_inside_a_string_expect_at_most_an_overcount() -> No
     # never too low.
     data = jsonbody.canonical({"s": "a,1e+308,b"})
     assert jsonbody.sent_size(data) >= len(data)
+
+
+def test_given_nested_values_expect_each_member_counted_and_no_further_than_past_the_limit() -> (
+    None
+):
+    value = {"a": [1, 2, {"b": 3}], "c": "x"}
+    assert jsonbody.values_in(value, 100) == 6
+    assert jsonbody.values_in(value, 1) == 2  # stopped once past it
+    assert jsonbody.more_values_than(value, 5) and not jsonbody.more_values_than(value, 6)
+    assert jsonbody.values_in("text", 0) == 0
