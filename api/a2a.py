@@ -229,9 +229,8 @@ class ReachRequestHandler(RequestHandler):
             # A message resent with the same id is the same request: A2A's idempotency.
             fields["idempotency_key"] = idempotency_key_of(params.message.message_id)
         fields["source"] = "a2a"
+        await self._token(caller, context)
         try:
-            if not context.state.get("metered"):  # a large body took its token before reading
-                await self.svc.door.take(caller.tenant)
             envelope = parse_envelope(fields)
             accepted = await self.svc.intake.submit(
                 caller,
@@ -242,6 +241,16 @@ class ReachRequestHandler(RequestHandler):
         except ReachError as exc:
             raise _a2a_error(exc) from None
         return caller, accepted.row
+
+    async def _token(self, caller: Principal, context: ServerCallContext) -> None:
+        """A token of the tenant's rate for a call that writes, unless its body took one
+        before it was read (a body over 4 KiB: ``read_metered_body``)."""
+        if context.state.get("metered"):
+            return
+        try:
+            await self.svc.door.take(caller.tenant)
+        except ReachError as exc:
+            raise _a2a_error(exc) from None
 
     async def on_message_send(
         self, params: SendMessageRequest, context: ServerCallContext
@@ -380,6 +389,7 @@ class ReachRequestHandler(RequestHandler):
         """The task's callback becomes the push config (one per task: a new one replaces
         it), through the same guard as every callback URL."""
         caller = _principal(context)
+        await self._token(caller, context)
         row = await self._visible(caller, params.task_id)
         try:
             callback = mapping.callback_of(params)
@@ -429,6 +439,7 @@ class ReachRequestHandler(RequestHandler):
         self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
     ) -> None:
         caller = _principal(context)
+        await self._token(caller, context)
         config = await self._push_config(caller, params.task_id, params.id)
         row = await self._visible(caller, config.task_id)
         await set_callback(self.svc.engine, caller.tenant, row["id"], None)
