@@ -44,6 +44,7 @@ from http import HTTPStatus
 from typing import Any
 
 from api.errors import PROBLEM_JSON
+from api.middleware import DATA_CSP
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Uvicorns
@@ -159,8 +160,21 @@ class Protocol(_Uvicorns):
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        if not self._refused:  # what follows a refused head in the same read is no request
-            super().send_400_response(msg)
+        """What the parser could not read (a control character in a header, a bad
+        Content-Length or chunk size, an unknown method or version) is answered 400
+        ``invalid_http`` in problem+json, as every other error is (uvicorn's own answer was
+        text/plain, without the headers every answer carries), and the connection closed."""
+        if self._refused:  # what follows a refused head in the same read is no request
+            return
+        self._refused = True
+        self._stop_head_timer()
+        if self.transport.is_closing():
+            return
+        detail = "the request is not HTTP/1.1 this server can read"
+        self.transport.write(
+            _problem(400, "invalid_http", detail, self.server_state.default_headers)
+        )
+        self.transport.close()
 
     # The head's bounds.
 
@@ -228,6 +242,8 @@ def _problem(status: int, code: str, detail: str, headers: list[tuple[bytes, byt
     head += [name + b": " + value for name, value in headers]
     head += [
         b"content-type: " + PROBLEM_JSON.encode(),
+        b"x-content-type-options: nosniff",
+        b"content-security-policy: " + DATA_CSP.encode(),
         b"content-length: " + str(len(body)).encode(),
         b"connection: close",
     ]

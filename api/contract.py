@@ -50,7 +50,7 @@ _WWW_AUTHENTICATE = {
 }
 _DESCRIPTIONS = {
     400: "Malformed request: invalid_json, json_too_deep, number_out_of_range, invalid_string,"
-    " body_incomplete, invalid_cursor, invalid_last_event_id, too_many_values (A2A)",
+    " body_incomplete, invalid_cursor, invalid_last_event_id, too_many_values (A2A), invalid_http",
     401: "Missing or invalid API key (unauthenticated)",
     403: "Not for this key: a capability outside its patterns (capability_not_allowed),"
     " a tenant-wide setting (tenant_admin_required), an operator action (admin_required)",

@@ -27,6 +27,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "invalid_json": 400,
     "json_too_deep": 400,
     "too_many_values": 400,
+    "invalid_http": 400,
     "number_out_of_range": 400,
     "invalid_string": 400,
     "invalid_cursor": 400,

@@ -90,6 +90,35 @@ def test_a_head_past_64_kib_is_431_and_its_connection_ends(api: ServedApp, endin
     assert problem["status"] == 431
 
 
+MALFORMED = {
+    "a control character in a header": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n\r\n",
+    "a negative Content-Length": b"POST /tasks HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    "a bad chunk size": (
+        b"POST /tasks HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    ),
+    "a space before a colon": b"GET /healthz HTTP/1.1\r\nHost : x\r\n\r\n",
+    "an unknown version": b"GET /healthz HTTP/7.3\r\nHost: x\r\n\r\n",
+    "a NUL in the path": b"GET /heal\x00thz HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a method that is no token": b"G(T /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_request_the_parser_cannot_read_is_400_problem_json_and_its_connection_ends(
+    api: ServedApp, request_bytes: bytes
+) -> None:
+    """uvicorn answered these itself, in text/plain and without the headers every answer
+    carries (an audit, 2026-12-06)."""
+    with closing(_connected(api)) as sock:
+        sock.sendall(request_bytes)
+        answer = _until_closed(sock)
+    status, problem = _problem(answer)
+    assert (status, problem["code"]) == (400, "invalid_http")
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    assert b"x-content-type-options: nosniff" in head
+    assert b"content-security-policy: default-src 'none'" in head
+
+
 def test_heads_of_8_kib_a_large_body_and_the_requests_after_them_pass_on_one_connection(
     settings: Settings, make_key: KeyMaker
 ) -> None:
