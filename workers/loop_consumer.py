@@ -101,6 +101,9 @@ class LoopConsumer:
         self._unacked = ("unacked", "unacked_index")
         self._slots = 1
         self._held: dict[str, tuple[str, bytes | str]] = {}  # tag: (list key, message)
+        # Tags handed to Celery's consumer (``_to_celery``): each holds its slot until Celery
+        # acks or rejects it (``settled``), as its own prefetch limit would.
+        self._with_celery: set[str] = set()
         self._acks: list[str] = []
         self._taker: asyncio.Task[None] | None = None
         self._taking = False  # a BRPOP or its batch is out: cancelling could lose what it takes
@@ -127,6 +130,8 @@ class LoopConsumer:
         channel.loop_consumer = self
         channel._update_queue_cycle()
         loop = self.direct.runner.calls.loop
+        if self._room is not None:  # a new channel: the old one's deliveries settle no more
+            loop.call_soon_threadsafe(self._forget_celerys)
         if self._taker is None:
             ready = concurrent.futures.Future[None]()
 
@@ -193,9 +198,12 @@ class LoopConsumer:
                 log.debug("closing the loop consumer's broken connection failed", exc_info=True)
         await asyncio.sleep(RETRY_S)
 
+    def _in_flight(self) -> int:
+        return len(self._held) + len(self._with_celery)
+
     async def _wait_for_room(self) -> None:
         assert self._room is not None
-        while len(self._held) >= self._slots:
+        while self._in_flight() >= self._slots:
             self._room.clear()
             await self._room.wait()
 
@@ -227,7 +235,7 @@ class LoopConsumer:
             await client.rpush(key, item)
             return
         order.append(order.pop(order.index(keys[key])))  # kombu's fair cycle
-        room = self._slots - len(self._held) - 1
+        room = self._slots - self._in_flight() - 1
         unacked, index = self._unacked
         taking = client.eval(
             TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
@@ -296,10 +304,11 @@ class LoopConsumer:
         self, tag: str, message: dict[str, Any], queue: str, direct_failed: bool = False
     ) -> None:
         """Celery's consumer takes it, as if its channel had taken it: recorded as unacked
-        already, delivered on the consumer's thread."""
+        already, delivered on the consumer's thread. Its slot stays taken until Celery acks
+        or rejects it: handed over without its prefetch limit, a worker with task events on
+        (Flower turns them on) took every message of its queues at once."""
         self._held.pop(tag, None)
-        assert self._room is not None
-        self._room.set()
+        self._with_celery.add(tag)
         if direct_failed:
             message["properties"][CELERY_WAY] = True
         consumer = self._consumer
@@ -310,6 +319,24 @@ class LoopConsumer:
             channel.connection._deliver(message, queue)
 
         consumer.hub.call_soon(deliver)
+
+    def settled(self, tag: str) -> None:
+        """Celery acked or rejected a message (any thread): if it was handed over here, its
+        slot is free."""
+        if tag in self._with_celery:
+            self.direct.runner.calls.loop.call_soon_threadsafe(self._release, tag)
+
+    def _release(self, tag: str) -> None:
+        if tag in self._with_celery:
+            self._with_celery.discard(tag)
+            assert self._room is not None
+            self._room.set()
+
+    def _forget_celerys(self) -> None:
+        """The channel they were delivered on is gone, its unacked messages put back."""
+        self._with_celery.clear()
+        assert self._room is not None
+        self._room.set()
 
     def _ack(self, tag: str) -> None:
         if self._held.pop(tag, None) is None:

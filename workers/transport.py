@@ -91,6 +91,17 @@ class QoS(kombu_redis.QoS):
             self.acked.append(delivery_tag)
             return
         super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+        self._settled(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        super().reject(delivery_tag, requeue)  # type: ignore[no-untyped-call]
+        self._settled(delivery_tag)
+
+    def _settled(self, delivery_tag: str) -> None:
+        """The loop consumer frees the slot of a message it handed to Celery."""
+        taker = getattr(self.channel, "loop_consumer", None)
+        if taker is not None:
+            taker.settled(delivery_tag)
 
     def send_acks(self) -> None:
         acked, self.acked = self.acked, []
@@ -104,6 +115,7 @@ class QoS(kombu_redis.QoS):
             log.exception("%d acks not sent: those messages will be delivered again", len(acked))
         for tag in acked:
             virtual.QoS.ack(self, tag)  # type: ignore[no-untyped-call]
+            self._settled(tag)
 
     def restore_unacked(self, client: Any = None) -> None:
         self.send_acks()  # acked ones are not restored

@@ -289,6 +289,36 @@ def test_with_task_events_on_runs_take_celerys_way_and_show_in_inspect_active(
         worker.stop()
 
 
+def test_with_task_events_on_a_worker_takes_no_more_messages_than_its_concurrency(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """Runs that take Celery's way were handed to its consumer past its prefetch limit: with
+    Flower running, a threads worker of ``-c 1`` took all 40 of one tenant's messages at once
+    (an audit, 2026-12-06), so another tenant's task waited behind every one of them and the
+    queue's fair share never applied. Now each holds its slot until Celery acks it."""
+    queue = "test.async-watched"
+    worker = start_worker(settings, queue, "events-bound", log_dir, concurrency=2, pool="threads")
+    name = f"events-bound@{socket.gethostname()}"
+    control = Celery("test-events", broker=settings.celery_broker_url, set_as_current=False)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    try:
+        assert control.control.enable_events(destination=[name], reply=True, timeout=5)
+        tasks = [submit(client, queue, {"sleep_s": 4}) for _ in range(6)]
+
+        def running() -> list[str]:
+            return [t for t in tasks if client.get(f"/tasks/{t}").json()["status"] == "running"]
+
+        eventually(running, "two runs to start", until=lambda found: len(found) == 2)
+        # Two taken, the other four still on the queue for any worker (before: none left)
+        assert broker.llen(queue) == 4
+        done = [wait_for_task(client, t, FINAL) for t in tasks]
+        assert {(d["status"], d["attempts"]) for d in done} == {("succeeded", 1)}
+    finally:
+        broker.close()
+        control.close()
+        worker.stop()
+
+
 def test_progress_of_an_async_handler_reaches_the_task_and_its_stream(
     client: httpx.Client, async_worker: CeleryProcess
 ) -> None:
