@@ -16,7 +16,7 @@ from sqlalchemy import Row, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
-from broker.tasks.resource import FAILED, SUCCEEDED
+from broker.tasks.resource import CANCELLED, EXPIRED, FAILED, SUCCEEDED
 from broker.tenancy.heavy import OneAtATime
 from broker.timestamps import iso
 
@@ -82,14 +82,41 @@ async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[st
     return await cache.computed("success_rates", lambda: _success_rates(engine))  # type: ignore[no-any-return]
 
 
+# The failures that count against an agent's health: its own crash or time limit, a worker
+# lost under it, transient errors past their retries, and a remote agent that could not be
+# reached or answered out of protocol or with a 5xx. An agent's deliberate refusal (its own
+# error code: the input was wrong), a caller's cancel and a caller's deadline do not: they
+# are the caller's doing, and one tenant's would steer every tenant's routing (an audit,
+# 2026-12-06: 30 tasks pinned to the fast agent and cancelled, or given a deadline of
+# 800 ms, sent another tenant's tasks to the slow one, 32 of 40 instead of 18).
+AGENT_FAULTS = (
+    "agent_error",
+    "timeout",
+    "worker_lost",
+    "transient_error",
+    "agent_unreachable",
+    "agent_protocol",
+)
+# A deadline counts as the caller's when the task ended at it (give or take the clocks').
+DEADLINE_SLACK_S = 1.0
+_SUCCESS_RATES = text(
+    "SELECT agent_id, agent_version, avg(CASE WHEN status = :expired"
+    "   OR (status = :failed AND (error->>'code' = ANY(:faults)"
+    "       OR error->>'code' LIKE 'agent\\_http\\_5%')) THEN 0 ELSE 1 END) AS rate"
+    " FROM tasks WHERE finished_at > now() - make_interval(secs => :window)"
+    " AND agent_id IS NOT NULL AND status <> :cancelled"
+    " AND NOT (status = :expired AND deadline_at IS NOT NULL"
+    "          AND finished_at >= deadline_at - make_interval(secs => :slack))"
+    " GROUP BY agent_id, agent_version"
+).bindparams(expired=EXPIRED, failed=FAILED, cancelled=CANCELLED)
+
+
 async def _success_rates(engine: AsyncEngine) -> dict[tuple[str, str], float]:
-    query = text(
-        "SELECT agent_id, agent_version, avg((status = :succeeded)::int) AS rate FROM tasks"
-        " WHERE finished_at > now() - make_interval(secs => :window) AND agent_id IS NOT NULL"
-        " GROUP BY agent_id, agent_version"
-    ).bindparams(succeeded=SUCCEEDED)
+    """Per agent and version, the share of its finished tasks of the window that it did not
+    fail (``AGENT_FAULTS``), of those whose end was not the caller's doing."""
+    params = {"window": WINDOW_S, "faults": list(AGENT_FAULTS), "slack": DEADLINE_SLACK_S}
     async with engine.connect() as conn:
-        rows = (await conn.execute(query, {"window": WINDOW_S})).all()
+        rows = (await conn.execute(_SUCCESS_RATES, params)).all()
     return {(r.agent_id, r.agent_version): float(r.rate) for r in rows}
 
 

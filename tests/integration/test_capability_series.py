@@ -290,14 +290,16 @@ def test_one_tenants_aggregates_run_one_at_a_time_and_the_same_one_is_answered_a
             conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant[0]})
 
 
-# Tasks of three agents finished in the last five minutes, a third of agent a1's failed.
+# Tasks of three agents finished in the last five minutes, a third of agent a1's failed
+# (crashed: its own fault).
 RECENT_BY_AGENT = text(
     "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
     " payload_size, trace_id, result_ttl_s, created_at, started_at, finished_at, expires_at,"
-    " agent_id, agent_version)"
+    " agent_id, agent_version, error)"
     " SELECT gen_random_uuid(), :tenant, 'echo', 'echo',"
     "  CASE WHEN i % 3 = 1 AND i % 9 < 3 THEN 'failed' ELSE 'succeeded' END, '{}', 'd', 2,"
-    "  'trace', 60, f, f, f, f + interval '1 day', 'rates-a' || (i % 3), '1'"
+    "  'trace', 60, f, f, f, f + interval '1 day', 'rates-a' || (i % 3), '1',"
+    "  CASE WHEN i % 3 = 1 AND i % 9 < 3 THEN '{\"code\": \"agent_error\"}'::jsonb END"
     " FROM (SELECT i, now() - (i % 240) * interval '1 second' AS f"
     "       FROM generate_series(1, :n) AS i) AS g"
 )
@@ -340,3 +342,65 @@ def test_the_success_rates_every_submit_reads_are_one_query_for_the_submits_arri
     assert all(answer == answers[0] for answer in answers)
     rates = {agent: rate for (agent, _), rate in answers[0].items() if agent.startswith("rates-")}
     assert rates == {"rates-a0": 1.0, "rates-a1": pytest.approx(2 / 3, abs=0.01), "rates-a2": 1.0}
+
+
+# One finished task of an agent, as a worker writes it: its status, its error's code, and
+# whether it ended at a deadline its caller gave.
+FINISHED_BY = text(
+    "INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest,"
+    " payload_size, trace_id, result_ttl_s, created_at, started_at, finished_at, expires_at,"
+    " agent_id, agent_version, error, deadline_at)"
+    " VALUES (gen_random_uuid(), :tenant, 'echo', 'echo', :status, '{}', 'd', 2, 'trace', 60,"
+    "  now(), now(), now(), now() + interval '1 day', :agent, '1',"
+    "  CASE WHEN CAST(:code AS text) IS NULL THEN NULL"
+    "       ELSE jsonb_build_object('code', CAST(:code AS text), 'message', 'm') END,"
+    "  CASE WHEN :at_deadline THEN now() END)"
+)
+
+
+def test_an_agents_success_rate_counts_its_own_failures_not_what_its_callers_did(
+    engine: Engine, settings: Settings
+) -> None:
+    """Every tenant's routing reads the rates: one tenant's cancels, deadlines and inputs
+    the agent refused made a healthy agent's rate theirs (an audit, 2026-12-06)."""
+    tenant, run = "rates-" + uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
+    steered, failing = f"steered-{run}", f"failing-{run}"
+    ended: dict[str, list[tuple[str, str | None, bool]]] = {
+        # 4 succeeded; a caller cancelled 3, let 3 reach its deadline, sent 2 it refused
+        steered: [(SUCCEEDED, None, False)] * 4
+        + [("cancelled", "cancelled", False)] * 3
+        + [("expired", "timeout", True)] * 3
+        + [(FAILED, "bad_input", False)] * 2,
+        # 3 succeeded; it crashed once, ran past its own limit once, answered a 503 once
+        failing: [(SUCCEEDED, None, False)] * 3
+        + [(FAILED, "agent_error", False), ("expired", "timeout", False)]
+        + [(FAILED, "agent_http_503", False)],
+    }
+    with engine.begin() as conn:
+        for agent, outcomes in ended.items():
+            for status, code, at_deadline in outcomes:
+                conn.execute(
+                    FINISHED_BY,
+                    {
+                        "tenant": tenant,
+                        "status": status,
+                        "agent": agent,
+                        "code": code,
+                        "at_deadline": at_deadline,
+                    },
+                )
+
+    async def rates() -> dict[tuple[str, str], float]:
+        aengine = async_engine(settings)
+        try:
+            return await figures.success_rates(aengine, TimedCache(ttl_s=60))
+        finally:
+            await aengine.dispose()
+
+    try:
+        found = asyncio.run(rates())
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant})
+    assert found[(steered, "1")] == 1.0
+    assert found[(failing, "1")] == 0.5
