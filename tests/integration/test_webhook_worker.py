@@ -4,17 +4,21 @@ nobody consumes, to be read."""
 
 from __future__ import annotations
 
+import base64
+import json
 import secrets
 import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 from celery import Celery
 from sqlalchemy import Engine, delete, select
 
 from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhooks_table
 from broker.settings import Settings
+from broker.tasks.dispatch import WEBHOOKS_QUEUE
 from broker.webhooks import deliveries, policy
 from broker.webhooks.events import PROGRESS
 from broker.webhooks.ssrf import Guard
@@ -149,3 +153,34 @@ def test_each_progress_report_sends_countdowns_for_its_own_deliveries_only(
     assert written == [2, 2, 2]
     assert len(sent) == 6 and len({d for d, _ in sent}) == 6
     assert {attempt for _, attempt in sent} == {1}
+
+
+def announced(producer: Celery) -> list[list[str]]:
+    """The args of each fanout message waiting in the producer's queue."""
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    messages = [json.loads(m) for m in client.lrange(WEBHOOKS_QUEUE, 0, -1)]
+    client.close()
+    return [json.loads(base64.b64decode(m["body"]))[0] for m in reversed(messages)]
+
+
+def test_a_tasks_progress_reports_wait_on_the_queue_as_one_fanout_at_a_time(
+    settings: Settings, own_engine: Engine, producer: Celery
+) -> None:
+    """Each report put a fanout on the queue every tenant's final events wait on: one
+    tenant's 30 tasks of 50 reports made 525, and another tenant's webhooks came 6-9 s late
+    (an audit, 2026-12-06). The fanout reads the latest progress when it runs."""
+    hooks = hooks_of(settings, own_engine, producer)
+    tenant = f"t-{secrets.token_hex(4)}"
+    task_id = a_task_row(own_engine, tenant=tenant)
+    a_subscription(own_engine, tenant, "http://127.0.0.1:9/progress", [PROGRESS])
+    # When the task reports five times before its fanout runs
+    for _ in range(5):
+        hooks.on_progress(task_id)
+    # Then one fanout waits
+    assert announced(producer) == [[str(task_id), PROGRESS]]
+    # And once it has run, the next report sends the next one
+    hooks.fanout(str(task_id), PROGRESS)
+    hooks.on_progress(task_id)
+    hooks.on_progress(task_id)
+    fanouts = [a for a in announced(producer) if a[1] == PROGRESS]
+    assert fanouts == [[str(task_id), PROGRESS]] * 2
