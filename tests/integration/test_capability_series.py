@@ -299,7 +299,7 @@ RECENT_BY_AGENT = text(
     " SELECT gen_random_uuid(), :tenant, 'echo', 'echo',"
     "  CASE WHEN i % 3 = 1 AND i % 9 < 3 THEN 'failed' ELSE 'succeeded' END, '{}', 'd', 2,"
     "  'trace', 60, f, f, f, f + interval '1 day', 'rates-a' || (i % 3), '1',"
-    "  CASE WHEN i % 3 = 1 AND i % 9 < 3 THEN '{\"code\": \"agent_error\"}'::jsonb END"
+    '  CASE WHEN i % 3 = 1 AND i % 9 < 3 THEN \'{"code": "agent_error"}\'::jsonb END'
     " FROM (SELECT i, now() - (i % 240) * interval '1 second' AS f"
     "       FROM generate_series(1, :n) AS i) AS g"
 )

@@ -4,6 +4,7 @@ is retried, then fails with a retryable code."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -105,4 +106,7 @@ def test_a_model_that_cannot_be_reached_is_retried_then_fails_retryable(
     assert done["status"] == "failed"
     assert done["error"]["code"] == "model_unreachable"  # type: ignore[index]
     assert done["error"]["retryable"] is True  # type: ignore[index]
+    # naming none of the model's address, which the worker's log has (an audit, 2026-12-06)
+    assert "127.0.0.1" not in json.dumps(done["error"])
+    assert "cannot be reached" in nowhere.output()
     assert done["attempts"] == 3

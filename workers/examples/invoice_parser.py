@@ -3,7 +3,7 @@ worker wrapping it can retry freely and report progress one field group at a tim
 
 import re
 from datetime import date
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_UP, Decimal, localcontext
 
 FIELD_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("identity", ("number", "date")),
@@ -12,9 +12,12 @@ FIELD_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 # "Invoice ..." labels beat a bare "No.", which may label a phone or order. The
-# lookahead wants a digit so "Invoice Number: pending" gives None, not "pending".
+# lookahead wants a digit so "Invoice Number: pending" gives None, not "pending"; within
+# the number's first 40 characters, so that it reads no further than a number could be
+# (unbounded, a 200 KB payload of "no.no.no..." read the rest of it at every "no.":
+# quadratic, longer than the agent's time limit).
 _NUMBER_PATTERNS = tuple(
-    re.compile(label + r"[ \t]*[:#]?[ \t]*(?P<value>(?=[\w/.-]*\d)[A-Z0-9][\w/.-]*)", re.I)
+    re.compile(label + r"[ \t]*[:#]?[ \t]*(?P<value>(?=[\w/.-]{0,40}\d)[A-Z0-9][\w/.-]*)", re.I)
     for label in (r"\binvoice[ \t]*(?:no\b\.?|number\b|#)", r"\bno\.")
 )
 
@@ -36,11 +39,12 @@ _DATE_PATTERNS = tuple(
     )
 )
 
-# The lookbehinds reject "Subtotal"/"Sub-total"/"Sub total". Only a bracketed note, a
+# The lookbehinds reject "Subtotal"/"Sub-total"/"Sub total". Only a bracketed note (of at
+# most 80 characters: "total(total(..." read the rest of its line at every "total"), a
 # colon and a currency may sit between label and amount, so "Total Qty: 5" is no total.
 _TOTAL = re.compile(
     r"(?<![a-z])(?<!sub[ -])(?P<label>grand[ \t]+total|amount[ \t]+due"
-    r"|total(?:[ \t]+(?:due|amount))?)\b[ \t]*(?:\([^)\n]*\))?[ \t]*[:-]?[ \t]*"
+    r"|total(?:[ \t]+(?:due|amount))?)\b[ \t]*(?:\([^)\n]{0,80}\))?[ \t]*[:-]?[ \t]*"
     r"(?:[A-Z]{3}|[$€£¥￥])?[ \t]*(?P<amount>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)",
     re.I,
 )
@@ -95,7 +99,10 @@ def _total(lines: list[str]) -> str | None:
     if (match := _total_match(lines)) is None:
         return None
     amount = Decimal(match["amount"].replace(",", ""))
-    return str(amount.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
+    # Cents of an amount of any length (the default context's 28 digits raised
+    # InvalidOperation for a total of 29).
+    with localcontext(prec=len(match["amount"]) + 3):
+        return str(amount.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
 
 
 def _currency(lines: list[str]) -> str | None:

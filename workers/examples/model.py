@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from typing import Any
 
 import aiohttp
 
 from workers.sdk import AgentFailure, Context, Retryable, agent
+
+log = logging.getLogger("reach.examples.model")
 
 MODEL_URL_ENV = "REACH_MODEL_URL"
 DEFAULT_MODEL_URL = "http://127.0.0.1:8700"
@@ -84,7 +87,10 @@ async def complete(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
                 return {"text": answer["choices"][0]["message"]["content"]}
             return {"text": await _tokens(ctx, response)}
     except aiohttp.ClientConnectionError as exc:
-        raise Retryable(f"the model cannot be reached: {exc}", code="model_unreachable") from exc
+        # The caller sees the code, not the model's address (aiohttp's text names it): the
+        # worker's log has it.
+        log.warning("the model at %s cannot be reached: %s", url, exc)
+        raise Retryable("the model cannot be reached", code="model_unreachable") from exc
 
 
 async def _tokens(ctx: Context, response: aiohttp.ClientResponse) -> str:

@@ -13,6 +13,7 @@ _TERMINATOR = re.compile(rf"(?P<punct>[.!?\u2026]+|[{_CJK_TERMINATORS}]+)[{_CLOS
 _ALWAYS_CONTINUE = frozenset({"e.g", "i.e", "mr", "mrs", "ms", "dr", "prof", "vs", "cf"})
 # Abbreviations that may end a sentence: split only if the next word is not lowercase.
 _MAY_END = frozenset({"etc", "al", "inc", "ltd", "co"})
+_SPACES = re.compile(r"\s*")
 _ABBREVIATION = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]+$")
 
 _WORD = re.compile(r"[^\W\d_]+")
@@ -43,11 +44,14 @@ def _ends_sentence(text: str, match: re.Match[str]) -> bool:
     if punct[0] in _CJK_TERMINATORS:
         # CJK prose has no spaces between sentences, so the mark alone decides.
         return True
-    following = text[match.end() :]
-    if following and not following[0].isspace():
+    # Read by index: a copy of the text after each mark made a text of marks quadratic.
+    end = match.end()
+    if end < len(text) and not text[end].isspace():
         # "3.14", the inner dot of "e.g." and URLs continue without a space.
         return False
-    next_char = following.lstrip()[:1]
+    spaces = _SPACES.match(text, end)
+    after = spaces.end() if spaces else end
+    next_char = text[after : after + 1]
     if not next_char:
         return True
     if punct.startswith("..") or "\u2026" in punct:
