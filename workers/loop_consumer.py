@@ -306,9 +306,15 @@ class LoopConsumer:
         """Celery's consumer takes it, as if its channel had taken it: recorded as unacked
         already, delivered on the consumer's thread. Its slot stays taken until Celery acks
         or rejects it: handed over without its prefetch limit, a worker with task events on
-        (Flower turns them on) took every message of its queues at once."""
+        (Flower turns them on) took every message of its queues at once. Except a countdown's
+        (a retry's back-off), which Celery's timer holds until it is due: as Celery raises
+        its prefetch limit for each, it holds no slot meanwhile."""
         self._held.pop(tag, None)
-        self._with_celery.add(tag)
+        assert self._room is not None
+        if (message.get("headers") or {}).get("eta"):
+            self._room.set()
+        else:
+            self._with_celery.add(tag)
         if direct_failed:
             message["properties"][CELERY_WAY] = True
         consumer = self._consumer

@@ -319,6 +319,29 @@ def test_with_task_events_on_a_worker_takes_no_more_messages_than_its_concurrenc
         worker.stop()
 
 
+def test_a_retry_waiting_for_its_back_off_holds_no_slot(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """A retry's message waits in Celery's timer until it is due: as Celery raises its
+    prefetch limit for such a message, it holds none of the worker's slots meanwhile, and a
+    worker of ``-c 1`` runs the next task at once."""
+    queue = "test.async-watched"
+    worker = start_worker(settings, queue, "back-off", log_dir, concurrency=1, pool="threads")
+    try:
+        waiting = submit(client, queue, {"retry_after_s": 8})
+        eventually(
+            lambda: client.get(f"/tasks/{waiting}").json(),
+            "the first attempt to ask for its retry",
+            until=lambda task: (task["status"], task["attempts"]) == ("queued", 1),
+        )
+        after = wait_for_task(client, submit(client, queue, {"sleep_s": 0.1}), FINAL)
+        assert after["status"] == "succeeded"
+        assert client.get(f"/tasks/{waiting}").json()["status"] == "queued"  # still waits
+        assert wait_for_task(client, waiting, FINAL)["status"] == "succeeded"
+    finally:
+        worker.stop()
+
+
 def test_progress_of_an_async_handler_reaches_the_task_and_its_stream(
     client: httpx.Client, async_worker: CeleryProcess
 ) -> None:
