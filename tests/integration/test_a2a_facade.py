@@ -311,6 +311,23 @@ def test_another_tenants_task_is_not_found(a2a: Clients) -> None:
     a2a.run(run)
 
 
+def send_message_body(
+    parts: list[dict[str, Any]], *, metadata: dict[str, Any] | None = None, **configuration: Any
+) -> dict[str, Any]:
+    """A JSON-RPC ``SendMessage`` of ``parts`` to echo (``metadata`` adds to the message's),
+    with a fresh ``messageId`` and the ``configuration`` given."""
+    message = {
+        "messageId": str(uuid.uuid4()),
+        "role": "ROLE_USER",
+        "parts": parts,
+        "metadata": {"capability": "echo", **(metadata or {})},
+    }
+    params: dict[str, Any] = {"message": message}
+    if configuration:
+        params["configuration"] = configuration
+    return {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": params}
+
+
 def rpc(api: ServedApp, token: str | None, body: Any, **headers: str) -> httpx.Response:
     sent = {"Content-Type": "application/json", **A2A_VERSION, **headers}
     if token:
@@ -405,20 +422,8 @@ def test_an_overlong_a2a_version_is_a_version_not_served(
 
 def sent_message(api: ServedApp, token: str, message_id: str, data: Any) -> str:
     """``SendMessage`` to echo with ``returnImmediately``: the task's id, or the error."""
-    body = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "SendMessage",
-        "params": {
-            "message": {
-                "messageId": message_id,
-                "role": "ROLE_USER",
-                "parts": [{"data": data}],
-                "metadata": {"capability": "echo"},
-            },
-            "configuration": {"returnImmediately": True},
-        },
-    }
+    body = send_message_body([{"data": data}], returnImmediately=True)
+    body["params"]["message"]["messageId"] = message_id
     answer = rpc(api, token, body).json()
     assert "error" not in answer, (message_id[:40], answer["error"])
     task_id: str = answer["result"]["task"]["id"]
@@ -494,20 +499,9 @@ def test_a_tenant_out_of_tokens_has_its_body_refused_before_it_is_parsed(
     was left). A message that large is sent for its one token, not charged twice."""
     _, token = make_key()
     _, sender = make_key()
-    large_message = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "SendMessage",
-        "params": {
-            "message": {
-                "messageId": str(uuid.uuid4()),
-                "role": "ROLE_USER",
-                "parts": [{"text": "x" * (4 * SMALL_BODY_BYTES)}],
-                "metadata": {"capability": "echo"},
-            },
-            "configuration": {"returnImmediately": True},
-        },
-    }
+    large_message = send_message_body(
+        [{"text": "x" * (4 * SMALL_BODY_BYTES)}], returnImmediately=True
+    )
     not_json = b"{" + b"x" * (16 * SMALL_BODY_BYTES)
     one_token = settings.model_copy(update={"rate_limit_per_s": 0.001, "rate_limit_burst": 1})
     with ServedApp(create_app(one_token)) as api:

@@ -10,7 +10,6 @@ ListTasks leaves the results out unless asked for them."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import httpx
 from broker.facades.a2a import ANSWER_DATA_VALUES, JSON_MEDIA_TYPE
 from tests.integration.conftest import KeyMaker
 from tests.integration.stack import CeleryProcess, ServedApp
-from tests.integration.test_a2a_facade import rpc
+from tests.integration.test_a2a_facade import rpc, send_message_body
 
 # More values than an answer carries as data (two per row, and the row itself), and an
 # integer a double does not hold.
@@ -28,20 +27,7 @@ MANY = {"rows": [[i, -i] for i in range(ANSWER_DATA_VALUES)], "id": EXACT}
 
 def send(api: ServedApp, token: str, payload: Any) -> dict[str, Any]:
     """A blocking ``SendMessage`` to echo: the finished task."""
-    body = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "SendMessage",
-        "params": {
-            "message": {
-                "messageId": str(uuid.uuid4()),
-                "role": "ROLE_USER",
-                "parts": [{"data": payload}],
-                "metadata": {"capability": "echo"},
-            }
-        },
-    }
-    answer = rpc(api, token, body).json()
+    answer = rpc(api, token, send_message_body([{"data": payload}])).json()
     assert "error" not in answer, answer["error"]
     task: dict[str, Any] = answer["result"]["task"]
     assert task["status"]["state"] == "TASK_STATE_COMPLETED", task["status"]
@@ -108,25 +94,14 @@ def test_a_request_of_too_many_values_besides_its_data_part_is_refused(
     api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
 ) -> None:
     _, token = make_key()
-    body = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "SendMessage",
-        "params": {
-            "message": {
-                "messageId": str(uuid.uuid4()),
-                "role": "ROLE_USER",
-                "parts": [{"data": {"x": 1}}],
-                "metadata": {"capability": "echo", "filler": list(range(ANSWER_DATA_VALUES))},
-            }
-        },
-    }
+    filler = {"filler": list(range(ANSWER_DATA_VALUES))}
+    body = send_message_body([{"data": {"x": 1}}], metadata=filler)
     answer = rpc(api, token, body).json()
     assert answer["error"]["code"] == -32600
     assert answer["error"]["data"]["code"] == "too_many_values"
     rest = httpx.post(
         f"{api.url}/a2a/rest/message:send",
-        json={"message": body["params"]["message"]},  # type: ignore[index]
+        json={"message": body["params"]["message"]},
         headers={"Authorization": f"Bearer {token}", "A2A-Version": "1.0"},
     )
     assert rest.status_code == 400, rest.text
