@@ -108,7 +108,8 @@ class Calls:
         self, ctx: Context, caller: Principal, capability: str, payload: dict[str, Any]
     ) -> CallToolResult:
         svc = self.svc
-        await svc.door.take(caller.tenant)
+        if not getattr(_request(ctx).state, "metered", False):  # a large body took it already
+            await svc.door.take(caller.tenant)
         # The arguments meet the checks a POST body meets (NUL, lone surrogates, NaN, huge
         # integers, depth): the SDK's parser let them through, Postgres would refuse them.
         checked = jsonbody.parse(

@@ -24,9 +24,9 @@ from mcp_types.jsonrpc import INVALID_REQUEST
 from starlette.types import Message, Receive, Scope, Send
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body
-from api.deps import authenticate, read_json_body
+from api.deps import SMALL_BODY_BYTES, authenticate, read_json_body
 from api.mcp.calls import Calls
-from api.services import Services
+from api.services import Services, services
 from api.sse import Slot
 from broker import jsoncodec
 from broker.errors import BadRequest
@@ -95,7 +95,9 @@ class McpFacade:
             JSON or as an SSE stream that carries its progress notifications. Tools: one per
             capability the key may run, plus ``reach_get_task`` and ``reach_cancel_task``."""
             request.state.caller = caller
-            body = await _read_body(request, self.svc.settings.max_body_bytes)
+            body, request.state.metered = await _read_body(
+                request, caller, self.svc.settings.max_body_bytes
+            )
             if _bad_request_id(body):
                 return _invalid_request("a request's id must be a string or an integer")
             # A tool call may hold its answer open (SSE) for the whole wait: one of the
@@ -130,14 +132,24 @@ def _refusals() -> dict[int | str, dict[str, Any]]:
     return refusals
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body within the API's limits. The transport takes nothing but application/json
-    (a bare 400 otherwise, missing included), so neither does this: 415 problem+json."""
+async def _read_body(request: Request, caller: Principal, limit: int) -> tuple[bytes, bool]:
+    """The body within the API's limits, and whether it took a token of the tenant's rate: a
+    body not declared within ``SMALL_BODY_BYTES`` takes one before it is read, as ``POST
+    /tasks`` and A2A's do, whatever its method. It was read and parsed twice (ours, then the
+    SDK's) with none taken, so a tenant out of tokens held the loop with 1 MiB
+    notifications. A small one is read first, as before: the handshake and listings take
+    none, and a tool call takes its token when it runs. The transport takes nothing but
+    application/json (a bare 400 otherwise, missing included), so neither does this: 415
+    problem+json."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
         raise BadRequest(
             "send the JSON-RPC message as application/json", code="unsupported_media_type"
         )
-    return await read_json_body(request, limit)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) <= SMALL_BODY_BYTES:
+        return await read_json_body(request, limit), False
+    await services(request).door.take(caller.tenant)
+    return await read_json_body(request, limit), True
 
 
 def _bad_request_id(body: bytes) -> bool:

@@ -22,6 +22,7 @@ from mcp_types import CallToolResult, TextContent
 from sqlalchemy import Engine, text
 
 from api.app import create_app
+from api.deps import SMALL_BODY_BYTES
 from api.errors import BUG_MESSAGE
 from broker.registry import cards
 from broker.settings import Settings
@@ -243,6 +244,36 @@ def test_tool_calls_take_the_tenants_rate_tokens(
     assert second.structured_content["error"]["code"] == "rate_limited"
     assert reading.structured_content is not None
     assert reading.structured_content["error"]["code"] == "task_not_found"  # not rate_limited
+
+
+def test_a_body_over_4_kib_takes_a_token_before_it_is_read_whatever_its_method(
+    settings: Settings, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    """An MCP body was read and parsed twice (ours, then the SDK's) with no token taken:
+    notifications and ``tools/list`` never took one, ``tools/call`` only after the parse.
+    A tenant out of tokens sending 1 MiB notifications from four connections took another
+    tenant's reads from 7 ms to 0.9-1.9 s (an audit, 2026-12-06). A call that large is
+    charged its one token, not two."""
+    one_token = settings.model_copy(update={"rate_limit_per_s": 0.001, "rate_limit_burst": 1})
+    _, token = make_key()
+    _, other = make_key()
+    filler = "x" * (4 * SMALL_BODY_BYTES)
+    notification = {
+        "jsonrpc": "2.0",
+        "method": "notifications/initialized",
+        "params": {"f": filler},
+    }
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    with ServedApp(create_app(one_token)) as api:
+        with client_for(api, token) as http:
+            taken = http.post("/mcp", json=notification, headers=headers)
+            refused = http.post("/mcp", json=notification, headers=headers)
+        large_call = call(api, other, "echo", {"f": filler})
+    assert taken.status_code == 202, taken.text
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["content-type"].startswith("application/problem+json")
+    assert refused.json()["code"] == "rate_limited"
+    assert large_call.structured_content == {"f": filler}  # its one token, not two
 
 
 @pytest.mark.parametrize("token", [None, "rk_nosuchkey_secret", "not-a-key"])
