@@ -19,7 +19,7 @@ import httpx
 
 from reach_client.errors import APIConnectionError, APIStatusError, APITimeoutError, from_problem
 from reach_client.limits import TOO_LARGE
-from reach_client.retries import RetryPolicy, is_retried, may_retry
+from reach_client.retries import RetryPolicy, is_retried, may_retry, parse_retry_after
 
 T = TypeVar("T")
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -111,8 +111,7 @@ def problem_of(answer: Response) -> APIStatusError:
         body = answer.json()
     except ValueError:
         body = None
-    retry_after = answer.headers.get("retry-after")
-    seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
+    seconds = parse_retry_after(answer.headers.get("retry-after"))
     return from_problem(
         answer.status, body, trace_id=answer.headers.get("x-trace-id"), retry_after_s=seconds
     )

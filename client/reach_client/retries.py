@@ -10,6 +10,7 @@ and PATCH only with ``Idempotency-Key``.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -54,17 +55,22 @@ def may_retry(method: str, has_idempotency_key: bool) -> bool:
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """Seconds from ``Retry-After``: delta-seconds or an HTTP date (RFC 9110 10.2.3)."""
+    """Seconds from ``Retry-After``: delta-seconds or an HTTP date (RFC 9110 10.2.3); None
+    when absent or unreadable. Any text a server sends is read without raising: ``float``
+    refuses ``²`` (which ``str.isdigit`` takes), reads ``nan`` and ``inf``, and a date's year
+    may be past what ``datetime`` holds (OverflowError)."""
     if value is None or not value.strip():
         return None
     text = value.strip()
     try:
-        return max(0.0, float(text))
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = parsedate_to_datetime(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

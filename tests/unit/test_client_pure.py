@@ -254,3 +254,21 @@ def test_verify_returns_the_event_and_refuses_anything_else() -> None:
         verify(secret, body + b" ", headers)
     with pytest.raises(errors.WebhookVerificationError):
         verify(secret, body, {**headers, "webhook-signature": "garbage"})
+
+
+UNREADABLE_RETRY_AFTER = ["\u00b2", "Fri, 31 Dec 9999999999999999999 23:59:59 GMT", "nan", "inf"]
+
+
+@pytest.mark.parametrize("retry_after", UNREADABLE_RETRY_AFTER)
+def test_a_retry_after_the_client_cannot_read_is_none_and_the_error_is_raised_as_such(
+    retry_after: str,
+) -> None:
+    """``²`` passed ``str.isdigit`` and ``float`` refused it: a ValueError, not the API's
+    error, from any call a hostile server answered so (and the CLI's exit 1); a year past
+    ``datetime`` raised OverflowError (an audit, 2026-12-06)."""
+    assert parse_retry_after(retry_after) is None
+    headers = httpx.Headers({"Retry-After": retry_after.encode()})  # as a server sends it
+    refused = Response(429, headers, b'{"code": "rate_limited"}')
+    with pytest.raises(errors.APIStatusError) as caught:
+        drive(send(Request("GET", "/tasks/t1"), POLICY), [refused] * 3)
+    assert caught.value.retry_after_s is None
