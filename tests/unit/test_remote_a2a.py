@@ -19,7 +19,7 @@ from a2a.types import (
     TaskArtifactUpdateEvent,
     TaskStatus,
 )
-from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
+from a2a.utils.errors import A2AError, InvalidParamsError, MethodNotFoundError, TaskNotFoundError
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
 
@@ -326,3 +326,28 @@ def test_errors_the_agent_answers_fail_at_once_with_their_reason() -> None:
         assert type(failure) is AgentFailure
         assert failure.code == code
     assert failure_of(ValueError("odd"), streamed=False).code == "agent_protocol"
+
+
+def _made_by_the_sdk(error: A2AError, status: int, url: str) -> A2AError:
+    """An error as the SDK's REST transport makes one of an HTTP error answer with no message
+    of its own (``_handle_http_error``): its text names the request's URL."""
+    request = httpx.Request("POST", url)
+    cause = httpx.HTTPStatusError("x", request=request, response=httpx.Response(status))
+    try:
+        raise error from cause
+    except A2AError as exc:
+        return exc
+
+
+def test_an_error_the_sdk_wrote_with_the_agents_url_names_only_its_status() -> None:
+    """ "Resource not found: http://10.1.2.3:8384/a2a/rest/message:send" went into the task's
+    error, which its tenant reads (an audit, 2026-12-06)."""
+    url = "http://10.1.2.3:8384/a2a/rest/message:send"
+    failure = failure_of(
+        _made_by_the_sdk(MethodNotFoundError(f"Resource not found: {url}"), 404, url),
+        streamed=False,
+    )
+    assert (failure.code, failure.message) == ("a2a_method_not_found", "the agent answered 404")
+    # The agent's own words, naming no address, are kept
+    own = failure_of(_made_by_the_sdk(InvalidParamsError("no such city"), 400, url), streamed=False)
+    assert own.message == "no such city"

@@ -415,8 +415,21 @@ def failure_of(exc: Exception, *, streamed: bool) -> AgentFailure:
             return AgentFailure("the agent's answer could not be read", code="agent_protocol")
         return AgentFailure(str(exc)[:2000], code="agent_protocol")
     if isinstance(exc, A2AError):
-        return AgentFailure(str(exc)[:2000], code=a2a_json.error_code(exc))
+        return AgentFailure(_named_nowhere(exc)[:2000], code=a2a_json.error_code(exc))
     return AgentFailure(f"the agent's answer is not A2A: {exc}"[:2000], code="agent_protocol")
+
+
+def _named_nowhere(exc: A2AError) -> str:
+    """An A2A error's message, unless it names the agent's host: the SDK writes the request's
+    URL into the error it makes of an HTTP error answer without a message of its own ("Resource
+    not found: http://10.0.0.5:8384/a2a/rest/message:send", httpx's "for url ..."), which
+    the task's error would show its tenant. Then the status alone; the log has the text."""
+    message = str(exc)
+    cause = exc.__cause__
+    if isinstance(cause, httpx.HTTPStatusError) and cause.request.url.host in message:
+        log.warning("an A2A agent answered %s: %s", cause.response.status_code, message)
+        return f"the agent answered {cause.response.status_code}"
+    return message
 
 
 def _transient(message: str, code: str, streamed: bool) -> AgentFailure:
