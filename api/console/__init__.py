@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse
 from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
+from starlette.types import Receive, Scope, Send
 
 STATIC = Path(__file__).resolve().parent / "static"
 HEADERS = {
@@ -30,13 +31,39 @@ HEADERS = {
 router = APIRouter(include_in_schema=False)
 
 
+# The request headers a file is served whole without: Starlette answers a malformed Range
+# 400 and one past the file 416 itself, in text/plain (an audit, 2026-12-06), and the
+# console's files are a few KiB, too small for parts of them to be worth asking for.
+RANGE_HEADERS = (b"range", b"if-range")
+
+
+def _whole(scope: Scope) -> Scope:
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in RANGE_HEADERS]
+    return {**scope, "headers": headers}
+
+
+class WholeFile(FileResponse):
+    """A console file, always whole (``RANGE_HEADERS``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.headers["accept-ranges"] = "none"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(_whole(scope), receive, send)
+
+
 class ConsoleFiles(StaticFiles):
-    """The console's files. The page is among them, and served from here it takes the
+    """The console's files, whole. The page is among them, and served from here it takes the
     headers ``/console`` gives it (else it could be framed); the others are not pages, and
     take every response's (``api.middleware``)."""
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(_whole(scope), receive, send)
+
     def file_response(self, *args: Any, **kwargs: Any) -> Response:
         response = super().file_response(*args, **kwargs)
+        response.headers["accept-ranges"] = "none"
         if response.media_type == "text/html":
             response.headers.update(HEADERS)
         return response
@@ -45,7 +72,7 @@ class ConsoleFiles(StaticFiles):
 @router.get("/console")
 async def console() -> FileResponse:
     """The console's single page; its views are addressed by the fragment (``#/tasks``)."""
-    return FileResponse(STATIC / "index.html", headers=HEADERS)
+    return WholeFile(STATIC / "index.html", headers=HEADERS)
 
 
 def mount(app: FastAPI) -> None:
