@@ -104,3 +104,21 @@ def test_the_async_twins_write_as_the_sync_ones_do() -> None:
 
     asyncio.run(handler())
     assert kept.state == {"log": ["a", "b", "c"]} and session.revision == 4
+
+
+def test_given_a_state_of_json_values_expect_the_change_applied_to_an_exact_copy() -> None:
+    """The draft is a copy through JSON (C, not ``copy.deepcopy``'s Python walk): every value
+    the state may hold comes back exactly, and the change touches the copy alone."""
+    state = {"n": 2**70, "f": 0.1, "s": "é\u2028", "l": [[], {}, None, True], "d": {"k": [1]}}
+    store = Kept(state)
+    session = store.session()
+
+    def change(draft: dict[str, Any]) -> None:
+        assert draft == state
+        draft["d"]["k"].append(2)
+
+    written = session.mutate(change)
+    assert written["d"] == {"k": [1, 2]} and state["d"] == {"k": [1]}
+    assert {k: v for k, v in written.items() if k != "d"} == {
+        k: v for k, v in state.items() if k != "d"
+    }
