@@ -16,7 +16,7 @@ from a2a.types import AgentCard
 
 from broker.errors import AgentFailure
 from broker.remote import a2a_card
-from broker.remote.connections import MAX_ANSWER_BYTES
+from broker.remote.connections import MAX_ANSWER_BYTES, MAX_ANSWER_ELEMENTS
 from workers.bridge import http_agent
 from workers.sdk.context import Context
 
@@ -141,3 +141,20 @@ def test_json_nested_deeper_than_it_can_be_read_fails_agent_protocol(
     with pytest.raises(AgentFailure) as failed:
         called(kind, body)
     assert failed.value.code == "agent_protocol"
+
+
+@pytest.mark.parametrize("kind", ["application/json", "text/event-stream"])
+def test_an_answer_of_more_values_than_the_bridge_reads_fails_agent_protocol(kind: str) -> None:
+    """A tenant's 1 MiB payload of ``[[],[],...]``, echoed back by its agent, cost the
+    bridge's loop 0.38-0.48 s a call (an audit, 2026-12-06); A2A answers were already
+    capped at ``MAX_ANSWER_ELEMENTS``. Within it, the answer is read whole."""
+    many = b"[" + b"[]," * MAX_ANSWER_ELEMENTS + b"[]]"
+    fits = b"[" + b"[]," * (MAX_ANSWER_ELEMENTS // 3) + b"[]]"
+    if kind == "text/event-stream":
+        many, fits = (b"event: result\ndata: " + body + b"\n\n" for body in (many, fits))
+    else:
+        many, fits = (b'{"result": ' + body + b"}" for body in (many, fits))
+    with pytest.raises(AgentFailure, match="JSON values") as failed:
+        called(kind, many)
+    assert failed.value.code == "agent_protocol"
+    assert len(called(kind, fits)) == MAX_ANSWER_ELEMENTS // 3 + 1

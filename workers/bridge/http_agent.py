@@ -30,7 +30,12 @@ from aiohttp.http_exceptions import LineTooLong
 
 from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
-from broker.remote.connections import MAX_ANSWER_BYTES, read_body
+from broker.remote.connections import (
+    MAX_ANSWER_BYTES,
+    MAX_ANSWER_ELEMENTS,
+    JsonElements,
+    read_body,
+)
 from broker.webhooks import signing
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
@@ -103,7 +108,7 @@ async def call(
         if kind != "application/json":
             raise AgentFailure(f"the agent answered {kind or 'no type'}", code="agent_protocol")
         try:
-            answer = jsoncodec.loads(await _read_all(response))
+            answer = _parsed(await _read_all(response))
         except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             _log(ctx, exc)
             raise Retryable("the agent's answer broke off", code="agent_unreachable") from None
@@ -141,6 +146,20 @@ async def _read_all(response: aiohttp.ClientResponse) -> bytes:
     if len(body) > MAX_ANSWER_BYTES:
         raise AgentFailure("the agent's answer is too large", code="agent_protocol")
     return body
+
+
+def _parsed(body: bytes) -> Any:
+    """An answer's (or an event's) JSON, of at most ``MAX_ANSWER_ELEMENTS`` values, counted
+    in C before it is parsed, as an A2A agent's answers are: a tenant's 1 MiB payload of
+    ``[[],[],...]`` echoed back cost the bridge's loop 0.38-0.48 s a call to parse, check
+    and store, and two such submits a second stalled every tenant's calls (an audit,
+    2026-12-06)."""
+    if JsonElements().add(body, most=MAX_ANSWER_ELEMENTS) > MAX_ANSWER_ELEMENTS:
+        raise AgentFailure(
+            f"the agent's answer holds more than {MAX_ANSWER_ELEMENTS} JSON values",
+            code="agent_protocol",
+        )
+    return jsoncodec.loads(body)
 
 
 def _outcome(answer: Any, *, streamed: bool) -> Any:
@@ -202,7 +221,7 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
         if not text:
             if data:
                 try:
-                    yield event, jsoncodec.loads("\n".join(data))
+                    yield event, _parsed("\n".join(data).encode())
                 except ValueError:
                     raise AgentFailure(
                         f"the agent's {event} event holds no JSON", code="agent_protocol"
