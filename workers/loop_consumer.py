@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -330,7 +331,8 @@ class LoopConsumer:
         """Celery acked or rejected a message (any thread): if it was handed over here, its
         slot is free."""
         if tag in self._with_celery:
-            self.direct.runner.calls.loop.call_soon_threadsafe(self._release, tag)
+            with contextlib.suppress(RuntimeError):  # the loop closed: the worker is stopping
+                self.direct.runner.calls.loop.call_soon_threadsafe(self._release, tag)
 
     def _release(self, tag: str) -> None:
         if tag in self._with_celery:
