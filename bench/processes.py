@@ -166,6 +166,10 @@ def child_env(**values: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "BENCH_"))}
     env.pop("DATABASE_URL", None)
     env.pop("REDIS_URL", None)
+    # The benchmark's one tenant may hold every slot of a worker (``REACH_MAX_SLOTS_SHARE``
+    # keeps a tenth of them for the other tenants by default): each phase compares systems at
+    # the same number of calls in flight.
+    env.setdefault("REACH_MAX_SLOTS_SHARE", "1")
     env.update(values, PYTHONPATH=str(ROOT))
     return env
 

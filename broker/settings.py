@@ -126,6 +126,11 @@ class Settings(BaseSettings):
     # it has its next ones queued behind every other tenant's (with a Redis broker; 0: first
     # come, first served): another tenant's task waits behind at most this many of its.
     queue_fair_slice: int = Field(100, ge=0)
+    # The most of a threads-pool worker's slots (its -c, rounded up) one tenant's runs hold at
+    # once; the rest stay free for the other tenants' (with a Redis broker; 1: no share). One
+    # tenant's slow calls (an agent it makes wait, up to the timeout) took every slot of a
+    # bridge or an async worker, and every tenant's calls waited.
+    max_slots_share: float = Field(0.9, gt=0, le=1)
     # Requests of one API process waiting for their answer (sync waits too); beyond it, 503 at
     # once. 1,000 connections submitting at once all fit and are answered within seconds.
     max_requests_waiting: int = Field(1024, gt=0)

@@ -377,6 +377,8 @@ agent.capability("test.async-once", agent_id="test-async-once")(_lives)
 # Served only by the worker of the test that watches it (``inspect active``): a message on a
 # queue another worker also consumes may run there instead.
 agent.capability("test.async-watched", agent_id="test-async-watched")(_lives)
+# Served only by the worker of the test of a tenant's share of a worker's slots.
+agent.capability("test.async-share", agent_id="test-async-share")(_lives)
 
 
 @agent.capability("test.sync-idem", agent_id="test-sync-idem", idempotent=True)

@@ -113,6 +113,7 @@ def _republish(app: Celery, settings: Settings, runner: Runner) -> Republish:
             task_id,
             queue,
             trace_id=trace_id,
+            tenant=tenant,
             deadline_at=deadline_at,
             countdown_s=countdown_s,
             behind=fair.behind(queue, tenant),
@@ -141,7 +142,9 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
         app.reach_direct = Direct(runner)  # -P threads: async handlers without a thread
         if settings.celery_broker_url.startswith(("redis://", "rediss://")):
             # ... and their messages taken on the loop, not by Celery's consumer thread
-            app.reach_loop_consumer = LoopConsumer(app.reach_direct, settings.celery_broker_url)
+            app.reach_loop_consumer = LoopConsumer(
+                app.reach_direct, settings.celery_broker_url, settings.max_slots_share
+            )
             app.steps["consumer"].add(loop_consumer_step(app.reach_loop_consumer))
     signals.worker_init.connect(use_direct_pool, weak=False)
     # In the worker's main process, before the pool's children fork (they inherit it).

@@ -333,6 +333,7 @@ class LeaseKeeper:
                     row["id"],
                     ref.queue(),
                     trace_id=row["trace_id"],
+                    tenant=row["tenant"],
                     deadline_at=row["deadline_at"],
                 )
 

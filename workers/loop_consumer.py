@@ -23,6 +23,12 @@ their queues, as kombu's channel does; a warm one stops taking, lets the runs in
 finish, then sends their acks. The prefetch limit is the pool's concurrency: it takes
 no more messages than it has free slots.
 
+One tenant's runs hold at most its share of those slots (``REACH_MAX_SLOTS_SHARE``, read from
+the message's ``TENANT_HEADER`` before anything else is): a message of a tenant holding its
+share goes back to its queue, behind every other message, and the consumer takes again at the
+next run that ends (or after ``SHARE_WAIT_S``). One tenant's slow calls cannot take every slot
+of a bridge or an async worker while the other tenants' tasks wait.
+
 Used by a worker started with ``-P threads`` whose broker is Redis, unless OpenTelemetry is
 on (Celery's tracer makes the spans, so every task takes Celery's way).
 """
@@ -35,6 +41,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from datetime import UTC, datetime
@@ -44,7 +51,8 @@ import redis
 import redis.asyncio
 
 from broker import jsoncodec, redisclients
-from broker.tasks.dispatch import RUN_TASK
+from broker.observability import metrics
+from broker.tasks.dispatch import BEHIND, RUN_TASK, TENANT_HEADER
 from workers.transport import BATCH, TAKE
 
 log = logging.getLogger("reach.worker")
@@ -58,6 +66,16 @@ redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[3], tag)
 redis.call('HDEL', KEYS[2], tag)
 """
+# KEYS[1] the queue's last list, KEYS[2] the unacked hash, KEYS[3] its index; ARGV[1] a
+# message's tag, ARGV[2] the message: behind every message of the queue, no longer unacked.
+SET_ASIDE = """
+redis.call('LPUSH', KEYS[1], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+"""
+# After setting a message aside, the next take waits for a run to end, at most this long: the
+# messages set aside are not taken again at once, and another tenant's wait no longer.
+SHARE_WAIT_S = 0.25
 CELERY_WAY = "reach_celery_way"  # a message's property: it skips the direct path
 
 Run = tuple[str, str, str]  # task id, queue, worker hostname
@@ -81,6 +99,22 @@ def plain(content_type: str, headers: dict[str, Any], revoked: Any, events_on: b
     return not events_on
 
 
+def share_cap(slots: int, share: float) -> int:
+    """The most of a process's ``slots`` one tenant's runs may hold: ``share`` of them,
+    rounded up (below 10 slots, a share of 0.9 keeps none back), at least one."""
+    return max(1, min(slots, math.ceil(slots * share - 1e-9)))
+
+
+def tenant_of(headers: dict[str, Any]) -> str | None:
+    """Whose task a run message runs (``dispatch.TENANT_HEADER``); None for a message without
+    one (published before it was added, or not by the broker): it counts for nobody's share.
+    A countdown's message holds no slot (Celery's timer holds it), so it counts neither."""
+    tenant = headers.get(TENANT_HEADER)
+    if headers.get("eta") or not isinstance(tenant, str) or not tenant:
+        return None
+    return tenant
+
+
 def events_on(dispatcher: Any) -> bool:
     """Whether Celery sends task events (a monitor such as Flower asked for them)."""
     return bool(
@@ -93,18 +127,24 @@ def events_on(dispatcher: Any) -> bool:
 class LoopConsumer:
     """Takes the run queues' messages on the event loop and starts their runs there."""
 
-    def __init__(self, direct: Any, broker_url: str) -> None:
+    def __init__(self, direct: Any, broker_url: str, slots_share: float = 1.0) -> None:
         self.direct = direct
         self.broker_url = broker_url
+        self.slots_share = slots_share
         self._lock = threading.Lock()
         self._consumer: Any = None
         self._keys: dict[str, str] = {}  # list key -> queue, for the queues consumed
+        self._last: dict[str, str] = {}  # queue -> its last list (``dispatch.BEHIND``)
         self._unacked = ("unacked", "unacked_index")
         self._slots = 1
         self._held: dict[str, tuple[str, bytes | str]] = {}  # tag: (list key, message)
         # Tags handed to Celery's consumer (``_to_celery``): each holds its slot until Celery
         # acks or rejects it (``settled``), as its own prefetch limit would.
         self._with_celery: set[str] = set()
+        self._tenant_of: dict[str, str] = {}  # tag -> tenant, of each message holding a slot
+        self._holding: dict[str, int] = {}  # tenant -> the slots its runs hold
+        self._aside: list[tuple[str, str, str]] = []  # (last list, tag, message) to set aside
+        self._crowded = False  # the last take set messages aside
         self._acks: list[str] = []
         self._taker: asyncio.Task[None] | None = None
         self._taking = False  # a BRPOP or its batch is out: cancelling could lose what it takes
@@ -151,9 +191,11 @@ class LoopConsumer:
             for priority in channel.priority_steps
             for queue in sorted(queues)
         }
+        last = {queue: channel._q_for_pri(queue, BEHIND) for queue in queues}
         with self._lock:
             changed = set(self._keys.values()) != set(queues)
             self._keys = keys
+            self._last = last
         if changed:
             log.info("run queues taken on the event loop: %s", ", ".join(sorted(queues)) or "none")
         if self._changed is not None:
@@ -182,6 +224,8 @@ class LoopConsumer:
                 queues = list(dict.fromkeys(keys.values()))
                 order = [q for q in order if q in queues] + [q for q in queues if q not in order]
                 await self._take(order, keys)
+                if self._crowded:
+                    await self._wait_for_a_release()
             except asyncio.CancelledError:
                 raise
             except TimeoutError:
@@ -207,6 +251,15 @@ class LoopConsumer:
         while self._in_flight() >= self._slots:
             self._room.clear()
             await self._room.wait()
+
+    async def _wait_for_a_release(self) -> None:
+        """Until a run ends (a slot, maybe of the tenant whose messages were set aside), at
+        most ``SHARE_WAIT_S``."""
+        assert self._room is not None
+        self._room.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHARE_WAIT_S):
+                await self._room.wait()
 
     async def _take(self, order: list[str], keys: dict[str, str]) -> None:
         if self._redis is None:
@@ -236,7 +289,8 @@ class LoopConsumer:
             await client.rpush(key, item)
             return
         order.append(order.pop(order.index(keys[key])))  # kombu's fair cycle
-        room = self._slots - self._in_flight() - 1
+        # one at a time while a tenant holds its share: not a batch of its to set aside
+        room = 0 if self._crowded else self._slots - self._in_flight() - 1
         unacked, index = self._unacked
         taking = client.eval(
             TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
@@ -248,9 +302,24 @@ class LoopConsumer:
         if stopped:  # the worker stops taking: they wait for the next one, in their order
             for more in reversed(taken):
                 await client.eval(PUT_BACK, 3, key, unacked, index, more)
+        else:
+            for more in taken:
+                self._start(key, more, still[key])
+        await self._set_aside(client)
+
+    async def _set_aside(self, client: redis.asyncio.Redis) -> None:
+        """Send the messages ``_start`` set aside behind their queues' others (after the
+        script that recorded them as unacked)."""
+        aside, self._aside = self._aside, []
+        self._crowded = bool(aside)
+        if not aside:
             return
-        for more in taken:
-            self._start(key, more, still[key])
+        unacked, index = self._unacked
+        async with client.pipeline(transaction=False) as pipe:
+            for last, tag, message in aside:
+                pipe.eval(SET_ASIDE, 3, last, unacked, index, tag, message)
+            await pipe.execute()
+        metrics.runs_set_aside.inc(len(aside))
 
     def _start(self, key: str, item: bytes | str, queue: str) -> None:
         try:
@@ -259,7 +328,16 @@ class LoopConsumer:
         except (TypeError, ValueError, KeyError):  # kombu could not read it either
             log.error("a message on %s that is not kombu's was dropped: %.200r", queue, item)
             return
+        tenant = tenant_of(message.get("headers") or {})
+        if tenant is not None and self._holding.get(tenant, 0) >= share_cap(
+            self._slots, self.slots_share
+        ):
+            self._aside.append((self._last.get(queue, key), tag, self._behind(message)))
+            return
         self._held[tag] = (key, item)
+        if tenant is not None:
+            self._tenant_of[tag] = tenant
+            self._holding[tenant] = self._holding.get(tenant, 0) + 1
         run = self._run_of(message)
         if run is None:
             self._to_celery(tag, message, queue)
@@ -278,6 +356,23 @@ class LoopConsumer:
                 lambda: loop.call_soon_threadsafe(celerys_way),
                 self._consumer.pool.executor,
             )
+
+    @staticmethod
+    def _behind(message: dict[str, Any]) -> str:
+        """The message as it waits in its queue's last list (kombu reads a restored message's
+        list from its priority)."""
+        message.setdefault("properties", {})["priority"] = BEHIND
+        return json.dumps(message)
+
+    def _let_go(self, tag: str) -> None:
+        """A message no longer holds its slot: its tenant's share has it back."""
+        tenant = self._tenant_of.pop(tag, None)
+        if tenant is not None:
+            left = self._holding.get(tenant, 1) - 1
+            if left > 0:
+                self._holding[tenant] = left
+            else:
+                self._holding.pop(tenant, None)
 
     def _run_of(self, message: dict[str, Any]) -> Run | None:
         """The run a plain run message asks for, if its handler is served here."""
@@ -313,6 +408,7 @@ class LoopConsumer:
         self._held.pop(tag, None)
         assert self._room is not None
         if (message.get("headers") or {}).get("eta"):
+            self._let_go(tag)
             self._room.set()
         else:
             self._with_celery.add(tag)
@@ -337,11 +433,14 @@ class LoopConsumer:
     def _release(self, tag: str) -> None:
         if tag in self._with_celery:
             self._with_celery.discard(tag)
+            self._let_go(tag)
             assert self._room is not None
             self._room.set()
 
     def _forget_celerys(self) -> None:
         """The channel they were delivered on is gone, its unacked messages put back."""
+        for tag in self._with_celery:
+            self._let_go(tag)
         self._with_celery.clear()
         assert self._room is not None
         self._room.set()
@@ -349,6 +448,7 @@ class LoopConsumer:
     def _ack(self, tag: str) -> None:
         if self._held.pop(tag, None) is None:
             return
+        self._let_go(tag)
         assert self._room is not None
         self._room.set()
         self._acks.append(tag)
@@ -403,6 +503,8 @@ class LoopConsumer:
             if self._taker is not None:
                 self._taker.cancel()
             taken, self._held = dict(self._held), {}
+            for tag in taken:
+                self._let_go(tag)
             return taken
 
         self.pause()

@@ -93,6 +93,10 @@ lost_tasks = Counter(
     "reach_lost_tasks_total", "Tasks whose worker died while running them", ["outcome"]
 )  # requeued | failed
 webhook_attempts = Counter("reach_webhook_attempts_total", "Webhook delivery attempts", ["outcome"])
+runs_set_aside = Counter(
+    "reach_runs_set_aside_total",
+    "Run messages a worker put back behind the others: their tenant held its share of its slots",
+)
 
 
 def worker_registry() -> CollectorRegistry:

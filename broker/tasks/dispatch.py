@@ -38,6 +38,7 @@ VISIBILITY_TIMEOUT_S = 6 * 3600
 # one. A tenant past its fair slice of a crowded queue (``backpressure.QueueBound``) has its
 # run messages put in the last list: behind every other tenant's, in the same queue.
 BEHIND = PRIORITY_STEPS[-1]
+TENANT_HEADER = "reach_tenant"  # a run message's: whose task it runs
 
 
 def redis_list(queue: str, priority: int = 0) -> str:
@@ -99,6 +100,7 @@ def send_run(
     queue: str,
     *,
     trace_id: str,
+    tenant: str,
     deadline_at: datetime | None = None,
     countdown_s: float | None = None,
     behind: bool = False,
@@ -107,7 +109,9 @@ def send_run(
 
     The message expires with the task's deadline: a task not started by then is never run
     (the sweeper then marks its row expired). ``behind``: after the other tenants' messages
-    of the queue (a Redis broker's; another broker's order is its own).
+    of the queue (a Redis broker's; another broker's order is its own). ``tenant`` goes in
+    its headers: a worker holds at most its share of slots for one tenant's runs
+    (``workers.loop_consumer``) before it has read the task.
     """
     behind = behind and app.conf.broker_url.startswith(("redis://", "rediss://"))
     app.send_task(
@@ -115,7 +119,7 @@ def send_run(
         args=[str(task_id), queue],
         task_id=str(task_id),
         queue=queue,
-        headers={"trace_id": trace_id},
+        headers={"trace_id": trace_id, TENANT_HEADER: tenant},
         expires=deadline_at,
         countdown=countdown_s,
         priority=BEHIND if behind else None,
@@ -128,6 +132,7 @@ def redis_run_message(
     queue: str,
     *,
     trace_id: str,
+    tenant: str,
     deadline_at: datetime | None,
     behind: bool = False,
 ) -> tuple[str, bytes]:
@@ -144,7 +149,7 @@ def redis_run_message(
     message = app.amqp.as_task_v2(
         str(task_id), RUN_TASK, args=[str(task_id), queue], expires=deadline_at, ignore_result=None
     )
-    headers = {**message.headers, "trace_id": trace_id}
+    headers = {**message.headers, "trace_id": trace_id, TENANT_HEADER: tenant}
     properties: dict[str, Any] = {
         **message.properties,
         "delivery_mode": 2,
@@ -266,6 +271,7 @@ class Dispatcher:
             due.task_id,
             due.queue,
             trace_id=due.trace_id,
+            tenant=due.tenant,
             deadline_at=due.deadline_at,
             behind=behind,
         )

@@ -264,6 +264,7 @@ async def submit(
                 row["id"],
                 queue,
                 trace_id=trace_id,
+                tenant=principal.tenant,
                 deadline_at=row["deadline_at"],
                 behind=behind,
             )
@@ -283,6 +284,7 @@ async def submit(
                     row["id"],
                     queue,
                     trace_id=trace_id,
+                    tenant=principal.tenant,
                     deadline_at=row["deadline_at"],
                     behind=behind,
                 )

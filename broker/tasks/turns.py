@@ -102,6 +102,7 @@ _HEAD = (
         tasks.c.queue,
         tasks.c.trace_id,
         tasks.c.deadline_at,
+        tasks.c.tenant,
     )
     .where(
         tasks.c.session_id == bindparam("session"),
@@ -146,6 +147,7 @@ class Due:
     queue: str
     trace_id: str
     deadline_at: datetime | None
+    tenant: str
 
 
 def due_after(finished_turn: int, head: Any) -> Due | None:
@@ -154,7 +156,7 @@ def due_after(finished_turn: int, head: Any) -> Due | None:
     another's to release (it was the line, not the finished one); a running head is going."""
     if head is None or head.status != QUEUED or head.session_turn <= finished_turn:
         return None
-    return Due(head.id, head.queue, head.trace_id, head.deadline_at)
+    return Due(head.id, head.queue, head.trace_id, head.deadline_at, head.tenant)
 
 
 def next_due(conn: Connection, session_id: str, finished_turn: int) -> Due | None:

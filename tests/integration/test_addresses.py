@@ -488,7 +488,7 @@ def test_a_private_versions_worker_runs_no_other_tenants_task_whatever_queue_bri
 
         def sent(tenant: str, queue: str) -> uuid.UUID:
             task_id = a_task_row(engine, tenant=tenant, capability=CAPABILITY)
-            send_run(dispatcher.app, task_id, queue, trace_id=uuid.uuid4().hex)
+            send_run(dispatcher.app, task_id, queue, trace_id=uuid.uuid4().hex, tenant=tenant)
             return task_id
 
         with client_for(api, token) as http:

@@ -68,17 +68,22 @@ def test_500_async_tasks_are_in_flight_at_once_in_one_process(
     async_worker: CeleryProcess,
     redis_url: str,  # type: ignore[no-untyped-def]
 ) -> None:
-    _, token = make_key()
+    # Two tenants: one tenant's runs hold at most 450 of the 500 slots (REACH_MAX_SLOTS_SHARE)
+    (_, token), (_, other) = make_key(), make_key()
     barrier = secrets.token_hex(4)
-    envelopes = [
-        {"capability": "test.async", "payload": {"barrier": barrier, "n": 500, "wait_s": 120}}
-        for _ in range(500)
-    ]
-    responses = asyncio.run(submit_many(api, token, envelopes))
-    assert {r.status_code for r in responses} == {202}
-    ids = [r.json()["task_id"] for r in responses]
-    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}) as http:
-        done = [wait_for_task(http, task_id, FINAL, timeout_s=180) for task_id in ids]
+    envelope = {
+        "capability": "test.async",
+        "payload": {"barrier": barrier, "n": 500, "wait_s": 120},
+    }
+    ids: list[tuple[str, str]] = []
+    for key, n in ((token, 450), (other, 50)):
+        responses = asyncio.run(submit_many(api, key, [envelope] * n))
+        assert {r.status_code for r in responses} == {202}
+        ids += [(key, r.json()["task_id"]) for r in responses]
+    done = []
+    for key, task_id in ids:
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}) as http:
+            done.append(wait_for_task(http, task_id, FINAL, timeout_s=180))
     # Each returned only once all 500 had arrived at the barrier: they were in flight together.
     assert {d["status"] for d in done} == {"succeeded"}
     results = [d["result"] for d in done]
@@ -410,7 +415,9 @@ def test_kill_9_with_200_coroutines_in_flight_loses_nothing_and_runs_nothing_twi
 ) -> None:
     _, token = make_key()
     queues = "test.async-idem,test.async-once"
-    doomed = start_worker(settings, queues, "doomed", log_dir, concurrency=200, pool="threads")
+    # one tenant's 200 all in flight: every slot its (REACH_MAX_SLOTS_SHARE keeps none back)
+    every_slot = {"REACH_MAX_SLOTS_SHARE": "1"}
+    doomed = start_worker(settings, queues, "doomed", log_dir, every_slot, 200, "threads")
     heir: CeleryProcess | None = None
     try:
         envelopes = [

@@ -39,6 +39,7 @@ def test_direct_message_is_what_send_task_publishes(own_redis: str, settings: Se
                     task_id,
                     "parity.q",
                     trace_id="t-1",
+                    tenant="acme",
                     deadline_at=deadline_at,
                     behind=behind,
                 )
@@ -51,6 +52,7 @@ def test_direct_message_is_what_send_task_publishes(own_redis: str, settings: Se
                     task_id,
                     "parity.q",
                     trace_id="t-1",
+                    tenant="acme",
                     deadline_at=deadline_at,
                     behind=behind,
                 )

@@ -93,10 +93,10 @@ def test_a_redelivered_message_of_a_finished_task_appends_its_missing_final_even
     # When its message comes again (Celery requeues the message of a pool process that died)
     dispatcher = Dispatcher(settings)
     try:
-        send_run(dispatcher.app, row["id"], "echo", trace_id=row["trace_id"], deadline_at=None)
+        send_run(dispatcher.app, row["id"], "echo", trace_id=row["trace_id"], tenant=tenant[0])
         # Then the worker finds the task final and appends its final event, once
         [event] = wait_for_final_event(redis_url, row["id"])
-        send_run(dispatcher.app, row["id"], "echo", trace_id=row["trace_id"], deadline_at=None)
+        send_run(dispatcher.app, row["id"], "echo", trace_id=row["trace_id"], tenant=tenant[0])
         skipped = f"task {row['id']} not queued any more"
         eventually(
             lambda: worker.output().count(skipped) >= 2, "the second message handled and skipped"

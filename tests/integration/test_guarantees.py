@@ -601,7 +601,7 @@ def test_a_lost_task_in_a_queue_where_other_messages_wait_is_published_again(
     try:
         # Given a queue nobody serves, where another task's message waits
         waiting = uuid.uuid4()
-        send_run(dispatcher.app, waiting, queue, trace_id=uuid.uuid4().hex)
+        send_run(dispatcher.app, waiting, queue, trace_id=uuid.uuid4().hex, tenant=tenant[0])
         # When a task of that queue, accepted a minute ago, has lost its message
         task_id = a_task_row(engine, tenant=tenant[0], capability=queue, age=timedelta(minutes=1))
         # Then the sweeper publishes it again, beside the message that waits

@@ -572,7 +572,9 @@ def test_a_remote_agent_private_to_one_tenant_is_called_with_no_other_tenants_ta
             task_id = a_task_row(engine, tenant=stranger, capability="test.remote-private")
             dispatcher = Dispatcher(settings)
             try:
-                send_run(dispatcher.app, task_id, own_queue, trace_id=uuid.uuid4().hex)
+                send_run(
+                    dispatcher.app, task_id, own_queue, trace_id=uuid.uuid4().hex, tenant=stranger
+                )
             finally:
                 dispatcher.close()
             with client_for(api, stranger_key) as http:

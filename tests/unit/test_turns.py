@@ -16,11 +16,12 @@ def head(turn: int, status: str = "queued") -> SimpleNamespace:
         queue="q",
         trace_id="t",
         deadline_at=None,
+        tenant="acme",
     )
 
 
 def test_given_the_next_turn_queued_expect_it_released() -> None:
-    assert due_after(3, head(4)) == Due(uuid.UUID(int=4), "q", "t", None)
+    assert due_after(3, head(4)) == Due(uuid.UUID(int=4), "q", "t", None, "acme")
 
 
 def test_given_a_gap_of_final_turns_expect_the_next_unfinished_one_released() -> None:

@@ -1,0 +1,113 @@
+"""A tenant's share of a worker's slots (``REACH_MAX_SLOTS_SHARE``, ``workers.loop_consumer``):
+one tenant's runs that do not end (an agent it makes wait) hold at most its share of a
+threads-pool worker's slots, and another tenant's tasks run in the rest. Its messages beyond
+the share wait in their queue's last list and run, once each, as its runs end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+from sqlalchemy import Engine, func, select
+
+from broker.db.models import tasks_table
+from broker.settings import Settings
+from tests.agents import GATE_KEY
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.stack import CeleryProcess, ServedApp, start_worker
+from tests.integration.test_async_agents import all_final, runs, submit
+
+CAPABILITY = "test.async-share"  # served only by this test's worker
+LAST_LIST = f"{CAPABILITY}\x06\x169"  # the queue's last list (``dispatch.BEHIND``)
+
+
+def counts(engine: Engine, tenant: str) -> dict[str, int]:
+    query = (
+        select(tasks_table.c.status, func.count())
+        .where(tasks_table.c.tenant == tenant, tasks_table.c.queue == CAPABILITY)
+        .group_by(tasks_table.c.status)
+    )
+    with engine.connect() as conn:
+        return {status: int(n) for status, n in conn.execute(query)}
+
+
+def set_aside(broker: redis.Redis) -> set[str]:
+    """The task ids whose messages wait in the queue's last list."""
+    return {json.loads(m)["headers"]["id"] for m in broker.lrange(LAST_LIST, 0, -1)}
+
+
+def test_one_tenants_runs_that_never_end_hold_its_share_of_the_slots_and_another_tenant_runs(
+    api: ServedApp,
+    make_key: KeyMaker,
+    settings: Settings,
+    engine: Engine,
+    log_dir: Path,
+    redis_url: str,
+) -> None:
+    hog, hog_key = make_key()
+    calm, calm_key = make_key()
+    gates = redis.Redis.from_url(redis_url)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    worker: CeleryProcess | None = None
+    try:
+        # Given a worker of 4 slots, of which one tenant may hold 2
+        worker = start_worker(
+            settings,
+            CAPABILITY,
+            "slot-share",
+            log_dir,
+            env={"REACH_MAX_SLOTS_SHARE": "0.5"},
+            concurrency=4,
+            pool="threads",
+        )
+        # When one tenant sends 6 tasks that wait (its agent made to wait, as a slow model)
+        with client_for(api, hog_key) as http:
+            hogs = [submit(http, CAPABILITY, {"gate": f"{hog}-go", "sleep_s": 0}) for _ in range(6)]
+        # Then 2 run, and the other 4 wait in the queue's last list, set aside
+        eventually(
+            lambda: (counts(engine, hog).get("running", 0), set_aside(broker)),
+            "the tenant's share running and the rest set aside",
+            60,
+            0.05,
+            until=lambda found: found[0] == 2 and len(found[1] & set(hogs)) == 4,
+        )
+        # And another tenant's two tasks run in the slots left: before, the first tenant's
+        # took all 4 and these waited for one of its runs to end (never, here)
+        with client_for(api, calm_key) as http:
+            calms = [
+                submit(http, CAPABILITY, {"gate": f"{calm}-go", "sleep_s": 0}) for _ in range(2)
+            ]
+            eventually(
+                lambda: counts(engine, calm).get("running", 0),
+                "the other tenant's two running",
+                60,
+                0.05,
+                until=lambda running: running == 2,
+            )
+            assert counts(engine, hog) == {"running": 2, "queued": 4}
+            gates.set(GATE_KEY.format(f"{calm}-go"), 1, ex=300)
+            done = all_final(http, calms, "the other tenant's two done", 60)
+        assert {t["status"] for t in done.values()} == {"succeeded"}
+        # And with two slots free again, the tenant still holds only its share
+        eventually(
+            lambda: (counts(engine, hog), set_aside(broker)),
+            "the tenant's others set aside again, two slots free",
+            60,
+            0.05,
+            until=lambda found: (
+                found[0] == {"running": 2, "queued": 4} and len(found[1] & set(hogs)) == 4
+            ),
+        )
+        # When its agent answers, every one of its tasks runs, once
+        gates.set(GATE_KEY.format(f"{hog}-go"), 1, ex=300)
+        with client_for(api, hog_key) as http:
+            finished = all_final(http, hogs, "the tenant's six done", 60)
+    finally:
+        if worker is not None:
+            worker.stop()
+        gates.close()
+        broker.close()
+    assert {(t["status"], t["attempts"]) for t in finished.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in hogs + calms} == {1}
