@@ -93,8 +93,14 @@ async def read_json_body(request: Request, limit: int) -> bytes:
         raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s") from None
 
 
+def media_type(request: Request, missing: str = "") -> str:
+    """The request's media type, without parameters, lower-cased: media type names are
+    case-insensitive (RFC 9110, 8.3.1), so ``Application/JSON`` is JSON too."""
+    return request.headers.get("content-type", missing).split(";")[0].strip().lower()
+
+
 async def _read_within(request: Request, limit: int) -> bytes:
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    content_type = media_type(request, "application/json")
     if not (content_type == "application/json" or content_type.endswith("+json")):
         raise BadRequest("send the envelope as application/json", code="unsupported_media_type")
     declared = request.headers.get("content-length", "")

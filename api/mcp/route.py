@@ -24,7 +24,7 @@ from mcp_types.jsonrpc import INVALID_REQUEST
 from starlette.types import Message, Receive, Scope, Send
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, json_body
-from api.deps import SMALL_BODY_BYTES, authenticate, read_json_body
+from api.deps import SMALL_BODY_BYTES, authenticate, media_type, read_json_body
 from api.mcp.calls import Calls
 from api.services import Services, services
 from api.sse import Slot
@@ -141,7 +141,7 @@ async def _read_body(request: Request, caller: Principal, limit: int) -> tuple[b
     none, and a tool call takes its token when it runs. The transport takes nothing but
     application/json (a bare 400 otherwise, missing included), so neither does this: 415
     problem+json."""
-    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+    if media_type(request) != "application/json":
         raise BadRequest(
             "send the JSON-RPC message as application/json", code="unsupported_media_type"
         )
@@ -184,7 +184,17 @@ class _HandedOver(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with self.slot:
+            scope = {**scope, "headers": _json_named_plainly(scope["headers"])}
             await self.manager.handle_request(scope, _replaying(self.received, receive), send)
+
+
+def _json_named_plainly(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers with the content type, JSON already (``_read_body``), as the SDK's
+    transport compares it: ``application/json`` in lower case. It answered a bare 400 to
+    ``Application/JSON``, which names the same type."""
+    return [
+        (name, b"application/json" if name == b"content-type" else value) for name, value in headers
+    ]
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -177,6 +177,14 @@ def test_a_form_body_is_415(client: httpx.Client) -> None:
     assert response.json()["code"] == "unsupported_media_type"
 
 
+def test_json_named_in_any_case_is_json(client: httpx.Client) -> None:
+    """Media type names are case-insensitive (RFC 9110): ``Application/JSON`` was 415."""
+    body = b'{"capability": "echo", "payload": {}}'
+    for content_type in ("Application/JSON", "APPLICATION/VND.API+JSON; charset=utf-8"):
+        response = client.post("/tasks", content=body, headers={"content-type": content_type})
+        assert response.status_code == 202, (content_type, response.text)
+
+
 def test_a_bad_list_parameter_is_422_not_500(client: httpx.Client) -> None:
     for query in ("status=done", "limit=0", "limit=abc", "capability=Bad..Name"):
         response = client.get(f"/tasks?{query}")

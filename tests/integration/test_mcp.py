@@ -402,6 +402,21 @@ def test_a_body_not_sent_as_application_json_is_415_problem_json(
     assert answer.json()["code"] == "unsupported_media_type"
 
 
+@pytest.mark.parametrize("content_type", ["Application/JSON", "application/JSON; charset=UTF-8"])
+def test_json_named_in_any_case_is_json(
+    api: ServedApp, tenant: tuple[str, str], content_type: str
+) -> None:
+    """Media type names are case-insensitive (RFC 9110): the transport compared them as
+    written and answered a bare 400."""
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": content_type}
+    body = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{}}'
+    with client_for(api, tenant[1]) as http:
+        answer = http.post("/mcp", content=body, headers=headers)
+
+    assert answer.status_code == 200, answer.text
+    assert "reach_get_task" in answer.text
+
+
 def test_allowed_hosts_keep_out_other_host_names(
     settings: Settings, tenant: tuple[str, str]
 ) -> None:
