@@ -377,6 +377,8 @@ agent.capability("test.async-once", agent_id="test-async-once")(_lives)
 # Served only by the worker of the test that watches it (``inspect active``): a message on a
 # queue another worker also consumes may run there instead.
 agent.capability("test.async-watched", agent_id="test-async-watched")(_lives)
+# Served only by the worker of the test of a cancel's revoke on a threads worker.
+agent.capability("test.async-revocable", agent_id="test-async-revocable", cancellable=True)(_lives)
 # Served only by the worker of the test of a tenant's share of a worker's slots.
 agent.capability("test.async-share", agent_id="test-async-share")(_lives)
 

@@ -210,8 +210,23 @@ class Direct:
                 self._lock.wait()
 
 
+class ApplyResult(thread.ApplyResult):  # type: ignore[misc]
+    """A run in this pool, as a Celery request holds it."""
+
+    def terminate(self, signal: int | None = None) -> None:
+        """A revoke with ``terminate``: nothing to kill. A thread cannot be stopped and a
+        coroutine is no process; the cancel reaches the run through its flag
+        (``ctx.cancelled``, ``CancelledError``)."""
+
+
 class TaskPool(thread.TaskPool):  # type: ignore[misc]
     """``-P threads``, with async handlers' run messages taken by the event loop."""
+
+    def terminate_job(self, pid: int, signal: int | None = None) -> None:
+        """A revoke with ``terminate`` of a run with Celery's request (task events on, or
+        a countdown's): Celery's thread pool raised ``NotImplementedError``, logged with its
+        traceback for every cancel of a cancellable card's task (every remote agent's). The
+        cancel reaches the run through its flag, as ``ApplyResult.terminate`` says."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -231,14 +246,15 @@ class TaskPool(thread.TaskPool):  # type: ignore[misc]
     ) -> Any:
         run = self.direct.take(args) if self.direct is not None and callback else None
         if run is None or self.direct is None or callback is None:
-            return super().on_apply(target, args, kwargs, callback, accept_callback, **options)
+            applied = super().on_apply(target, args, kwargs, callback, accept_callback, **options)
+            return ApplyResult(applied.f)
         if accept_callback is not None:
             accept_callback(os.getpid(), time.monotonic())
 
         def through_a_thread() -> None:  # accepted already
             super(TaskPool, self).on_apply(target, args, kwargs, callback, None, **options)
 
-        return thread.ApplyResult(self.direct.submit(run, callback, through_a_thread))
+        return ApplyResult(self.direct.submit(run, callback, through_a_thread))
 
     def on_stop(self) -> None:
         """A warm shutdown: the runs in flight end, then their acks are sent. A cold one

@@ -324,6 +324,37 @@ def test_with_task_events_on_a_worker_takes_no_more_messages_than_its_concurrenc
         worker.stop()
 
 
+def test_with_task_events_on_a_cancel_stops_a_run_of_celerys_way_without_an_error(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """A cancel of a task whose card says it may be terminated (every remote agent's) is also
+    a revoke with ``terminate``. On a threads worker with task events on (Flower), the run
+    had Celery's request, whose terminate asked the pool to kill a thread: the pool raised,
+    and the control command logged its traceback for every cancel. The run hears the cancel
+    through its flag, as every run on the loop does."""
+    queue = "test.async-revocable"
+    worker = start_worker(settings, queue, "revocable", log_dir, concurrency=2, pool="threads")
+    name = f"revocable@{socket.gethostname()}"
+    control = Celery("test-events", broker=settings.celery_broker_url, set_as_current=False)
+    try:
+        assert control.control.enable_events(destination=[name], reply=True, timeout=5)
+        task_id = submit(client, queue, {"gate": uuid.uuid4().hex, "sleep_s": 0})
+        wait_for_task(client, task_id, {"running"})
+        assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
+        eventually(
+            lambda: control.control.inspect(destination=[name], timeout=5).active(),
+            "the run ended",
+            until=lambda answers: answers is not None and answers.get(name) == [],
+        )
+    finally:
+        control.close()
+        worker.stop()
+    log = worker.output()
+    assert f"Terminating {task_id}" in log  # the revoke reached the run's request
+    assert "pidbox command error" not in log and "kill_job" not in log
+    assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
+
+
 def test_a_retry_waiting_for_its_back_off_holds_no_slot(
     client: httpx.Client, settings: Settings, log_dir: Path
 ) -> None:
