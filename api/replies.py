@@ -143,10 +143,30 @@ async def task_events(
     quiet_s: float = 2.0,
     task: TaskRow | None = None,
 ) -> AsyncIterator[Event | None]:
-    """The task's events for a stream (``EventHub.events``: None at each quiet spell), each
-    passed on only while the caller's key is valid; raises ``Unauthenticated`` once not.
-    ``task``: the task as the caller read it, for the final event of one that goes
-    (``gone_task``).
+    """``task_event_pages``, one event at a time (A2A's and MCP's streams map each)."""
+    pages = task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet_s, task=task)
+    async with contextlib.aclosing(pages):  # type: ignore[type-var]  # an async generator
+        async for page in pages:
+            if page is None:
+                yield None
+                continue
+            for event in page:
+                yield event
+
+
+async def task_event_pages(
+    svc: Services,
+    caller: Principal,
+    task_id: uuid.UUID,
+    *,
+    after: int = 0,
+    quiet_s: float = 2.0,
+    task: TaskRow | None = None,
+) -> AsyncIterator[list[Event] | None]:
+    """The task's events for a stream, in the pages ``EventHub.events`` reads them in (None at
+    each quiet spell), each page passed on only while the caller's key is valid; raises
+    ``Unauthenticated`` once not. ``task``: the task as the caller read it, for the final
+    event of one that goes (``gone_task``).
 
     An outage does not end the stream: a read of the log or the store that fails is made
     again at the next quiet spell, from the last event passed on, and an event whose key
@@ -164,15 +184,15 @@ async def task_events(
         )
         try:
             async with contextlib.aclosing(events):  # type: ignore[type-var]  # an async generator
-                async for event in events:
+                async for page in events:
                     while not await _key_checked(key):
                         if outage.outlasted(task_id):
                             return
                         yield None
                         await asyncio.sleep(quiet_s)
                     outage.over()
-                    last = event.seq if event is not None else last
-                    yield event
+                    last = page[-1].seq if page else last
+                    yield page
             return
         except OUTAGES as exc:
             # The first failure of a spell with its traceback: an outage class also covers a
@@ -248,7 +268,7 @@ def event_stream(
     slot = slot or svc.streams.take(caller.tenant)
     quiet_s = min(2.0, settings.sse_ping_s)
     return EventStreamResponse(
-        task_events(svc, caller, task_id, after=after, quiet_s=quiet_s, task=task),
+        task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet_s, task=task),
         send_timeout_s=settings.sse_send_timeout_s,
         ping_s=settings.sse_ping_s,
         status_code=status_code,

@@ -29,6 +29,7 @@ from broker.tasks.events import (
     log_key,
     parse_entries,
     seq_key,
+    type_of,
 )
 
 log = logging.getLogger("reach.events")
@@ -40,6 +41,7 @@ STORE_EVERY_WITH_LOG = 15
 # when its client stops reading; reading the whole log first, 600 streams of a task whose log
 # held 1.4 MB, that none of them read, grew the API by 108 MiB.
 LOG_PAGE = 100
+TALLY_PAGE = 1_000  # entries a tally reads at once: it holds only their types
 # How long a handed-out final event's id is kept when its log has no expiry to follow.
 HANDED_KEPT_MS = 3_600_000
 # What a reader does when the log has been quiet without a final event: the caller looks the
@@ -183,13 +185,19 @@ class EventHub:
 
     async def tally(self, task_id: str, event_type: str) -> tuple[int, int]:
         """The log's last ``seq`` and how many of its events are of ``event_type``, read a page
-        at a time: a long log is never held whole."""
+        at a time (a long log is never held whole), each entry's type read from the front of
+        its JSON, not the whole of it parsed: over 10,000 events, 60-80 ms became a few."""
         last = count = 0
         while True:
-            page = await self.read_log(task_id, last, LOG_PAGE)
-            count += sum(1 for event in page if event.type == event_type)
-            last = page[-1].seq if page else last
-            if len(page) < LOG_PAGE:
+            entries: Any = await self.redis.xrange(
+                log_key(task_id), min=f"(0-{last}", max="+", count=TALLY_PAGE
+            )
+            for _, fields in entries:
+                stored = fields.get(b"e") or fields["e"]
+                count += type_of(stored) == event_type
+            if entries:
+                last = Event.parse(entries[-1][1].get(b"e") or entries[-1][1]["e"]).seq
+            if len(entries) < TALLY_PAGE:
                 return last, count
 
     async def _unseen(self, task_id: str, final: Event, after: int) -> bool:
@@ -204,7 +212,7 @@ class EventHub:
     async def _hand(self, task_id: str, final: Event, last: int) -> Event:
         """``final``, numbered past ``last`` (what the stream has sent, or the client's id),
         with that id kept as long as the log."""
-        handed = dataclasses.replace(final, seq=last + 1)
+        handed = dataclasses.replace(final, seq=last + 1, stored=None)
         ttl_ms = await self.redis.pttl(log_key(task_id))
         await self.redis.set(
             handed_key(task_id), handed.seq, px=ttl_ms if ttl_ms > 0 else HANDED_KEPT_MS
@@ -218,8 +226,10 @@ class EventHub:
         after: int = 0,
         quiet_s: float = 2.0,
         final_from_store: FinalFromStore | None = None,
-    ) -> AsyncIterator[Event | None]:
-        """Every event after ``after``, in order, once each, ending with the final one.
+    ) -> AsyncIterator[list[Event] | None]:
+        """Every event after ``after``, in order, once each, ending with the final one, in
+        pages: the events at hand at once (up to ``LOG_PAGE``, a page of the log as it is
+        read), so a stream replaying a long log writes a page at a time, not an event.
         Yields None after ``quiet_s`` without news (the caller may send a keep-alive).
 
         A resumed stream whose log's final event is ``after`` itself ends at once, with
@@ -243,15 +253,20 @@ class EventHub:
                     backlog = await self.read_log(task_id, last, LOG_PAGE)
                 elif closing is not None:
                     if await self._unseen(task_id, closing, after):
-                        yield await self._hand(task_id, closing, last)
+                        yield [await self._hand(task_id, closing, last)]
                     return
             while True:
+                page = []
                 for event in backlog:
                     if event.seq <= last:
                         continue
                     last = event.seq
-                    yield event
+                    page.append(event)
                     if event.final:
+                        break
+                if page:
+                    yield page
+                    if page[-1].final:
                         return
                 if len(backlog) == LOG_PAGE:  # a full page: the log may hold more
                     backlog = await self.read_log(task_id, last, LOG_PAGE)
@@ -277,7 +292,7 @@ class EventHub:
                                 closing = await self.closing_event(task_id)
                                 if closing is not None and closing.seq <= after:
                                     if await self._unseen(task_id, closing, after):
-                                        yield await self._hand(task_id, closing, last)
+                                        yield [await self._hand(task_id, closing, last)]
                                     return
                                 backlog = [substitute]
                     if not backlog:
@@ -286,7 +301,7 @@ class EventHub:
                 quiet_spells = 0
                 if event.final and event.seq <= after:
                     if await self._unseen(task_id, event, after):
-                        yield await self._hand(task_id, event, last)
+                        yield [await self._hand(task_id, event, last)]
                     return
                 if event.seq == last + 1:
                     backlog = [event]

@@ -9,9 +9,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
-from broker.tasks import events
+from broker.tasks import eventhub, events
 from broker.tasks.eventhub import LOG_PAGE, EventHub
 
 
@@ -89,7 +90,7 @@ class PageCounting(Redis):
 
 
 def test_a_stream_of_a_long_log_reads_it_a_page_at_a_time_in_order_from_where_it_resumes(
-    own_redis: str,
+    own_redis: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stream's client may stop reading: what the stream holds then is a page of the log,
     not the whole log read ahead of the socket (600 such streams of a 1.4 MB log grew the API
@@ -109,15 +110,19 @@ def test_a_stream_of_a_long_log_reads_it_a_page_at_a_time_in_order_from_where_it
                 task_id, "succeeded", {"status": "succeeded"}, tenant="t", trace_id="t"
             )
             # from the start: every event once, in order, ending with the final one
-            seen = [e async for e in hub.events(task_id) if e is not None]
+            seen = [e async for page in hub.events(task_id) if page for e in page]
             assert [e.seq for e in seen] == list(range(1, n + 2))
             assert seen[-1].final and [e.data["i"] for e in seen[:-1]] == list(range(n))
             # read a page at a time: two full pages, then the rest with the final event
             assert client.asked == [LOG_PAGE] * 3
             # resumed after event 120: from 121 on, none twice
-            resumed = [e.seq async for e in hub.events(task_id, after=120) if e is not None]
+            resumed = [e.seq async for page in hub.events(task_id, after=120) if page for e in page]
             assert resumed == list(range(121, n + 2))
             # and where the log stands, counted a page at a time (an A2A resubscription's)
+            client.asked = []
+            assert await hub.tally(task_id, events.OUTPUT) == (n + 1, n)
+            assert client.asked == [eventhub.TALLY_PAGE]
+            monkeypatch.setattr(eventhub, "TALLY_PAGE", LOG_PAGE)
             client.asked = []
             assert await hub.tally(task_id, events.OUTPUT) == (n + 1, n)
             assert client.asked == [LOG_PAGE] * 3
@@ -150,11 +155,13 @@ def test_a_final_event_handed_to_a_resumed_stream_is_not_handed_again_to_its_rec
         await lose_log(client, task_id)
         await append(log, task_id, "succeeded", {"status": "succeeded"})  # id 1 of a new log
         # When it resumes from 5: it gets the final event, numbered past 5
-        first = [(e.seq, e.type) async for e in hub.events(task_id, after=5) if e is not None]
+        first = [
+            (e.seq, e.type) async for page in hub.events(task_id, after=5) if page for e in page
+        ]
         assert first == [(6, "succeeded")]
         # Then an EventSource's reconnect from that id ends with nothing (before: the same
         # event again as 7, then 8, for ever)
-        again = [e async for e in hub.events(task_id, after=6) if e is not None]
+        again = [e async for page in hub.events(task_id, after=6) if page for e in page]
         assert again == []
 
     run(own_redis, steps)
@@ -172,9 +179,8 @@ def test_a_final_event_of_a_log_that_began_again_is_numbered_past_what_the_strea
         sent: list[tuple[int, str]] = []
 
         async def read() -> None:
-            async for event in hub.events(task_id, after=2, quiet_s=5):
-                if event is not None:
-                    sent.append((event.seq, event.type))
+            async for page in hub.events(task_id, after=2, quiet_s=5):
+                sent.extend((event.seq, event.type) for event in page or [])
 
         reader = asyncio.create_task(read())
         for i in range(3):
@@ -210,7 +216,9 @@ def test_a_final_event_appended_while_a_resumed_stream_starts_is_sent(own_redis:
             return await looks(of)
 
         hub.closing_event = finished_meanwhile  # type: ignore[method-assign]
-        sent = [(e.seq, e.type) async for e in hub.events(task_id, after=2) if e is not None]
+        sent = [
+            (e.seq, e.type) async for page in hub.events(task_id, after=2) if page for e in page
+        ]
         # Before: the stream ended with nothing
         assert sent == [(3, "succeeded")]
 
