@@ -379,6 +379,9 @@ agent.capability("test.async-once", agent_id="test-async-once")(_lives)
 agent.capability("test.async-watched", agent_id="test-async-watched")(_lives)
 # Served only by the worker of the test of a cancel's revoke on a threads worker.
 agent.capability("test.async-revocable", agent_id="test-async-revocable", cancellable=True)(_lives)
+# Served only by the worker of the test of a card's max_concurrency, beside a card of no bound.
+agent.capability("test.async-bounded", agent_id="test-async-bounded", max_concurrency=2)(_lives)
+agent.capability("test.async-unbounded", agent_id="test-async-unbounded")(_lives)
 # Served only by the worker of the test of a tenant's share of a worker's slots.
 agent.capability("test.async-share", agent_id="test-async-share")(_lives)
 

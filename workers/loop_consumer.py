@@ -29,6 +29,10 @@ share goes back to its queue, behind every other message, and the consumer takes
 next run that ends (or after ``SHARE_WAIT_S``). One tenant's slow calls cannot take every slot
 of a bridge or an async worker while the other tenants' tasks wait.
 
+A card's ``max_concurrency`` bounds its runs in the process the same way, without setting
+anything aside: a queue whose card holds that many runs is left out of the ``BRPOP`` until
+one of them ends, so its messages keep their order.
+
 Used by a worker started with ``-P threads`` whose broker is Redis, unless OpenTelemetry is
 on (Celery's tracer makes the spans, so every task takes Celery's way).
 """
@@ -44,6 +48,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Hashable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -144,6 +149,9 @@ class LoopConsumer:
         self._tenant_of: dict[str, str] = {}  # tag -> tenant, of each message holding a slot
         self._holding: dict[str, int] = {}  # tenant -> the slots its runs hold
         self._aside: list[tuple[str, str, str]] = []  # (last list, tag, message) to set aside
+        self._card_of: dict[str, Hashable] = {}  # tag -> its card, of each message holding a slot
+        self._card_runs: dict[Hashable, int] = {}  # card -> the slots its runs hold
+        self._full: set[Hashable] = set()  # cards holding their max_concurrency of runs
         self._crowded = False  # the last take set messages aside
         self._acks: list[str] = []
         self._taker: asyncio.Task[None] | None = None
@@ -221,9 +229,19 @@ class LoopConsumer:
                     async with asyncio.timeout(BRPOP_TIMEOUT_S):
                         await self._changed.wait()
                     continue
-                queues = list(dict.fromkeys(keys.values()))
+                open_keys = keys
+                if self._full:  # leave out the queues whose card holds its max_concurrency
+                    open_keys = {
+                        k: q for k, q in keys.items() if self._card(q)[0] not in self._full
+                    }
+                if not open_keys:
+                    await self._wait_for_a_release()
+                    continue
+                queues = list(dict.fromkeys(open_keys.values()))
                 order = [q for q in order if q in queues] + [q for q in queues if q not in order]
-                await self._take(order, keys)
+                # a queue left out comes back at a run's end: asked again soon, not in 1 s
+                wait_s = BRPOP_TIMEOUT_S if len(open_keys) == len(keys) else SHARE_WAIT_S
+                await self._take(order, open_keys, wait_s)
                 if self._crowded:
                     await self._wait_for_a_release()
             except asyncio.CancelledError:
@@ -261,7 +279,22 @@ class LoopConsumer:
             async with asyncio.timeout(SHARE_WAIT_S):
                 await self._room.wait()
 
-    async def _take(self, order: list[str], keys: dict[str, str]) -> None:
+    def _card(self, queue: str) -> tuple[Hashable, int | None]:
+        """The card serving ``queue`` here, and its ``max_concurrency`` (None: no bound)."""
+        spec = self.direct.runner.registry.for_queue(queue)
+        if spec is None:
+            return queue, None
+        card = spec.card
+        return (card.capability, card.agent_id, card.version), card.max_concurrency or None
+
+    def _room_in(self, queue: str) -> int:
+        """How many more runs ``queue``'s card may start here (``BATCH`` or more: no bound)."""
+        card, bound = self._card(queue)
+        if bound is None:
+            return BATCH + 1
+        return bound - self._card_runs.get(card, 0)
+
+    async def _take(self, order: list[str], keys: dict[str, str], wait_s: float) -> None:
         if self._redis is None:
             self._redis = redis.asyncio.Redis.from_url(
                 self.broker_url,
@@ -271,14 +304,18 @@ class LoopConsumer:
             )
         self._taking = True
         try:
-            await self._take_from(self._redis, order, keys)
+            await self._take_from(self._redis, order, keys, wait_s)
         finally:
             self._taking = False
 
     async def _take_from(
-        self, client: redis.asyncio.Redis, order: list[str], keys: dict[str, str]
+        self,
+        client: redis.asyncio.Redis,
+        order: list[str],
+        keys: dict[str, str],
+        wait_s: float = BRPOP_TIMEOUT_S,
     ) -> None:
-        answer = await client.brpop(brpop_keys(keys, order), timeout=BRPOP_TIMEOUT_S)
+        answer = await client.brpop(brpop_keys(keys, order), timeout=wait_s)
         if not answer:
             return
         raw_key, item = answer
@@ -291,6 +328,7 @@ class LoopConsumer:
         order.append(order.pop(order.index(keys[key])))  # kombu's fair cycle
         # one at a time while a tenant holds its share: not a batch of its to set aside
         room = 0 if self._crowded else self._slots - self._in_flight() - 1
+        room = min(room, self._room_in(keys[key]) - 1)  # within the card's max_concurrency
         unacked, index = self._unacked
         taking = client.eval(
             TAKE, 3, key, unacked, index, item, max(0, min(BATCH, room)), time.time()
@@ -338,6 +376,12 @@ class LoopConsumer:
         if tenant is not None:
             self._tenant_of[tag] = tenant
             self._holding[tenant] = self._holding.get(tenant, 0) + 1
+        if not (message.get("headers") or {}).get("eta"):  # a countdown holds no slot
+            card, bound = self._card(queue)
+            self._card_of[tag] = card
+            runs = self._card_runs[card] = self._card_runs.get(card, 0) + 1
+            if bound is not None and runs >= bound:
+                self._full.add(card)
         run = self._run_of(message)
         if run is None:
             self._to_celery(tag, message, queue)
@@ -373,6 +417,14 @@ class LoopConsumer:
                 self._holding[tenant] = left
             else:
                 self._holding.pop(tenant, None)
+        card = self._card_of.pop(tag, None)
+        if card is not None:
+            self._full.discard(card)
+            runs = self._card_runs.get(card, 1) - 1
+            if runs > 0:
+                self._card_runs[card] = runs
+            else:
+                self._card_runs.pop(card, None)
 
     def _run_of(self, message: dict[str, Any]) -> Run | None:
         """The run a plain run message asks for, if its handler is served here."""

@@ -188,6 +188,12 @@ class Card:
             or self.max_attempts < 1
         ):
             raise ValueError("weight, cost_per_call >= 0; lease_ttl_s > 0; max_attempts >= 1")
+        if self.max_concurrency is not None and (
+            isinstance(self.max_concurrency, bool)
+            or not isinstance(self.max_concurrency, int)
+            or self.max_concurrency < 1
+        ):
+            raise ValueError("max_concurrency is a whole number of runs, at least 1")
 
     @classmethod
     def declare(cls, capability: str, **given: Any) -> Card:

@@ -175,6 +175,8 @@ def documents(agent_id: str, registration: Registration, card: AgentCard) -> lis
             version=registration.version,
             streaming=card.capabilities.streaming,
             cancellable=True,  # CancelTask
+            timeout_s=registration.timeout_s,
+            max_concurrency=registration.max_concurrency,
             display_name=skill.name[:DISPLAY_NAME_MAX] or None,
             description=description[:DESCRIPTION_MAX] or None,
             tenants=tuple(registration.tenants) if registration.tenants else None,

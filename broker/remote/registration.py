@@ -52,6 +52,13 @@ class EndpointIn(BaseModel):
     url: str = Field(min_length=1, max_length=URL_MAX)
 
 
+MAX_CONCURRENCY = 100_000
+MAX_CONCURRENCY_SAYS = (
+    "The most calls of the capability in flight at once from one bridge process (each bridge "
+    "process holds its own); none: as many as the bridge's slots."
+)
+
+
 class CapabilityIn(BaseModel):
     """One capability an ``http`` agent serves: the card's fields a remote agent may set."""
 
@@ -68,6 +75,9 @@ class CapabilityIn(BaseModel):
     max_attempts: int = Field(3, ge=1, le=20)
     weight: float = Field(1.0, ge=0, le=1000)
     max_payload_bytes: int | None = Field(None, gt=0)
+    max_concurrency: int | None = Field(
+        None, ge=1, le=MAX_CONCURRENCY, description=MAX_CONCURRENCY_SAYS
+    )
     tenants: list[str] | None = Field(
         None, description="The tenants that may use and see it; the registration's otherwise."
     )
@@ -83,6 +93,19 @@ class Registration(BaseModel):
     capabilities: list[CapabilityIn] | None = Field(None, min_length=1, max_length=MAX_CAPABILITIES)
     capability_prefix: str | None = Field(None, max_length=64)
     description: str | None = Field(None, max_length=2000)
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="Each call's bound, for every capability that names none (an A2A agent's "
+        "skills: all of them); REACH_DEFAULT_TASK_TIMEOUT_S otherwise.",
+    )
+    max_concurrency: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CONCURRENCY,
+        description=MAX_CONCURRENCY_SAYS + " For every capability that names none.",
+    )
     tenants: list[str] | None = Field(
         None, description="The tenants that may use and see its cards (default: every tenant)."
     )
@@ -131,7 +154,7 @@ def cards_of(agent_id: str, registration: Registration) -> list[Card]:
                     version=registration.version,
                     input_schema=c.input_schema,
                     output_schema=c.output_schema,
-                    timeout_s=c.timeout_s,
+                    timeout_s=c.timeout_s or registration.timeout_s,
                     idempotent=c.idempotent,
                     streaming=c.streaming,
                     cancellable=True,  # a cancel closes the call
@@ -139,6 +162,7 @@ def cards_of(agent_id: str, registration: Registration) -> list[Card]:
                     description=c.description or registration.description,
                     weight=c.weight,
                     max_payload_bytes=c.max_payload_bytes,
+                    max_concurrency=c.max_concurrency or registration.max_concurrency,
                     max_attempts=c.max_attempts,
                     tenants=_tenants(c.tenants or registration.tenants),
                 )
@@ -334,6 +358,7 @@ def card_from_document(document: dict[str, Any]) -> Card:
         description=document.get("description"),
         weight=float(document.get("tags", [{}])[0].get("weight", 1.0)),
         max_payload_bytes=constraints.get("max_payload_bytes"),
+        max_concurrency=document.get("max_concurrency"),
         max_attempts=int(document.get("max_attempts") or 3),
         tenants=_tenants(document.get("tenants")),
     )

@@ -129,6 +129,26 @@ def test_each_skill_becomes_a_capability_under_the_prefix_with_its_description(
     assert again.json()["capability_prefix"] == "travel"
 
 
+def test_a_registration_bounds_every_skills_calls_in_time_and_at_once(
+    ops: httpx.Client, agent: A2AAgent
+) -> None:
+    """An A2A card names no timeout: without one of the registration's, each skill's calls
+    lasted up to REACH_DEFAULT_TASK_TIMEOUT_S (600 s)."""
+    try:
+        bounded = registration(agent.card_url, "travel", timeout_s=7, max_concurrency=3)
+        assert ops.put("/agents/a2a-travel", json=bounded).status_code == 200
+        cards = ops.get("/agents/a2a-travel").json()["cards"]
+        assert {c["constraints"]["timeout_hint_ms"] for c in cards} == {7000}
+        assert {c["max_concurrency"] for c in cards} == {3}
+        refused = ops.put("/agents/a2a-travel", json={**bounded, "max_concurrency": 0})
+        assert (refused.status_code, refused.json()["code"]) == (422, "registration_invalid")
+    finally:
+        again = ops.put("/agents/a2a-travel", json=registration(agent.card_url, "travel"))
+        assert again.status_code == 200, again.text
+    cards = ops.get("/agents/a2a-travel").json()["cards"]
+    assert {c["max_concurrency"] for c in cards} == {None}
+
+
 def test_echo_answers_with_the_payload_as_a_data_artifact(
     caller: httpx.Client, agent: A2AAgent
 ) -> None:

@@ -1,0 +1,148 @@
+"""A card's ``max_concurrency``: the most runs of the card one worker process (threads pool)
+or one bridge process holds at once (``workers.loop_consumer``). Its other messages wait in
+its queue, in their order, while the process's other cards run."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import redis
+from sqlalchemy import Engine, select
+
+from broker.db.models import tasks_table
+from broker.settings import Settings
+from tests.agents import GATE_KEY
+from tests.eventually import eventually
+from tests.integration.remote import AgentHandler, LoopbackAgent, wait_routed
+from tests.integration.stack import CeleryProcess, start_worker
+from tests.integration.test_async_agents import all_final, runs, submit
+
+BOUNDED, PEER = "test.async-bounded", "test.async-unbounded"  # this test's worker's alone
+
+
+def statuses(engine: Engine, ids: list[str]) -> list[str]:
+    query = select(tasks_table.c.id, tasks_table.c.status).where(
+        tasks_table.c.id.in_([uuid.UUID(t) for t in ids])
+    )
+    with engine.connect() as conn:
+        found = {str(i): status for i, status in conn.execute(query)}
+    return [found[t] for t in ids]
+
+
+def test_a_cards_max_concurrency_bounds_its_runs_and_the_rest_wait_in_order(
+    client: httpx.Client, settings: Settings, engine: Engine, log_dir: Path, redis_url: str
+) -> None:
+    gates = redis.Redis.from_url(redis_url)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    worker: CeleryProcess | None = None
+    gate = uuid.uuid4().hex
+    try:
+        # Given a worker of 10 slots serving a card of max_concurrency 2, and one of none
+        worker = start_worker(
+            settings, f"{BOUNDED},{PEER}", "bounded", log_dir, concurrency=10, pool="threads"
+        )
+        # When 6 of the card's tasks come, each waiting for the gate
+        bounded = [submit(client, BOUNDED, {"gate": gate, "sleep_s": 0}) for _ in range(6)]
+        # Then 2 run and 4 wait in its queue, in the order they came (none set aside)
+        eventually(
+            lambda: statuses(engine, bounded),
+            "two of the card's tasks running",
+            60,
+            0.05,
+            until=lambda found: found.count("running") == 2,
+        )
+        assert statuses(engine, bounded) == ["running"] * 2 + ["queued"] * 4
+        waiting = [m for m in broker.lrange(BOUNDED, 0, -1)]
+        assert len(waiting) == 4 and broker.llen(f"{BOUNDED}\x06\x169") == 0
+        # And the worker's other card runs meanwhile, as many as it is sent
+        peers = [submit(client, PEER, {"gate": gate, "sleep_s": 0}) for _ in range(5)]
+        eventually(
+            lambda: statuses(engine, peers),
+            "the other card's five running",
+            60,
+            0.05,
+            until=lambda found: found == ["running"] * 5,
+        )
+        assert statuses(engine, bounded).count("running") == 2
+        # When the gate opens, every task runs, once, the card's in the order they came
+        gates.set(GATE_KEY.format(gate), 1, ex=300)
+        done = all_final(client, bounded + peers, "all eleven done", 60)
+    finally:
+        if worker is not None:
+            worker.stop()
+        gates.close()
+        broker.close()
+    assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in bounded + peers} == {1}
+    with engine.connect() as conn:
+        started = conn.execute(
+            select(tasks_table.c.id)
+            .where(tasks_table.c.id.in_([uuid.UUID(t) for t in bounded[2:]]))
+            .order_by(tasks_table.c.started_at)
+        ).scalars()
+        assert [str(t) for t in started] == bounded[2:]
+
+
+class CountingAgent(LoopbackAgent):
+    """An ``http`` agent that holds each call ``hold_s`` and counts the calls in flight."""
+
+    hold_s = 0.3
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = self.most = self.calls = 0
+        super().__init__()
+
+    def _handler(self) -> type[AgentHandler]:
+        agent = self
+
+        class Handler(AgentHandler):
+            def do_POST(self) -> None:
+                self.read_call()
+                with agent.lock:
+                    agent.in_flight += 1
+                    agent.calls += 1
+                    agent.most = max(agent.most, agent.in_flight)
+                time.sleep(agent.hold_s)
+                with agent.lock:
+                    agent.in_flight -= 1
+                self.answer({"result": {"ok": True}})
+
+        return Handler
+
+
+def test_a_remote_agents_max_concurrency_bounds_the_bridges_calls_to_it(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    capability = f"test.bounded-{uuid.uuid4().hex[:6]}"
+    with CountingAgent() as agent:
+        body = {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "http", "url": agent.url},
+            "max_concurrency": 1,
+            "capabilities": [{"capability": capability, "idempotent": True}],
+        }
+        agent_id = f"bounded-{uuid.uuid4().hex[:6]}"
+        answer = ops.put(f"/agents/{agent_id}", json=body)
+        assert answer.status_code == 201, answer.text
+        try:
+            assert [
+                c["max_concurrency"] for c in ops.get(f"/agents/{agent_id}").json()["cards"]
+            ] == [1]
+            wait_routed(ops, agent_id)
+            # When 4 calls come at once to a bridge of 50 slots
+            ids = []
+            for _ in range(4):
+                sent = caller.post("/tasks", json={"capability": capability, "payload": {}})
+                assert sent.status_code == 202, sent.text
+                ids.append(sent.json()["task_id"])
+            done = all_final(caller, ids, "the four calls done", 60)
+        finally:
+            ops.delete(f"/agents/{agent_id}")
+    # Then the agent had one at a time, and every one answered
+    assert {t["status"] for t in done.values()} == {"succeeded"}
+    assert (agent.calls, agent.most) == (4, 1)
