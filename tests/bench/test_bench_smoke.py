@@ -272,6 +272,18 @@ def test_the_fairness_measurement_runs_at_a_small_size() -> None:
         assert run["calm_wait"]["max_ms"] >= run["calm_wait"]["p50_ms"] > 0, run
 
 
+@pytest.mark.timeout(300)
+def test_the_replay_measurement_runs_at_a_small_size() -> None:
+    """``python -m bench.replay`` is run by hand over a log of 10,000 events; here of 50, so
+    that a change to the streams or the event log cannot leave it broken."""
+    figures = json.loads(run_bench("bench.replay", "--events", "50", "--replays", "2"))
+    assert figures["events"] == 50
+    replay, read = figures["replay"], figures["read"]
+    assert replay["bytes_each"] > 50 * len("event: output"), replay  # every event, whole
+    assert read["bytes_each"] > 0 and read["api_cpu_ms_each"] >= 0, read
+    assert replay["wall_ms_each"] > 0, replay
+
+
 def test_a_phase_run_alone_prints_its_table_and_the_machines_speed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
