@@ -316,7 +316,8 @@ class LoopConsumer:
         wait_s: float = BRPOP_TIMEOUT_S,
     ) -> None:
         answer = await client.brpop(brpop_keys(keys, order), timeout=wait_s)
-        if not answer:
+        if not answer:  # nothing waits: nothing of a tenant's to set aside either
+            self._crowded = False
             return
         raw_key, item = answer
         key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
