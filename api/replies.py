@@ -135,16 +135,10 @@ def key_watch(svc: Services, caller: Principal) -> KeyWatch:
 
 
 async def task_events(
-    svc: Services,
-    caller: Principal,
-    task_id: uuid.UUID,
-    *,
-    after: int = 0,
-    quiet_s: float = 2.0,
-    task: TaskRow | None = None,
+    svc: Services, caller: Principal, task_id: uuid.UUID, *, after: int = 0
 ) -> AsyncIterator[Event | None]:
     """``task_event_pages``, one event at a time (A2A's and MCP's streams map each)."""
-    pages = task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet_s, task=task)
+    pages = task_event_pages(svc, caller, task_id, after=after)
     async with contextlib.aclosing(pages):  # type: ignore[type-var]  # an async generator
         async for page in pages:
             if page is None:
