@@ -31,7 +31,8 @@ of a bridge or an async worker while the other tenants' tasks wait.
 
 A card's ``max_concurrency`` bounds its runs in the process the same way, without setting
 anything aside: a queue whose card holds that many runs is left out of the ``BRPOP`` until
-one of them ends, so its messages keep their order.
+one of them ends, so its messages keep their order. Within it, one tenant's runs hold at
+most their share of it.
 
 Used by a worker started with ``-P threads`` whose broker is Redis, unless OpenTelemetry is
 on (Celery's tracer makes the spans, so every task takes Celery's way).
@@ -152,6 +153,8 @@ class LoopConsumer:
         self._card_of: dict[str, Hashable] = {}  # tag -> its card, of each message holding a slot
         self._card_runs: dict[Hashable, int] = {}  # card -> the slots its runs hold
         self._full: set[Hashable] = set()  # cards holding their max_concurrency of runs
+        # (card, tenant) -> the runs of a card of a max_concurrency that the tenant holds
+        self._card_holding: dict[tuple[Hashable, str], int] = {}
         self._crowded = False  # the last take set messages aside
         self._acks: list[str] = []
         self._taker: asyncio.Task[None] | None = None
@@ -368,17 +371,18 @@ class LoopConsumer:
             log.error("a message on %s that is not kombu's was dropped: %.200r", queue, item)
             return
         tenant = tenant_of(message.get("headers") or {})
-        if tenant is not None and self._holding.get(tenant, 0) >= share_cap(
-            self._slots, self.slots_share
-        ):
+        card, bound = self._card(queue)
+        if tenant is not None and self._past_share(tenant, card, bound):
             self._aside.append((self._last.get(queue, key), tag, self._behind(message)))
             return
         self._held[tag] = (key, item)
         if tenant is not None:
             self._tenant_of[tag] = tenant
             self._holding[tenant] = self._holding.get(tenant, 0) + 1
+            if bound is not None:
+                held = self._card_holding.get((card, tenant), 0)
+                self._card_holding[(card, tenant)] = held + 1
         if not (message.get("headers") or {}).get("eta"):  # a countdown holds no slot
-            card, bound = self._card(queue)
             self._card_of[tag] = card
             runs = self._card_runs[card] = self._card_runs.get(card, 0) + 1
             if bound is not None and runs >= bound:
@@ -402,6 +406,14 @@ class LoopConsumer:
                 self._consumer.pool.executor,
             )
 
+    def _past_share(self, tenant: str, card: Hashable, bound: int | None) -> bool:
+        """Whether the tenant's runs hold their share of the process's slots already, or of
+        the card's ``max_concurrency`` (a card of 10 runs keeps one for the other tenants)."""
+        if self._holding.get(tenant, 0) >= share_cap(self._slots, self.slots_share):
+            return True
+        held = self._card_holding.get((card, tenant), 0)
+        return bound is not None and held >= share_cap(bound, self.slots_share)
+
     @staticmethod
     def _behind(message: dict[str, Any]) -> str:
         """The message as it waits in its queue's last list (kombu reads a restored message's
@@ -419,6 +431,10 @@ class LoopConsumer:
             else:
                 self._holding.pop(tenant, None)
         card = self._card_of.pop(tag, None)
+        if tenant is not None and (card, tenant) in self._card_holding:
+            held = self._card_holding.pop((card, tenant)) - 1
+            if held > 0:
+                self._card_holding[(card, tenant)] = held
         if card is not None:
             self._full.discard(card)
             runs = self._card_runs.get(card, 1) - 1

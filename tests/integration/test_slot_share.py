@@ -23,10 +23,10 @@ CAPABILITY = "test.async-share"  # served only by this test's worker
 LAST_LIST = f"{CAPABILITY}\x06\x169"  # the queue's last list (``dispatch.BEHIND``)
 
 
-def counts(engine: Engine, tenant: str) -> dict[str, int]:
+def counts(engine: Engine, tenant: str, queue: str = CAPABILITY) -> dict[str, int]:
     query = (
         select(tasks_table.c.status, func.count())
-        .where(tasks_table.c.tenant == tenant, tasks_table.c.queue == CAPABILITY)
+        .where(tasks_table.c.tenant == tenant, tasks_table.c.queue == queue)
         .group_by(tasks_table.c.status)
     )
     with engine.connect() as conn:
@@ -110,4 +110,54 @@ def test_one_tenants_runs_that_never_end_hold_its_share_of_the_slots_and_another
         gates.close()
         broker.close()
     assert {(t["status"], t["attempts"]) for t in finished.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in hogs + calms} == {1}
+
+
+BOUNDED = "test.async-bounded"  # max_concurrency 2, served only by its tests' workers
+
+
+def test_one_tenant_holds_at_most_its_share_of_a_cards_max_concurrency(
+    api: ServedApp,
+    make_key: KeyMaker,
+    settings: Settings,
+    engine: Engine,
+    log_dir: Path,
+    redis_url: str,
+) -> None:
+    """A card of a max_concurrency is a smaller pool: one tenant's runs that never end filled
+    it, with slots of the process to spare, and another tenant's task of that card waited."""
+    hog, hog_key = make_key()
+    calm, calm_key = make_key()
+    gates = redis.Redis.from_url(redis_url)
+    worker: CeleryProcess | None = None
+
+    def running(tenant: str) -> int:
+        return counts(engine, tenant, BOUNDED).get("running", 0)
+
+    try:
+        # Given a worker of 10 slots, a share of 0.5, and a card of max_concurrency 2
+        env = {"REACH_MAX_SLOTS_SHARE": "0.5"}
+        worker = start_worker(
+            settings, BOUNDED, "card-share", log_dir, env, concurrency=10, pool="threads"
+        )
+        # When one tenant sends it 3 tasks whose agent waits
+        with client_for(api, hog_key) as http:
+            hogs = [submit(http, BOUNDED, {"gate": f"{hog}-go", "sleep_s": 0}) for _ in range(3)]
+        eventually(lambda: running(hog), "the tenant's first", 60, 0.05, until=lambda n: n == 1)
+        # Then another tenant's task of the card runs in its other run: before, the first
+        # tenant's took both (its share of the process's slots is 5)
+        with client_for(api, calm_key) as http:
+            calms = [submit(http, BOUNDED, {"gate": f"{calm}-go", "sleep_s": 0})]
+            eventually(lambda: running(calm), "the other's", 60, 0.05, until=lambda n: n == 1)
+            assert counts(engine, hog, BOUNDED) == {"running": 1, "queued": 2}
+            gates.set(GATE_KEY.format(f"{calm}-go"), 1, ex=300)
+            done = all_final(http, calms, "the other tenant's task done", 60)
+        gates.set(GATE_KEY.format(f"{hog}-go"), 1, ex=300)
+        with client_for(api, hog_key) as http:
+            done |= all_final(http, hogs, "the tenant's three done", 60)
+    finally:
+        if worker is not None:
+            worker.stop()
+        gates.close()
+    assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}
     assert {runs(redis_url, t) for t in hogs + calms} == {1}
