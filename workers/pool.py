@@ -34,6 +34,7 @@ class in at ``worker_init``, before the pool is made.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -64,7 +65,10 @@ class Direct:
         self.runner = runner
         self._lock = threading.Condition()
         self._in_flight = 0
-        self._held: set[str] = set()
+        # A task id's runs in flight here: two messages of one task (a session's next turn
+        # published again, a sweep's or a rehome's copy, a redelivery) may both be taken while
+        # its run goes on. The one that loses the claim ends at once; the other still runs.
+        self._held: collections.Counter[str] = collections.Counter()
         self._waiting: list[Any] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._fails = faults.direct_fails()  # tests only: see workers.faults
@@ -102,7 +106,7 @@ class Direct:
         ended: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._in_flight += 1
-            self._held.add(run[0])
+            self._held[run[0]] += 1
             self._waiting.append((run, done, fallback, ended))
             wake = len(self._waiting) == 1
         if wake:
@@ -115,7 +119,7 @@ class Direct:
         """``submit`` for a caller on the loop itself (``workers.loop_consumer``)."""
         with self._lock:
             self._in_flight += 1
-            self._held.add(run[0])
+            self._held[run[0]] += 1
         task = asyncio.get_running_loop().create_task(self._run(run, done, fallback))
         self._tasks.add(task)  # the loop holds its tasks weakly
         task.add_done_callback(self._tasks.discard)
@@ -136,7 +140,7 @@ class Direct:
     def held(self) -> set[str]:
         """The task ids of the runs in flight here."""
         with self._lock:
-            return set(self._held)
+            return set(self._held)  # only ids whose count is above zero are kept
 
     async def _run(
         self, run: tuple[str, str, str], done: Callable[[Any], Any], fallback: Callable[[], Any]
@@ -159,7 +163,7 @@ class Direct:
         finally:
             with self._lock:
                 self._in_flight -= 1
-                self._held.discard(task_id)
+                self._let_go(task_id)
                 self._lock.notify_all()
 
     def submit_sync(
@@ -174,7 +178,7 @@ class Direct:
         rest, whose messages, never acked, come again (Celery's threads pool)."""
         task_id = run[0]
         with self._lock:
-            self._held.add(task_id)
+            self._held[task_id] += 1
         try:
             future = executor.submit(self._run_sync, run, done, fallback)
         except BaseException:
@@ -201,7 +205,15 @@ class Direct:
 
     def _release(self, task_id: str) -> None:
         with self._lock:
-            self._held.discard(task_id)
+            self._let_go(task_id)
+
+    def _let_go(self, task_id: str) -> None:
+        """One run of ``task_id`` ended; with the lock held."""
+        left = self._held[task_id] - 1
+        if left > 0:
+            self._held[task_id] = left
+        else:
+            self._held.pop(task_id, None)
 
     def wait(self) -> None:
         """Until no call is in flight (a warm shutdown)."""

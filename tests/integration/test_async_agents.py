@@ -24,6 +24,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from broker.settings import Settings
 from broker.tasks import events
+from broker.tasks.dispatch import Dispatcher, redis_lists, send_run
 from tests.agents import GATE_KEY
 from tests.eventually import eventually
 from tests.integration.stack import (
@@ -260,6 +261,37 @@ def test_a_run_for_longer_than_two_renewals_is_held_not_taken_for_lost(
         return any(i["state"] != "offline" and i["active_tasks"] >= 1 for i in instances)
 
     eventually(counted, "the worker's lease to count the run")
+    done = wait_for_task(client, task_id, FINAL)
+    assert (done["status"], done["attempts"]) == ("succeeded", 1), done.get("error")
+
+
+def test_a_second_message_of_a_running_task_leaves_its_run_held(
+    client: httpx.Client, async_worker: CeleryProcess, settings: Settings, tenant: tuple[str, str]
+) -> None:
+    """Two messages of one task may reach one process (a session's next turn published again
+    beside its own message, a sweep's or a rehome's copy, a redelivery). The one that loses
+    the claim ends at once; the run of the other must still count as held here, or the orphan
+    check (two renewals, 2 s here) takes it for lost and ends it ``worker_lost`` while it runs."""
+    task_id = submit(client, "test.async", {"sleep_s": 6})
+    running = wait_for_task(client, task_id, {"running"})
+    dispatcher = Dispatcher(settings)
+    try:
+        # When a copy of its message reaches the same worker while it runs
+        send_run(
+            dispatcher.app,
+            uuid.UUID(task_id),
+            "test.async",
+            trace_id=running["trace_id"],
+            tenant=tenant[0],
+        )
+        with redis.Redis.from_url(settings.redis_url) as store:
+            eventually(
+                lambda: not any(store.llen(key) for key in redis_lists("test.async")),
+                "the worker to take the copy",
+            )
+    finally:
+        dispatcher.close()
+    # Then the run goes on to its end, once, and is not taken for lost
     done = wait_for_task(client, task_id, FINAL)
     assert (done["status"], done["attempts"]) == ("succeeded", 1), done.get("error")
 
