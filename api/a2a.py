@@ -78,7 +78,7 @@ from broker import jsonbody
 from broker.errors import BadRequest, Conflict, NotFound, ReachError
 from broker.facades import a2a as mapping
 from broker.registry import cards
-from broker.remote.a2a_json import to_json
+from broker.remote.a2a_json import to_json, whole_in_place
 from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
 from broker.tasks.events import OUTPUT
@@ -109,10 +109,10 @@ DISPATCHER_LINE_MAX = 500
 LIST_PAGE_DEFAULT = 50
 # The SDK parses a request into protobuf in Python, value by value (about 2.5 us a value on
 # the event loop, and as much again to read a data part back: a message of 250,000 small
-# values took 1.2 s of it). A message's data part of more than ``LIFTED_DATA_VALUES`` values
-# is taken out of the body before the SDK parses it, and its payload is our own parse's
+# values took 1.2 s of it), and a number there is a double: 2**60 + 1 came out 2**60, and
+# 10**400 was refused with no code of ours. So a message's data parts are taken out of the
+# body before the SDK parses it, whatever their size, and the payload is our own parse's
 # (``mapping.payload_of``); the rest of a request holds at most ``REQUEST_VALUES_MAX``.
-LIFTED_DATA_VALUES = 200
 REQUEST_VALUES_MAX = mapping.ANSWER_DATA_VALUES
 JSON_PARSE_ERROR, INVALID_REQUEST = -32700, -32600
 
@@ -220,11 +220,15 @@ class ReachRequestHandler(RequestHandler):
             except mapping.BadPushConfig as exc:
                 raise InvalidParamsError(message=str(exc)) from None
         request_metadata = to_json(params.metadata) if params.HasField("metadata") else {}
+        lifted = context.state.pop("lifted", None) or {}
         try:
-            lifted = context.state.get("lifted") or {}
             fields = mapping.envelope_fields(params.message, request_metadata, lifted)
         except mapping.NotAnEnvelope as exc:
             raise InvalidParamsError(message=str(exc)) from None
+        finally:
+            # Taken once: the request (``request.state.lifted``, the same dict) lasts as
+            # long as a blocking wait or a stream does, and the parts are its payload.
+            lifted.clear()
         if params.message.message_id:
             # A message resent with the same id is the same request: A2A's idempotency.
             fields["idempotency_key"] = idempotency_key_of(params.message.message_id)
@@ -570,17 +574,15 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
 
 
 def _lift_data_parts(document: Any, *, json_rpc: bool) -> dict[int, Any]:
-    """The message's data parts of more than ``LIFTED_DATA_VALUES`` values, by their place
-    among its parts, each left in ``document`` as ``{}``."""
+    """The message's data parts that hold an object or an array, by their place among its
+    parts, each left in ``document`` as ``{}``."""
     holder = document.get("params") if json_rpc and isinstance(document, dict) else document
     message = holder.get("message") if isinstance(holder, dict) else None
     parts = message.get("parts") if isinstance(message, dict) else None
     lifted: dict[int, Any] = {}
     for index, part in enumerate(parts if isinstance(parts, list) else ()):
-        if isinstance(part, dict) and jsonbody.more_values_than(
-            part.get("data"), LIFTED_DATA_VALUES
-        ):
-            lifted[index], part["data"] = part["data"], {}
+        if isinstance(part, dict) and isinstance(part.get("data"), dict | list):
+            lifted[index], part["data"] = whole_in_place(part["data"]), {}
     return lifted
 
 

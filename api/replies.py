@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 from fastapi.responses import JSONResponse, Response
@@ -262,7 +263,7 @@ def event_stream(
     slot = slot or svc.streams.take(caller.tenant)
     quiet_s = min(2.0, settings.sse_ping_s)
     return EventStreamResponse(
-        task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet_s, task=task),
+        task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet_s, task=_kept(task)),
         send_timeout_s=settings.sse_send_timeout_s,
         ping_s=settings.sse_ping_s,
         status_code=status_code,
@@ -341,29 +342,43 @@ async def waited(
     return render(current or row), False
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What answering a submit needs of its envelope: its ``reply_mode`` and, for ``sync``,
+    how long it waits. Not the envelope: a wait or a stream lasts seconds to minutes, and a
+    payload of 1 MiB of JSON is some 20 MiB of Python objects (a million empty lists)."""
+
+    mode: str
+    wait_s: float
+
+    @classmethod
+    def of(cls, svc: Services, envelope: Envelope) -> Reply:
+        return cls(envelope.reply_mode, sync_wait_s(svc, envelope))
+
+
 async def answer(
     svc: Services,
     caller: Principal,
-    envelope: Envelope,
+    reply: Reply,
     accepted: Accepted,
     *,
     started: float,
     slot: Slot | None = None,
 ) -> Response:
-    """The answer to a submit, in the envelope's ``reply_mode``: ``async`` 202 with the task;
-    ``sync`` 200 with the finished task if it finishes within the wait, else 202 (``waited``);
+    """The answer to a submit, in its ``reply.mode``: ``async`` 202 with the task; ``sync``
+    200 with the finished task if it finishes within the wait, else 202 (``waited``);
     ``stream`` its events, in ``slot`` (taken before the submit). A sync wait is 401 once the
     caller's key is revoked."""
     row = accepted.row
     headers = {"Location": f"/tasks/{row['id']}"}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
-    if envelope.reply_mode == "stream":
+    if reply.mode == "stream":
         return event_stream(
             svc, caller, row["id"], headers=headers, started=started, slot=slot, task=row
         )
-    if envelope.reply_mode == "sync":
-        task, final = await waited(svc, caller, row, sync_wait_s(svc, envelope))
+    if reply.mode == "sync":
+        task, final = await waited(svc, caller, row, reply.wait_s)
         metrics.sync_round_trip.observe(time.perf_counter() - started)
         return JSONResponse(task, status_code=200 if final else 202, headers=headers)
     return JSONResponse(render(row), status_code=202, headers=headers)

@@ -23,8 +23,8 @@ from api.contract import (
 from api.deps import authenticate, read_metered_body
 from api.paging import LIMIT_DEFAULT, Cursor, Limit
 from api.schemas import TaskList, TaskResource
-from api.services import services
-from api.sse import EventStreamResponse
+from api.services import Services, services
+from api.sse import EventStreamResponse, Slot
 from broker import jsonbody, sessions
 from broker.errors import BadRequest
 from broker.observability import metrics
@@ -32,6 +32,7 @@ from broker.registry.capabilities import NAME_MAX, NAME_PATTERN, is_valid_name
 from broker.tasks import queries
 from broker.tasks.envelope import SESSION_ID_PATTERN, Envelope, parse_envelope
 from broker.tasks.resource import Status, render
+from broker.tasks.submission import Accepted
 from broker.tenancy.keys import Principal
 
 log = logging.getLogger("reach.api")
@@ -94,6 +95,21 @@ async def submit_task(request: Request, caller: Caller) -> Response:
     ``stream``: the task's events as ``text/event-stream``."""
     started = time.perf_counter()
     state = services(request)
+    accepted, reply, slot = await _accept(request, caller, state, started)
+    try:
+        return await replies.answer(state, caller, reply, accepted, started=started, slot=slot)
+    except BaseException:
+        if slot is not None:
+            slot.release()
+        raise
+
+
+async def _accept(
+    request: Request, caller: Principal, state: Services, started: float
+) -> tuple[Accepted, replies.Reply, Slot | None]:
+    """The envelope read and its task accepted, with what the answer needs of it, and the
+    stream's slot. The body and its parse end here, before a wait or a stream that lasts
+    seconds to minutes: 1 MiB of JSON is some 20 MiB of Python objects, held that long."""
     raw, token_taken = await read_metered_body(request, caller, state.settings.max_body_bytes)
     data = jsonbody.parse(raw, max_depth=state.settings.max_json_depth)
     envelope = parse_envelope(
@@ -106,12 +122,12 @@ async def submit_task(request: Request, caller: Caller) -> Response:
         accepted = await state.intake.submit(
             caller, envelope, trace_id=request.state.trace_id, metered=token_taken
         )
-        metrics.submit_duration.observe(time.perf_counter() - started)
-        return await replies.answer(state, caller, envelope, accepted, started=started, slot=slot)
     except BaseException:
         if slot is not None:
             slot.release()
         raise
+    metrics.submit_duration.observe(time.perf_counter() - started)
+    return accepted, replies.Reply.of(state, envelope), slot
 
 
 @router.get(

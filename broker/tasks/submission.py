@@ -324,12 +324,19 @@ async def _write(
         else:
             inserted = await inserter.insert(values)
         if inserted:
-            return cast(TaskRow, _NEW_ROW | values)
+            return _accepted_row(values)
         replayed = await _replay(engine, values)
         if replayed is not None:
             return replayed
         # The key's task had expired (or was purged): the key is free, try again.
     raise Unavailable("idempotency key is being released, retry", code="conflict_retry")
+
+
+def _accepted_row(values: dict[str, Any]) -> TaskRow:
+    """The new task's row as its submit answers it: every column but its payload, as a
+    replay's (``_replay``). A sync wait, a stream and a protocol's call hold the row for as
+    long as they last, and a payload of 1 MiB of JSON is some 20 MiB of Python objects."""
+    return cast(TaskRow, {k: v for k, v in (_NEW_ROW | values).items() if k != "payload"})
 
 
 async def _insert_turn(inserter: GroupInsert, values: dict[str, Any], max_turns: int) -> bool:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from broker.facades import a2a
+from broker.remote.a2a_json import whole_in_place
 from tests.unit.test_a2a_facade import task
 
 
@@ -39,3 +40,18 @@ def test_numbers_a_double_holds_stay_numbers() -> None:
         "yes": True,
         "none": None,
     }
+
+
+def test_a_data_part_of_our_own_parse_has_its_whole_floats_as_integers_and_keeps_the_rest() -> None:
+    # A client on protobuf sends 3 as 3.0: the lifted part reads as the SDK's path read it,
+    # while an integer sent as digits stays exact, and a float that is not whole stays one
+    sent = {"n": 3.0, "id": 2**60 + 1, "x": 0.5, "deep": [[{"k": -2.0}], 1e300], "s": "3.0"}
+    assert whole_in_place(sent) == {
+        "n": 3,
+        "id": 2**60 + 1,
+        "x": 0.5,
+        "deep": [[{"k": -2}], 1e300],
+        "s": "3.0",
+    }
+    assert type(sent["n"]) is int and type(sent["deep"][0][0]["k"]) is int  # in place
+    assert whole_in_place(7.0) == 7 and type(whole_in_place(7.0)) is int

@@ -1,0 +1,129 @@
+"""A submit that waits (``sync``) or streams holds none of its payload while it does.
+
+A payload of 1 MiB of JSON parses into some 20 MiB of Python objects (a million empty
+lists), and a tenant may hold hundreds of waits and streams open for minutes: held, they
+were gigabytes of one API process's memory. The API runs in this process (``ServedApp``),
+so what it holds is counted here: the payload's empty lists, while the wait or the stream
+is open."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from sqlalchemy import Engine
+
+from api.app import create_app
+from broker.registry import leases
+from broker.registry.model import Card
+from broker.settings import Settings
+from tests.eventually import eventually
+from tests.integration.conftest import KeyMaker, client_for, count_tasks
+from tests.integration.stack import CeleryProcess, ServedApp
+from tests.integration.test_a2a_facade import A2A_VERSION
+
+CAPABILITY = "test.nobody-holds"  # its card is advertised here; no agent ever serves it
+PAD = 20_000  # 60 KB of JSON: within the tests' 64 KiB payload limit
+
+
+def empty_lists() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is list and not o)
+
+
+def envelope(reply_mode: str) -> bytes:
+    """Built as text, so this test holds no list of its own."""
+    pad = b",".join([b"[]"] * PAD)
+    return (
+        b'{"capability": "%s", "reply_mode": "%s", "queue_if_unavailable": true,'
+        b' "deadline_ms": 5000, "payload": {"text": "a", "pad": [%s]}}'
+        % (CAPABILITY.encode(), reply_mode.encode(), pad)
+    )
+
+
+@pytest.fixture(scope="module")
+def api(engine: Engine, settings: Settings) -> Iterator[ServedApp]:
+    card = Card.declare(CAPABILITY, agent_id="test-holds", version="1.0.0")
+    leases.advertise_cards(engine, [card.document()])
+    with ServedApp(create_app(settings)) as served:
+        yield served
+
+
+def test_a_sync_wait_holds_none_of_its_payload(
+    api: ServedApp, engine: Engine, make_key: KeyMaker
+) -> None:
+    tenant, token = make_key()
+    body = envelope("sync")
+    answers: list[httpx.Response] = []
+    with client_for(api, token) as http:
+        before = empty_lists()
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                http.post("/tasks", content=body, headers={"Content-Type": "application/json"})
+            )
+        )
+        waiting.start()
+        try:
+            # When its task is accepted and its submit waits for it (5 s: the deadline)
+            eventually(
+                lambda: count_tasks(engine, tenant) == 1 or not waiting.is_alive(),
+                "the task to be accepted",
+            )
+            held = empty_lists() - before
+            assert waiting.is_alive(), f"the wait ended before it was looked at: {answers}"
+        finally:
+            waiting.join()
+    # Then the waiting submit held none of the payload's lists
+    assert held < PAD // 10, f"{held} of the payload's {PAD} lists held by a sync wait"
+    assert answers[0].status_code == 202, answers[0].text
+
+
+def test_a_stream_holds_none_of_its_payload(
+    api: ServedApp, engine: Engine, make_key: KeyMaker
+) -> None:
+    tenant, token = make_key()
+    body = envelope("stream")
+    with client_for(api, token) as http:
+        before = empty_lists()
+        headers = {"Content-Type": "application/json"}
+        with http.stream("POST", "/tasks", content=body, headers=headers) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            while not next(lines).startswith("data:"):  # its first event: queued
+                pass
+            # When its stream is open
+            held = empty_lists() - before
+            assert count_tasks(engine, tenant) == 1
+    # Then it held none of the payload's lists
+    assert held < PAD // 10, f"{held} of the payload's {PAD} lists held by a stream"
+
+
+def test_an_a2a_stream_holds_none_of_its_data_part(
+    api: ServedApp, engine: Engine, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    """The part is taken out of the request before the SDK parses it (``api.a2a``), and the
+    request lasts as long as its stream."""
+    tenant, token = make_key()
+    pad = b",".join([b"[]"] * PAD)
+    data = b'{"text": "A b. C d. E f.", "max_sentences": 3, "delay_s": 1, "pad": [%s]}' % pad
+    body = (
+        b'{"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": {"message":'
+        b' {"messageId": "held-1", "role": "ROLE_USER", "parts": [{"data": %s}],'
+        b' "metadata": {"capability": "text.summarize"}}}}' % data
+    )
+    headers = {"Content-Type": "application/json", **A2A_VERSION}
+    with client_for(api, token) as http:
+        before = empty_lists()
+        with http.stream("POST", "/a2a/jsonrpc", content=body, headers=headers) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            while not next(lines).startswith("data:"):  # its first event: the task
+                pass
+            # When its stream is open, the task running for seconds
+            held = empty_lists() - before
+            assert count_tasks(engine, tenant) == 1
+    # Then it held none of the part's lists
+    assert held < PAD // 10, f"{held} of the part's {PAD} lists held by an A2A stream"
