@@ -41,6 +41,7 @@ from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
 from broker.tasks.events import PROGRESS
 from broker.tasks.resource import render
+from broker.tasks.submission import Accepted
 from broker.tenancy.keys import Principal
 
 Context = ServerRequestContext[Any, Any]
@@ -77,7 +78,8 @@ class Calls:
 
     async def call_tool(self, ctx: Context, params: CallToolRequestParams) -> CallToolResult:
         caller = _caller(ctx)
-        arguments = params.arguments or {}
+        lifted = _lifted(ctx)
+        arguments = lifted if lifted is not None else params.arguments or {}
         try:
             if params.name == tools.GET_TASK:
                 task = await queries.visible_task(self.svc.engine, caller, _task_id(arguments))
@@ -87,7 +89,7 @@ class Calls:
                 return tools.task_view(render(task))
             if params.name not in {tool.name for tool in await self._tools(ctx)}:
                 raise MCPError(INVALID_PARAMS, f"no tool {params.name!r}")
-            return await self._run(ctx, caller, params.name, arguments)
+            return await self._run(ctx, caller, params.name, arguments, ours=lifted is not None)
         except ReachError as exc:
             return tools.refusal(exc)
         except outages.UNAVAILABLE_ERRORS as exc:
@@ -104,19 +106,39 @@ class Calls:
         known = await cards.latest_cards(self.svc.engine, self.svc.card_cache)
         return [*tools.capability_tools(known, _caller(ctx)), *tools.TASK_TOOLS]
 
-    async def _run(
-        self, ctx: Context, caller: Principal, capability: str, payload: dict[str, Any]
-    ) -> CallToolResult:
+    async def _accept(
+        self, ctx: Context, caller: Principal, capability: str, payload: Any, *, ours: bool
+    ) -> Accepted:
+        """The tool's task accepted, after a token of the tenant's rate (unless a large body
+        took it already). Its envelope ends here, before the wait."""
         svc = self.svc
-        if not getattr(_request(ctx).state, "metered", False):  # a large body took it already
+        if not getattr(_request(ctx).state, "metered", False):
             await svc.door.take(caller.tenant)
-        # The arguments meet the checks a POST body meets (NUL, lone surrogates, NaN, huge
-        # integers, depth): the SDK's parser let them through, Postgres would refuse them.
-        checked = jsonbody.parse(
-            json.dumps(payload).encode(), max_depth=svc.settings.max_json_depth
-        )
-        envelope = parse_envelope({"capability": capability, "payload": checked, "source": SOURCE})
-        accepted = await svc.intake.submit(caller, envelope, trace_id=_request(ctx).state.trace_id)
+        if not ours:
+            # The arguments meet the checks a POST body meets (NUL, lone surrogates, NaN, huge
+            # integers, depth): the SDK's parser let them through, Postgres would refuse them.
+            payload = jsonbody.parse(
+                json.dumps(payload).encode(), max_depth=svc.settings.max_json_depth
+            )
+        envelope = parse_envelope({"capability": capability, "payload": payload, "source": SOURCE})
+        return await svc.intake.submit(caller, envelope, trace_id=_request(ctx).state.trace_id)
+
+    async def _run(
+        self,
+        ctx: Context,
+        caller: Principal,
+        capability: str,
+        payload: dict[str, Any],
+        *,
+        ours: bool,
+    ) -> CallToolResult:
+        """``ours``: ``payload`` is our own parse, lifted out of the body before the SDK's
+        (``api.mcp.route.lift_arguments``): let go of here once the task is accepted, so the
+        wait holds nothing of it."""
+        svc = self.svc
+        accepted = await self._accept(ctx, caller, capability, payload, ours=ours)
+        if ours:
+            payload.clear()
         task_id = accepted.row["id"]
         forwarding = None
         if ctx.meta and ctx.meta.get("progress_token") is not None:
@@ -151,6 +173,16 @@ def _hidden(method: str, exc: Exception) -> MCPError:
     """A bug, logged with its traceback and answered as MCP's internal error."""
     log.error("MCP %s failed", method, exc_info=exc)
     return MCPError(INTERNAL_ERROR, errors.BUG_MESSAGE)
+
+
+def _lifted(ctx: Context) -> dict[str, Any] | None:
+    """The call's arguments as ``api.mcp.route.lift_arguments`` took them out of its body,
+    once: None when they were left to the SDK."""
+    state = _request(ctx).state
+    arguments: dict[str, Any] | None = getattr(state, "arguments", None)
+    if arguments is not None:
+        del state.arguments
+    return arguments
 
 
 def _request(ctx: Context) -> Request:

@@ -12,6 +12,7 @@ request's state for the tool handlers.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -28,8 +29,8 @@ from api.deps import SMALL_BODY_BYTES, authenticate, media_type, read_json_body
 from api.mcp.calls import Calls
 from api.services import Services, services
 from api.sse import Slot
-from broker import jsoncodec
-from broker.errors import BadRequest
+from broker import jsonbody, jsoncodec
+from broker.errors import BadRequest, ReachError
 from broker.settings import Settings
 from broker.tenancy.keys import Principal
 
@@ -100,6 +101,7 @@ class McpFacade:
             )
             if _bad_request_id(body):
                 return _invalid_request("a request's id must be a string or an integer")
+            body = lift_arguments(request, body, self.svc.settings.max_json_depth)
             # A tool call may hold its answer open (SSE) for the whole wait: one of the
             # tenant's stream slots until it ends (``api.sse.StreamSlots``).
             return _HandedOver(self.manager, self.svc.streams.take(caller.tenant), body)
@@ -163,6 +165,28 @@ def _bad_request_id(body: bytes) -> bool:
     if not isinstance(message, dict) or "method" not in message or "id" not in message:
         return False
     return type(message["id"]) not in (str, int)
+
+
+def lift_arguments(request: Request, body: bytes, max_depth: int) -> bytes:
+    """A tool call's arguments taken out of ``body`` before the SDK parses it, ``{}`` left in
+    their place, for ``Calls.call_tool`` (``request.state.arguments``). The SDK holds its
+    parse of a request for as long as the call lasts (a wait of up to ``mcp_wait_s``), and a
+    payload of 1 MiB of JSON is some 20 MiB of Python objects; ours are checked as a ``POST
+    /tasks`` body is and let go once the task is accepted. A body our parse refuses goes to
+    the SDK as it came: the transport's answer, or the tool's refusal (``Calls``)."""
+    try:
+        message = jsonbody.parse(body, max_depth=max_depth)
+    except ReachError:
+        return body
+    if not isinstance(message, dict) or message.get("method") != "tools/call":
+        return body
+    params = message.get("params")
+    if not isinstance(params, dict) or not isinstance(params.get("arguments"), dict):
+        return body
+    if not params["arguments"]:
+        return body
+    request.state.arguments, params["arguments"] = params["arguments"], {}
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _invalid_request(reason: str) -> Response:

@@ -127,3 +127,39 @@ def test_an_a2a_stream_holds_none_of_its_data_part(
             assert count_tasks(engine, tenant) == 1
     # Then it held none of the part's lists
     assert held < PAD // 10, f"{held} of the part's {PAD} lists held by an A2A stream"
+
+
+def test_an_mcp_tool_call_holds_none_of_its_arguments(
+    api: ServedApp, engine: Engine, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    """The arguments are taken out of the body before the SDK parses it (its parse lives as
+    long as the call: ``api.mcp.route.lift_arguments``), and let go once the task is in."""
+    tenant, token = make_key()
+    pad = b",".join([b"[]"] * PAD)
+    arguments = b'{"text": "A b. C d. E f.", "max_sentences": 3, "delay_s": 2, "pad": [%s]}' % pad
+    body = (
+        b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call",'
+        b' "params": {"name": "text.summarize", "arguments": %s}}' % arguments
+    )
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    answers: list[httpx.Response] = []
+    with client_for(api, token) as http:
+        before = empty_lists()
+        calling = threading.Thread(
+            target=lambda: answers.append(http.post("/mcp", content=body, headers=headers))
+        )
+        calling.start()
+        try:
+            # When its task is accepted and the call waits for it (4 s: two pauses of 2 s)
+            eventually(
+                lambda: count_tasks(engine, tenant) == 1 or not calling.is_alive(),
+                "the task to be accepted",
+            )
+            held = empty_lists() - before
+            assert calling.is_alive(), f"the call ended before it was looked at: {answers}"
+        finally:
+            calling.join()
+    # Then the call held none of the arguments' lists, and the tool ran on them
+    assert held < PAD // 10, f"{held} of the arguments' {PAD} lists held by an MCP call"
+    assert answers[0].status_code == 200, answers[0].text
+    assert '"isError":false' in answers[0].text.replace(" ", ""), answers[0].text[:2000]
