@@ -9,17 +9,21 @@ tools (``reach_get_task``, ``reach_cancel_task``) is not offered.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mcp_types import CallToolResult, TextContent, Tool
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+from pydantic import ValidationError
 
 from broker.errors import ReachError
 from broker.registry.cards import offered
+from broker.registry.schemas import allows_objects
 from broker.tasks.resource import SUCCEEDED
 from broker.tenancy.keys import Principal
 
+log = logging.getLogger("reach.mcp")
 GET_TASK = "reach_get_task"
 CANCEL_TASK = "reach_cancel_task"
 _TASK_ID_ONLY = {
@@ -51,23 +55,35 @@ def capability_tools(
     cards: Mapping[str, Sequence[Mapping[str, Any]]], caller: Principal
 ) -> list[Tool]:
     """A tool per capability ``caller`` may run, from the newest card it may see."""
-    return [
+    offered_tools = (
         _tool(capability, card)
         for capability, card in offered(cards, caller).items()
         if capability not in (GET_TASK, CANCEL_TASK)
-    ]
-
-
-def _tool(capability: str, card: Mapping[str, Any]) -> Tool:
-    # The payload is a JSON object whatever the card says; MCP requires an object schema.
-    schema = dict(card.get("input_schema") or {})
-    schema.setdefault("type", "object")
-    return Tool(
-        name=capability,
-        title=card.get("display_name") or capability,
-        description=card.get("description") or card.get("display_name") or capability,
-        input_schema=schema,
     )
+    return [tool for tool in offered_tools if tool is not None]
+
+
+def _tool(capability: str, card: Mapping[str, Any]) -> Tool | None:
+    """The capability's tool; None for a card no MCP tool can show: the listing is every
+    capability's at once, and one tool the SDK refused failed it whole, for every key."""
+    # The payload is a JSON object whatever the card says; MCP requires an object schema. A
+    # card whose schema allows no object (advertised before cards were held to one) takes no
+    # payload at all.
+    schema = dict(card.get("input_schema") or {})
+    if not allows_objects(schema):
+        log.warning("MCP: %s's input schema allows no object: not offered", capability)
+        return None
+    schema["type"] = "object"
+    try:
+        return Tool(
+            name=capability,
+            title=card.get("display_name") or capability,
+            description=card.get("description") or card.get("display_name") or capability,
+            input_schema=schema,
+        )
+    except ValidationError as exc:
+        log.warning("MCP: %s's card makes no tool (%s): not offered", capability, exc)
+        return None
 
 
 def outcome(task: Mapping[str, Any], protocol_version: str) -> CallToolResult:

@@ -182,6 +182,8 @@ class Card:
         for schema in (self.input_schema, self.output_schema):
             if schema is not None:
                 schemas.check(schema)
+        if self.input_schema is not None and not schemas.allows_objects(self.input_schema):
+            raise ValueError("input_schema must allow an object: a task's payload is one")
         if (
             min(self.weight, self.cost_per_call) < 0
             or self.lease_ttl_s <= 0

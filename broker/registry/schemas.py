@@ -49,6 +49,12 @@ class PayloadUncheckable(Exception):
     """The payload could not be checked against the schema (a number past what it computes)."""
 
 
+def allows_objects(schema: Any) -> bool:
+    """Whether ``schema``'s own ``type`` (none: any) lets a JSON object through."""
+    kinds = schema.get("type", "object") if isinstance(schema, dict) else "object"
+    return "object" in (kinds if isinstance(kinds, list) else [kinds])
+
+
 def check(schema: Any) -> None:
     """SchemaError unless ``schema`` is a valid 2020-12 schema whose every reference resolves
     without fetching anything."""

@@ -334,6 +334,8 @@ def test_numbers_and_text_reach_the_agent_and_come_back_exactly(
         ("ok-id", registration("http://127.0.0.1:9/run", capability="reach.mine")),
         ("ok-id", registration("http://127.0.0.1:9/run", capability="Not A Name")),
         ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"type": 12})),
+        # no payload (a JSON object) passes it, and MCP's listing of every tool failed on it
+        ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"type": ["array"]})),
         # a reference that resolves nowhere (every submit's check then failed: a 500), or
         # only by fetching (which jsonschema would do itself, from the API's event loop)
         ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"$ref": "#/$defs/no"})),

@@ -68,3 +68,16 @@ def test_a_refusal_carries_the_code_and_details_the_http_api_gives() -> None:
     assert answer.structured_content == {
         "error": {"code": "rate_limited", "message": "slow down", "retry_after_s": 2}
     }
+
+
+def test_a_card_of_several_types_is_offered_as_an_object_and_one_allowing_none_is_not() -> None:
+    """The SDK requires an object schema of every tool, and refused the whole listing, for
+    every key, for one tool whose schema said ``["object", "null"]``."""
+    cards: dict[str, list[dict[str, Any]]] = {
+        "test.maybe": [{"description": None, "input_schema": {"type": ["object", "null"]}}],
+        "test.array": [{"description": None, "input_schema": {"type": "array"}}],
+        "echo": CARDS["echo"],
+    }
+    offered = {t.name: t for t in tools.capability_tools(cards, key("*"))}
+    assert sorted(offered) == ["echo", "test.maybe"]
+    assert offered["test.maybe"].input_schema == {"type": "object"}

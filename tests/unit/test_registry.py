@@ -201,6 +201,24 @@ def test_given_an_impossible_number_expect_value_error_at_declaration(bad: dict[
         Card.declare("invoice.extract", agent_id="bot", **bad)
 
 
+@pytest.mark.parametrize(
+    "schema", [{"type": "array"}, {"type": ["string", "null"]}, {"type": "string", "minLength": 1}]
+)
+def test_given_an_input_schema_no_object_passes_expect_value_error_at_declaration(
+    schema: dict[str, Any],
+) -> None:
+    # a task's payload is a JSON object: no task could pass it, and MCP shows no such tool
+    with pytest.raises(ValueError, match="input_schema must allow an object"):
+        Card.declare("invoice.extract", agent_id="bot", input_schema=schema)
+
+
+@pytest.mark.parametrize("schema", [{"type": ["object", "null"]}, {"properties": {}}, {}])
+def test_given_an_input_schema_an_object_passes_expect_the_card(schema: dict[str, Any]) -> None:
+    assert (
+        Card.declare("invoice.extract", agent_id="bot", input_schema=schema).input_schema == schema
+    )
+
+
 # --- validator -----------------------------------------------------------------------------
 
 
