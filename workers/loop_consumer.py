@@ -13,8 +13,8 @@ Acks made in one turn of the loop go out together.
 Celery keeps everything else. Its consumer still consumes the run queues (``-Q``, the lease
 keeper's pauses, the bridge's registrations, ``inspect active_queues``): its channel only
 leaves their ``BRPOP`` to this consumer (``Channel._update_queue_cycle``). A message the direct
-path does not take (a countdown, an expiry, task events on, another task, a run whose direct
-path failed before its claim) goes to Celery's consumer as kombu would have delivered it.
+path does not take (an expiry, task events on, another task, a run whose direct path failed
+before its claim) goes to Celery's consumer as kombu would have delivered it.
 
 Delivery is kombu's: a message is recorded as unacked before its run can ack it, and acked
 (late) after its final state is written. A process killed with runs in flight leaves them
@@ -33,6 +33,13 @@ A card's ``max_concurrency`` bounds its runs in the process the same way, withou
 anything aside: a queue whose card holds that many runs is left out of the ``BRPOP`` until
 one of them ends, so its messages keep their order. Within it, one tenant's runs hold at
 most their share of it.
+
+A countdown's message (a retry's back-off) is held here, unacked and holding no slot, until
+it is due; then it starts as any message taken then would, within the slots, its card's
+``max_concurrency`` and its tenant's share, or goes first in its queue when there is no room
+for it. Left to Celery's timer, a retry ran when due whatever the process held: a remote
+agent answering 429 got its retries past its ``max_concurrency``, exactly when it was
+overloaded.
 
 Used by a worker started with ``-P threads`` whose broker is Redis, unless OpenTelemetry is
 on (Celery's tracer makes the spans, so every task takes Celery's way).
@@ -105,6 +112,18 @@ def plain(content_type: str, headers: dict[str, Any], revoked: Any, events_on: b
     return not events_on
 
 
+def _due_in(eta: Any) -> float | None:
+    """Seconds until a countdown's ``eta`` (ISO 8601, as Celery writes it); None when it does
+    not read as one (Celery's consumer is left to make of it what it does)."""
+    try:
+        at = datetime.fromisoformat(eta)
+    except (TypeError, ValueError):
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return (at - datetime.now(UTC)).total_seconds()
+
+
 def share_cap(slots: int, share: float) -> int:
     """The most of a process's ``slots`` one tenant's runs may hold: ``share`` of them,
     rounded up (below 10 slots, a share of 0.9 keeps none back), at least one."""
@@ -156,6 +175,8 @@ class LoopConsumer:
         # (card, tenant) -> the runs of a card of a max_concurrency that the tenant holds
         self._card_holding: dict[tuple[Hashable, str], int] = {}
         self._crowded = False  # the last take set messages aside
+        # tag -> (list key, message, queue, its timer): countdowns held until they are due
+        self._later: dict[str, tuple[str, dict[str, Any], str, asyncio.TimerHandle]] = {}
         self._acks: list[str] = []
         self._taker: asyncio.Task[None] | None = None
         self._taking = False  # a BRPOP or its batch is out: cancelling could lose what it takes
@@ -370,7 +391,16 @@ class LoopConsumer:
         except (TypeError, ValueError, KeyError):  # kombu could not read it either
             log.error("a message on %s that is not kombu's was dropped: %.200r", queue, item)
             return
-        tenant = tenant_of(message.get("headers") or {})
+        headers = message.get("headers") or {}
+        if headers.get("eta"):
+            due_in = _due_in(headers["eta"])
+            if due_in is not None and due_in > 0:
+                self._hold_until_due(tag, key, message, queue, due_in)
+                return
+            if due_in is not None:  # due: a run like any other from here
+                del headers["eta"]
+                item = json.dumps(message)
+        tenant = tenant_of(headers)
         card, bound = self._card(queue)
         if tenant is not None and self._past_share(tenant, card, bound):
             self._aside.append((self._last.get(queue, key), tag, self._behind(message)))
@@ -382,7 +412,7 @@ class LoopConsumer:
             if bound is not None:
                 held = self._card_holding.get((card, tenant), 0)
                 self._card_holding[(card, tenant)] = held + 1
-        if not (message.get("headers") or {}).get("eta"):  # a countdown holds no slot
+        if not headers.get("eta"):  # a countdown Celery's timer holds (``_to_celery``) holds none
             self._card_of[tag] = card
             runs = self._card_runs[card] = self._card_runs.get(card, 0) + 1
             if bound is not None and runs >= bound:
@@ -405,6 +435,41 @@ class LoopConsumer:
                 lambda: loop.call_soon_threadsafe(celerys_way),
                 self._consumer.pool.executor,
             )
+
+    def _hold_until_due(
+        self, tag: str, key: str, message: dict[str, Any], queue: str, due_in: float
+    ) -> None:
+        """Hold a countdown's message (unacked, no slot) until it is due (``_due``)."""
+        timer = asyncio.get_running_loop().call_later(due_in, self._due, tag)
+        self._later[tag] = (key, message, queue, timer)
+
+    def _due(self, tag: str) -> None:
+        """A countdown is due: it starts as a message taken now would. With no slot or no room
+        in its card here now, or its queue no longer taken here (a drain), it goes first in
+        its queue, for the next take that has room, here or in another process."""
+        held = self._later.pop(tag, None)
+        if held is None:  # put back meanwhile
+            return
+        key, message, queue, _ = held
+        message.get("headers", {}).pop("eta", None)  # a run like any other from here
+        item = json.dumps(message)
+        with self._lock:
+            consumed = queue in self._keys.values()
+        if consumed and self._in_flight() < self._slots and self._room_in(queue) > 0:
+            self._start(key, item, queue)
+            return
+        task = asyncio.get_running_loop().create_task(self._put_first(key, item))
+        self._sending.add(task)  # the loop holds its tasks weakly; a warm shutdown waits
+        task.add_done_callback(self._sending.discard)
+
+    async def _put_first(self, key: str, item: str) -> None:
+        if self._acker is None:
+            self._acker = redis.asyncio.Redis.from_url(self.broker_url, **redisclients.QUIET)
+        unacked, index = self._unacked
+        try:
+            await self._acker.eval(PUT_BACK, 3, key, unacked, index, item)
+        except Exception:  # as an ack that fails: it stays unacked, and comes again
+            log.exception("a due countdown was not put back on %s: it will come again", key)
 
     def _past_share(self, tenant: str, card: Hashable, bound: int | None) -> bool:
         """Whether the tenant's runs hold their share of the process's slots already, or of
@@ -552,12 +617,21 @@ class LoopConsumer:
 
     def settle(self, timeout_s: float = 10.0) -> None:
         """Until the acks of the runs that ended are sent (a warm shutdown, after the pool
-        stopped)."""
+        stopped); then the countdowns still held go back on their queues."""
         loop = self.direct.runner.calls.loop
         try:
             asyncio.run_coroutine_threadsafe(self._settled(), loop).result(timeout_s)
         except Exception:
             log.exception("acks not all sent at shutdown: those messages come again")
+        if self._later:
+            self.put_back(timeout_s)
+
+    def _later_ones(self) -> dict[str, tuple[str, str]]:
+        """The countdowns held, let go of: (list key, message) by tag. On the loop."""
+        later, self._later = self._later, {}
+        for _, _, _, timer in later.values():
+            timer.cancel()
+        return {tag: (key, json.dumps(message)) for tag, (key, message, _, _) in later.items()}
 
     def put_back(self, timeout_s: float = 10.0) -> int:
         """Put every message still held back on its queue, marked redelivered (a cold
@@ -574,7 +648,7 @@ class LoopConsumer:
             taken, self._held = dict(self._held), {}
             for tag in taken:
                 self._let_go(tag)
-            return taken
+            return taken | self._later_ones()
 
         self.pause()
 

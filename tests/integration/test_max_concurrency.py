@@ -146,3 +146,67 @@ def test_a_remote_agents_max_concurrency_bounds_the_bridges_calls_to_it(
     # Then the agent had one at a time, and every one answered
     assert {t["status"] for t in done.values()} == {"succeeded"}
     assert (agent.calls, agent.most) == (4, 1)
+
+
+class BusyFirstAgent(CountingAgent):
+    """Answers each task's first call 503 with ``Retry-After: 1`` (an agent overloaded), then
+    holds its next ``hold_s`` and counts the calls in flight."""
+
+    hold_s = 1.0
+
+    def __init__(self) -> None:
+        self.refused: set[str] = set()
+        super().__init__()
+
+    def _handler(self) -> type[AgentHandler]:
+        agent, counting = self, super()._handler()
+
+        class Handler(counting):  # type: ignore[valid-type, misc]
+            def do_POST(self) -> None:
+                task = self.headers.get("Idempotency-Key", "")
+                with agent.lock:
+                    first = task not in agent.refused
+                    agent.refused.add(task)
+                if not first:
+                    super().do_POST()
+                    return
+                self.read_call()
+                self.send_response(503)
+                self.send_header("Retry-After", "1")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        return Handler
+
+
+def test_a_remote_agents_retries_keep_within_its_max_concurrency(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """A retry's back-off was Celery's timer's, which ran it when due whatever the bridge
+    held: the agent that answered 503 got its retries all at once, past its bound, exactly
+    when it was overloaded."""
+    capability = f"test.bounded-{uuid.uuid4().hex[:6]}"
+    with BusyFirstAgent() as agent:
+        body = {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "http", "url": agent.url},
+            "max_concurrency": 1,
+            "capabilities": [{"capability": capability, "idempotent": True}],
+        }
+        agent_id = f"bounded-{uuid.uuid4().hex[:6]}"
+        answer = ops.put(f"/agents/{agent_id}", json=body)
+        assert answer.status_code == 201, answer.text
+        try:
+            wait_routed(ops, agent_id)
+            # When 3 calls come at once, each answered 503 first: three retries due together
+            ids = []
+            for _ in range(3):
+                sent = caller.post("/tasks", json={"capability": capability, "payload": {}})
+                assert sent.status_code == 202, sent.text
+                ids.append(sent.json()["task_id"])
+            done = all_final(caller, ids, "the three calls done", 60)
+        finally:
+            ops.delete(f"/agents/{agent_id}")
+    # Then each was retried once, and the agent had one call at a time all along
+    assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 2)}
+    assert (len(agent.refused), agent.calls, agent.most) == (3, 3, 1)
