@@ -362,13 +362,18 @@ def sync_slow(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 async def _lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """Counts its runs; given a ``gate``, waits for it (``_wait_for_gate``); sleeps
     ``sleep_s`` on its first attempt and hardly at all after. Given ``retry_after_s``, its
-    first attempt asks to be retried after that long instead."""
+    first attempt asks to be retried after that long instead. Given ``linger_s``, a run
+    cancelled takes that long to stop."""
     if ctx.attempt == 1 and "retry_after_s" in payload:
         delay_s = float(payload["retry_after_s"])
         raise Retryable("not yet", code="upstream_busy", delay_s=delay_s)
     runs = await asyncio.to_thread(_runs, ctx)
-    await asyncio.to_thread(_wait_for_gate, payload, ctx)
-    await asyncio.sleep(float(payload.get("sleep_s", 60)) if ctx.attempt == 1 else 0.05)
+    try:
+        await asyncio.to_thread(_wait_for_gate, payload, ctx)
+        await asyncio.sleep(float(payload.get("sleep_s", 60)) if ctx.attempt == 1 else 0.05)
+    except asyncio.CancelledError:
+        await asyncio.sleep(float(payload.get("linger_s", 0)))
+        raise
     return {"runs": runs, "attempt": ctx.attempt}
 
 

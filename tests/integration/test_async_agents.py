@@ -248,7 +248,7 @@ def test_a_retryable_failure_of_an_async_handler_runs_again(
 
 @pytest.mark.parametrize("capability", ["test.async", "test.sync-slow"])
 def test_a_run_for_longer_than_two_renewals_is_held_not_taken_for_lost(
-    client: httpx.Client, async_worker: CeleryProcess, capability: str
+    client: httpx.Client, ops: httpx.Client, async_worker: CeleryProcess, capability: str
 ) -> None:
     """Its message skipped Celery's request (``workers.pool.run_strategy``), so no Celery
     state holds it: the lease keeper must still count it, or its orphan check (a run older
@@ -257,7 +257,7 @@ def test_a_run_for_longer_than_two_renewals_is_held_not_taken_for_lost(
     wait_for_task(client, task_id, {"running"})
 
     def counted() -> bool:
-        instances = client.get(f"/agents/{capability.replace('.', '-')}").json()["instances"]
+        instances = ops.get(f"/agents/{capability.replace('.', '-')}").json()["instances"]
         return any(i["state"] != "offline" and i["active_tasks"] >= 1 for i in instances)
 
     eventually(counted, "the worker's lease to count the run")
@@ -370,7 +370,10 @@ def test_with_task_events_on_a_cancel_stops_a_run_of_celerys_way_without_an_erro
     control = Celery("test-events", broker=settings.celery_broker_url, set_as_current=False)
     try:
         assert control.control.enable_events(destination=[name], reply=True, timeout=5)
-        task_id = submit(client, queue, {"gate": uuid.uuid4().hex, "sleep_s": 0})
+        # a run that takes 3 s to stop once it hears the cancel (its flag, on the loop): the
+        # revoke, which comes by Celery's broadcast, finds its request still active
+        payload = {"gate": uuid.uuid4().hex, "sleep_s": 0, "linger_s": 3}
+        task_id = submit(client, queue, payload)
         wait_for_task(client, task_id, {"running"})
         assert client.post(f"/tasks/{task_id}/cancel").json()["status"] == "cancelled"
         eventually(
