@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import anyio
@@ -42,6 +43,7 @@ router = APIRouter(tags=["agents"])
 Caller = Annotated[Principal, Depends(authenticate)]
 Metered = Annotated[Principal, Depends(metered)]  # routes that do real work take a token
 DRAIN_FLAG_TTL_S = 24 * 3600
+INSTANCE_MAX = 255  # ``agent_instances.instance``
 REGISTRATION_MAX_BYTES = 512 * 1024
 CHANNEL_MAX_BYTES = 16 * 1024
 # Path parameters as the grammar of ``broker.registry.addresses`` has them: anything else
@@ -63,11 +65,24 @@ def _nameable(agent_id: str) -> str:
     return agent_id
 
 
+def _named(text: str, fits: Callable[[str], bool], what: str) -> str:
+    """``text`` when a version, channel or instance could be named so; 404 ``<what>_not_found``
+    otherwise, before any query, as for ``_nameable``."""
+    if not fits(text):
+        raise NotFound(f"no such {what} of this agent", code=f"{what}_not_found")
+    return text
+
+
+def _an_instance(text: str) -> bool:
+    """Whether a worker could be named ``text`` (its column's length, printable: no NUL)."""
+    return 0 < len(text) <= INSTANCE_MAX and text.isprintable()
+
+
 @router.get("/agents", response_model=AgentList, responses=answers(*AUTHENTICATED))
 async def list_agents(request: Request, caller: Metered) -> JSONResponse:
     """Every agent that advertised a card, with its instances and their state. A key other
     than an operator's sees only agents of capabilities its patterns allow, and no instance's
-    name, host or process id."""
+    name, host, process id or count of tasks held (every tenant's)."""
     state = services(request)
     # Every card and every instance kept (``REACH_INSTANCE_RETENTION_S``): a token, and one
     # tenant's lists one at a time, as its task lists
@@ -134,7 +149,8 @@ async def delete_channel(
     Admin only."""
     _require_admin(caller, "removing channels")
     state = services(request)
-    if not await channels.remove(state.engine, _nameable(agent_id), channel):
+    agent_id, channel = _nameable(agent_id), _named(channel, addresses.is_channel, "channel")
+    if not await channels.remove(state.engine, agent_id, channel):
         raise NotFound("no such channel of this agent", code="channel_not_found")
     policy.forget(state.card_cache)
     return Response(status_code=204)
@@ -153,8 +169,9 @@ async def revoke_version(
     drop it. There is no undo: deploy a new version. Admin only."""
     _require_admin(caller, "revoking versions")
     state = services(request)
+    agent_id, version = _nameable(agent_id), _named(version, addresses.is_version, "version")
     answer = await revocations.revoke(
-        state.engine, state.redis, _nameable(agent_id), version, by=caller.key_id
+        state.engine, state.redis, agent_id, version, by=caller.key_id
     )
     policy.forget(state.card_cache)
     return JSONResponse(answer)
@@ -178,7 +195,8 @@ async def drain_instance(
     if not caller.is_admin:
         raise Forbidden("draining needs an admin key", code="admin_required")
     state = services(request)
-    if not await views.instance_exists(state.engine, _nameable(agent_id), instance):
+    agent_id, instance = _nameable(agent_id), _named(instance, _an_instance, "instance")
+    if not await views.instance_exists(state.engine, agent_id, instance):
         raise NotFound("no such instance of this agent", code="instance_not_found")
     await state.redis.set(drain_key(instance), "1", ex=DRAIN_FLAG_TTL_S)
     return JSONResponse({"instance": instance, "drain": "requested"}, status_code=202)

@@ -309,6 +309,24 @@ def test_an_agent_id_no_agent_can_have_is_404(ops: httpx.Client, agent_id: str) 
     assert_each_404(answers, "agent_not_found")
 
 
+@pytest.mark.parametrize("name", ["a%00b", "1.0.0%00", "x" * 300])
+def test_a_version_channel_or_instance_none_can_have_is_404_before_any_query(
+    ops: httpx.Client, name: str
+) -> None:
+    """Only the agent id was checked: a NUL in the rest reached Postgres (422 invalid_data)."""
+    answers = {
+        "revoke": ops.post(f"/agents/echo/versions/{name}/revoke"),
+        "channel": ops.delete(f"/agents/echo/channels/{name}"),
+        "drain": ops.post(f"/agents/echo/instances/{name}/drain"),
+    }
+    seen = {route: (a.status_code, a.json()["code"]) for route, a in answers.items()}
+    assert seen == {
+        "revoke": (404, "version_not_found"),
+        "channel": (404, "channel_not_found"),
+        "drain": (404, "instance_not_found"),
+    }
+
+
 def assert_each_404(answers: dict[str, httpx.Response], code: str) -> None:
     seen = {route: (a.status_code, a.json()["code"]) for route, a in answers.items()}
     assert seen == dict.fromkeys(answers, (404, code))
