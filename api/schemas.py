@@ -263,7 +263,9 @@ class InstanceView(BaseModel):
     pid: int | None = Field(default=None, description="Shown to operator keys only")
     state: InstanceState
     seconds_since_heartbeat: float
-    active_tasks: int
+    active_tasks: int | None = Field(
+        default=None, description="Shown to operator keys only: every tenant's tasks count"
+    )
     lease_ttl_s: float
     started_at: str
     stopped_at: str | None = Field(description="When offline")

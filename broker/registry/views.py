@@ -146,7 +146,9 @@ def _mark_revoked(entry: dict[str, Any], revoked: dict[str, Any]) -> None:
     ]
 
 
-INSTANCE_INTERNALS = ("instance", "hostname", "pid")
+# What a key other than an operator's is not shown of an instance: its name, host and process,
+# and the tasks it holds (every tenant's, as a queue's depth is).
+INSTANCE_INTERNALS = ("instance", "hostname", "pid", "active_tasks")
 # An instance's view, until ``seen_by``: the (version, capability) cards of the agent it serves.
 SERVES = "_serves"
 
@@ -163,7 +165,7 @@ def seen_by(found: list[dict[str, Any]], caller: Principal) -> list[dict[str, An
     """Agents as this key is shown them. An operator key sees everything. Any other key sees
     only cards its tenant may use of capabilities its patterns allow (an agent with none is
     not shown), the versions and channels of those cards, the instances that serve them, and
-    no instance's name, host or process id."""
+    no instance's name, host or process id, nor how many tasks it holds (every tenant's)."""
     if caller.is_admin:
         return [
             {**agent, "instances": [_without(v, SERVES) for v in agent["instances"]]}

@@ -89,7 +89,7 @@ function card(agent, ops) {
         h("td", { class: "mono" }, i.instance ?? "—"),
         h("td", {}, badge(i.state)),
         h("td", {}, `${i.seconds_since_heartbeat.toFixed(1)} s ago`),
-        h("td", {}, String(i.active_tasks)),
+        h("td", {}, i.active_tasks == null ? "—" : String(i.active_tasks)),
         h("td", {}, i.capabilities.join(", ")),
         h("td", {}, i.instance && i.state !== "offline"
           ? h("button", { type: "button", onclick: () => ops.drain(id, i.instance) }, "Drain")
