@@ -181,9 +181,25 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             for k, v in answer.raw_headers
             if k.decode("latin-1").lower() not in _NOT_RETURNED
         ]
+        streamed = _an_event_stream(request, returned)
         return httpx.Response(
-            answer.status, headers=returned, stream=_Body(answer, request), request=request
+            answer.status,
+            headers=returned,
+            stream=_Body(answer, request, streamed=streamed),
+            request=request,
         )
+
+
+def _an_event_stream(request: httpx.Request, returned: list[tuple[bytes, bytes]]) -> bool:
+    """Whether an answer is read as an event stream, one event at a time: the request asked
+    for one (``Accept``), and its content type says one as the a2a-sdk looks for it, word for
+    word. Else a client reads it whole (the SDK's one-answer calls, and an answer whose type
+    is ``Text/Event-Stream``): it is held to ``MAX_ANSWER_BYTES`` whole, not event by event,
+    which let an endless stream of events grow in memory until the task's deadline."""
+    if "text/event-stream" not in request.headers.get("accept", ""):
+        return False
+    types = [v for k, v in returned if k.lower() == b"content-type"]
+    return bool(types) and b"text/event-stream" in types[-1]
 
 
 class AnswerTooLarge(httpx.DecodingError):
@@ -248,16 +264,20 @@ class JsonElements:
 
 class _Body(httpx.AsyncByteStream):
     """The answer's body, decompressed (``auto_decompress``), at most ``MAX_ANSWER_BYTES`` and
-    ``MAX_ANSWER_ELEMENTS`` of it; for an event stream, of each event. Both are checked on
+    ``MAX_ANSWER_ELEMENTS`` of it; for an event stream (``streamed``: ``_an_event_stream``),
+    of each event. Both are checked on
     each piece before the client gets it, so a client parsing each event as it ends never
     gets one past them."""
 
-    def __init__(self, answer: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    def __init__(
+        self, answer: aiohttp.ClientResponse, request: httpx.Request, *, streamed: bool
+    ) -> None:
         self._answer = answer
         self._request = request
+        self._streamed = streamed
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        streamed = self._answer.content_type == "text/event-stream"
+        streamed = self._streamed
         size, tail, elements = 0, b"", JsonElements()
         try:
             async for chunk in self._answer.content.iter_any():

@@ -111,14 +111,16 @@ async def agent_answering(kind: str, body: bytes) -> AsyncIterator[str]:
         server.close()
 
 
-def read_through_the_transport(kind: str, body: bytes) -> int:
-    """How many bytes of the agent's answer an httpx client over ``AiohttpTransport`` read."""
+def read_through_the_transport(kind: str, body: bytes, accept: str = "text/event-stream") -> int:
+    """How many bytes of the agent's answer an httpx client over ``AiohttpTransport`` read,
+    asking for ``accept`` (as the a2a-sdk's streaming calls ask)."""
 
     async def scenario() -> int:
         async with guarded_session(GUARD) as session, agent_answering(kind, body) as url:
             transport = AiohttpTransport(lambda: session)
             async with httpx.AsyncClient(transport=transport) as client:
-                return len((await client.post(url, content=b"{}")).content)
+                answer = await client.post(url, content=b"{}", headers={"Accept": accept})
+                return len(answer.content)
 
     return asyncio.run(scenario())
 
@@ -141,6 +143,21 @@ def test_an_answer_or_event_larger_than_the_cap_is_refused(kind: str, body: byte
 def test_a_stream_of_events_may_add_up_to_more_than_the_cap() -> None:
     body = b"data: x\r\n\r\n" * (MAX_ANSWER_BYTES // 11 + 1)
     assert read_through_the_transport("text/event-stream", body) == len(body)
+
+
+@pytest.mark.parametrize(
+    ("kind", "accept"),
+    [
+        ("text/event-stream", "application/json"),  # a one-answer call (GetTask, CancelTask)
+        ("Text/Event-Stream", "text/event-stream"),  # the SDK reads this type whole
+    ],
+)
+def test_events_a_client_reads_whole_add_up_to_the_cap_at_most(kind: str, accept: str) -> None:
+    """An agent answering a one-answer call with an endless stream of events, read whole by
+    the SDK, was held to the cap event by event: it grew in memory until the deadline."""
+    body = b":\n\n" * (MAX_ANSWER_BYTES // 3 + 1)
+    with pytest.raises(AnswerTooLarge):
+        read_through_the_transport(kind, body, accept)
 
 
 @pytest.mark.parametrize(
