@@ -144,6 +144,11 @@ class Artifacts:
         self._size += by
         self._sizes[artifact_id] = self._sizes.get(artifact_id, 0) + by
 
+    @property
+    def size(self) -> int:
+        """Their size, as protobuf counts it."""
+        return self._size
+
     def result(self) -> dict[str, Any]:
         artifacts = list(self._by_id.values())
         return {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
 from typing import Any
 
@@ -17,6 +18,7 @@ from a2a.types import (
     Message,
     Part,
     TaskArtifactUpdateEvent,
+    TaskState,
     TaskStatus,
 )
 from a2a.utils.errors import A2AError, InvalidParamsError, MethodNotFoundError, TaskNotFoundError
@@ -28,7 +30,8 @@ from broker.remote import a2a_card, a2a_json
 from broker.remote.connections import MAX_ANSWER_BYTES, AnswerTooLarge
 from broker.remote.registration import EndpointNotAllowed, Registration, RegistrationInvalid
 from broker.webhooks.ssrf import Guard
-from workers.bridge.a2a_agent import failure_of, message_of
+from workers.aio import ON_LOOP_BYTES
+from workers.bridge.a2a_agent import _Run, failure_of, message_of
 from workers.sdk.context import Context
 
 
@@ -99,6 +102,19 @@ def test_each_skill_of_the_card_becomes_a_card_of_ours() -> None:
     assert first["version"] == "1.0.0"  # the registration's, not the card's
     assert first["endpoint"] == {"protocol": "a2a", "skill": "find-flights"}
     assert second["description"] == "Books trips."  # the card's, when the skill has none
+
+
+def test_a_card_of_more_elements_than_a_card_needs_is_refused_before_protobuf_reads_it() -> None:
+    """Protobuf reads a card in Python on the loop every call of the bridge shares: 1 MiB of
+    empty skills held it 1.6 s, at every health check."""
+    body = json.dumps(card_json(skills=[{}] * (a2a_card.MAX_CARD_ELEMENTS + 1))).encode()
+    assert len(body) < a2a_card.MAX_CARD_BYTES
+    with pytest.raises(a2a_card.CardUnavailable, match="elements"):
+        a2a_card.parse(body)
+    # and a card of 64 skills of 60 tags and 60 examples each is read
+    skill = {"name": "n", "description": "d", "tags": ["t"] * 60, "examples": ["e"] * 60}
+    skills = [{"id": f"skill-{i}", **skill} for i in range(64)]
+    assert len(a2a_card.parse(json.dumps(card_json(skills=skills)).encode()).skills) == 64
 
 
 def test_skills_that_make_the_same_name_are_refused() -> None:
@@ -242,6 +258,33 @@ def test_artifacts_appended_past_the_cap_fail_the_task() -> None:
         for _ in range(MAX_ANSWER_BYTES // 2**16 + 1):
             artifacts.apply(chunk_of("s", "x" * 2**16, append=True))
     assert failed.value.code == "agent_protocol"
+
+
+def test_a_large_result_is_read_off_the_loop_and_a_small_one_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Appended chunks, each within an answer's elements, may come to 16 MiB: read into the
+    task's result in Python on the loop every call shares, they held it 2 s."""
+    threads: list[str] = []
+    result = a2a_json.Artifacts.result
+
+    def recorded(self: a2a_json.Artifacts) -> dict[str, Any]:
+        threads.append(threading.current_thread().name)
+        return result(self)
+
+    monkeypatch.setattr(a2a_json.Artifacts, "result", recorded)
+
+    async def finished(size: int) -> Any:
+        run = _Run(client=None, ctx=None, call_ctx=None)  # type: ignore[arg-type]
+        run.artifacts.apply(chunk_of("s", "x" * size, append=True))
+        done = await run.status(TaskStatus(state=TaskState.TASK_STATE_COMPLETED), {})
+        assert done is not None
+        return done.result
+
+    for size in (100, 2 * ON_LOOP_BYTES):
+        assert asyncio.run(finished(size))["text"] == "x" * size
+    loop_thread = threading.current_thread().name
+    assert threads[0] == loop_thread and threads[1] != loop_thread
 
 
 def test_artifacts_replaced_count_once() -> None:

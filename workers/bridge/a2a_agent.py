@@ -351,7 +351,11 @@ class _Run:
     async def status(self, status: TaskStatus, metadata: Mapping[str, Any]) -> _Done | None:
         text = a2a_json.text_of(status.message.parts) if status.HasField("message") else ""
         if status.state == TaskState.TASK_STATE_COMPLETED:
-            return _Done(self.artifacts.result())
+            if self.artifacts.size <= ON_LOOP_BYTES:
+                return _Done(self.artifacts.result())
+            # Appended chunks, each within an answer's elements, may come to 16 MiB: read in
+            # Python, on the loop every call shares, they held it 2 s.
+            return _Done(await off_the_loop(self.artifacts.result))
         if status.state in _FAILED:
             if status.state in _INTERRUPTED:
                 await self.cancel_remote()  # nobody here can give it input: free its slot
