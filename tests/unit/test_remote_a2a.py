@@ -17,6 +17,8 @@ from a2a.types import (
     Artifact,
     Message,
     Part,
+    SendMessageRequest,
+    Task,
     TaskArtifactUpdateEvent,
     TaskState,
     TaskStatus,
@@ -31,6 +33,7 @@ from broker.remote.connections import MAX_ANSWER_BYTES, AnswerTooLarge
 from broker.remote.registration import EndpointNotAllowed, Registration, RegistrationInvalid
 from broker.webhooks.ssrf import Guard
 from workers.aio import ON_LOOP_BYTES
+from workers.bridge import a2a_agent
 from workers.bridge.a2a_agent import _Run, failure_of, message_of
 from workers.sdk.context import Context
 
@@ -394,3 +397,57 @@ def test_an_error_the_sdk_wrote_with_the_agents_url_names_only_its_status() -> N
     # The agent's own words, naming no address, are kept
     own = failure_of(_made_by_the_sdk(InvalidParamsError("no such city"), 400, url), streamed=False)
     assert own.message == "no such city"
+
+
+class SilentAgent:
+    """An A2A client whose agent accepts a message and never answers it."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send_message(self, request: Any, context: Any = None) -> Any:
+        self.sent += 1
+        await asyncio.sleep(3600)
+        yield None  # pragma: no cover
+
+
+def test_a_message_sent_for_an_answer_at_once_that_gets_none_is_retried() -> None:
+    """A call of an agent that does not stream had no first-byte timeout: one accepted and
+    never answered held its slot to the task's deadline, then ended ``expired``."""
+    agent = SilentAgent()
+
+    async def sent() -> Any:
+        run = _Run(client=agent, ctx=None, call_ctx=None)  # type: ignore[arg-type]
+        return await run.polled(SendMessageRequest(), first_byte_timeout_s=0.05)
+
+    with pytest.raises(Retryable) as retried:
+        asyncio.run(sent())
+    assert (retried.value.code, agent.sent) == ("agent_timeout", 1)
+
+
+class HangsOnceAgent:
+    """An A2A client whose agent does not answer the first read of its task, then says it
+    completed."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def get_task(self, request: Any, context: Any = None) -> Task:
+        self.reads += 1
+        if self.reads == 1:
+            await asyncio.sleep(3600)
+        return Task(id=request.id, status=TaskStatus(state=TaskState.TASK_STATE_COMPLETED))
+
+
+def test_a_read_of_the_agents_task_that_gets_no_answer_is_made_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(a2a_agent, "POLL_READ_S", 0.05)
+    agent = HangsOnceAgent()
+
+    async def polled() -> Any:
+        run = _Run(client=agent, ctx=None, call_ctx=None, task_id="t-1")  # type: ignore[arg-type]
+        return await run.polled_from(0.01)
+
+    assert asyncio.run(polled()) == {"text": "", "artifacts": []}
+    assert agent.reads == 2

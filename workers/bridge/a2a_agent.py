@@ -83,6 +83,7 @@ log = logging.getLogger("reach.bridge")
 
 CANCEL_TIMEOUT_S = 5.0
 POLL_FIRST_S, POLL_MAX_S = 0.2, 2.0
+POLL_READ_S = 10.0  # a read of the agent's task not answered by then is made again
 _FAILED = {
     TaskState.TASK_STATE_FAILED: "agent_task_failed",
     TaskState.TASK_STATE_REJECTED: "agent_task_rejected",
@@ -248,7 +249,7 @@ async def call(
     try:
         if streams:
             return await run.streamed(request, agent.first_byte_timeout_s)
-        return await run.polled(request)
+        return await run.polled(request, agent.first_byte_timeout_s)
     except asyncio.CancelledError:
         await run.cancel_remote()
         raise
@@ -304,11 +305,25 @@ class _Run:
         # The last state may have been written after the stream closed: read it.
         return await self.polled_from(POLL_FIRST_S)
 
-    async def polled(self, request: SendMessageRequest) -> Any:
+    async def polled(self, request: SendMessageRequest, first_byte_timeout_s: float) -> Any:
+        """The message sent for an answer at once (``return_immediately``), within
+        ``first_byte_timeout_s`` (else retried, as a stream's first event is: unless the agent
+        named its task meanwhile, which is then polled), then the task polled until it ends."""
         request.configuration.return_immediately = True
         done = None
-        async for event in self.client.send_message(request, context=self.call_ctx):
-            done = await self.take(event)
+        stream = cast(
+            AsyncGenerator[StreamResponse, None],
+            self.client.send_message(request, context=self.call_ctx),
+        )
+        try:
+            async with aclosing(stream) as events, asyncio.timeout(first_byte_timeout_s):
+                async for event in events:
+                    done = await self.take(event)
+        except TimeoutError:
+            if not self.task_id:
+                raise Retryable(
+                    f"no answer within {first_byte_timeout_s:g}s", code="agent_timeout"
+                ) from None
         if done is not None:
             return done.result
         if not self.task_id:
@@ -316,11 +331,18 @@ class _Run:
         return await self.polled_from(POLL_FIRST_S)
 
     async def polled_from(self, wait_s: float) -> Any:
+        """The agent's task read until it ends; a read not answered within ``POLL_READ_S``
+        is given up and made again (the task's deadline bounds them all): one that never
+        answered held the call to its deadline, whatever the task did meanwhile."""
         while True:
-            task = await self.client.get_task(
-                GetTaskRequest(id=self.task_id), context=self.call_ctx
-            )
-            done = await self.take(StreamResponse(task=task))
+            try:
+                async with asyncio.timeout(POLL_READ_S):
+                    task = await self.client.get_task(
+                        GetTaskRequest(id=self.task_id), context=self.call_ctx
+                    )
+            except TimeoutError:
+                task = None
+            done = await self.take(StreamResponse(task=task)) if task is not None else None
             if done is not None:
                 return done.result
             await asyncio.sleep(wait_s)
