@@ -18,6 +18,7 @@ from a2a.types import (
     Message,
     Part,
     SendMessageRequest,
+    StreamResponse,
     Task,
     TaskArtifactUpdateEvent,
     TaskState,
@@ -451,3 +452,42 @@ def test_a_read_of_the_agents_task_that_gets_no_answer_is_made_again(
 
     assert asyncio.run(polled()) == {"text": "", "artifacts": []}
     assert agent.reads == 2
+
+
+class BreaksAfterNamingAgent:
+    """An A2A client whose agent names its task on a stream, which then breaks."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def send_message(self, request: Any, context: Any = None) -> Any:
+        working = TaskStatus(state=TaskState.TASK_STATE_WORKING)
+        yield StreamResponse(task=Task(id="remote-1", status=working))
+        raise A2AClientError("the stream broke off")
+
+    async def cancel_task(self, request: Any, context: Any = None) -> Task:
+        self.cancelled.append(request.id)
+        return Task(id=request.id)
+
+
+class StreamingAgent:
+    """``workers.bridge.a2a_agent.Agent`` as ``call`` uses it, for a client given."""
+
+    first_byte_timeout_s = 5.0
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    async def client(self, transport: Any) -> tuple[Any, bool]:
+        return self._client, True
+
+    def forget_card(self, client: Any) -> None:
+        pass
+
+
+def test_a_call_given_up_after_the_agent_named_its_task_cancels_that_task() -> None:
+    """A retry sends a new message, a new task for the agent: the first ran on beside it."""
+    agent = BreaksAfterNamingAgent()
+    with pytest.raises(AgentFailure):
+        asyncio.run(a2a_agent.call(StreamingAgent(agent), None, "book", ctx(), {"n": 1}))  # type: ignore[arg-type]
+    assert agent.cancelled == ["remote-1"]

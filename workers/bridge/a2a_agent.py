@@ -257,7 +257,11 @@ async def call(
         failure = failure_of(exc, streamed=run.streamed_output)
         if isinstance(failure, Retryable) or failure.code == "agent_stream_broken":
             agent.forget_card(client)  # the agent may have moved: read its card again
+        await run.given_up()
         raise failure from None
+    except AgentFailure:
+        await run.given_up()
+        raise
 
 
 @dataclass
@@ -278,6 +282,7 @@ class _Run:
         default_factory=lambda: a2a_json.Artifacts(MAX_ANSWER_BYTES)
     )
     streamed_output: bool = False
+    over: bool = False  # the agent said its task ended
     percent: float = 0.0
     reported: tuple[float | None, str] | None = None  # the last status shown as progress
 
@@ -381,6 +386,7 @@ class _Run:
         if status.state in _FAILED:
             if status.state in _INTERRUPTED:
                 await self.cancel_remote()  # nobody here can give it input: free its slot
+            self.over = True
             state = TaskState.Name(status.state).removeprefix("TASK_STATE_").lower()
             raise AgentFailure(
                 text or f"the agent's task ended {state}", code=_FAILED[status.state]
@@ -391,6 +397,13 @@ class _Run:
             self.percent = self.percent if percent is None else percent
             await self.ctx.progress_async(self.percent, text[:PROGRESS_MESSAGE_MAX] or None)
         return None
+
+    async def given_up(self) -> None:
+        """The call failed here (a stream that broke, an answer too large): the agent's task,
+        if it named one and did not say it ended, is cancelled. A retry sends a new message,
+        a new task for the agent (A2A has no idempotency key): the first ran on beside it."""
+        if not self.over:
+            await self.cancel_remote()
 
     async def cancel_remote(self) -> None:
         """``CancelTask`` for the agent's task: best effort, and shielded from a second
