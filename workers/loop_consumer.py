@@ -36,10 +36,10 @@ most their share of it.
 
 A countdown's message (a retry's back-off) is held here, unacked and holding no slot, until
 it is due; then it starts as any message taken then would, within the slots, its card's
-``max_concurrency`` and its tenant's share, or goes first in its queue when there is no room
-for it. Left to Celery's timer, a retry ran when due whatever the process held: a remote
-agent answering 429 got its retries past its ``max_concurrency``, exactly when it was
-overloaded.
+``max_concurrency`` and its tenant's share: it goes first in its queue when there is no room
+for it, and behind the queue's others when its tenant holds its share. Left to Celery's
+timer, a retry ran when due whatever the process held: a remote agent answering 429 got its
+retries past its ``max_concurrency``, exactly when it was overloaded.
 
 Used by a worker started with ``-P threads`` whose broker is Redis, unless OpenTelemetry is
 on (Celery's tracer makes the spans, so every task takes Celery's way).
@@ -351,6 +351,10 @@ class LoopConsumer:
             await client.rpush(key, item)
             return
         order.append(order.pop(order.index(keys[key])))  # kombu's fair cycle
+        if self._in_flight() >= self._slots or self._room_in(keys[key]) <= 0:
+            # a countdown came due during the wait and took the room this take was for
+            await client.rpush(key, item)
+            return
         # one at a time while a tenant holds its share: not a batch of its to set aside
         room = 0 if self._crowded else self._slots - self._in_flight() - 1
         room = min(room, self._room_in(keys[key]) - 1)  # within the card's max_concurrency
@@ -444,30 +448,42 @@ class LoopConsumer:
         self._later[tag] = (key, message, queue, timer)
 
     def _due(self, tag: str) -> None:
-        """A countdown is due: it starts as a message taken now would. With no slot or no room
-        in its card here now, or its queue no longer taken here (a drain), it goes first in
-        its queue, for the next take that has room, here or in another process."""
+        """A countdown is due: it starts as a message taken now would. Its tenant holding its
+        share, it waits behind the queue's others (as ``_set_aside``); with no slot or no
+        room in its card here now, or its queue no longer taken here (a drain), it goes first
+        in its queue, for the next take that has room, here or in another process."""
         held = self._later.pop(tag, None)
         if held is None:  # put back meanwhile
             return
         key, message, queue, _ = held
-        message.get("headers", {}).pop("eta", None)  # a run like any other from here
-        item = json.dumps(message)
+        headers = message.setdefault("headers", {})
+        headers.pop("eta", None)  # a run like any other from here
         with self._lock:
             consumed = queue in self._keys.values()
-        if consumed and self._in_flight() < self._slots and self._room_in(queue) > 0:
-            self._start(key, item, queue)
+        if not consumed or self._in_flight() >= self._slots or self._room_in(queue) <= 0:
+            self._send_back(PUT_BACK, key, json.dumps(message))
             return
-        task = asyncio.get_running_loop().create_task(self._put_first(key, item))
-        self._sending.add(task)  # the loop holds its tasks weakly; a warm shutdown waits
+        tenant = tenant_of(headers)
+        if tenant is not None and self._past_share(tenant, *self._card(queue)):
+            last = self._last.get(queue, key)
+            self._send_back(SET_ASIDE, last, tag, self._behind(message))
+            metrics.runs_set_aside.inc()
+            return
+        self._start(key, json.dumps(message), queue)
+
+    def _send_back(self, script: str, key: str, *args: str) -> None:
+        """Run ``PUT_BACK`` or ``SET_ASIDE`` for one message, from the loop, in the
+        background (a warm shutdown waits for it, as for acks)."""
+        task = asyncio.get_running_loop().create_task(self._sent_back(script, key, *args))
+        self._sending.add(task)  # the loop holds its tasks weakly
         task.add_done_callback(self._sending.discard)
 
-    async def _put_first(self, key: str, item: str) -> None:
+    async def _sent_back(self, script: str, key: str, *args: str) -> None:
         if self._acker is None:
             self._acker = redis.asyncio.Redis.from_url(self.broker_url, **redisclients.QUIET)
         unacked, index = self._unacked
         try:
-            await self._acker.eval(PUT_BACK, 3, key, unacked, index, item)
+            await self._acker.eval(script, 3, key, unacked, index, *args)
         except Exception:  # as an ack that fails: it stays unacked, and comes again
             log.exception("a due countdown was not put back on %s: it will come again", key)
 

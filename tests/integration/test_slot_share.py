@@ -161,3 +161,72 @@ def test_one_tenant_holds_at_most_its_share_of_a_cards_max_concurrency(
         gates.close()
     assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}
     assert {runs(redis_url, t) for t in hogs + calms} == {1}
+
+
+def test_a_retry_due_while_its_tenant_holds_its_share_waits_set_aside_and_runs_once(
+    api: ServedApp,
+    make_key: KeyMaker,
+    settings: Settings,
+    engine: Engine,
+    log_dir: Path,
+    redis_url: str,
+) -> None:
+    """A retry's back-off is held on the loop; due while its tenant holds its share, it goes
+    behind the queue's others as a message taken then would. It stayed in memory instead,
+    until some other message was taken (here: the sweep's copy of it, a second message)."""
+    tenant, key = make_key()
+    gates = redis.Redis.from_url(redis_url)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    worker: CeleryProcess | None = None
+    try:
+        # Given a worker of 2 slots, of which one tenant may hold 1
+        worker = start_worker(
+            settings,
+            CAPABILITY,
+            "slot-share-retry",
+            log_dir,
+            env={"REACH_MAX_SLOTS_SHARE": "0.5"},
+            concurrency=2,
+            pool="threads",
+        )
+        with client_for(api, key) as http:
+            # When a task asks to be retried in 2 s, and another of its tenant's then holds
+            # the tenant's one slot
+            retried = submit(http, CAPABILITY, {"retry_after_s": 2, "sleep_s": 0})
+            eventually(
+                lambda: (
+                    runs(redis_url, retried) == 0
+                    and http.get(f"/tasks/{retried}").json()["attempts"] == 1
+                    and counts(engine, tenant).get("running", 0) == 0
+                ),
+                "the first attempt to ask for its retry",
+                60,
+                0.05,
+            )
+            holding = submit(http, CAPABILITY, {"gate": f"{tenant}-go", "sleep_s": 0})
+            eventually(
+                lambda: counts(engine, tenant).get("running", 0) == 1,
+                "the other task to hold the slot",
+                60,
+                0.05,
+            )
+            # Then the retry, due, waits set aside in its queue's last list, one message
+            eventually(
+                lambda: set_aside(broker),
+                "the retry set aside",
+                60,
+                0.05,
+                until=lambda found: retried in found,
+            )
+            assert len(broker.lrange(LAST_LIST, 0, -1)) == 1
+            # And once the slot is free it runs, once more only
+            gates.set(GATE_KEY.format(f"{tenant}-go"), 1, ex=300)
+            done = all_final(http, [retried, holding], "both done", 60)
+    finally:
+        if worker is not None:
+            worker.stop()
+        gates.close()
+        broker.close()
+    assert done[retried]["status"] == "succeeded" and done[retried]["attempts"] == 2
+    assert done[holding]["status"] == "succeeded"
+    assert (runs(redis_url, retried), runs(redis_url, holding)) == (1, 1)
