@@ -252,6 +252,7 @@ async def register_agent(agent_id: AgentId, request: Request, caller: Caller) ->
     # Renewals may go on (a removal before this one stopped them): see ``leases.renew``
     await state.redis.delete(removed_key(registration.remote_instance(agent_id)))
     registered = await registration.register(state.engine, agent_id, given, documents)
+    policy.forget(state.card_cache)  # its cards route here at once, as a channel's change does
     return JSONResponse(registered.view(), status_code=201 if registered.created else 200)
 
 

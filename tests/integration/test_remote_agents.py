@@ -692,3 +692,59 @@ def test_two_bridges_started_with_one_name_take_none_of_each_others_calls(
     finally:
         twin.stop()
     assert [(d["status"], d["attempts"]) for d in done] == [("succeeded", 1)] * 6
+
+
+def test_queued_tasks_of_a_remote_version_gone_for_good_move_to_its_new_version_or_end(
+    ops: httpx.Client,
+    caller: httpx.Client,
+    bridge: CeleryProcess,
+    system_beat: CeleryProcess,
+    engine: Engine,
+) -> None:
+    """They waited in that version's queue, which no bridge consumes any more: a task with
+    no deadline stayed queued until its row expired, with no final state. The sweep (every
+    second here) moves or ends them."""
+    name = uuid.uuid4().hex[:6]
+    capability, moved_id, revoked_id = f"test.gone-{name}", f"gone-{name}", f"revoked-{name}"
+
+    def queue_of(task_id: str) -> str:
+        query = select(tasks_table.c.queue).where(tasks_table.c.id == uuid.UUID(task_id))
+        with engine.connect() as conn:
+            return str(conn.execute(query).scalar_one())
+
+    def queued_for(agent_id: str) -> str:
+        # nothing answers there: the agent is never up, and its task waits in its card's queue
+        body = registration("http://127.0.0.1:9/run", capability=capability)
+        assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+        envelope = {"capability": capability, "payload": {}, "queue_if_unavailable": True}
+        sent = caller.post("/tasks", json={**envelope, "target": f"{agent_id}@1.0.0"})
+        assert sent.status_code == 202, sent.text
+        task_id: str = sent.json()["task_id"]
+        assert queue_of(task_id) == card_queue(capability, agent_id, "1.0.0")
+        return task_id
+
+    try:
+        moved, revoked = queued_for(moved_id), queued_for(revoked_id)
+        # When one agent is registered again at another version, the other's version revoked
+        again = {
+            **registration("http://127.0.0.1:9/run", capability=capability),
+            "version": "2.0.0",
+        }
+        assert ops.put(f"/agents/{moved_id}", json=again).status_code == 200
+        assert ops.post(f"/agents/{revoked_id}/versions/1.0.0/revoke").status_code == 200
+        # Then the first's task waits in the new version's queue, and the other's ends
+        eventually(
+            lambda: queue_of(moved),
+            "the task to move to the new version's queue",
+            until=lambda queue: queue == card_queue(capability, moved_id, "2.0.0"),
+        )
+        ended = wait_for_task(caller, revoked, {"failed"})
+        assert ended["error"]["code"] == "version_revoked"
+        assert caller.get(f"/tasks/{moved}").json()["status"] == "queued"
+        # When the first agent is removed, its task ends too
+        assert ops.delete(f"/agents/{moved_id}").status_code == 204
+        ended = wait_for_task(caller, moved, {"failed"})
+        assert ended["error"]["code"] == "agent_not_found"
+    finally:
+        ops.delete(f"/agents/{moved_id}")
+        ops.delete(f"/agents/{revoked_id}")

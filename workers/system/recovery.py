@@ -23,6 +23,9 @@
   whose tasks were lost by the thousand does not have them all put ahead of the others'.
 - A queued task waiting in the queue of an instance that holds no ready lease (a hint to an
   instance that died or drained before taking it) moves to its card's queue.
+- A queued task of a card gone for good (``card_gone``: its version revoked, or a remote
+  agent's no longer registered at that version) moves to the version that replaced it, or
+  fails (``version_revoked``, ``agent_not_found``): no one would ever take it.
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
   with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
   which stops every worker, and would do it again each sweep after an operator deleted it.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -44,15 +48,16 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, func, select
 
-from broker.db.models import agent_instances_table
+from broker.db.models import agent_cards_table, agent_instances_table, remote_agents_table
 from broker.observability import metrics
-from broker.registry import leases
+from broker.registry import leases, revocations
 from broker.registry.capabilities import is_valid_name
 from broker.registry.model import (
     OFFLINE,
     READY,
     Lease,
     capability_of,
+    card_queue,
     home_queue,
     instance_of,
     lease_key,
@@ -148,6 +153,11 @@ def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000
         if not is_valid_name(capability_of(queue)):
             refused += _refuse(runner, rows)
             continue
+        gone = card_gone(runner.engine, queue)
+        if gone is not None:
+            moved, failed = _away(runner, queue, rows, gone)
+            republished, refused = republished + moved, refused + failed
+            continue
         if instance_of(queue) is not None and not _ready(runner, instance_of(queue)):
             republished += rehome(runner, queue)
             continue
@@ -201,6 +211,62 @@ def rehome(runner: Runner, queue: str) -> int:
         trace_id, deadline_at, tenant = row["trace_id"], row["deadline_at"], row["tenant"]
         runner.republish(row["id"], home_queue(queue), trace_id, deadline_at, 0.0, tenant)
     return len(moved)
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Where the queued tasks of a card that is gone for good go: the queue of the version
+    that took its place (``to``), or nowhere (they fail with ``error``)."""
+
+    to: str | None = None
+    error: dict[str, Any] | None = None
+
+
+def card_gone(engine: Engine, queue: str) -> Gone | None:
+    """Whether the card whose queue (or instance's queue) ``queue`` is will never be served
+    again: its version was revoked, or it is a remote agent's that is no longer registered,
+    or registered at another version now. Its tasks waited for good: with no deadline, until
+    their rows expired, with no final state. A worker's card that no instance serves now is
+    not gone: one may start (its tasks wait, as the design has them)."""
+    parts = home_queue(queue).split("@")
+    if len(parts) != 3:
+        return None
+    capability, agent_id, version = parts
+    if revocations.revoked_among(engine, [(agent_id, version)]):
+        why = f"version {version} of agent {agent_id} was revoked before it ran the task"
+        return Gone(error=task_error("version_revoked", why))
+    card = agent_cards_table.c
+    remote = remote_agents_table.c
+    stored = select(card.card).where(
+        card.agent_id == agent_id, card.version == version, card.capability == capability
+    )
+    registered = select(remote.version, remote.cards).where(remote.agent_id == agent_id)
+    with engine.connect() as conn:
+        document = conn.execute(stored).scalar_one_or_none()
+        now = conn.execute(registered).first() if document else None
+    if not document or "endpoint" not in document:  # unknown, or a worker's
+        return None
+    if now is not None and now.version == version:
+        return None
+    if now is not None and capability in {d["capability"] for d in now.cards}:
+        return Gone(to=card_queue(capability, agent_id, now.version))
+    why = f"remote agent {agent_id} no longer serves {capability} at version {version}"
+    return Gone(error=task_error("agent_not_found", why))
+
+
+def _away(runner: Runner, queue: str, rows: list[dict[str, Any]], gone: Gone) -> tuple[int, int]:
+    """The queued tasks of a card gone for good moved where ``gone`` says, or failed: (moved,
+    failed)."""
+    if gone.to is not None:
+        assert runner.republish is not None
+        moved = execution.rehome(runner.engine, queue, gone.to)
+        for row in moved:
+            trace_id, deadline_at, tenant = row["trace_id"], row["deadline_at"], row["tenant"]
+            runner.republish(row["id"], gone.to, trace_id, deadline_at, 0.0, tenant)
+        return len(moved), 0
+    assert gone.error is not None
+    ended = [runner.finalize(execution.fail(runner.engine, r["id"], gone.error)) for r in rows]
+    return 0, ended.count("failed")
 
 
 def _refuse(runner: Runner, rows: list[dict[str, Any]]) -> int:
