@@ -16,6 +16,7 @@ from broker.registry import revocations
 from broker.registry.model import (
     OFFLINE,
     READY,
+    SUSPECT,
     CardRef,
     Lease,
     drain_key,
@@ -133,7 +134,7 @@ def _write(pipe: Any, lease: Lease, revoked: tuple[CardRef, ...]) -> None:
     for card in revoked:
         pipe.zrem(live_key(card.capability), lease.instance)
     for card in lease.cards:
-        if lease.state == READY and card.ready:
+        if lease.state in (READY, SUSPECT) and card.ready:
             pipe.zadd(live_key(card.capability), {lease.instance: expires_at})
         else:
             pipe.zrem(live_key(card.capability), lease.instance)

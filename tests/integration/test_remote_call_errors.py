@@ -11,11 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
+from broker.remote.registration import remote_instance
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver
-from tests.integration.remote import start_bridge, wait_routed
+from tests.integration.remote import routable, start_bridge, stored_lease, wait_routed
 from tests.integration.stack import CeleryProcess, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,3 +71,36 @@ def test_an_agent_at_a_closed_port_fails_its_task_without_showing_its_address(
         until=lambda lines: any(f"127.0.0.1:{port}" in line for line in lines),
     )
     assert any("ClientConnectorError" in line for line in logged), logged
+
+
+def test_an_agent_whose_checks_fail_is_routed_as_suspect_at_a_lower_score(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess, redis_url: str
+) -> None:
+    """Its lease said ``ready`` whatever its checks said: routed at the full score, while
+    Postgres (and ``/agents``) said ``suspect``."""
+    client = redis.Redis.from_url(redis_url)
+    instance = remote_instance("remote-suspect")
+    try:
+        # Given an http agent, routed, whose port is then closed (this bridge never takes
+        # it offline for failed checks)
+        with Receiver() as agent:
+            body = {
+                "version": "1.0.0",
+                "endpoint": {"protocol": "http", "url": agent.url},
+                "capabilities": [{"capability": "test.remote-suspect"}],
+            }
+            assert ops.put("/agents/remote-suspect", json=body).status_code == 201
+            wait_routed(ops, "remote-suspect")
+            assert stored_lease(client, instance, "test.remote-suspect").state == "ready"
+        # Then its lease says suspect once a check fails, and routing still may pick it
+        eventually(
+            lambda: stored_lease(client, instance, "test.remote-suspect").state,
+            "the agent's lease to say suspect",
+            until=lambda state: state == "suspect",
+        )
+        assert routable(client, instance, "test.remote-suspect")
+        states = [i["state"] for i in ops.get("/agents/remote-suspect").json()["instances"]]
+        assert states == ["suspect"]
+    finally:
+        ops.delete("/agents/remote-suspect")
+        client.close()

@@ -42,7 +42,7 @@ from celery import bootsteps
 from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
-from broker.registry.model import OFFLINE, READY, Lease, now_s
+from broker.registry.model import OFFLINE, READY, SUSPECT, Lease, now_s
 from broker.remote.health import Dampening, Health
 from broker.remote.registration import A2A, HTTP, RemoteAgent, load_all, remote_instance
 from broker.settings import Settings
@@ -256,9 +256,11 @@ class RemoteKeeper:
             self.on_orphans(found)
 
     def _lease(self, watched: Watched) -> Lease:
+        """The agent's lease: ``suspect`` while its checks say so (routed at a lower score),
+        else ``ready``; it was ``ready`` either way, at the full score."""
         return Lease(
             instance=remote_instance(watched.agent.agent_id),
-            state=READY,
+            state=SUSPECT if watched.health.state == SUSPECT else READY,
             heartbeat_at=now_s(),
             started_at=self.started_at,
             lease_ttl_s=self.settings.remote_lease_ttl_s,
