@@ -14,6 +14,7 @@ The order its tasks run in is ``broker.tasks.turns``'s.
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 import uuid
@@ -99,22 +100,23 @@ def render(row: Any) -> dict[str, Any]:
     }
 
 
+_ETAG = re.compile(r'(?:W/)?"([0-9]{1,18})"', re.ASCII)
+
+
 def etag(revision: int) -> str:
     return f'"{revision}"'
 
 
 def revision_of(if_match: str | None) -> int:
-    """The revision an ``If-Match`` names; PreconditionRequired when there is none. A value
-    that names no revision matches none (RevisionConflict, with the current one, follows)."""
+    """The revision an ``If-Match`` names, ``"7"`` (or ``W/"7"``: a proxy may weaken a tag);
+    PreconditionRequired when there is none. Any other value, ``*`` and lists included,
+    names no one revision and matches none (RevisionConflict, with the current one,
+    follows): a write names the revision it read. Python's ``int`` read ``"1_0"`` as 10 and
+    other scripts' digits as ours."""
     if if_match is None or not if_match.strip():
         raise PreconditionRequired("a write needs If-Match with the revision it read")
-    value = if_match.strip()
-    if value.startswith("W/"):
-        value = value[2:]
-    try:
-        return int(value.strip('"'))
-    except ValueError:
-        return -1
+    found = _ETAG.fullmatch(if_match.strip())
+    return int(found.group(1)) if found is not None else -1
 
 
 def check_size(state: Any, metadata: Any, max_bytes: int) -> None:
@@ -326,9 +328,10 @@ def compare_and_set(
         )
         .returning(sessions)
     ).first()
-    if row is None:  # another writer moved it between the read and the write
+    if row is None:  # another writer moved it, or deleted it, between the read and the write
+        moved = live(conn, tenant, session_id)  # SessionNotFound when it went
         raise RevisionConflict(
-            f"the session moved past revision {revision}", current_revision=revision + 1
+            f"the session moved past revision {revision}", current_revision=moved.revision
         )
     conn.execute(_revision_kept(row, task_id=task_id))
     conn.execute(_revisions_past(row, kept=revisions_kept))

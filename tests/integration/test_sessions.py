@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import Engine, func, select, update
 
 from api.app import create_app
+from broker import sessions
 from broker.db.models import session_revisions_table, sessions_table, tasks_table
 from broker.settings import Settings
 from tests.eventually import eventually
@@ -331,3 +332,30 @@ def test_a_tasks_session_write_postgres_or_json_would_refuse_fails_session_inval
     assert refused.value.code == "session_invalid"
     assert "UPDATE" not in refused.value.message and "SQL" not in refused.value.message
     assert store.read() == (1, {"n": 0})
+
+
+def test_a_write_that_finds_its_session_deleted_meanwhile_is_not_found_not_a_conflict(
+    client: httpx.Client,
+    session: dict[str, Any],
+    tenant: tuple[str, str],
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write reads the session, then updates it at that revision. A delete between the
+    two was told as a conflict at a revision made up (412; a worker's write then took it for
+    retryable and used an attempt), not as the session's absence."""
+    session_id = session["session_id"]
+    with engine.connect() as conn:
+        read = sessions.live(conn, tenant[0], session_id)
+    assert client.delete(f"/sessions/{session_id}").status_code == 204
+    reads = iter([read])  # the write's first read finds the session as it was before
+    real_live = sessions.live
+    monkeypatch.setattr(
+        sessions,
+        "live",
+        lambda conn, tenant, sid: next(reads, None) or real_live(conn, tenant, sid),
+    )
+    with engine.begin() as conn, pytest.raises(sessions.SessionNotFound):
+        sessions.compare_and_set(
+            conn, tenant[0], session_id, revision=1, state={}, max_bytes=2**20, revisions_kept=5
+        )
