@@ -34,6 +34,17 @@ def send(api: ServedApp, token: str, payload: Any) -> dict[str, Any]:
     return task
 
 
+def with_payload(api: ServedApp, token: str, task_id: str) -> dict[str, Any]:
+    """The task as the HTTP API shows it, its payload included."""
+    answer = httpx.get(
+        f"{api.url}/tasks/{task_id}",
+        params={"include": "payload"},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    shown: dict[str, Any] = answer.json()
+    return shown
+
+
 def call(api: ServedApp, token: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
     answer = rpc(api, token, {"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
     assert "error" not in answer.json(), answer.text
@@ -47,11 +58,7 @@ def test_a_message_of_many_values_reaches_the_agent_exactly_and_its_result_comes
     _, token = make_key()
     task = send(api, token, MANY)
     # The payload the agent got, and its result, as the HTTP API shows them: exact
-    shown = httpx.get(
-        f"{api.url}/tasks/{task['id']}",
-        params={"include": "payload"},
-        headers={"Authorization": f"Bearer {token}"},
-    ).json()
+    shown = with_payload(api, token, task["id"])
     assert shown["payload"] == MANY
     assert shown["result"] == MANY
     # and over A2A, a text part of the result's JSON, read back exactly
@@ -69,12 +76,7 @@ def test_a_small_data_part_reaches_the_agent_exactly(
     2**60 + 1 reached the agent as 2**60, and 10**400 was refused with no code of ours."""
     _, token = make_key()
     for payload in ({"id": EXACT}, {"n": 10**400}):
-        task = send(api, token, payload)
-        shown = httpx.get(
-            f"{api.url}/tasks/{task['id']}",
-            params={"include": "payload"},
-            headers={"Authorization": f"Bearer {token}"},
-        ).json()
+        shown = with_payload(api, token, send(api, token, payload)["id"])
         assert (shown["payload"], shown["result"]) == (payload, payload)
 
 

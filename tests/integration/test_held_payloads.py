@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -52,33 +52,55 @@ def api(engine: Engine, settings: Settings) -> Iterator[ServedApp]:
         yield served
 
 
+def held_while_waiting(
+    engine: Engine, tenant: str, post: Callable[[], httpx.Response]
+) -> tuple[int, httpx.Response]:
+    """The empty lists more than before that this process holds once ``post`` (sent in a
+    thread) has its task accepted and still waits for its answer; and the answer."""
+    answers: list[httpx.Response] = []
+    before = empty_lists()
+    waiting = threading.Thread(target=lambda: answers.append(post()))
+    waiting.start()
+    try:
+        eventually(
+            lambda: count_tasks(engine, tenant) == 1 or not waiting.is_alive(),
+            "the task to be accepted",
+        )
+        held = empty_lists() - before
+        assert waiting.is_alive(), f"the wait ended before it was looked at: {answers}"
+    finally:
+        waiting.join()
+    return held, answers[0]
+
+
+def held_while_streaming(
+    http: httpx.Client, path: str, body: bytes, headers: dict[str, str]
+) -> int:
+    """The empty lists more than before that this process holds while the stream ``body``
+    opened at ``path`` is open, past its first event."""
+    before = empty_lists()
+    with http.stream("POST", path, content=body, headers=headers) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        while not next(lines).startswith("data:"):
+            pass
+        return empty_lists() - before
+
+
 def test_a_sync_wait_holds_none_of_its_payload(
     api: ServedApp, engine: Engine, make_key: KeyMaker
 ) -> None:
     tenant, token = make_key()
     body = envelope("sync")
-    answers: list[httpx.Response] = []
+    headers = {"Content-Type": "application/json"}
     with client_for(api, token) as http:
-        before = empty_lists()
-        waiting = threading.Thread(
-            target=lambda: answers.append(
-                http.post("/tasks", content=body, headers={"Content-Type": "application/json"})
-            )
+        # When its task is accepted and its submit waits for it (5 s: the deadline)
+        held, answer = held_while_waiting(
+            engine, tenant, lambda: http.post("/tasks", content=body, headers=headers)
         )
-        waiting.start()
-        try:
-            # When its task is accepted and its submit waits for it (5 s: the deadline)
-            eventually(
-                lambda: count_tasks(engine, tenant) == 1 or not waiting.is_alive(),
-                "the task to be accepted",
-            )
-            held = empty_lists() - before
-            assert waiting.is_alive(), f"the wait ended before it was looked at: {answers}"
-        finally:
-            waiting.join()
     # Then the waiting submit held none of the payload's lists
     assert held < PAD // 10, f"{held} of the payload's {PAD} lists held by a sync wait"
-    assert answers[0].status_code == 202, answers[0].text
+    assert answer.status_code == 202, answer.text
 
 
 def test_a_stream_holds_none_of_its_payload(
@@ -87,16 +109,9 @@ def test_a_stream_holds_none_of_its_payload(
     tenant, token = make_key()
     body = envelope("stream")
     with client_for(api, token) as http:
-        before = empty_lists()
-        headers = {"Content-Type": "application/json"}
-        with http.stream("POST", "/tasks", content=body, headers=headers) as stream:
-            assert stream.status_code == 200
-            lines = stream.iter_lines()
-            while not next(lines).startswith("data:"):  # its first event: queued
-                pass
-            # When its stream is open
-            held = empty_lists() - before
-            assert count_tasks(engine, tenant) == 1
+        # When its stream is open
+        held = held_while_streaming(http, "/tasks", body, {"Content-Type": "application/json"})
+        assert count_tasks(engine, tenant) == 1
     # Then it held none of the payload's lists
     assert held < PAD // 10, f"{held} of the payload's {PAD} lists held by a stream"
 
@@ -116,15 +131,9 @@ def test_an_a2a_stream_holds_none_of_its_data_part(
     )
     headers = {"Content-Type": "application/json", **A2A_VERSION}
     with client_for(api, token) as http:
-        before = empty_lists()
-        with http.stream("POST", "/a2a/jsonrpc", content=body, headers=headers) as stream:
-            assert stream.status_code == 200
-            lines = stream.iter_lines()
-            while not next(lines).startswith("data:"):  # its first event: the task
-                pass
-            # When its stream is open, the task running for seconds
-            held = empty_lists() - before
-            assert count_tasks(engine, tenant) == 1
+        # When its stream is open, the task running for seconds
+        held = held_while_streaming(http, "/a2a/jsonrpc", body, headers)
+        assert count_tasks(engine, tenant) == 1
     # Then it held none of the part's lists
     assert held < PAD // 10, f"{held} of the part's {PAD} lists held by an A2A stream"
 
@@ -142,24 +151,12 @@ def test_an_mcp_tool_call_holds_none_of_its_arguments(
         b' "params": {"name": "text.summarize", "arguments": %s}}' % arguments
     )
     headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-    answers: list[httpx.Response] = []
     with client_for(api, token) as http:
-        before = empty_lists()
-        calling = threading.Thread(
-            target=lambda: answers.append(http.post("/mcp", content=body, headers=headers))
+        # When its task is accepted and the call waits for it (4 s: two pauses of 2 s)
+        held, answer = held_while_waiting(
+            engine, tenant, lambda: http.post("/mcp", content=body, headers=headers)
         )
-        calling.start()
-        try:
-            # When its task is accepted and the call waits for it (4 s: two pauses of 2 s)
-            eventually(
-                lambda: count_tasks(engine, tenant) == 1 or not calling.is_alive(),
-                "the task to be accepted",
-            )
-            held = empty_lists() - before
-            assert calling.is_alive(), f"the call ended before it was looked at: {answers}"
-        finally:
-            calling.join()
     # Then the call held none of the arguments' lists, and the tool ran on them
     assert held < PAD // 10, f"{held} of the arguments' {PAD} lists held by an MCP call"
-    assert answers[0].status_code == 200, answers[0].text
-    assert '"isError":false' in answers[0].text.replace(" ", ""), answers[0].text[:2000]
+    assert answer.status_code == 200, answer.text
+    assert '"isError":false' in answer.text.replace(" ", ""), answer.text[:2000]

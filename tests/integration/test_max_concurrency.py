@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -115,34 +117,45 @@ class CountingAgent(LoopbackAgent):
         return Handler
 
 
+@contextmanager
+def bounded_to_one(ops: httpx.Client, agent: LoopbackAgent) -> Iterator[str]:
+    """``agent`` registered with ``max_concurrency`` 1 for a capability of its own, routed:
+    the capability; deregistered after."""
+    capability = f"test.bounded-{uuid.uuid4().hex[:6]}"
+    body = {
+        "version": "1.0.0",
+        "endpoint": {"protocol": "http", "url": agent.url},
+        "max_concurrency": 1,
+        "capabilities": [{"capability": capability, "idempotent": True}],
+    }
+    agent_id = f"bounded-{uuid.uuid4().hex[:6]}"
+    answer = ops.put(f"/agents/{agent_id}", json=body)
+    assert answer.status_code == 201, answer.text
+    try:
+        cards = ops.get(f"/agents/{agent_id}").json()["cards"]
+        assert [c["max_concurrency"] for c in cards] == [1]
+        wait_routed(ops, agent_id)
+        yield capability
+    finally:
+        ops.delete(f"/agents/{agent_id}")
+
+
+def all_sent(caller: httpx.Client, capability: str, count: int) -> list[str]:
+    """``count`` tasks of ``capability`` submitted at once: their ids."""
+    ids = []
+    for _ in range(count):
+        sent = caller.post("/tasks", json={"capability": capability, "payload": {}})
+        assert sent.status_code == 202, sent.text
+        ids.append(sent.json()["task_id"])
+    return ids
+
+
 def test_a_remote_agents_max_concurrency_bounds_the_bridges_calls_to_it(
     ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
 ) -> None:
-    capability = f"test.bounded-{uuid.uuid4().hex[:6]}"
-    with CountingAgent() as agent:
-        body = {
-            "version": "1.0.0",
-            "endpoint": {"protocol": "http", "url": agent.url},
-            "max_concurrency": 1,
-            "capabilities": [{"capability": capability, "idempotent": True}],
-        }
-        agent_id = f"bounded-{uuid.uuid4().hex[:6]}"
-        answer = ops.put(f"/agents/{agent_id}", json=body)
-        assert answer.status_code == 201, answer.text
-        try:
-            assert [
-                c["max_concurrency"] for c in ops.get(f"/agents/{agent_id}").json()["cards"]
-            ] == [1]
-            wait_routed(ops, agent_id)
-            # When 4 calls come at once to a bridge of 50 slots
-            ids = []
-            for _ in range(4):
-                sent = caller.post("/tasks", json={"capability": capability, "payload": {}})
-                assert sent.status_code == 202, sent.text
-                ids.append(sent.json()["task_id"])
-            done = all_final(caller, ids, "the four calls done", 60)
-        finally:
-            ops.delete(f"/agents/{agent_id}")
+    with CountingAgent() as agent, bounded_to_one(ops, agent) as capability:
+        # When 4 calls come at once to a bridge of 50 slots
+        done = all_final(caller, all_sent(caller, capability, 4), "the four calls done", 60)
     # Then the agent had one at a time, and every one answered
     assert {t["status"] for t in done.values()} == {"succeeded"}
     assert (agent.calls, agent.most) == (4, 1)
@@ -185,28 +198,9 @@ def test_a_remote_agents_retries_keep_within_its_max_concurrency(
     """A retry's back-off was Celery's timer's, which ran it when due whatever the bridge
     held: the agent that answered 503 got its retries all at once, past its bound, exactly
     when it was overloaded."""
-    capability = f"test.bounded-{uuid.uuid4().hex[:6]}"
-    with BusyFirstAgent() as agent:
-        body = {
-            "version": "1.0.0",
-            "endpoint": {"protocol": "http", "url": agent.url},
-            "max_concurrency": 1,
-            "capabilities": [{"capability": capability, "idempotent": True}],
-        }
-        agent_id = f"bounded-{uuid.uuid4().hex[:6]}"
-        answer = ops.put(f"/agents/{agent_id}", json=body)
-        assert answer.status_code == 201, answer.text
-        try:
-            wait_routed(ops, agent_id)
-            # When 3 calls come at once, each answered 503 first: three retries due together
-            ids = []
-            for _ in range(3):
-                sent = caller.post("/tasks", json={"capability": capability, "payload": {}})
-                assert sent.status_code == 202, sent.text
-                ids.append(sent.json()["task_id"])
-            done = all_final(caller, ids, "the three calls done", 60)
-        finally:
-            ops.delete(f"/agents/{agent_id}")
+    with BusyFirstAgent() as agent, bounded_to_one(ops, agent) as capability:
+        # When 3 calls come at once, each answered 503 first: three retries due together
+        done = all_final(caller, all_sent(caller, capability, 3), "the three calls done", 60)
     # Then each was retried once, and the agent had one call at a time all along
     assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 2)}
     assert (len(agent.refused), agent.calls, agent.most) == (3, 3, 1)
