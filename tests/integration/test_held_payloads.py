@@ -56,7 +56,10 @@ def held_while_waiting(
     engine: Engine, tenant: str, post: Callable[[], httpx.Response]
 ) -> tuple[int, httpx.Response]:
     """The empty lists more than before that this process holds once ``post`` (sent in a
-    thread) has its task accepted and still waits for its answer; and the answer."""
+    thread) has its task accepted and waits for its answer, while it still waits; and the
+    answer. The submit goes on a moment after its row is in (its message, its queued event),
+    holding its payload until then: the lists are counted until they are let go, and must be
+    while the wait lasts (seconds), not only once it ends."""
     answers: list[httpx.Response] = []
     before = empty_lists()
     waiting = threading.Thread(target=lambda: answers.append(post()))
@@ -66,8 +69,12 @@ def held_while_waiting(
             lambda: count_tasks(engine, tenant) == 1 or not waiting.is_alive(),
             "the task to be accepted",
         )
-        held = empty_lists() - before
-        assert waiting.is_alive(), f"the wait ended before it was looked at: {answers}"
+        held = eventually(
+            lambda: empty_lists() - before,
+            "the payload's lists to be let go",
+            until=lambda held: held < PAD // 10 or not waiting.is_alive(),
+        )
+        assert waiting.is_alive(), f"the wait ended before its payload was let go: {answers}"
     finally:
         waiting.join()
     return held, answers[0]
