@@ -141,9 +141,10 @@ class Event:
 class Instance:
     state: str
     seconds_since_heartbeat: float | None = None
-    active_tasks: int = 0
     capabilities: list[str] = field(default_factory=list)
-    instance: str | None = None  # names, hosts and pids: operator keys only
+    # names, hosts, pids and the tasks an instance holds (every tenant's): operator keys only
+    active_tasks: int | None = None
+    instance: str | None = None
     hostname: str | None = None
     pid: int | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
@@ -153,8 +154,8 @@ class Instance:
         return cls(
             state=doc["state"],
             seconds_since_heartbeat=doc.get("seconds_since_heartbeat"),
-            active_tasks=doc.get("active_tasks", 0),
             capabilities=list(doc.get("capabilities", [])),
+            active_tasks=doc.get("active_tasks"),
             instance=doc.get("instance"),
             hostname=doc.get("hostname"),
             pid=doc.get("pid"),
