@@ -100,23 +100,39 @@ def render(row: Any) -> dict[str, Any]:
     }
 
 
-_ETAG = re.compile(r'(?:W/)?"([0-9]{1,18})"', re.ASCII)
+# One member of an HTTP list of entity tags, empty members allowed, and what ends it.
+_MEMBER = re.compile(r'[ \t]*(?:(?:W/)?"([^"]*)")?[ \t]*(,|\Z)', re.ASCII)
+_REVISION = re.compile(r"[0-9]{1,18}", re.ASCII)
+ANY_REVISION = None  # ``If-Match: *``: the session as it is now, whatever its revision
 
 
 def etag(revision: int) -> str:
     return f'"{revision}"'
 
 
-def revision_of(if_match: str | None) -> int:
-    """The revision an ``If-Match`` names, ``"7"`` (or ``W/"7"``: a proxy may weaken a tag);
-    PreconditionRequired when there is none. Any other value, ``*`` and lists included,
-    names no one revision and matches none (RevisionConflict, with the current one,
-    follows): a write names the revision it read. Python's ``int`` read ``"1_0"`` as 10 and
-    other scripts' digits as ours."""
+def revision_of(if_match: str | None) -> frozenset[int] | None:
+    """The revisions an ``If-Match`` (RFC 9110, 13.1.1) names: each tag of its list, ``"7"``
+    (or ``W/"7"``: a proxy may weaken a tag), or ANY_REVISION for ``*``; PreconditionRequired
+    when there is none. A tag that is not one of ours, or a header that is not a list of
+    tags, names no revision and so matches none (RevisionConflict, with the current one,
+    follows). Python's ``int`` read ``"1_0"`` as 10 and other scripts' digits as ours."""
     if if_match is None or not if_match.strip():
         raise PreconditionRequired("a write needs If-Match with the revision it read")
-    found = _ETAG.fullmatch(if_match.strip())
-    return int(found.group(1)) if found is not None else -1
+    if if_match.strip() == "*":
+        return ANY_REVISION
+    found: set[int] = set()
+    at = 0
+    while True:
+        member = _MEMBER.match(if_match, at)
+        if member is None:
+            return frozenset()
+        tag = member.group(1)
+        if tag is not None and _REVISION.fullmatch(tag):
+            found.add(int(tag))
+        if not member.group(2):
+            break
+        at = member.end()
+    return frozenset(found)
 
 
 def check_size(state: Any, metadata: Any, max_bytes: int) -> None:
@@ -227,17 +243,17 @@ def _nameable(session_id: str) -> str:
     return session_id
 
 
-def live(conn: Connection, tenant: str, session_id: str) -> Any:
+def live(conn: Connection, tenant: str, session_id: str, *, for_update: bool = False) -> Any:
     """The session's row while it is live and the tenant's; SessionNotFound otherwise. On a
     connection of either kind (async callers: ``AsyncConnection.run_sync``), like
-    ``compare_and_set``: the API and the workers share one implementation."""
-    row = conn.execute(
-        select(sessions).where(
-            sessions.c.tenant == tenant,
-            sessions.c.id == _nameable(session_id),
-            sessions.c.expires_at > func.now(),
-        )
-    ).first()
+    ``compare_and_set``: the API and the workers share one implementation. ``for_update``
+    holds the row until the transaction ends."""
+    query = select(sessions).where(
+        sessions.c.tenant == tenant,
+        sessions.c.id == _nameable(session_id),
+        sessions.c.expires_at > func.now(),
+    )
+    row = conn.execute(query.with_for_update() if for_update else query).first()
     if row is None:
         raise SessionNotFound("no such session")
     return row
@@ -248,7 +264,7 @@ async def write(
     tenant: str,
     session_id: str,
     *,
-    revision: int,
+    revision: int | frozenset[int] | None,
     state: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
     patch: dict[str, Any] | None = None,
@@ -278,7 +294,7 @@ def compare_and_set(
     tenant: str,
     session_id: str,
     *,
-    revision: int,
+    revision: int | frozenset[int] | None,
     state: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
     patch: dict[str, Any] | None = None,
@@ -288,19 +304,22 @@ def compare_and_set(
     attempt: int | None = None,
 ) -> Any:
     """The next revision's row: ``state`` (and ``metadata``) replaced, or ``patch`` (RFC
-    7396) applied to the session, only while ``revision`` is the current one
-    (RevisionConflict otherwise). Extends the idle TTL; keeps the revision, naming
-    ``task_id`` when a task wrote it, and then only while that task is running at
-    ``attempt`` (TaskNotRunning otherwise): a cancelled turn's agent, still at work, cannot
-    write under the next turn, nor can an attempt taken for lost write under the one that
-    replaced it. Deletes the revisions older than the last ``revisions_kept``. Call it in a
-    transaction; it commits with the caller's."""
+    7396) applied to the session, only while ``revision`` is the current one (one of them,
+    for a set; any, for ANY_REVISION: RevisionConflict otherwise). Extends the idle TTL;
+    keeps the revision, naming ``task_id`` when a task wrote it, and then only while that
+    task is running at ``attempt`` (TaskNotRunning otherwise): a cancelled turn's agent,
+    still at work, cannot write under the next turn, nor can an attempt taken for lost
+    write under the one that replaced it. Deletes the revisions older than the last
+    ``revisions_kept``. Call it in a transaction; it commits with the caller's."""
     if task_id is not None:
         _hold_running(conn, task_id, attempt)
-    current = live(conn, tenant, session_id)
-    if current.revision != revision:
+    # Held, so the revision read is the one written over: ``*`` and a list match what is
+    # there when the write happens, and a second writer waits, then reads the first's.
+    current = live(conn, tenant, session_id, for_update=True)
+    expected = {revision} if isinstance(revision, int) else revision
+    if expected is not ANY_REVISION and current.revision not in expected:
         raise RevisionConflict(
-            f"the session is at revision {current.revision}, not {revision}",
+            f"the session is at revision {current.revision}, which If-Match does not name",
             current_revision=current.revision,
         )
     if patch is not None:
@@ -312,27 +331,18 @@ def compare_and_set(
     if not isinstance(new_state, dict) or not isinstance(new_metadata, dict):
         raise SessionInvalid("state and metadata are JSON objects")
     check_size(new_state, new_metadata, max_bytes)
-    row = conn.execute(
+    row = conn.execute(  # the row is held: the update finds it as read
         update(sessions)
-        .where(
-            sessions.c.tenant == tenant,
-            sessions.c.id == current.id,
-            sessions.c.revision == revision,
-        )
+        .where(sessions.c.tenant == tenant, sessions.c.id == current.id)
         .values(
-            revision=revision + 1,
+            revision=current.revision + 1,
             state=new_state,
             metadata=new_metadata,
             updated_at=func.now(),
             expires_at=_expiry(sessions.c.ttl_s),
         )
         .returning(sessions)
-    ).first()
-    if row is None:  # another writer moved it, or deleted it, between the read and the write
-        moved = live(conn, tenant, session_id)  # SessionNotFound when it went
-        raise RevisionConflict(
-            f"the session moved past revision {revision}", current_revision=moved.revision
-        )
+    ).one()
     conn.execute(_revision_kept(row, task_id=task_id))
     conn.execute(_revisions_past(row, kept=revisions_kept))
     return row

@@ -31,7 +31,8 @@ IfMatch = Annotated[
     str | None,
     Header(
         alias="If-Match",
-        description='The revision the write is based on: "<revision>"',
+        description='The revision the write is based on, "<revision>" (a list of them, or *,'
+        " as RFC 9110 has it)",
         json_schema_extra={"pattern": "\\S"},
     ),
 ]
@@ -108,7 +109,12 @@ async def _counted(request: Request, tenant: str, size: int) -> AsyncIterator[No
 
 
 async def _written(
-    request: Request, tenant: str, session_id: str, revision: int, raw: bytes, **change: Any
+    request: Request,
+    tenant: str,
+    session_id: str,
+    revision: frozenset[int] | None,
+    raw: bytes,
+    **change: Any,
 ) -> JSONResponse:
     """The session written (``state`` and ``metadata``, or ``patch``: ``sessions.write``),
     counted as a revision of about the body's size."""

@@ -4,12 +4,12 @@ patches, size and TTL limits, and tenants that never see each other's."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, func, select, text, update
 
 from api.app import create_app
 from broker import sessions
@@ -334,28 +334,93 @@ def test_a_tasks_session_write_postgres_or_json_would_refuse_fails_session_inval
     assert store.read() == (1, {"n": 0})
 
 
+def _write_waiting_behind(
+    engine: Engine, tenant: str, session_id: str, revision: int | frozenset[int] | None
+) -> tuple[Future[Any], int]:
+    """``compare_and_set`` of ``revision`` begun on a thread of its own, and its backend's pid,
+    for a test to see it wait for the session's row."""
+    started: Future[int] = Future()
+
+    def write() -> Any:
+        with engine.begin() as conn:
+            started.set_result(conn.execute(select(func.pg_backend_pid())).scalar_one())
+            return sessions.compare_and_set(
+                conn, tenant, session_id, revision=revision, state={"w": 2}, **LIMITS
+            )
+
+    written = ThreadPoolExecutor(1).submit(write)
+    return written, started.result(timeout=30)
+
+
+def _waiting_for_a_lock(engine: Engine, pid: int) -> bool:
+    with engine.connect() as conn:
+        query = "SELECT wait_event_type FROM pg_stat_activity WHERE pid = :pid"
+        return conn.execute(text(query), {"pid": pid}).scalar() == "Lock"
+
+
+LIMITS: dict[str, Any] = {"max_bytes": 2**20, "revisions_kept": 5}
+
+
 def test_a_write_that_finds_its_session_deleted_meanwhile_is_not_found_not_a_conflict(
-    client: httpx.Client,
+    session: dict[str, Any], tenant: tuple[str, str], engine: Engine
+) -> None:
+    """A write waits for the session's row while another transaction deletes it; then it is
+    told of the session's absence, not of a conflict at a revision made up (412, which a
+    worker's write took for retryable, using an attempt)."""
+    session_id = session["session_id"]
+    with engine.begin() as deleting:
+        deleting.execute(sessions_table.delete().where(sessions_table.c.id == session_id))
+        written, pid = _write_waiting_behind(engine, tenant[0], session_id, 1)
+        eventually(lambda: _waiting_for_a_lock(engine, pid), "the write waiting for the row")
+    with pytest.raises(sessions.SessionNotFound):
+        written.result(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("if_match", "outcome"), [(sessions.ANY_REVISION, 3), (frozenset({1, 2}), 3), (1, 412)]
+)
+def test_a_write_behind_another_matches_the_revision_that_one_leaves(
     session: dict[str, Any],
     tenant: tuple[str, str],
     engine: Engine,
-    monkeypatch: pytest.MonkeyPatch,
+    if_match: int | frozenset[int] | None,
+    outcome: int,
 ) -> None:
-    """The write reads the session, then updates it at that revision. A delete between the
-    two was told as a conflict at a revision made up (412; a worker's write then took it for
-    retryable and used an attempt), not as the session's absence."""
+    """Two writers at once: the second waits for the first and matches its ``If-Match``
+    against the revision the first wrote (2). ``*`` and a list naming 2 write revision 3; a
+    tag of 1 is a conflict at 2."""
     session_id = session["session_id"]
-    with engine.connect() as conn:
-        read = sessions.live(conn, tenant[0], session_id)
-    assert client.delete(f"/sessions/{session_id}").status_code == 204
-    reads = iter([read])  # the write's first read finds the session as it was before
-    real_live = sessions.live
-    monkeypatch.setattr(
-        sessions,
-        "live",
-        lambda conn, tenant, sid: next(reads, None) or real_live(conn, tenant, sid),
-    )
-    with engine.begin() as conn, pytest.raises(sessions.SessionNotFound):
-        sessions.compare_and_set(
-            conn, tenant[0], session_id, revision=1, state={}, max_bytes=2**20, revisions_kept=5
-        )
+    with engine.begin() as first:
+        sessions.compare_and_set(first, tenant[0], session_id, revision=1, state={"w": 1}, **LIMITS)
+        written, pid = _write_waiting_behind(engine, tenant[0], session_id, if_match)
+        eventually(lambda: _waiting_for_a_lock(engine, pid), "the write waiting for the row")
+    if outcome == 412:
+        with pytest.raises(sessions.RevisionConflict) as conflict:
+            written.result(timeout=30)
+        assert conflict.value.details["current_revision"] == 2
+    else:
+        assert written.result(timeout=30).revision == outcome
+
+
+@pytest.mark.parametrize(
+    ("if_match", "status", "revision"),
+    [
+        ("*", 200, 3),
+        ('"9", "2"', 200, 3),
+        ('W/"2" ,, "x"', 200, 3),
+        ('"1", "3"', 412, 2),
+        ('"2" "1"', 412, 2),  # not a list of tags
+    ],
+)
+def test_if_match_star_and_lists_match_as_http_says(
+    client: httpx.Client, session: dict[str, Any], if_match: str, status: int, revision: int
+) -> None:
+    """RFC 9110, 13.1.1: ``*`` matches the session as it is; a list matches when one of its
+    tags is the current revision (2, after one write)."""
+    path = f"/sessions/{session['session_id']}"
+    assert client.put(path, json={"state": {}}, headers={"If-Match": '"1"'}).status_code == 200
+    answer = client.put(path, json={"state": {"n": 1}}, headers={"If-Match": if_match})
+    assert answer.status_code == status, answer.text
+    assert client.get(path).json()["revision"] == revision
+    if status == 412:
+        assert answer.json()["current_revision"] == 2
