@@ -31,7 +31,12 @@ def run_online() -> None:
         if lock_timeout_ms is not None:
             connection.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
             connection.commit()
-        context.configure(connection=connection, target_metadata=Base.metadata)
+        # Each migration commits with its version: one that fails leaves the database at the
+        # one before it, whole. In one transaction for the lot, the indexes built or dropped
+        # concurrently (outside it) stayed, while the versions that recorded them rolled back.
+        context.configure(
+            connection=connection, target_metadata=Base.metadata, transaction_per_migration=True
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

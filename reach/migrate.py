@@ -4,8 +4,10 @@ A migration that changes a table (``ALTER TABLE ... ADD COLUMN``) takes its stro
 While it waits for that lock behind a long reader (a ``pg_dump``, a report), every claim,
 submit and finish queues behind the waiting ALTER: one stuck migration stops the whole
 broker. So each try waits at most ``LOCK_TIMEOUT_S`` for a lock (Postgres's
-``lock_timeout``), and gives up, rolled back whole, to let the queue move; it is tried again
-after a pause, ``LOCK_TRIES`` times in all, and then fails with a message that says why.
+``lock_timeout``), and gives up to let the queue move: the migration it was in rolls back
+whole (each commits with its version; an index built concurrently and left invalid is built
+again, ``migrations.concurrently``), and the next try starts there, after a pause,
+``LOCK_TRIES`` tries in all; then it fails with a message that says why.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.concurrently import create_index
+
 revision: str = "0011"
 down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
@@ -23,15 +25,12 @@ NAME = "ix_tasks_tenant_served_finished_at"
 def upgrade() -> None:
     # Concurrently, outside the migration's transaction: tasks is the big table, and a plain
     # CREATE INDEX would hold off every submission until the index is built.
-    with op.get_context().autocommit_block():
-        op.create_index(
-            NAME,
-            "tasks",
-            ["tenant", sa.text("split_part(queue, '@', 1)"), "finished_at"],
-            unique=False,
-            postgresql_where=sa.text("finished_at IS NOT NULL"),
-            postgresql_concurrently=True,
-        )
+    create_index(
+        NAME,
+        "tasks",
+        ["tenant", sa.text("split_part(queue, '@', 1)"), "finished_at"],
+        where="finished_at IS NOT NULL",
+    )
 
 
 def downgrade() -> None:

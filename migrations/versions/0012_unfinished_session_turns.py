@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from migrations.concurrently import create_index
 
 revision: str = "0012"
 down_revision: str | None = "0011"
@@ -22,15 +23,12 @@ NAME = "ix_tasks_session_id_session_turn_unfinished"
 
 def upgrade() -> None:
     # Concurrently, outside the migration's transaction, as 0011: tasks is the big table.
-    with op.get_context().autocommit_block():
-        op.create_index(
-            NAME,
-            "tasks",
-            ["session_id", "session_turn"],
-            unique=False,
-            postgresql_where=sa.text("session_id IS NOT NULL AND status IN ('queued', 'running')"),
-            postgresql_concurrently=True,
-        )
+    create_index(
+        NAME,
+        "tasks",
+        ["session_id", "session_turn"],
+        where="session_id IS NOT NULL AND status IN ('queued', 'running')",
+    )
 
 
 def downgrade() -> None:

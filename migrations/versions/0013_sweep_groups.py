@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from migrations.concurrently import create_index
 
 revision: str = "0013"
 down_revision: str | None = "0012"
@@ -36,16 +37,8 @@ INDEXES = [
 def upgrade() -> None:
     # Concurrently, outside the migration's transaction: a plain CREATE INDEX would hold off
     # every submission (and every delivery's write) until it is built.
-    with op.get_context().autocommit_block():
-        for name, table, columns, where in INDEXES:
-            op.create_index(
-                name,
-                table,
-                columns,
-                unique=False,
-                postgresql_where=sa.text(where),
-                postgresql_concurrently=True,
-            )
+    for name, table, columns, where in INDEXES:
+        create_index(name, table, columns, where=where)
 
 
 def downgrade() -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from migrations.concurrently import create_index
 
 revision: str = "0015"
 down_revision: str | None = "0014"
@@ -23,15 +24,7 @@ NAME = "ix_tasks_running_instance_started_at"
 def upgrade() -> None:
     # Concurrently, outside the migration's transaction: a plain CREATE INDEX would hold off
     # every claim and finish until it is built.
-    with op.get_context().autocommit_block():
-        op.create_index(
-            NAME,
-            "tasks",
-            ["instance", "started_at"],
-            unique=False,
-            postgresql_where=sa.text("status = 'running'"),
-            postgresql_concurrently=True,
-        )
+    create_index(NAME, "tasks", ["instance", "started_at"], where="status = 'running'")
 
 
 def downgrade() -> None:

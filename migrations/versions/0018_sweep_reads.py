@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from migrations.concurrently import create_index
 
 revision: str = "0018"
 down_revision: str | None = "0017"
@@ -35,16 +36,8 @@ INDEXES = [
 def upgrade() -> None:
     # Concurrently, outside the migration's transaction: a plain CREATE INDEX would hold off
     # every submission until it is built.
-    with op.get_context().autocommit_block():
-        for name, columns, where in INDEXES:
-            op.create_index(
-                name,
-                "tasks",
-                columns,
-                unique=False,
-                postgresql_where=sa.text(where),
-                postgresql_concurrently=True,
-            )
+    for name, columns, where in INDEXES:
+        create_index(name, "tasks", columns, where=where)
 
 
 def downgrade() -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from migrations.concurrently import create_index
 
 revision: str = "0019"
 down_revision: str | None = "0018"
@@ -23,15 +24,12 @@ NAME = "ix_webhook_deliveries_released_tenant_lease_until"
 def upgrade() -> None:
     # Concurrently, outside the migration's transaction: a plain CREATE INDEX would hold off
     # every fanout and recorded attempt until it is built.
-    with op.get_context().autocommit_block():
-        op.create_index(
-            NAME,
-            "webhook_deliveries",
-            ["tenant", "lease_until"],
-            unique=False,
-            postgresql_where=sa.text("status = 'pending' AND lease_until IS NOT NULL"),
-            postgresql_concurrently=True,
-        )
+    create_index(
+        NAME,
+        "webhook_deliveries",
+        ["tenant", "lease_until"],
+        where="status = 'pending' AND lease_until IS NOT NULL",
+    )
 
 
 def downgrade() -> None:

@@ -125,3 +125,50 @@ def test_0023_counts_the_deliveries_already_written_and_its_downgrade_takes_them
         assert dict(conn.execute(HELD).fetchall()) == {"a": TASK}
         conn.execute(ONE_MORE)  # and nothing counts them any more
         assert dict(conn.execute(HELD).fetchall()) == {"a": TASK}
+
+
+INVALID_INDEXES = "SELECT indexrelid::regclass::text FROM pg_index WHERE NOT indisvalid"
+VERSION = "SELECT version_num FROM alembic_version"
+
+
+def test_an_index_build_that_gave_up_is_built_again_on_the_next_try(empty_database: str) -> None:
+    # Given a database before 0011, which builds an index on tasks concurrently, and a session
+    # with a write to tasks in an open transaction, which such a build waits for
+    migrate.upgrade(empty_database, "0010")
+    with psycopg.connect(localservices.libpq_url(empty_database)) as writer:
+        writer.execute(POPULATED.split(";")[0])
+        # When the upgrade's tries each give up waiting for it
+        with pytest.raises(migrate.MigrationBlocked):
+            migrate.upgrade(empty_database, lock_timeout_s=0.2, tries=2, pause_s=0.1)
+        writer.rollback()
+    # Then the second try was not refused by the index the first left half built (before: it
+    # and every try after it failed "already exists" until the index was dropped by hand)
+    with psycopg.connect(localservices.libpq_url(empty_database)) as conn:
+        left = conn.execute(INVALID_INDEXES).fetchall()
+        assert conn.execute(VERSION).fetchone() == ("0010",)
+    assert left == [("ix_tasks_tenant_served_finished_at",)]
+    # And once the writer is gone the upgrade goes through, every index valid
+    migrate.upgrade(empty_database)
+    with psycopg.connect(localservices.libpq_url(empty_database)) as conn:
+        assert conn.execute(INVALID_INDEXES).fetchall() == []
+    assert schema_diff(empty_database) == []
+
+
+def test_a_downgrade_that_fails_part_way_leaves_the_schema_of_the_version_it_names(
+    empty_database: str,
+) -> None:
+    # Given a task on an instance's queue longer than 0007's column held
+    migrate.upgrade(empty_database)
+    queue = "echo@agent@1.0.0@" + "i" * 120
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as conn:
+        conn.execute(POPULATED.split(";")[0].replace("'echo', 'echo'", f"'echo', '{queue}'"))
+    # When a downgrade to 0007 fails at 0008's narrowing of that column
+    with pytest.raises(Exception, match="too long"):
+        migrate.downgrade(empty_database, "0007")
+    # Then the database is at 0008, and what the migrations after it dropped is recorded as
+    # dropped (before: the version stayed at head's with 0011's index gone, and an upgrade
+    # then reported success without building it again)
+    with psycopg.connect(localservices.libpq_url(empty_database)) as conn:
+        assert conn.execute(VERSION).fetchone() == ("0008",)
+    migrate.upgrade(empty_database)
+    assert schema_diff(empty_database) == []
