@@ -174,8 +174,11 @@ def flaky_io(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
 @agent.capability("test.sleepy", agent_id="test-sleepy", version="0.0.1", timeout_s=30)
 def sleepy(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """Sleeps up to ``sleep_s``, checking ``ctx.cancelled`` (cooperative cancellation); given
-    a ``gate``, waits for it first (``_wait_for_gate``)."""
+    a ``gate``, waits for it first (``_wait_for_gate``), having reported progress when told
+    to (``progress``)."""
     _runs(ctx)
+    if payload.get("progress"):
+        ctx.progress(50, "at the gate")
     _wait_for_gate(payload, ctx)
     end = time.monotonic() + float(payload.get("sleep_s", 1))
     while time.monotonic() < end:

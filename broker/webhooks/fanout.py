@@ -129,13 +129,14 @@ def fanout(
             "event": lambda: body_of(event_type, task, now),
             "a2a": lambda: a2a.push_body(render(task)),
         }
+        expires_at = body_expiry(task, event_type, now)
         stored = [
-            {"id": body_id, "body": texts[kind](), "expires_at": task["expires_at"]}
+            {"id": body_id, "body": texts[kind](), "expires_at": expires_at}
             for kind, body_id in body_ids.items()
         ]
         conn.execute(insert(bodies).values(stored).on_conflict_do_nothing())
         values = [
-            _delivery(task, event_type, target, body_ids[kind], now, settings)
+            _delivery(task, event_type, target, body_ids[kind], expires_at, now, settings)
             for target, kind in zip(found, kinds, strict=True)
         ]
         written = insert(deliveries).values(values).on_conflict_do_nothing()
@@ -156,11 +157,24 @@ def fanout(
         return Written(task["tenant"], list(conn.execute(waiting).scalars()))
 
 
+def body_expiry(task: TaskRow, event_type: str, now: datetime) -> datetime:
+    """When a body carrying the task (its result too) expires: no later than the task. A
+    final event's task expires when its row says. A running task's row is held past its run
+    (``broker.tasks.execution``) and its end pulls ``expires_at`` in to the end plus
+    ``result_ttl_s``: the body of a progress report, written while it runs, expires at the
+    earliest the task can, ``result_ttl_s`` from the report (it outlived the task by up to
+    the hold's 6 hours)."""
+    if event_type != PROGRESS:
+        return task["expires_at"]
+    return min(task["expires_at"], now + timedelta(seconds=task["result_ttl_s"]))
+
+
 def _delivery(
     task: TaskRow,
     event_type: str,
     target: Target,
     body_id: uuid.UUID,
+    body_expires_at: datetime,
     now: datetime,
     settings: Settings,
 ) -> dict[str, Any]:
@@ -178,8 +192,7 @@ def _delivery(
         "dedupe_key": dedupe,
         "url": url,
         "body_id": body_id,
-        # The body carries the task (its result too): it may not outlive it.
-        "body_expires_at": task["expires_at"],
+        "body_expires_at": body_expires_at,
         "trace_id": task["trace_id"],
         "status": PENDING,
         "attempts": 0,

@@ -8,12 +8,14 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
+import redis
 from sqlalchemy import Engine, select
 
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_bodies_table as bodies_table
 from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.webhooks import deliveries, upkeep
+from tests.agents import GATE_KEY
 from tests.eventually import eventually
 from tests.integration.receiver import Receiver
 from tests.integration.rows import a_delivery_row
@@ -133,3 +135,39 @@ def test_an_events_body_is_stored_once_for_all_its_endpoints_and_goes_with_its_t
             0.2,
             until=lambda found: not found,
         )
+
+
+def test_a_progress_reports_body_expires_no_later_than_its_task(
+    client: httpx.Client, engine: Engine, redis_url: str
+) -> None:
+    """A report's body is written while its task runs, when the row's ``expires_at`` is held
+    past the run: taking it as it was, the body (the task, trace and all) outlived the task
+    by up to the hold's 6 hours."""
+    gate = secrets.token_hex(4)
+    with Receiver() as receiver:
+        # Given a subscription to progress, and a task that reports some, then waits at a gate,
+        # its result kept 60 s
+        webhook, _ = register(client, receiver.url, events=["task.progress"])
+        payload = {"gate": gate, "progress": True, "sleep_s": 0}
+        task = submit(client, "test.sleepy", payload=payload, result_ttl_s=60)
+        # When the report is delivered while it runs, and then it ends
+        receiver.wait_for(1)
+        with redis.Redis.from_url(redis_url) as gates:
+            gates.set(GATE_KEY.format(gate), 1, ex=300)
+    with engine.connect() as conn:
+        expires_at = eventually(
+            lambda: conn.execute(
+                select(tasks.c.expires_at).where(
+                    tasks.c.id == uuid.UUID(task["task_id"]), tasks.c.finished_at.is_not(None)
+                )
+            ).scalar(),
+            "the task ended",
+        )
+        reports = conn.execute(
+            select(deliveries_table.c.body_expires_at, bodies_table.c.expires_at)
+            .join(bodies_table, bodies_table.c.id == deliveries_table.c.body_id)
+            .where(deliveries_table.c.webhook_id == uuid.UUID(webhook["webhook_id"]))
+        ).all()
+    # Then the report's body, and its delivery, expire at the latest with the task
+    assert len(reports) == 1
+    assert max(reports[0]) <= expires_at, (reports, expires_at)
