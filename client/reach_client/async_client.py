@@ -28,8 +28,8 @@ from reach_client.models import (
 )
 from reach_client.operations import registry, sessions, tasks, webhooks
 from reach_client.operations.tasks import EnvelopeFields
-from reach_client.plans import Plan, Request, Response, Sleep, problem_of
-from reach_client.streaming import Resume, SSEDecoder
+from reach_client.plans import Plan, Request, Response, Sleep, advance, failure_of
+from reach_client.streaming import Resume, SSEDecoder, expect_event_stream
 
 T = TypeVar("T")
 
@@ -108,7 +108,7 @@ class AsyncReach:
                 except APIConnectionError as exc:
                     step = plan.throw(exc)
                     continue
-                step = plan.send(answer)
+                step = advance(plan, answer)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
@@ -127,8 +127,8 @@ class AsyncReach:
                 self._http.build_request(**build(self._settings, request)), stream=True
             )
             try:
-                if ok_only and answer.status_code >= 400:
-                    raise problem_of(await _read(answer, self._settings.max_answer_bytes))
+                if ok_only and not answer.is_success:
+                    raise failure_of(await _read(answer, self._settings.max_answer_bytes))
                 yield answer
             finally:
                 await answer.aclose()
@@ -137,6 +137,7 @@ class AsyncReach:
         while not resume.done:
             try:
                 async with self._open(resume.request()) as answer:
+                    expect_event_stream(answer.status_code, answer.headers)
                     decoder = SSEDecoder(self._settings.max_answer_bytes)
                     async for piece in _pieces(answer):
                         for event in decoder.decode(piece):

@@ -28,8 +28,8 @@ from reach_client.models import (
 )
 from reach_client.operations import registry, sessions, tasks, webhooks
 from reach_client.operations.tasks import EnvelopeFields
-from reach_client.plans import Plan, Request, Response, Sleep, problem_of
-from reach_client.streaming import Resume, SSEDecoder
+from reach_client.plans import Plan, Request, Response, Sleep, advance, failure_of
+from reach_client.streaming import Resume, SSEDecoder, expect_event_stream
 
 T = TypeVar("T")
 
@@ -108,7 +108,7 @@ class Reach:
                 except APIConnectionError as exc:
                     step = plan.throw(exc)
                     continue
-                step = plan.send(answer)
+                step = advance(plan, answer)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
@@ -125,8 +125,8 @@ class Reach:
                 self._http.build_request(**build(self._settings, request)), stream=True
             )
             try:
-                if ok_only and answer.status_code >= 400:
-                    raise problem_of(_read(answer, self._settings.max_answer_bytes))
+                if ok_only and not answer.is_success:
+                    raise failure_of(_read(answer, self._settings.max_answer_bytes))
                 yield answer
             finally:
                 answer.close()
@@ -135,6 +135,7 @@ class Reach:
         while not resume.done:
             try:
                 with self._open(resume.request()) as answer, translated():
+                    expect_event_stream(answer.status_code, answer.headers)
                     decoder = SSEDecoder(self._settings.max_answer_bytes)
                     for piece in answer.iter_bytes():
                         for event in decoder.decode(piece):

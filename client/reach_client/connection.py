@@ -62,20 +62,39 @@ def build(settings: Settings, request: Request) -> dict[str, Any]:
     content = request.content()
     if content is not None:
         headers.setdefault("Content-Type", "application/json")
-    timeout = settings.timeout
-    if request.timeout_s is not None:
-        base = settings.timeout
-        timeout = httpx.Timeout(
-            connect=base.connect, read=request.timeout_s, write=request.timeout_s, pool=base.pool
-        )
     return {
         "method": request.method,
         "url": settings.base_url + request.path,
         "params": dict(request.params),
         "headers": headers,
         "content": content,
-        "timeout": timeout,
+        "timeout": timeout_of(settings.timeout, request),
     }
+
+
+def timeout_of(base: httpx.Timeout, request: Request) -> httpx.Timeout:
+    """The client's timeouts as ``request`` changes them: its own read and write timeout, a
+    floor under the read timeout (a stream that only pings), and a cap on every one (the
+    time left of a caller's wait)."""
+    read, write = base.read, base.write
+    if request.timeout_s is not None:
+        read = write = request.timeout_s
+    if request.read_at_least_s is not None and read is not None:
+        read = max(read, request.read_at_least_s)
+    most = request.within_s
+    return httpx.Timeout(
+        connect=_at_most(base.connect, most),
+        read=_at_most(read, most),
+        write=_at_most(write, most),
+        pool=_at_most(base.pool, most),
+    )
+
+
+def _at_most(seconds: float | None, most: float | None) -> float | None:
+    """A timeout (None: none) cut to ``most`` (None: no cut)."""
+    if most is None:
+        return seconds
+    return most if seconds is None else min(seconds, most)
 
 
 def response_of(answer: httpx.Response, content: bytes) -> Response:
@@ -84,10 +103,13 @@ def response_of(answer: httpx.Response, content: bytes) -> Response:
 
 @contextmanager
 def translated() -> Iterator[None]:
-    """httpx's transport errors as ``APITimeoutError`` / ``APIConnectionError``."""
+    """httpx's transport errors as ``APITimeoutError`` / ``APIConnectionError``; ``sent``
+    False for those that end before a connection carried the request."""
     try:
         yield
     except httpx.TimeoutException as exc:
-        raise APITimeoutError(f"no answer in time: {exc}") from exc
+        sent = not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
+        raise APITimeoutError(f"no answer in time: {exc}", sent=sent) from exc
     except httpx.TransportError as exc:
-        raise APIConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        sent = not isinstance(exc, httpx.ConnectError)
+        raise APIConnectionError(f"{type(exc).__name__}: {exc}", sent=sent) from exc

@@ -2,7 +2,8 @@
 
     ReachError                      .code .status .detail .trace_id .problem
     ├── APIConnectionError          no answer: refused, reset, DNS (status None), or one
-    │   │                           past the client's cap (``answer_too_large``)
+    │   │                           past the client's cap (``answer_too_large``); ``sent``
+    │   │                           False: it failed before the request went out
     │   └── APITimeoutError         no answer in time
     ├── APIStatusError              the API answered with a problem (RFC 9457)
     │   ├── InvalidRequestError     400, 408, 413, 415, 422 and any other 4xx
@@ -15,7 +16,12 @@
     │   ├── RateLimitError          429, with ``retry_after_s``
     │   ├── UnavailableError        503, with ``retry_after_s``
     │   └── InternalServerError     any other 5xx
-    ├── WaitTimeoutError            the task was not final within the caller's wait
+    ├── UnexpectedAnswerError       an answer the client cannot read: not JSON, or not the
+    │   │                           shape the API gives (``unexpected_answer``)
+    │   └── RedirectError           a 3xx, which the API never answers (``redirected``,
+    │                               ``location``)
+    ├── WaitTimeoutError            the task was not final within the caller's wait (``task``
+    │                               as last seen; None: ``idempotency_key`` finds it)
     ├── TaskFailedError             ``Task.raise_for_status()`` on a task that did not succeed
     └── WebhookVerificationError    a webhook call that is not signed by the secret
 
@@ -57,13 +63,17 @@ class ReachError(Exception):
 
 
 class APIConnectionError(ReachError):
-    def __init__(self, detail: str, *, code: str = "connection_error") -> None:
+    """No answer. ``sent`` is False when the connection failed before the request went out
+    (refused, unreachable, no connection in time), so the server cannot have acted on it."""
+
+    def __init__(self, detail: str, *, code: str = "connection_error", sent: bool = True) -> None:
         super().__init__(detail, code=code)
+        self.sent = sent
 
 
 class APITimeoutError(APIConnectionError):
-    def __init__(self, detail: str = "the request timed out") -> None:
-        super().__init__(detail, code="timeout")
+    def __init__(self, detail: str = "the request timed out", *, sent: bool = True) -> None:
+        super().__init__(detail, code="timeout", sent=sent)
 
 
 class APIStatusError(ReachError):
@@ -120,16 +130,49 @@ class InternalServerError(APIStatusError):
     pass
 
 
-class WaitTimeoutError(ReachError):
-    """The wait ran out; ``task`` is the task as last seen (still queued or running)."""
+class UnexpectedAnswerError(ReachError):
+    """An answer the client cannot read: a body that is not JSON, or not the shape the API
+    gives, or an event stream that is none. Asking again would bring the same."""
 
-    def __init__(self, task: Task) -> None:
+    def __init__(
+        self, detail: str, *, code: str = "unexpected_answer", status: int | None = None
+    ) -> None:
+        super().__init__(detail, code=code, status=status)
+
+
+class RedirectError(UnexpectedAnswerError):
+    """A 3xx: the API never redirects, so the URL names something in front of it (http to
+    https, a moved host); ``location`` is where it pointed, None when it named nothing."""
+
+    def __init__(self, status: int, location: str | None) -> None:
+        where = f"redirected to {location}" if location else f"answered {status} with no Location"
         super().__init__(
-            f"task {task.task_id} is still {task.status}",
-            code="wait_timeout",
-            trace_id=task.trace_id,
+            f"the server {where}; set REACH_URL (or base_url) to the API's own address",
+            code="redirected",
+            status=status,
+        )
+        self.location = location
+
+
+class WaitTimeoutError(ReachError):
+    """The wait ran out; ``task`` is the task as last seen (still queued or running), None
+    when no answer named it in time: the submit's ``idempotency_key`` then finds it (the
+    same envelope submitted again with that key answers with that task, or makes it)."""
+
+    def __init__(
+        self, task: Task | None, *, task_id: str | None = None, idempotency_key: str | None = None
+    ) -> None:
+        if task is not None:
+            detail = f"task {task.task_id} is still {task.status}"
+        elif task_id is not None:
+            detail = f"no answer about task {task_id} within the wait"
+        else:
+            detail = f"no answer named the task within the wait (key {idempotency_key})"
+        super().__init__(
+            detail, code="wait_timeout", trace_id=task.trace_id if task is not None else None
         )
         self.task = task
+        self.idempotency_key = idempotency_key
 
 
 class TaskFailedError(ReachError):

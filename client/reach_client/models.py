@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from reach_client.errors import TaskFailedError
+from reach_client.errors import TaskFailedError, UnexpectedAnswerError
 
 TaskStatus = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
 FINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "expired"})
@@ -49,6 +49,11 @@ class AgentRef:
     agent_id: str
     version: str | None = None
     instance: str | None = None
+    raw: Json = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, doc: Json) -> AgentRef:
+        return cls(doc["agent_id"], doc.get("version"), doc.get("instance"), raw=doc)
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Task:
             progress=Progress.from_json(doc["progress"]) if doc.get("progress") else None,
             result=doc.get("result"),
             error=TaskError.from_json(doc["error"]) if doc.get("error") else None,
-            agent=AgentRef(**agent) if isinstance(agent, dict) else None,
+            agent=AgentRef.from_json(agent) if isinstance(agent, dict) else None,
             session_id=doc.get("session_id"),
             metadata=doc.get("metadata") or {},
             created_at=_time(doc.get("created_at")),
@@ -122,7 +127,14 @@ class Event:
     @property
     def task(self) -> Task | None:
         """The finished task, which a final event carries."""
-        return Task.from_json(self.data) if self.final and isinstance(self.data, dict) else None
+        if not (self.final and isinstance(self.data, dict)):
+            return None
+        try:
+            return Task.from_json(self.data)
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
+            raise UnexpectedAnswerError(
+                f"the final event's task the client cannot read: {type(exc).__name__}: {exc}"
+            ) from exc
 
     @classmethod
     def from_sse(cls, event_id: str, event_type: str, data: str) -> Event:

@@ -3,8 +3,8 @@ the pauses it needs and returns its result. ``Reach`` runs plans with blocking I
 ``AsyncReach`` with ``await``; neither knows what an operation does, and no operation knows
 which of them runs it.
 
-A driver sends each yielded ``Request`` and sends the ``Response`` back in, or throws the
-``APIConnectionError`` it met; it sleeps for each ``Sleep``.
+A driver sends each yielded ``Request`` and sends the ``Response`` back in (``advance``), or
+throws the ``APIConnectionError`` it met; it sleeps for each ``Sleep``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,24 @@ from urllib.parse import quote
 
 import httpx
 
-from reach_client.errors import APIConnectionError, APIStatusError, APITimeoutError, from_problem
+from reach_client.deadlines import Deadline, DeadlinePassed
+from reach_client.errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    RedirectError,
+    UnexpectedAnswerError,
+    from_problem,
+)
 from reach_client.limits import TOO_LARGE
-from reach_client.retries import RetryPolicy, is_retried, may_retry, parse_retry_after
+from reach_client.retries import (
+    GATEWAY_STATUSES,
+    NOT_APPLIED_STATUSES,
+    RetryPolicy,
+    is_retried,
+    may_retry,
+    parse_retry_after,
+)
 
 T = TypeVar("T")
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -33,6 +48,10 @@ class Request:
     body: Any = None  # JSON; None: no body
     headers: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None  # this request's read timeout, else the client's
+    read_at_least_s: float | None = None  # a floor under the read timeout
+    within_s: float | None = None  # no phase waits longer: the time left of a caller's wait
+    # False: a timeout, or a gateway's 502 or 504 (one that gave up waiting), goes to the
+    # plan at once: it knows a better next request than the same one again.
     retry_timeouts: bool = True
 
     @property
@@ -74,36 +93,78 @@ def pause(seconds: float) -> Plan[None]:
         yield Sleep(seconds)
 
 
-def send(request: Request, policy: RetryPolicy) -> Plan[Response]:
-    """The request, tried again as ``policy`` allows; a 2xx or 3xx answer, else the typed
-    error of the last answer. A retry sends the very same request: the same idempotency key."""
+def send(request: Request, policy: RetryPolicy, deadline: Deadline | None = None) -> Plan[Response]:
+    """The request, tried again as ``policy`` allows (``reach_client.retries``); a 2xx
+    answer, else the typed error of the last answer (a 3xx, never followed, is a
+    ``RedirectError``). A retry sends the very same request: the same idempotency key.
+    Within ``deadline`` each try and each pause ends by it, and ``DeadlinePassed`` is raised
+    once it has passed."""
     retry = 0
-    retriable = may_retry(request.method, request.idempotency_key is not None)
+    replayable = may_retry(request.method, request.idempotency_key is not None)
     while True:
         try:
-            answer = yield from call(request)
+            answer = yield from call(request if deadline is None else deadline.bound(request))
         except APIConnectionError as exc:
             timed_out = isinstance(exc, APITimeoutError)
-            if (
-                not retriable
-                or exc.code == TOO_LARGE
-                or retry >= policy.max_retries
-                or (timed_out and not request.retry_timeouts)
+            if timed_out and deadline is not None and deadline.passed:
+                raise DeadlinePassed from exc
+            if (timed_out and not request.retry_timeouts) or not _retry_after_lost(
+                exc, replayable, retry, policy
             ):
                 raise
             retry += 1
-            yield from pause(policy.backoff_s(retry))
+            yield from pause(_cut(policy.backoff_s(retry), deadline))
             continue
-        if answer.status < 400:
+        if answer.status < 300:
             return answer
+        if answer.status < 400:
+            raise failure_of(answer)
         error = problem_of(answer)
-        if retriable and is_retried(answer.status, error.code) and retry < policy.max_retries:
+        if answer.status in GATEWAY_STATUSES and not request.retry_timeouts:
+            raise error
+        if (
+            (replayable or answer.status in NOT_APPLIED_STATUSES)
+            and is_retried(answer.status, error.code)
+            and retry < policy.max_retries
+        ):
             delay = policy.delay_s(retry + 1, answer.headers.get("retry-after"))
             if delay is not None:
                 retry += 1
-                yield from pause(delay)
+                yield from pause(_cut(delay, deadline))
                 continue
         raise error
+
+
+def _retry_after_lost(
+    error: APIConnectionError, replayable: bool, retry: int, policy: RetryPolicy
+) -> bool:
+    """Whether a request that got no answer is sent again: only one that never went out
+    unless it is safe to repeat, and never one whose answer was too large."""
+    return (replayable or not error.sent) and error.code != TOO_LARGE and retry < policy.max_retries
+
+
+def _cut(seconds: float, deadline: Deadline | None) -> float:
+    return seconds if deadline is None else deadline.cut(seconds)
+
+
+def advance(plan: Plan[T], answer: Response) -> Step:
+    """The plan's next step once ``answer`` is sent in. What the plan raises reading it (a
+    body that is not JSON, or not the shape the API gives) is ``UnexpectedAnswerError``."""
+    try:
+        return plan.send(answer)
+    except (ValueError, LookupError, TypeError, AttributeError) as exc:
+        raise UnexpectedAnswerError(
+            f"an answer the client cannot read: {type(exc).__name__}: {exc}",
+            status=answer.status,
+        ) from exc
+
+
+def failure_of(answer: Response) -> RedirectError | APIStatusError:
+    """Why an answer that is no 2xx is no success: a redirect (never followed), or its
+    problem."""
+    if 300 <= answer.status < 400:
+        return RedirectError(answer.status, answer.headers.get("location"))
+    return problem_of(answer)
 
 
 def problem_of(answer: Response) -> APIStatusError:

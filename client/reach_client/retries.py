@@ -3,9 +3,12 @@
 Retried: no answer at all (connection refused or reset, timeout), 408, 429, 502, 503 and 504,
 and a 409 ``conflict_retry`` (a submit whose idempotency key was being released as it came:
 the API asks for the same request again).
-A request that may have changed something is retried only when it carries an idempotency key
-(the server then answers a repeat with the first outcome): GET, PUT and DELETE always, POST
-and PATCH only with ``Idempotency-Key``.
+A GET changes nothing, and a request with ``Idempotency-Key`` is answered on a repeat with
+the first outcome: those are retried for any of these. Any other request (a session's PUT or
+PATCH, a compare-and-set on ``If-Match``; a DELETE; a POST without a key) is retried only when
+it was surely not applied: the connection failed before it went out, or the server refused it
+with 429 or 503. Once it may have been applied, a repeat would report a change that took as a
+412 ``revision_conflict`` or a 404, or make it twice.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from email.utils import parsedate_to_datetime
 
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 RETRY_CODES = frozenset({"conflict_retry"})  # a problem's code, whatever its status
-IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Refusals before the request was acted on (rate limits, overload): safe to send again.
+NOT_APPLIED_STATUSES = frozenset({429, 503})
+# A gateway that gave up on the API (or found none): the request may still be running.
+GATEWAY_STATUSES = frozenset({502, 504})
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,8 @@ def is_retried(status: int, code: str | None) -> bool:
 
 
 def may_retry(method: str, has_idempotency_key: bool) -> bool:
-    return method.upper() in IDEMPOTENT_METHODS or has_idempotency_key
+    """Whether a request may be sent again whatever became of the last try."""
+    return method.upper() in SAFE_METHODS or has_idempotency_key
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:

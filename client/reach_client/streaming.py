@@ -5,8 +5,14 @@ Pure: the clients own the sockets."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
-from reach_client.errors import APIConnectionError, APIStatusError, ReachError
+from reach_client.errors import (
+    APIConnectionError,
+    APIStatusError,
+    ReachError,
+    UnexpectedAnswerError,
+)
 from reach_client.limits import MAX_ANSWER_BYTES, TOO_LARGE, Buffer, bound
 from reach_client.models import Event
 from reach_client.operations.tasks import events_request
@@ -16,10 +22,22 @@ from reach_client.retries import RETRY_STATUSES, RetryPolicy
 LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
+def expect_event_stream(status: int, headers: Mapping[str, str]) -> None:
+    """``UnexpectedAnswerError`` unless a 2xx answer is an event stream: a page or a JSON
+    body would read as a stream without events, opened again until the retries ran out."""
+    kind = headers.get("content-type", "")
+    if kind.partition(";")[0].strip().lower() != "text/event-stream":
+        raise UnexpectedAnswerError(
+            f"the task's events came as {kind or 'no content type'}, not text/event-stream",
+            status=status,
+        )
+
+
 class SSEDecoder:
     """``text/event-stream`` (WHATWG HTML 9.2) in, as bytes or as lines, events out. Comments
     (``: ping``) and frames without data are skipped. A line or an event past the cap of
-    ``reach_client.limits`` raises ``APIConnectionError``."""
+    ``reach_client.limits`` raises ``APIConnectionError``; an event whose data is not the
+    API's JSON, ``UnexpectedAnswerError``."""
 
     def __init__(self, cap: int = MAX_ANSWER_BYTES) -> None:
         self._cap = cap
@@ -60,7 +78,8 @@ class SSEDecoder:
         elif name == "event":
             self._type = value
         elif name == "data":
-            self._size += len(value) + 1
+            # Bytes as the stream carried them (UTF-8), not characters: the cap is in bytes.
+            self._size += len(value.encode("utf-8", "surrogatepass")) + 1
             bound(self._size, "an event of the event stream", self._cap)
             self._data.append(value)
         return None
@@ -68,7 +87,14 @@ class SSEDecoder:
     def _dispatch(self) -> Event | None:
         data, event_type = "\n".join(self._data), self._type or "message"
         self._data, self._type, self._size = [], "", 0
-        return Event.from_sse(self._id, event_type, data) if data else None
+        if not data:
+            return None
+        try:
+            return Event.from_sse(self._id, event_type, data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UnexpectedAnswerError(
+                f"an event of the stream the client cannot read: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 class Resume:

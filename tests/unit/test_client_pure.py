@@ -4,6 +4,7 @@ the plans driven by hand (no socket), so each rule is checked on its own."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -29,20 +30,42 @@ def answer(status: int, body: bytes = b"{}", **headers: str) -> Response:
     return Response(status, httpx.Headers(headers), body)
 
 
+class Clock:
+    """A monotonic clock that moves only as the plan sleeps, or as a test says a request
+    took time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Answer = Response | Exception | Callable[[Request], "Response | Exception"]
+
+
 def drive(
-    plan: Plan[object], answers: list[Response | Exception], steps: list[object] | None = None
+    plan: Plan[object],
+    answers: list[Answer],
+    steps: list[object] | None = None,
+    clock: Clock | None = None,
 ) -> tuple[object, list[object]]:
-    """Run ``plan`` against scripted answers (each taken off ``answers`` as it is used); its
-    result and every step it took, also in ``steps`` if given: there when the plan raises."""
+    """Run ``plan`` against scripted answers (each taken off ``answers`` as it is used; a
+    callable is given the request); its result and every step it took, also in ``steps`` if
+    given: there when the plan raises. Each sleep moves ``clock`` on."""
     steps = [] if steps is None else steps
     try:
         step = next(plan)
         while True:
             steps.append(step)
             if isinstance(step, Sleep):
+                if clock is not None:
+                    clock.now += step.seconds
                 step = plan.send(None)
                 continue
             given = answers.pop(0)
+            if callable(given):
+                given = given(step)
             step = plan.throw(given) if isinstance(given, Exception) else plan.send(given)
     except StopIteration as done:
         return done.value, steps
@@ -100,10 +123,11 @@ def test_retry_after_is_seconds_or_an_http_date_and_too_long_is_not_waited() -> 
     assert 0.375 <= (POLICY.delay_s(1, None) or 0) <= 0.5
 
 
-def test_only_requests_safe_to_repeat_are_retried() -> None:
-    assert may_retry("GET", False) and may_retry("PUT", False) and may_retry("DELETE", False)
-    assert not may_retry("POST", False) and may_retry("POST", True)
-    assert not may_retry("PATCH", False)
+def test_only_requests_safe_to_repeat_are_retried_whatever_became_of_the_last_try() -> None:
+    assert may_retry("GET", False) and may_retry("POST", True) and may_retry("PATCH", True)
+    # A compare-and-set on If-Match, a DELETE that answers 404 once it took, a POST
+    assert not may_retry("PUT", False) and not may_retry("DELETE", False)
+    assert not may_retry("POST", False) and not may_retry("PATCH", False)
 
 
 def test_a_503_is_retried_after_retry_after_with_the_very_same_request() -> None:
@@ -114,10 +138,24 @@ def test_a_503_is_retried_after_retry_after_with_the_very_same_request() -> None
     assert isinstance(result, Response) and result.status == 202
 
 
-def test_a_post_without_a_key_is_not_retried() -> None:
-    request = Request("POST", "/sessions", body={})
-    with pytest.raises(errors.UnavailableError):
-        drive(send(request, POLICY), [answer(503, b'{"code": "overloaded"}')])
+@pytest.mark.parametrize(
+    "request_", [Request("POST", "/sessions", body={}), Request("PUT", "/sessions/s1", body={})]
+)
+def test_a_write_without_a_key_is_retried_only_when_it_was_surely_not_applied(
+    request_: Request,
+) -> None:
+    lost = errors.APIConnectionError("reset by peer")  # it may have been applied
+    with pytest.raises(errors.APIConnectionError):
+        drive(send(request_, POLICY), [lost])
+    with pytest.raises(errors.InternalServerError):
+        drive(send(request_, POLICY), [answer(502, b"bad gateway")])
+    # Never sent (a refused connection), or refused unapplied (429, 503): sent again
+    refused = errors.APIConnectionError("refused", sent=False)
+    overloaded = answer(503, b'{"code": "overloaded"}', **{"Retry-After": "0"})
+    for first in (refused, overloaded):
+        result, steps = drive(send(request_, POLICY), [first, answer(200)])
+        assert [s for s in steps if isinstance(s, Request)] == [request_, request_]
+        assert isinstance(result, Response) and result.status == 200
 
 
 def test_connection_errors_are_retried_until_the_budget_is_spent() -> None:
@@ -139,11 +177,15 @@ def test_connection_errors_are_retried_until_the_budget_is_spent() -> None:
 
 
 def test_wait_polls_until_final_and_gives_up_with_the_task_when_time_runs_out() -> None:
-    clock = iter([0.0, 0.1, 0.3, 0.6, 1.2]).__next__
+    clock = Clock()
     running = answer(200, b'{"task_id": "t1", "capability": "echo", "status": "running"}')
+    steps: list[object] = []
     with pytest.raises(errors.WaitTimeoutError) as caught:
-        drive(tasks.wait(POLICY, "t1", 1.0, clock), [running] * 4)
-    assert caught.value.task.status == "running"
+        drive(tasks.wait(POLICY, "t1", 1.0, clock), [running] * 20, steps, clock)
+    assert caught.value.task is not None and caught.value.task.status == "running"
+    # Every poll and every pause ended by the deadline
+    assert clock.now == pytest.approx(1.0)
+    assert all(0 < (s.within_s or 0) <= 1.0 for s in steps if isinstance(s, Request))
     done = answer(200, b'{"task_id": "t1", "capability": "echo", "status": "succeeded"}')
     result, steps = drive(tasks.wait(POLICY, "t1", None), [running, done])
     assert isinstance(result, Task) and result.status == "succeeded"
@@ -151,22 +193,30 @@ def test_wait_polls_until_final_and_gives_up_with_the_task_when_time_runs_out() 
 
 
 def test_a_sync_submit_the_caller_would_not_wait_out_is_asked_again_in_async_mode() -> None:
-    clock = iter([0.0, 5.0, 5.0, 5.0]).__next__
+    clock = Clock()
+
+    def timed_out(request: Request) -> Exception:
+        clock.now += request.timeout_s or 0  # the read timeout the client gave it
+        return errors.APITimeoutError()
+
     queued = answer(202, b'{"task_id": "t1", "capability": "echo", "status": "queued"}')
     plan = tasks.run(POLICY, {"capability": "echo", "payload": {}}, "k1", 5.0, clock)
     steps: list[object] = []
     with pytest.raises(errors.WaitTimeoutError) as caught:
-        drive(plan, [errors.APITimeoutError(), queued, queued], steps)
-    assert caught.value.task.task_id == "t1"
-    # The sync submit timed out; the same submit, same key, asked again in async mode; then
-    # the task is polled until the caller's time is up
-    sync, again, poll = steps
+        drive(plan, [timed_out, queued, *[queued] * 20], steps, clock)
+    assert caught.value.task is not None and caught.value.task.task_id == "t1"
+    # The sync submit timed out, leaving a second of the wait to learn its task: the same
+    # submit, same key, asked again in async mode; then the task is polled until the
+    # caller's time is up
+    sync, again, *polls = steps
     assert isinstance(sync, Request) and isinstance(again, Request)
     assert (sync.method, sync.path, sync.body["reply_mode"]) == ("POST", "/tasks", "sync")
+    assert (sync.timeout_s, sync.within_s) == (4.0, 5.0)
     assert (again.method, again.path) == ("POST", "/tasks")
     assert again.body == {"capability": "echo", "payload": {}, "reply_mode": "async"}
     assert sync.idempotency_key == again.idempotency_key == "k1"
-    assert poll == Request("GET", "/tasks/t1")
+    assert {(p.method, p.path) for p in polls if isinstance(p, Request)} == {("GET", "/tasks/t1")}
+    assert clock.now == pytest.approx(5.0)
 
 
 def test_the_sse_decoder_reads_frames_and_skips_pings() -> None:

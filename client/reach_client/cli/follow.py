@@ -18,9 +18,15 @@ from reach_client.client import Reach
 from reach_client.models import Task
 
 
-def progress_bar() -> Progress:
+def progress_bar(*, as_json: bool) -> Progress:
     """The status and the message are the server's text: shown as ``printable`` text, never
-    read as markup."""
+    read as markup.
+
+    While the bar is live, rich can send what is written to ``sys.stdout`` to its own console
+    (stderr), folded to the terminal's width, so that lines show above the bar: only when
+    stdout is a terminal as stderr is, and never JSON (``as_json``), which goes to stdout
+    whole. JSON written to the terminal the bar is drawn on would be drawn over: no bar then."""
+    one_screen = render.stdout().is_terminal and render.stderr().is_terminal
     return Progress(
         TextColumn("{task.fields[status]:<9}", markup=False),
         BarColumn(),
@@ -29,6 +35,8 @@ def progress_bar() -> Progress:
         TextColumn("{task.description}", markup=False),
         console=render.stderr(),
         transient=False,
+        redirect_stdout=one_screen and not as_json,
+        disable=one_screen and as_json,
     )
 
 
@@ -71,7 +79,7 @@ def follow(
     else nothing here (the caller prints the finished task)."""
     out = render.stdout()
     finished = task
-    with progress_bar() as bar, time_limit(timeout) as deadline:
+    with progress_bar(as_json=as_json) as bar, time_limit(timeout) as deadline:
         row = bar.add_task("", total=100, status=task.status)
         for event in reach.tasks.stream(task.task_id):
             if time.monotonic() > deadline:
@@ -80,6 +88,8 @@ def follow(
                 render.emit_json_line(event.raw)
             if event.type == "status" and isinstance(event.data, dict):
                 bar.update(row, status=render.printable(event.data.get("status", "")))
+                if "retry_in_s" in event.data:  # the attempt failed: the next starts afresh
+                    bar.update(row, completed=0, description="")
             elif event.type == "progress" and isinstance(event.data, dict):
                 percent = _percent(event.data.get("percent"))
                 message = render.printable(event.data.get("message") or "")

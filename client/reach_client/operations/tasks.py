@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
-from reach_client.errors import APITimeoutError, WaitTimeoutError
+from reach_client.deadlines import Clock, Deadline, DeadlinePassed
+from reach_client.errors import APIStatusError, APITimeoutError, WaitTimeoutError
 from reach_client.models import Page, Task
 from reach_client.plans import IDEMPOTENCY_KEY, Plan, Request, path, pause, query, send
-from reach_client.retries import RetryPolicy
+from reach_client.retries import GATEWAY_STATUSES, RetryPolicy
 
 # Polling past the server's wait: soon at first, then every 2 s at most.
 POLL_FIRST_S = 0.2
 POLL_FACTOR = 1.5
 POLL_MAX_S = 2.0
-Clock = Callable[[], float]
+# What a sync submit leaves of the caller's wait for learning its task when the server is
+# still waiting for it (the same submit in async mode): at most 1 s, or half the wait.
+TASK_LOOKUP_RESERVE_S = 1.0
+# A stream's read timeout, whatever the client's: the server pings every 15 s of silence
+# (REACH_SSE_PING_S), so a quiet stream is alive for 60 s without a byte.
+STREAM_READ_TIMEOUT_S = 60.0
 
 
 class EnvelopeFields(TypedDict, total=False):
@@ -74,40 +80,68 @@ def run(
     clock: Clock = time.monotonic,
 ) -> Plan[Task]:
     """Submit in sync mode (the server waits for the task), then poll past the server's wait
-    until the task is final. ``WaitTimeoutError`` when ``timeout_s`` runs out first."""
-    started = clock()
-    sync = _submission({**body, "reply_mode": "sync"}, key, timeout_s=timeout_s)
+    until the task is final. ``WaitTimeoutError`` when ``timeout_s`` runs out first: every
+    request and pause ends by then."""
+    deadline = Deadline.after(timeout_s, clock)
+    sync = _submission({**body, "reply_mode": "sync"}, key, retry_timeouts=False)
+    if deadline is not None:
+        left = deadline.left_s()
+        sync = replace(sync, timeout_s=left - min(TASK_LOOKUP_RESERVE_S, left / 2))
     try:
-        answer = yield from send(replace(sync, retry_timeouts=False), policy)
-    except APITimeoutError:
-        # We would not wait as long as the server does: the same key names the task at once.
-        answer = yield from send(replace(sync, body={**body, "reply_mode": "async"}), policy)
+        try:
+            answer = yield from send(sync, policy, deadline)
+        except (APITimeoutError, APIStatusError) as exc:
+            if not _gave_up_waiting(exc):
+                raise
+            # The same key names the task at once.
+            asked = _submission({**body, "reply_mode": "async"}, key)
+            answer = yield from send(asked, policy, deadline)
+    except DeadlinePassed:
+        raise WaitTimeoutError(None, idempotency_key=key) from None
     task = Task.from_json(answer.json())
     if task.final:
         return task
-    remaining = None if timeout_s is None else max(0.0, timeout_s - (clock() - started))
-    return (yield from wait(policy, task.task_id, remaining, clock))
+    return (yield from _poll(policy, task, deadline))
+
+
+def _gave_up_waiting(error: APITimeoutError | APIStatusError) -> bool:
+    """Whether a sync submit ended because we, or a gateway in front of the API (502, 504),
+    would not wait as long as the server does: the task may be running all the same."""
+    return isinstance(error, APITimeoutError) or error.status in GATEWAY_STATUSES
 
 
 def wait(
     policy: RetryPolicy, task_id: str, timeout_s: float | None, clock: Clock = time.monotonic
 ) -> Plan[Task]:
-    """Poll ``GET /tasks/{id}`` until the task is final, or ``WaitTimeoutError``."""
-    deadline = None if timeout_s is None else clock() + timeout_s
+    """Poll ``GET /tasks/{id}`` until the task is final, or ``WaitTimeoutError`` once
+    ``timeout_s`` has passed: every request and pause ends by then."""
+    deadline = Deadline.after(timeout_s, clock)
+    try:
+        task = yield from get(policy, task_id, deadline)
+    except DeadlinePassed:
+        raise WaitTimeoutError(None, task_id=task_id) from None
+    if task.final:
+        return task
+    return (yield from _poll(policy, task, deadline))
+
+
+def _poll(policy: RetryPolicy, task: Task, deadline: Deadline | None) -> Plan[Task]:
+    """``task`` polled until final; ``WaitTimeoutError`` with it as last seen once the
+    deadline passes."""
     delay = POLL_FIRST_S
     while True:
-        task = yield from get(policy, task_id)
+        yield from pause(delay if deadline is None else deadline.cut(delay))
+        delay = min(delay * POLL_FACTOR, POLL_MAX_S)
+        try:
+            task = yield from get(policy, task.task_id, deadline)
+        except DeadlinePassed:
+            raise WaitTimeoutError(task) from None
         if task.final:
             return task
-        left = None if deadline is None else deadline - clock()
-        if left is not None and left <= 0:
-            raise WaitTimeoutError(task)
-        yield from pause(delay if left is None else min(delay, left))
-        delay = min(delay * POLL_FACTOR, POLL_MAX_S)
 
 
-def get(policy: RetryPolicy, task_id: str) -> Plan[Task]:
-    answer = yield from send(Request("GET", path("tasks", task_id)), policy)
+def get(policy: RetryPolicy, task_id: str, deadline: Deadline | None = None) -> Plan[Task]:
+    answer = yield from send(Request("GET", path("tasks", task_id)), policy, deadline)
     return Task.from_json(answer.json())
 
 
@@ -138,4 +172,9 @@ def events_request(task_id: str, last_event_id: int | None) -> Request:
     headers = {"Accept": "text/event-stream"}
     if last_event_id is not None:
         headers["Last-Event-ID"] = str(last_event_id)
-    return Request("GET", path("tasks", task_id, "events"), headers=headers)
+    return Request(
+        "GET",
+        path("tasks", task_id, "events"),
+        headers=headers,
+        read_at_least_s=STREAM_READ_TIMEOUT_S,
+    )

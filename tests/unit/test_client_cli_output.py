@@ -1,0 +1,117 @@
+"""Where ``reach`` writes while it follows a task. With ``--json`` its events go to stdout,
+one whole line each, even while the progress bar is live on a terminal's stderr (rich would
+take what goes to ``sys.stdout`` to that terminal, folded to its width). After a failed
+attempt the bar starts the next one afresh. ``reach`` runs against a loopback server
+(``client_loopback``): as installed, with a pseudo-terminal for its stderr, or in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from reach_client.cli import main
+
+from tests.integration.receiver import Reply
+from tests.unit.client_loopback import TASK, Loopback, events_reply, task_reply
+
+# Lines far wider than the terminal below (40 columns)
+WIDE = "an output far wider than the terminal it is shown on, " * 3
+EVENTS = [
+    {"seq": 1, "type": "status", "data": {"status": "running"}},
+    {"seq": 2, "type": "progress", "data": {"percent": 50, "message": "half way"}},
+    {"seq": 3, "type": "output", "data": {"text": WIDE}},
+    {"seq": 4, "type": "succeeded", "data": {**TASK, "status": "succeeded"}},
+]
+
+
+def run_with_terminal_stderr(argv: list[str], url: str, stdout: Path) -> tuple[int, str]:
+    """``reach argv`` with a pseudo-terminal as stderr and ``stdout`` a file: its exit
+    status and all it wrote to the terminal."""
+    controller, terminal = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    env.update(
+        REACH_URL=url,
+        REACH_API_KEY="rk_test",
+        REACH_CONFIG="/nonexistent/reach.toml",
+        TERM="xterm-256color",
+        COLUMNS="40",
+        LINES="20",
+    )
+    with stdout.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "reach_client.cli", *argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=terminal,
+        )
+    os.close(terminal)
+    written = bytearray()
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(controller)
+    return process.wait(timeout=60), written.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("argv", "first"),
+    [
+        (["submit", "echo", "--stream", "--json"], task_reply("queued", 202)),
+        (["tasks", "watch", "t1", "--json"], task_reply("running")),
+    ],
+    ids=["submit --stream", "tasks watch"],
+)
+def test_json_events_go_to_stdout_whole_while_stderr_is_a_terminal(
+    argv: list[str], first: Reply, tmp_path: Path
+) -> None:
+    replies = [first, events_reply(*EVENTS)]
+    with Loopback(lambda n: replies[n - 1]) as api:
+        status, screen = run_with_terminal_stderr(argv, api.base_url, tmp_path / "out")
+
+    assert status == 0, screen
+    lines = (tmp_path / "out").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == EVENTS  # one whole line each, in order
+    assert "far wider" not in screen  # none of it went to the terminal
+
+
+def run_reach(replies: list[Reply], *argv: str, monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
+    monkeypatch.delenv("REACH_PROFILE", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    with Loopback(lambda n: replies[n - 1]) as api:
+        return main([*argv, "--url", api.base_url, "--api-key", "rk_test"])
+
+
+def test_a_retry_starts_the_progress_bar_afresh(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given an attempt that got half way, failed, and is to run again; the next one fails
+    # before any progress
+    failed: dict[str, Any] = {**TASK, "status": "failed", "error": {"code": "boom"}}
+    events = events_reply(
+        {"seq": 1, "type": "status", "data": {"status": "running"}},
+        {"seq": 2, "type": "progress", "data": {"percent": 60, "message": "page 3 of 5"}},
+        {"seq": 3, "type": "status", "data": {"status": "queued", "retry_in_s": 2}},
+        {"seq": 4, "type": "status", "data": {"status": "running"}},
+        {"seq": 5, "type": "failed", "data": failed},
+    )
+    status = run_reach(
+        [task_reply("running"), events], "tasks", "watch", "t1", monkeypatch=monkeypatch
+    )
+    bar = capsys.readouterr().err
+    assert status == 1
+    # I expect the bar to show the last attempt, not the first one's percent and message
+    assert "failed" in bar and "0%" in bar, bar
+    assert "60%" not in bar and "page 3 of 5" not in bar, bar
