@@ -4,11 +4,19 @@ A call that finds nothing in flight goes out at once, alone; calls that arrive m
 for it and then go out as one batch (one statement, one Redis call). At rest this adds nothing;
 under load one round trip serves many requests. ``Grouped`` serves coroutines on one event
 loop (the API); ``ThreadGrouped`` serves threads (a worker on the threads pool).
+
+A batch holds at most ``max_items``, and, given ``weigh``, at most ``max_bytes`` of what its
+items weigh (always one item, however heavy): a group of rows goes out as one JSON parameter,
+and Postgres refuses a ``jsonb`` value past 256 MiB (``ProgramLimitExceeded``, which psycopg
+makes an ``OperationalError``, an outage's error): 100 results of 4 MiB failed each of their
+callers, every try, where each alone went in. A batch runs in a context of its own, not the
+one of the caller that happened to start it: its log lines are no task's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -19,6 +27,21 @@ from broker.outages import INFRASTRUCTURE_ERRORS
 T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("reach.grouping")
+GROUP_MAX_BYTES = 32 * 1024 * 1024  # well inside Postgres's 256 MiB for one jsonb value
+
+
+def _taken(items: list[T], max_bytes: int, weigh: Callable[[T], int] | None) -> int:
+    """How many of ``items`` (the first ``max_items`` waiting), from the first, the next
+    batch takes: at most ``max_bytes`` by ``weigh``, but always the first."""
+    if weigh is None:
+        return len(items)
+    count, total = 0, 0
+    for item in items:
+        total += weigh(item)
+        if count and total > max_bytes:
+            break
+        count += 1
+    return count
 
 
 class Grouped(Generic[T, R]):
@@ -38,11 +61,15 @@ class Grouped(Generic[T, R]):
         max_items: int,
         name: str,
         retry_alone: bool,
+        weigh: Callable[[T], int] | None = None,
+        max_bytes: int = GROUP_MAX_BYTES,
     ) -> None:
         self.run_many = run_many
         self.max_items = max_items
         self.name = name
         self.retry_alone = retry_alone
+        self.weigh = weigh
+        self.max_bytes = max_bytes
         self._waiting: list[tuple[T, asyncio.Future[R]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -52,12 +79,15 @@ class Grouped(Generic[T, R]):
         self._waiting.append((item, future))
         flusher = self._flusher
         if flusher is None or flusher.done() or flusher.get_loop() is not loop:
-            self._flusher = asyncio.create_task(self._flush(), name=f"reach-group-{self.name}")
+            self._flusher = asyncio.create_task(
+                self._flush(), name=f"reach-group-{self.name}", context=contextvars.Context()
+            )
         return await future
 
     async def _flush(self) -> None:
         while self._waiting:
-            batch = self._waiting[: self.max_items]
+            items = [item for item, _ in self._waiting[: self.max_items]]
+            batch = self._waiting[: _taken(items, self.max_bytes, self.weigh)]
             del self._waiting[: len(batch)]
             try:
                 answers = await self.run_many([item for item, _ in batch])
@@ -113,11 +143,15 @@ class ThreadGrouped(Generic[T, R]):
         max_items: int,
         name: str,
         retry_alone: bool,
+        weigh: Callable[[T], int] | None = None,
+        max_bytes: int = GROUP_MAX_BYTES,
     ) -> None:
         self.run_many = run_many
         self.max_items = max_items
         self.name = name
         self.retry_alone = retry_alone
+        self.weigh = weigh
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._waiting: list[_Slot[T, R]] = []
         self._leading = False  # a group is in flight; while anything waits, always True
@@ -135,9 +169,10 @@ class ThreadGrouped(Generic[T, R]):
         batch: list[_Slot[T, R]] = []
         try:
             with self._lock:  # the lead: slot is first in line
-                batch = self._waiting[: self.max_items]
+                items = [s.item for s in self._waiting[: self.max_items]]
+                batch = self._waiting[: _taken(items, self.max_bytes, self.weigh)]
                 del self._waiting[: len(batch)]
-            answers = self._answers([s.item for s in batch])
+            answers = contextvars.Context().run(self._answers, [s.item for s in batch])
         except BaseException as exc:  # a soft time limit's signal, say: everyone's
             answers = [exc] * len(batch)
         finally:  # whatever happened, the next group gets its leader

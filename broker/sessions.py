@@ -22,7 +22,16 @@ from datetime import datetime
 from types import SimpleNamespace
 from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, delete, func, insert, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -33,6 +42,7 @@ from broker.db.models import tasks_table as tasks
 from broker.db.paging import Budget, first_rows, json_bytes, newest_created_first
 from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.tasks.resource import RUNNING
+from broker.tasks.turns import HELD_BY_A_TURN, LIVE
 from broker.tenancy.heavy import OneAtATime
 from broker.timestamps import iso
 
@@ -193,7 +203,7 @@ async def create(
         live = await conn.scalar(
             select(func.count()).select_from(
                 select(sessions.c.id)
-                .where(sessions.c.tenant == tenant, sessions.c.expires_at > func.now())
+                .where(sessions.c.tenant == tenant, LIVE)
                 .limit(max_per_tenant)
                 .subquery()
             )
@@ -219,7 +229,7 @@ async def list_live(
     """The tenant's live sessions, newest first, a page at a time (``broker.db.paging``: a
     session's id is random, so its pages go by creation time), with at most ``max_bytes`` of
     state and metadata (and at least one session)."""
-    query = select(sessions).where(sessions.c.tenant == tenant, sessions.c.expires_at > func.now())
+    query = select(sessions).where(sessions.c.tenant == tenant, LIVE)
     budget = Budget(max_bytes, json_bytes("state", "metadata"))
     async with engine.connect() as conn:
         rows, next_cursor = await newest_created_first(
@@ -251,7 +261,7 @@ def live(conn: Connection, tenant: str, session_id: str, *, for_update: bool = F
     query = select(sessions).where(
         sessions.c.tenant == tenant,
         sessions.c.id == _nameable(session_id),
-        sessions.c.expires_at > func.now(),
+        LIVE,
     )
     row = conn.execute(query.with_for_update() if for_update else query).first()
     if row is None:
@@ -372,7 +382,7 @@ def snapshot_of(session_id: Any, tenant: Any) -> Any:
         .where(
             sessions.c.id == session_id,
             sessions.c.tenant == tenant,
-            sessions.c.expires_at > func.now(),
+            LIVE,
         )
         .scalar_subquery()
     )
@@ -384,7 +394,7 @@ async def remove(engine: AsyncEngine, tenant: str, session_id: str) -> None:
             delete(sessions).where(
                 sessions.c.tenant == tenant,
                 sessions.c.id == _nameable(session_id),
-                sessions.c.expires_at > func.now(),
+                LIVE,
             )
         )
     if not gone.rowcount:
@@ -446,16 +456,21 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return merged
 
 
-_PURGE = text(
-    "DELETE FROM sessions WHERE id IN ("
-    " SELECT id FROM sessions WHERE expires_at <= now()"
-    " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
+_PURGE = delete(sessions).where(
+    sessions.c.id.in_(
+        select(sessions.c.id)
+        .where(sessions.c.expires_at <= func.now(), ~HELD_BY_A_TURN)
+        .order_by(sessions.c.expires_at)
+        .limit(bindparam("batch"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
 )
 
 
 def purge_expired(engine: Engine, *, batch: int) -> int:
-    """Delete the expired sessions (and their revisions, by cascade), one batch per short
-    transaction, until none is left; the janitor's, after the tasks."""
+    """Delete the expired sessions no turn holds (and their revisions, by cascade), one batch
+    per short transaction, until none is left; the janitor's, after the tasks."""
     removed = 0
     while True:
         with engine.begin() as conn:

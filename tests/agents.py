@@ -296,8 +296,11 @@ async def async_sleep(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """Awaits ``sleep_s``. With ``barrier`` and ``n``, first waits until ``n`` tasks of that
     barrier are in flight in this process at once (or fails after ``wait_s``), and counts the
     process's threads then. With ``mark``,
-    writes to that Redis key whether its coroutine was cancelled."""
+    writes to that Redis key whether its coroutine was cancelled. With ``sync_progress``, first
+    reports progress with the sync ``ctx.progress``, as a handler ported from sync code may."""
     peers = threads = 0
+    if payload.get("sync_progress"):
+        ctx.progress(0, "started, reported the sync way")
     if ctx.attempt <= int(payload.get("fail_times", 0)):
         raise Retryable(f"not yet (attempt {ctx.attempt})", code="upstream_busy", delay_s=0.05)
     try:
@@ -360,6 +363,17 @@ def sync_slow(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     if payload.get("fail"):
         raise AgentFailure("failed after its sleep", code=str(payload["fail"]))
     return {"slept_s": payload.get("sleep_s", 1)}
+
+
+@agent.capability("test.sync-fuse", agent_id="test-sync-fuse", version="0.0.1", timeout_s=0.5)
+def sync_fuse(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """A sync handler with half a second (its card's ``timeout_s``) that sleeps ``sleep_s``,
+    then raises: ``Retryable`` with ``retry``, an ``AgentFailure`` otherwise. Counts its runs."""
+    _runs(ctx)
+    time.sleep(float(payload.get("sleep_s", 1)))
+    if payload.get("retry"):
+        raise Retryable("try me again", code="upstream_busy", delay_s=0.05)
+    raise AgentFailure("failed after its sleep", code="gave_up")
 
 
 async def _lives(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:

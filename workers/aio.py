@@ -101,6 +101,31 @@ async def _in_context(values: list[tuple[contextvars.ContextVar[Any], Any]], cal
     return await call
 
 
+async def _within(call: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+    """``call``, cancelled once ``timeout_s`` has passed since it began: CallTimedOut then,
+    and also when it came to an end after that, holding on through its cancel. The clock
+    is the call's own, started with it: a caller that waited for something else first (the
+    ``running`` event's write) gave the handler that wait on top of its time, and took a
+    result that came past it."""
+    if timeout_s is None:
+        return await call
+    limit = asyncio.timeout(timeout_s)
+    try:
+        async with limit:
+            result = await call
+    except Exception:  # the limit's TimeoutError, or the handler's own late error
+        if limit.expired():
+            raise CallTimedOut(f"the handler ran past {timeout_s:.3f}s") from None
+        raise
+    if limit.expired():
+        raise CallTimedOut(f"the handler returned after {timeout_s:.3f}s")
+    return result
+
+
+def _left(timeout_s: float | None, begun: float, now: float) -> float | None:
+    return None if timeout_s is None else max(0.0, timeout_s - (now - begun))
+
+
 class _LoopTask:
     """A task on the loop that another thread (the cancel listener) may cancel."""
 
@@ -167,7 +192,9 @@ class Calls:
         coroutine is cancelled."""
         loop = self._started()
         values = list(contextvars.copy_context().items())
-        future = asyncio.run_coroutine_threadsafe(_in_context(values, call), loop)
+        begun = time.monotonic()
+        limited = _within(call, timeout_s)
+        future = asyncio.run_coroutine_threadsafe(_in_context(values, limited), loop)
         with self._lock:
             self._running[task_id] = future
             heard = self._recent.pop(task_id, None) is not None
@@ -181,7 +208,7 @@ class Calls:
                     raise
             if heard or ((since is None or since > claimed_at) and cancelled()):
                 future.cancel()
-            return future.result(timeout=timeout_s)
+            return future.result(timeout=_left(timeout_s, begun, time.monotonic()))
         except TimeoutError:  # the wait's, or the handler's own: only the first is ours
             if future.done():
                 return future.result()
@@ -206,7 +233,9 @@ class Calls:
         """``run`` for a caller that is itself a coroutine on the loop (the threads pool's
         direct path, ``workers.pool``): the call runs as a task of its own, with a copy of
         the caller's context, and no thread waits for it."""
-        task = asyncio.get_running_loop().create_task(call)
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        task = loop.create_task(_within(call, timeout_s))
         task.add_done_callback(_retrieved)
         with self._lock:
             self._running[task_id] = _LoopTask(task)
@@ -220,7 +249,7 @@ class Calls:
                 raise
             if heard or ((since is None or since > claimed_at) and await cancelled()):
                 task.cancel()
-            done, _ = await asyncio.wait((task,), timeout=timeout_s)
+            done, _ = await asyncio.wait((task,), timeout=_left(timeout_s, begun, loop.time()))
             if not done:
                 task.cancel()
                 raise CallTimedOut(f"the handler ran past {timeout_s:.3f}s")

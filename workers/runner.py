@@ -134,7 +134,11 @@ class Runner:
             self._claim_many, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True
         )
         self._finishes = ThreadGrouped(
-            self._finish_many, max_items=GROUP_MAX_TASKS, name="finishes", retry_alone=True
+            self._finish_many,
+            max_items=GROUP_MAX_TASKS,
+            name="finishes",
+            retry_alone=True,
+            weigh=Finish.weight,
         )
         self._pid = os.getpid()
 
@@ -155,7 +159,11 @@ class Runner:
             self._claim_many_async, max_items=GROUP_MAX_TASKS, name="claims", retry_alone=True
         )
         self._afinishes = Grouped(
-            self._finish_many_async, max_items=GROUP_MAX_TASKS, name="finishes", retry_alone=True
+            self._finish_many_async,
+            max_items=GROUP_MAX_TASKS,
+            name="finishes",
+            retry_alone=True,
+            weigh=Finish.weight,
         )
 
     async def _claim_many_async(self, claims: list[Claim]) -> list[Claimed | None]:
@@ -579,13 +587,15 @@ class Runner:
         if place is None:
             return
         try:
-            if self.republish is not None:
-                with self.engine.connect() as conn:
-                    due = turns.next_due(conn, *place)
-                if due is not None:  # a turn of the same session: the same tenant's
-                    self.republish(
-                        due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0, row["tenant"]
-                    )
+            with self.engine.begin() as conn:
+                turns.ended(conn, place[0])
+                due = turns.next_due(conn, *place) if self.republish is not None else None
+            if (
+                due is not None and self.republish is not None
+            ):  # a turn of the same session: the same tenant's
+                self.republish(
+                    due.task_id, due.queue, due.trace_id, due.deadline_at, 0.0, row["tenant"]
+                )
             turns.take_dropped(self.redis, row["id"])
         except Exception:  # the task is final either way; the sweeper publishes the next turn
             log.exception("could not release the turn after task %s", row["id"])
@@ -708,10 +718,19 @@ class Runner:
                 started=announce,
             )
         started = time.monotonic()
-        with soft_limit(limit_s):
-            result = spec.handler(ctx, payload)
-            if inspect.isgenerator(result):
-                result = _drain_generator(result, ctx)
+        try:
+            with soft_limit(limit_s):
+                result = spec.handler(ctx, payload)
+                if inspect.isgenerator(result):
+                    result = _drain_generator(result, ctx)
+        except SoftTimeLimit:
+            raise
+        except Exception as exc:
+            # A failure past its time is its time's, as a result is: it was a failure of
+            # the agent's, or a retry, that ran the task again past its time.
+            if limit_s is not None and time.monotonic() - started > limit_s:
+                raise SoftTimeLimit("the handler failed after its time limit") from exc
+            raise
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")
         return result
@@ -725,7 +744,10 @@ class Running:
     overlap. Events the handler sends meanwhile wait for it, so the log stays in order. If it
     cannot be sent, ``announce`` raises, as it did before the handler started.
     ``append_async``: the task runs on the event loop itself, which sends it
-    (``announce_async``) and the handler's outputs (``publish_async``).
+    (``announce_async``) and the handler's outputs (``publish_async``). There a handler's
+    sync ``ctx.progress`` or ``ctx.emit`` made before the ``running`` event is out cannot
+    wait for it: the loop it would block is the one sending it, and every task of the
+    process stopped with it, for good. Such events are kept, and sent right after it.
     """
 
     def __init__(
@@ -741,6 +763,7 @@ class Running:
         self._lock = threading.Lock()
         self._sent = threading.Event()
         self._sent_here = asyncio.Event() if append_async is not None else None
+        self._early: list[tuple[str, Any]] = []  # made on the loop before it was sent
         self._error: BaseException | None = None
 
     def announce(self) -> None:
@@ -762,6 +785,8 @@ class Running:
         if not self._sent.is_set():
             try:
                 await self._append_async(events.STATUS, self._data)
+                while self._early:  # the handler may add more while one is written
+                    await self._append_async(*self._early.pop(0))
             except BaseException as exc:
                 self._error = exc
             finally:
@@ -771,6 +796,9 @@ class Running:
             raise self._error
 
     def publish(self, event_type: str, data: Any) -> None:
+        if self._append_async is not None and not self._sent.is_set() and _on_a_loop():
+            self._early.append((event_type, data))
+            return
         self._sent.wait()
         self._append(event_type, data)
 
@@ -778,6 +806,15 @@ class Running:
         assert self._append_async is not None and self._sent_here is not None
         await self._sent_here.wait()
         await self._append_async(event_type, data)
+
+
+def _on_a_loop() -> bool:
+    """Whether this thread is running an event loop (a sync call from a coroutine)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _final_write_failed(finish: Finish, exc: BaseException, wait_s: float) -> None:
@@ -845,7 +882,11 @@ def _limit_s(spec: CapabilitySpec, ctx: Context, default_s: float) -> float:
 def _failure(exc: Exception, spec: CapabilitySpec, ctx: Context) -> Failed:
     """What a handler that raised ``exc`` (or was stopped) came to."""
     if isinstance(exc, (SoftTimeLimit, CallTimedOut)):
-        return Failed(task_error("timeout", "the agent ran past its time limit"), expired=True)
+        message = "the agent ran past its time limit"
+        if isinstance(exc.__cause__, Exception):  # it failed, late: what it failed with
+            cause = _failure(exc.__cause__, spec, ctx).error
+            message = f"{message} ({cause['code']}: {cause['message']})"
+        return Failed(task_error("timeout", message), expired=True)
     if isinstance(exc, CallCancelled):
         return Failed(task_error("cancelled", "cancelled by the caller"))
     if isinstance(exc, Retryable):

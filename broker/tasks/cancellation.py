@@ -122,7 +122,8 @@ class Canceller:
         if place is None:
             return
         try:
-            async with self.engine.connect() as conn:
+            async with self.engine.begin() as conn:
+                await conn.run_sync(turns.ended, place[0])
                 due = await conn.run_sync(turns.next_due, *place)
             if due is not None:  # a turn of the same session: the same tenant's
                 behind = await self.queue_bound.republish_behind(due.queue, row["tenant"])

@@ -303,6 +303,9 @@ def report_progress(
     return result.rowcount == 1
 
 
+FINISH_BYTES = 512  # a finish's own fields, an error with its message
+
+
 @dataclass(frozen=True)
 class Finish:
     """A final write: ``move`` with its ``outcome`` (the result of a success, the error
@@ -327,6 +330,11 @@ class Finish:
     ) -> Finish:
         """A success; the error of an earlier, retried attempt is cleared."""
         return cls(task_id, SUCCEED, result, attempt, result_size)
+
+    def weight(self) -> int:
+        """About what it adds to its group's JSON parameter (``grouping``): a result's
+        measured size; an error or an unmeasured result is small (a worker measures each)."""
+        return FINISH_BYTES + (self.result_size or 0)
 
     @classmethod
     def failed(
@@ -454,6 +462,37 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     with engine.begin() as conn:
         row = conn.execute(outbox.recording(query)).first()
     return as_task_row(row) if row is not None else None
+
+
+def expire_unstarted(engine: Engine, *, within_s: float, batch: int) -> list[TaskRow]:
+    """Queued tasks whose ``expires_at`` comes within ``within_s`` end expired, never run
+    (``ttl_exceeded``), ``batch`` at most: nobody started them within their
+    ``result_ttl_s``. The janitor calls it before it deletes, ``within_s`` its period ahead,
+    so a task it runs on time ends before its row would go. Before, the row went while
+    queued: accepted, then gone, with no final state, event, webhook or callback, and a
+    turn of its session waiting behind it read its session's order as broken."""
+    error = task_error("ttl_exceeded", "not started within its result_ttl_s")
+    due = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, within_s)
+    picked = (
+        select(tasks.c.id)
+        .where(tasks.c.status == QUEUED, tasks.c.expires_at <= due)
+        .order_by(tasks.c.expires_at)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    )
+    query = (
+        update(tasks)
+        .where(tasks.c.id.in_(picked.scalar_subquery()), in_sources(EXPIRE_UNSTARTED))
+        .values(
+            status=EXPIRE_UNSTARTED.target,
+            error=error,
+            finished_at=moment(),
+            expires_at=expiry(),
+        )
+        .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
+    )
+    with engine.begin() as conn:
+        return [as_task_row(row) for row in conn.execute(outbox.recording(query))]
 
 
 def fail_outsider(engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]) -> TaskRow | None:

@@ -41,7 +41,7 @@ from broker.tasks.envelope import Envelope
 from broker.tasks.resource import QUEUED, TaskRow, new_task_id
 from broker.tenancy.heavy import OneAtATime
 from broker.tenancy.keys import Principal
-from broker.tenancy.usage import QuotaExceeded, Quotas, task_bytes
+from broker.tenancy.usage import ROW_BYTES, QuotaExceeded, Quotas, task_bytes
 
 log = logging.getLogger("reach.api")
 
@@ -125,6 +125,11 @@ _INSERT_GROUP = (
 )
 
 
+def _row_weight(row: dict[str, Any]) -> int:
+    """About what a row adds to its group's JSON parameter (``grouping``)."""
+    return ROW_BYTES + int(row["payload_size"]) + int(row["metadata_size"])
+
+
 class GroupInsert:
     """Inserts task rows; rows that arrive together go out in one INSERT ... SELECT from their
     JSON (``grouping``): under load, one round trip and one commit for many submits. The groups go
@@ -137,7 +142,11 @@ class GroupInsert:
         # A session's submits, one at a time in this process (``_insert_turn``).
         self.turns = OneAtATime()
         self._insert = Grouped(
-            self._insert_many, max_items=max_rows, name="inserts", retry_alone=True
+            self._insert_many,
+            max_items=max_rows,
+            name="inserts",
+            retry_alone=True,
+            weigh=_row_weight,
         )
 
     async def insert(self, values: dict[str, Any]) -> bool:

@@ -44,18 +44,6 @@ from broker.tasks.resource import QUEUED, RUNNING
 DROPPED_KEY = "reach:dropped:{}"
 DROPPED_TTL_S = 24 * 3600  # longer than any turn waits for the one before it to finish
 
-# The session's next turn, while the session is live and the caller's; no row otherwise.
-# Its row stays locked until the insert commits: the next submit to the session waits.
-ALLOCATE = (
-    update(sessions)
-    .where(
-        sessions.c.id == bindparam("turn_session"),
-        sessions.c.tenant == bindparam("turn_tenant"),
-        sessions.c.expires_at > func.now(),
-    )
-    .values(turns=sessions.c.turns + 1)
-    .returning(sessions.c.turns)
-)
 RETRY_AFTER_S = 5  # a refused turn may try again once the session's turns move on
 
 
@@ -74,6 +62,28 @@ def _waiting_or_running(table: Any) -> Any:
         table.c.expires_at > func.now(),
     )
 
+
+# A session is live before its expiry, and past it while a turn of it is queued or running:
+# its TTL is idle time, and a turn is use. Otherwise a turn running past the session's TTL
+# found its session gone (its writes refused, the turns behind it failed), and the janitor
+# deleted the state the conversation was in.
+HELD_BY_A_TURN = exists().where(tasks.c.session_id == sessions.c.id, *_waiting_or_running(tasks))
+LIVE = or_(sessions.c.expires_at > func.now(), HELD_BY_A_TURN)
+IDLE_AGAIN = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, sessions.c.ttl_s)
+
+# The session's next turn, while the session is live and the caller's; no row otherwise.
+# Its row stays locked until the insert commits: the next submit to the session waits. A
+# turn is use: its session's idle TTL starts again, as a write's does.
+ALLOCATE = (
+    update(sessions)
+    .where(
+        sessions.c.id == bindparam("turn_session"),
+        sessions.c.tenant == bindparam("turn_tenant"),
+        LIVE,
+    )
+    .values(turns=sessions.c.turns + 1, expires_at=IDLE_AGAIN)
+    .returning(sessions.c.turns)
+)
 
 _earlier = tasks.alias("earlier")
 # True for a task without a session, or whose session has no earlier turn left to run.
@@ -164,6 +174,13 @@ def next_due(conn: Connection, session_id: str, finished_turn: int) -> Due | Non
     before this is called), if any. Async callers run it with ``AsyncConnection.run_sync``."""
     head = conn.execute(_HEAD, {"session": session_id}).first()
     return due_after(finished_turn, head)
+
+
+def ended(conn: Connection, session_id: str) -> None:
+    """A turn of ``session_id`` went final: its session's idle TTL starts again, as at a
+    write (the turn held it while it ran, ``LIVE``; without this, a session whose turn ran
+    past its TTL went the moment the turn ended). Call it in a transaction."""
+    conn.execute(update(sessions).where(sessions.c.id == session_id).values(expires_at=IDLE_AGAIN))
 
 
 def of_row(row: Any) -> tuple[str, int] | None:

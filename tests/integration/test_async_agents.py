@@ -38,7 +38,7 @@ from tests.integration.test_replies import read_stream
 from workers import faults
 from workers.runner import PROGRESS_BURST, PROGRESS_PER_S
 
-ASYNC_QUEUES = "test.async,test.async-fuse,test.async-stream,test.sync-slow"
+ASYNC_QUEUES = "test.async,test.async-fuse,test.async-stream,test.sync-slow,test.sync-fuse"
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
 
@@ -220,6 +220,32 @@ def test_a_failure_that_comes_past_the_deadline_expires_as_a_late_result_does(
     # the same failure within the deadline is the agent's own
     early = submit(client, "test.sync-slow", {"sleep_s": 0.1, "fail": "gave_up"}, deadline_ms=9000)
     assert wait_for_task(client, early, FINAL)["error"]["code"] == "gave_up"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("retry", [False, True])
+def test_a_failure_that_comes_past_the_cards_timeout_expires_and_is_not_tried_again(
+    client: httpx.Client, async_worker: CeleryProcess, redis_url: str, retry: bool
+) -> None:
+    """Only a failure past the task's deadline was its time's: one past the card's
+    ``timeout_s`` was the agent's error, and a retryable one ran the task again."""
+    task_id = submit(client, "test.sync-fuse", {"sleep_s": 1, "retry": retry})
+    done = wait_for_task(client, task_id, FINAL)
+    assert done["status"] == "expired"
+    assert done["error"]["code"] == "timeout"  # type: ignore[index]
+    assert runs(redis_url, task_id) == 1
+
+
+def test_an_async_handler_reporting_progress_the_sync_way_before_its_running_event_finishes(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    """On the loop that sends the ``running`` event, a sync ``ctx.progress`` waited for it to
+    be sent: the loop, and with it every task of the process, stopped for good."""
+    task_id = submit(client, "test.async", {"sync_progress": True})
+    events = read_stream(client, "GET", f"/tasks/{task_id}/events")
+    kinds = [e["event"] for e in events]
+    assert kinds == ["status", "status", "progress", "succeeded"]
+    assert [e["data"]["data"]["status"] for e in events[:2]] == ["queued", "running"]  # type: ignore[index]
+    assert client.get(f"/tasks/{task_id}").json()["progress"]["message"].startswith("started")
 
 
 def test_sync_and_async_handlers_run_side_by_side_in_one_worker(

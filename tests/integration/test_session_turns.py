@@ -688,3 +688,40 @@ def test_the_sweep_reads_each_sessions_first_unfinished_turn_not_every_waiting_o
     # and a read of about a row a session, not of each of the 1,980 waiting turns
     read = buffers_read(own_engine, execution.stale_query(30, 100))
     assert read < 400, read
+
+
+def test_a_turn_running_past_its_sessions_ttl_holds_the_session_and_starts_its_idle_time_again(
+    client: httpx.Client,
+    engine: Engine,
+    turn_worker: CeleryProcess,
+    system_beat: CeleryProcess,
+    gates: Callable[[str], None],
+) -> None:
+    """The session went at its TTL under a turn still running: the turn's write was refused,
+    the turn behind it failed, and the janitor deleted the conversation's state."""
+    # Given a session kept 2 s idle, a turn that runs until a gate opens, and one behind it
+    # that writes nothing
+    session_id = new_session(client, ttl_s=2)
+    gate, later = secrets.token_hex(4), secrets.token_hex(4)
+    first = submit(client, "test.turn", {"gate": gate, "text": "one"}, session_id)
+    second = submit(client, "test.turn", {"gate": later}, session_id)
+    eventually(lambda: client.get(f"/tasks/{first}").json()["status"] == "running", "running")
+    # When the turn runs past the session's expiry (the janitor running every half second)
+    with engine.connect() as conn:
+        expires_at = conn.execute(
+            select(sessions_table.c.expires_at).where(sessions_table.c.id == session_id)
+        ).scalar_one()
+    eventually(lambda: datetime.now(UTC) > expires_at + timedelta(seconds=1), "past its TTL")
+    # Then the session is still there, the turn writes to it, and the next turn runs
+    assert client.get(f"/sessions/{session_id}").status_code == 200
+    gates(gate)
+    assert wait_for_task(client, first, FINAL)["status"] == "succeeded"
+    written = datetime.fromisoformat(session_of(client, session_id)["updated_at"])
+    eventually(lambda: datetime.now(UTC) > written + timedelta(seconds=2.5), "past its TTL")
+    gates(later)
+    assert wait_for_task(client, second, FINAL)["status"] == "succeeded"
+    session = session_of(client, session_id)
+    assert session["state"]["log"] == ["one"]
+    # And its idle time starts again when the last turn ends
+    ended = datetime.fromisoformat(client.get(f"/tasks/{second}").json()["finished_at"])
+    assert datetime.fromisoformat(session["expires_at"]) >= ended + timedelta(seconds=1.5)

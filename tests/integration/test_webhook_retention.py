@@ -3,6 +3,7 @@ The session stack (the maintenance worker runs the webhook sweep every second, b
 
 from __future__ import annotations
 
+import json
 import secrets
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -171,3 +172,21 @@ def test_a_progress_reports_body_expires_no_later_than_its_task(
     # Then the report's body, and its delivery, expire at the latest with the task
     assert len(reports) == 1
     assert max(reports[0]) <= expires_at, (reports, expires_at)
+
+
+def test_a_task_nobody_started_within_its_ttl_ends_expired_and_is_told(
+    client: httpx.Client, system_beat: CeleryProcess
+) -> None:
+    """A queued task's row went when its ``result_ttl_s`` passed: accepted, then gone with no
+    final state, and nobody subscribed to its end heard of it."""
+    with Receiver() as receiver:
+        # Given a subscription to expired tasks, and a task nobody serves, kept 2 s
+        register(client, receiver.url, events=["task.expired"])
+        task = submit(client, "test.nobody", queue_if_unavailable=True, result_ttl_s=2)
+        # When its time passes unstarted, then the janitor runs
+        [told] = receiver.wait_for(1)
+    # Then it ended expired, ttl_exceeded, and its end was delivered
+    event = json.loads(told.body)
+    assert event["type"] == "task.expired"
+    assert event["data"]["task_id"] == task["task_id"]
+    assert event["data"]["error"]["code"] == "ttl_exceeded"

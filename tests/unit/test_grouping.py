@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 
@@ -161,3 +162,84 @@ def test_threads_under_contention_every_call_gets_its_own_answer_exactly_once() 
     assert wrong == []
     assert sorted(runs) == sorted(1000 * t + n for t in range(32) for n in range(100))
     assert len(groups) < len(runs)  # calls went out together
+
+
+def test_a_batch_holds_at_most_max_bytes_by_weight_and_always_one_item() -> None:
+    """Rows go out as one JSON parameter, which Postgres refuses past 256 MiB: a batch is
+    bounded by what its items weigh, and an item heavier than the bound goes alone."""
+    calls: list[list[int]] = []
+
+    async def run_many(batch: list[int]) -> list[int]:
+        calls.append(batch)
+        return batch
+
+    async def main() -> list[int]:
+        grouped = Grouped(
+            run_many, max_items=100, name="test", retry_alone=True, weigh=lambda n: n, max_bytes=10
+        )
+        return await asyncio.gather(*(grouped(n) for n in [4, 4, 4, 25, 1, 2, 3]))
+
+    assert asyncio.run(main()) == [4, 4, 4, 25, 1, 2, 3]
+    assert calls == [[4, 4], [4], [25], [1, 2, 3]]
+
+
+def test_threads_a_batch_holds_at_most_max_bytes_by_weight() -> None:
+    calls: list[list[int]] = []
+    first_in_flight, all_waiting = threading.Event(), threading.Event()
+
+    def run_many(batch: list[int]) -> list[int]:
+        calls.append(batch)
+        if batch == [0]:
+            first_in_flight.set()
+            assert all_waiting.wait(10)
+        return batch
+
+    grouped: ThreadGrouped[int, int] = ThreadGrouped(
+        run_many, max_items=100, name="test", retry_alone=True, weigh=lambda n: n, max_bytes=10
+    )
+    threads = [threading.Thread(target=grouped, args=(0,))]
+    threads[0].start()
+    assert first_in_flight.wait(10)
+    for n in [6, 6, 30, 2]:
+        threads.append(threading.Thread(target=grouped, args=(n,)))
+        threads[-1].start()
+        while len(grouped._waiting) < len(threads) - 1:  # in this order behind item 0
+            time.sleep(0.001)
+    all_waiting.set()
+    for thread in threads:
+        thread.join(10)
+    assert calls == [[0], [6], [6], [30], [2]]
+
+
+REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="none")
+
+
+def test_a_batch_runs_in_no_callers_context() -> None:
+    """The batch that served callers B and C ran in the context of A, the caller that
+    started the flusher: its log lines named A's task, tenant and trace."""
+    seen: list[str] = []
+
+    async def run_many(batch: list[int]) -> list[int]:
+        seen.append(REQUEST.get())
+        await asyncio.sleep(0)
+        return batch
+
+    async def caller(n: int) -> int:
+        REQUEST.set(f"task {n}")
+        return await grouped(n)
+
+    grouped = Grouped(run_many, max_items=100, name="test", retry_alone=True)
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(caller(n) for n in range(3)))
+
+    assert asyncio.run(main()) == [0, 1, 2]
+    thread_grouped: ThreadGrouped[int, int] = ThreadGrouped(
+        lambda batch: [seen.append(REQUEST.get()) or n for n in batch],  # type: ignore[func-returns-value]
+        max_items=10,
+        name="test",
+        retry_alone=True,
+    )
+    REQUEST.set("the leading thread's task")
+    assert thread_grouped(7) == 7
+    assert seen == ["none", "none"]
