@@ -14,6 +14,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from broker.runtime import EventLoopKind
 
 MiB = 1024 * 1024
+# The longest any TTL may be: ten years. TTLs are kept as 4-byte integers and a claim holds a
+# task for its TTL plus six hours in that arithmetic: a TTL near 2**31 ("keep it for ever")
+# made every claim fail with an integer overflow.
+MAX_TTL_S = 10 * 365 * 24 * 3600
 
 
 class Settings(BaseSettings):
@@ -33,8 +37,8 @@ class Settings(BaseSettings):
     # Modules whose import registers agents with ``@agent.capability``.
     agents: Annotated[list[str], NoDecode] = ["workers.examples"]
 
-    result_ttl_s: int = Field(24 * 3600, gt=0)
-    max_result_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    result_ttl_s: int = Field(24 * 3600, gt=0, le=MAX_TTL_S)
+    max_result_ttl_s: int = Field(7 * 24 * 3600, gt=0, le=MAX_TTL_S)
     max_payload_bytes: int = Field(1 * MiB, gt=0)
     # A task's metadata, as canonical JSON. It goes out with every final event, kept in Redis
     # as long as the result, and every webhook body: a tenant's cancelled submits alone, no
@@ -170,7 +174,7 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = Field(15.0, gt=0, le=60)
     webhook_response_max_bytes: int = Field(64 * 1024, gt=0)
     webhook_rotation_grace_s: int = Field(24 * 3600, ge=0)
-    webhook_delivery_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    webhook_delivery_ttl_s: int = Field(7 * 24 * 3600, gt=0, le=MAX_TTL_S)
     webhook_sweep_interval_s: float = Field(30.0, gt=0)
     webhook_max_per_tenant: int = Field(50, gt=0)
 
@@ -183,8 +187,8 @@ class Settings(BaseSettings):
     # Sessions: the idle TTL a new one gets (every write extends it), its ceiling, the most
     # its state and metadata may hold together, and the most live ones a tenant may hold
     # (409 session_limit_reached beyond it), so one tenant cannot fill the table.
-    session_ttl_s: int = Field(24 * 3600, gt=0)
-    session_max_ttl_s: int = Field(30 * 24 * 3600, gt=0)
+    session_ttl_s: int = Field(24 * 3600, gt=0, le=MAX_TTL_S)
+    session_max_ttl_s: int = Field(30 * 24 * 3600, gt=0, le=MAX_TTL_S)
     session_max_bytes: int = Field(256 * 1024, gt=0)
     session_max_per_tenant: int = Field(10_000, gt=0)
     # The revisions kept of each session (GET /sessions/{id}/revisions): a write deletes the

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from broker.settings import Settings
+from broker.settings import MAX_TTL_S, Settings
 
 ENV_NAMES = (
     "REACH_AGENTS",
@@ -156,3 +156,14 @@ def test_a_killed_agent_goes_offline_within_the_lease_ttl_by_default() -> None:
     defaults = Settings()
     ticks_s = defaults.remote_fail_after * defaults.remote_health_interval_s
     assert ticks_s < defaults.remote_lease_ttl_s
+
+
+@pytest.mark.parametrize(
+    "name", ["result_ttl_s", "max_result_ttl_s", "session_ttl_s", "session_max_ttl_s"]
+)
+def test_a_ttl_past_ten_years_is_refused_at_start_not_by_every_claim(name: str) -> None:
+    """A TTL near 2**31 seconds passed the settings, and every claim's hold (its TTL plus six
+    hours, 4-byte integers) then overflowed."""
+    assert Settings(**{name: MAX_TTL_S}).model_dump()[name] == MAX_TTL_S
+    with pytest.raises(ValidationError):
+        Settings(**{name: 2**31 - 1})
