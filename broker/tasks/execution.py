@@ -765,6 +765,7 @@ def running_query(instance: str | None, started_before_s: float) -> Select[Any]:
         tasks.c.attempts,
         tasks.c.max_attempts,
         tasks.c.agent_id,
+        tasks.c.agent_version,  # the card it ran under decides what its loss comes to
         tasks.c.trace_id,
         tasks.c.tenant,
     ).where(

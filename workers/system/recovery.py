@@ -81,7 +81,11 @@ ANNOUNCE_MAX_BATCHES = 10
 def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[str, int]:
     counts = {"requeued": 0, "failed": 0}
     for row in rows:
-        card = leases.card_of(runner.engine, row["agent_id"], None, capability_of(row["queue"]))
+        # The version it ran under: another's card (any one, unordered, before) may call an
+        # agent that is not idempotent so, and run its task twice.
+        card = leases.card_of(
+            runner.engine, row["agent_id"], row["agent_version"], capability_of(row["queue"])
+        )
         limit = retry.attempt_limit(row["max_attempts"], card.get("max_attempts"))
         lost = task_error("worker_lost", why, retryable=bool(card.get("idempotent")))
         if card.get("idempotent") and row["attempts"] < limit and runner.republish is not None:
