@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 AGENT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 VERSION = re.compile(r"[0-9][0-9A-Za-z.+_-]{0,63}")
+_PARTS = re.compile(r"[0-9]+|[^0-9]+")
 CHANNEL = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 STABLE = "stable"
 SCHEME = "agent://"
@@ -50,6 +51,14 @@ class Target:
 
 def is_version(text: str) -> bool:
     return VERSION.fullmatch(text) is not None
+
+
+def version_order(version: str) -> tuple[tuple[int, int | str], ...]:
+    """A key that orders versions as people read them: each run of digits compared as a
+    number, so ``10.0.0`` comes after ``9.1.0`` (as text it came before)."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part) for part in _PARTS.findall(version)
+    )
 
 
 def is_channel(text: str) -> bool:

@@ -28,7 +28,7 @@ from broker.db.models import agent_cards_table as cards
 from broker.db.models import agent_channels_table as channels
 from broker.db.models import agent_revocations_table as revocations
 from broker.errors import Gone, NotFound
-from broker.registry.addresses import STABLE, Target
+from broker.registry.addresses import STABLE, Target, version_order
 from broker.registry.capabilities import prefix_chain
 from broker.registry.model import card_queue, visible_to
 from broker.registry.routing import Rules, Shares
@@ -114,12 +114,19 @@ class Policy:
         channel, none hidden, private or revoked), else the queue of the heaviest card that
         would; None when no card would. A private card's instances do not take from the
         capability's queue (``CardRef.queues``)."""
-        of_capability = [c for c in self.cards if c.capability == capability]
+        # A revoked version's instances take from no queue, ever again (``lease_keeper``): it
+        # is no reason to wait anywhere but the capability's queue. It was: one revoked
+        # version in a capability's history sent every such request to a card's queue, which
+        # a version started later does not take from either.
+        of_capability = [
+            c
+            for c in self.cards
+            if c.capability == capability and (c.agent_id, c.version) not in rules.revoked
+        ]
         usable = [
             c
             for c in of_capability
             if (rules.tenant is None or c.visible_to(rules.tenant))
-            and (c.agent_id, c.version) not in rules.revoked
             and (rules.agent_id is None or c.agent_id == rules.agent_id)
             and ((s := rules.shares(c.agent_id)) is None or s.get(c.version, 0) > 0)
         ]
@@ -134,7 +141,10 @@ class Policy:
             return capability
         best = max(
             usable,
-            key=lambda c: ((rules.shares(c.agent_id) or {}).get(c.version, 0.0), c.version),
+            key=lambda c: (
+                (rules.shares(c.agent_id) or {}).get(c.version, 0.0),
+                version_order(c.version),
+            ),
         )
         return card_queue(capability, best.agent_id, best.version)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from broker.errors import Gone, NotFound
-from broker.registry.addresses import AddressInvalid, Target, parse_target
+from broker.registry.addresses import AddressInvalid, Target, parse_target, version_order
 from broker.registry.channels import ChannelInvalid, parse_weights
 from broker.registry.model import (
     DRAINING,
@@ -317,3 +317,29 @@ def test_a_request_waits_in_the_queue_of_a_card_that_would_serve_it() -> None:
     # only a card the tenant may not use: nowhere
     only_hidden = Policy(cards=(KnownCard("secret", "1.0.0", "text.upper", tenants=("acme",)),))
     assert waits(None, policy=only_hidden) is None
+
+
+def test_a_revoked_version_does_not_send_a_waiting_request_to_an_old_versions_queue() -> None:
+    """Revoked 1.2.0 stays among the cards, as every card does: it sent the request to 1.1.0's
+    queue, which 1.2.1, started later, does not take from. It takes from the capability's."""
+    cards = tuple(KnownCard("bot", v, "text.upper") for v in ("1.1.0", "1.2.0"))
+    policy = Policy(cards=cards, revoked=frozenset({("bot", "1.2.0")}))
+    rules = policy.rules(tenant="t1", capability="text.upper", target=None, hint=None)
+    assert policy.waiting_queue(rules, "text.upper") == "text.upper"
+
+
+def test_a_card_queue_for_a_waiting_request_is_the_newest_version_read_as_numbers() -> None:
+    cards = (
+        KnownCard("bot", "9.1.0", "text.upper"),
+        KnownCard("bot", "10.0.0", "text.upper"),
+        KnownCard("secret", "1.0.0", "text.upper", tenants=("acme",)),  # a card's queue, then
+    )
+    policy = Policy(cards=cards)
+    rules = policy.rules(tenant="t1", capability="text.upper", target=None, hint=None)
+    assert policy.waiting_queue(rules, "text.upper") == card_queue("text.upper", "bot", "10.0.0")
+    assert sorted(["10.0.0", "9.1.0", "9.10.0", "9.2.0"], key=version_order) == [
+        "9.1.0",
+        "9.2.0",
+        "9.10.0",
+        "10.0.0",
+    ]
