@@ -332,8 +332,9 @@ class Runner:
         """A task whose tenant this card's ``tenants`` do not admit (its claim refused it);
         None when it is not one. Taken from the capability's queue (before this instance
         stopped consuming it, ``CardRef.queues``), it goes back there, for a card of every
-        tenant's; from the card's own queues it fails, as no card it may use takes from
-        them (the card's tenants changed after routing sent it there)."""
+        tenant's; from the card's own queues it goes back to the card's queue while another
+        live instance of the card admits its tenant, and fails otherwise, as no card it may
+        use takes from them (the card's tenants changed after routing sent it there)."""
         if queue == capability_of(queue):
             found = execution.queued_outsider(self.engine, tid, tenants)
             if found is None or self.republish is None:
@@ -341,6 +342,18 @@ class Runner:
             trace_id, deadline_at, tenant = found["trace_id"], found["deadline_at"], found["tenant"]
             self.republish(tid, queue, trace_id, deadline_at, REFUSED_BACK_S, tenant)
             log.warning("task %s is of a tenant this card does not admit; put back", tid)
+            return "skipped"
+        found = execution.queued_outsider(self.engine, tid, tenants)
+        if found is None:
+            return None
+        if self.republish is not None and leases.admitted_by_a_live_instance(
+            self.redis, queue, found["tenant"]
+        ):
+            # Another instance of the card admits it (their ``tenants`` differ while a
+            # change rolls out): it goes back to the card's queue, for one of them.
+            trace_id, deadline_at, tenant = found["trace_id"], found["deadline_at"], found["tenant"]
+            self.republish(tid, home_queue(queue), trace_id, deadline_at, REFUSED_BACK_S, tenant)
+            log.warning("task %s is of a tenant this instance does not admit; put back", tid)
             return "skipped"
         refused = execution.fail_outsider(self.engine, tid, tenants)
         if refused is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import redis
 from sqlalchemy import Engine, func, select
@@ -20,9 +20,11 @@ from broker.registry.model import (
     CardRef,
     Lease,
     drain_key,
+    home_queue,
     lease_key,
     live_key,
     not_ready_key,
+    now_s,
     removed_key,
 )
 
@@ -154,6 +156,24 @@ def withdraw(client: redis.Redis, lease: Lease) -> None:
 def release(client: redis.Redis, lease: Lease) -> None:
     withdraw(client, lease)
     client.delete(lease_key(lease.instance), drain_key(lease.instance))
+
+
+def admitted_by_a_live_instance(client: redis.Redis, queue: str, tenant: str) -> bool:
+    """Whether a live instance serves the card of ``queue`` (a card's queue, or one of its
+    instances') ready, for ``tenant``. Instances of one version may
+    disagree on its ``tenants`` while a change rolls out, or while bridges take up a card
+    registered again: the one that refuses a task is then not the card's last word."""
+    capability, agent_id, version = home_queue(queue).split("@")
+    live = cast(list[bytes | str], client.zrangebyscore(live_key(capability), now_s(), "+inf"))
+    instances = [i.decode() if isinstance(i, bytes) else i for i in live]
+    for raw in client.mget([lease_key(i) for i in instances]) if instances else []:
+        if raw is None:
+            continue
+        for card in Lease.from_json(raw).cards:
+            same = (card.capability, card.agent_id, card.version) == (capability, agent_id, version)
+            if same and card.ready and (card.tenants is None or tenant in card.tenants):
+                return True
+    return False
 
 
 def drain_requested(client: redis.Redis, instance: str) -> bool:

@@ -557,3 +557,40 @@ def test_only_operators_set_channels_and_revoke_and_bad_input_is_4xx(
     assert (gone.status_code, gone.json()["code"]) == (404, "channel_not_found")
     unknown = admin.post("/agents/test-addr/versions/9.9.9/revoke")
     assert (unknown.status_code, unknown.json()["code"]) == (404, "version_not_found")
+
+
+def test_a_task_one_instance_refuses_goes_to_another_of_its_version_that_admits_it(
+    versions: dict[str, str],
+    admin: httpx.Client,
+    make_key: KeyMaker,
+    api: ServedApp,
+    settings: Settings,
+    log_dir: Path,
+    engine: Engine,
+) -> None:
+    """While a change of a version's ``tenants`` rolls out, its instances disagree: one that
+    refused a task on the card's queue failed it, though another would run it."""
+    # Given two instances of test-addr 9.1.0, one private to the owner, one to both tenants
+    owner, _ = make_key()
+    stranger, _ = make_key()
+    narrow = start_version(settings, log_dir, "9.1.0", "narrow", tenants=owner)
+    wide = start_version(settings, log_dir, "9.1.0", "wide", tenants=f"{owner},{stranger}")
+    dispatcher = Dispatcher(settings)
+    try:
+        live_instance(admin, "9.1.0", "narrow-")
+        live_instance(admin, "9.1.0", "wide-")
+        own_queue = card_queue(CAPABILITY, "test-addr", "9.1.0")
+        # When the stranger's tasks reach the card's queue, which both take from
+        strangers = []
+        for _ in range(10):
+            task_id = a_task_row(engine, tenant=stranger, capability=CAPABILITY)
+            send_run(dispatcher.app, task_id, own_queue, trace_id=uuid.uuid4().hex, tenant=stranger)
+            strangers.append(task_id)
+        # Then each runs on the instance that admits it, none failed
+        ran = [task_row(engine, t, FINAL) for t in strangers]
+        assert {(r["status"], (r["instance"] or "").split("-")[0]) for r in ran} == {
+            ("succeeded", "wide")
+        }
+    finally:
+        narrow.stop()
+        wide.stop()
