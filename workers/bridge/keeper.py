@@ -192,13 +192,12 @@ class RemoteKeeper:
         """The bridge's own lease, with no card: it routes nothing, but tells the reaper that
         the tasks this process is running are held (without it, every call longer than a
         second was reaped as ``worker_lost``)."""
-        ttl = max(self.settings.remote_lease_ttl_s, 3 * self.settings.remote_health_interval_s)
         return Lease(
             instance=self.consumer.hostname,
             state=READY,
             heartbeat_at=now_s(),
             started_at=self.started_at,
-            lease_ttl_s=ttl,
+            lease_ttl_s=self._lease_ttl_s(),
             hostname=socket.gethostname(),
             pid=os.getpid(),
         )
@@ -255,6 +254,13 @@ class RemoteKeeper:
         if found:
             self.on_orphans(found)
 
+    def _lease_ttl_s(self) -> float:
+        """A lease renewed once a health tick (its interval, then the checks) outlives three:
+        the agents' leases were ``remote_lease_ttl_s`` alone, so with the interval raised
+        toward it a healthy agent read as suspect (past half its TTL) before each tick, or
+        expired between two."""
+        return max(self.settings.remote_lease_ttl_s, 3 * self.settings.remote_health_interval_s)
+
     def _lease(self, watched: Watched) -> Lease:
         """The agent's lease: ``suspect`` while its checks say so (routed at a lower score),
         else ``ready``; it was ``ready`` either way, at the full score."""
@@ -263,7 +269,7 @@ class RemoteKeeper:
             state=SUSPECT if watched.health.state == SUSPECT else READY,
             heartbeat_at=now_s(),
             started_at=self.started_at,
-            lease_ttl_s=self.settings.remote_lease_ttl_s,
+            lease_ttl_s=self._lease_ttl_s(),
             hostname=socket.gethostname(),
             pid=os.getpid(),
             cards=tuple(
