@@ -277,6 +277,7 @@ class LeaseKeeper:
         specs = list(self.specs)
         flagged = leases.not_ready_flags(self.redis, self.instance, [s.name for s in specs])
         ready = self.readiness.run(s for s in specs if s.name not in flagged)
+        paused: list[CapabilitySpec] = []
         with self._lock:
             if self.lease.state != READY:
                 return
@@ -287,10 +288,15 @@ class LeaseKeeper:
                 if now_ready != card.ready:
                     self._toggle_queues(spec, consume=now_ready)
                     changed = True
+                    if not now_ready:
+                        paused.append(spec)
                 cards.append(replace(card, ready=now_ready))
             self.lease = replace(self.lease, cards=tuple(cards))
             if changed:
                 self.renew()
+        # What was hinted here waits for any instance of its card, not for this one's
+        # readiness to come back (an hour, a dependency down): routing sends no new hint here.
+        self._rehome_hinted(paused)
 
     def _toggle_queues(self, spec: CapabilitySpec, *, consume: bool) -> None:
         log.info("%s: %s %s", self.instance, "resuming" if consume else "pausing", spec.name)
@@ -319,12 +325,12 @@ class LeaseKeeper:
                     self._toggle_queues(spec, consume=False)
             self.renew()
         self._record(DRAINING)
-        self._rehome_hinted()
+        self._rehome_hinted(list(self.specs))
 
-    def _rehome_hinted(self) -> None:
-        """Tasks hinted to this instance that it will not take now wait in their cards'
-        queues (their messages left here find them gone, or claim them once)."""
-        for spec in list(self.specs):
+    def _rehome_hinted(self, specs: list[CapabilitySpec]) -> None:
+        """Tasks hinted to this instance for ``specs`` that it will not take now wait in
+        their cards' queues (their messages left here find them gone, or claim them once)."""
+        for spec in specs:
             ref = spec.card.ref()
             own = ref.instance_queue(self.instance)
             for row in execution.rehome(self.engine, own, ref.queue()):
@@ -353,7 +359,7 @@ class LeaseKeeper:
                 leases.withdraw(self.redis, self.lease)
         if alone:
             leases.record_instance(self.engine, self.lease, OFFLINE)
-        self._rehome_hinted()  # any routed here while the drain began
+        self._rehome_hinted(list(self.specs))  # any routed here while the drain began
         log.info("%s: offline", self.instance)
 
     def _holding(self) -> int:

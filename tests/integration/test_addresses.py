@@ -25,7 +25,7 @@ from sqlalchemy import Engine, func, select
 
 from api.app import create_app
 from broker.db.models import tasks_table as tasks
-from broker.registry import revocations
+from broker.registry import leases, revocations
 from broker.registry.model import LEASE_PREFIX, card_queue, lease_key, live_key
 from broker.settings import Settings
 from broker.tasks.dispatch import Dispatcher, send_run
@@ -144,6 +144,40 @@ def test_a_hinted_instance_takes_the_task_while_ready_and_another_once_it_draine
         assert ran_on == {other}
         # And a hint naming no instance at all is the usual choice
         assert run(caller, hint="nobody@nowhere")["agent"]["instance"] == other
+
+
+def test_a_task_hinted_to_an_instance_that_stops_being_ready_moves_to_its_cards_queue(
+    admin: httpx.Client,
+    caller: httpx.Client,
+    settings: Settings,
+    log_dir: Path,
+    engine: Engine,
+    redis_url: str,
+) -> None:
+    """An instance whose readiness fails stops taking from its queues, its own too: what was
+    hinted to it waited for its readiness to come back, however long, while another instance
+    of its card was ready."""
+    with ready_instances(admin, settings, log_dir, "hint-paused", "hint-ready") as found:
+        [(_, hinted), (_, other)] = found
+        # Given a task waiting in the hinted instance's own queue (its message not yet taken)
+        task_id = a_task_row(engine, tenant="t-hinted", capability=CAPABILITY)
+        with engine.begin() as conn:
+            own = f"{card_queue(CAPABILITY, 'test-addr', '1.0.0')}@{hinted}"
+            conn.execute(tasks.update().where(tasks.c.id == task_id).values(queue=own))
+        # When the instance finds itself not ready
+        with redis.Redis.from_url(redis_url) as client:
+            leases.mark_not_ready(client, hinted, CAPABILITY, for_s=60)
+        # Then the task goes to its card's queue, and the ready instance runs it
+        with engine.connect() as conn:
+            done = eventually(
+                lambda: conn.execute(
+                    select(tasks.c.status, tasks.c.instance).where(
+                        tasks.c.id == task_id, tasks.c.status == "succeeded"
+                    )
+                ).first(),
+                "the hinted task run elsewhere",
+            )
+        assert done.instance == other
 
 
 def test_a_task_hinted_to_an_instance_that_died_moves_to_its_cards_queue(
