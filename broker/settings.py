@@ -20,6 +20,15 @@ MiB = 1024 * 1024
 MAX_TTL_S = 10 * 365 * 24 * 3600
 
 
+def psycopg_url(url: str) -> str:
+    """``url`` with the driver this project installs: the ``postgres://`` and
+    ``postgresql://`` most hosts hand out would make SQLAlchemy look for psycopg2."""
+    scheme, separator, rest = url.partition("://")
+    if separator and scheme in ("postgres", "postgresql"):
+        return f"postgresql+psycopg://{rest}"
+    return url
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REACH_", extra="ignore")
 
@@ -260,6 +269,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [m.strip() for m in value.split(",") if m.strip()]
         return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _psycopg_driver(cls, value: str) -> str:
+        return psycopg_url(value)
 
     @property
     def celery_broker_url(self) -> str:

@@ -24,7 +24,7 @@ import psycopg
 from sqlalchemy import Engine
 
 from broker.db.engines import sync_engine
-from broker.settings import Settings
+from broker.settings import Settings, psycopg_url
 from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.tenancy import key_store
 from reach import localservices, migrate
@@ -54,13 +54,14 @@ DEMO_INVOICE = (
 
 def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services]:
     env = dict(os.environ)
+    given_database_url = env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL")
     services = localservices.ensure_services(
         data_dir,
-        database_url=env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL"),
+        database_url=given_database_url and psycopg_url(given_database_url),
         redis_url=env.get("REACH_REDIS_URL") or env.get("REDIS_URL"),
     )
     database_url = services.database_url
-    if env.get("REACH_DATABASE_URL") or env.get("DATABASE_URL"):
+    if given_database_url:
         _ensure_database(database_url)
     else:
         database_url = localservices.create_database(database_url, "reach", exist_ok=True)
@@ -101,6 +102,20 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _check_api_port(port: int) -> None:
+    """Refuse a taken API port before anything starts: another stack's API there would answer
+    this run's readiness probe (Flower's port only warns later: the stack runs without it)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise StackError(
+                f"port {port} is taken ({exc.strerror}), perhaps by another reach dev: "
+                "stop it, or choose another port with --port"
+            ) from exc
 
 
 def _commands(port: int, flower_port: int, data_dir: Path, model_url: str) -> dict[str, list[str]]:
@@ -203,16 +218,25 @@ def _wait_ready(
     logs: Path,
     timeout_s: float,
 ) -> None:
-    """Until the API is ready and every example capability has a live agent, so the printed
-    curl works the moment it is shown."""
+    """Until this run's API listens and answers, and every example capability has a live
+    agent, so the printed curl works the moment it is shown. Another API on the port would
+    answer too: an answer counts only once our uvicorn has said it listens."""
     deadline = time.monotonic() + timeout_s
     wanted = {*CAPABILITY_QUEUES.split(","), *ASYNC_QUEUES.split(",")}
     while time.monotonic() < deadline:
         _check_children(processes, logs)
-        if wanted <= _live_capabilities(api, token):
+        if _listening(logs / "api.log") and wanted <= _live_capabilities(api, token):
             return
         time.sleep(0.3)
     raise StackError(f"{api} not ready with live agents after {timeout_s:.0f} s (logs: {logs})")
+
+
+def _listening(api_log: Path) -> bool:
+    """Whether uvicorn has said it listens, which it does only once it has its port."""
+    try:
+        return "Uvicorn running on" in api_log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _live_capabilities(api: str, token: str) -> set[str]:
@@ -296,10 +320,12 @@ Ctrl-C stops everything.
 
 
 def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
-    # Ctrl-C and SIGTERM stop the stack from the first moment, even when started from a shell
-    # that made background jobs ignore SIGINT.
+    # Ctrl-C, SIGTERM and SIGHUP (its terminal closed) stop the stack from the first moment,
+    # even when started from a shell that made background jobs ignore SIGINT. The children,
+    # in process groups of their own, get none of these from the terminal.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     data_dir = DATA_DIR.resolve()
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -308,6 +334,7 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
     key_id = None
     ready = False
     try:
+        _check_api_port(port)
         env, services = _environment(data_dir)
         migrate.upgrade(env["REACH_DATABASE_URL"])
         settings = Settings(
@@ -332,7 +359,7 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         while True:
             _check_children(processes, logs)
             time.sleep(0.5)
-    except StackError as exc:
+    except (StackError, localservices.EmbeddedUnavailable) as exc:
         print(f"reach dev: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
@@ -355,7 +382,7 @@ def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the stack the same way Ctrl-C does
+    raise KeyboardInterrupt  # SIGTERM and SIGHUP stop the stack the same way Ctrl-C does
 
 
 def _stop(processes: dict[str, subprocess.Popen[bytes]]) -> None:

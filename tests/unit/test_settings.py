@@ -59,6 +59,18 @@ def test_given_only_database_url_expect_it_used(monkeypatch: pytest.MonkeyPatch)
     assert Settings().database_url == "postgresql+psycopg://plain@db/plain"
 
 
+@pytest.mark.parametrize(
+    "given",
+    ["postgres://app:pw@db:5432/reach", "postgresql://app:pw@db:5432/reach"],
+)
+def test_given_a_conventional_postgres_url_expect_the_psycopg_driver_named(
+    monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    # A plain postgresql:// makes SQLAlchemy import psycopg2, which is not installed.
+    monkeypatch.setenv("DATABASE_URL", given)
+    assert Settings().database_url == "postgresql+psycopg://app:pw@db:5432/reach"
+
+
 def test_given_reach_database_url_and_database_url_expect_reach_to_win(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
