@@ -8,10 +8,11 @@ import secrets
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, insert, select, update
 
-from broker.db.models import tasks_table
+from broker.db.models import remote_agents_table, tasks_table
 from broker.registry import leases
+from broker.registry.model import Card, card_queue
 from broker.settings import Settings
 from broker.tasks import execution
 from tests.integration.rows import a_task_row
@@ -63,3 +64,28 @@ def test_a_lost_task_comes_to_what_the_version_it_ran_under_says(
             select(tasks_table.c.status, tasks_table.c.error).where(tasks_table.c.id == task_id)
         ).one()
     assert (status, error["code"], published) == ("failed", "worker_lost", [])
+
+
+def test_a_remote_agent_registered_again_without_a_capability_gives_up_its_queue(
+    engine: Engine,
+) -> None:
+    """Registered again at the same version, without the capability: its card's queue was
+    taken for still served, and its tasks waited until their TTL."""
+    capability, agent_id = f"test.far-{secrets.token_hex(3)}", f"far-{secrets.token_hex(3)}"
+    card = Card.declare(capability, agent_id=agent_id, version="1.0.0").document()
+    leases.advertise_cards(engine, [{**card, "endpoint": {"protocol": "http"}}])
+    other = Card.declare("text.other", agent_id=agent_id, version="1.0.0").document()
+    with engine.begin() as conn:
+        conn.execute(
+            insert(remote_agents_table).values(
+                agent_id=agent_id,
+                version="1.0.0",
+                protocol="http",
+                url="http://127.0.0.1:9/far",
+                cards=[other],
+                secret="s",
+            )
+        )
+    gone = recovery.card_gone(engine, card_queue(capability, agent_id, "1.0.0"))
+    assert gone is not None and gone.error is not None
+    assert gone.error["code"] == "agent_not_found"

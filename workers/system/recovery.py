@@ -229,7 +229,7 @@ class Gone:
 def card_gone(engine: Engine, queue: str) -> Gone | None:
     """Whether the card whose queue (or instance's queue) ``queue`` is will never be served
     again: its version was revoked, or it is a remote agent's that is no longer registered,
-    or registered at another version now. Its tasks waited for good: with no deadline, until
+    or registered at another version now, or at the same one without the capability. Its tasks waited for good: with no deadline, until
     their rows expired, with no final state. A worker's card that no instance serves now is
     not gone: one may start (its tasks wait, as the design has them)."""
     parts = home_queue(queue).split("@")
@@ -250,9 +250,9 @@ def card_gone(engine: Engine, queue: str) -> Gone | None:
         now = conn.execute(registered).first() if document else None
     if not document or "endpoint" not in document:  # unknown, or a worker's
         return None
-    if now is not None and now.version == version:
-        return None
     if now is not None and capability in {d["capability"] for d in now.cards}:
+        if now.version == version:
+            return None  # served as it was
         return Gone(to=card_queue(capability, agent_id, now.version))
     why = f"remote agent {agent_id} no longer serves {capability} at version {version}"
     return Gone(error=task_error("agent_not_found", why))
