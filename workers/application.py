@@ -157,6 +157,7 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
     runner.on_final.append(webhooks.on_final)
     runner.on_progress.append(webhooks.on_progress)
     runner.republish = _republish(app, settings, runner)
+    app.reach_republish = runner.republish  # the lease keeper's rehomed hints go the same way
     # Tasks claimed under this worker's name that it no longer holds (``lease_keeper.orphans``)
     app.reach_recover_orphans = lambda rows: recovery.recover_lost(
         runner, rows, "its run ended without a final write, or its pool process died"

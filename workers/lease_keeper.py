@@ -333,14 +333,22 @@ class LeaseKeeper:
         for spec in specs:
             ref = spec.card.ref()
             own = ref.instance_queue(self.instance)
+            # Where the tenant's fair slice of the queue puts each, as every message published
+            # again goes (``workers.application``): at the front, one tenant's hinted backlog
+            # moved on a drain went before every other tenant's later submits.
+            republish = getattr(self.consumer.app, "reach_republish", None)
             for row in execution.rehome(self.engine, own, ref.queue()):
+                trace_id, deadline_at, tenant = row["trace_id"], row["deadline_at"], row["tenant"]
+                if republish is not None:
+                    republish(row["id"], ref.queue(), trace_id, deadline_at, 0.0, tenant)
+                    continue
                 send_run(
                     self.consumer.app,
                     row["id"],
                     ref.queue(),
-                    trace_id=row["trace_id"],
-                    tenant=row["tenant"],
-                    deadline_at=row["deadline_at"],
+                    trace_id=trace_id,
+                    tenant=tenant,
+                    deadline_at=deadline_at,
                 )
 
     def go_offline(self) -> None:

@@ -229,9 +229,10 @@ class Gone:
 def card_gone(engine: Engine, queue: str) -> Gone | None:
     """Whether the card whose queue (or instance's queue) ``queue`` is will never be served
     again: its version was revoked, or it is a remote agent's that is no longer registered,
-    or registered at another version now, or at the same one without the capability. Its tasks waited for good: with no deadline, until
-    their rows expired, with no final state. A worker's card that no instance serves now is
-    not gone: one may start (its tasks wait, as the design has them)."""
+    or registered at another version now, or at the same one without the capability. Its
+    tasks waited for good: with no deadline, until their rows expired, with no final state.
+    A worker's card that no instance serves now is not gone: one may start (its tasks wait,
+    as the design has them)."""
     parts = home_queue(queue).split("@")
     if len(parts) != 3:
         return None
