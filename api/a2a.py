@@ -5,9 +5,11 @@ them through the same intake, tables and event log as the HTTP API, so any API p
 any of them, and a key sees exactly what it sees there. The SDK's in-memory task store and
 queue manager are not used. Every route takes the caller's bearer key first, then (for a body
 not small) a token of its tenant's rate, and its body within the API's size and depth limits,
-before the SDK parses it. A bug in a handler is answered as A2A's internal error in general
-terms and logged with its traceback: the SDK's JSON-RPC dispatcher would send the exception's
-text (SQL, say) as the message. The mapping is ``broker.facades.a2a``.
+before the SDK parses it. A refusal A2A has no error for (a key not valid, a limit, an outage)
+is answered as the API answers it, problem+json with its headers (``_a2a_error``). A bug in a
+handler is answered as A2A's internal error in general terms and logged with its traceback: the
+SDK's JSON-RPC dispatcher would send the exception's text (SQL, say) as the message. The mapping
+is ``broker.facades.a2a``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from a2a.server.context import ServerCallContext
-from a2a.server.request_handlers.request_handler import RequestHandler
+from a2a.server.request_handlers.request_handler import RequestHandler, validate_request_params
 from a2a.server.routes import (
     add_a2a_routes_to_fastapi,
     create_jsonrpc_routes,
@@ -57,12 +59,14 @@ from a2a.types import (
 from a2a.utils.constants import VERSION_HEADER
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     InternalError,
     InvalidParamsError,
     TaskNotCancelableError,
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from a2a.utils.task import validate_history_length, validate_page_size
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
@@ -82,7 +86,7 @@ from broker.remote.a2a_json import to_json, whole_in_place
 from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
 from broker.tasks.events import OUTPUT
-from broker.tasks.resource import FINAL, TaskRow, render
+from broker.tasks.resource import FINAL, TaskRow, parse_task_id, render
 from broker.tenancy.keys import Principal
 from broker.webhooks.subscriptions import set_callback, vet_callback
 
@@ -107,6 +111,10 @@ CALLERS_MISTAKES = frozenset(
 )
 DISPATCHER_LINE_MAX = 500
 LIST_PAGE_DEFAULT = 50
+# The statuses of refusals A2A has no error for: a key that is not valid (401), and a refusal
+# for now (429, 503: a limit, an outage), which the same call may pass later. The SDK answers
+# an error it does not know as its internal error (500, -32603), logged at ERROR.
+ANSWERED_AS_THE_API = frozenset({401, 429, 503})
 # The SDK parses a request into protobuf in Python, value by value (about 2.5 us a value on
 # the event loop, and as much again to read a data part back: a message of 250,000 small
 # values took 1.2 s of it), and a number there is a double: 2**60 + 1 came out 2**60, and
@@ -133,13 +141,18 @@ def idempotency_key_of(message_id: str) -> str:
     return "a2a:" + hashlib.sha256(message_id.encode()).hexdigest()
 
 
-def _a2a_error(exc: ReachError) -> A2AError:
-    """Our refusal as an A2A error, keeping our stable code in ``data``."""
+def _a2a_error(exc: ReachError, context: ServerCallContext) -> A2AError:
+    """Our refusal as an A2A error, keeping our stable code in ``data``. One A2A has no error
+    for (``ANSWERED_AS_THE_API``) is kept on the request too, and ``_guarded`` answers it as
+    the API does, problem+json with ``Retry-After`` or ``WWW-Authenticate``, in place of the
+    SDK's answer: it can while nothing has been sent, which is when these arise (the SDK takes
+    a stream's first event before it answers). A key revoked while a stream is under way ends
+    the stream with the error returned here, the SDK's own: it has none for a key."""
     data = {"code": exc.code, **{k: v for k, v in exc.details.items() if _plain(v)}}
     if isinstance(exc, NotFound) and exc.code == "task_not_found":
         return TaskNotFoundError(message=exc.message, data=data)
-    if errors.status_for(exc) in (429, 503):  # refused for now: the same call may pass later
-        return InternalError(message=exc.message, data=data)
+    if errors.status_for(exc) in ANSWERED_AS_THE_API:
+        context.state.setdefault("refusals", []).append(exc)
     return InvalidParamsError(message=exc.message, data=data)
 
 
@@ -188,17 +201,19 @@ def _bug_hidden(method: Method) -> Method:
 Handler = TypeVar("Handler", bound=type[RequestHandler])
 
 
-def _bugs_hidden(cls: Handler) -> Handler:
-    """Every A2A method of ``cls`` (``on_*``) behind ``_bug_hidden``."""
+def _served(cls: Handler) -> Handler:
+    """Every A2A method of ``cls`` (``on_*``) with its request's REQUIRED fields checked, as
+    the SDK's own handler has them (-32602 naming each field missing: a message without
+    ``messageId`` was taken, and A2A's idempotency is keyed on it), behind ``_bug_hidden``."""
     for name, member in list(vars(cls).items()):
         if name.startswith("on_") and callable(member):
-            setattr(cls, name, _bug_hidden(member))
+            setattr(cls, name, _bug_hidden(validate_request_params(member)))
     return cls
 
 
-@_bugs_hidden
+@_served
 class ReachRequestHandler(RequestHandler):
-    """The A2A methods on our tasks. ``contextId`` is the session."""
+    """The A2A methods on our tasks. ``contextId`` is the session (``mapping.context_of``)."""
 
     def __init__(self, svc: Services) -> None:
         self.svc = svc
@@ -209,6 +224,7 @@ class ReachRequestHandler(RequestHandler):
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> tuple[Principal, TaskRow]:
         caller = _principal(context)
+        validate_history_length(params.configuration)
         if params.message.task_id:
             raise UnsupportedOperationError(
                 message="a task here takes one message: send a new message, without taskId"
@@ -223,6 +239,8 @@ class ReachRequestHandler(RequestHandler):
         lifted = context.state.pop("lifted", None) or {}
         try:
             fields = mapping.envelope_fields(params.message, request_metadata, lifted)
+        except mapping.ContentNotSupported as exc:
+            raise ContentTypeNotSupportedError(message=str(exc)) from None
         except mapping.NotAnEnvelope as exc:
             raise InvalidParamsError(message=str(exc)) from None
         finally:
@@ -243,7 +261,7 @@ class ReachRequestHandler(RequestHandler):
                 callback=callback,
             )
         except ReachError as exc:
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
         return caller, accepted.row
 
     async def _token(self, caller: Principal, context: ServerCallContext) -> None:
@@ -254,7 +272,7 @@ class ReachRequestHandler(RequestHandler):
         try:
             await self.svc.door.take(caller.tenant)
         except ReachError as exc:
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
 
     async def on_message_send(
         self, params: SendMessageRequest, context: ServerCallContext
@@ -269,7 +287,7 @@ class ReachRequestHandler(RequestHandler):
         try:
             task, _ = await replies.waited(self.svc, caller, row, wait_s)
         except ReachError as exc:  # the key was revoked meanwhile
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
         return mapping.task_of(task)
 
     async def on_message_send_stream(
@@ -279,26 +297,34 @@ class ReachRequestHandler(RequestHandler):
             caller, row = await self._submit(params, context)
             rendered = render(row)
             yield mapping.task_of(rendered)
-            async for event in self._events(caller, rendered, after=0):
+            async for event in self._events(caller, rendered, context, after=0):
                 yield event
 
     async def on_subscribe_to_task(
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[Any]:
-        """The task as it stands, then its events from there on."""
+        """The task as it stands, then its events from there on.
+
+        Where the log stands is read before the task: a task that ends between the two reads
+        is final when read (refused, as any final task is), or its final event comes after
+        that place. Read the other way round, that event was behind the place the stream
+        started from, and the stream ended at once on WORKING."""
         caller = _principal(context)
+        task_id = parse_task_id(params.id)
+        if task_id is None:
+            raise TaskNotFoundError
+        # The log's place and its outputs so far, without holding a long log whole for as
+        # long as the stream lasts.
+        after, outputs = await self.svc.hub.tally(str(task_id), OUTPUT)
         row = await self._visible(caller, params.id)
         if row["status"] in FINAL:
             raise UnsupportedOperationError(message=f"the task is already {row['status']}")
         with self._stream_slot(context):
-            # Where the log stands and its outputs so far, without holding a long log whole
-            # for as long as the stream lasts.
-            after, outputs = await self.svc.hub.tally(str(row["id"]), OUTPUT)
             rendered = render(row)
             yield mapping.task_of(rendered)
-            mapper = mapping.EventMapper(rendered["task_id"], rendered.get("session_id") or "")
+            mapper = mapping.EventMapper(rendered["task_id"], mapping.context_of(rendered))
             mapper.outputs = outputs
-            async for event in self._events(caller, rendered, after=after, mapper=mapper):
+            async for event in self._events(caller, rendered, context, after=after, mapper=mapper):
                 yield event
 
     def _stream_slot(self, context: ServerCallContext) -> Slot:
@@ -306,12 +332,13 @@ class ReachRequestHandler(RequestHandler):
         try:
             return self.svc.streams.take(_principal(context).tenant)
         except ReachError as exc:
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
 
     async def _events(
         self,
         caller: Principal,
         task: Mapping[str, Any],
+        context: ServerCallContext,
         *,
         after: int,
         mapper: mapping.EventMapper | None = None,
@@ -319,7 +346,7 @@ class ReachRequestHandler(RequestHandler):
         """The task's events as A2A stream events, while the caller's key is valid: once it is
         revoked, the SDK ends the stream with the error (JSON-RPC's error response, REST's
         ``error`` event)."""
-        mapper = mapper or mapping.EventMapper(task["task_id"], task.get("session_id") or "")
+        mapper = mapper or mapping.EventMapper(task["task_id"], mapping.context_of(task))
         try:
             async for event in replies.task_events(self.svc, caller, task["task_id"], after=after):
                 if event is None:
@@ -327,7 +354,7 @@ class ReachRequestHandler(RequestHandler):
                 for a2a_event in mapper.map(event.type, event.data):
                     yield a2a_event
         except ReachError as exc:
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
 
     # -- reading and cancelling ----------------------------------------------------------
 
@@ -338,35 +365,45 @@ class ReachRequestHandler(RequestHandler):
             raise TaskNotFoundError from None
 
     async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task:
+        validate_history_length(params)  # a task here holds no history: nothing else to do
         return mapping.task_of(render(await self._visible(_principal(context), params.id)))
 
     async def on_list_tasks(
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
+        """The key's tasks, newest first. ``totalSize`` is this page's length and
+        ``statusTimestampAfter`` filters nothing: both need the listing's query
+        (``queries.list_tasks``) to count and to filter."""
         caller = _principal(context)
+        validate_history_length(params)
+        if params.HasField("page_size"):
+            validate_page_size(params.page_size)  # 1 to 100, as A2A has it
         statuses = mapping.STATUSES_OF.get(params.status) if params.status else None
         if params.status and statuses is None:
             return ListTasksResponse(page_size=0)  # INPUT_REQUIRED and the like: none here
-        if params.page_size < 0:
-            raise InvalidParamsError(message="pageSize must not be negative")
-        limit = min(params.page_size or LIST_PAGE_DEFAULT, self.svc.settings.list_page_max)
+        wanted = params.page_size if params.HasField("page_size") else LIST_PAGE_DEFAULT
+        limit = min(wanted, self.svc.settings.list_page_max)
+        alone = mapping.task_of_context(params.context_id)
         try:
             # A GET's parameters never pass the body's checks: a NUL bound for SQL is refused.
             jsonbody.check_tree([params.context_id, params.page_token], max_depth=1)
-            async with self.svc.heavy_reads.turn(caller.tenant, "list"):
-                found, next_cursor = await queries.list_tasks(
-                    self.svc.engine,
-                    caller.tenant,
-                    capability=None,
-                    status=statuses,
-                    limit=limit,
-                    cursor=params.page_token or None,
-                    patterns=caller.sees,
-                    max_bytes=self.svc.settings.list_page_max_bytes,
-                    session_id=params.context_id or None,
-                )
+            if alone is not None:
+                found, next_cursor = await self._in_own_context(caller, alone, statuses), None
+            else:
+                async with self.svc.heavy_reads.turn(caller.tenant, "list"):
+                    found, next_cursor = await queries.list_tasks(
+                        self.svc.engine,
+                        caller.tenant,
+                        capability=None,
+                        status=statuses,
+                        limit=limit,
+                        cursor=params.page_token or None,
+                        patterns=caller.sees,
+                        max_bytes=self.svc.settings.list_page_max_bytes,
+                        session_id=params.context_id or None,
+                    )
         except ReachError as exc:
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
         # One answer: its tasks' results share its data values (``mapping.DataBudget``).
         budget, artifacts = mapping.DataBudget(), params.include_artifacts
         return ListTasksResponse(
@@ -375,6 +412,19 @@ class ReachRequestHandler(RequestHandler):
             page_size=limit,
             total_size=len(found),
         )
+
+    async def _in_own_context(
+        self, caller: Principal, task_id: str, statuses: tuple[str, ...] | None
+    ) -> list[dict[str, Any]]:
+        """The task without a session whose own context was asked for (``context_of``), if
+        the key sees it and it has a status asked for."""
+        try:
+            task = render(await self._visible(caller, task_id))
+        except TaskNotFoundError:
+            return []
+        if task["session_id"] is not None or (statuses and task["status"] not in statuses):
+            return []
+        return [task]
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
         try:
@@ -408,7 +458,7 @@ class ReachRequestHandler(RequestHandler):
                 allow=self.svc.settings.webhook_allow,
             )
         except ReachError as exc:
-            raise _a2a_error(exc) from None
+            raise _a2a_error(exc, context) from None
         await set_callback(self.svc.engine, caller.tenant, row["id"], callback)
         return mapping.push_config_of(params.task_id, callback)
 
@@ -456,7 +506,9 @@ class ReachRequestHandler(RequestHandler):
         caller = _principal(context)
         base = str(context.state.get("base_url", "")).rstrip("/")
         card = public_card(base)
-        card.skills.extend(await skills(self.svc, caller))
+        if offered := await skills(self.svc, caller):  # else the public card's, to say how
+            del card.skills[:]
+            card.skills.extend(offered)
         return card
 
 
@@ -478,9 +530,25 @@ def skill_of(capability: str, card: Mapping[str, Any]) -> AgentSkill:
     )
 
 
+# The public card's one skill (A2A requires at least one): the real ones, a skill per
+# capability, are on the extended card, per key.
+ANY_CAPABILITY = AgentSkill(
+    id="capabilities",
+    name="Run a capability",
+    description=(
+        "Runs the capability named in the message's metadata.capability. Which capabilities "
+        "an API key may run, one skill each, is on the authenticated extended card "
+        "(GetExtendedAgentCard)."
+    ),
+    tags=["broker"],
+    input_modes=["application/json", "text/plain"],
+    output_modes=["application/json"],
+)
+
+
 def public_card(base_url: str) -> AgentCard:
     """The card anyone may read: how to call, and that a bearer key is required. Its skills
-    are on the extended card, per key."""
+    are on the extended card, per key (``ANY_CAPABILITY`` says so)."""
     return AgentCard(
         name="Agent-Reach",
         description=(
@@ -509,6 +577,7 @@ def public_card(base_url: str) -> AgentCard:
         security_requirements=[SecurityRequirement(schemes={BEARER: StringList(list=[])})],
         default_input_modes=["application/json", "text/plain"],
         default_output_modes=["application/json"],
+        skills=[ANY_CAPABILITY],
     )
 
 
@@ -523,6 +592,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context.state["base_url"] = str(request.base_url)
         context.state["metered"] = getattr(request.state, "metered", False)
         context.state["lifted"] = getattr(request.state, "lifted", {})
+        context.state["refusals"] = request.state.refusals  # ``_answered``
         return context
 
 
@@ -543,7 +613,7 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
         try:
             caller = request.state.principal = await authenticate(request)
             if request.method != "POST" or (not json_rpc and _bodiless(request)):
-                return await endpoint(request)
+                return await _answered(endpoint, request)
             raw, request.state.metered = await read_metered_body(
                 request, caller, svc.settings.max_body_bytes
             )
@@ -568,9 +638,19 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
             request.state.lifted = lifted
             raw = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
         request._body = raw  # the SDK reads it again: Starlette keeps it here
-        return await endpoint(request)
+        return await _answered(endpoint, request)
 
     return guarded
+
+
+async def _answered(endpoint: Endpoint, request: Request) -> Response:
+    """The SDK's answer, or, when the handler refused the request with what A2A has no error
+    for (``_a2a_error``), the API's: problem+json with ``Retry-After`` (429, 503) or
+    ``WWW-Authenticate`` (401), as ``_guarded`` answers such a refusal before the SDK runs."""
+    refusals: list[ReachError] = []
+    request.state.refusals = refusals
+    response = await endpoint(request)
+    return errors.problem_response(request, refusals[0]) if refusals else response
 
 
 def _lift_data_parts(document: Any, *, json_rpc: bool) -> dict[int, Any]:

@@ -35,7 +35,7 @@ from api import errors, replies
 from api.mcp import tools
 from api.services import Services
 from broker import jsonbody, outages
-from broker.errors import ReachError, Unavailable
+from broker.errors import BadRequest, ReachError, Unavailable
 from broker.registry import cards
 from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
@@ -198,7 +198,9 @@ def _caller(ctx: Context) -> Principal:
 
 
 def _task_id(arguments: dict[str, Any]) -> str:
+    """The call's ``task_id``. Without one the call is refused as a tool's result with
+    ``isError`` (MCP has a tool's input errors so, for the model to correct), not -32602."""
     task_id = arguments.get("task_id")
     if not isinstance(task_id, str):
-        raise MCPError(INVALID_PARAMS, "task_id (a string) is required")
+        raise BadRequest("task_id (a string) is required", code="invalid_parameter")
     return task_id

@@ -1,15 +1,21 @@
 """Our tasks as A2A 1.0 sees them, and A2A messages as our envelopes (the A2A facade).
 
-- A2A task id = our task id; ``contextId`` = our session id ("" for a task without one).
+- A2A task id = our task id; ``contextId`` = our session id. A task without a session has a
+  context of its own, ``task_<task id>`` (``context_of``): A2A requires one on every task and
+  event, made by the server when the message names none. Session ids begin ``sess_``, so it is
+  never taken for one: a message naming it is refused (``envelope_fields``), as a task here
+  takes one message.
 - States: queued SUBMITTED, running WORKING, succeeded COMPLETED, failed FAILED, cancelled
   CANCELED, expired FAILED (its error code says ``timeout``).
 - A message picks its capability with ``metadata.capability``; its payload is its first data
-  part (a JSON object), else ``{"text": <its text parts, joined by newlines>}``.
+  part (a JSON object), else ``{"text": <its text parts, joined by newlines>}``. A file part
+  is refused (``ContentNotSupported``): the card offers JSON and plain text only.
 - The result is the data artifact ``result``; each ``output`` event is an update of the
   artifact ``output`` (appended after the first). An answer carries at most
   ``ANSWER_DATA_VALUES`` JSON values as data parts: a value past that goes as a text part of
-  its JSON (media type ``application/json``); ``progress`` is a WORKING status whose
-  message says how far along it is.
+  its JSON (media type ``application/json``), and so does a value nested deeper than
+  ``DATA_PART_DEPTH``; ``progress`` is a WORKING status whose message says how far along it
+  is.
 - A protobuf number is a double: an integer a double does not hold exactly (a result's
   ``10**400``, an id of 20 digits) goes as a string of its digits, never rounded nor refused.
 
@@ -71,12 +77,23 @@ RESULT_ARTIFACT, OUTPUT_ARTIFACT = "result", "output"
 # 1.2 s of it for every GetTask). An answer carries at most this many values as data parts.
 ANSWER_DATA_VALUES = 4_000
 JSON_MEDIA_TYPE = "application/json"
+# Protobuf's decoder (upb) takes at most 100 levels of messages, and a JSON object in a data
+# part takes three of them (Value, Struct, its field's entry), a list two: an artifact holds
+# objects nested 32 deep and no deeper (33 raised DecodeError on every read of the task).
+# ``max_json_depth`` may let a result nest up to 500 deep.
+DATA_PART_DEPTH = 32
+# The context of a task without a session (``context_of``).
+TASK_CONTEXT_PREFIX = "task_"
 # Every integer up to this is a double exactly.
 _EXACT_INT = 2**53
 
 
 class NotAnEnvelope(ValueError):
     """The message does not say what to run, or with what."""
+
+
+class ContentNotSupported(NotAnEnvelope):
+    """The message holds a part of a kind the card does not take (a file)."""
 
 
 def envelope_fields(
@@ -90,15 +107,39 @@ def envelope_fields(
     if not isinstance(capability, str) or not capability:
         raise NotAnEnvelope("name the capability to run in the message's metadata.capability")
     fields: dict[str, Any] = {"capability": capability, "payload": payload_of(message, lifted)}
+    if message.context_id.startswith(TASK_CONTEXT_PREFIX):
+        raise NotAnEnvelope(
+            "this contextId is the context of one task without a session, and a task here"
+            " takes one message: send a new message without contextId, or with a session's"
+            " id (POST /sessions) to hold a conversation"
+        )
     if message.context_id:
         fields["session_id"] = message.context_id
     return fields
 
 
+def context_of(task: Mapping[str, Any]) -> str:
+    """The task's ``contextId``: its session's id, else a context of its own."""
+    session_id: str | None = task.get("session_id")
+    return session_id or TASK_CONTEXT_PREFIX + task["task_id"]
+
+
+def task_of_context(context_id: str) -> str | None:
+    """The id of the task whose own context ``context_id`` is (``context_of``), else None."""
+    if context_id.startswith(TASK_CONTEXT_PREFIX):
+        return context_id.removeprefix(TASK_CONTEXT_PREFIX)
+    return None
+
+
 def payload_of(message: Message, lifted: Mapping[int, Any] | None = None) -> dict[str, Any]:
     """The message's first data part, else its text parts. ``lifted``: data parts the API
     took out of the request before the SDK parsed it, as JSON, by their place among the
-    parts (the message holds ``{}`` there): protobuf would take each value through Python."""
+    parts (the message holds ``{}`` there): protobuf would take each value through Python.
+    Raises ``ContentNotSupported`` for a file part, wherever it is."""
+    if any(part.HasField("raw") or part.HasField("url") for part in message.parts):
+        raise ContentNotSupported(
+            "a file part is not taken here: send JSON as a data part, or text"
+        )
     lifted = lifted or {}
     for index, part in enumerate(message.parts):
         if part.HasField("data"):
@@ -119,14 +160,28 @@ class DataBudget:
         self.left = values
 
     def part(self, value: Any) -> Part:
-        """A data part of ``value`` while the answer has values left for it; else a text part
-        of its JSON, written in C."""
+        """A data part of ``value`` while the answer has values left for it and protobuf can
+        hold its depth (``DATA_PART_DEPTH``); else a text part of its JSON, written in C."""
         count = jsonbody.values_in(value, self.left)
-        if count > self.left:
+        if count > self.left or _nests_deeper_than(value, DATA_PART_DEPTH):
             text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
             return Part(text=text, media_type=JSON_MEDIA_TYPE)
         self.left -= count
         return Part(data=ParseDict(_exact(value), struct_pb2.Value()))
+
+
+def _nests_deeper_than(value: Any, levels: int) -> bool:
+    """Whether ``value`` has objects or lists nested more than ``levels`` deep (the outermost
+    is level 1). Walked without recursion; a value within an answer's budget is small."""
+    pending = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, dict | list):
+            if depth > levels:
+                return True
+            children = node.values() if isinstance(node, dict) else node
+            pending.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _struct(value: Mapping[str, Any]) -> struct_pb2.Struct:
@@ -170,7 +225,7 @@ def _agent_says(task: Mapping[str, Any], text: str) -> Message:
         message_id=str(uuid.uuid4()),
         role=Role.ROLE_AGENT,
         task_id=task["task_id"],
-        context_id=task.get("session_id") or "",
+        context_id=context_of(task),
         parts=[Part(text=text)],
     )
 
@@ -211,7 +266,7 @@ def task_of(
     out (ListTasks without ``includeArtifacts``)."""
     a2a = Task(
         id=task["task_id"],
-        context_id=task.get("session_id") or "",
+        context_id=context_of(task),
         status=status_of(task),
         metadata=_struct(
             {
@@ -233,7 +288,8 @@ StreamEvent = Task | TaskStatusUpdateEvent | TaskArtifactUpdateEvent
 
 class EventMapper:
     """A task's events (``broker.tasks.events``) as A2A stream events, in order. One per
-    stream: it knows whether the ``output`` artifact has begun."""
+    stream: it knows whether the ``output`` artifact has begun. ``context_id``: the task's
+    (``context_of``)."""
 
     def __init__(self, task_id: str, context_id: str) -> None:
         self.task_id, self.context_id = task_id, context_id

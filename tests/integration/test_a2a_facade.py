@@ -18,6 +18,7 @@ import redis
 from a2a.client import A2ACardResolver, ClientCallContext, ClientConfig, ClientFactory
 from a2a.client.auth import AuthInterceptor, CredentialService
 from a2a.client.client import Client
+from a2a.client.errors import A2AClientError
 from a2a.types import (
     AgentCard,
     AuthenticationInfo,
@@ -38,7 +39,7 @@ from a2a.types import (
     TaskPushNotificationConfig,
     TaskState,
 )
-from a2a.utils.errors import InternalError, InvalidParamsError, TaskNotFoundError
+from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
 from sqlalchemy import Engine, text
@@ -157,7 +158,8 @@ def test_the_public_card_names_both_bindings_and_requires_a_bearer_key(api: Serv
     assert card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["scheme"] == "Bearer"
     assert card["securityRequirements"] == [{"schemes": {"bearer": {}}}]
     assert card["capabilities"]["extendedAgentCard"] is True
-    assert "skills" not in card  # per key, on the extended card
+    # one, saying the skills are per key, on the extended card
+    assert [s["id"] for s in card["skills"]] == ["capabilities"]
 
 
 def test_a_key_limited_to_echo_sees_one_skill(a2a: Clients) -> None:
@@ -551,7 +553,8 @@ def test_push_config_writes_take_a_token_of_the_tenants_rate(
 ) -> None:
     """Creating or deleting a push config writes the task's row: a small one, here whole
     before its token was due, took none (an audit, 2026-12-06: at 2 a second, 153 of 200
-    creations written in 1.8 s after the tenant's submits were refused 429)."""
+    creations written in 1.8 s after the tenant's submits were refused 429). Refused, it is
+    429 problem+json as a large body out of tokens is: it was JSON-RPC's internal error."""
     _, token = make_key()
     one_token = settings.model_copy(update={"rate_limit_per_s": 0.001, "rate_limit_burst": 1})
     with ServedApp(create_app(one_token)) as api:
@@ -566,9 +569,8 @@ def test_push_config_writes_take_a_token_of_the_tenants_rate(
             for m, p in calls
         ]
     for status, answer in answers:
-        assert status == 200, answer
-        [info] = answer["error"]["data"]  # the SDK's google.rpc.ErrorInfo
-        assert info["metadata"]["code"] == "rate_limited", answer
+        assert status == 429, answer
+        assert answer["code"] == "rate_limited", answer
 
 
 def test_a_negative_page_size_is_invalid_params_not_a_500_naming_the_sql(
@@ -908,8 +910,10 @@ def test_a_tenant_holding_its_most_streams_is_refused_another_before_a_task_is_w
     settings: Settings, make_key: KeyMaker, worker: CeleryProcess, engine: Engine
 ) -> None:
     """The stream slots of ``POST /tasks`` (``api.sse.StreamSlots``) hold for A2A streams
-    too: a streamed message past them is refused, with no task written."""
-    tenant, _ = make_key()
+    too: a streamed message past them is refused, with no task written, 429 problem+json
+    with ``Retry-After`` on both bindings, as ``POST /tasks`` answers (it was JSON-RPC's
+    internal error, and REST's 500)."""
+    tenant, token = make_key()
 
     def tasks_of_tenant() -> int:
         with engine.connect() as conn:
@@ -927,10 +931,15 @@ def test_a_tenant_holding_its_most_streams_is_refused_another_before_a_task_is_w
             held = client.send_message(SendMessageRequest(message=sleepy))
             first = await anext(held)  # the task: its stream is open
             written = await asyncio.to_thread(tasks_of_tenant)
-            with pytest.raises(InternalError) as refused:
+            with pytest.raises(A2AClientError, match="429"):
                 await collect(client.send_message(SendMessageRequest(message=sleepy)))
-            assert "streams" in str(refused.value)
+            refused = await asyncio.to_thread(streamed_on_both_bindings, api, token)
             assert await asyncio.to_thread(tasks_of_tenant) == written
+            for answer in refused:
+                assert answer.status_code == 429, answer.text
+                assert answer.headers["content-type"].startswith("application/problem+json")
+                assert answer.json()["code"] == "too_many_streams"
+                assert int(answer.headers["retry-after"]) >= 1
             # Its own stream goes on to the end, and frees the slot for the next
             rest = await collect(held)
             assert first.task.id and rest[-1].status_update.status.state == (
@@ -940,3 +949,22 @@ def test_a_tenant_holding_its_most_streams_is_refused_another_before_a_task_is_w
             assert again[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
 
         clients.run(run)
+
+
+def streamed_on_both_bindings(api: ServedApp, token: str) -> list[httpx.Response]:
+    """A streamed message to echo over JSON-RPC, then over REST: the answers, unread past
+    their head when they stream."""
+    body = send_message_body([{"text": "hi"}])
+    body["method"] = "SendStreamingMessage"
+    headers = {**A2A_VERSION, "Authorization": f"Bearer {token}"}
+    answers = []
+    with httpx.Client(timeout=30, headers=headers) as http:
+        for url, sent in [
+            (f"{api.url}/a2a/jsonrpc", body),
+            (f"{api.url}{REST}/message:stream", body["params"]),
+        ]:
+            with http.stream("POST", url, json=sent) as answer:
+                if answer.status_code != 200:
+                    answer.read()
+                answers.append(answer)
+    return answers

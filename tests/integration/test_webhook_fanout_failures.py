@@ -10,13 +10,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from a2a.types import TaskPushNotificationConfig
 from sqlalchemy import Engine, func, select, update
 
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.db.models import webhook_outbox_table as outbox
-from broker.facades import a2a
 from broker.settings import Settings
 from broker.tasks import execution
 from tests.eventually import eventually
@@ -118,12 +116,13 @@ def test_fanouts_that_fail_every_time_hold_up_no_other_tenants_and_are_given_up_
     ever ran again."""
     good_tenant, _ = with_callback_secret(api, make_key)
     with Receiver() as receiver:
-        # Given more fanouts than a sweep takes whose A2A push cannot be written: a result
-        # nested past protobuf's 100 levels (a server whose REACH_MAX_JSON_DEPTH allows it)
-        push = a2a.callback_of(TaskPushNotificationConfig(url=f"{receiver.url}/poison"))
+        # Given more fanouts than a sweep takes whose delivery cannot be written: a callback
+        # whose URL is longer than a delivery holds (written past the API's checks)
+        poison_url = f"{receiver.url}/poison/" + "x" * 3000
+        callback_too_long = {"url": poison_url, "events": ["task.succeeded"]}
         many = SWEEP_BATCH + 100
         poison = finished_with(
-            engine, "poison-" + secrets.token_hex(4), {"d": nested(60)}, [push] * many
+            engine, "poison-" + secrets.token_hex(4), {"ok": 1}, [callback_too_long] * many
         )
         # And after them another tenant's task with a callback, both owed past the grace
         callback = {"url": f"{receiver.url}/good", "events": ["task.succeeded"]}

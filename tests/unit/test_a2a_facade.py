@@ -193,3 +193,34 @@ def test_a_lifted_data_part_is_the_payload_as_parsed() -> None:
     sent = Message(parts=[Part(text="t"), Part(data=ParseDict({}, struct_pb2.Value()))])
     assert a2a.payload_of(sent, {1: {"id": 2**60 + 1}}) == {"id": 2**60 + 1}
     assert a2a.payload_of(sent) == {}
+
+
+def test_a_task_without_a_session_has_a_context_of_its_own_and_a_session_its_id() -> None:
+    alone = a2a.task_of(task("failed", error={"code": "x", "message": "y", "retryable": False}))
+    in_session = a2a.task_of(task("queued", session_id="sess_9"))
+
+    assert alone.context_id == a2a.TASK_CONTEXT_PREFIX + alone.id
+    assert alone.status.message.context_id == alone.context_id
+    assert a2a.task_of_context(alone.context_id) == alone.id
+    assert in_session.context_id == "sess_9"
+    assert a2a.task_of_context("sess_9") is None
+
+
+def test_a_message_naming_a_tasks_own_context_continues_nothing() -> None:
+    sent = message(Part(text="again"), context=a2a.TASK_CONTEXT_PREFIX + "0b0c5f0e")
+    with pytest.raises(a2a.NotAnEnvelope, match="one task without a session"):
+        a2a.envelope_fields(sent, {})
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [Part(url="https://h.example/a.pdf")],
+        [Part(text="read this"), Part(raw=b"%PDF-", media_type="application/pdf")],
+        [data({"n": 1}), Part(url="https://h.example/a.pdf")],
+    ],
+    ids=["a file alone", "a file beside text", "a file beside data"],
+)
+def test_a_file_part_is_content_not_supported(parts: list[Part]) -> None:
+    with pytest.raises(a2a.ContentNotSupported):
+        a2a.envelope_fields(message(*parts), {})
