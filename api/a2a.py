@@ -22,6 +22,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from a2a.server.context import ServerCallContext
@@ -111,6 +112,9 @@ CALLERS_MISTAKES = frozenset(
 )
 DISPATCHER_LINE_MAX = 500
 LIST_PAGE_DEFAULT = 50
+# ``totalSize`` counts the tasks a listing matches up to this many: a tenant of millions of
+# tasks costs one bounded read (past it, the count says "at least this many").
+LIST_COUNT_MAX = 10_000
 # The statuses of refusals A2A has no error for: a key that is not valid (401), and a refusal
 # for now (429, 503: a limit, an outage), which the same call may pass later. The SDK answers
 # an error it does not know as its internal error (500, -32603), logged at ERROR.
@@ -371,9 +375,8 @@ class ReachRequestHandler(RequestHandler):
     async def on_list_tasks(
         self, params: ListTasksRequest, context: ServerCallContext
     ) -> ListTasksResponse:
-        """The key's tasks, newest first. ``totalSize`` is this page's length and
-        ``statusTimestampAfter`` filters nothing: both need the listing's query
-        (``queries.list_tasks``) to count and to filter."""
+        """The key's tasks, newest first; ``totalSize`` counts every page's, up to
+        ``LIST_COUNT_MAX``; ``statusTimestampAfter``: those whose status moved since."""
         caller = _principal(context)
         validate_history_length(params)
         if params.HasField("page_size"):
@@ -383,25 +386,38 @@ class ReachRequestHandler(RequestHandler):
             return ListTasksResponse(page_size=0)  # INPUT_REQUIRED and the like: none here
         wanted = params.page_size if params.HasField("page_size") else LIST_PAGE_DEFAULT
         limit = min(wanted, self.svc.settings.list_page_max)
+        moved_after = None
+        if params.HasField("status_timestamp_after"):
+            moved_after = params.status_timestamp_after.ToDatetime(tzinfo=UTC)
         alone = mapping.task_of_context(params.context_id)
         try:
             # A GET's parameters never pass the body's checks: a NUL bound for SQL is refused.
             jsonbody.check_tree([params.context_id, params.page_token], max_depth=1)
             if alone is not None:
-                found, next_cursor = await self._in_own_context(caller, alone, statuses), None
+                found = await self._in_own_context(caller, alone, statuses, moved_after)
+                next_cursor, total = None, len(found)
             else:
+                listed: dict[str, Any] = {
+                    "status": statuses,
+                    "patterns": caller.sees,
+                    "session_id": params.context_id or None,
+                    "moved_after": moved_after,
+                }
                 async with self.svc.heavy_reads.turn(caller.tenant, "list"):
                     found, next_cursor = await queries.list_tasks(
                         self.svc.engine,
                         caller.tenant,
                         capability=None,
-                        status=statuses,
                         limit=limit,
                         cursor=params.page_token or None,
-                        patterns=caller.sees,
                         max_bytes=self.svc.settings.list_page_max_bytes,
-                        session_id=params.context_id or None,
+                        **listed,
                     )
+                    total = len(found)
+                    if next_cursor is not None or params.page_token:  # more than this page
+                        total = await queries.count_tasks(
+                            self.svc.engine, caller.tenant, at_most=LIST_COUNT_MAX, **listed
+                        )
         except ReachError as exc:
             raise _a2a_error(exc, context) from None
         # One answer: its tasks' results share its data values (``mapping.DataBudget``).
@@ -410,19 +426,27 @@ class ReachRequestHandler(RequestHandler):
             tasks=[mapping.task_of(task, budget, artifacts=artifacts) for task in found],
             next_page_token=next_cursor or "",
             page_size=limit,
-            total_size=len(found),
+            total_size=total,
         )
 
     async def _in_own_context(
-        self, caller: Principal, task_id: str, statuses: tuple[str, ...] | None
+        self,
+        caller: Principal,
+        task_id: str,
+        statuses: tuple[str, ...] | None,
+        moved_after: datetime | None,
     ) -> list[dict[str, Any]]:
         """The task without a session whose own context was asked for (``context_of``), if
-        the key sees it and it has a status asked for."""
+        the key sees it, it has a status asked for, and it moved after ``moved_after``."""
         try:
-            task = render(await self._visible(caller, task_id))
+            row = await self._visible(caller, task_id)
         except TaskNotFoundError:
             return []
+        task = render(row)
+        moved = row["finished_at"] or row["started_at"] or row["created_at"]
         if task["session_id"] is not None or (statuses and task["status"] not in statuses):
+            return []
+        if moved_after is not None and moved <= moved_after:
             return []
         return [task]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import ColumnElement, Select, false, func, or_, select, true
@@ -137,6 +138,39 @@ async def visible_task(
     return row
 
 
+# When a task's status last moved: its end, else its start, else its acceptance (as A2A's
+# status timestamp has it, ``broker.facades.a2a.status_of``).
+MOVED_AT = func.coalesce(tasks.c.finished_at, tasks.c.started_at, tasks.c.created_at)
+
+
+def _listed(
+    tenant: str,
+    *,
+    capability: str | None,
+    status: str | Sequence[str] | None,
+    patterns: Sequence[str],
+    session_id: str | None,
+    moved_after: datetime | None,
+) -> list[Any]:
+    """The conditions of a listing: ``list_tasks`` pages by them, ``count_tasks`` counts."""
+    where = [
+        tasks.c.tenant == tenant,
+        tasks.c.expires_at > func.now(),
+        allowed_by(patterns, tasks.c.capability),
+    ]
+    if capability is not None:
+        where.append(tasks.c.capability == capability)
+    if isinstance(status, str):
+        where.append(tasks.c.status == status)
+    elif status is not None:
+        where.append(tasks.c.status.in_(list(status)))
+    if session_id is not None:
+        where.append(tasks.c.session_id == session_id)
+    if moved_after is not None:
+        where.append(moved_after < MOVED_AT)
+    return where
+
+
 async def list_tasks(
     engine: AsyncEngine,
     tenant: str,
@@ -148,26 +182,24 @@ async def list_tasks(
     patterns: Sequence[str],
     max_bytes: int,
     session_id: str | None = None,
+    moved_after: datetime | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """The task resources, newest first, a page at a time (``broker.db.paging``) of at most
-    ``max_bytes`` of their JSON (and at least one task). ``status``: one, or any of several.
+    ``max_bytes`` of their JSON (and at least one task). ``status``: one, or any of several;
+    ``moved_after``: only those whose status moved since (``MOVED_AT``).
 
     Only the columns the resource shows are read, and the sizes its budget adds: a payload
     of up to a megabyte a task is not, since a listing never shows it."""
     columns = (*SHOWN_COLUMNS, *KEPT_SIZES.values())
-    query = select(*(tasks.c[name] for name in columns)).where(
-        tasks.c.tenant == tenant,
-        tasks.c.expires_at > func.now(),
-        allowed_by(patterns, tasks.c.capability),
+    where = _listed(
+        tenant,
+        capability=capability,
+        status=status,
+        patterns=patterns,
+        session_id=session_id,
+        moved_after=moved_after,
     )
-    if capability is not None:
-        query = query.where(tasks.c.capability == capability)
-    if isinstance(status, str):
-        query = query.where(tasks.c.status == status)
-    elif status is not None:
-        query = query.where(tasks.c.status.in_(list(status)))
-    if session_id is not None:
-        query = query.where(tasks.c.session_id == session_id)
+    query = select(*(tasks.c[name] for name in columns)).where(*where)
     budget = Budget(max_bytes, json_bytes(*SHOWN_JSON, kept=KEPT_SIZES))
     async with engine.connect() as conn:
         rows, next_cursor = await newest_first(
@@ -175,3 +207,28 @@ async def list_tasks(
         )
     # The shown columns are all ``render`` reads of a row.
     return [render(cast(TaskRow, row)) for row in rows], next_cursor
+
+
+async def count_tasks(
+    engine: AsyncEngine,
+    tenant: str,
+    *,
+    at_most: int,
+    status: str | Sequence[str] | None = None,
+    patterns: Sequence[str],
+    session_id: str | None = None,
+    moved_after: datetime | None = None,
+) -> int:
+    """How many tasks ``list_tasks`` would list over all its pages, counted up to
+    ``at_most``: a tenant of millions of tasks costs one bounded read, not a count of all."""
+    where = _listed(
+        tenant,
+        capability=None,
+        status=status,
+        patterns=patterns,
+        session_id=session_id,
+        moved_after=moved_after,
+    )
+    some = select(tasks.c.id).where(*where).limit(at_most).subquery()
+    async with engine.connect() as conn:
+        return int((await conn.execute(select(func.count()).select_from(some))).scalar_one())

@@ -23,7 +23,7 @@ from api.a2a import REST_PATH, ReachRequestHandler
 from broker.tasks.resource import TaskRow
 from broker.tenancy.keys import Principal
 from tests.integration.conftest import KeyMaker, client_for
-from tests.integration.stack import CeleryProcess, ServedApp
+from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.test_a2a_facade import (
     A2A_VERSION,
     Clients,
@@ -37,6 +37,7 @@ from tests.integration.test_a2a_facade import (
 from tests.integration.test_revoked_keys import SLEEP_S, revoked_while
 
 CONTENT_TYPE_NOT_SUPPORTED, INVALID_PARAMS = -32005, -32602
+ECHO = {"capability": "echo", "payload": {}}
 # A task without a session has the context ``task_<its id>`` (the README's A2A section).
 TASK_CONTEXT_PREFIX = "task_"
 
@@ -237,3 +238,35 @@ def test_a_key_revoked_during_a_blocking_message_is_401_problem_json(
     assert answer.headers["content-type"].startswith("application/problem+json")
     assert answer.headers["www-authenticate"] == "Bearer"
     assert answer.json()["code"] == "unauthenticated"
+
+
+def test_list_tasks_counts_every_page_and_filters_by_when_the_status_moved(
+    api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    """``totalSize`` was the page's length, and ``statusTimestampAfter`` filtered nothing."""
+    _, token = make_key()
+    with client_for(api, token) as http:
+        # Given three tasks of the key's, the third accepted after the first two had ended
+        first = [http.post("/tasks", json=ECHO).json()["task_id"] for _ in range(2)]
+        ended = [wait_for_task(http, t, {"succeeded"})["finished_at"] for t in first]
+        third = http.post("/tasks", json=ECHO).json()["task_id"]
+        wait_for_task(http, third, {"succeeded"})
+
+    def listed(**params: Any) -> dict[str, Any]:
+        answer = rpc(
+            api, token, {"jsonrpc": "2.0", "id": 1, "method": "ListTasks", "params": params}
+        )
+        assert answer.status_code == 200 and "result" in answer.json(), answer.text
+        result: dict[str, Any] = answer.json()["result"]
+        return result
+
+    # When they are listed two a page, Then the count is of all three, on each page
+    page = listed(pageSize=2)
+    assert (len(page["tasks"]), page["totalSize"]) == (2, 3)
+    rest = listed(pageSize=2, pageToken=page["nextPageToken"])
+    assert (len(rest["tasks"]), rest["totalSize"]) == (1, 3)
+    # And since the first two ended, only the third's status moved
+    since = listed(statusTimestampAfter=max(ended))
+    assert [t["id"] for t in since["tasks"]] == [third]
+    assert since["totalSize"] == 1
+    assert listed(statusTimestampAfter="2999-01-01T00:00:00Z").get("tasks", []) == []
