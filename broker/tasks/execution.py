@@ -446,11 +446,18 @@ def _finish_statements(finishes: list[Finish]) -> list[tuple[Any, dict[str, Any]
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     """A queued task whose deadline passed before it started ends expired, never run."""
     error = task_error("deadline_exceeded", "not started before its deadline")
+    query = _ended_unstarted(error, tasks.c.id == task_id, tasks.c.deadline_at <= func.now())
+    with engine.begin() as conn:
+        row = conn.execute(query).first()
+    return as_task_row(row) if row is not None else None
+
+
+def _ended_unstarted(error: dict[str, Any], *where: Any) -> Any:
+    """The queued tasks ``where`` picks, expired with ``error``, never run: their rows, with
+    the fanouts they owe recorded (``outbox``)."""
     query = (
         update(tasks)
-        .where(
-            tasks.c.id == task_id, in_sources(EXPIRE_UNSTARTED), tasks.c.deadline_at <= func.now()
-        )
+        .where(*where, in_sources(EXPIRE_UNSTARTED))
         .values(
             status=EXPIRE_UNSTARTED.target,
             error=error,
@@ -459,9 +466,7 @@ def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
         )
         .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
     )
-    with engine.begin() as conn:
-        row = conn.execute(outbox.recording(query)).first()
-    return as_task_row(row) if row is not None else None
+    return outbox.recording(query)
 
 
 def expire_unstarted(engine: Engine, *, within_s: float, batch: int) -> list[TaskRow]:
@@ -480,19 +485,9 @@ def expire_unstarted(engine: Engine, *, within_s: float, batch: int) -> list[Tas
         .limit(batch)
         .with_for_update(skip_locked=True)
     )
-    query = (
-        update(tasks)
-        .where(tasks.c.id.in_(picked.scalar_subquery()), in_sources(EXPIRE_UNSTARTED))
-        .values(
-            status=EXPIRE_UNSTARTED.target,
-            error=error,
-            finished_at=moment(),
-            expires_at=expiry(),
-        )
-        .returning(*FINAL_COLUMNS, _TENANT_SUBSCRIBES)
-    )
+    query = _ended_unstarted(error, tasks.c.id.in_(picked.scalar_subquery()))
     with engine.begin() as conn:
-        return [as_task_row(row) for row in conn.execute(outbox.recording(query))]
+        return [as_task_row(row) for row in conn.execute(query)]
 
 
 def fail_outsider(engine: Engine, task_id: uuid.UUID, tenants: tuple[str, ...]) -> TaskRow | None:

@@ -15,6 +15,7 @@ import pytest
 from reach_client import Reach
 
 from tests.integration.stack import CeleryProcess, ServedApp
+from tests.ptys import read_until_closed
 
 REACH = str(Path(sys.executable).parent / "reach")
 TEXT = "Queues decouple callers. Agents advertise cards. Leases expire. Streams resume."
@@ -143,16 +144,7 @@ def run_in_terminal(argv: list[str], env: dict[str, str]) -> str:
         stderr=terminal,
     )
     os.close(terminal)
-    written = bytearray()
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the process closed its end
-            break
-        if not chunk:
-            break
-        written += chunk
-    os.close(controller)
+    written = read_until_closed(controller)
     assert process.wait(timeout=60) == 0, written.decode(errors="replace")
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", written.decode(errors="replace"))
 

@@ -18,6 +18,7 @@ import pytest
 from reach_client.cli import main
 
 from tests.integration.receiver import Reply
+from tests.ptys import read_until_closed
 from tests.unit.client_loopback import TASK, Loopback, events_reply, task_reply
 
 # Lines far wider than the terminal below (40 columns)
@@ -52,16 +53,7 @@ def run_with_terminal_stderr(argv: list[str], url: str, stdout: Path) -> tuple[i
             stderr=terminal,
         )
     os.close(terminal)
-    written = bytearray()
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the process closed its end
-            break
-        if not chunk:
-            break
-        written += chunk
-    os.close(controller)
+    written = read_until_closed(controller)
     return process.wait(timeout=60), written.decode(errors="replace")
 
 
