@@ -1,10 +1,11 @@
 """``reach dev``: the whole stack on one machine, for trying it out.
 
 Uses ``REACH_DATABASE_URL``/``DATABASE_URL`` and ``REACH_REDIS_URL``/``REDIS_URL`` when set,
-the services on the standard local ports when they answer, and otherwise starts an embedded
-Postgres and Redis under ``.reach/``; a database the URL names that does not exist yet is
-created. Each process writes its output to ``.reach/logs/<name>.log``. Each run prints a fresh
-operator key and revokes the one the previous run printed. Ctrl-C stops everything it started.
+the services on the standard local ports when they answer (not with ``REACH_EMBEDDED=1``),
+and otherwise starts an embedded Postgres and Redis under ``.reach/``; a database the URL
+names that does not exist yet is created. Each process writes its output to
+``.reach/logs/<name>.log``. Each run prints a fresh operator key and revokes the one the
+previous run printed. Ctrl-C stops everything it started.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def _environment(data_dir: Path) -> tuple[dict[str, str], localservices.Services
         data_dir,
         database_url=given_database_url and psycopg_url(given_database_url),
         redis_url=env.get("REACH_REDIS_URL") or env.get("REDIS_URL"),
+        # The embedded ones even where Postgres and Redis run on their usual ports: a stack
+        # of its own, and the path of a machine with neither.
+        prefer_local=env.get("REACH_EMBEDDED", "").lower() not in ("1", "true", "yes"),
     )
     database_url = services.database_url
     if given_database_url:

@@ -215,3 +215,51 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.timeout(300)
+def test_the_stack_runs_on_embedded_postgres_and_redis_as_on_a_machine_with_neither(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The README's first command on a machine with only Python: every other test here (and
+    CI's machine) has Postgres and Redis on their ports, which the stack prefers, so the
+    embedded path was never run whole. ``REACH_EMBEDDED=1`` takes it wherever."""
+    port, flower_port = free_port(), free_port()
+    env = _dev_environment(settings, "", "")
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        env.pop(name)
+    env["REACH_EMBEDDED"] = "1"
+    log = tmp_path / "dev.log"
+    dev = _start_dev(env, tmp_path, log, port, flower_port)
+    try:
+        banner = _banner(log, dev)
+        assert "Agent-Reach is running (embedded postgres, redis)" in banner, banner
+        token = re.search(r"API key\s+(rk_\S+)", banner)
+        assert token, banner
+        headers = {"Authorization": f"Bearer {token.group(1)}"}
+        api = f"http://127.0.0.1:{port}"
+        invoice = {"text": "ACME\nInvoice No: INV-7\nDate: 2024-03-15\nTotal: USD 10.00"}
+        envelope = {"capability": "invoice.extract", "payload": invoice, "reply_mode": "sync"}
+        answer = httpx.post(f"{api}/tasks", json=envelope, headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["result"]["number"] == "INV-7"
+        children = psutil.Process(dev.pid).children(recursive=True)
+        assert _running_from(tmp_path)  # the embedded servers, their data in the run's folder
+    finally:
+        code = _interrupt(dev)
+    assert code == 0, log.read_text(errors="replace")[-3000:]
+    # And nothing it started is left, the embedded Postgres and Redis included
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert alive == []
+    assert (tmp_path / ".reach" / "postgres").is_dir()
+    eventually(lambda: _running_from(tmp_path), "the embedded services stopped", until=[].__eq__)
+
+
+def _running_from(folder: Path) -> list[str]:
+    """The processes whose command line names ``folder`` (an embedded server's data there)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if str(folder) in command:
+            found.append(command)
+    return found
