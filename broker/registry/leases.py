@@ -141,7 +141,10 @@ def _write(pipe: Any, lease: Lease, revoked: tuple[CardRef, ...]) -> None:
         else:
             pipe.zrem(live_key(card.capability), lease.instance)
         # Entries of leases long gone: readers skip them anyway; this keeps the set small.
-        pipe.zremrangebyscore(live_key(card.capability), "-inf", lease.heartbeat_at)
+        # Gone a TTL ago by this clock: one running ahead of its peers' (by less than a TTL)
+        # took their live entries for gone and removed them at each of its renewals.
+        gone_before = lease.heartbeat_at - lease.lease_ttl_s
+        pipe.zremrangebyscore(live_key(card.capability), "-inf", gone_before)
     pipe.execute()
 
 

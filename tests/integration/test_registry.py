@@ -14,7 +14,7 @@ import redis
 from sqlalchemy import Engine
 
 from broker.registry import leases
-from broker.registry.model import live_key
+from broker.registry.model import READY, CardRef, Lease, live_key
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
@@ -317,3 +317,23 @@ def test_a_card_of_an_older_schema_never_overwrites_a_newer_one(engine: Engine) 
     with engine.connect() as conn:
         stored = conn.execute(select(cards.c.card).where(cards.c.agent_id == "schema-probe"))
         assert stored.scalar_one()["owner"] == "newer"
+
+
+def test_a_renewal_by_a_clock_ahead_of_its_peers_leaves_their_live_entries(
+    own_redis: str,
+) -> None:
+    """Each renewal removed the live entries that had expired by its own clock: a worker
+    running 20 s ahead removed its peers' (15 s leases) at each renewal, and routing saw
+    them gone until their next."""
+    client = redis.Redis.from_url(own_redis)
+    capability = f"test.skew-{time.monotonic_ns()}"
+    card = CardRef("skew", "1.0.0", capability)
+    now = time.time()
+
+    def lease(instance: str, heartbeat_at: float) -> Lease:
+        return Lease(instance, READY, heartbeat_at, heartbeat_at, 15.0, cards=(card,))
+
+    leases.renew(client, lease("behind@h", now))
+    leases.renew(client, lease("ahead@h", now + 20))
+    live = {m.decode() for m in client.zrange(live_key(capability), 0, -1)}
+    assert live == {"behind@h", "ahead@h"}
