@@ -102,22 +102,20 @@ async def _in_context(values: list[tuple[contextvars.ContextVar[Any], Any]], cal
 
 
 async def _within(call: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
-    """``call``, cancelled once ``timeout_s`` has passed since it began: CallTimedOut then,
-    and also when it came to an end after that, holding on through its cancel. The clock
-    is the call's own, started with it: a caller that waited for something else first (the
-    ``running`` event's write) gave the handler that wait on top of its time, and took a
-    result that came past it."""
-    if timeout_s is None:
-        return await call
-    limit = asyncio.timeout(timeout_s)
+    """``call``, which must have come to its end within ``timeout_s`` of its start, by its own
+    clock (CallTimedOut otherwise). The caller cancels it, once, when its time is up; a
+    result or failure that comes later (the caller waited for something else first, the
+    ``running`` event's write) is not taken: a handler got that wait on top of its time.
+    A second cancel of its own, at its limit, cut short the cleanup a handler runs when
+    cancelled."""
+    begun = time.monotonic()
     try:
-        async with limit:
-            result = await call
-    except Exception:  # the limit's TimeoutError, or the handler's own late error
-        if limit.expired():
-            raise CallTimedOut(f"the handler ran past {timeout_s:.3f}s") from None
+        result = await call
+    except Exception:
+        if timeout_s is not None and time.monotonic() - begun > timeout_s:
+            raise CallTimedOut(f"the handler failed after {timeout_s:.3f}s") from None
         raise
-    if limit.expired():
+    if timeout_s is not None and time.monotonic() - begun > timeout_s:
         raise CallTimedOut(f"the handler returned after {timeout_s:.3f}s")
     return result
 

@@ -1,7 +1,9 @@
 """An async handler's time (``workers.aio``): its own clock, started with it. The direct path
 (``Calls.arun``) waits for the ``running`` event's write first; the handler's time was
 counted only after that, so a handler got that wait on top of its limit, and a result it
-returned past its limit was taken."""
+returned past its limit was taken. It is cancelled once at its limit, by the waiting side:
+a second cancel of its own cut short the cleanup a cancelled handler runs
+(``test_async_agents.py::test_an_async_handler_past_the_tasks_deadline_is_cancelled_and_expires``)."""
 
 from __future__ import annotations
 
