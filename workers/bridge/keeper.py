@@ -61,6 +61,8 @@ class Watched:
     agent: RemoteAgent
     health: Health = field(default_factory=Health)
     state: str = ""  # last recorded for the read side
+    # When this process last renewed the agent's lease (monotonic); None while it holds none.
+    renewed_at: float | None = None
 
 
 class RemoteKeeper:
@@ -165,8 +167,9 @@ class RemoteKeeper:
             watched = self.watched.get(agent_id)
             if watched is None or watched.agent != agent:
                 self.registry.serve(agent)
-                health = watched.health if watched is not None else Health()
-                self.watched[agent_id] = Watched(agent, health)
+                self.watched[agent_id] = (
+                    Watched(agent) if watched is None else replace(watched, agent=agent)
+                )
                 log.info("serving remote agent %s %s at %s", agent_id, agent.version, agent.url)
         outcomes = self.checks.run(w.agent for w in self.watched.values())
         now = time.monotonic()
@@ -176,6 +179,7 @@ class RemoteKeeper:
             state = watched.health.observe(passed, now, self.policy)
             if state != before:
                 log.info("remote agent %s: %s -> %s", agent_id, before, state)
+        self._lapsed(time.monotonic())
         up = [
             w
             for w in self.watched.values()
@@ -279,14 +283,38 @@ class RemoteKeeper:
             ),
         )
 
+    def _lapsed(self, now: float) -> None:
+        """Take offline each agent whose lease ran out since this process last renewed it
+        (the process stopped or stalled, or Redis did not answer, for longer than the TTL):
+        routing has refused it since, and it comes back as after failed checks, dampened
+        (``Health.expired``), not at the next pass."""
+        ttl = self._lease_ttl_s()
+        for agent_id, watched in self.watched.items():
+            if watched.renewed_at is None or now - watched.renewed_at <= ttl:
+                continue
+            before = watched.health.state
+            watched.health.expired(now)
+            log.warning(
+                "remote agent %s: %s -> %s (its lease ran out: last renewed %.1f s ago)",
+                agent_id,
+                before,
+                watched.health.state,
+                now - watched.renewed_at,
+            )
+            watched.renewed_at = None
+
     def _hold(self, watched: Watched) -> None:
         """Renew the agent's lease while it counts as up; give it up once it does not."""
+        at = time.monotonic()  # no later than the lease's heartbeat: its lapse is not missed
         lease = self._lease(watched)
         state = watched.health.state if watched.health.routed else OFFLINE
         if watched.health.routed:
             leases.renew(self.redis, lease, removable=True)
-        elif watched.state != OFFLINE:
-            leases.release(self.redis, lease)
+            watched.renewed_at = at
+        else:
+            watched.renewed_at = None
+            if watched.state != OFFLINE:
+                leases.release(self.redis, lease)
         if state != watched.state or watched.health.routed:
             leases.record_instance(self.engine, lease, state)
             watched.state = state
