@@ -36,6 +36,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker import jsonbody
+from broker.db.batches import picked_once
 from broker.db.models import session_revisions_table as revisions
 from broker.db.models import sessions_table as sessions
 from broker.db.models import tasks_table as tasks
@@ -458,12 +459,13 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 _PURGE = delete(sessions).where(
     sessions.c.id.in_(
-        select(sessions.c.id)
-        .where(sessions.c.expires_at <= func.now(), ~HELD_BY_A_TURN)
-        .order_by(sessions.c.expires_at)
-        .limit(bindparam("batch"))
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
+        picked_once(
+            select(sessions.c.id)
+            .where(sessions.c.expires_at <= func.now(), ~HELD_BY_A_TURN)
+            .order_by(sessions.c.expires_at)
+            .limit(bindparam("batch"))
+            .with_for_update(skip_locked=True)
+        )
     )
 )
 

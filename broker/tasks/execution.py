@@ -54,6 +54,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from broker import sessions
+from broker.db.batches import picked_once
 from broker.db.engines import LoopConnection, ThreadConnection
 from broker.db.models import FINAL_COLUMNS, as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
@@ -485,7 +486,7 @@ def expire_unstarted(engine: Engine, *, within_s: float, batch: int) -> list[Tas
         .limit(batch)
         .with_for_update(skip_locked=True)
     )
-    query = _ended_unstarted(error, tasks.c.id.in_(picked.scalar_subquery()))
+    query = _ended_unstarted(error, tasks.c.id.in_(picked_once(picked)))
     with engine.begin() as conn:
         return [as_task_row(row) for row in conn.execute(query)]
 
@@ -772,22 +773,30 @@ def running_query(instance: str | None, started_before_s: float) -> Select[Any]:
     return query
 
 
+# Only a task that reached its final state goes: one still queued or running past its
+# expiry (the janitor behind, a reaper yet to come) ends first, told as every final state is
+# (``expire_unstarted``, the reaper). Before, a backlog larger than one run's time to end went
+# with no final state: 38,000 of 80,000 queued tasks in one run at the default settings.
+_PURGE = text(
+    "WITH picked AS MATERIALIZED ("
+    " SELECT id FROM tasks WHERE expires_at <= now() AND status = ANY(:final)"
+    " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
+    " DELETE FROM tasks WHERE id IN (SELECT id FROM picked)"
+)
+
+
 def purge_expired(engine: Engine, *, batch: int, budget_s: float) -> int:
-    """Delete expired rows in batches of ``batch``, each its own short transaction, until none
-    is left or ``budget_s`` is spent. A budget of time, not of batches: at 2 million rows a
-    batch of 1,000 takes about 8 ms, so one run keeps pace with any intake the API takes,
-    where a cap of 100 batches a minute stopped at 1,667 rows/s (``python -m bench.retention``).
-    """
-    statement = text(
-        "DELETE FROM tasks WHERE id IN ("
-        " SELECT id FROM tasks WHERE expires_at <= now()"
-        " ORDER BY expires_at LIMIT :batch FOR UPDATE SKIP LOCKED)"
-    )
+    """Delete expired rows of final tasks in batches of ``batch``, each its own short
+    transaction, until none is left or ``budget_s`` is spent. A budget of time, not of
+    batches: at 2 million rows a batch of 1,000 takes about 8 ms, so one run keeps pace with
+    any intake the API takes, where a cap of 100 batches a minute stopped at 1,667 rows/s
+    (``python -m bench.retention``)."""
+    params = {"batch": batch, "final": sorted(FINAL)}
     removed = 0
     stop_at = time.monotonic() + budget_s
     while True:
         with engine.begin() as conn:
-            count = conn.execute(statement, {"batch": batch}).rowcount
+            count = conn.execute(_PURGE, params).rowcount
         removed += count
         if count < batch or time.monotonic() >= stop_at:
             return removed

@@ -38,7 +38,7 @@ from broker.settings import Settings
 from broker.tasks import events, turns
 from broker.tasks.dispatch import Dispatcher, redis_run_message, send_run
 from broker.tasks.envelope import Envelope
-from broker.tasks.resource import QUEUED, TaskRow, new_task_id
+from broker.tasks.resource import FINAL, QUEUED, TaskRow, new_task_id
 from broker.tenancy.heavy import OneAtATime
 from broker.tenancy.keys import Principal
 from broker.tenancy.usage import ROW_BYTES, QuotaExceeded, Quotas, task_bytes
@@ -397,7 +397,10 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
 
     None when that task is gone: purged, or expired, which reads as gone everywhere else, so
     its row is deleted here as the janitor would (only while still expired: two replays
-    racing delete it once) and the key is free for a new task.
+    racing delete it once) and the key is free for a new task. As the janitor would: only
+    once it reached its final state. One still queued past its expiry (the janitor behind)
+    stays, to end as ``ttl_exceeded``, told as every final state is; meanwhile the key is
+    being released (``conflict_retry``), and after that the replay is that task's.
     """
     # What the comparison needs first: a request of a few bytes with another payload costs
     # no read of the first task's payload or result (up to megabytes, decoded on the loop).
@@ -412,7 +415,11 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
         if existing is None:
             return None
         if existing.expired:
-            gone = delete(tasks).where(tasks.c.id == existing.id, tasks.c.expires_at <= func.now())
+            gone = delete(tasks).where(
+                tasks.c.id == existing.id,
+                tasks.c.expires_at <= func.now(),
+                tasks.c.status.in_(FINAL),
+            )
             await conn.execute(gone)
             await conn.commit()
             return None

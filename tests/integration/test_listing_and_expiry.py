@@ -190,8 +190,10 @@ def janitorless(
 
 
 def _expired_task(http: httpx.Client, envelope: dict[str, Any]) -> str:
-    """Submits ``envelope`` (with a short ``result_ttl_s``) and waits until the task reads 404."""
+    """Submits ``envelope`` (with a short ``result_ttl_s``), ends the task (a cancel: nobody
+    serves it) and waits until it reads 404."""
     first: str = http.post("/tasks", json=envelope).json()["task_id"]
+    assert http.post(f"/tasks/{first}/cancel").json()["status"] == "cancelled"
     eventually(
         lambda: http.get(f"/tasks/{first}").status_code == 404, "the task expired for readers"
     )
@@ -261,6 +263,39 @@ def test_50_concurrent_replays_of_an_expired_task_make_one_new_task(
     with engine.connect() as conn:
         ids = conn.execute(select(tasks_table.c.id)).scalars().all()
     assert [str(i) for i in ids] == [new]
+
+
+def test_a_replay_of_a_task_expired_while_still_queued_waits_for_it_to_end(
+    janitorless: tuple[ServedApp, str, Engine],
+) -> None:
+    """The janitor ends a queued task before its expiry; one behind leaves it queued past it.
+    The replay deleted it then, as it does an ended one: gone with no final state."""
+    api, token, engine = janitorless
+    envelope = {
+        "capability": "test.nobody-serves",
+        "payload": {"order": 3},
+        "idempotency_key": "o-3",
+        "result_ttl_s": 3,  # ended, kept that long: a loaded machine's pause fits in it
+        "queue_if_unavailable": True,
+    }
+    with client_for(api, token) as http:
+        # Given a task that expired while queued, which no janitor has ended
+        first = http.post("/tasks", json=envelope).json()["task_id"]
+        eventually(lambda: http.get(f"/tasks/{first}").status_code == 404, "the task expired")
+        # When the same key comes again
+        again = http.post("/tasks", json=envelope)
+        # Then the key is being released, and the task is still there, queued
+        assert (again.status_code, again.json()["code"]) == (409, "conflict_retry")
+        with engine.connect() as conn:
+            rows = conn.execute(select(tasks_table.c.id, tasks_table.c.status)).all()
+        assert [(str(i), s) for i, s in rows] == [(first, "queued")]
+        # And once the janitor has ended it, the same request returns it, ended
+        [ended] = execution.expire_unstarted(engine, within_s=0, batch=10)
+        assert str(ended["id"]) == first
+        replay = http.post("/tasks", json=envelope)
+    assert (replay.status_code, replay.headers.get("idempotent-replayed")) == (202, "true")
+    assert (replay.json()["task_id"], replay.json()["status"]) == (first, "expired")
+    assert replay.json()["error"]["code"] == "ttl_exceeded"
 
 
 def _expired_rows(engine: Engine, count: int) -> None:

@@ -79,7 +79,7 @@ def test_given_a_waiting_delivery_whose_task_expired_expect_no_attempt_and_faile
     )
     # When its attempt comes, and the sweep removes expired bodies
     claimed = deliveries.claim(engine, delivery_id, 1, lease_s=30, max_inflight=9)
-    while upkeep.purge_expired_bodies(engine, batch=1000):
+    while upkeep.purge_expired_bodies(engine, batch=1000, budget_s=10):
         pass
     # Expect no attempt, the body gone and the delivery failed, saying why
     row = stored(engine, str(delivery_id))

@@ -275,7 +275,7 @@ class Webhooks:
         # flight release them as they end.
         tenants = deliveries.tenants_of(engine, [delivery_id for delivery_id, _ in stranded])
         republished = sum(self._release(tenant) for tenant in tenants)
-        bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH)
+        bodies = upkeep.purge_expired_bodies(engine, batch=SWEEP_BATCH, budget_s=PURGE_BUDGET_S)
         purged = upkeep.purge_expired(engine, batch=SWEEP_BATCH, budget_s=PURGE_BUDGET_S)
         return {
             "fanned_out": fanned_out,
