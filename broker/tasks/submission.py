@@ -304,14 +304,26 @@ async def submit(
         # published, and the caller is told so, not 503 (which a caller answers by submitting
         # again: the work would run twice). A queued one withdrawn here finds no row if its
         # message was out after all, and does not run.
-        if await _withdraw(engine, row["id"]):
+        #
+        # Not a task with an idempotency key: from its commit on, a submit with the same key
+        # was answered with it (a caller's retry of this very request, its first attempt
+        # timed out), and that caller would hold a task that never runs. It stays, queued:
+        # the sweeper publishes it if its message is not in its queue (``recovery.sweep``).
+        if values["idempotency_key"] is not None:
+            log.warning(
+                "task %s: publishing it failed (%r); kept, for the sweeper to publish",
+                row["id"],
+                exc,
+            )
+        elif await _withdraw(engine, row["id"]):
             quota.give_back(principal.tenant, size)
             raise Unavailable("the task queue cannot be reached", code="queue_unavailable") from exc
-        log.warning(
-            "task %s: the queue's reply was lost (%r), and a worker had claimed it: accepted",
-            row["id"],
-            exc,
-        )
+        else:
+            log.warning(
+                "task %s: the queue's reply was lost (%r), and a worker had claimed it: accepted",
+                row["id"],
+                exc,
+            )
     return Accepted(row=row, replayed=False)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
@@ -24,6 +25,7 @@ from sqlalchemy import Engine, text
 
 from api.app import create_app
 from broker.settings import Settings
+from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker
 from tests.integration.stack import ServedApp, free_port, wait_for_task
 
@@ -65,6 +67,7 @@ class WithholdingProxy:
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 6379)
         self.port = free_port()
         self.url = parts._replace(netloc=f"127.0.0.1:{self.port}").geturl()
+        self.mark = MESSAGE_MARK  # what marks the call whose reply is withheld
         self.armed = threading.Event()
         self.withheld = threading.Event()  # a reply was withheld
         self.loop = asyncio.new_event_loop()
@@ -98,7 +101,7 @@ class WithholdingProxy:
 
         async def request(data: bytes) -> bytes | None:
             nonlocal stalled
-            if self.armed.is_set() and MESSAGE_MARK in data:
+            if self.armed.is_set() and self.mark in data:
                 stalled = True
                 self.withheld.set()
             return data
@@ -145,3 +148,44 @@ def test_a_task_claimed_after_a_lost_reply_is_accepted_not_refused_and_runs_once
             text("SELECT count(*), max(attempts) FROM tasks WHERE tenant = :t"), {"t": tenant}
         ).one()
     assert tuple(made) == (2, 1)  # the warm-up and this one, each run once
+
+
+def test_a_replay_answered_while_the_first_submits_reply_was_lost_gets_a_task_that_stays(
+    proxied_api: tuple[ServedApp, WithholdingProxy], make_key: KeyMaker
+) -> None:
+    """From its commit on, a task is what a submit with its idempotency key is answered with,
+    before its message has gone out. The first submit's queue reply lost, the task still
+    queued, that submit withdrew it (deleted its row) and answered 503: the replay's caller
+    held a task id that read 404 and never ran. A task with a key is kept now, for the
+    sweeper to publish if its message is not out."""
+    served, proxy = proxied_api
+    capability = "test.nobody-serves"  # its task stays queued: the old withdraw took it
+    proxy.mark = f'"routing_key": "{capability}"'.encode()
+    _, token = make_key([capability])
+    envelope = {
+        "capability": capability,
+        "payload": {"n": 1},
+        "idempotency_key": "lost-reply-1",
+        "queue_if_unavailable": True,
+    }
+    headers = {"Authorization": f"Bearer {token}"}
+    with (
+        httpx.Client(base_url=served.url, headers=headers, timeout=60) as first_caller,
+        httpx.Client(base_url=served.url, headers=headers, timeout=60) as second_caller,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        # Given a submit whose queue reply is withheld (its row committed, its message out)
+        proxy.armed.set()
+        first = pool.submit(first_caller.post, "/tasks", json=envelope)
+        eventually(proxy.withheld.is_set, "the proxy to withhold the message's reply")
+        proxy.armed.clear()
+        # When a retry with the same key comes meanwhile
+        replay = second_caller.post("/tasks", json=envelope)
+        assert (replay.status_code, replay.headers.get("idempotent-replayed")) == (202, "true")
+        # Then the first is accepted too, with that same task, once its wait ends
+        answer = first.result(timeout=60)
+        assert answer.status_code == 202, answer.text
+        assert answer.json()["task_id"] == replay.json()["task_id"]
+        # And the task is there, queued, for whoever holds its id
+        task = second_caller.get(f"/tasks/{replay.json()['task_id']}")
+    assert (task.status_code, task.json()["status"]) == (200, "queued")
