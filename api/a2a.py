@@ -312,17 +312,20 @@ class ReachRequestHandler(RequestHandler):
         Where the log stands is read before the task: a task that ends between the two reads
         is final when read (refused, as any final task is), or its final event comes after
         that place. Read the other way round, that event was behind the place the stream
-        started from, and the stream ended at once on WORKING."""
+        started from, and the stream ended at once on WORKING.
+
+        The task is looked up once before that too: the log of a task the caller may not
+        see, or of one already final, is not read (another tenant's task took as long to
+        refuse as its log took to read, telling it from an unknown id)."""
         caller = _principal(context)
         task_id = parse_task_id(params.id)
         if task_id is None:
             raise TaskNotFoundError
+        await self._unfinished(caller, params.id)
         # The log's place and its outputs so far, without holding a long log whole for as
         # long as the stream lasts.
         after, outputs = await self.svc.hub.tally(str(task_id), OUTPUT)
-        row = await self._visible(caller, params.id)
-        if row["status"] in FINAL:
-            raise UnsupportedOperationError(message=f"the task is already {row['status']}")
+        row = await self._unfinished(caller, params.id)
         with self._stream_slot(context):
             rendered = render(row)
             yield mapping.task_of(rendered)
@@ -330,6 +333,13 @@ class ReachRequestHandler(RequestHandler):
             mapper.outputs = outputs
             async for event in self._events(caller, rendered, context, after=after, mapper=mapper):
                 yield event
+
+    async def _unfinished(self, caller: Principal, task_id: str) -> TaskRow:
+        """The caller's task, not final yet; else the A2A error."""
+        row = await self._visible(caller, task_id)
+        if row["status"] in FINAL:
+            raise UnsupportedOperationError(message=f"the task is already {row['status']}")
+        return row
 
     def _stream_slot(self, context: ServerCallContext) -> Slot:
         """One of the tenant's stream slots (``api.sse.StreamSlots``), or the A2A error."""

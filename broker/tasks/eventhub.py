@@ -44,6 +44,8 @@ LOG_PAGE = 100
 TALLY_PAGE = 1_000  # entries a tally reads at once: it holds only their types
 # How long a handed-out final event's id is kept when its log has no expiry to follow.
 HANDED_KEPT_MS = 3_600_000
+# The largest event id a client may send (``Last-Event-ID``: 18 digits) and be handed.
+MAX_EVENT_ID = 10**18 - 1
 # What a reader does when the log has been quiet without a final event: the caller looks the
 # task up in Postgres and, when it is final, appends its final event to the log (its worker
 # died between the two writes, or Redis lost the log) and returns it, with seq ``last + 1``
@@ -211,8 +213,9 @@ class EventHub:
 
     async def _hand(self, task_id: str, final: Event, last: int) -> Event:
         """``final``, numbered past ``last`` (what the stream has sent, or the client's id),
-        with that id kept as long as the log."""
-        handed = dataclasses.replace(final, seq=last + 1, stored=None)
+        with that id kept as long as the log. Never past ``MAX_EVENT_ID``: a reconnect
+        sends it back, and a client's id is at most that."""
+        handed = dataclasses.replace(final, seq=min(last + 1, MAX_EVENT_ID), stored=None)
         ttl_ms = await self.redis.pttl(log_key(task_id))
         await self.redis.set(
             handed_key(task_id), handed.seq, px=ttl_ms if ttl_ms > 0 else HANDED_KEPT_MS

@@ -17,9 +17,11 @@ from a2a.types import (
     SubscribeToTaskRequest,
     TaskState,
 )
+from a2a.utils.errors import TaskNotFoundError
 from sqlalchemy import Engine
 
 from api.a2a import REST_PATH, ReachRequestHandler
+from broker.tasks.eventhub import EventHub
 from broker.tasks.resource import TaskRow
 from broker.tenancy.keys import Principal
 from tests.integration.conftest import KeyMaker, client_for
@@ -61,15 +63,18 @@ def test_a_task_that_ends_between_the_subscribes_reads_is_streamed_to_its_final_
 ) -> None:
     """SubscribeToTask read the task, then where its log stood: a task that ended between
     the two had its final event behind that place, and the stream ended on WORKING with
-    nothing more. Here the task is cancelled right after the subscribe has read it."""
+    nothing more. Here the task is cancelled right after the subscribe has read it (the
+    second time: the first, before the log, only checks that the caller may see it)."""
     read_then_cancelled: set[str] = set()
+    reads: dict[str, int] = {}
     read = ReachRequestHandler._visible
 
     async def cancelled_once_read(
         self: ReachRequestHandler, caller: Principal, task_id: str
     ) -> TaskRow:
         row = await read(self, caller, task_id)
-        if task_id in read_then_cancelled:
+        reads[task_id] = reads.get(task_id, 0) + 1
+        if task_id in read_then_cancelled and reads[task_id] == 2:
             read_then_cancelled.discard(task_id)
             await self.svc.canceller.cancel_visible(caller, task_id)
         return row
@@ -88,6 +93,40 @@ def test_a_task_that_ends_between_the_subscribes_reads_is_streamed_to_its_final_
         assert not read_then_cancelled  # the subscribe read it, and it was cancelled then
         assert streamed[0].task.status.state != TaskState.TASK_STATE_CANCELED
         assert streamed[-1].status_update.status.state == TaskState.TASK_STATE_CANCELED
+
+    a2a.run(run)
+
+
+def test_a_subscribe_to_another_tenants_task_is_refused_before_its_log_is_read(
+    a2a: Clients, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SubscribeToTask read the task's whole event log (up to megabytes) before it looked
+    the task up: another tenant's task took as long to refuse as its log took to read, and
+    so told a task that exists from an unknown id."""
+    tallied: list[str] = []
+    tally = EventHub.tally
+
+    async def recorded(self: EventHub, task_id: str, event_type: str) -> tuple[int, int]:
+        tallied.append(task_id)
+        return await tally(self, task_id, event_type)
+
+    monkeypatch.setattr(EventHub, "tally", recorded)
+
+    async def run() -> None:
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        owner, _ = await a2a(tenant=tenant)
+        task_id = await sent_at_once(owner, message("test.sleepy", data={"sleep_s": 20}))
+        stranger, _ = await a2a(streaming=True)
+        with pytest.raises(TaskNotFoundError):
+            await collect(stranger.subscribe(SubscribeToTaskRequest(id=task_id)))
+        assert task_id not in tallied
+        # while the owner's subscribe reads it, as before
+        subscriber, _ = await a2a(tenant=tenant, streaming=True)
+        stream = subscriber.subscribe(SubscribeToTaskRequest(id=task_id))
+        first = await anext(aiter(stream))
+        assert first.task.id == task_id
+        assert task_id in tallied
+        await stream.aclose()
 
     a2a.run(run)
 

@@ -160,6 +160,17 @@ def test_a_last_event_id_at_the_final_event_ends_the_stream_with_nothing_and_pas
         http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(far + 1)}
     )
     assert handed.ended and handed.events == []
+    # And so for the largest id a client may send: the id it is handed is one it may send
+    # (one past it was refused, 400 invalid_last_event_id, on the reconnect)
+    largest = 10**18 - 1
+    top = read_until_end(
+        http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(largest)}
+    )
+    assert [(e["id"], e["event"]) for e in top.events] == [(str(largest), "succeeded")]
+    again = read_until_end(
+        http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": top.events[0]["id"]}
+    )
+    assert again.ended and again.events == []
     # And one resuming just below it gets the final event, with its own id, once
     last = read_until_end(
         http, "GET", f"/tasks/{task_id}/events", headers={"Last-Event-ID": str(final_id - 1)}
