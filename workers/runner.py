@@ -535,12 +535,16 @@ class Runner:
                 log.exception("progress hook %r failed for task %s", hook, tid)
 
     def finalize(self, row: TaskRow | None) -> str:
-        """Announce a final state: its event, then the hooks. Returns the status."""
+        """Announce a final state: its event, then the hooks. Returns the status.
+
+        A session's turn releases its session first (``_release_next_turn``): a caller told
+        by the final event sends the next turn at once, and found the session gone when
+        the turn had held it past its idle TTL, until that release restarted it."""
         if row is None:  # moved to a final state by someone else (cancelled), who announced it
             return "skipped"
         self._finished(row)
-        self.announce(row)
         self._release_next_turn(row)
+        self.announce(row)
         return self._hooks(row)
 
     async def finish_async(self, finish: Finish) -> str:
@@ -550,9 +554,9 @@ class Runner:
         if row is None:
             return "skipped"
         self._finished(row)
-        await self._aevents.append_final_async(row)
-        if turns.of_row(row) is not None:
+        if turns.of_row(row) is not None:  # before the final event, as ``finalize``
             await asyncio.to_thread(self._release_next_turn, row)
+        await self._aevents.append_final_async(row)
         # The hooks run here, on the loop. The webhooks' publishes one message, and only for
         # a task with a callback or whose tenant subscribes (the row says which): one short
         # Redis call then, where a thread for every task's hooks would cost more CPU.

@@ -112,8 +112,9 @@ class Canceller:
         await self._stop_if_cancellable(row)
         event = event_for_status(row["status"])
         await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)
-        await self.event_log.append_final_async(row)
+        # The session released before the final event (``Runner.finalize``).
         await self._release_next_turn(row)
+        await self.event_log.append_final_async(row)
         return row
 
     async def _release_next_turn(self, row: TaskRow) -> None:

@@ -19,6 +19,7 @@ import redis
 from sqlalchemy import Engine, func, select, text, update
 
 from api.app import create_app
+from broker import sessions
 from broker.db.models import sessions_table, tasks_table
 from broker.settings import Settings
 from broker.tasks import execution, turns
@@ -725,3 +726,31 @@ def test_a_turn_running_past_its_sessions_ttl_holds_the_session_and_starts_its_i
     # And its idle time starts again when the last turn ends
     ended = datetime.fromisoformat(client.get(f"/tasks/{second}").json()["finished_at"])
     assert datetime.fromisoformat(session["expires_at"]) >= ended + timedelta(seconds=1.5)
+
+
+def test_a_session_its_last_turn_held_past_its_ttl_outlives_a_purge_before_its_release(
+    client: httpx.Client, engine: Engine
+) -> None:
+    """A turn's final write and its session's release (``turns.ended``, which starts the
+    session's idle time again) are two transactions. Between them a session its turn had
+    held past its TTL was neither live nor held, and a janitor's purge then deleted it and
+    its revisions for good."""
+    # Given a session kept 1 s idle, held past that by a turn no agent takes
+    session_id = new_session(client, ttl_s=1)
+    # (kept 10 s: the run's janitor, if running, ends it only near then, after the test's end)
+    nobody = {"queue_if_unavailable": True, "result_ttl_s": 10}
+    task_id = uuid.UUID(submit(client, "test.nobody", {}, session_id, **nobody))
+    with engine.connect() as conn:
+        expires_at = conn.execute(
+            select(sessions_table.c.expires_at).where(sessions_table.c.id == session_id)
+        ).scalar_one()
+    eventually(lambda: datetime.now(UTC) > expires_at + timedelta(seconds=1), "past its TTL")
+    assert client.get(f"/sessions/{session_id}").status_code == 200  # held by its turn
+    # When the turn's final write commits, and a purge runs before the release
+    ended = execution.expire_unstarted(engine, within_s=60, batch=1000)
+    assert task_id in [row["id"] for row in ended]
+    sessions.purge_expired(engine, batch=1000)
+    # Then the session is still there, and its release starts its idle time again
+    with engine.begin() as conn:
+        turns.ended(conn, session_id)
+    assert client.get(f"/sessions/{session_id}").status_code == 200
