@@ -19,12 +19,12 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
-from broker.errors import Forbidden
+from broker.errors import Forbidden, ReachError
 from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
 from broker.tasks import submission
 from broker.tasks.admission import Door, admit
-from broker.tasks.backpressure import QueueBound
+from broker.tasks.backpressure import QueueBound, RateLimited
 from broker.tasks.dispatch import Dispatcher
 from broker.tasks.envelope import Envelope
 from broker.tasks.events import EventLog
@@ -68,22 +68,33 @@ class Intake:
             raise Forbidden(
                 f"this key may not run {envelope.capability!r}", code="capability_not_allowed"
             )
-        queue = await admit(
-            envelope,
-            tenant=caller.tenant,
-            allowed=caller.capabilities,
-            door=self.door,
-            engine=self.engine,
-            cache=self.cards,
-            metered=metered,
-        )
-        behind = await self.queue_bound.check(queue, caller.tenant)
-        if callback is None and envelope.callback is not None:
-            callback = envelope.callback.model_dump()
-        if callback is not None:
-            allow = self.settings.webhook_allow
-            url = callback["url"]
-            await vet_callback(self.engine, self.lookups, caller.tenant, url, allow=allow)
+        try:
+            queue = await admit(
+                envelope,
+                tenant=caller.tenant,
+                allowed=caller.capabilities,
+                door=self.door,
+                engine=self.engine,
+                cache=self.cards,
+                metered=metered,
+            )
+            behind = await self.queue_bound.check(queue, caller.tenant)
+            if callback is None and envelope.callback is not None:
+                callback = envelope.callback.model_dump()
+            if callback is not None:
+                allow = self.settings.webhook_allow
+                url = callback["url"]
+                await vet_callback(self.engine, self.lookups, caller.tenant, url, allow=allow)
+        except RateLimited:
+            raise
+        except ReachError as refused:
+            # These judge new work (an agent live now, room in the queue, the card's schema
+            # as it is now): a retry of a task already accepted is answered with that task.
+            replayed = await submission.replay_of(self.engine, caller, envelope)
+            if replayed is None:
+                raise
+            log.info("replayed past %s", refused.code, extra={"task_id": str(replayed.row["id"])})
+            return replayed
         accepted = await submission.submit(
             self.inserter,
             self.dispatcher,

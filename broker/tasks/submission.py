@@ -31,7 +31,7 @@ from broker import jsonbody, sessions
 from broker.db.engines import LoopConnection
 from broker.db.models import FINAL_COLUMNS, as_task_row
 from broker.db.models import tasks_table as tasks
-from broker.errors import BadRequest, Unavailable
+from broker.errors import BadRequest, ReachError, Unavailable
 from broker.grouping import Grouped
 from broker.observability import metrics
 from broker.settings import Settings
@@ -333,11 +333,14 @@ async def _write(
     """The new task's row, or the task its idempotency key already made (even when its
     session holds its ``max_turns`` unfinished turns now)."""
     engine = inserter.engine
-    for _ in range(2):
+    # A few rounds: submits racing for an expired task's key each find the row, and only
+    # one deletes it; a slow one could read it once more before that delete committed.
+    for _ in range(4):
         if values["session_id"] is not None:
             try:
                 inserted = await _insert_turn(inserter, values, max_turns)
-            except turns.SessionTurnsExceeded:
+            except (turns.SessionTurnsExceeded, sessions.SessionNotLive):
+                # (its session gone since: the turn it took is still the retry's answer)
                 replayed = await _replay(engine, values) if values["idempotency_key"] else None
                 if replayed is None:
                     raise
@@ -454,6 +457,30 @@ async def _replay(engine: AsyncEngine, values: dict[str, Any]) -> Accepted | Non
         return None
     metrics.idempotency.labels("replayed").inc()
     return Accepted(row=as_task_row(found), replayed=True)
+
+
+async def replay_of(
+    engine: AsyncEngine, principal: Principal, envelope: Envelope
+) -> Accepted | None:
+    """The task ``envelope``'s idempotency key already made (``_replay``), for a submit that
+    checks of new work refused; None without a key, without such a task, or when it cannot
+    be read (the refusal stands)."""
+    if envelope.idempotency_key is None:
+        return None
+    values = {
+        "tenant": principal.tenant,
+        "capability": envelope.capability,
+        "idempotency_key": envelope.idempotency_key,
+        "payload_digest": jsonbody.digest(envelope.payload)[0],
+        "session_id": envelope.session_id,
+    }
+    try:
+        return await _replay(engine, values)
+    except ReachError:
+        raise  # the key used with another payload: that is the answer
+    except Exception:
+        log.exception("reading the task of idempotency key %r failed", envelope.idempotency_key)
+        return None
 
 
 async def _withdraw(engine: AsyncEngine, task_id: uuid.UUID) -> bool:
