@@ -19,7 +19,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import ColumnElement, Connection, Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
@@ -32,11 +32,11 @@ from broker.db.models import webhooks_table as webhooks
 from broker.facades import a2a
 from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
-from broker.tasks.resource import TaskRow, new_task_id, render
+from broker.tasks.resource import RUNNING, TaskRow, new_task_id, render
 from broker.timestamps import iso
 from broker.webhooks import outbox
 from broker.webhooks.events import PROGRESS
-from broker.webhooks.policy import PENDING
+from broker.webhooks.policy import FAILED, PENDING, TASK_EXPIRED
 
 Target = tuple[uuid.UUID | None, str]  # (subscription id, or None for the callback; url)
 
@@ -115,13 +115,28 @@ def fanout(
         if event_type != PROGRESS:  # written below, or nothing to write: owed no more
             outbox.settle(conn, task_id)
         # Not the payload: neither body carries it, and it may be large.
-        query = select(*FINAL_COLUMNS).where(tasks.c.id == task_id, tasks.c.expires_at > func.now())
+        expired = (tasks.c.expires_at <= func.now()).label("expired")
+        query = select(*FINAL_COLUMNS, expired).where(tasks.c.id == task_id)
+        if event_type == PROGRESS:
+            # A report of a task that has ended since tells nothing its final event does not,
+            # and came after that event's delivery, the task's final status in it.
+            query = query.where(tasks.c.status == RUNNING)
         row = conn.execute(query).first()
-        if row is None:  # expired or purged already: nothing left to tell
-            return None
-        task = as_task_row(row)
+        if row is None or (row.expired and event_type == PROGRESS):
+            return None  # purged, ended, or expired: nothing left to tell
+        task = cast(TaskRow, {k: v for k, v in row._mapping.items() if k != "expired"})
         found = targets(conn, task, event_type)
         if not found:
+            return None
+        if row.expired:
+            # Its fanout came after the task's expiry (a short ``result_ttl_s`` behind a
+            # queue): no body may outlive the task, so each delivery is logged failed.
+            gone = {"status": FAILED, "finished_at": now, "last_error": TASK_EXPIRED}
+            values = [
+                _delivery(task, event_type, target, None, task["expires_at"], now, settings) | gone
+                for target in found
+            ]
+            conn.execute(insert(deliveries).values(values).on_conflict_do_nothing())
             return None
         kinds = ["a2a" if _a2a_push(t, task) else "event" for t in found]
         body_ids = {kind: _body_id(task, event_type, kind) for kind in set(kinds)}
@@ -173,7 +188,7 @@ def _delivery(
     task: TaskRow,
     event_type: str,
     target: Target,
-    body_id: uuid.UUID,
+    body_id: uuid.UUID | None,
     body_expires_at: datetime,
     now: datetime,
     settings: Settings,

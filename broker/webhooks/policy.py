@@ -19,6 +19,8 @@ PENDING, SENDING = "pending", "sending"
 SUCCEEDED, FAILED, DEAD = "succeeded", "failed", "dead"
 DELIVERY_STATUSES = (PENDING, SENDING, SUCCEEDED, FAILED, DEAD)
 FINISHED = frozenset({SUCCEEDED, FAILED, DEAD})
+# Why a delivery ended with no attempt: its body goes with its task.
+TASK_EXPIRED = "the task expired before the message was delivered; its body is gone"
 
 Verdict = Literal["delivered", "retry", "failed", "gone"]
 _RETRY_STATUSES = frozenset({408, 429})

@@ -24,10 +24,9 @@ from broker.db.models import webhook_attempts_table as attempts_log
 from broker.db.models import webhook_bodies_table as bodies
 from broker.db.models import webhook_deliveries_table as deliveries
 from broker.webhooks.deliveries import interval
-from broker.webhooks.policy import DEAD, FAILED, PENDING, SENDING
+from broker.webhooks.policy import DEAD, FAILED, PENDING, SENDING, TASK_EXPIRED
 
 LOST = "lost: no outcome within its lease (its worker stopped?)"
-TASK_EXPIRED = "the task expired before the message was delivered; its body is gone"
 
 
 def take_back_lost(engine: Engine, *, limit: int) -> list[tuple[uuid.UUID, int]]:

@@ -8,15 +8,19 @@ import base64
 import json
 import secrets
 import threading
+import uuid
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, func, select, update
 
+from broker.db.models import tasks_table, webhooks_table
 from broker.db.models import webhook_attempts_table as attempts_log
-from broker.db.models import webhooks_table
+from broker.db.models import webhook_deliveries_table as deliveries_table
 from broker.settings import Settings
 from broker.tasks.dispatch import WEBHOOKS_QUEUE
 from broker.webhooks import deliveries, policy
@@ -143,7 +147,7 @@ def test_each_progress_report_sends_countdowns_for_its_own_deliveries_only(
     # Given a task whose two subscriptions want its progress, on a schedule whose first
     # attempt waits 5 s
     tenant = f"t-{secrets.token_hex(4)}"
-    task_id = a_task_row(own_engine, tenant=tenant)
+    task_id = a_task_row(own_engine, tenant=tenant, status="running")
     for n in range(2):
         a_subscription(own_engine, tenant, f"http://127.0.0.1:9/{n}", [PROGRESS])
     # When it reports three times
@@ -171,7 +175,7 @@ def test_a_tasks_progress_reports_wait_on_the_queue_as_one_fanout_at_a_time(
     (an audit, 2026-12-06). The fanout reads the latest progress when it runs."""
     hooks = hooks_of(settings, own_engine, producer)
     tenant = f"t-{secrets.token_hex(4)}"
-    task_id = a_task_row(own_engine, tenant=tenant)
+    task_id = a_task_row(own_engine, tenant=tenant, status="running")
     a_subscription(own_engine, tenant, "http://127.0.0.1:9/progress", [PROGRESS])
     # When the task reports five times before its fanout runs
     for _ in range(5):
@@ -184,3 +188,66 @@ def test_a_tasks_progress_reports_wait_on_the_queue_as_one_fanout_at_a_time(
     hooks.on_progress(task_id)
     fanouts = [a for a in announced(producer) if a[1] == PROGRESS]
     assert fanouts == [[str(task_id), PROGRESS]] * 2
+
+
+def deliveries_of(engine: Engine, task_id: uuid.UUID) -> list[Any]:
+    with engine.connect() as conn:
+        query = select(
+            deliveries_table.c.event_type,
+            deliveries_table.c.status,
+            deliveries_table.c.body_id,
+            deliveries_table.c.last_error,
+        ).where(deliveries_table.c.task_id == task_id)
+        return list(conn.execute(query.order_by(deliveries_table.c.next_attempt_at)))
+
+
+def test_a_progress_report_whose_fanout_runs_after_the_tasks_end_sends_nothing(
+    settings: Settings, own_engine: Engine, producer: Celery
+) -> None:
+    """A report's fanout waits on the queue; one that ran after the task's final event's
+    sent a ``task.progress`` after the ``task.succeeded``, the final status in it."""
+    hooks = hooks_of(settings, own_engine, producer)
+    tenant = f"t-{secrets.token_hex(4)}"
+    task_id = a_task_row(own_engine, tenant=tenant, status="running")
+    a_subscription(own_engine, tenant, "http://127.0.0.1:9/h", [PROGRESS, "task.succeeded"])
+    # Given a task that reported progress, then ended before that report's fanout ran
+    with own_engine.begin() as conn:
+        ended = {"status": "succeeded", "result": {"ok": 1}, "progress": {"percent": 90}}
+        conn.execute(update(tasks_table).where(tasks_table.c.id == task_id).values(**ended))
+    # When the final event's fanout runs, then the report's
+    hooks.fanout(str(task_id), "task.succeeded")
+    assert hooks.fanout(str(task_id), PROGRESS) == 0
+    # Then only the final event is delivered
+    assert [d.event_type for d in deliveries_of(own_engine, task_id)] == ["task.succeeded"]
+
+
+def test_a_final_events_fanout_after_the_tasks_expiry_logs_its_deliveries_failed(
+    settings: Settings, own_engine: Engine, producer: Celery
+) -> None:
+    """A task kept briefly (``result_ttl_s``) whose final event's fanout ran after its
+    expiry (behind a queue) left no delivery at all: the subscriber was never told, and the
+    log said nothing either."""
+    hooks = hooks_of(settings, own_engine, producer)
+    tenant = f"t-{secrets.token_hex(4)}"
+    task_id = a_task_row(own_engine, tenant=tenant, status="running")
+    a_subscription(own_engine, tenant, "http://127.0.0.1:9/h", ["task.succeeded"])
+    # Given a task that ended and expired before its final event's fanout ran
+    with own_engine.begin() as conn:
+        ended = {
+            "status": "succeeded",
+            "result": {"ok": 1},
+            "finished_at": func.now() - timedelta(seconds=3),
+            "result_ttl_s": 2,
+            "expires_at": func.now() - timedelta(seconds=1),
+        }
+        conn.execute(update(tasks_table).where(tasks_table.c.id == task_id).values(**ended))
+    # When it runs, Then nothing is sent, and its delivery is logged failed, with no body
+    assert hooks.fanout(str(task_id), "task.succeeded") == 0
+    assert published(producer) == []
+    [delivery] = deliveries_of(own_engine, task_id)
+    assert (delivery.event_type, delivery.status, delivery.body_id) == (
+        "task.succeeded",
+        "failed",
+        None,
+    )
+    assert delivery.last_error == policy.TASK_EXPIRED
