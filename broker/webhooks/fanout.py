@@ -32,7 +32,7 @@ from broker.db.models import webhooks_table as webhooks
 from broker.facades import a2a
 from broker.registry.capabilities import any_pattern_allows
 from broker.settings import Settings
-from broker.tasks.resource import RUNNING, TaskRow, new_task_id, render
+from broker.tasks.resource import TaskRow, new_task_id, render
 from broker.timestamps import iso
 from broker.webhooks import outbox
 from broker.webhooks.events import PROGRESS
@@ -116,14 +116,13 @@ def fanout(
             outbox.settle(conn, task_id)
         # Not the payload: neither body carries it, and it may be large.
         expired = (tasks.c.expires_at <= func.now()).label("expired")
+        # A progress fanout reads the latest report when it runs, which may be after the
+        # task's end: its subscribers still get the last one (webhooks come in no order;
+        # each carries the task's status as it stood then).
         query = select(*FINAL_COLUMNS, expired).where(tasks.c.id == task_id)
-        if event_type == PROGRESS:
-            # A report of a task that has ended since tells nothing its final event does not,
-            # and came after that event's delivery, the task's final status in it.
-            query = query.where(tasks.c.status == RUNNING)
         row = conn.execute(query).first()
         if row is None or (row.expired and event_type == PROGRESS):
-            return None  # purged, ended, or expired: nothing left to tell
+            return None  # purged, or a report past its task's expiry: nothing left to tell
         task = cast(TaskRow, {k: v for k, v in row._mapping.items() if k != "expired"})
         found = targets(conn, task, event_type)
         if not found:

@@ -201,26 +201,6 @@ def deliveries_of(engine: Engine, task_id: uuid.UUID) -> list[Any]:
         return list(conn.execute(query.order_by(deliveries_table.c.next_attempt_at)))
 
 
-def test_a_progress_report_whose_fanout_runs_after_the_tasks_end_sends_nothing(
-    settings: Settings, own_engine: Engine, producer: Celery
-) -> None:
-    """A report's fanout waits on the queue; one that ran after the task's final event's
-    sent a ``task.progress`` after the ``task.succeeded``, the final status in it."""
-    hooks = hooks_of(settings, own_engine, producer)
-    tenant = f"t-{secrets.token_hex(4)}"
-    task_id = a_task_row(own_engine, tenant=tenant, status="running")
-    a_subscription(own_engine, tenant, "http://127.0.0.1:9/h", [PROGRESS, "task.succeeded"])
-    # Given a task that reported progress, then ended before that report's fanout ran
-    with own_engine.begin() as conn:
-        ended = {"status": "succeeded", "result": {"ok": 1}, "progress": {"percent": 90}}
-        conn.execute(update(tasks_table).where(tasks_table.c.id == task_id).values(**ended))
-    # When the final event's fanout runs, then the report's
-    hooks.fanout(str(task_id), "task.succeeded")
-    assert hooks.fanout(str(task_id), PROGRESS) == 0
-    # Then only the final event is delivered
-    assert [d.event_type for d in deliveries_of(own_engine, task_id)] == ["task.succeeded"]
-
-
 def test_a_final_events_fanout_after_the_tasks_expiry_logs_its_deliveries_failed(
     settings: Settings, own_engine: Engine, producer: Celery
 ) -> None:
