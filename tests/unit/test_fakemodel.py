@@ -4,6 +4,7 @@ request waits, so the benchmark can time the same calls with and without the mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -31,15 +32,16 @@ async def complete(port: int, model: str, stream: bool = False) -> bytes:
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "one two"}], "stream": stream}
     ).encode()
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
-    answer = await reader.read()
-    writer.close()
-    return answer
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        return await reader.read()
+    finally:  # cancelled too: an unclosed stream is a ResourceWarning at the loop's end
+        writer.close()
 
 
 @pytest.mark.timeout(30)
@@ -55,6 +57,8 @@ def test_the_instant_model_answers_while_a_waited_call_is_still_waiting(stream: 
             answer = await complete(port, INSTANT, stream)
             still_waiting = not waited.done()
             waited.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waited
             return answer, still_waiting
 
     answer, still_waiting = asyncio.run(scenario())

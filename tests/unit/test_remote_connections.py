@@ -98,12 +98,14 @@ async def agent_answering(kind: str, body: bytes) -> AsyncIterator[str]:
     """An agent that answers every request with ``body`` of type ``kind``; its URL."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            await reader.readuntil(b"\r\n\r\n")
-            head = f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nConnection: close\r\n\r\n"
-            writer.write(head.encode() + body)
-            await writer.drain()
-        writer.close()
+        try:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await reader.readuntil(b"\r\n\r\n")
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nConnection: close\r\n\r\n"
+                writer.write(head.encode() + body)
+                await writer.drain()
+        finally:  # cancelled too (a refused answer's reader gone): else a ResourceWarning
+            writer.close()
 
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     async with server:
