@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -196,16 +195,11 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
 
     @app.task(name=PURGE_TASK)  # type: ignore[untyped-decorator]
     def purge_expired() -> int:
-        # Queued tasks about to go end first, each told as a final state is.
-        stop_at = time.monotonic() + settings.janitor_budget_s
-        while True:
-            ended = execution.expire_unstarted(
-                runner.engine, within_s=settings.janitor_interval_s, batch=settings.janitor_batch
-            )
-            for row in ended:
-                runner.finalize(row)
-            if len(ended) < settings.janitor_batch or time.monotonic() >= stop_at:
-                break
+        # Queued tasks past their TTL end first, each told as a final state is (the sweep
+        # ends them too, more often); only final tasks are deleted.
+        recovery.end_unstarted(
+            runner, batch=settings.janitor_batch, budget_s=settings.janitor_budget_s
+        )
         removed = execution.purge_expired(
             runner.engine, batch=settings.janitor_batch, budget_s=settings.janitor_budget_s
         )

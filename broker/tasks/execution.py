@@ -65,6 +65,7 @@ from broker.tasks.resource import (
     EXPIRE_UNSTARTED,
     FAIL,
     FINAL,
+    LOSE,
     OVERRUN,
     QUEUED,
     RETRY,
@@ -350,6 +351,11 @@ class Finish:
         return cls(task_id, FAIL, error, attempt)
 
     @classmethod
+    def lost(cls, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int) -> Finish:
+        """Fail a running task at ``attempt`` whose worker is lost (``LOSE``)."""
+        return cls(task_id, LOSE, error, attempt)
+
+    @classmethod
     def expired(
         cls, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
     ) -> Finish:
@@ -366,6 +372,13 @@ def fail(
     engine: Engine, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int | None = None
 ) -> TaskRow | None:
     return finish_many(engine, [Finish.failed(task_id, error, attempt=attempt)])[0]
+
+
+def fail_lost(
+    engine: Engine, task_id: uuid.UUID, error: dict[str, Any], *, attempt: int
+) -> TaskRow | None:
+    """Fail the task while still running at ``attempt`` (``Finish.lost``)."""
+    return finish_many(engine, [Finish.lost(task_id, error, attempt=attempt)])[0]
 
 
 def expire(engine: Engine, task_id: uuid.UUID, error: dict[str, Any]) -> TaskRow | None:
@@ -471,12 +484,12 @@ def _ended_unstarted(error: dict[str, Any], *where: Any) -> Any:
 
 
 def expire_unstarted(engine: Engine, *, within_s: float, batch: int) -> list[TaskRow]:
-    """Queued tasks whose ``expires_at`` comes within ``within_s`` end expired, never run
-    (``ttl_exceeded``), ``batch`` at most: nobody started them within their
-    ``result_ttl_s``. The janitor calls it before it deletes, ``within_s`` its period ahead,
-    so a task it runs on time ends before its row would go. Before, the row went while
-    queued: accepted, then gone, with no final state, event, webhook or callback, and a
-    turn of its session waiting behind it read its session's order as broken."""
+    """Queued tasks whose ``expires_at`` comes within ``within_s`` (0: has passed) end
+    expired, never run (``ttl_exceeded``), ``batch`` at most: nobody started them within
+    their ``result_ttl_s``. The sweep and the janitor call it (``recovery.end_unstarted``),
+    and the janitor deletes only final tasks. Before, the row went while queued: accepted,
+    then gone, with no final state, event, webhook or callback, and a turn of its session
+    waiting behind it read its session's order as broken."""
     error = task_error("ttl_exceeded", "not started within its result_ttl_s")
     due = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, within_s)
     picked = (

@@ -37,10 +37,13 @@ CLAIM = Move((QUEUED,), RUNNING)
 RETRY = Move((RUNNING,), QUEUED)
 SUCCEED = Move((RUNNING,), SUCCEEDED)
 FAIL = Move((QUEUED, RUNNING), FAILED)  # from queued: nothing here can run it
+# A running task whose worker is lost. Not from queued: the recovery read it running, and
+# its worker may have requeued it since (a retry), keeping its attempt.
+LOSE = Move((RUNNING,), FAILED)
 CANCEL = Move((QUEUED, RUNNING), CANCELLED)
 OVERRUN = Move((RUNNING,), EXPIRED)
 EXPIRE_UNSTARTED = Move((QUEUED,), EXPIRED)
-MOVES = (CLAIM, RETRY, SUCCEED, FAIL, CANCEL, OVERRUN, EXPIRE_UNSTARTED)
+MOVES = (CLAIM, RETRY, SUCCEED, FAIL, LOSE, CANCEL, OVERRUN, EXPIRE_UNSTARTED)
 
 # Where each status may go; a final status is one the machine never leaves.
 NEXT: dict[str, frozenset[str]] = {

@@ -15,16 +15,22 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import Engine, func, select, text
 
 from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_bodies_table as bodies
+from broker.settings import Settings
 from broker.tasks import execution
+from broker.tasks.resource import task_error
 from broker.webhooks import upkeep
+from workers.runner import Runner
+from workers.sdk.agent import AgentRegistry
+from workers.system import recovery
 
 
-def _rows(engine: Engine, status: str, count: int, expired: bool = True) -> None:
-    """``count`` tasks in ``status`` whose expiry has passed (or is an hour away)."""
+def _rows(engine: Engine, status: str, count: int, expired: bool = True, in_s: int = 3600) -> None:
+    """``count`` tasks in ``status`` whose expiry has passed (or is ``in_s`` away)."""
     with engine.begin() as conn:
         conn.execute(
             text(
@@ -32,10 +38,11 @@ def _rows(engine: Engine, status: str, count: int, expired: bool = True) -> None
                 " payload_digest, payload_size, trace_id, result_ttl_s, expires_at)"
                 " SELECT gen_random_uuid(), 't-retention', 'echo', 'echo', :status, '{}',"
                 " 'd', 2, md5(g::text), 600,"
-                " now() + CASE WHEN :expired THEN interval '-1 minute' ELSE interval '1 hour' END"
+                " now() + CASE WHEN :expired THEN interval '-1 minute'"
+                " ELSE make_interval(secs => :in_s) END"
                 " FROM generate_series(1, :count) AS g"
             ),
-            {"status": status, "count": count, "expired": expired},
+            {"status": status, "count": count, "expired": expired, "in_s": in_s},
         )
 
 
@@ -101,3 +108,47 @@ def test_one_sweep_removes_every_expired_body_it_has_time_for(own_engine: Engine
     assert removed == 250
     with own_engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(bodies)).scalar_one() == 0
+
+
+@pytest.fixture
+def runner(settings: Settings, own_engine: Engine, own_redis: str) -> Runner:
+    """A runner on the test's own database, as the janitor's and the sweep's."""
+    url = own_engine.url.render_as_string(hide_password=False)
+    local = settings.model_copy(update={"database_url": url, "redis_url": own_redis})
+    return Runner(local, AgentRegistry())
+
+
+def test_a_queued_task_ends_unstarted_only_once_its_ttl_has_passed(
+    own_engine: Engine, runner: Runner
+) -> None:
+    """The janitor ended every queued task within its period (60 s) of its TTL: one
+    accepted with a TTL of a minute or less ended the moment it was, never run."""
+    # Given a queued task past its TTL, and one with 30 s left (a TTL of 45 s, say)
+    _rows(own_engine, "queued", 1)
+    _rows(own_engine, "queued", 1, expired=False, in_s=30)
+    # When the janitor's and the sweep's step runs
+    assert recovery.end_unstarted(runner, batch=100, budget_s=60) == 1
+    # Then only the first has ended; the other waits for an agent until its time is up
+    assert _by_status(own_engine) == {"queued": 1, "expired": 1}
+
+
+def test_a_lost_tasks_recovery_leaves_a_task_its_worker_requeued_meanwhile(
+    own_engine: Engine, runner: Runner
+) -> None:
+    """A recovery reads a running task, then acts: between the two its worker may have
+    requeued it for a retry (the same attempt). It was failed ``worker_lost`` then, and its
+    retry found it final."""
+    _rows(own_engine, "queued", 1, expired=False)
+    with own_engine.connect() as conn:
+        [task_id] = conn.execute(select(tasks.c.id)).scalars()
+    claimed = execution.claim(own_engine, task_id, agent_id="a", version="1.0.0", instance="w@h")
+    assert claimed is not None
+    # Given the recovery's read of it running
+    [read] = [r for r in execution.running_tasks(own_engine) if r["id"] == task_id]
+    # And its worker's retry since
+    retried = task_error("flaky", "again", retryable=True)
+    assert execution.requeue(own_engine, task_id, retried, attempt=claimed.attempt, delay_s=5)
+    # When the recovery acts on what it read
+    recovery.recover_lost(runner, [read], "its worker is gone")
+    # Then the task still waits for its retry
+    assert _by_status(own_engine) == {"queued": 1}

@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ ANNOUNCE_WINDOW_S = 900
 ANNOUNCE_GRACE_S = 2.0
 ANNOUNCE_BATCH = 1000
 ANNOUNCE_MAX_BATCHES = 10
+SWEEP_END_BUDGET_S = 5.0  # of a sweep, for ending queued tasks past their TTL
 
 
 def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[str, int]:
@@ -106,7 +108,7 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                 counts["requeued"] += 1
                 metrics.lost_tasks.labels("requeued").inc()
             continue
-        failed = execution.fail(runner.engine, row["id"], lost, attempt=row["attempts"])
+        failed = execution.fail_lost(runner.engine, row["id"], lost, attempt=row["attempts"])
         if runner.finalize(failed) != "skipped":
             counts["failed"] += 1
             metrics.lost_tasks.labels("failed").inc()
@@ -143,8 +145,24 @@ def seen_live(engine: Engine, names: list[str]) -> set[str]:
         return set(conn.execute(query).scalars())
 
 
+def end_unstarted(runner: Runner, *, batch: int, budget_s: float) -> int:
+    """End the queued tasks whose ``result_ttl_s`` has passed (``ttl_exceeded``), each told
+    as a final state is, in batches until none is left or ``budget_s`` is spent; how many.
+    Not before: the janitor ended those within its period of it (a minute), so a task
+    accepted with a TTL of a minute or less ended the moment it was, never run."""
+    ended = 0
+    stop_at = time.monotonic() + budget_s
+    while True:
+        rows = execution.expire_unstarted(runner.engine, within_s=0, batch=batch)
+        for row in rows:
+            runner.finalize(row)
+        ended += len(rows)
+        if len(rows) < batch or time.monotonic() >= stop_at:
+            return ended
+
+
 def sweep(runner: Runner, app: Celery, *, older_than_s: float, limit: int = 1000) -> dict[str, int]:
-    expired = 0
+    expired = end_unstarted(runner, batch=limit, budget_s=SWEEP_END_BUDGET_S)
     for task_id in execution.overdue_queued(runner.engine, limit=limit):
         if runner.finalize(execution.expire_overdue(runner.engine, task_id)) == "expired":
             expired += 1
