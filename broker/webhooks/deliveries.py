@@ -65,6 +65,7 @@ class Claimed:
     url: str
     body: bytes
     trace_id: str
+    task_id: uuid.UUID
     attempt: int
     final_attempt: int
     secrets: tuple[str, ...]  # every secret that signs now: the new one first
@@ -162,6 +163,7 @@ def claim(
         url=row.url,
         body=row.body.encode(),
         trace_id=row.trace_id,
+        task_id=row.task_id,
         attempt=attempt,
         final_attempt=row.final_attempt,
         secrets=valid,

@@ -280,3 +280,30 @@ def test_given_a_task_just_finished_when_a_subscription_is_made_expect_the_next_
         # Expect that task's webhook, and only it
         [call] = receiver.wait_for(1, timeout_s=15)
     assert verify(secret, call)["data"]["task_id"] == after["task_id"]  # type: ignore[index]
+
+
+def test_a_deliverys_log_lines_carry_its_tasks_trace_id(
+    client: httpx.Client, tenant: tuple[str, str], system_workers: list[CeleryProcess]
+) -> None:
+    """The webhooks worker logged its attempts with no trace id, task id or tenant: a
+    failing webhook's attempts could not be found by its task's trace."""
+    [hooks] = [p for p in system_workers if "reach.webhooks" in p.args]
+    trace = "0af7651916cd43dd8448eb211c8031aa"
+    with Receiver() as receiver:
+        register(client, receiver.url, events=["task.succeeded"])
+        answer = client.post(
+            "/tasks",
+            json={"capability": "echo", "payload": {"traced": True}},
+            headers={"X-Trace-Id": trace},
+        )
+        task_id = answer.json()["task_id"]
+        [call] = receiver.wait_for(1)
+    assert call.headers["x-trace-id"] == trace
+
+    def attempts_logged() -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in hooks.output().splitlines() if line.startswith("{")]
+        return [line for line in lines if line.get("task_id") == task_id]
+
+    [logged] = eventually(attempts_logged, "the attempt's log line")
+    assert logged["message"].endswith("succeeded (200)"), logged
+    assert (logged["trace_id"], logged["tenant"]) == (trace, tenant[0])

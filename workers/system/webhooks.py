@@ -34,7 +34,7 @@ from celery import Celery
 from sqlalchemy import Engine
 
 from broker import redisclients
-from broker.observability import metrics
+from broker.observability import logs, metrics
 from broker.observability.tracing import traceparent
 from broker.outages import INFRASTRUCTURE_ERRORS
 from broker.settings import Settings
@@ -165,8 +165,12 @@ class Webhooks:
             if early_by <= COUNTDOWN_MAX_S:  # else the sweep publishes it when due
                 send_deliver(self.app, did, attempt, early_by)
             return "early"
+        # Its task's trace id on every line the attempt logs, as a task's run has it: the
+        # trace tells a failing webhook's story too.
+        ids = {"trace_id": claimed.trace_id, "task_id": str(claimed.task_id)}
         try:
-            return self._attempt(claimed)
+            with logs.bound(**ids, tenant=claimed.tenant, delivery_id=str(did)):
+                return self._attempt(claimed)
         finally:
             # However the attempt ended (a recording that failed too), the tenant's next
             # due deliveries get the slots it has free.
