@@ -14,15 +14,25 @@ const main = document.getElementById("main");
 const nav = document.getElementById("nav");
 let cleanup = () => {};
 
+// A fragment's segment as typed: a malformed escape (`%E0%A4%A`) is kept as it stands (the
+// API then answers that nothing has that id) rather than throwing and leaving a blank page.
+function segment(text) {
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return text;
+  }
+}
+
 function route() {
   const [path, search = ""] = window.location.hash.replace(/^#/, "").split("?");
   const params = new URLSearchParams(search);
   const parts = path.split("/").filter(Boolean);
-  if (parts[0] === "tasks" && parts[1]) return () => renderTask(main, decodeURIComponent(parts[1]));
+  if (parts[0] === "tasks" && parts[1]) return () => renderTask(main, segment(parts[1]));
   if (parts[0] === "submit") return () => renderSubmit(main, params);
   if (parts[0] === "capabilities") return () => renderCapabilities(main);
   if (parts[0] === "agents") return () => renderAgents(main);
-  if (parts[0] === "webhooks" && parts[1]) return () => renderWebhook(main, decodeURIComponent(parts[1]));
+  if (parts[0] === "webhooks" && parts[1]) return () => renderWebhook(main, segment(parts[1]));
   if (parts[0] === "webhooks") return () => renderWebhooks(main);
   if (parts[0] === "sessions") return () => renderSessions(main, params);
   return () => renderTasks(main, params);

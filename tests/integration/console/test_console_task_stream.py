@@ -170,3 +170,15 @@ def test_a_task_page_answered_404_stops_and_says_why(console: Console, key: str)
     expect(console.page.locator("#stream-state")).to_have_text("stopped")
     expect(console.page.get_by_role("alert").first).to_contain_text("task_not_found")
     assert refused(console.errors, 404) == []
+
+
+@pytest.mark.parametrize("fragment", ["#/tasks/%E0%A4%A", "#/webhooks/%E0%A4%A"])
+def test_a_malformed_escape_in_the_address_says_not_found_not_a_blank_page(
+    console: Console, key: str, fragment: str
+) -> None:
+    """``decodeURIComponent`` threw on it, uncaught: the page stayed blank."""
+    console.sign_in(key)
+    expect(console.page.get_by_role("heading", name="Tasks")).to_be_visible()  # signed in
+    console.open(fragment)
+    expect(console.page.get_by_role("alert").first).to_contain_text("not_found")
+    assert refused(console.errors, 404) == []
