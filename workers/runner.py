@@ -56,6 +56,11 @@ REFUSED_BACK_S = 0.5  # a task a private card refused waits this long to be take
 # skipped, and the task was recovered as lost (run again, or worker_lost) or, on the bridge,
 # stayed running. About 18 s in all, inside a lease.
 FINISH_RETRY_S = (0.1, 0.5, 2.0, 5.0, 10.0)
+# The ``running`` event's Redis call, tried again after a blip: failing, it left the task
+# claimed and running with no handler (the message's retry found it claimed, and the task
+# ended worker_lost, never run).
+ANNOUNCE_RETRY_S = (0.1, 0.5, 2.0)
+REDIS_BLIPS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 # What a database error raised in a handler tells the task's caller of itself: its text is SQL and
 # its parameters, for the worker's log only.
 HIDDEN = "a database statement failed; its detail is in the worker's log"
@@ -788,7 +793,14 @@ class Running:
         with self._lock:
             if not self._sent.is_set():
                 try:
-                    self._append(events.STATUS, self._data)
+                    for wait_s in ANNOUNCE_RETRY_S:  # a blip: the claim stands, wait it out
+                        try:
+                            self._append(events.STATUS, self._data)
+                            break
+                        except REDIS_BLIPS:
+                            time.sleep(wait_s)
+                    else:
+                        self._append(events.STATUS, self._data)
                 except BaseException as exc:
                     self._error = exc
                 finally:
@@ -801,7 +813,14 @@ class Running:
         assert self._append_async is not None and self._sent_here is not None
         if not self._sent.is_set():
             try:
-                await self._append_async(events.STATUS, self._data)
+                for wait_s in ANNOUNCE_RETRY_S:  # as ``announce``
+                    try:
+                        await self._append_async(events.STATUS, self._data)
+                        break
+                    except REDIS_BLIPS:
+                        await asyncio.sleep(wait_s)
+                else:
+                    await self._append_async(events.STATUS, self._data)
                 while self._early:  # the handler may add more while one is written
                     await self._append_async(*self._early.pop(0))
             except BaseException as exc:
