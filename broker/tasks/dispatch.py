@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from broker.observability.tracing import traceparent
 from broker.settings import Settings
 from broker.tasks.turns import Due
 
@@ -119,11 +120,18 @@ def send_run(
         args=[str(task_id), queue],
         task_id=str(task_id),
         queue=queue,
-        headers={"trace_id": trace_id, TENANT_HEADER: tenant},
+        headers=_run_headers(trace_id, tenant),
         expires=deadline_at,
         countdown=countdown_s,
         priority=BEHIND if behind else None,
     )
+
+
+def _run_headers(trace_id: str, tenant: str) -> dict[str, str]:
+    """A run message's own headers: its trace (``trace_id``, and as W3C ``traceparent``,
+    which OpenTelemetry's Celery instrumentation continues the caller's trace from; without
+    it each worker span began a trace of its own) and its tenant."""
+    return {"trace_id": trace_id, "traceparent": traceparent(trace_id), TENANT_HEADER: tenant}
 
 
 def redis_run_message(
@@ -149,7 +157,7 @@ def redis_run_message(
     message = app.amqp.as_task_v2(
         str(task_id), RUN_TASK, args=[str(task_id), queue], expires=deadline_at, ignore_result=None
     )
-    headers = {**message.headers, "trace_id": trace_id, TENANT_HEADER: tenant}
+    headers = {**message.headers, **_run_headers(trace_id, tenant)}
     properties: dict[str, Any] = {
         **message.properties,
         "delivery_mode": 2,

@@ -1,7 +1,9 @@
 """Unit tests for trace ids: taken from traceparent or X-Trace-Id when well formed, else new;
 passed on in a traceparent of our own."""
 
+import json
 import re
+import uuid
 
 import pytest
 
@@ -128,3 +130,20 @@ def test_given_a_trace_id_expect_a_traceparent_that_reads_back_as_it() -> None:
 
 def test_given_two_traceparents_of_one_trace_expect_distinct_parent_span_ids() -> None:
     assert traceparent(TRACE) != traceparent(TRACE)
+
+
+def test_a_run_message_carries_its_trace_as_a_traceparent_too() -> None:
+    """OpenTelemetry's Celery instrumentation continues the trace a message's ``traceparent``
+    names: without one, each worker span began a trace of its own."""
+    from celery import Celery
+
+    from broker.tasks.dispatch import TENANT_HEADER, redis_run_message
+
+    app = Celery("t", set_as_current=False, broker="redis://127.0.0.1:1/0")
+    trace_id = new_trace_id()
+    _, raw = redis_run_message(
+        app, uuid.uuid4(), "echo", trace_id=trace_id, tenant="acme", deadline_at=None
+    )
+    headers = json.loads(raw)["headers"]
+    assert (headers["trace_id"], headers[TENANT_HEADER]) == (trace_id, "acme")
+    assert trace_id_from(headers["traceparent"], None) == trace_id
