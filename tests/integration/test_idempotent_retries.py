@@ -14,7 +14,7 @@ import httpx
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.stack import start_worker, wait_for_task
-from tests.integration.test_session_turns import new_session
+from tests.integration.test_session_turns import new_session, wait_expired
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
@@ -34,22 +34,20 @@ def assert_replayed(answer: httpx.Response, task_id: str) -> None:
     assert answer.json()["task_id"] == task_id
 
 
-def test_a_retry_after_its_session_expired_gets_the_first_task(client: httpx.Client) -> None:
-    session_id = new_session(client, ttl_s=1)
-    envelope = {
+def in_session(session_id: str, key: str) -> dict[str, Any]:
+    return {
         "capability": "echo",
         "payload": {"text": "hi"},
         "session_id": session_id,
-        "idempotency_key": "retry-session-expired",
+        "idempotency_key": key,
     }
+
+
+def test_a_retry_after_its_session_expired_gets_the_first_task(client: httpx.Client) -> None:
+    session_id = new_session(client, ttl_s=1)
+    envelope = in_session(session_id, "retry-session-expired")
     task_id = accepted_and_done(client, envelope)
-    eventually(
-        lambda: client.get(f"/sessions/{session_id}").status_code,
-        "the session to expire",
-        10,
-        0.1,
-        (404).__eq__,
-    )
+    wait_expired(client, session_id)
     assert_replayed(client.post("/tasks", json=envelope), task_id)
     # while a new task in that session is refused
     refused = client.post("/tasks", json={**envelope, "idempotency_key": "another"})
@@ -58,12 +56,7 @@ def test_a_retry_after_its_session_expired_gets_the_first_task(client: httpx.Cli
 
 def test_a_retry_after_its_session_was_deleted_gets_the_first_task(client: httpx.Client) -> None:
     session_id = new_session(client)
-    envelope = {
-        "capability": "echo",
-        "payload": {"text": "hi"},
-        "session_id": session_id,
-        "idempotency_key": "retry-session-deleted",
-    }
+    envelope = in_session(session_id, "retry-session-deleted")
     task_id = accepted_and_done(client, envelope)
     assert client.delete(f"/sessions/{session_id}").status_code == 204
     assert_replayed(client.post("/tasks", json=envelope), task_id)

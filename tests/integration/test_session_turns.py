@@ -52,6 +52,17 @@ def turns_taken(engine: Engine, session_id: str) -> int:
         )
 
 
+def wait_expired(client: httpx.Client, session_id: str) -> None:
+    """Until the session reads 404: its idle TTL has passed."""
+    eventually(
+        lambda: client.get(f"/sessions/{session_id}").status_code,
+        "the session to expire",
+        10,
+        0.1,
+        (404).__eq__,
+    )
+
+
 def assert_session_not_found(answer: httpx.Response) -> None:
     assert answer.status_code == 422, answer.text
     assert answer.headers["content-type"].startswith("application/problem+json")
@@ -89,13 +100,7 @@ def test_an_expired_session_is_422(
     client: httpx.Client, engine: Engine, tenant: tuple[str, str]
 ) -> None:
     session_id = new_session(client, ttl_s=1)
-    eventually(
-        lambda: client.get(f"/sessions/{session_id}").status_code,
-        "the session to expire",
-        10,
-        0.1,
-        (404).__eq__,
-    )
+    wait_expired(client, session_id)
     answer = client.post(
         "/tasks", json={"capability": "echo", "payload": {}, "session_id": session_id}
     )
