@@ -567,13 +567,19 @@ def crashed_after_a_group(
     doomed = start_worker(settings, queues, f"doomed-{group}", log_dir, env, 40, "threads")
     heir: CeleryProcess | None = None
     try:
+        # Queued whatever: on a loaded machine the worker may die before the last submits,
+        # its lease gone with it (503 no_agent_available), and they wait for the heir.
         envelopes = [
-            {"capability": capability, "payload": {"sleep_s": sleep_s}}
+            {
+                "capability": capability,
+                "payload": {"sleep_s": sleep_s},
+                "queue_if_unavailable": True,
+            }
             for capability in ("test.async-idem", "test.async-once")
             for _ in range(20)
         ]
         responses = asyncio.run(submit_many(api, token, envelopes))
-        assert {r.status_code for r in responses} == {202}
+        assert {r.status_code for r in responses} == {202}, [r.text for r in responses]
         ids = [r.json()["task_id"] for r in responses]
         assert doomed.process is not None
         eventually(lambda: doomed.process.poll(), f"the worker dead after its {group}", 60)
