@@ -6,7 +6,10 @@ import asyncio
 import logging
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import aiohttp
 import pytest
 
 from broker.errors import AgentFailure, Retryable
@@ -114,3 +117,46 @@ def test_a_connection_that_fails_tells_the_tenant_no_address_and_logs_it_all(
     (logged,) = [r.getMessage() for r in caplog.records if r.name == "reach.bridge"]
     assert str(ctx.task_id) in logged
     assert f"127.0.0.1:{port}" in logged
+
+
+async def _answered_by(head: bytes, close: bool, url_of: Callable[[str], Awaitable[Any]]) -> Any:
+    """``url_of`` the URL of an agent that answers ``head``, then hangs up (``close``) or
+    sends nothing more."""
+    release = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(head)
+            await writer.drain()
+            if not close:
+                await release.wait()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        try:
+            return await url_of(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/run")
+        finally:
+            release.set()
+
+
+@pytest.mark.parametrize("stalls", [False, True], ids=["broken off", "never comes"])
+def test_a_503_whose_body_breaks_off_or_never_comes_is_retried_within_the_first_byte_timeout(
+    stalls: bool,
+) -> None:
+    """The 503's text was read with no bound: a body that broke off raised aiohttp's error,
+    which the runner fails for good, and one that never came held the call until its task's
+    time limit."""
+    head = b"HTTP/1.1 503 Busy\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
+
+    async def called(url: str) -> Any:
+        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
+        endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,), first_byte_timeout_s=0.5)
+        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
+            return await http_agent.call(session, endpoint, ctx, {})
+
+    with pytest.raises(Retryable) as refused:
+        asyncio.run(_answered_by(head, not stalls, called))
+    assert refused.value.code == "agent_http_503"

@@ -101,7 +101,7 @@ async def call(
         raise Retryable("the agent could not be reached", code="agent_unreachable") from None
     async with response:
         if response.status != 200:
-            await _refuse(response)
+            await _refuse(response, endpoint.first_byte_timeout_s)
         kind = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if kind == "text/event-stream":
             return await _streamed(response, ctx)
@@ -123,9 +123,17 @@ def _log(ctx: Context, exc: BaseException) -> None:
     log.warning("the call of task %s failed: %s: %s", ctx.task_id, type(exc).__name__, exc)
 
 
-async def _refuse(response: aiohttp.ClientResponse) -> None:
-    """Raise for an answer other than 200: retried for 408, 429 and 5xx only."""
-    detail = (await response.content.read(2048)).decode("utf-8", "replace").strip()
+async def _refuse(response: aiohttp.ClientResponse, within_s: float) -> None:
+    """Raise for an answer other than 200: retried for 408, 429 and 5xx only. Its text, the
+    start of its body, is read within ``within_s``, and is none when the body breaks off or
+    does not come: a 503 whose body broke off raised aiohttp's error (never retried), and one
+    whose body never came held the call until the task's time limit."""
+    try:
+        async with asyncio.timeout(within_s):
+            read = await response.content.read(2048)
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
+        read = b""
+    detail = read.decode("utf-8", "replace").strip()
     message = f"the agent answered {response.status}" + (f": {detail}" if detail else "")
     if response.status in RETRIED_STATUSES:
         delay = _retry_after(response.headers.get("Retry-After"))
