@@ -23,6 +23,11 @@ def _decoded(raw: bytes) -> dict[str, Any]:
     message["properties"].pop("delivery_tag")
     message["properties"].pop("reply_to")
     message["properties"].pop("expiration", None)
+    # A new parent span id per message: its trace is what both carry alike.
+    headers = message["headers"]
+    traceparent = headers.pop("traceparent")
+    assert traceparent.startswith("00-") and traceparent.endswith("-01"), traceparent
+    headers["traceparent's trace"] = traceparent[len("00-") : -len("-0123456789abcdef-01")]
     return message
 
 

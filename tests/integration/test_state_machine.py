@@ -23,6 +23,7 @@ from broker.tasks.resource import (
     CLAIM,
     EXPIRE_UNSTARTED,
     FAIL,
+    LOSE,
     MOVES,
     OVERRUN,
     RETRY,
@@ -59,6 +60,8 @@ OPERATIONS: dict[str, tuple[Move, Operation]] = {
     "requeue": (RETRY, lambda e, _, t: execution.requeue(e, t, ERROR)),
     "succeed": (SUCCEED, lambda e, _, t: execution.succeed(e, t, {"ok": True})),
     "fail": (FAIL, lambda e, _, t: execution.fail(e, t, ERROR)),
+    # (the attempt a row made here is at: none yet)
+    "fail_lost": (LOSE, lambda e, _, t: execution.fail_lost(e, t, ERROR, attempt=0)),
     "cancel": (CANCEL, cancel),
     "expire": (OVERRUN, lambda e, _, t: execution.expire(e, t, ERROR)),
     "expire_overdue": (EXPIRE_UNSTARTED, lambda e, _, t: execution.expire_overdue(e, t)),
@@ -106,8 +109,9 @@ def test_given_a_task_in_each_status_expect_the_operation_to_make_exactly_its_mo
     [
         lambda e, t, seen: execution.requeue(e, t, ERROR, attempt=seen),
         lambda e, t, seen: execution.fail(e, t, ERROR, attempt=seen),
+        lambda e, t, seen: execution.fail_lost(e, t, ERROR, attempt=seen),
     ],
-    ids=["requeue", "fail"],
+    ids=["requeue", "fail", "fail_lost"],
 )
 def test_given_a_recovery_of_an_attempt_that_was_started_again_expect_no_move(
     engine: Engine, recover: Callable[[Engine, uuid.UUID, int], Any]
