@@ -74,11 +74,14 @@ LIVE = or_(sessions.c.expires_at > func.now(), HELD_BY_A_TURN)
 # whose turn held it past its TTL was neither live nor held, and the janitor deleted it.
 # Turns end in order, so the last turn (an index probe) is the one that ended last.
 ENDED_GRACE_S = 300
-JUST_ENDED = select(tasks.c.finished_at).where(
-    tasks.c.session_id == sessions.c.id, tasks.c.session_turn.is_not(None)
-).order_by(tasks.c.session_turn.desc()).limit(
-    1
-).scalar_subquery() > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ENDED_GRACE_S)
+_last_turn_ended_at = (
+    select(tasks.c.finished_at)
+    .where(tasks.c.session_id == sessions.c.id, tasks.c.session_turn.is_not(None))
+    .order_by(tasks.c.session_turn.desc())
+    .limit(1)
+    .scalar_subquery()
+)
+JUST_ENDED = _last_turn_ended_at > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ENDED_GRACE_S)
 IDLE_AGAIN = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, sessions.c.ttl_s)
 
 # The session's next turn, while the session is live and the caller's; no row otherwise.
