@@ -45,4 +45,4 @@ WORKDIR /home/reach
 
 EXPOSE 8000
 
-CMD ["uvicorn", "api.app:create_app_from_env", "--factory", "--http", "api.connections:Protocol", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["reach", "api", "--host", "0.0.0.0", "--port", "8000"]

@@ -6,6 +6,8 @@ reach keys create --tenant T --capabilities 'invoice.*,echo' [--tenant-admin] [-
                  [--name N]
 reach keys revoke KEY_ID
 reach keys list [--tenant T]
+reach api [--host H] [--port 8000] [--workers N]
+                                       serve the API (N processes behind one port)
 reach dev [--port 8000]                run the whole stack on this machine
 """
 
@@ -74,6 +76,33 @@ def _migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# What `reach api` serves: the app factory, and the protocol that bounds each connection's
+# kernel send buffer (docs/security.md). Running uvicorn by hand takes the same two.
+API_APP = "api.app:create_app_from_env"
+API_PROTOCOL = "api.connections:Protocol"
+
+
+def _api(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    if args.workers > 1:
+        # Each process counts its own requests. Named in the environment before uvicorn
+        # spawns them, one folder holds every process's figures and each /metrics answers
+        # for them all; this process holds the folder's lock and removes it when it exits.
+        from broker.observability import metrics_dirs
+
+        metrics_dirs.choose()
+    uvicorn.run(
+        API_APP,
+        factory=True,
+        http=API_PROTOCOL,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+    )
+    return 0
+
+
 def _dev(args: argparse.Namespace, settings: Settings) -> int:
     from reach.devstack import run_dev_stack
 
@@ -133,10 +162,18 @@ def without_password(url: str) -> str:
 
 
 def register(sub: Any) -> None:
-    """Add ``migrate``, ``dev`` and ``keys`` to the ``reach`` command's subparsers."""
+    """Add ``migrate``, ``api``, ``dev`` and ``keys`` to the ``reach`` command's subparsers."""
     sub.add_parser("migrate", help="apply the schema migrations (operator)").set_defaults(
         handler=_operator(_migrate)
     )
+
+    api = sub.add_parser("api", help="serve the API (operator)")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8000)
+    api.add_argument(
+        "--workers", type=_positive, default=1, help="API processes behind the one port"
+    )
+    api.set_defaults(handler=_operator(_api))
 
     dev = sub.add_parser("dev", help="run API, worker, beat and Flower on this machine")
     dev.add_argument("--port", type=int, default=8000)
@@ -164,6 +201,13 @@ def register(sub: Any) -> None:
     listing = key_sub.add_parser("list", help="list keys (never their secrets)")
     listing.add_argument("--tenant")
     listing.set_defaults(handler=_operator(_keys_list))
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, not {number}")
+    return number
 
 
 def main(argv: list[str] | None = None) -> int:

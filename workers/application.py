@@ -78,7 +78,7 @@ def serve_metrics(host: str, port: int) -> None:
     if not port:
         return
     try:
-        start_http_server(port, addr=host, registry=metrics.worker_registry())
+        start_http_server(port, addr=host, registry=metrics.merged_registry())
         log.info("worker metrics on %s:%d/metrics", host, port)
     except OSError as exc:
         log.warning("worker metrics not served: %s:%d: %s", host, port, exc)

@@ -1,6 +1,7 @@
-"""``/metrics`` for Prometheus: this process's counters and the system gauges as of their last
-refresh (``api.system_gauges``, every ``metrics_refresh_s``). A scrape reads nothing but
-memory.
+"""``/metrics`` for Prometheus: the API's counters and the system gauges as of their last
+refresh (``api.system_gauges``, every ``metrics_refresh_s``). A scrape reads no database: the
+counters of this process, or under ``reach api --workers N`` of all N, merged from the files
+they count in (``broker.observability.metrics_dirs``).
 
 Closed by default: with ``metrics_token`` set it needs ``Authorization: Bearer <token>``
 (compared in constant time); without one it is 404 unless ``metrics_public`` (the dev stack).
@@ -12,11 +13,12 @@ import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from api.contract import BEARER, answers
 from api.services import services
 from broker.errors import NotFound, Unauthenticated
+from broker.observability import metrics
 
 router = APIRouter(tags=["health"])
 
@@ -53,4 +55,5 @@ def _authorize(request: Request) -> None:
 async def prometheus_metrics(request: Request) -> Response:
     """Prometheus text format. Holds no tenant data: counts by route, capability and code."""
     _authorize(request)
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    registry = metrics.merged_registry() if metrics.shared() else REGISTRY
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,7 +4,11 @@
 The API process exposes them at ``/metrics``. Celery's prefork workers run tasks in child
 processes, so the workers use prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
 set before this module is imported, see ``workers``) and their main process serves the merged
-view on ``REACH_WORKER_METRICS_PORT``.
+view on ``REACH_WORKER_METRICS_PORT``. ``reach api --workers N`` does the same for its API
+processes, each of which serves the merged view.
+
+The system gauges are computed alike by every API process (``api.system_gauges``): merged,
+the freshest figure stands for them all (``mostrecent``).
 """
 
 from __future__ import annotations
@@ -58,26 +62,28 @@ queue_depth = Gauge(
     "reach_queue_depth",
     "Messages waiting per capability queue",
     ["capability"],
-    multiprocess_mode="liveall",
+    multiprocess_mode="mostrecent",
 )
 queue_oldest_age = Gauge(
     "reach_queue_oldest_age_seconds",
     "Age of the oldest queued task per capability",
     ["capability"],
-    multiprocess_mode="liveall",
+    multiprocess_mode="mostrecent",
 )
 registry_ready = Gauge(
-    "reach_registry_ready_instances", "Instances holding a ready lease", multiprocess_mode="liveall"
+    "reach_registry_ready_instances",
+    "Instances holding a ready lease",
+    multiprocess_mode="mostrecent",
 )
 registry_registered = Gauge(
     "reach_registry_registered_instances",
     "Instances known to the registry (any state but offline)",
-    multiprocess_mode="liveall",
+    multiprocess_mode="mostrecent",
 )
 system_gauges_refreshed = Gauge(
     "reach_system_gauges_refreshed_timestamp_seconds",
     "When this API process last computed the queue and registry gauges (Unix time)",
-    multiprocess_mode="liveall",
+    multiprocess_mode="mostrecent",
 )
 
 # The workers.
@@ -99,8 +105,14 @@ runs_set_aside = Counter(
 )
 
 
-def worker_registry() -> CollectorRegistry:
-    """The merged view of every process of this worker (multiprocess mode)."""
+def shared() -> bool:
+    """Whether this process counts in a folder it shares with others (multiprocess mode)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
+def merged_registry() -> CollectorRegistry:
+    """The merged view of every process counting in this process's folder (multiprocess
+    mode): a worker and its pool, or the API processes of one ``reach api --workers N``."""
     registry = CollectorRegistry()
     path = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]

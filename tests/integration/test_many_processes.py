@@ -1,15 +1,17 @@
-"""More than one API process: two ``uvicorn`` processes (and one ``uvicorn --workers 2``) and
-two worker nodes (``-n a@%h``, ``-n b@%h``) on one Postgres database and one Redis db.
+"""More than one API process: two ``reach api`` processes (and one ``reach api --workers 2``)
+and two worker nodes (``-n a@%h``, ``-n b@%h``) on one Postgres database and one Redis db.
 
 Nothing is lost or run twice whichever API accepts a task and whichever node takes it, an
 idempotency key gives the same task through either API, and a stream or a sync wait is
-answered by whichever API process holds the connection: the events go through Redis."""
+answered by whichever API process holds the connection: the events go through Redis. Each
+process of ``--workers 2`` answers ``/metrics`` for both."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import random
+import re
 import signal
 import subprocess
 import uuid
@@ -23,9 +25,12 @@ import psutil
 import pytest
 import redis
 from celery.utils.nodenames import host_format
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 from sqlalchemy import Engine, select
 
 from broker.db.models import tasks_table
+from broker.observability import metrics_dirs
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, count_tasks
@@ -40,9 +45,12 @@ CAPABILITY = "test.slow-once"
 NODES = ("a", "b")
 
 
+METRICS_TOKEN = "scrape-" + "5d2a" * 8
+
+
 class ApiProcess:
-    """``uvicorn api.app:create_app_from_env --factory``: an API in OS processes of its own,
-    configured by the environment the settings make, its output in a log file."""
+    """``reach api``: an API in OS processes of its own, configured by the environment the
+    settings make, its output in a log file."""
 
     def __init__(self, settings: Settings, log_path: Path, workers: int = 1) -> None:
         self.settings = settings
@@ -55,24 +63,15 @@ class ApiProcess:
         self._children: list[psutil.Process] = []
 
     def start(self, timeout_s: float = 90) -> ApiProcess:
-        argv = [
-            str(BIN / "uvicorn"),
-            "api.app:create_app_from_env",
-            "--factory",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ]
+        argv = [str(BIN / "reach"), "api", "--host", "127.0.0.1", "--port", str(self.port)]
         if self.workers > 1:
             argv += ["--workers", str(self.workers)]
+        # Its metrics folder is its own to choose, never one this test process was given.
+        env = {k: v for k, v in environment(self.settings).items() if k != metrics_dirs.ENV}
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             argv,
-            env=environment(self.settings),
+            env=env,
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -176,7 +175,7 @@ def apis(
 def multi_api(
     settings: Settings, log_dir: Path, nodes: list[CeleryProcess]
 ) -> Iterator[ApiProcess]:
-    """``uvicorn --workers 2``: two API processes behind one port."""
+    """``reach api --workers 2``: two API processes behind one port."""
     api = ApiProcess(settings, log_dir / "api-workers-2.log", workers=2).start()
     yield api
     api.stop()
@@ -206,6 +205,15 @@ def runs_of(redis_url: str, ids: list[str]) -> dict[str, int]:
 
 def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def requests_counted(text: str, labels: dict[str, str]) -> float:
+    """``reach_http_requests_total`` with these labels in a scrape (0 when absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "reach_http_requests_total" and sample.labels == labels:
+                return sample.value
+    return 0.0
 
 
 def client_port(response: httpx.Response) -> int:
@@ -414,7 +422,7 @@ def test_a_task_accepted_by_one_api_is_visible_at_once_on_the_other(
 
 
 @pytest.mark.timeout(180)
-def test_each_process_of_uvicorn_workers_2_answers_streams_and_sync_waits(
+def test_each_process_of_reach_api_workers_2_answers_streams_and_sync_waits(
     apis: tuple[ApiProcess, ApiProcess], multi_api: ApiProcess, make_key: KeyMaker
 ) -> None:
     _, token = make_key()
@@ -449,3 +457,69 @@ def test_each_process_of_uvicorn_workers_2_answers_streams_and_sync_waits(
             assert own.json()["status"] == "succeeded"
             served[pid] = [(task_id, "stream"), (own.json()["task_id"], "sync")]
     assert set(served) == children, f"only {sorted(served)} of {sorted(children)} answered"
+
+
+@pytest.mark.timeout(180)
+def test_each_process_of_reach_api_workers_2_counts_for_both_in_metrics(
+    settings: Settings, log_dir: Path, make_key: KeyMaker
+) -> None:
+    scraped_settings = settings.model_copy(update={"metrics_token": SecretStr(METRICS_TOKEN)})
+    multi_api = ApiProcess(scraped_settings, log_dir / "api-metrics.log", workers=2).start()
+    try:
+        folder = counted_by_both(multi_api, make_key)
+    finally:
+        multi_api.stop()
+    # and the folder they counted in goes with them
+    assert not folder.exists(), sorted(folder.iterdir())
+
+
+def counted_by_both(multi_api: ApiProcess, make_key: KeyMaker) -> Path:
+    """Lookups answered by each process, counted by each; the processes' metrics folder."""
+    _, token = make_key()
+    children = {p.pid for p in multi_api.worker_processes()}
+    # (a folder of their own, named in their environment by the process that spawned them)
+    folders = {Path(p.environ()[metrics_dirs.ENV]) for p in multi_api.worker_processes()}
+    assert len(folders) == 1 and next(iter(folders)).is_dir(), folders
+    looked_up = {"method": "GET", "route": "/tasks/{task_id}", "status": "404"}
+    scrape_headers = auth(METRICS_TOKEN)
+    limits = httpx.Limits(max_connections=1)
+
+    def one_connection() -> httpx.Client:
+        return httpx.Client(base_url=multi_api.url, timeout=30, limits=limits)
+
+    with one_connection() as http:
+        before = requests_counted(http.get("/metrics", headers=scrape_headers).text, looked_up)
+    # Given tasks looked up on new connections until each process has answered two
+    answered: Counter[int] = Counter()
+    for _ in range(200):  # the kernel picks which process accepts each connection
+        if len(answered) == 2 and min(answered.values()) >= 2:
+            break
+        with one_connection() as http:
+            response = http.get(f"/tasks/{uuid.uuid4()}", headers=auth(token))
+            assert response.status_code == 404, response.text
+            pid = multi_api.serving(client_port(response))
+            assert pid in children, (pid, children)
+            answered[pid] += 1
+    assert set(answered) == children, answered
+    asked = sum(answered.values())
+    # When /metrics is scraped on new connections until each process has answered one
+    scraped: dict[int, str] = {}
+    for _ in range(200):
+        if set(scraped) == children:
+            break
+        with one_connection() as http:
+            response = http.get("/metrics", headers=scrape_headers)
+            assert response.status_code == 200, response.text
+            scraped.setdefault(multi_api.serving(client_port(response)) or 0, response.text)
+    assert set(scraped) == children, sorted(scraped)
+    # Then each process counts the lookups both answered
+    counted = {pid: requests_counted(text, looked_up) for pid, text in scraped.items()}
+    assert counted == {pid: before + asked for pid in children}, (before, answered)
+    # and gives the system gauges, computed by both, once: the freshest, no pid label
+    for text in scraped.values():
+        refreshed = re.findall(
+            r"^reach_system_gauges_refreshed_timestamp_seconds(\S*) (\S+)$", text, re.M
+        )
+        assert len(refreshed) == 1 and refreshed[0][0] == "", refreshed
+        assert float(refreshed[0][1]) > 0
+    return next(iter(folders))

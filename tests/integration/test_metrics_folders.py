@@ -1,4 +1,5 @@
-"""The folder each ``celery -A workers`` process keeps its metrics in (``workers.metrics_dirs``).
+"""The folder each ``celery -A workers`` process keeps its metrics in
+(``broker.observability.metrics_dirs``).
 
 A worker started with ``--detach`` wrote the pid of the process that made its folder, which
 exits at the detach: the next ``celery -A workers`` command of the host took the running
@@ -21,13 +22,13 @@ import psutil
 import pytest
 import redis
 
+from broker.observability import metrics_dirs
 from broker.registry.model import lease_key
 from broker.settings import Settings
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import BIN, ROOT, ServedApp, environment, start_worker, wait_for_task
 from tests.integration.test_capacity import stack_for
-from workers import metrics_dirs
 
 __all__ = ["stack_for"]  # a fixture of test_capacity's, used here
 LONG_AGO_S = 2 * metrics_dirs.ABANDONED_AFTER_S

@@ -50,3 +50,20 @@ def test_the_option_after_the_command_wins() -> None:
 def test_a_command_given_no_connection_option_leaves_them_unset() -> None:
     args = parser().parse_args(["webhooks", "list"])
     assert (args.url, args.api_key, args.profile, args.json) == (None, None, None, False)
+
+
+def test_reach_api_serves_loopback_port_8000_in_one_process_unless_told() -> None:
+    args = parser().parse_args(["api"])
+    assert (args.host, args.port, args.workers) == ("127.0.0.1", 8000, 1)
+    args = parser().parse_args(["api", "--host", "0.0.0.0", "--port", "9000", "--workers", "4"])
+    assert (args.host, args.port, args.workers) == ("0.0.0.0", 9000, 4)
+
+
+@pytest.mark.parametrize("workers", ["0", "-2", "two"])
+def test_reach_api_refuses_fewer_than_one_process(
+    workers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["api", "--workers", workers])
+    assert exited.value.code == 2
+    assert "--workers" in capsys.readouterr().err

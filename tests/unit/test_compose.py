@@ -18,8 +18,10 @@ import tomllib
 from urllib.parse import urlsplit
 
 import pytest
+from reach_client.cli import parser as cli_parser
 
 from broker.settings import Settings
+from reach import cli as reach_cli
 from tests import compose_file as compose
 from tests.compose_file import COMPOSE_FILE, ROOT
 
@@ -146,7 +148,7 @@ def test_dockerfile_is_slim_non_root_installs_without_dev_extras_and_exposes_the
     assert "pip install" in runs
     assert "[dev" not in runs and "[embedded" not in runs, "dev/embedded extras in the image"
     assert "8000" in exposed
-    assert compose.dockerfile_cmd()[0] == "uvicorn", "the default CMD should be the API"
+    assert compose.dockerfile_cmd()[:2] == ["reach", "api"], "the default CMD should be the API"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,35 +251,38 @@ def test_the_operator_commands_join_reach_through_their_entry_point() -> None:
         assert compose.defines_top_level(path.read_text(encoding="utf-8"), attr), target
 
 
-def test_uvicorn_target_module_and_factory_exist() -> None:
-    # given every command that runs uvicorn (the api service and the Dockerfile CMD)
-    runs = {n: argv for n, argv in compose.all_commands().items() if argv and argv[0] == "uvicorn"}
-    assert "api" in runs and "Dockerfile CMD" in runs, sorted(runs)
-    for name, argv in runs.items():
-        # when its "module:attribute" is resolved
-        spec = next(a for a in argv[1:] if not a.startswith("-"))
-        module, _, attr = spec.partition(":")
-        path = compose.module_file(module)
-        # expect the module file to define the attribute, called as a factory on port 8000
-        assert path is not None, f"{name}: {module} has no source file"
-        assert compose.defines_top_level(path.read_text(encoding="utf-8"), attr), f"{module}.{attr}"
-        assert "--factory" in argv, f"{name}: {attr} is a factory; uvicorn needs --factory"
-        assert (
-            compose.option(argv, "--host") == "0.0.0.0" and compose.option(argv, "--port") == "8000"
-        )
+def _api_commands() -> dict[str, list[str]]:
+    return {n: argv for n, argv in compose.all_commands().items() if argv[:2] == ["reach", "api"]}
 
 
-def test_every_uvicorn_command_serves_the_api_with_its_bounded_protocol() -> None:
-    # given every command that runs uvicorn (the api service and the Dockerfile CMD)
-    runs = {n: argv for n, argv in compose.all_commands().items() if argv and argv[0] == "uvicorn"}
-    assert runs
+def test_every_api_command_is_reach_api_on_port_8000_as_the_command_parses_it() -> None:
+    # given every command that serves the API (the api service and the Dockerfile CMD)
+    runs = _api_commands()
+    assert "api" in runs and "Dockerfile CMD" in runs, sorted(compose.all_commands())
     for name, argv in runs.items():
-        # expect --http to name api.connections' protocol (each connection's send buffer
-        # bounded), and the module to define it
-        assert compose.option(argv, "--http") == "api.connections:Protocol", name
-    path = compose.module_file("api.connections")
-    assert path is not None
-    assert compose.defines_top_level(path.read_text(encoding="utf-8"), "Protocol")
+        # when the `reach` command's own parser reads it, ${VAR:-default} as its default
+        defaults = [compose.interpolation_default(a) for a in argv[1:]]
+        args = [a if d is None else d[1] for a, d in zip(argv[1:], defaults, strict=True)]
+        parsed = cli_parser().parse_args(args)
+        # expect `reach api` on all interfaces, port 8000, run by the operator's handler
+        assert (parsed.host, parsed.port) == ("0.0.0.0", 8000), name
+        assert callable(parsed.handler), name
+
+
+def test_reach_api_serves_the_app_factory_with_its_bounded_protocol() -> None:
+    # given what `reach api` hands uvicorn
+    module, _, factory = reach_cli.API_APP.partition(":")
+    protocol_module, _, protocol = reach_cli.API_PROTOCOL.partition(":")
+    # expect a factory that exists, and the protocol that bounds each connection's kernel
+    # send buffer (no service runs uvicorn around it: any that did would need it too)
+    for target, attr in ((module, factory), (protocol_module, protocol)):
+        path = compose.module_file(target)
+        assert path is not None, f"{target} has no source file"
+        assert compose.defines_top_level(path.read_text(encoding="utf-8"), attr), target
+    bare = {n: argv for n, argv in compose.all_commands().items() if argv[:1] == ["uvicorn"]}
+    for name, argv in bare.items():
+        assert compose.option(argv, "--http") == reach_cli.API_PROTOCOL, name
+        assert "--factory" in argv and reach_cli.API_APP in argv, name
 
 
 def test_the_api_runs_a_configurable_number_of_uvicorn_processes() -> None:
