@@ -14,6 +14,10 @@ from broker.errors import BadRequest
 from broker.registry.capabilities import is_valid_pattern
 from broker.tenancy.keys import PREFIX, hash_secret
 
+# The columns' lengths (``broker.db.models.ApiKey``).
+MAX_TENANT = 64
+MAX_NAME = 128
+
 
 def create_key(
     engine: Engine,
@@ -30,8 +34,14 @@ def create_key(
         raise BadRequest(
             f"invalid capability patterns: {bad or capabilities}", code="invalid_pattern"
         )
-    if not tenant or len(tenant) > 64:
-        raise BadRequest("tenant must be 1 to 64 characters", code="invalid_tenant")
+    if not tenant or len(tenant) > MAX_TENANT or not tenant.isprintable():
+        raise BadRequest(
+            f"tenant must be 1 to {MAX_TENANT} printable characters", code="invalid_tenant"
+        )
+    if name is not None and (len(name) > MAX_NAME or not name.isprintable()):
+        raise BadRequest(
+            f"a key's name is at most {MAX_NAME} printable characters", code="invalid_name"
+        )
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     with engine.begin() as conn:

@@ -4,6 +4,7 @@ same surface on both; typed resources in ``reach_client.models``; one error tree
 
 from reach_client.async_client import AsyncReach
 from reach_client.client import Reach
+from reach_client.config import ConfigurationError, NoAPIKeyError
 from reach_client.errors import (
     APIConnectionError,
     APIStatusError,
@@ -49,11 +50,13 @@ __all__ = [
     "AsyncReach",
     "AuthenticationError",
     "Capability",
+    "ConfigurationError",
     "ConflictError",
     "Delivery",
     "Event",
     "InternalServerError",
     "InvalidRequestError",
+    "NoAPIKeyError",
     "NotFoundError",
     "Page",
     "PermissionDeniedError",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -12,6 +13,7 @@ from typing import Any, TypeVar, Unpack
 import anyio
 import httpx
 
+from reach_client.config import ConfigurationError
 from reach_client.connection import Settings, build, response_of, translated
 from reach_client.errors import APIConnectionError, APIStatusError
 from reach_client.limits import MAX_ANSWER_BYTES, Buffer
@@ -42,7 +44,12 @@ class AsyncReach:
     honoured); ``max_answer_bytes`` bounds what one answer, event-stream line or event may
     hold (``reach_client.limits``: 32 MiB, far above the server's default 4 MiB result; raise
     it for a server whose ``REACH_MAX_RESULT_BYTES`` is near it); pass ``http_client`` to
-    bring your own ``httpx.AsyncClient`` (proxies, TLS, transports): it is then yours to close."""
+    bring your own ``httpx.AsyncClient`` (proxies, TLS, transports): it is then yours to close.
+
+    Its connections belong to the event loop that first used them. Used from another loop
+    (a client kept at module level across ``asyncio.run`` calls, or across tests), a client
+    it made starts afresh there; one you passed in raises ``ConfigurationError`` instead, as
+    its pool would fail there with ``RuntimeError: Event loop is closed``."""
 
     def __init__(
         self,
@@ -60,6 +67,7 @@ class AsyncReach:
         )
         self._http = http_client or httpx.AsyncClient()
         self._owns_http = http_client is None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one its connections are on
         self.tasks = Tasks(self)
         self.sessions = Sessions(self)
         self.webhooks = Webhooks(self)
@@ -83,7 +91,7 @@ class AsyncReach:
 
     async def close(self) -> None:
         if self._owns_http:
-            await self._http.aclose()
+            await self._on_this_loop().aclose()
 
     async def __aenter__(self) -> AsyncReach:
         return self
@@ -112,6 +120,25 @@ class AsyncReach:
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
+    def _on_this_loop(self) -> httpx.AsyncClient:
+        """The HTTP client for the running event loop (under trio, the one there is)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio
+            return self._http
+        if self._loop is None or self._loop is loop:
+            self._loop = loop
+            return self._http
+        if not self._owns_http:
+            raise ConfigurationError(
+                "this AsyncReach's http_client was first used on another event loop, and "
+                "its connections cannot serve this one: make the client on the loop that uses it"
+            )
+        # The last loop's connections go with its client, unclosed: that loop cannot close
+        # them now (it has ended, or runs elsewhere).
+        self._http, self._loop = httpx.AsyncClient(), loop
+        return self._http
+
     async def _send(self, request: Request) -> Response:
         async with self._open(request, ok_only=False) as answer:
             return await _read(answer, self._settings.max_answer_bytes)
@@ -122,9 +149,10 @@ class AsyncReach:
     ) -> AsyncIterator[httpx.Response]:
         """The answer to ``request``, its body unread; with ``ok_only`` an error status raises
         its problem."""
+        http = self._on_this_loop()
         with translated():
-            answer = await self._http.send(
-                self._http.build_request(**build(self._settings, request)), stream=True
+            answer = await http.send(
+                http.build_request(**build(self._settings, request)), stream=True
             )
             try:
                 if ok_only and not answer.is_success:

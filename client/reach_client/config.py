@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from reach_client.errors import ReachError
 
 DEFAULT_URL = "http://localhost:8000"
@@ -93,4 +95,18 @@ def resolve(
     key = api_key or env.get("REACH_API_KEY") or from_file.get("api_key")
     if not key:
         raise NoAPIKeyError(config_path(env))
-    return Config(base_url=url.rstrip("/"), api_key=key)
+    return Config(base_url=checked_url(url).rstrip("/"), api_key=key)
+
+
+def checked_url(url: str) -> str:
+    """``url`` when it can name the API (``http(s)://host[:port][/path]``), else a
+    ``ConfigurationError`` saying why: a typo is the caller's to fix, not a connection to try."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ConfigurationError(f"the API URL {url!r} is not a URL: {exc}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigurationError(
+            f"the API URL {url!r} names no http(s) host: give it as http://host:port"
+        )
+    return url

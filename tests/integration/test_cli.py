@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
+from sqlalchemy import Engine, select
 
+from broker.db.models import api_keys_table
 from broker.settings import Settings
 from tests.integration.stack import ServedApp, environment
 
@@ -79,6 +82,32 @@ def test_a_bad_pattern_is_refused(settings: Settings) -> None:
     result = reach(settings, "keys", "create", "--tenant", "x", "--capabilities", "Bad Pattern")
     assert result.returncode == 2
     assert "invalid_pattern" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "code"),
+    [
+        (["--tenant", "cli-long-name", "--name", "n" * 129], "invalid_name"),
+        (["--tenant", "cli-long-name", "--name", "ops\x1b[31m"], "invalid_name"),
+        (["--tenant", "t" * 65], "invalid_tenant"),
+        (["--tenant", "cli\tbad"], "invalid_tenant"),
+    ],
+    ids=["name too long", "name with a control character", "tenant too long", "tenant tab"],
+)
+def test_a_name_or_tenant_the_key_table_cannot_hold_is_refused_in_one_line(
+    settings: Settings, engine: Engine, flags: list[str], code: str
+) -> None:
+    # When a key is asked for with a name or tenant past what the table holds
+    result = reach(settings, "keys", "create", "--capabilities", "echo", *flags)
+    # Then it is refused as a bad pattern is (2, its code), with no traceback (which printed
+    # the new key's hash and every value of the insert), and no key made
+    assert result.returncode == 2, result.stderr
+    assert f"({code})" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    with engine.connect() as conn:
+        made = conn.execute(
+            select(api_keys_table.c.key_id).where(api_keys_table.c.tenant == flags[1])
+        ).all()
+    assert made == []
 
 
 def test_migrate_is_idempotent(settings: Settings) -> None:

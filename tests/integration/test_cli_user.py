@@ -209,6 +209,18 @@ def test_without_a_key_it_is_a_usage_error_naming_the_commands_own_ways(
     assert "--api-key" in result.stderr and "api_key=" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("url", ["http://localhost:80a0", "localhost:8000"])
+def test_a_url_that_names_no_http_host_is_a_usage_error(env: dict[str, str], url: str) -> None:
+    # Given a typo in the API's URL (a port that is not a number, no scheme)
+    env["REACH_URL"] = url
+    # When a command runs
+    result = reach(env, "tasks", "list")
+    # Then it is told as a usage error (2), never a traceback (1 says a task failed) nor an
+    # API out of reach (7)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and repr(url) in result.stderr, result.stderr
+
+
 def test_the_url_and_key_work_before_the_command_and_the_ones_after_it_win(
     env: dict[str, str],
 ) -> None:

@@ -12,11 +12,13 @@ import pytest
 from reach_client import (
     AsyncReach,
     AuthenticationError,
+    ConfigurationError,
     ConflictError,
     Event,
     NotFoundError,
     Reach,
     RevisionConflictError,
+    Task,
     WaitTimeoutError,
 )
 from sqlalchemy import Engine
@@ -336,3 +338,31 @@ def test_the_async_client_submits_waits_streams_pages_cancels_and_retries(
 
     asyncio.run(scenario())
     assert count_tasks(engine, tenant[0]) == 3
+
+
+def test_an_async_client_kept_across_event_loops_works_on_each(account: tuple[str, str]) -> None:
+    # Given an AsyncReach kept at module level, as a script or a test suite keeps one
+    reach = AsyncReach(*account)
+
+    async def once() -> Task:
+        return await reach.run("echo", {"a": 1}, timeout=30)
+
+    # When it is used from one asyncio.run, then from another (the first loop closed)
+    first = asyncio.run(once())
+    second = asyncio.run(once())
+    # Then each call runs its task, on connections of its own loop
+    assert (first.status, second.status) == ("succeeded", "succeeded")
+    assert first.task_id != second.task_id
+    asyncio.run(reach.close())
+
+
+def test_a_callers_async_http_client_used_on_another_loop_is_a_configuration_error(
+    account: tuple[str, str],
+) -> None:
+    # Given an AsyncReach on the caller's own httpx.AsyncClient, used on one loop
+    http = httpx.AsyncClient()
+    reach = AsyncReach(*account, http_client=http)
+    assert asyncio.run(reach.run("echo", {}, timeout=30)).status == "succeeded"
+    # When another loop uses it, it says so (the caller's pool cannot serve there), typed
+    with pytest.raises(ConfigurationError, match="another event loop"):
+        asyncio.run(reach.run("echo", {}, timeout=30))

@@ -107,3 +107,28 @@ def test_a_retry_starts_the_progress_bar_afresh(
     # I expect the bar to show the last attempt, not the first one's percent and message
     assert "failed" in bar and "0%" in bar, bar
     assert "60%" not in bar and "page 3 of 5" not in bar, bar
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "--json"])
+def test_a_task_that_ended_before_its_final_event_came_is_finished_not_still_running(
+    as_json: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a running task whose event stream brings nothing before the wait runs out (a
+    # slow proxy), and which has failed by the time the task is read again
+    monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
+    monkeypatch.delenv("REACH_PROFILE", raising=False)
+    failed = task_reply("failed", error={"code": "boom", "message": "it broke"})
+
+    def script(n: int) -> Reply:
+        return {1: task_reply("running"), 3: failed}.get(n) or api.hold()
+
+    with Loopback(script) as api:
+        # When the watch runs out
+        argv = ["tasks", "watch", "t1", "--timeout", "1", "--url", api.base_url, "--api-key", "k"]
+        status = main(argv + (["--json"] if as_json else []))
+    out, err = capsys.readouterr()
+    # Then it exits with the task's own status (1: failed), never 5 (still running)
+    assert status == 1, (status, err)
+    assert "still" not in err, err
+    if not as_json:  # and shows the task, as a watch that saw it end does
+        assert "failed" in out and "boom" in out, out

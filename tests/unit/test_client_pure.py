@@ -11,8 +11,8 @@ from email.utils import format_datetime
 import httpx
 import pytest
 import standardwebhooks.webhooks as standard
-from reach_client import errors
-from reach_client.config import resolve
+from reach_client import Reach, errors
+from reach_client.config import ConfigurationError, resolve
 from reach_client.connection import Settings
 from reach_client.limits import MAX_ANSWER_BYTES
 from reach_client.models import Event, Task, Webhook
@@ -322,3 +322,15 @@ def test_a_retry_after_the_client_cannot_read_is_none_and_the_error_is_raised_as
     with pytest.raises(errors.APIStatusError) as caught:
         drive(send(Request("GET", "/tasks/t1"), POLICY), [refused] * 3)
     assert caught.value.retry_after_s is None
+
+
+@pytest.mark.parametrize(
+    "url", ["http://localhost:80a0", "http://[::1", "localhost:8000", "ftp://host", "http://"]
+)
+def test_a_url_that_names_no_http_host_is_a_configuration_error_before_any_request(
+    url: str,
+) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Reach(url, "rk_x")
+    assert repr(url) in str(raised.value)
+

@@ -99,7 +99,9 @@ def run_submit(args: argparse.Namespace) -> int:
 
 def still_running(args: argparse.Namespace, task: Task, *, events_printed: bool) -> int:
     """The task as it is when the wait ran out (unless its events were the output), and exit
-    status 5: it goes on."""
+    status 5: it goes on. One that ended before its final event came is finished."""
+    if task.final:
+        return finish(args, task, events_printed=events_printed)
     task_id, status = render.printable(task.task_id), render.printable(task.status)
     render.stderr().print(f"task {task_id} is still {status} after {args.timeout:g} s")
     if not events_printed:
