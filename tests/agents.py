@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -481,3 +482,28 @@ async def turn_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 
 # Served only by the workers of the loop consumer's tests (``test_loop_consumer``).
 agent.capability("test.loop-consumer", agent_id="test-loop-consumer", idempotent=True)(_lives)
+
+
+@agent.capability("test.exit", agent_id="test-exit", version="0.0.1", timeout_s=20)
+def exits(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """With ``exit``, calls ``sys.exit(2)``, as a library may (argparse's ``error``); else
+    sleeps ``sleep_s`` and answers."""
+    if payload.get("exit"):
+        sys.exit(2)
+    time.sleep(float(payload.get("sleep_s", 0)))
+    return {"pid": os.getpid()}
+
+
+@agent.capability("test.exit-async", agent_id="test-exit-async", version="0.0.1", timeout_s=20)
+async def exits_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    """``test.exit`` as a coroutine; with ``cancel_itself``, awaits a sub-task of its own
+    that it cancels (nobody cancels the task)."""
+    await asyncio.sleep(float(payload.get("sleep_s", 0.01)))
+    if payload.get("exit"):
+        sys.exit(2)
+    if payload.get("cancel_itself"):
+        inner = asyncio.create_task(asyncio.sleep(5))
+        await asyncio.sleep(0.01)
+        inner.cancel()
+        await inner
+    return {"pid": os.getpid()}

@@ -93,6 +93,18 @@ class CallTimedOut(Exception):
     """The coroutine ran past its time and was cancelled."""
 
 
+class HandlerExited(Exception):
+    """The handler raised ``SystemExit`` or ``KeyboardInterrupt`` (``sys.exit()``, argparse's
+    ``error``) where no signal could have: it ended the handler, not the process. Raised on
+    the event loop, it stopped the loop and every task on it; in a pool thread, it left the
+    task's message held for good."""
+
+
+class HandlerCancelledItself(Exception):
+    """The handler raised ``CancelledError`` though nobody cancelled its task: a sub-task of
+    its own that was cancelled, or a library's. A failure of the agent's, not a cancel."""
+
+
 async def _in_context(values: list[tuple[contextvars.ContextVar[Any], Any]], call: Any) -> Any:
     # A task made on the loop copies the loop thread's context, not the caller's: set the
     # caller's values in the task's own copy, so they stay with this coroutine alone.
@@ -115,6 +127,15 @@ async def _within(call: Coroutine[Any, Any, Any], timeout_s: float | None) -> An
         if timeout_s is not None and time.monotonic() - begun > timeout_s:
             raise CallTimedOut(f"the handler failed after {timeout_s:.3f}s") from None
         raise
+    except asyncio.CancelledError as exc:
+        current = asyncio.current_task()
+        if current is None or current.cancelling():  # the caller's cancel, or its time's
+            raise
+        raise HandlerCancelledItself(
+            "the handler raised CancelledError, though nobody cancelled the task"
+        ) from exc
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise HandlerExited(f"the handler raised {exc!r}") from exc
     if timeout_s is not None and time.monotonic() - begun > timeout_s:
         raise CallTimedOut(f"the handler returned after {timeout_s:.3f}s")
     return result
@@ -135,6 +156,16 @@ class _LoopTask:
     def cancel(self) -> bool:
         self._task.get_loop().call_soon_threadsafe(self._task.cancel)
         return True
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop's thread. A ``BaseException`` out of a callback (never a handler's, which
+    ``_within`` turns into failures) ends it, and every task on it with it: said loudly."""
+    try:
+        loop.run_forever()
+    except BaseException:
+        log.critical("the event loop stopped: no task of this process can run", exc_info=True)
+        raise
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:
@@ -164,7 +195,7 @@ class Calls:
                 self._running, self._recent, self._listening_since = {}, OrderedDict(), None
                 self._loop = runtime.new_event_loop(self.event_loop)
                 threading.Thread(
-                    target=self._loop.run_forever, name="reach-loop", daemon=True
+                    target=_run_loop, args=(self._loop,), name="reach-loop", daemon=True
                 ).start()
                 threading.Thread(
                     target=self._listen, args=(os.getpid(),), name="reach-cancels", daemon=True

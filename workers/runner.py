@@ -39,7 +39,14 @@ from broker.tasks.events import EVENTS_SLACK_S
 from broker.tasks.execution import Claim, Claimed, Finish
 from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
 from workers import faults
-from workers.aio import ON_LOOP_BYTES, CallCancelled, Calls, CallTimedOut, off_the_loop
+from workers.aio import (
+    ON_LOOP_BYTES,
+    CallCancelled,
+    Calls,
+    CallTimedOut,
+    HandlerExited,
+    off_the_loop,
+)
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
 from workers.sdk.session import Session
@@ -753,6 +760,10 @@ class Runner:
             if limit_s is not None and time.monotonic() - started > limit_s:
                 raise SoftTimeLimit("the handler failed after its time limit") from exc
             raise
+        except (SystemExit, KeyboardInterrupt) as exc:
+            if threading.current_thread() is threading.main_thread():
+                raise  # a signal's (solo), or a pool child's own exit: Celery's to handle
+            raise HandlerExited(f"the handler raised {exc!r}") from exc
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")
         return result

@@ -333,4 +333,3 @@ def test_a_url_that_names_no_http_host_is_a_configuration_error_before_any_reque
     with pytest.raises(ConfigurationError) as raised:
         Reach(url, "rk_x")
     assert repr(url) in str(raised.value)
-
