@@ -88,6 +88,7 @@ from broker.tasks import queries
 from broker.tasks.envelope import parse_envelope
 from broker.tasks.events import OUTPUT
 from broker.tasks.resource import FINAL, TaskRow, parse_task_id, render
+from broker.tasks.submission import Accepted
 from broker.tenancy.keys import Principal
 from broker.webhooks.subscriptions import set_callback, vet_callback
 
@@ -226,7 +227,7 @@ class ReachRequestHandler(RequestHandler):
 
     async def _submit(
         self, params: SendMessageRequest, context: ServerCallContext
-    ) -> tuple[Principal, TaskRow]:
+    ) -> tuple[Principal, Accepted]:
         caller = _principal(context)
         validate_history_length(params.configuration)
         if params.message.task_id:
@@ -266,7 +267,7 @@ class ReachRequestHandler(RequestHandler):
             )
         except ReachError as exc:
             raise _a2a_error(exc, context) from None
-        return caller, accepted.row
+        return caller, accepted
 
     async def _token(self, caller: Principal, context: ServerCallContext) -> None:
         """A token of the tenant's rate for a call that writes, unless its body took one
@@ -284,7 +285,8 @@ class ReachRequestHandler(RequestHandler):
         """Blocking: our sync mode (the task once final, or as it stands when the wait ends,
         or as accepted when an outage cuts it: ``replies.waited``; an error once the key is
         revoked). ``return_immediately``: our async mode."""
-        caller, row = await self._submit(params, context)
+        caller, accepted = await self._submit(params, context)
+        row = accepted.row
         if params.configuration.return_immediately:
             return mapping.task_of(render(row))
         wait_s = self.svc.settings.sync_max_wait_s
@@ -297,9 +299,20 @@ class ReachRequestHandler(RequestHandler):
     async def on_message_send_stream(
         self, params: SendMessageRequest, context: ServerCallContext
     ) -> AsyncGenerator[Any]:
+        """The task as accepted, then its events. A message resent (the same ``messageId``)
+        is the same request: its task as it stands now, then its events from there on, as
+        ``SubscribeToTask`` has them, and nothing more once it is final. Its whole log again
+        took its state back (a COMPLETED task's stream went on with SUBMITTED, WORKING)."""
         with self._stream_slot(context):  # before the task is written, as for POST /tasks
-            caller, row = await self._submit(params, context)
-            rendered = render(row)
+            caller, accepted = await self._submit(params, context)
+            if accepted.replayed:
+                task_id = str(accepted.row["id"])
+                after, outputs = await self.svc.hub.tally(task_id, OUTPUT)  # before the row
+                row = await self._visible(caller, task_id)
+                async for event in self._from(caller, row, context, after, outputs):
+                    yield event
+                return
+            rendered = render(accepted.row)
             yield mapping.task_of(rendered)
             async for event in self._events(caller, rendered, context, after=0):
                 yield event
@@ -327,12 +340,27 @@ class ReachRequestHandler(RequestHandler):
         after, outputs = await self.svc.hub.tally(str(task_id), OUTPUT)
         row = await self._unfinished(caller, params.id)
         with self._stream_slot(context):
-            rendered = render(row)
-            yield mapping.task_of(rendered)
-            mapper = mapping.EventMapper(rendered["task_id"], mapping.context_of(rendered))
-            mapper.outputs = outputs
-            async for event in self._events(caller, rendered, context, after=after, mapper=mapper):
+            async for event in self._from(caller, row, context, after, outputs):
                 yield event
+
+    async def _from(
+        self,
+        caller: Principal,
+        row: TaskRow,
+        context: ServerCallContext,
+        after: int,
+        outputs: int,
+    ) -> AsyncGenerator[Any]:
+        """The task as ``row`` has it, then its events after ``after`` (read before the
+        row), ``outputs`` of them outputs already; nothing more when it is final."""
+        rendered = render(row)
+        yield mapping.task_of(rendered)
+        if rendered["status"] in FINAL:
+            return
+        mapper = mapping.EventMapper(rendered["task_id"], mapping.context_of(rendered))
+        mapper.outputs = outputs
+        async for event in self._events(caller, rendered, context, after=after, mapper=mapper):
+            yield event
 
     async def _unfinished(self, caller: Principal, task_id: str) -> TaskRow:
         """The caller's task, not final yet; else the A2A error."""

@@ -945,7 +945,9 @@ def test_a_tenant_holding_its_most_streams_is_refused_another_before_a_task_is_w
             assert first.task.id and rest[-1].status_update.status.state == (
                 TaskState.TASK_STATE_COMPLETED
             )
-            again = await collect(client.send_message(SendMessageRequest(message=sleepy)))
+            nxt = message("test.sleepy", data={"sleep_s": 0.1})  # a new message: a new task
+            again = await collect(client.send_message(SendMessageRequest(message=nxt)))
+            assert again[0].task.id != first.task.id
             assert again[-1].status_update.status.state == TaskState.TASK_STATE_COMPLETED
 
         clients.run(run)
@@ -968,3 +970,52 @@ def streamed_on_both_bindings(api: ServedApp, token: str) -> list[httpx.Response
                     answer.read()
                 answers.append(answer)
     return answers
+
+
+def _states(events: list[StreamResponse]) -> list[str]:
+    found = []
+    for event in events:
+        if event.HasField("task"):
+            found.append(TaskState.Name(event.task.status.state))
+        elif event.HasField("status_update"):
+            found.append(TaskState.Name(event.status_update.status.state))
+    return found
+
+
+def test_a_resent_stream_of_a_finished_task_is_that_task_and_nothing_more(a2a: Clients) -> None:
+    async def run() -> None:
+        client, _ = await a2a(streaming=True)
+        # Given a streamed message whose task completed
+        sent = message("echo", data={"n": 1})
+        first = await collect(client.send_message(SendMessageRequest(message=sent)))
+        assert _states(first)[-1] == "TASK_STATE_COMPLETED"
+        # When the same message (its messageId) is streamed again
+        again = await collect(client.send_message(SendMessageRequest(message=sent)))
+        # Then the stream is the same task, completed, and ends there: no state after a
+        # terminal one (its whole log again went back to SUBMITTED and WORKING)
+        assert again[0].task.id == first[0].task.id
+        assert _states(again) == ["TASK_STATE_COMPLETED"], _states(again)
+
+    a2a.run(run)
+
+
+def test_a_resent_stream_of_a_running_task_goes_on_from_where_it_stands(a2a: Clients) -> None:
+    async def run() -> None:
+        client, _ = await a2a(streaming=True)
+        # Given a streamed message whose task is working
+        sent = message("test.sleepy", data={"sleep_s": 2})
+        stream = client.send_message(SendMessageRequest(message=sent))
+        async for event in stream:
+            if event.HasField("status_update") and (
+                event.status_update.status.state == TaskState.TASK_STATE_WORKING
+            ):
+                break
+        # When the same message is streamed again
+        again = await collect(client.send_message(SendMessageRequest(message=sent)))
+        await stream.aclose()
+        # Then it starts at WORKING and goes on to COMPLETED, never back to SUBMITTED
+        states = _states(again)
+        assert states[0] == "TASK_STATE_WORKING" and states[-1] == "TASK_STATE_COMPLETED", states
+        assert "TASK_STATE_SUBMITTED" not in states, states
+
+    a2a.run(run)
