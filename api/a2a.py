@@ -77,7 +77,7 @@ from starlette.routing import BaseRoute, Route
 
 from api import errors, replies
 from api.deps import authenticate, read_metered_body
-from api.services import Services
+from api.services import Services, services
 from api.sse import Slot
 from broker import jsonbody
 from broker.errors import BadRequest, Conflict, NotFound, ReachError
@@ -608,6 +608,13 @@ ANY_CAPABILITY = AgentSkill(
 )
 
 
+def card_base(request: Request) -> str:
+    """Where the cards say the A2A endpoints are: under ``REACH_PUBLIC_URL`` when it is set,
+    else under the request's own scheme and Host."""
+    named = services(request).settings.public_url
+    return (named if named is not None else str(request.base_url)).rstrip("/")
+
+
 def public_card(base_url: str) -> AgentCard:
     """The card anyone may read: how to call, and that a bearer key is required. Its skills
     are on the extended card, per key (``ANY_CAPABILITY`` says so)."""
@@ -651,7 +658,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context = super().build(request)
         context.state["principal"] = request.state.principal
         context.state["trace_id"] = getattr(request.state, "trace_id", None)
-        context.state["base_url"] = str(request.base_url)
+        context.state["base_url"] = card_base(request)
         context.state["metered"] = getattr(request.state, "metered", False)
         context.state["lifted"] = getattr(request.state, "lifted", {})
         context.state["refusals"] = request.state.refusals  # ``_answered``
@@ -792,7 +799,10 @@ def mount(app: FastAPI, svc: Services) -> None:
 
     async def agent_card(request: Request) -> JSONResponse:
         """The public A2A agent card: where to call and how to sign in."""
-        return JSONResponse(MessageToDict(public_card(str(request.base_url).rstrip("/"))))
+        card = JSONResponse(MessageToDict(public_card(card_base(request))))
+        if svc.settings.public_url is None:  # named after the request's Host: never shared
+            card.headers["Cache-Control"] = "no-store"
+        return card
 
     add_a2a_routes_to_fastapi(
         app,

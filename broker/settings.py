@@ -7,6 +7,7 @@ the Celery app factory and the CLI.
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -111,6 +112,11 @@ class Settings(BaseSettings):
     # The Host names /mcp answers to (``name`` or ``name:*`` for any port), against DNS
     # rebinding; empty: any, since every call must carry a bearer key a page cannot forge.
     mcp_allowed_hosts: Annotated[list[str], NoDecode] = []
+    # The API's address as its callers reach it (https://reach.example.com): the A2A cards
+    # name their endpoints under it. Unset, they are named under the request's own Host, and
+    # the public card is sent with Cache-Control: no-store, so no shared cache keeps a card a
+    # forged Host made (one that sent every client's key elsewhere).
+    public_url: str | None = None
     # SSE: a ': ping' after this much silence; a client not reading for send_timeout is dropped.
     sse_ping_s: float = Field(15.0, gt=0)
     sse_send_timeout_s: float = Field(30.0, gt=0)
@@ -274,6 +280,22 @@ class Settings(BaseSettings):
     @classmethod
     def _psycopg_driver(cls, value: str) -> str:
         return psycopg_url(value)
+
+    @field_validator("public_url")
+    @classmethod
+    def _an_origin(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        try:
+            parts.port  # noqa: B018 (raises on a port that is not a number)
+        except ValueError as exc:
+            raise ValueError(f"public_url {value!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"public_url {value!r} is not http(s)://host[:port][/path]")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ValueError(f"public_url {value!r}: no query, fragment or credentials")
+        return value.rstrip("/")
 
     @property
     def celery_broker_url(self) -> str:

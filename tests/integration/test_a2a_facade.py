@@ -162,6 +162,40 @@ def test_the_public_card_names_both_bindings_and_requires_a_bearer_key(api: Serv
     assert [s["id"] for s in card["skills"]] == ["capabilities"]
 
 
+def test_a_card_named_after_a_forged_host_is_never_kept_by_a_shared_cache(api: ServedApp) -> None:
+    # Given no REACH_PUBLIC_URL: the card names the endpoints under the request's Host
+    card = httpx.get(f"{api.url}/.well-known/agent-card.json", headers={"Host": "evil.example"})
+    urls = [i["url"] for i in card.json()["supportedInterfaces"]]
+    assert all(u.startswith("http://evil.example/") for u in urls), urls
+    # Then it says no cache may keep it: a proxy's cache would hand it to every client,
+    # each sending its key to that host
+    assert card.headers["cache-control"] == "no-store"
+
+
+def test_with_a_public_url_both_cards_name_it_whatever_the_host(
+    settings: Settings, make_key: KeyMaker, worker: CeleryProcess
+) -> None:
+    public = settings.model_copy(update={"public_url": "https://reach.example.com/base/"})
+    with ServedApp(create_app(public)) as api:
+        _, token = make_key()
+        forged = {"Host": "evil.example", "Authorization": f"Bearer {token}", **A2A_VERSION}
+        # When the public card and the extended card are asked for with a forged Host
+        card = httpx.get(f"{api.url}/.well-known/agent-card.json", headers=forged)
+        extended = httpx.post(
+            f"{api.url}/a2a/jsonrpc",
+            headers=forged,
+            json={"jsonrpc": "2.0", "id": 1, "method": "GetExtendedAgentCard", "params": {}},
+        )
+    # Then both name the endpoints under REACH_PUBLIC_URL
+    want = {
+        "JSONRPC": "https://reach.example.com/base/a2a/jsonrpc",
+        "HTTP+JSON": "https://reach.example.com/base/a2a/rest",
+    }
+    for answer in (card.json(), extended.json()["result"]):
+        assert {i["protocolBinding"]: i["url"] for i in answer["supportedInterfaces"]} == want
+    assert "cache-control" not in card.headers
+
+
 def test_a_key_limited_to_echo_sees_one_skill(a2a: Clients) -> None:
     async def run() -> None:
         client, _ = await a2a(["echo"])

@@ -179,3 +179,37 @@ def test_a_ttl_past_ten_years_is_refused_at_start_not_by_every_claim(name: str) 
     assert Settings(**{name: MAX_TTL_S}).model_dump()[name] == MAX_TTL_S
     with pytest.raises(ValidationError):
         Settings(**{name: 2**31 - 1})
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("https://reach.example.com", "https://reach.example.com"),
+        ("https://reach.example.com:8443/base/", "https://reach.example.com:8443/base"),
+        ("http://10.0.0.7:8000/", "http://10.0.0.7:8000"),
+    ],
+)
+def test_a_public_url_is_kept_without_its_last_slash(
+    monkeypatch: pytest.MonkeyPatch, given: str, kept: str
+) -> None:
+    monkeypatch.setenv("REACH_PUBLIC_URL", given)
+    assert Settings().public_url == kept
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "reach.example.com",
+        "ftp://reach.example.com",
+        "https://",
+        "https://reach.example.com:80a0",
+        "https://reach.example.com/?x=1",
+        "https://user:pw@reach.example.com",
+    ],
+)
+def test_a_public_url_that_is_no_http_origin_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    monkeypatch.setenv("REACH_PUBLIC_URL", given)
+    with pytest.raises(ValidationError, match="public_url"):
+        Settings()
