@@ -28,6 +28,7 @@ from broker.errors import Forbidden, NotFound
 from broker.registry import addresses, channels, figures, policy, revocations, views
 from broker.registry.capabilities import NAME_MAX, NAME_PATTERN
 from broker.registry.model import (
+    REGISTRATIONS_KEY,
     REMOVED_TTL_S,
     card_queue,
     drain_key,
@@ -253,6 +254,7 @@ async def register_agent(agent_id: AgentId, request: Request, caller: Caller) ->
     await state.redis.delete(removed_key(registration.remote_instance(agent_id)))
     registered = await registration.register(state.engine, agent_id, given, documents)
     policy.forget(state.card_cache)  # its cards route here at once, as a channel's change does
+    await state.redis.incr(REGISTRATIONS_KEY)  # the bridges check it now, not at their next tick
     return JSONResponse(registered.view(), status_code=201 if registered.created else 200)
 
 
@@ -277,6 +279,7 @@ async def deregister_agent(agent_id: AgentId, request: Request, caller: Caller) 
     pipe.delete(lease_key(instance))
     # A bridge's renewal from a read before the removal is refused (``leases.renew``)
     pipe.set(removed_key(instance), 1, ex=REMOVED_TTL_S)
+    pipe.incr(REGISTRATIONS_KEY)
     await pipe.execute()
     return Response(status_code=204)
 

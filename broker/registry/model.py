@@ -29,6 +29,9 @@ LIVE_PREFIX = "reach:live:"
 NOT_READY_PREFIX = "reach:not-ready:"
 DRAIN_PREFIX = "reach:drain:"
 REMOVED_PREFIX = "reach:removed:"
+# Counts remote agents' registrations and removals: a bridge that sees it move checks them
+# at once, rather than at its next tick (``workers.bridge.keeper``).
+REGISTRATIONS_KEY = "reach:remote:registrations"
 REMOVED_TTL_S = 600  # far longer than a bridge's tick, which may renew from a stale read
 
 READY, NOT_READY, DRAINING, SUSPECT, OFFLINE = (

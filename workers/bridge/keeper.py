@@ -1,6 +1,8 @@
 """The bridge's keeper: registrations, health checks, leases and queues of remote agents.
 
-Every ``remote_health_interval_s`` a thread of its own (never the task path):
+Every ``remote_health_interval_s`` a thread of its own (never the task path), and at once
+when an agent is registered or removed (``REGISTRATIONS_KEY`` moved, looked at every
+``NUDGE_POLL_S``):
 
 - reads the registrations, so a new agent is served and a removed one dropped without a
   restart;
@@ -42,7 +44,7 @@ from celery import bootsteps
 from broker import redisclients
 from broker.db.engines import sync_engine
 from broker.registry import leases, revocations
-from broker.registry.model import OFFLINE, READY, SUSPECT, Lease, now_s
+from broker.registry.model import OFFLINE, READY, REGISTRATIONS_KEY, SUSPECT, Lease, now_s
 from broker.remote.health import Dampening, Health
 from broker.remote.registration import A2A, HTTP, RemoteAgent, load_all, remote_instance
 from broker.settings import Settings
@@ -54,6 +56,8 @@ from workers.lease_keeper import LEASE_CHECK_S, OrphanHandler, lease_missing, or
 log = logging.getLogger("reach.bridge")
 # Per bridge name: each process running under it, and when it last said so.
 PROCESSES_PREFIX = "reach:bridge:processes:"
+# How often, between ticks, the count of registrations is looked at (one GET).
+NUDGE_POLL_S = 0.5
 
 
 @dataclass
@@ -131,11 +135,31 @@ class RemoteKeeper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            seen = self._registrations()
             try:
                 self.tick()
             except Exception:  # survivable: the next tick reads everything again
                 log.exception("bridge tick failed")
-            self._stop.wait(self.settings.remote_health_interval_s)
+            self._until_next_tick(seen)
+
+    def _registrations(self) -> object:
+        """Where the count of registrations and removals stands (None: Redis did not say)."""
+        try:
+            return self.redis.get(REGISTRATIONS_KEY)
+        except Exception:  # the tick goes on at its interval
+            return None
+
+    def _until_next_tick(self, seen: object) -> None:
+        """Wait ``remote_health_interval_s``, less once a registration or removal came since
+        ``seen``: a new agent is checked, and routed when it answers, at once (its calls were
+        503 for up to an interval after its registration)."""
+        deadline = time.monotonic() + self.settings.remote_health_interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stop.wait(min(NUDGE_POLL_S, left)):
+                return
+            now = self._registrations()
+            if now is not None and now != seen:
+                return
 
     def _rewrite_each(self) -> None:
         """Write the bridge's own lease again at once when it is gone from Redis (a FLUSHDB,
