@@ -16,9 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from api.app import create_app
 from broker.remote.connections import MAX_ANSWER_ELEMENTS
+from broker.settings import Settings
 from tests.integration.remote import LoopbackAgent, QuietHandler, wait_routed
-from tests.integration.stack import CeleryProcess, wait_for_task
+from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.test_remote_a2a import A2AAgent, registered_agent, registration
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +94,14 @@ class PastTheCap(LoopbackAgent):
 
 
 @pytest.fixture(scope="module")
+def api(settings: Settings) -> Iterator[ServedApp]:
+    """The API at the default payload limit, 1 MiB (the tests' settings say 64 KiB): a payload
+    past the element cap is one a caller may send."""
+    with ServedApp(create_app(settings.model_copy(update={"max_payload_bytes": 2**20}))) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
 def calm(bridge: CeleryProcess, ops: httpx.Client, log_dir: Path) -> Iterator[A2AAgent]:
     """The example agent, registered as ``a2a-calm`` with the prefix ``calm``."""
     with registered_agent(ops, log_dir / "a2a-agent-bounds.log", "a2a-calm", "calm") as served:
@@ -149,3 +159,26 @@ def test_a_payload_an_a2a_message_cannot_carry_fails_payload_invalid_without_a_t
     assert done["error"]["retryable"] is False
     assert done["attempts"] == 1
     assert f"failed on task {done['task_id']}" not in bridge.output()  # the runner's traceback
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-streaming",)], ids=["streamed", "polled"])
+def test_a_payload_past_the_element_cap_reaches_the_agent_and_its_small_answer_comes_back(
+    ops: httpx.Client,
+    caller: httpx.Client,
+    bridge: CeleryProcess,
+    log_dir: Path,
+    flags: tuple[str, ...],
+) -> None:
+    """The a2a-sdk agent keeps the message in its task's history, and answered it with the
+    task (the first event, the answer at once, every GetTask): the bridge refused its own
+    payload coming back, ``agent_protocol``, for every payload of more elements than the cap.
+    The bridge asks for no history now."""
+    # Given an agent (streaming, or polled) and a payload of more elements than the cap
+    name = "history-" + ("polled" if flags else "streamed")
+    payload = {"text": "One. Two.", "pad": TOO_MANY}
+    with registered_agent(ops, log_dir / f"a2a-{name}.log", name, name, *flags):
+        # When a task takes it to the agent, which answers with its summary
+        done = ended(caller, f"{name}.summarize", payload)
+    # Then the task succeeds with that answer
+    assert done["status"] == "succeeded", done.get("error")
+    assert done["result"]["text"] == "One.\nTwo."

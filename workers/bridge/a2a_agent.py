@@ -238,6 +238,10 @@ async def call(
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
     failure at the deadline ends the task ``expired``: the runner's rule for every agent."""
     request = SendMessageRequest(message=await message_for(ctx, skill, payload))
+    # No history back: the agent's task holds our message in it (and every status message of
+    # a long run), so a payload past the answer's element cap came back refused, and a task
+    # polled long enough failed on its own history. Nothing here reads it.
+    request.configuration.history_length = 0
     try:
         client, streams = await agent.client(transport)
     except a2a_card.CardUnavailable:  # logged, with its cause, by ``Agent._read``
@@ -343,7 +347,8 @@ class _Run:
             try:
                 async with asyncio.timeout(POLL_READ_S):
                     task = await self.client.get_task(
-                        GetTaskRequest(id=self.task_id), context=self.call_ctx
+                        GetTaskRequest(id=self.task_id, history_length=0),
+                        context=self.call_ctx,
                     )
             except TimeoutError:
                 task = None
