@@ -313,3 +313,27 @@ def test_a_killed_agent_is_refused_once_its_lease_is_gone(
         stop=agent.stop,
         submit=lambda: submit(caller, "echo", {"anyone": "?"}),
     )
+
+
+FINAL = {"succeeded", "failed", "expired", "cancelled"}
+
+
+def test_an_agent_that_stops_streaming_is_called_from_its_card_as_it_is_now(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess, log_dir: Path
+) -> None:
+    # Given an agent whose card says it streams, called once (the bridge keeps its card)
+    with registered_agent(ops, log_dir / "a2a-turned.log", "a2a-turned", "turned") as served:
+        first = caller.post("/tasks", json={"capability": "turned.echo", "payload": {"n": 1}})
+        done = wait_for_task(caller, first.json()["task_id"], FINAL)
+        assert done["status"] == "succeeded", done
+        # When it is started again on the same address without streaming (SendStreamingMessage
+        # is refused now)
+        served.stop()
+        served.flags = ("--no-streaming",)
+        served.start()
+        # Then its next task is called as its card says now, and succeeds on its first attempt
+        again = caller.post("/tasks", json={"capability": "turned.echo", "payload": {"n": 2}})
+        done = wait_for_task(caller, again.json()["task_id"], FINAL)
+        assert done["status"] == "succeeded", done.get("error")
+        assert done["attempts"] == 1
+        assert [a["parts"] for a in done["result"]["artifacts"]] == [[{"data": {"n": 2}}]]

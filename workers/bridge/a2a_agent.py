@@ -98,6 +98,18 @@ _UNREAD = (A2AError, ParseError, ValueError, RecursionError)
 # What ``ParseDict`` raises for a payload a protobuf ``Value`` cannot hold: an integer beyond a
 # double (the API takes 4,300 digits), nesting past its 100 levels.
 _UNSENDABLE = (OverflowError, ParseError, RecursionError)
+# The agent's answers that say the call did not fit it: it was made as a card it no longer
+# serves said (streaming turned off, an interface moved, a new protocol version). The card is
+# read again, and the call made again once when the card it was made from was an older read.
+STALE_CARD = frozenset(
+    {
+        "a2a_unsupported_operation",
+        "a2a_method_not_found",
+        "a2a_version_not_supported",
+        "agent_http_404",
+        "agent_http_405",
+    }
+)
 # CancelTask requests in flight: the loop holds its tasks only weakly.
 _CANCELLING: set[asyncio.Task[None]] = set()
 
@@ -155,6 +167,10 @@ class Agent:
             log.warning("A2A agent card %s: %s", self.card_url, failure.message)
         elif failure is None and not reading.cancelled():
             self._client = reading.result()
+
+    def has_card(self) -> bool:
+        """Whether a read of the card is kept (the next call uses it without reading)."""
+        return self._client is not None
 
     def forget_card(self, client: A2AClient) -> None:
         """Read the card again at the next call, unless it was read since ``client`` was
@@ -236,12 +252,42 @@ async def call(
     agent: Agent, transport: AiohttpTransport, skill: str, ctx: Context, payload: Any
 ) -> Any:
     """The agent's result; raises ``Retryable`` or ``AgentFailure`` as the rules above say. A
-    failure at the deadline ends the task ``expired``: the runner's rule for every agent."""
+    failure at the deadline ends the task ``expired``: the runner's rule for every agent.
+
+    A call the agent refused as not fitting it (``STALE_CARD``) before it began, made from a
+    card read before it, is made once more within the same attempt, from the card read again:
+    the agent changed (streaming turned off, an interface moved) and did nothing of the task.
+    Every call failed so until the bridge restarted, the agent routed all the while."""
     request = SendMessageRequest(message=await message_for(ctx, skill, payload))
     # No history back: the agent's task holds our message in it (and every status message of
     # a long run), so a payload past the answer's element cap came back refused, and a task
     # polled long enough failed on its own history. Nothing here reads it.
     request.configuration.history_length = 0
+    kept = agent.has_card()  # a card read before this call, which may have changed since
+    try:
+        return await _call_once(agent, transport, ctx, request)
+    except _Refused as refused:
+        if not kept:
+            raise refused.failure from None
+    log.info("A2A agent %s refused a call as its card had it; card read again", agent.card_url)
+    request.message.message_id = f"msg_{uuid.uuid4().hex}"
+    try:
+        return await _call_once(agent, transport, ctx, request)
+    except _Refused as refused:
+        raise refused.failure from None
+
+
+class _Refused(Exception):
+    """The agent refused the call before it began, as not fitting it (``STALE_CARD``)."""
+
+    def __init__(self, failure: AgentFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+async def _call_once(
+    agent: Agent, transport: AiohttpTransport, ctx: Context, request: SendMessageRequest
+) -> Any:
     try:
         client, streams = await agent.client(transport)
     except a2a_card.CardUnavailable:  # logged, with its cause, by ``Agent._read``
@@ -259,9 +305,12 @@ async def call(
         raise
     except _UNREAD as exc:
         failure = failure_of(exc, streamed=run.streamed_output)
-        if isinstance(failure, Retryable) or failure.code == "agent_stream_broken":
+        stale = failure.code in STALE_CARD
+        if isinstance(failure, Retryable) or failure.code == "agent_stream_broken" or stale:
             agent.forget_card(client)  # the agent may have moved: read its card again
         await run.given_up()
+        if stale and not run.task_id and not run.streamed_output:
+            raise _Refused(failure) from None
         raise failure from None
     except AgentFailure:
         await run.given_up()
