@@ -168,16 +168,16 @@ def register(sub: Any) -> None:
     )
 
     api = sub.add_parser("api", help="serve the API (operator)")
-    api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    api.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
     api.add_argument(
         "--workers", type=_positive, default=1, help="API processes behind the one port"
     )
     api.set_defaults(handler=_operator(_api))
 
     dev = sub.add_parser("dev", help="run API, worker, beat and Flower on this machine")
-    dev.add_argument("--port", type=int, default=8000)
-    dev.add_argument("--flower-port", type=int, default=5555)
+    dev.add_argument("--port", type=int, default=8000, help="the API's port (default 8000)")
+    dev.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555)")
     dev.set_defaults(handler=_operator(_dev))
 
     key_cmds = sub.add_parser("keys", help="create, revoke and list API keys (operator)")
