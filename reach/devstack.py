@@ -10,6 +10,7 @@ previous run printed. Ctrl-C stops everything it started.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -367,6 +368,8 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
         print(f"reach dev: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+            print("reach dev: stopping everything it started", flush=True)
         return 0
     finally:
         _stop(processes)

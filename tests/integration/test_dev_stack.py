@@ -156,6 +156,8 @@ def test_the_printed_curl_submits_an_invoice_and_ctrl_c_stops_it_all(
     assert code == 0, log.read_text(errors="replace")[-3000:]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert alive == []
+    # and it said it was stopping them (it ended without a word before)
+    assert "reach dev: stopping everything it started" in log.read_text(errors="replace")
 
 
 @pytest.mark.timeout(360)
