@@ -175,9 +175,39 @@ def finish(doc: dict[str, Any]) -> dict[str, Any]:
     }
     for path, operations in doc["paths"].items():
         for operation in operations.values():
+            _describe_a2a(path, operation)
             _finish_operation(operation)
             _declare_path_parameters(path, operation)
     return doc
+
+
+A2A_SPEC = "https://a2a-protocol.org/latest/specification/"
+
+
+def _describe_a2a(path: str, operation: dict[str, Any]) -> None:
+    """The a2a-sdk's routes as they answer: their bodies are A2A's (the spec has them), the
+    REST binding's in ``application/a2a+json``, its streams and JSON-RPC's streamed methods in
+    ``text/event-stream``, and every route but the public card wants a key. FastAPI had
+    ``application/json`` for them all, with no key and no errors."""
+    if not path.startswith(("/a2a/", "/.well-known/")):
+        return
+    operation["tags"] = ["a2a"]
+    operation.setdefault("description", f"A2A 1.0, as its specification has it: {A2A_SPEC}")
+    if path.startswith("/.well-known/"):
+        return  # the public card: JSON, no key
+    any_body = {"schema": {"type": "object"}}
+    if path == "/a2a/jsonrpc":
+        ok = {"application/json": any_body, "text/event-stream": {"schema": {"type": "string"}}}
+    elif path.endswith((":stream", ":subscribe")):
+        ok = {"text/event-stream": {"schema": {"type": "string"}}}
+    else:
+        ok = {"application/a2a+json": any_body}
+    responses = operation.setdefault("responses", {})
+    responses["200"] = {"description": "The A2A answer", "content": ok}
+    responses.update({str(k): v for k, v in answers(401, 413, 415, 429).items()})
+    if path != "/a2a/jsonrpc":  # JSON-RPC answers its errors in a 200
+        responses["4XX"] = {"description": "An A2A error (the binding's error body)"}
+    operation["security"] = [{BEARER: []}]
 
 
 def _finish_operation(operation: dict[str, Any]) -> None:

@@ -248,3 +248,14 @@ def values_in(payload: Any, limit: int) -> int:
                 return seen
             pending.extend(node.values() if isinstance(node, dict) else node)
     return seen
+
+
+def whole(value: Any) -> Any:
+    """A JSON number without a fraction as the integer it is (``60.0``, ``6e1``): JSON
+    Schema's ``integer`` counts them, and ``json.dumps(60.0)`` sends one; a strict model alone
+    refused them. Anything else is left to the model (a string or ``true`` stays refused).
+    A strict model's ``mode="before"`` validator of its integer fields: a type with the
+    validator in it wrote its bounds into the JSON Schema as ``ge``/``le``."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.contract import AUTHENTICATED, JSON_BODY, answers, header, json_body, model_schema
 from api.deps import authenticate, metered, read_json_body
@@ -65,6 +65,11 @@ class NewSession(BaseModel):
     state: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     ttl_s: int | None = Field(None, gt=0)
+
+    @field_validator("ttl_s", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        return jsonbody.whole(value)  # 60.0 is 60
 
 
 class Replacement(BaseModel):

@@ -91,7 +91,12 @@ class Registration(BaseModel):
     version: str = Field(pattern=VERSION)
     endpoint: EndpointIn
     capabilities: list[CapabilityIn] | None = Field(None, min_length=1, max_length=MAX_CAPABILITIES)
-    capability_prefix: str | None = Field(None, max_length=64)
+    capability_prefix: str | None = Field(
+        None,
+        max_length=64,
+        description="Required for an a2a endpoint (422 without): each skill of its card becomes "
+        "the capability <capability_prefix>.<skill id>.",
+    )
     description: str | None = Field(None, max_length=2000)
     timeout_s: float | None = Field(
         None,

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from broker.errors import InvalidEnvelope
+from broker.jsonbody import whole
 from broker.registry.addresses import (
     TARGET_MAX,
     TARGET_PATTERN,
@@ -79,6 +80,11 @@ class Envelope(BaseModel):
         pattern=_PRINTABLE,
         description="An instance to prefer (affinity): it serves the request while ready.",
     )
+
+    @field_validator("deadline_ms", "priority", "max_attempts", "result_ttl_s", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        return whole(value)  # 60.0 is 60, as JSON Schema's integer has it
 
     @property
     def address(self) -> Target | None:

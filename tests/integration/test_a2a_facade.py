@@ -901,9 +901,24 @@ def test_the_context_id_is_the_session_and_lists_filter_by_it(
     a2a.run(run)
 
 
-def test_the_a2a_routes_show_in_the_openapi_document(api: ServedApp) -> None:
+def test_the_a2a_routes_show_in_the_openapi_document_as_they_answer(
+    api: ServedApp, make_key: KeyMaker
+) -> None:
     paths = httpx.get(f"{api.url}/openapi.json").json()["paths"]
     assert {"/.well-known/agent-card.json", "/a2a/jsonrpc", "/a2a/rest/message:send"} <= set(paths)
+    # Each REST route answers in the media type the document gives it (FastAPI's
+    # application/json before), wants the key it says, and refuses a missing one as said
+    listed = paths["/a2a/rest/tasks"]["get"]
+    assert listed["security"] == [{"bearer": []}]
+    _, token = make_key()
+    url = f"{api.url}/a2a/rest/tasks"
+    ok = httpx.get(url, headers={**A2A_VERSION, "Authorization": f"Bearer {token}"})
+    assert ok.status_code == 200, ok.text
+    assert list(listed["responses"]["200"]["content"]) == [ok.headers["content-type"]]
+    refused = httpx.get(url, headers=A2A_VERSION)
+    assert refused.status_code == 401
+    assert list(listed["responses"]["401"]["content"]) == [refused.headers["content-type"]]
+    assert "security" not in paths["/.well-known/agent-card.json"]["get"]
 
 
 def test_a_task_sent_through_one_api_process_is_streamed_and_read_through_another(

@@ -119,6 +119,32 @@ def test_envelope_errors_name_the_fields(client: httpx.Client) -> None:
     assert fields == {"payload", "priority", "extra"}
 
 
+def test_whole_numbers_written_with_a_point_or_an_exponent_are_integers(
+    client: httpx.Client,
+) -> None:
+    # Given integer fields sent as JSON numbers with a point or an exponent (json.dumps(60.0)
+    # writes one; JSON Schema's integer counts them)
+    body = (
+        b'{"capability": "echo", "payload": {}, "priority": 1.0, "max_attempts": 2.0,'
+        b' "deadline_ms": 6e4, "result_ttl_s": 3600.0}'
+    )
+    # When a task and a session are asked for with them
+    task = client.post("/tasks", content=body, headers={"content-type": "application/json"})
+    session = client.post("/sessions", content=b'{"ttl_s": 60.0}')
+    # Then both are accepted as the integers they are (422 envelope_invalid and
+    # session_invalid before)
+    assert task.status_code == 202, task.text
+    assert session.status_code == 201, session.text
+    # and a fraction, a string or true still is no integer
+    for bad in (b'"priority": 1.5', b'"priority": "1"', b'"priority": true'):
+        refused = client.post(
+            "/tasks",
+            content=b'{"capability": "echo", "payload": {}, ' + bad + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert (refused.status_code, refused.json()["code"]) == (422, "envelope_invalid"), bad
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read(
     client: httpx.Client, engine: Engine, tenant: tuple[str, str]
 ) -> None:

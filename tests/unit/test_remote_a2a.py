@@ -481,6 +481,9 @@ class StreamingAgent:
     async def client(self, transport: Any) -> tuple[Any, bool]:
         return self._client, True
 
+    def has_card(self) -> bool:
+        return True
+
     def forget_card(self, client: Any) -> None:
         pass
 
