@@ -133,7 +133,8 @@ class Resume:
             raise error or APIConnectionError(
                 f"the event stream of task {self.task_id} kept ending before its final event"
             )
-        asked = error.retry_after_s if isinstance(error, APIStatusError) else None
-        if asked is not None and asked <= self.policy.max_retry_after_s:
-            return asked
-        return self.policy.backoff_s(self.failures)
+        if not isinstance(error, APIStatusError) or error.retry_after_s is None:
+            return self.policy.backoff_s(self.failures)
+        if error.retry_after_s > self.policy.max_retry_after_s:
+            raise error  # as a request's retry: a wait that long is the caller's to choose
+        return error.retry_after_s

@@ -29,6 +29,7 @@ from tests.integration.stack import ROOT, CeleryProcess, free_port, wait_for_tas
 pytestmark = pytest.mark.timeout(120)
 
 A2A_AGENT = ROOT / "examples" / "agents" / "a2a" / "agent.py"
+FINAL = {"succeeded", "failed", "expired", "cancelled"}
 SENTENCES = ["Queues decouple callers.", "Workers scale out!", "Results wait in Postgres?"]
 
 
@@ -225,6 +226,36 @@ def test_a_deadline_ends_the_task_expired_and_the_agent_hears_cancel_task(
     )
 
 
+@pytest.mark.parametrize("flags", [(), ("--no-streaming",)], ids=["streamed", "polled"])
+def test_a_cancel_before_the_agent_named_its_task_reaches_it_once_it_does(
+    ops: httpx.Client,
+    caller: httpx.Client,
+    bridge: CeleryProcess,
+    log_dir: Path,
+    flags: tuple[str, ...],
+) -> None:
+    """The agent takes 2 s to name its task; the cancel comes while the bridge waits for it.
+    The bridge had no task id to send ``CancelTask`` for: the agent worked on."""
+    name = f"slow{len(flags)}"
+    with registered_agent(ops, log_dir / f"{name}.log", name, name, *flags) as served:
+        text = " ".join(f"Sentence {i}." for i in range(50))
+        payload = {"text": text, "delay_s": 0.3, "start_delay_s": 2}
+        body = {"capability": f"{name}.summarize", "payload": payload}
+        task_id = caller.post("/tasks", json=body).json()["task_id"]
+        eventually(
+            lambda: caller.get(f"/tasks/{task_id}").json()["status"] == "running",
+            "the bridge to call the agent",
+            30,
+        )
+        assert caller.post(f"/tasks/{task_id}/cancel").status_code == 200
+        assert wait_for_task(caller, task_id, FINAL)["status"] == "cancelled"
+        eventually(
+            lambda: task_id in [c["reach_task_id"] for c in served.stats()["cancelled"]],
+            "the agent's executor to be cancelled",
+            15,
+        )
+
+
 def test_a_task_the_agent_fails_fails_at_once(caller: httpx.Client, agent: A2AAgent) -> None:
     task_id = submit(caller, "echo", {"fail": "no rooms left"}).json()["task_id"]
     done = wait_for_task(caller, task_id, {"succeeded", "failed"})
@@ -313,9 +344,6 @@ def test_a_killed_agent_is_refused_once_its_lease_is_gone(
         stop=agent.stop,
         submit=lambda: submit(caller, "echo", {"anyone": "?"}),
     )
-
-
-FINAL = {"succeeded", "failed", "expired", "cancelled"}
 
 
 def test_an_agent_that_stops_streaming_is_called_from_its_card_as_it_is_now(

@@ -284,6 +284,16 @@ def test_resume_gives_up_after_reconnects_that_bring_nothing() -> None:
         Resume("t1", POLICY).dropped(errors.from_problem(404, {"code": "task_not_found"}))
 
 
+def test_resume_waits_as_the_server_asks_and_raises_when_asked_to_wait_too_long() -> None:
+    def unavailable(seconds: float) -> errors.ReachError:
+        return errors.from_problem(503, {"code": "overloaded"}, retry_after_s=seconds)
+
+    assert Resume("t1", POLICY).dropped(unavailable(7)) == 7
+    with pytest.raises(errors.UnavailableError) as caught:
+        Resume("t1", POLICY).dropped(unavailable(POLICY.max_retry_after_s + 1))
+    assert caught.value.retry_after_s == POLICY.max_retry_after_s + 1
+
+
 def test_verify_returns_the_event_and_refuses_anything_else() -> None:
     secret = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
     body = (

@@ -475,11 +475,11 @@ class StreamingAgent:
 
     first_byte_timeout_s = 5.0
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self, client: Any, streams: bool = True) -> None:
+        self._client, self._streams = client, streams
 
     async def client(self, transport: Any) -> tuple[Any, bool]:
-        return self._client, True
+        return self._client, self._streams
 
     def has_card(self) -> bool:
         return True
@@ -494,3 +494,42 @@ def test_a_call_given_up_after_the_agent_named_its_task_cancels_that_task() -> N
     with pytest.raises(AgentFailure):
         asyncio.run(a2a_agent.call(StreamingAgent(agent), None, "book", ctx(), {"n": 1}))  # type: ignore[arg-type]
     assert agent.cancelled == ["remote-1"]
+
+
+class NamesLateAgent:
+    """An A2A client whose agent names its task ``named_after_s`` after the message came
+    (never, if None), and records the tasks it was asked to cancel."""
+
+    def __init__(self, named_after_s: float | None) -> None:
+        self.named_after_s = named_after_s
+        self.cancelled: list[str] = []
+
+    async def send_message(self, request: Any, context: Any = None) -> Any:
+        await asyncio.sleep(3600 if self.named_after_s is None else self.named_after_s)
+        yield StreamResponse(task=Task(id="agent-task-1"))
+        await asyncio.sleep(3600)
+
+    async def cancel_task(self, request: Any, context: Any = None) -> None:
+        self.cancelled.append(request.id)
+
+
+@pytest.mark.parametrize("named_after_s", [0.2, None], ids=["named", "never"])
+def test_a_cancel_before_the_agent_names_its_task_waits_a_while_for_it_to_cancel_it(
+    monkeypatch: pytest.MonkeyPatch, named_after_s: float | None
+) -> None:
+    """A2A cancels a task, never a message: a call cancelled before the agent named its
+    task sent no ``CancelTask``, and the agent worked on."""
+    monkeypatch.setattr(a2a_agent, "CANCEL_TIMEOUT_S", 1.0)
+    agent = NamesLateAgent(named_after_s)
+
+    async def cancelled(streams: bool) -> None:
+        served = StreamingAgent(agent, streams)
+        call = asyncio.ensure_future(a2a_agent.call(served, None, "book", ctx(), {"n": 1}))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    for streams in (True, False):
+        asyncio.run(cancelled(streams))
+    assert agent.cancelled == ([] if named_after_s is None else ["agent-task-1"] * 2)

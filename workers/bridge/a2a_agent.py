@@ -21,7 +21,8 @@ What is retried follows the http protocol: a connection that fails, a first even
 ends failed, rejected or cancelled by the agent, or one that wants input, fails at once, as
 does any error the agent answers. A cancel or the deadline cancels this coroutine, which
 closes the call and sends the agent ``CancelTask`` for its task (best effort, shielded, within
-``CANCEL_TIMEOUT_S``).
+``CANCEL_TIMEOUT_S``); one that comes before the agent named its task first waits up to
+``CANCEL_TIMEOUT_S`` for the answer or the first event that names it.
 
 The bridge's calls share one event loop, and the SDK parses each answer and event into
 protobuf in Python on it: the transport refuses one of more than ``MAX_ANSWER_ELEMENTS``
@@ -346,13 +347,7 @@ class _Run:
             self.client.send_message(request, context=self.call_ctx),
         )
         async with aclosing(stream) as events:
-            try:
-                async with asyncio.timeout(first_byte_timeout_s):
-                    event = await anext(events, None)
-            except TimeoutError:
-                raise Retryable(
-                    f"no event within {first_byte_timeout_s:g}s", code="agent_timeout"
-                ) from None
+            event = await self.first(events, first_byte_timeout_s, "event")
             while event is not None:
                 done = await self.take(event)
                 if done is not None:
@@ -365,28 +360,48 @@ class _Run:
 
     async def polled(self, request: SendMessageRequest, first_byte_timeout_s: float) -> Any:
         """The message sent for an answer at once (``return_immediately``), within
-        ``first_byte_timeout_s`` (else retried, as a stream's first event is: unless the agent
-        named its task meanwhile, which is then polled), then the task polled until it ends."""
+        ``first_byte_timeout_s`` (else retried, as a stream's first event is), then the task
+        polled until it ends."""
         request.configuration.return_immediately = True
         done = None
         stream = cast(
             AsyncGenerator[StreamResponse, None],
             self.client.send_message(request, context=self.call_ctx),
         )
-        try:
-            async with aclosing(stream) as events, asyncio.timeout(first_byte_timeout_s):
-                async for event in events:
-                    done = await self.take(event)
-        except TimeoutError:
-            if not self.task_id:
-                raise Retryable(
-                    f"no answer within {first_byte_timeout_s:g}s", code="agent_timeout"
-                ) from None
+        async with aclosing(stream) as events:
+            event = await self.first(events, first_byte_timeout_s, "answer")
+            while event is not None:  # the answer: one event
+                done = await self.take(event)
+                event = await anext(events, None)
         if done is not None:
             return done.result
         if not self.task_id:
             raise AgentFailure("the agent answered no task", code="agent_protocol")
         return await self.polled_from(POLL_FIRST_S)
+
+    async def first(
+        self, events: AsyncGenerator[StreamResponse, None], timeout_s: float, what: str
+    ) -> StreamResponse | None:
+        """The call's first event (or its answer), within ``timeout_s``, else retried as
+        ``agent_timeout``. It is read in a task of its own: a cancel (the caller's, the
+        deadline) that comes before it reads on for up to ``CANCEL_TIMEOUT_S`` more, for the
+        task it names, which ``cancel_remote`` then cancels. A2A cancels a task, never a
+        message: a call closed before the agent named its task left it working."""
+        reading = asyncio.ensure_future(anext(events, None))
+        try:
+            await asyncio.wait({reading}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            try:
+                await asyncio.wait({reading}, timeout=CANCEL_TIMEOUT_S)
+                if reading.done() and not reading.cancelled() and reading.exception() is None:
+                    self.task_id = _task_named(reading.result())
+            finally:
+                await _stopped(reading)
+            raise
+        if not reading.done():
+            await _stopped(reading)
+            raise Retryable(f"no {what} within {timeout_s:g}s", code="agent_timeout")
+        return reading.result()
 
     async def polled_from(self, wait_s: float) -> Any:
         """The agent's task read until it ends; a read not answered within ``POLL_READ_S``
@@ -483,6 +498,28 @@ class _Run:
         if self.streamed_output:
             return AgentFailure(message, code="agent_stream_broken")
         return Retryable(message, code="agent_unreachable")
+
+
+def _task_named(event: StreamResponse | None) -> str:
+    """The id of the agent's task an event is about ('' for a message, or no event)."""
+    if event is None:
+        return ""
+    if event.HasField("task"):
+        return str(event.task.id)
+    if event.HasField("status_update"):
+        return str(event.status_update.task_id)
+    if event.HasField("artifact_update"):
+        return str(event.artifact_update.task_id)
+    return ""
+
+
+async def _stopped(reading: asyncio.Future[Any]) -> None:
+    """A read given up: cancelled, and waited for, so that closing the call after it does
+    not find the stream still being read."""
+    reading.cancel()
+    await asyncio.wait({reading})
+    if not reading.cancelled():
+        reading.exception()  # read: an error it ended with meanwhile is not logged as lost
 
 
 def failure_of(exc: Exception, *, streamed: bool) -> AgentFailure:

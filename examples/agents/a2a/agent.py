@@ -11,10 +11,11 @@ Skills, picked by the message's ``metadata.skill``:
   COMPLETED. A cancel stops it.
 - ``echo``: answers at once with a data artifact equal to the data part it got.
 
-A data part with ``fail`` ends either task FAILED with that text. ``GET /stats`` shows what the
-broker's tests check: the tasks cancelled (with the broker's task id the message carried),
-the last message's context and metadata, the last request's path and headers. Tasks live in
-memory: it is an example, not a deployment.
+A data part with ``fail`` ends either task FAILED with that text; one with ``start_delay_s``
+waits that long before the agent names its task (its first event, or its answer).
+``GET /stats`` shows what the broker's tests check: the tasks cancelled (with the broker's
+task id the message carried), the last message's context and metadata, the last request's
+path and headers. Tasks live in memory: it is an example, not a deployment.
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ class Executor(AgentExecutor):
         self.stats.last_message = {"context_id": message.context_id, "metadata": metadata}
         if isinstance(metadata.get("reach"), dict):
             self.stats.broker_ids[context.task_id] = metadata["reach"].get("task_id")
-        if context.current_task is None:
-            await event_queue.enqueue_event(new_task_from_user_message(message))
-        updater = TaskUpdater(event_queue, context.task_id, context.context_id)
         data = next(iter(get_data_parts(message.parts)), None)
         given = data if isinstance(data, dict) else {}
+        if context.current_task is None:
+            await asyncio.sleep(float(given.get("start_delay_s", 0)))
+            await event_queue.enqueue_event(new_task_from_user_message(message))
+        updater = TaskUpdater(event_queue, context.task_id, context.context_id)
         if "fail" in given:
             await updater.failed(updater.new_agent_message([Part(text=str(given["fail"]))]))
         elif metadata.get("skill") == "echo":
