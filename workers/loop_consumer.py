@@ -304,12 +304,14 @@ class LoopConsumer:
                 await self._room.wait()
 
     def _card(self, queue: str) -> tuple[Hashable, int | None]:
-        """The card serving ``queue`` here, and its ``max_concurrency`` (None: no bound)."""
+        """The card serving ``queue`` here, and its ``max_concurrency`` (None: no bound).
+        Its runs are counted by capability and agent, whatever their version: an agent
+        registered again at a new version with calls in flight got as many more."""
         spec = self.direct.runner.registry.for_queue(queue)
         if spec is None:
             return queue, None
         card = spec.card
-        return (card.capability, card.agent_id, card.version), card.max_concurrency or None
+        return (card.capability, card.agent_id), card.max_concurrency or None
 
     def _room_in(self, queue: str) -> int:
         """How many more runs ``queue``'s card may start here (``BATCH`` or more: no bound)."""

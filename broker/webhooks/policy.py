@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Literal
 
 PENDING, SENDING = "pending", "sending"
@@ -70,25 +68,6 @@ def next_delay_s(
     if retry_after_s is not None:
         delay = max(delay, min(retry_after_s, max(schedule)))
     return max(delay, 0.0)
-
-
-def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent or
-    unreadable. Any text the receiver sends is read without raising: ``str.isdigit`` holds
-    for other scripts' digits and ``²`` (which ``float`` refuses), and a date's year may be
-    past what ``datetime`` holds."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isascii() and value.isdigit():
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        return max((when - (now or datetime.now(UTC))).total_seconds(), 0.0)
-    except (TypeError, ValueError, OverflowError):
-        return None
 
 
 def status_after(verdict: Verdict, attempt: int, final_attempt: int) -> str:

@@ -160,6 +160,29 @@ class JsonAgent(LoopbackAgent):
         return Handler
 
 
+class StreamAgent(LoopbackAgent):
+    """A ``LoopbackAgent`` whose every call is answered with ``events``, the raw body of a
+    text/event-stream, then the connection closed."""
+
+    def __init__(self, events: bytes) -> None:
+        self.events = events
+        super().__init__()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        agent = self
+
+        class Handler(AgentHandler):
+            def do_POST(self) -> None:
+                self.read_call()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(agent.events)
+
+        return Handler
+
+
 class QuietHandler(BaseHTTPRequestHandler):
     """A request handler that logs nothing (the test's output stays the test's)."""
 

@@ -161,6 +161,43 @@ def test_a_remote_agents_max_concurrency_bounds_the_bridges_calls_to_it(
     assert (agent.calls, agent.most) == (4, 1)
 
 
+class SlowCountingAgent(CountingAgent):
+    hold_s = 3.0
+
+
+def test_a_remote_agents_max_concurrency_holds_while_it_moves_to_a_new_version(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """Runs were counted by capability, agent and version: an agent registered again at
+    2.0.0 with a call in flight had a second call at once, past its bound of 1."""
+    capability, agent_id = f"test.moved-{uuid.uuid4().hex[:6]}", f"moved-{uuid.uuid4().hex[:6]}"
+    with SlowCountingAgent() as agent:
+        body = {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "http", "url": agent.url},
+            "max_concurrency": 1,
+            "capabilities": [{"capability": capability, "idempotent": True}],
+        }
+        assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+        try:
+            wait_routed(ops, agent_id)
+            first = all_sent(caller, capability, 1)
+            eventually(lambda: agent.in_flight, "the first call at the agent", 20, 0.05)
+            moved = ops.put(f"/agents/{agent_id}", json={**body, "version": "2.0.0"})
+            assert moved.status_code == 200, moved.text
+            eventually(
+                lambda: f"serving remote agent {agent_id} 2.0.0" in bridge.output(),
+                "the bridge to serve 2.0.0",
+                20,
+            )
+            second = all_sent(caller, capability, 1)
+            done = all_final(caller, first + second, "both calls done", 60)
+        finally:
+            ops.delete(f"/agents/{agent_id}")
+    assert {t["status"] for t in done.values()} == {"succeeded"}
+    assert (agent.calls, agent.most) == (2, 1)
+
+
 class BusyFirstAgent(CountingAgent):
     """Answers each task's first call 503 with ``Retry-After: 1`` (an agent overloaded), then
     holds its next ``hold_s`` and counts the calls in flight."""

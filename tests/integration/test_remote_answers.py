@@ -158,3 +158,30 @@ def test_an_answer_of_more_values_than_the_bridge_reads_fails_agent_protocol(kin
         called(kind, many)
     assert failed.value.code == "agent_protocol"
     assert len(called(kind, fits)) == MAX_ANSWER_ELEMENTS // 3 + 1
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        b'event: result\rdata: {"ok": true}\r\r',
+        b'event: result\r\ndata: {"ok": true}\r\n\r\n',
+        b'\xef\xbb\xbfevent: result\ndata: {"ok": true}\n\n',
+        b': hi\r\n\revent: progress\r\ndata: {"percent": 5}\r\r'
+        b'event: result\rdata: {"ok": true}\r\r',
+    ],
+    ids=["cr", "crlf", "bom", "mixed"],
+)
+def test_an_event_stream_is_read_with_any_line_end_and_a_leading_bom(events: bytes) -> None:
+    """Lines split on LF alone: a stream ending its lines with CR never gave its result
+    (``agent_unreachable`` after every attempt), and a leading BOM made the first line's
+    field ``\\ufeffevent``, which hid the result event."""
+    assert called("text/event-stream", events) == {"ok": True}
+
+
+def test_a_result_beside_an_error_of_null_is_the_result() -> None:
+    """``{"result": ..., "error": null}``, as many JSON APIs write both members, failed the
+    task ``agent_error``: "the agent failed"."""
+    assert called("application/json", b'{"result": {"ok": true}, "error": null}') == {"ok": True}
+    with pytest.raises(AgentFailure) as failed:
+        called("application/json", b'{"error": null}')
+    assert failed.value.code == "agent_protocol"

@@ -7,6 +7,8 @@ import logging
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from typing import Any
 
 import aiohttp
@@ -53,6 +55,15 @@ def test_an_answer_with_neither_is_a_protocol_error() -> None:
 def test_retried_statuses_are_408_429_and_5xx_only() -> None:
     assert {408, 429, 500, 502, 503, 504, 599} <= RETRIED_STATUSES
     assert not {400, 401, 403, 404, 409, 413, 422} & RETRIED_STATUSES
+
+
+def test_retry_after_is_seconds_or_an_http_date() -> None:
+    """RFC 9110 10.2.3: a date was taken for no wait, and the 429 retried at once."""
+    assert http_agent._retry_after("2.5") == 2.5
+    in_a_minute = format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
+    assert 55 <= (http_agent._retry_after(in_a_minute) or 0) <= 60
+    assert http_agent._retry_after("soon") is None
+    assert http_agent._retry_after(None) is None
 
 
 def test_the_health_check_is_the_origins_healthz_never_the_business_path() -> None:

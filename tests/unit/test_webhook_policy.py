@@ -8,6 +8,7 @@ from email.utils import format_datetime
 
 import pytest
 
+from broker.timestamps import parse_retry_after
 from broker.webhooks.policy import (
     DEAD,
     FAILED,
@@ -15,7 +16,6 @@ from broker.webhooks.policy import (
     SUCCEEDED,
     Outcome,
     next_delay_s,
-    parse_retry_after,
     status_after,
     verdict,
 )

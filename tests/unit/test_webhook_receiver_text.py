@@ -8,7 +8,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from broker.webhooks.policy import next_delay_s, parse_retry_after
+from broker.timestamps import parse_retry_after
+from broker.webhooks.policy import next_delay_s
 from broker.webhooks.ssrf import HostLookups, UrlNotAllowed
 
 SCHEDULE = [0.0, 5.0, 300.0]

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp.http_exceptions import LineTooLong
 
 from broker import jsoncodec
 from broker.errors import AgentFailure, Retryable
@@ -36,6 +35,7 @@ from broker.remote.connections import (
     JsonElements,
     read_body,
 )
+from broker.timestamps import parse_retry_after
 from broker.webhooks import signing
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
@@ -142,10 +142,12 @@ async def _refuse(response: aiohttp.ClientResponse, within_s: float) -> None:
 
 
 def _retry_after(value: str | None) -> float | None:
+    """The wait an agent's ``Retry-After`` asks for: seconds (a fraction too), or an HTTP
+    date (RFC 9110 10.2.3), which was taken for none and retried at once."""
     try:
         return max(0.0, float(value)) if value else None
     except ValueError:
-        return None
+        return parse_retry_after(value)
 
 
 async def _read_all(response: aiohttp.ClientResponse) -> bytes:
@@ -171,8 +173,9 @@ def _parsed(body: bytes) -> Any:
 
 
 def _outcome(answer: Any, *, streamed: bool) -> Any:
-    """The result of a ``{"result"}`` answer; raises for an ``{"error"}`` one."""
-    if isinstance(answer, dict) and "error" in answer:
+    """The result of a ``{"result"}`` answer; raises for an ``{"error"}`` one (an error of
+    ``null`` beside a result, as many JSON APIs write them, is none)."""
+    if isinstance(answer, dict) and answer.get("error") is not None:
         error = answer["error"] if isinstance(answer["error"], dict) else {}
         code = str(error.get("code") or "agent_error")  # cut and made storable: task_error
         message = str(error.get("message") or "the agent failed")
@@ -215,17 +218,20 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
 
 
 async def _events(response: aiohttp.ClientResponse) -> Any:
-    """``(event, data)`` for each event of a text/event-stream body; data parsed as JSON."""
+    """``(event, data)`` for each event of a text/event-stream body; data parsed as JSON. As
+    the format has it: a line ends with CRLF, LF or a lone CR, and a leading BOM is dropped
+    (read as a field's name, it hid the stream's first event)."""
     event, size = "message", 0
     data: list[str] = []
+    lines = _Lines(response)
     while True:
-        line = await _line(response, MAX_ANSWER_BYTES - size)
-        if not line:
+        line = await lines.next(MAX_ANSWER_BYTES - size)
+        if line is None:
             return
-        size += len(line)
-        if size > MAX_ANSWER_BYTES:
-            raise _event_too_large()
-        text = line.decode("utf-8", "replace").rstrip("\r\n")
+        size += len(line) + 1
+        text = line.decode("utf-8", "replace")
+        if lines.count == 1:
+            text = text.removeprefix("\ufeff")
         if not text:
             if data:
                 try:
@@ -246,15 +252,50 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
             data.append(value)
 
 
-async def _line(response: aiohttp.ClientResponse, left: int) -> bytes:
-    """The stream's next line, read up to ``left`` bytes, what is left of its event's budget
-    (aiohttp's own limit for a line is 512 KiB); a longer one fails the task. aiohttp takes a
-    limit of 0 for its default, so it is given one byte more, which the caller's count
-    refuses."""
-    try:
-        return await response.content.readline(max_line_length=left + 1)
-    except LineTooLong:
-        raise _event_too_large() from None
+class _Lines:
+    """An event stream's lines as they arrive, each without its end (CRLF, LF or CR). A CR
+    that ends what has arrived waits for the next byte: it may be a CRLF's."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.content = response.content
+        self.buffer = bytearray()
+        self.ended = False
+        self.count = 0
+
+    async def next(self, left: int) -> bytes | None:
+        """The next line, of at most ``left`` bytes (what is left of its event's budget),
+        else the task fails; None at the stream's end."""
+        searched = 0
+        while True:
+            end = _line_end(self.buffer, searched)
+            if end >= 0 and (self.buffer[end] == 0x0A or end + 1 < len(self.buffer) or self.ended):
+                line = bytes(self.buffer[:end])
+                del self.buffer[: end + (2 if self.buffer[end : end + 2] == b"\r\n" else 1)]
+                return self._counted(line, left)
+            if (end if end >= 0 else len(self.buffer)) > left:
+                raise _event_too_large()
+            if self.ended:
+                if not self.buffer:
+                    return None
+                line = bytes(self.buffer)
+                self.buffer.clear()
+                return self._counted(line, left)
+            searched = len(self.buffer) if end < 0 else end
+            chunk = await self.content.readany()
+            self.ended = not chunk
+            self.buffer += chunk
+
+    def _counted(self, line: bytes, left: int) -> bytes:
+        if len(line) > left:
+            raise _event_too_large()
+        self.count += 1
+        return line
+
+
+def _line_end(buffer: bytearray, start: int) -> int:
+    """Where the first CR or LF from ``start`` is, or -1."""
+    lf, cr = buffer.find(b"\n", start), buffer.find(b"\r", start)
+    return lf if cr < 0 else cr if lf < 0 else min(lf, cr)
 
 
 def _event_too_large() -> AgentFailure:

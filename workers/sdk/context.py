@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from broker.observability.tracing import traceparent
+from broker.tasks.resource import storable
 from workers.sdk.session import Session
 
 ProgressSink = Callable[[dict[str, Any]], object]
@@ -46,11 +47,14 @@ class Context:
         return max(0.0, (self.deadline_at - datetime.now(UTC)).total_seconds())
 
     def progress(self, percent: float, message: str | None = None) -> None:
-        """Report how far along the task is: pollers see it on the task, streams as an event."""
+        """Report how far along the task is: pollers see it on the task, streams as an event.
+        What no Postgres text holds (NUL, a lone surrogate) becomes U+FFFD in the message."""
         if not 0 <= percent <= 100:
             raise ValueError("percent must be between 0 and 100")
         if message is not None and len(message) > PROGRESS_MESSAGE_MAX:
             raise ValueError(f"a progress message has at most {PROGRESS_MESSAGE_MAX} characters")
+        if message is not None:  # a NUL or a lone surrogate failed the task's row's write
+            message = storable(message, PROGRESS_MESSAGE_MAX)
         if self._progress_sink is not None:
             self._progress_sink({"percent": percent, "message": message})
 

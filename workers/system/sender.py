@@ -19,7 +19,8 @@ from dataclasses import replace
 import httpcore
 import httpx
 
-from broker.webhooks.policy import Outcome, parse_retry_after
+from broker.timestamps import parse_retry_after
+from broker.webhooks.policy import Outcome
 from broker.webhooks.ssrf import Guard, HostUnresolved, Target, UrlNotAllowed
 from workers.system.deadline import Deadline, DeadlineBackend
 
