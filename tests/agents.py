@@ -484,14 +484,34 @@ async def turn_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
 agent.capability("test.loop-consumer", agent_id="test-loop-consumer", idempotent=True)(_lives)
 
 
+class LibraryAbort(BaseException):
+    """A library's own ``BaseException`` (as ``gevent.Timeout`` is)."""
+
+
+def _raise_what(payload: dict[str, Any]) -> None:
+    """``raise``: ``cancelled`` raises a ``CancelledError`` (asyncio code run from a sync
+    handler, cancelled), ``base`` a ``LibraryAbort``."""
+    if payload.get("raise") == "cancelled":
+        raise asyncio.CancelledError()
+    if payload.get("raise") == "base":
+        raise LibraryAbort("aborted")
+
+
 @agent.capability("test.exit", agent_id="test-exit", version="0.0.1", timeout_s=20)
 def exits(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
-    """With ``exit``, calls ``sys.exit(2)``, as a library may (argparse's ``error``); else
-    sleeps ``sleep_s`` and answers."""
+    """With ``exit``, calls ``sys.exit(2)``, as a library may (argparse's ``error``); with
+    ``raise``, raises what ``_raise_what`` says; else sleeps ``sleep_s`` and answers."""
     if payload.get("exit"):
         sys.exit(2)
+    _raise_what(payload)
     time.sleep(float(payload.get("sleep_s", 0)))
     return {"pid": os.getpid()}
+
+
+# Served only by the prefork worker of ``test_handler_exits``.
+agent.capability("test.exit-prefork", agent_id="test-exit-prefork", timeout_s=20, idempotent=True)(
+    exits
+)
 
 
 @agent.capability("test.exit-async", agent_id="test-exit-async", version="0.0.1", timeout_s=20)
@@ -501,6 +521,8 @@ async def exits_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     await asyncio.sleep(float(payload.get("sleep_s", 0.01)))
     if payload.get("exit"):
         sys.exit(2)
+    if payload.get("raise") == "base":
+        _raise_what(payload)
     if payload.get("cancel_itself"):
         inner = asyncio.create_task(asyncio.sleep(5))
         await asyncio.sleep(0.01)

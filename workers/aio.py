@@ -94,10 +94,12 @@ class CallTimedOut(Exception):
 
 
 class HandlerExited(Exception):
-    """The handler raised ``SystemExit`` or ``KeyboardInterrupt`` (``sys.exit()``, argparse's
-    ``error``) where no signal could have: it ended the handler, not the process. Raised on
-    the event loop, it stopped the loop and every task on it; in a pool thread, it left the
-    task's message held for good."""
+    """The handler raised a ``BaseException`` that is no ``Exception``: ``SystemExit`` or
+    ``KeyboardInterrupt`` (``sys.exit()``, argparse's ``error``) where no signal could have, a
+    library's own (as ``gevent.Timeout``), a sync handler's ``CancelledError``. It ended the
+    handler, not the process. Raised on the event loop, it stopped the loop and every task on
+    it; in a pool thread, it left the task's message held for good; in a prefork child, its
+    task ended ``worker_lost``."""
 
 
 class HandlerCancelledItself(Exception):
@@ -134,7 +136,7 @@ async def _within(call: Coroutine[Any, Any, Any], timeout_s: float | None) -> An
         raise HandlerCancelledItself(
             "the handler raised CancelledError, though nobody cancelled the task"
         ) from exc
-    except (SystemExit, KeyboardInterrupt) as exc:
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt, a library's own
         raise HandlerExited(f"the handler raised {exc!r}") from exc
     if timeout_s is not None and time.monotonic() - begun > timeout_s:
         raise CallTimedOut(f"the handler returned after {timeout_s:.3f}s")

@@ -754,15 +754,16 @@ class Runner:
                     result = _drain_generator(result, ctx)
         except SoftTimeLimit:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            exiting = isinstance(exc, SystemExit | KeyboardInterrupt)
+            if exiting and threading.current_thread() is threading.main_thread():
+                raise  # a signal's (solo), or a pool child's own exit: Celery's to handle
             # A failure past its time is its time's, as a result is: it was a failure of
             # the agent's, or a retry, that ran the task again past its time.
             if limit_s is not None and time.monotonic() - started > limit_s:
                 raise SoftTimeLimit("the handler failed after its time limit") from exc
-            raise
-        except (SystemExit, KeyboardInterrupt) as exc:
-            if threading.current_thread() is threading.main_thread():
-                raise  # a signal's (solo), or a pool child's own exit: Celery's to handle
+            if isinstance(exc, Exception):
+                raise
             raise HandlerExited(f"the handler raised {exc!r}") from exc
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")

@@ -1,10 +1,13 @@
-"""A handler that raises what is not an ``Exception`` on a threads worker: ``SystemExit`` (a
-library's ``sys.exit()``, argparse's ``error``) and a ``CancelledError`` nobody asked for. Each
-fails its own task, as any failure of the agent's does, and the worker goes on.
+"""A handler that raises what is not an ``Exception``: ``SystemExit`` (a library's
+``sys.exit()``, argparse's ``error``), a ``CancelledError`` nobody asked for, a library's own
+``BaseException``. Each fails its own task, as any failure of the agent's does, and the worker
+goes on.
 
 Before: a sync handler's exit left its message held for good, so a ``-c 2`` worker took
 nothing more after two; an async handler's exit stopped the event loop, and every task on
-it stayed ``running``; a handler's own ``CancelledError`` was told as the caller's cancel."""
+it stayed ``running``; a handler's own ``CancelledError`` was told as the caller's cancel.
+Any other ``BaseException`` still held a threads worker's slot for good (sync or async), and
+on prefork ended its task ``worker_lost``, run again when its agent is idempotent."""
 
 from __future__ import annotations
 
@@ -88,3 +91,46 @@ def test_a_cancelled_error_the_handler_raises_itself_is_its_failure_not_a_cancel
     assert task["status"] == "failed", task
     assert task["error"]["code"] == "agent_error", task
     assert "CancelledError" in task["error"]["message"], task
+
+
+@pytest.mark.parametrize(
+    ("capability", "raised", "named"),
+    [
+        ("test.exit", "cancelled", "CancelledError"),
+        ("test.exit", "base", "LibraryAbort"),
+        ("test.exit-async", "base", "LibraryAbort"),
+    ],
+)
+def test_any_other_base_exception_fails_its_task_and_frees_its_slot(
+    client: httpx.Client, exits_worker: CeleryProcess, capability: str, raised: str, named: str
+) -> None:
+    # Given three handlers that raise it on a worker of two slots
+    tasks = [finished(client, submit(client, capability, {"raise": raised})) for _ in range(3)]
+    # Then each failed as the agent's failure, once
+    for task in tasks:
+        assert (task["status"], task["error"]["code"], task["attempts"]) == (
+            "failed",
+            "agent_error",
+            1,
+        ), task
+        assert named in task["error"]["message"], task
+    # and the worker still takes work in both its slots
+    after = [submit(client, capability, {"sleep_s": 0.2}) for _ in range(4)]
+    assert [finished(client, task_id)["status"] for task_id in after] == ["succeeded"] * 4
+
+
+def test_a_base_exception_on_prefork_fails_its_task_once(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """Not ``worker_lost`` (a child that died), run again as such: its agent is idempotent."""
+    process = start_worker(settings, "test.exit-prefork", "exits-prefork", log_dir, concurrency=1)
+    try:
+        task = finished(client, submit(client, "test.exit-prefork", {"raise": "base"}))
+    finally:
+        process.stop()
+    assert (task["status"], task["error"]["code"], task["attempts"]) == (
+        "failed",
+        "agent_error",
+        1,
+    ), task
+    assert "LibraryAbort" in task["error"]["message"], task
