@@ -55,6 +55,7 @@ from workers.loop_consumer import CELERY_WAY
 from workers.runner import Runner
 
 log = logging.getLogger("reach.worker")
+WAIT_POLL_S = 0.2  # how soon a warm shutdown's wait sees a cold one that came meanwhile
 
 
 class Direct:
@@ -215,11 +216,17 @@ class Direct:
         else:
             self._held.pop(task_id, None)
 
-    def wait(self) -> None:
-        """Until no call is in flight (a warm shutdown)."""
+    def wait(self, given_up: Callable[[], bool]) -> bool:
+        """Until no call is in flight (a warm shutdown): True; or until ``given_up()`` (a
+        cold shutdown came meanwhile, from the signal handler, which returns here): False."""
         with self._lock:
+            if self._in_flight:
+                log.info("warm shutdown: waiting for %d runs in flight", self._in_flight)
             while self._in_flight:
-                self._lock.wait()
+                if given_up():
+                    return False
+                self._lock.wait(WAIT_POLL_S)
+        return True
 
 
 class ApplyResult(thread.ApplyResult):  # type: ignore[misc]
@@ -270,17 +277,18 @@ class TaskPool(thread.TaskPool):  # type: ignore[misc]
 
     def on_stop(self) -> None:
         """A warm shutdown: the runs in flight end, then their acks are sent. A cold one
-        does not wait for the coroutines: their messages go back on their queues (a sync
-        handler's thread cannot be stopped, and is waited for, as Celery's pool does)."""
+        (also one that comes while a warm one waits) does not wait for the coroutines: their
+        messages go back on their queues (a sync handler's thread cannot be stopped, and is
+        waited for, as Celery's pool does)."""
         from celery.worker import state
 
-        if state.should_terminate:
+        if state.should_terminate or (
+            self.direct is not None and not self.direct.wait(lambda: bool(state.should_terminate))
+        ):
             if self.loop_consumer is not None:
                 self.loop_consumer.put_back()
             super().on_stop()
             return
-        if self.direct is not None:
-            self.direct.wait()
         super().on_stop()
         if self.loop_consumer is not None:
             self.loop_consumer.settle()

@@ -119,6 +119,42 @@ def test_a_cold_shutdown_puts_the_messages_of_the_runs_in_flight_back_on_their_q
     assert {runs(redis_url, t) for t in ids} == {2}
 
 
+def test_a_cold_shutdown_during_a_warm_one_stops_the_worker_and_puts_its_runs_back(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """SIGQUIT while a warm shutdown waits for a run of 60 s: the warm one's wait for the
+    runs in flight had no end but theirs, so the worker stopped only when the run ended
+    (up to its time limit), its message put back on its queue meanwhile."""
+    name = "loop-warm-cold"
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    worker = start_worker(settings, CAPABILITY, name, log_dir, concurrency=2, pool="threads")
+    try:
+        ids = [submit(client, CAPABILITY, {"sleep_s": 60})]
+        all_running(client, ids)
+        assert worker.process is not None
+        worker.process.send_signal(signal.SIGTERM)
+        eventually(
+            lambda: "warm shutdown: waiting for 1 runs in flight" in worker.output(),
+            "the warm shutdown to wait for the run",
+            10,
+        )
+        worker.process.send_signal(signal.SIGQUIT)
+        # Then it stops of itself, long before the run would have ended
+        assert worker.process.wait(timeout=30) != -signal.SIGKILL
+        waiting = [json.loads(m) for key in queue_keys(broker) for m in broker.lrange(key, 0, -1)]
+        back = [m for m in waiting if m["headers"].get("redelivered")]
+        assert [task_of(m) for m in back] == ids
+        tags = [m["properties"]["delivery_tag"] for m in back]
+        assert not any(broker.hexists("unacked", tag) for tag in tags)
+    finally:
+        worker.stop(signal.SIGKILL)
+        for task_id in ids:  # not run by the next test's worker
+            client.post(f"/tasks/{task_id}/cancel")
+        for key in queue_keys(broker):
+            broker.delete(key)
+        broker.close()
+
+
 def all_running(client: httpx.Client, ids: list[str]) -> None:
     eventually(
         lambda: [client.get(f"/tasks/{t}").json()["status"] for t in ids],
