@@ -393,6 +393,9 @@ class Runner:
         # progress and outputs are refused (``events``).
         trace_id, tenant = claimed.trace_id, claimed.tenant
         ttl_s = claimed.result_ttl_s + EVENTS_SLACK_S
+        # The log lasts as long as the row its streams read it for (``held_expiry``): a
+        # handler silent past ``ttl_s`` outlived its log, whose ids began again at 1.
+        hold_s = execution.RUN_HOLD_S
         append_async = None
         if direct:
             aevents = self._aevents
@@ -404,6 +407,7 @@ class Runner:
                 tenant=tenant,
                 ttl_s=ttl_s,
                 attempt=attempt,
+                hold_s=hold_s,
             )
         running = Running(
             functools.partial(
@@ -413,6 +417,7 @@ class Runner:
                 tenant=tenant,
                 ttl_s=ttl_s,
                 attempt=attempt,
+                hold_s=hold_s,
             ),
             {"status": RUNNING, "attempt": claimed.attempt, "instance": instance},
             append_async=append_async,

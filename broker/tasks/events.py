@@ -142,7 +142,8 @@ GROUP_MAX_EVENTS = 100
 class Append:
     """One event to append, counted against ``tenant``; ``push``: (list, message) LPUSHed
     right after it, atomically. ``attempt``: the attempt it belongs to (refused once a later
-    one has appended), or 0."""
+    one has appended), or 0. ``hold_s``: its log is kept that much past ``ttl_s`` (a running
+    attempt's, as long as its row), its bytes counted until ``ttl_s`` only."""
 
     task_id: uuid.UUID | str
     type: str
@@ -152,6 +153,7 @@ class Append:
     ttl_s: int
     push: tuple[str, bytes] | None = None
     attempt: int = 0
+    hold_s: int = 0
 
 
 def log_key(task_id: uuid.UUID | str) -> str:
@@ -296,9 +298,10 @@ class EventLog:
         ttl_s: int | None,
         push: tuple[str, bytes] | None = None,
         attempt: int = 0,
+        hold_s: int = 0,
     ) -> Append:
         ttl_s = ttl_s or self.ttl_s
-        return Append(task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt)
+        return Append(task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt, hold_s)
 
     def _args(self, items: list[Append]) -> dict[str, Any]:
         keys: list[Any] = []
@@ -313,7 +316,7 @@ class EventLog:
             final = "1" if item.type in FINAL else ""
             event = encode(item.type, item.data, item.trace_id)
             hour = gone_by_hour(item.ttl_s, now)
-            argv += [event, item.ttl_s, message, final, item.attempt, hour]
+            argv += [event, item.ttl_s + item.hold_s, message, final, item.attempt, hour]
         return {"keys": keys, "args": argv}
 
     def append(
@@ -326,11 +329,15 @@ class EventLog:
         tenant: str,
         ttl_s: int | None = None,
         attempt: int = 0,
+        hold_s: int = 0,
     ) -> int:
         """The event's seq; 0 when the log was closed already (a final event is in it), or
         when ``attempt`` (the attempt the event belongs to) is older than the latest one.
-        Raises ``EventsTooLarge`` for an event larger than the log may hold (``max_bytes``)."""
-        item = self._item(task_id, event_type, data, trace_id, tenant, ttl_s, attempt=attempt)
+        Raises ``EventsTooLarge`` for an event larger than the log may hold (``max_bytes``).
+        ``hold_s``: as ``Append``'s."""
+        item = self._item(
+            task_id, event_type, data, trace_id, tenant, ttl_s, attempt=attempt, hold_s=hold_s
+        )
         return self._taken(self._grouped_sync(item))
 
     async def append_async(
@@ -344,10 +351,13 @@ class EventLog:
         ttl_s: int | None = None,
         push: tuple[str, bytes] | None = None,
         attempt: int = 0,
+        hold_s: int = 0,
     ) -> int:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
         when the event is refused: 0, as ``append``)."""
-        item = self._item(task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt)
+        item = self._item(
+            task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt, hold_s
+        )
         return self._taken(await self._grouped(item))
 
     def _taken(self, seq: int) -> int:

@@ -777,6 +777,7 @@ def running_query(instance: str | None, started_before_s: float) -> Select[Any]:
         tasks.c.agent_version,  # the card it ran under decides what its loss comes to
         tasks.c.trace_id,
         tasks.c.tenant,
+        tasks.c.result_ttl_s,  # its requeue event's log is kept for it
     ).where(
         tasks.c.status == RUNNING,
         tasks.c.started_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, started_before_s),

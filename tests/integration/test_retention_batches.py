@@ -22,6 +22,7 @@ from broker.db.models import tasks_table as tasks
 from broker.db.models import webhook_bodies_table as bodies
 from broker.settings import Settings
 from broker.tasks import execution
+from broker.tasks.events import log_key
 from broker.tasks.resource import task_error
 from broker.webhooks import upkeep
 from workers.runner import Runner
@@ -152,3 +153,29 @@ def test_a_lost_tasks_recovery_leaves_a_task_its_worker_requeued_meanwhile(
     recovery.recover_lost(runner, [read], "its worker is gone")
     # Then the task still waits for its retry
     assert _by_status(own_engine) == {"queued": 1}
+
+
+def test_a_lost_tasks_requeue_keeps_its_event_log_for_the_tasks_own_ttl(
+    own_engine: Engine, runner: Runner
+) -> None:
+    """The requeue event went with the worker's default TTL (``REACH_RESULT_TTL_S``, a day),
+    not the task's: a task kept a week that waited past a day for its next attempt lost its
+    log (its event ids began again at 1)."""
+    week = 7 * 24 * 3600
+    _rows(own_engine, "queued", 1, expired=False, in_s=week)
+    with own_engine.begin() as conn:
+        conn.execute(text("UPDATE tasks SET result_ttl_s = :week"), {"week": week})
+        conn.execute(
+            text(
+                "INSERT INTO agent_cards (agent_id, version, capability, schema_version, card)"
+                " VALUES ('a', '1.0.0', 'echo', 1, '{\"idempotent\": true}')"
+            )
+        )
+        [task_id] = conn.execute(select(tasks.c.id)).scalars()
+    assert execution.claim(own_engine, task_id, agent_id="a", version="1.0.0", instance="w@h")
+    [read] = [r for r in execution.running_tasks(own_engine) if r["id"] == task_id]
+    # When the recovery finds it lost and sends it again (its agent is idempotent)
+    runner.republish = lambda *args, **kwargs: None
+    assert recovery.recover_lost(runner, [read], "its worker is gone")["requeued"] == 1
+    # Then its log is kept as long as the task may wait for its next attempt
+    assert runner.redis.ttl(log_key(str(task_id))) > week

@@ -11,10 +11,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from sqlalchemy import Engine, func, select
 
 from api.app import create_app
+from broker.db.models import tasks_table
 from broker.settings import Settings
-from broker.tasks.events import attempt_key, bytes_key, log_key, seq_key
+from broker.tasks.events import EVENTS_SLACK_S, attempt_key, bytes_key, log_key, seq_key
 from tests.integration.conftest import client_for
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.test_replies import frames
@@ -206,3 +208,24 @@ def test_a_stream_resumed_past_a_log_that_began_again_gets_the_final_event(
     # Then it gets the final event it never had, numbered past 2, and the stream ends
     assert resumed.ended
     assert [(e["id"], e["event"]) for e in resumed.events] == [("3", "succeeded")]
+
+
+def test_a_running_tasks_event_log_lasts_as_long_as_its_row(
+    http: httpx.Client, settings: Settings, engine: Engine
+) -> None:
+    """A claim holds the row ``RUN_HOLD_S`` (6 h) past its ``result_ttl_s``, a handler may
+    run that long, but its log and the seq its ids come from were kept an hour past it: a
+    handler silent for longer outlived its log, whose ids began again at 1."""
+    body = {"capability": "test.sleepy", "payload": {"sleep_s": 3}, "result_ttl_s": 60}
+    task_id = http.post("/tasks", json=body).json()["task_id"]
+    wait_for_task(http, task_id, {"running"})
+    with engine.connect() as conn:
+        left = select(func.extract("epoch", tasks_table.c.expires_at - func.now()))
+        row_left_s = float(conn.execute(left.where(tasks_table.c.id == task_id)).scalar_one())
+    with redis.Redis.from_url(settings.redis_url) as client:
+        kept_s = [client.ttl(key(task_id)) for key in (log_key, seq_key, attempt_key)]
+    assert min(kept_s) >= row_left_s, (kept_s, row_left_s)
+    # And once it ended, its log goes an hour after its result, as every task's does
+    wait_for_task(http, task_id, {"succeeded"})
+    with redis.Redis.from_url(settings.redis_url) as client:
+        assert 0 < client.ttl(log_key(task_id)) <= 60 + EVENTS_SLACK_S

@@ -102,6 +102,7 @@ def recover_lost(runner: Runner, rows: list[dict[str, Any]], why: str) -> dict[s
                     {"status": QUEUED, "error": lost},
                     trace_id=row["trace_id"],
                     tenant=row["tenant"],
+                    ttl_s=row["result_ttl_s"] + events.EVENTS_SLACK_S,  # not the worker's
                     attempt=row["attempts"] + 1,  # the lost attempt's events end here
                 )
                 runner.republish(row["id"], home, row["trace_id"], None, 0.0, row["tenant"])
