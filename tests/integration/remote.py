@@ -161,12 +161,15 @@ class JsonAgent(LoopbackAgent):
 
 
 class StreamAgent(LoopbackAgent):
-    """A ``LoopbackAgent`` whose every call is answered with ``events``, the raw body of a
-    text/event-stream, then the connection closed."""
+    """A ``LoopbackAgent`` whose every call is answered with a text/event-stream whose body
+    ``write`` sends (by default ``events``, raw, at once), then the connection closed."""
 
-    def __init__(self, events: bytes) -> None:
+    def __init__(self, events: bytes = b"") -> None:
         self.events = events
         super().__init__()
+
+    def write(self, handler: AgentHandler) -> None:
+        handler.wfile.write(self.events)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         agent = self
@@ -178,7 +181,7 @@ class StreamAgent(LoopbackAgent):
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
-                self.wfile.write(agent.events)
+                agent.write(self)
 
         return Handler
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -15,13 +14,13 @@ import pytest
 
 from broker.settings import Settings
 from tests.eventually import eventually
-from tests.integration.remote import AgentHandler, LoopbackAgent, start_bridge, wait_routed
+from tests.integration.remote import AgentHandler, StreamAgent, start_bridge, wait_routed
 from tests.integration.stack import CeleryProcess, wait_for_task
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class EndlessAgent(LoopbackAgent):
+class EndlessAgent(StreamAgent):
     """An ``http`` agent that answers every call with an event stream of comments that never
     ends (and its health check with 200); ``closed``: the task ids whose call the bridge
     closed."""
@@ -30,24 +29,14 @@ class EndlessAgent(LoopbackAgent):
         self.closed: list[str] = []
         super().__init__()
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        agent = self
-
-        class Handler(AgentHandler):
-            def do_POST(self) -> None:
-                self.read_call()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                try:
-                    for _ in range(1200):  # two minutes at most: the test's own bound
-                        self.wfile.write(b": still working\n\n")
-                        self.wfile.flush()
-                        time.sleep(0.1)
-                except OSError:
-                    agent.closed.append(self.headers.get("idempotency-key", ""))
-
-        return Handler
+    def write(self, handler: AgentHandler) -> None:
+        try:
+            for _ in range(1200):  # two minutes at most: the test's own bound
+                handler.wfile.write(b": still working\n\n")
+                handler.wfile.flush()
+                time.sleep(0.1)
+        except OSError:
+            self.closed.append(handler.headers.get("idempotency-key", ""))
 
 
 @pytest.fixture(scope="module")
