@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, TypeVar, cast
 
@@ -44,6 +45,7 @@ LOG_PAGE = 100
 TALLY_PAGE = 1_000  # entries a tally reads at once: it holds only their types
 # How long a handed-out final event's id is kept when its log has no expiry to follow.
 HANDED_KEPT_MS = 3_600_000
+HANDED_KEPT = 16  # the ids a task's final event was handed under that are kept, newest
 # The largest event id a client may send (``Last-Event-ID``: 18 digits) and be handed.
 MAX_EVENT_ID = 10**18 - 1
 # What a reader does when the log has been quiet without a final event: the caller looks the
@@ -204,22 +206,26 @@ class EventHub:
 
     async def _unseen(self, task_id: str, final: Event, after: int) -> bool:
         """Whether a client resuming from ``after`` has not had ``final``, the log's final
-        event at or below ``after``: it has it under its own id, or under the one it was
-        handed (``_hand``)."""
+        event at or below ``after``: it has it under its own id, or under one it was handed
+        (``_hand``)."""
         if final.seq == after:
             return False
-        handed = await self.redis.get(handed_key(task_id))
-        return handed is None or int(handed) != after
+        return await self.redis.zscore(handed_key(task_id), after) is None
 
     async def _hand(self, task_id: str, final: Event, last: int) -> Event:
         """``final``, numbered past ``last`` (what the stream has sent, or the client's id),
-        with that id kept as long as the log. Never past ``MAX_EVENT_ID``: a reconnect
+        with that id kept as long as the log, beside the last ``HANDED_KEPT`` others: one id
+        for the task, two clients resuming from different ids each got it, and the first's
+        reconnect got it again, under a new id. Never past ``MAX_EVENT_ID``: a reconnect
         sends it back, and a client's id is at most that."""
         handed = dataclasses.replace(final, seq=min(last + 1, MAX_EVENT_ID), stored=None)
+        key = handed_key(task_id)
         ttl_ms = await self.redis.pttl(log_key(task_id))
-        await self.redis.set(
-            handed_key(task_id), handed.seq, px=ttl_ms if ttl_ms > 0 else HANDED_KEPT_MS
-        )
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(key, {str(handed.seq): time.time()})
+            pipe.zremrangebyrank(key, 0, -HANDED_KEPT - 1)
+            pipe.pexpire(key, ttl_ms if ttl_ms > 0 else HANDED_KEPT_MS)
+            await pipe.execute()
         return handed
 
     async def events(

@@ -175,9 +175,9 @@ def final_key(task_id: uuid.UUID | str) -> str:
 
 
 def handed_key(task_id: uuid.UUID | str) -> str:
-    """The id a resumed stream gave the final event of a log that began again
-    (``broker.tasks.eventhub``)."""
-    return f"reach:handed:{task_id}"
+    """The ids resumed streams gave the final event of a log that began again, a sorted set
+    by when (``broker.tasks.eventhub``)."""
+    return f"reach:handedids:{task_id}"
 
 
 def bytes_key(task_id: uuid.UUID | str) -> str:
@@ -355,9 +355,7 @@ class EventLog:
     ) -> int:
         """``push``: (list, message) LPUSHed after the event, in the same atomic call (not
         when the event is refused: 0, as ``append``)."""
-        item = self._item(
-            task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt, hold_s
-        )
+        item = self._item(task_id, event_type, data, trace_id, tenant, ttl_s, push, attempt, hold_s)
         return self._taken(await self._grouped(item))
 
     def _taken(self, seq: int) -> int:

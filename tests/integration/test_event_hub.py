@@ -167,6 +167,35 @@ def test_a_final_event_handed_to_a_resumed_stream_is_not_handed_again_to_its_rec
     run(own_redis, steps)
 
 
+def test_two_clients_resuming_a_log_that_began_again_each_get_its_final_event_once(
+    own_redis: str,
+) -> None:
+    """The id a final event was handed under was one per task: B's resume replaced A's,
+    and A's reconnect got the final event again, under a new id."""
+    task_id = str(uuid.uuid4())
+
+    async def steps(client: Redis, hub: EventHub, log: events.EventLog) -> None:
+        # Given a log lost after its id 5, then the task done (id 1 of a new log)
+        for i in range(5):
+            await append(log, task_id, events.OUTPUT, {"i": i})
+        await lose_log(client, task_id)
+        await append(log, task_id, "succeeded", {"status": "succeeded"})
+
+        async def resumed(after: int) -> list[tuple[int, str]]:
+            return [
+                (e.seq, e.type) async for p in hub.events(task_id, after=after) for e in p or []
+            ]
+
+        # When client A resumes from 2 and client B from 5, each is handed it
+        assert await resumed(2) == [(3, "succeeded")]
+        assert await resumed(5) == [(6, "succeeded")]
+        # Then each one's reconnect, from the id it was handed, ends with nothing
+        assert await resumed(3) == []
+        assert await resumed(6) == []
+
+    run(own_redis, steps)
+
+
 def test_a_final_event_of_a_log_that_began_again_is_numbered_past_what_the_stream_sent(
     own_redis: str,
 ) -> None:
