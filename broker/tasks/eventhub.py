@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from broker.cache import TimedCache
 from broker.tasks.events import (
+    STATUS,
     Event,
     channel,
     handed_key,
@@ -32,6 +33,7 @@ from broker.tasks.events import (
     seq_key,
     type_of,
 )
+from broker.tasks.resource import QUEUED
 
 log = logging.getLogger("reach.events")
 QUEUE_MAX = 1024
@@ -208,9 +210,19 @@ class EventHub:
         """Whether a client resuming from ``after`` has not had ``final``, the log's final
         event at or below ``after``: it has it under its own id, or under one it was handed
         (``_hand``)."""
-        if final.seq == after:
-            return False
+        if final.seq == after:  # its own id, unless that id was of the log that was lost
+            return await self._began_again(task_id)
         return await self.redis.zscore(handed_key(task_id), after) is None
+
+    async def _began_again(self, task_id: str) -> bool:
+        """Whether the log began again: its first event is not its submit's (``queued``,
+        and nothing else), which every task's log opens with. A client that had read id 1
+        of the lost log (its ``queued``) was taken to have the new one's final event, also
+        id 1, for ever. One that had that final event and reconnects from its id gets it
+        once more, then nothing (``_hand``). A log whose first event was let go is not
+        told (the client has it, as before)."""
+        first = parse_entries(await self.redis.xrange(log_key(task_id), min="0-1", max="0-1"))
+        return bool(first) and (first[0].type, first[0].data) != (STATUS, {"status": QUEUED})
 
     async def _hand(self, task_id: str, final: Event, last: int) -> Event:
         """``final``, numbered past ``last`` (what the stream has sent, or the client's id),
@@ -243,7 +255,7 @@ class EventHub:
 
         A resumed stream whose log's final event is ``after`` itself ends at once, with
         nothing sent: the client has it (an EventSource reconnects after the final event,
-        with its id). One below ``after`` is of a log that began again (Redis lost the one
+        with its id), unless the log began again (``_began_again``). One below ``after`` is of a log that began again (Redis lost the one
         the client read), or ``after`` is made up: the client never had it, so it goes out at
         once, numbered past what the stream has sent for the client to take it, and the id
         it went out with is kept (``_handed``) so that a client resuming from that id ends

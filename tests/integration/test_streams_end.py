@@ -229,3 +229,28 @@ def test_a_running_tasks_event_log_lasts_as_long_as_its_row(
     wait_for_task(http, task_id, {"succeeded"})
     with redis.Redis.from_url(settings.redis_url) as client:
         assert 0 < client.ttl(log_key(task_id)) <= 60 + EVENTS_SLACK_S
+
+
+def test_a_stream_resumed_from_id_1_of_a_log_that_began_again_gets_the_final_event(
+    http: httpx.Client, settings: Settings
+) -> None:
+    """The new log's final event was id 1 too: the client was taken to have it, and every
+    reconnect from id 1 ended with nothing."""
+    # Given a task whose stream a client read to id 1 (its queued event), then dropped
+    sleepy = {"capability": "test.sleepy", "payload": {"sleep_s": 3}}
+    task_id = http.post("/tasks", json=sleepy).json()["task_id"]
+    with http.stream("GET", f"/tasks/{task_id}/events", timeout=30) as response:
+        first = next(f for f in frames(response.iter_lines()) if "comment" not in f)
+    assert (first["id"], first["event"]) == ("1", "status")
+    wait_for_task(http, task_id, {"running"})
+    # And its log lost meanwhile: the final event begins a new log at id 1
+    with redis.Redis.from_url(settings.redis_url) as client:
+        client.delete(log_key(task_id), seq_key(task_id), attempt_key(task_id), bytes_key(task_id))
+    wait_for_task(http, task_id, {"succeeded"})
+    # When it resumes from id 1
+    url = f"/tasks/{task_id}/events"
+    resumed = read_until_end(http, "GET", url, headers={"Last-Event-ID": "1"})
+    # Then it gets the final event, numbered past 1, and its reconnect from there nothing
+    assert [(e["id"], e["event"]) for e in resumed.events] == [("2", "succeeded")]
+    again = read_until_end(http, "GET", url, headers={"Last-Event-ID": "2"})
+    assert again.ended and again.events == []
