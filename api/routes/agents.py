@@ -336,16 +336,22 @@ async def get_capability_series(
     succeeded and failed, and p50/p95 of their run time (started to finished) and total time
     (accepted to finished); a bucket without tasks has zeros and null times. Shown for the
     capabilities ``GET /capabilities`` lists, and counted the same way (by the capability
-    that served each task)."""
+    that served each task, of the tasks the key may read)."""
     state = services(request)
     if capability not in await views.capabilities_shown(state.engine, caller):
         raise NotFound("no such capability", code="capability_not_found")
+    sees = tuple(sorted(caller.sees))
     series = await state.aggregates.get(
         caller.tenant,
         "series",
-        (capability, window_s, step_s),
+        (capability, window_s, step_s, sees),
         lambda: figures.capability_series(
-            state.engine, caller.tenant, capability, window_s=window_s, step_s=step_s
+            state.engine,
+            caller.tenant,
+            capability,
+            window_s=window_s,
+            step_s=step_s,
+            patterns=sees,
         ),
     )
     return JSONResponse(series)

@@ -8,7 +8,7 @@ only once it ran: a task cancelled or expired while queued has no run time."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,20 +120,49 @@ async def _success_rates(engine: AsyncEngine) -> dict[tuple[str, str], float]:
     return {(r.agent_id, r.agent_version): float(r.rate) for r in rows}
 
 
-async def capability_figures(engine: AsyncEngine, tenant: str) -> dict[str, dict[str, Any]]:
-    """Per capability served, over the last five minutes of the tenant's finished tasks."""
+# The tasks a key's patterns (``Principal.sees``) allow, by the capability each asked for
+# (as every read of tasks, ``broker.tasks.queries.allowed_by``): :wide for "*", :exact the
+# names, :stems those of "<stem>.*", which allows the stem and every name under it. The
+# figures count tasks by the capability that served them: a key allowed ``invoice.extract``
+# alone was shown the counts, success rate and times of its tenant's tasks of
+# ``invoice.extract.private`` served there, which it may not read.
+SEEN = (
+    "(:wide OR capability = ANY(CAST(:exact AS text[]))"
+    " OR capability = ANY(CAST(:stems AS text[]))"
+    " OR EXISTS (SELECT FROM unnest(CAST(:stems AS text[])) AS stem"
+    "            WHERE starts_with(capability, stem || '.')))"
+)
+
+
+def seen_by(patterns: Sequence[str]) -> dict[str, Any]:
+    """The parameters of ``SEEN`` for ``patterns``."""
+    return {
+        "wide": "*" in patterns,
+        "exact": [p for p in patterns if not p.endswith(".*") and p != "*"],
+        "stems": [p[:-2] for p in patterns if p.endswith(".*")],
+    }
+
+
+async def capability_figures(
+    engine: AsyncEngine, tenant: str, patterns: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Per capability served, over the last five minutes of the tenant's finished tasks that
+    ``patterns`` allow."""
+    # SEEN is this module's constant; the patterns are parameters.
     query = text(
         # A card queue is "<capability>@<agent>@<version>": figures are per capability.
-        "SELECT split_part(queue, '@', 1) AS capability, count(*) AS tasks,"
+        "SELECT split_part(queue, '@', 1) AS capability, count(*) AS tasks,"  # noqa: S608
         " avg((status = :succeeded)::int) AS success_rate,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY run_s) AS p50_s,"
         " percentile_cont(0.95) WITHIN GROUP (ORDER BY run_s) AS p95_s"
         " FROM (SELECT *, extract(epoch FROM finished_at - started_at) AS run_s FROM tasks"
         "       WHERE finished_at > now() - make_interval(secs => :window)"
-        "       AND tenant = :tenant AND started_at IS NOT NULL) AS finished GROUP BY 1"
+        f"       AND tenant = :tenant AND started_at IS NOT NULL AND {SEEN}) AS finished"
+        " GROUP BY 1"
     ).bindparams(succeeded=SUCCEEDED)
+    params = {"window": WINDOW_S, "tenant": tenant, **seen_by(patterns)}
     async with engine.connect() as conn:
-        rows = (await conn.execute(query, {"window": WINDOW_S, "tenant": tenant})).all()
+        rows = (await conn.execute(query, params)).all()
     return {
         r.capability: {
             "tasks": r.tasks,
@@ -154,7 +183,7 @@ SERIES_STEP_MIN_S, SERIES_STEP_MAX_S = 60, 3600
 # by whole buckets and a bucket's start never shifts. The first bucket is the one holding
 # ``now() - window``, the last the one holding ``now()`` (still filling): each one whole.
 SERIES_QUERY = text(
-    "WITH axis AS ("
+    "WITH axis AS ("  # noqa: S608 (SEEN is this module's constant)
     "  SELECT generate_series("
     "    date_bin(make_interval(secs => :step_s), now() - make_interval(secs => :window_s),"
     "             TIMESTAMPTZ 'epoch'),"
@@ -168,7 +197,7 @@ SERIES_QUERY = text(
     "  FROM tasks"
     # Spelled as ix_tasks_tenant_served_finished_at has it, so that the planner uses it.
     "  WHERE tenant = :tenant AND split_part(queue, '@', 1) = :capability"
-    "    AND started_at IS NOT NULL"
+    f"    AND started_at IS NOT NULL AND {SEEN}"
     "    AND finished_at >= date_bin(make_interval(secs => :step_s),"
     "                                now() - make_interval(secs => :window_s),"
     "                                TIMESTAMPTZ 'epoch')"
@@ -189,14 +218,27 @@ _FIGURES = ("p50_run_s", "p95_run_s", "p50_total_s", "p95_total_s")
 
 
 async def capability_series(
-    engine: AsyncEngine, tenant: str, capability: str, *, window_s: int, step_s: int
+    engine: AsyncEngine,
+    tenant: str,
+    capability: str,
+    *,
+    window_s: int,
+    step_s: int,
+    patterns: Sequence[str],
 ) -> dict[str, Any]:
-    """The tenant's tasks of ``capability`` over the last ``window_s``, in buckets of
+    """The tenant's tasks of ``capability`` that ``patterns`` allow (by the capability each
+    asked for) over the last ``window_s``, in buckets of
     ``step_s`` by when they finished: per bucket (every one, an empty one as zeros) the tasks
     that ran, how many succeeded and failed (the rest were cancelled or expired once started),
     and the median and 95th percentile of their run time (started to finished) and total time
     (accepted to finished), None without tasks; ``total``: the same over every bucket."""
-    params = {"tenant": tenant, "capability": capability, "window_s": window_s, "step_s": step_s}
+    params = {
+        "tenant": tenant,
+        "capability": capability,
+        "window_s": window_s,
+        "step_s": step_s,
+        **seen_by(patterns),
+    }
     async with engine.connect() as conn:
         rows = (await conn.execute(SERIES_QUERY, params)).all()
     (total,) = [r for r in rows if r.is_total]

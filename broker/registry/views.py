@@ -263,11 +263,12 @@ async def capabilities(
     aggregates: figures.Aggregates,
 ) -> list[dict[str, Any]]:
     """Each capability of ``known`` (its cards, those this key is shown): live instances
-    (of those cards), and figures from the last ``WINDOW_S`` of the tenant's tasks.
+    (of those cards), and figures from the last ``WINDOW_S`` of the tenant's tasks the key
+    may read.
     ``depths`` (queue depth, shared by every tenant) is given for operator keys only."""
-    tenant = caller.tenant
+    tenant, sees = caller.tenant, tuple(sorted(caller.sees))
     measured = await aggregates.get(
-        tenant, "figures", None, lambda: figures.capability_figures(engine, tenant)
+        tenant, "figures", sees, lambda: figures.capability_figures(engine, tenant, sees)
     )
     rules = routing.Rules(tenant=None if caller.is_admin else caller.tenant)
     now = now_s()

@@ -255,10 +255,11 @@ class EventHub:
 
         A resumed stream whose log's final event is ``after`` itself ends at once, with
         nothing sent: the client has it (an EventSource reconnects after the final event,
-        with its id), unless the log began again (``_began_again``). One below ``after`` is of a log that began again (Redis lost the one
-        the client read), or ``after`` is made up: the client never had it, so it goes out at
-        once, numbered past what the stream has sent for the client to take it, and the id
-        it went out with is kept (``_handed``) so that a client resuming from that id ends
+        with its id), unless the log began again (``_began_again``). One below ``after`` is
+        of a log that began again (Redis lost the one the client read), or ``after`` is made
+        up: the client never had it, so it goes out at once, numbered past what the stream
+        has sent for the client to take it, and the id it went out with is kept (``_hand``)
+        so that a client resuming from that id ends
         with nothing, not with the same event again under a new id, for ever. Before, a
         ``Last-Event-ID`` of 10^18 - 1 on a finished task held its stream for 30 s until the
         store's final event stood in. A final event between ``after`` and what this reader

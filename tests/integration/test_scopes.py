@@ -15,9 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, String, column, select, values
+from sqlalchemy import Engine, String, column, select, text, values
 
 from broker.registry.capabilities import any_pattern_allows
+from broker.registry.figures import SEEN, seen_by
 from broker.tasks.queries import allowed_by
 from broker.tenancy import key_store
 from tests.integration.conftest import KeyMaker, client_for
@@ -79,9 +80,13 @@ def test_the_sql_filter_allows_exactly_the_names_the_patterns_allow(
 ) -> None:
     names = values(column("name", String), name="names").data([(n,) for n in NAMES])
     query = select(names.c.name).where(allowed_by(patterns, names.c.name))
+    # and the figures' text SQL, over a column named as theirs
+    names_of = "SELECT capability FROM unnest(CAST(:names AS text[])) AS capability"
+    seen = text(f"{names_of} WHERE {SEEN}")
     with engine.connect() as conn:
         allowed = {row.name for row in conn.execute(query)}
-    assert allowed == {n for n in NAMES if any_pattern_allows(patterns, n)}
+        counted = set(conn.execute(seen, {"names": NAMES, **seen_by(patterns)}).scalars())
+    assert allowed == counted == {n for n in NAMES if any_pattern_allows(patterns, n)}
 
 
 def test_a_task_outside_the_keys_patterns_reads_exactly_like_an_unknown_one(
@@ -272,6 +277,30 @@ def test_capability_figures_count_only_the_callers_tenant(
 
     assert measured["tasks"] == 2
     assert measured["success_rate"] == 1.0
+
+
+def test_a_keys_figures_count_only_the_tasks_it_may_read(
+    make_key: KeyMaker, api: ServedApp, worker: CeleryProcess
+) -> None:
+    """Figures count a task by the capability that served it: a key allowed
+    ``invoice.extract`` alone was shown the counts, success rate and times of its tenant's
+    tasks asked for as ``invoice.extract.private`` (served there, by its prefix), which it
+    may not read."""
+    tenant, wide_key = make_key(["*"])
+    _, narrow_key = make_key(["invoice.extract"], tenant=tenant)
+    body = {"capability": "invoice.extract.private", "payload": {"text": "Total: USD 1.00"}}
+    with client_for(api, wide_key) as wide, client_for(api, narrow_key) as narrow:
+        ids = [wide.post("/tasks", json=body).json()["task_id"] for _ in range(3)]
+        for task_id in ids:
+            assert wait_for_task(wide, task_id, FINAL)["status"] == "succeeded"
+            assert narrow.get(f"/tasks/{task_id}").status_code == 404
+        served = "/capabilities/invoice.extract/series"
+        assert wide.get(served).json()["total"]["tasks"] == 3
+        assert narrow.get(served).json()["total"]["tasks"] == 0
+        shown = {c["capability"]: c for c in narrow.get("/capabilities").json()["capabilities"]}
+        assert shown["invoice.extract"]["measured"]["tasks"] == 0
+        wide_shown = {c["capability"]: c for c in wide.get("/capabilities").json()["capabilities"]}
+        assert wide_shown["invoice.extract"]["measured"]["tasks"] == 3
 
 
 def test_capabilities_show_a_key_only_its_patterns_and_queue_depth_only_to_operators(
