@@ -28,7 +28,10 @@ def _authorize(request: Request) -> None:
     if settings.metrics_token is None:
         if settings.metrics_public:
             return
-        raise NotFound("metrics are served only with REACH_METRICS_TOKEN set")
+        # As a route that is not there: a code of the README's, none of its own
+        raise NotFound(
+            "metrics are served only with REACH_METRICS_TOKEN set", code="route_not_found"
+        )
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     expected = settings.metrics_token.get_secret_value().encode()
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):

@@ -183,7 +183,7 @@ def test_metrics_are_refused_without_the_metrics_token(
         assert "reach_http_requests_total" not in refused.text
     # No token configured: closed (404), unless declared public as the dev stack does
     closed = httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {tenant[1]}"})
-    assert (closed.status_code, closed.json()["code"]) == (404, "not_found")
+    assert (closed.status_code, closed.json()["code"]) == (404, "route_not_found")
     with ServedApp(create_app(settings.model_copy(update={"metrics_public": True}))) as public:
         assert httpx.get(f"{public.url}/metrics").status_code == 200
 
