@@ -56,6 +56,7 @@ from a2a.types import (
     SubscribeToTaskRequest,
     Task,
     TaskPushNotificationConfig,
+    TaskState,
 )
 from a2a.utils.constants import VERSION_HEADER
 from a2a.utils.errors import (
@@ -417,6 +418,8 @@ class ReachRequestHandler(RequestHandler):
         ``LIST_COUNT_MAX``; ``statusTimestampAfter``: those whose status moved since."""
         caller = _principal(context)
         validate_history_length(params)
+        if context.state.get("unread_status") is not None:
+            raise InvalidParamsError(message="status names no task state (TASK_STATE_...)")
         if params.HasField("page_size"):
             validate_page_size(params.page_size)  # 1 to 100, as A2A has it
         statuses = mapping.STATUSES_OF.get(params.status) if params.status else None
@@ -661,6 +664,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context.state["base_url"] = card_base(request)
         context.state["metered"] = getattr(request.state, "metered", False)
         context.state["lifted"] = getattr(request.state, "lifted", {})
+        context.state["unread_status"] = getattr(request.state, "unread_status", None)
         context.state["refusals"] = request.state.refusals  # ``_answered``
         return context
 
@@ -682,6 +686,7 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
         try:
             caller = request.state.principal = await authenticate(request)
             if request.method != "POST" or (not json_rpc and _bodiless(request)):
+                request.state.unread_status = _unread_status(request)
                 return await _answered(endpoint, request)
             raw, request.state.metered = await read_metered_body(
                 request, caller, svc.settings.max_body_bytes
@@ -770,6 +775,18 @@ def _quiet_callers_mistakes() -> None:
     dispatcher = logging.getLogger(DISPATCHER_LOG)
     if not any(isinstance(f, _Mistaken) for f in dispatcher.filters):
         dispatcher.addFilter(_Mistaken())
+
+
+def _unread_status(request: Request) -> str | None:
+    """A REST ``ListTasks``' ``status`` that names no task state (``on_list_tasks`` refuses
+    it): the SDK reads query parameters ignoring what it cannot read, so ``status=BOGUS``
+    listed every task, as no filter."""
+    given = request.query_params.getlist("status")
+    if not given:
+        return None
+    value = given[-1]  # the SDK's: the last one
+    known = {*TaskState.keys(), *map(str, TaskState.values())}
+    return None if not value or value in known else value
 
 
 def _bodiless(request: Request) -> bool:
