@@ -359,6 +359,8 @@ def test_an_agent_that_stops_streaming_is_called_from_its_card_as_it_is_now(
         served.stop()
         served.flags = ("--no-streaming",)
         served.start()
+        # (a health check while it was down may have taken it offline: back once one passes)
+        wait_routed(ops, "a2a-turned")
         # Then its next task is called as its card says now, and succeeds on its first attempt
         again = caller.post("/tasks", json={"capability": "turned.echo", "payload": {"n": 2}})
         done = wait_for_task(caller, again.json()["task_id"], FINAL)
