@@ -196,15 +196,29 @@ def stubborn(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
     _runs(ctx)
     client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
     client.set(f"reach:test:pid:{ctx.task_id}", os.getpid())
-    time.sleep(float(payload.get("sleep_s", 30)))
+    _sleep_noting_the_end(ctx, float(payload.get("sleep_s", 30)))
     return {"finished": True}
 
 
 @agent.capability("test.short-fuse", agent_id="test-short-fuse", version="0.0.1", timeout_s=0.5)
 def short_fuse(ctx: Context, payload: dict[str, Any]) -> dict[str, bool]:
     """Overruns its own 0.5 s timeout."""
-    time.sleep(5)
+    _sleep_noting_the_end(ctx, 5)
     return {"finished": True}
+
+
+def _sleep_noting_the_end(ctx: Context, seconds: float) -> None:
+    """Sleeps, and notes how the sleep ended (``reach:test:slept:<task id>``): ``finished``,
+    or the name of the exception that interrupted it, so a test can tell a handler stopped
+    at its time limit from one that ran to its end and came back late."""
+    client = redis.Redis.from_url(os.environ["REACH_REDIS_URL"])
+    key = f"reach:test:slept:{ctx.task_id}"
+    try:
+        time.sleep(seconds)
+    except BaseException as exc:
+        client.set(key, type(exc).__name__)
+        raise
+    client.set(key, "finished")
 
 
 @agent.capability("test.slow-idem", agent_id="test-slow-idem", version="0.0.1", idempotent=True)

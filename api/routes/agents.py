@@ -215,8 +215,10 @@ async def drain_instance(
             *AUTHENTICATED,
             *JSON_BODY,
             403,
+            410,
             422,
             s403=ADMIN,
+            s410="The version was revoked (version_revoked): register another",
             s422="The registration is not valid (registration_invalid), its endpoint is not"
             " allowed or its host did not resolve in time (endpoint_not_allowed), or its card"
             " cannot be read",
@@ -250,6 +252,7 @@ async def register_agent(agent_id: AgentId, request: Request, caller: Caller) ->
         cards = registration.cards_of(agent_id, given)
         documents = registration.documents(cards, given.endpoint.protocol)
         await vet(given.endpoint.url)
+    await registration.refuse_revoked(state.engine, agent_id, given.version)
     # Renewals may go on (a removal before this one stopped them): see ``leases.renew``
     await state.redis.delete(removed_key(registration.remote_instance(agent_id)))
     registered = await registration.register(state.engine, agent_id, given, documents)
@@ -281,6 +284,7 @@ async def deregister_agent(agent_id: AgentId, request: Request, caller: Caller) 
     pipe.set(removed_key(instance), 1, ex=REMOVED_TTL_S)
     pipe.incr(REGISTRATIONS_KEY)
     await pipe.execute()
+    policy.forget(state.card_cache)  # a request only its cards serve is refused at once
     return Response(status_code=204)
 
 

@@ -31,15 +31,18 @@ async def card(engine: AsyncEngine, cache: TimedCache, key: CardKey) -> dict[str
     return cache.put(("card", key), document)  # type: ignore[no-any-return]
 
 
+SERVED_KEY = "served_capabilities"
+
+
 async def served_capabilities(engine: AsyncEngine, cache: TimedCache) -> frozenset[str]:
     """Every capability a card has served. Only these may be queued for or named in a metric
     label: a name nobody serves must leave nothing behind (a list in Redis, a label series)."""
-    found, value = cache.get("served_capabilities")
+    found, value = cache.get(SERVED_KEY)
     if found:
         return value  # type: ignore[no-any-return]
     async with engine.connect() as conn:
         names = (await conn.execute(select(cards.c.capability).distinct())).scalars().all()
-    return cache.put("served_capabilities", frozenset(names))  # type: ignore[no-any-return]
+    return cache.put(SERVED_KEY, frozenset(names))  # type: ignore[no-any-return]
 
 
 async def known_capabilities(engine: AsyncEngine) -> dict[str, list[dict[str, Any]]]:

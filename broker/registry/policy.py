@@ -24,10 +24,12 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
-from broker.db.models import agent_cards_table as cards
+from broker.db.models import agent_cards_table as cards_table
 from broker.db.models import agent_channels_table as channels
 from broker.db.models import agent_revocations_table as revocations
+from broker.db.models import remote_agents_table as remote
 from broker.errors import Gone, NotFound
+from broker.registry import cards
 from broker.registry.addresses import STABLE, Target, version_order
 from broker.registry.capabilities import prefix_chain
 from broker.registry.model import card_queue, visible_to
@@ -52,6 +54,10 @@ class Policy:
     cards: tuple[KnownCard, ...] = ()
     channels: Mapping[str, Mapping[str, Shares]] = field(default_factory=dict)
     revoked: frozenset[tuple[str, str]] = frozenset()
+    # (agent, version, capability) of the cards remote agents left behind: deregistered,
+    # registered again at another version, or without that capability. Their cards stay, as
+    # a stopped worker's do, but unlike a worker's nothing will ever serve them again.
+    retired: frozenset[tuple[str, str, str]] = frozenset()
 
     def serves(self, capability: str, tenant: str | None) -> bool:
         """Whether a card of ``capability`` the tenant may see exists."""
@@ -59,6 +65,20 @@ class Policy:
             c.capability == capability and (tenant is None or c.visible_to(tenant))
             for c in self.cards
         )
+
+    def stable_pins(self, capability: str, tenant: str) -> dict[str, list[str]]:
+        """The agents of ``capability`` the tenant may see whose ``stable`` channel is all
+        an untargeted request reaches, with its versions the tenant may see: what a 503
+        names, as a channel left at a version replaced since refuses every request."""
+        seen: dict[str, set[str]] = {}
+        for c in self.cards:
+            if c.capability == capability and c.visible_to(tenant):
+                seen.setdefault(c.agent_id, set()).add(c.version)
+        return {
+            agent_id: sorted(v for v in shares if v in seen[agent_id])
+            for agent_id, shares in sorted(self.stable().items())
+            if agent_id in seen
+        }
 
     def stable(self) -> dict[str, Shares]:
         return {a: found[STABLE] for a, found in self.channels.items() if STABLE in found}
@@ -118,10 +138,14 @@ class Policy:
         # is no reason to wait anywhere but the capability's queue. It was: one revoked
         # version in a capability's history sent every such request to a card's queue, which
         # a version started later does not take from either.
+        # Nor is a card a remote agent left behind (``retired``): a request only such cards
+        # would serve waited until its row expired.
         of_capability = [
             c
             for c in self.cards
-            if c.capability == capability and (c.agent_id, c.version) not in rules.revoked
+            if c.capability == capability
+            and (c.agent_id, c.version) not in rules.revoked
+            and (c.agent_id, c.version, c.capability) not in self.retired
         ]
         usable = [
             c
@@ -162,26 +186,42 @@ async def current(engine: AsyncEngine, cache: TimedCache) -> Policy:
     if found:
         return value  # type: ignore[no-any-return]
     card_query = select(
-        cards.c.agent_id, cards.c.version, cards.c.capability, cards.c.card["tenants"]
+        cards_table.c.agent_id,
+        cards_table.c.version,
+        cards_table.c.capability,
+        cards_table.c.card["tenants"],
+        cards_table.c.card.has_key("endpoint"),
     )
+    registered_query = select(remote.c.agent_id, remote.c.version, remote.c.cards)
     async with engine.connect() as conn:
         card_rows = (await conn.execute(card_query)).all()
         channel_rows = (await conn.execute(select(channels))).all()
         revoked_rows = (await conn.execute(select(revocations))).all()
+        registered_rows = (await conn.execute(registered_query)).all()
     by_agent: dict[str, dict[str, Shares]] = {}
     for r in channel_rows:
         by_agent.setdefault(r.agent_id, {})[r.channel] = dict(r.versions)
+    served_now = {
+        (r.agent_id, r.version, document["capability"])
+        for r in registered_rows
+        for document in r.cards
+    }
     policy = Policy(
         cards=tuple(
             KnownCard(a, v, c, tuple(t) if isinstance(t, list) else None)
-            for a, v, c, t in card_rows
+            for a, v, c, t, _ in card_rows
         ),
         channels=by_agent,
         revoked=frozenset((r.agent_id, r.version) for r in revoked_rows),
+        retired=frozenset((a, v, c) for a, v, c, _, remote_card in card_rows if remote_card)
+        - served_now,
     )
     return cache.put(CACHE_KEY, policy)  # type: ignore[no-any-return]
 
 
 def forget(cache: TimedCache) -> None:
-    """After this process changed a channel or revoked a version: read again at once."""
+    """After this process changed a channel, revoked a version or (de)registered a remote
+    agent: read again at once, and the capabilities cards serve with it (a capability first
+    registered was refused as one no agent ever served, until the cache period passed)."""
     cache.forget(CACHE_KEY)
+    cache.forget(cards.SERVED_KEY)

@@ -19,8 +19,9 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from broker.db.models import agent_revocations_table as revocations
 from broker.db.models import remote_agents_table as remote_agents
-from broker.errors import InvalidEnvelope
+from broker.errors import Gone, InvalidEnvelope
 from broker.registry import addresses, leases
 from broker.registry.model import Card, check_tenants
 from broker.remote.connections import address_refused
@@ -248,6 +249,20 @@ class Registered:
         if self.created:
             shown["secret"] = self.secret
         return shown
+
+
+async def refuse_revoked(engine: AsyncEngine, agent_id: str, version: str) -> None:
+    """410 ``version_revoked`` for a registration of a revoked version: accepted, it would
+    never be routed (a revoked version is out for good)."""
+    revoked = select(revocations.c.agent_id).where(
+        revocations.c.agent_id == agent_id, revocations.c.version == version
+    )
+    async with engine.connect() as conn:
+        if (await conn.execute(revoked)).first() is not None:
+            raise Gone(
+                f"version {version} of {agent_id} is revoked: register another version",
+                code="version_revoked",
+            )
 
 
 async def register(

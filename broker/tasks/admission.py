@@ -230,6 +230,12 @@ async def _unrouted(
     metrics.routing_failures.labels(envelope.capability if served else UNKNOWN_LABEL).inc()
     seen = served and known_policy.serves(envelope.capability, rules.tenant)
     detail = "or a capability it falls back to" if seen else "(no agent has ever served it)"
+    if seen and rules.agent_id is None and rules.tenant is not None:
+        pins = known_policy.stable_pins(envelope.capability, rules.tenant)
+        detail += "".join(
+            f"; the stable channel of {agent_id} routes only to {', '.join(versions) or '-'}"
+            for agent_id, versions in pins.items()
+        )
     raise Unavailable(
         f"no live agent serves {envelope.capability!r} {detail}",
         code="no_agent_available",

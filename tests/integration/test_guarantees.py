@@ -145,7 +145,9 @@ def test_a_task_not_started_before_its_deadline_expires_without_running(
     assert done["started_at"] is None
 
 
-def test_a_handler_past_its_deadline_is_stopped_and_expired(client: httpx.Client) -> None:
+def test_a_handler_past_its_deadline_is_stopped_and_expired(
+    client: httpx.Client, redis_url: str
+) -> None:
     task = client.post(
         "/tasks",
         # Long enough that a busy CI worker still claims it in time: a claim after the
@@ -156,12 +158,23 @@ def test_a_handler_past_its_deadline_is_stopped_and_expired(client: httpx.Client
     assert done["started_at"] is not None
     assert done["status"] == "expired"
     assert done["error"]["code"] == "timeout"
+    # Stopped at the deadline, not run to its end and ended late
+    assert slept(redis_url, task["task_id"]) == "SoftTimeLimit"
 
 
-def test_a_handler_past_its_cards_timeout_is_expired(client: httpx.Client) -> None:
+def test_a_handler_past_its_cards_timeout_is_stopped_and_expired(
+    client: httpx.Client, redis_url: str
+) -> None:
     task = client.post("/tasks", json={"capability": "test.short-fuse", "payload": {}}).json()
     done = wait_for_task(client, task["task_id"], FINAL)
     assert (done["status"], done["error"]["code"]) == ("expired", "timeout")
+    assert slept(redis_url, task["task_id"]) == "SoftTimeLimit"
+
+
+def slept(redis_url: str, task_id: str) -> str | None:
+    """How the test handler's sleep ended: ``finished`` or the exception that stopped it."""
+    value = redis.Redis.from_url(redis_url).get(f"reach:test:slept:{task_id}")
+    return None if value is None else value.decode()
 
 
 def test_the_hard_limit_stays_below_the_redis_visibility_timeout() -> None:

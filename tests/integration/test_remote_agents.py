@@ -39,6 +39,7 @@ from broker.registry.model import (
 from broker.remote.registration import remote_instance
 from broker.settings import Settings
 from broker.tasks.dispatch import Dispatcher, send_run
+from tests.conftest import IN_CI
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.receiver import Receiver, Reply, always
@@ -97,7 +98,7 @@ class NodeAgent:
     def start(self) -> NodeAgent:
         node = shutil.which("node")
         if node is None:
-            if os.environ.get("CI"):
+            if IN_CI:
                 pytest.fail("node is not installed: the remote agent tests need it")
             pytest.skip("node is not installed")
         env = {**os.environ, "PORT": str(self.port), "REACH_AGENT_SECRET": self.secret}
@@ -692,6 +693,81 @@ def test_two_bridges_started_with_one_name_take_none_of_each_others_calls(
     finally:
         twin.stop()
     assert [(d["status"], d["attempts"]) for d in done] == [("succeeded", 1)] * 6
+
+
+def test_an_agent_deregistered_ends_the_tasks_waiting_in_its_capabilitys_queue_and_takes_no_more(
+    ops: httpx.Client,
+    caller: httpx.Client,
+    bridge: CeleryProcess,
+    system_beat: CeleryProcess,
+    engine: Engine,
+) -> None:
+    """The only agent of a capability, every tenant's: a task waiting for it waits in the
+    capability's own queue, not a card's. Deregistered, the agent left its card behind, and
+    the task waited there until its row expired (a day), while new ones were still taken."""
+    name = uuid.uuid4().hex[:6]
+    capability, agent_id = f"test.dereg-{name}", f"dereg-{name}"
+    envelope = {"capability": capability, "payload": {}, "queue_if_unavailable": True}
+    # nothing answers there: the agent is never up
+    body = registration("http://127.0.0.1:9/run", capability=capability)
+    assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+    try:
+        sent = caller.post("/tasks", json=envelope)
+        assert sent.status_code == 202, sent.text
+        task_id = sent.json()["task_id"]
+        query = select(tasks_table.c.queue).where(tasks_table.c.id == uuid.UUID(task_id))
+        with engine.connect() as conn:
+            assert conn.execute(query).scalar_one() == capability
+        # When the agent is deregistered
+        assert ops.delete(f"/agents/{agent_id}").status_code == 204
+        # Then its waiting task ends, and a new one is refused at once
+        ended = wait_for_task(caller, task_id, {"failed"})
+        assert ended["error"]["code"] == "agent_not_found"
+        refused = caller.post("/tasks", json=envelope)
+        assert (refused.status_code, refused.json()["code"]) == (503, "no_agent_available")
+    finally:
+        ops.delete(f"/agents/{agent_id}")
+
+
+def test_a_revoked_version_cannot_be_registered_again(
+    ops: httpx.Client, caller: httpx.Client
+) -> None:
+    """Accepted (a fresh secret and all), it would never have been routed."""
+    agent_id = f"rerevoked-{uuid.uuid4().hex[:6]}"
+    body = registration("http://127.0.0.1:9/run", capability=f"test.{agent_id}")
+    assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+    try:
+        assert ops.post(f"/agents/{agent_id}/versions/1.0.0/revoke").status_code == 200
+        again = ops.put(f"/agents/{agent_id}", json=body)
+        assert (again.status_code, again.json()["code"]) == (410, "version_revoked")
+        assert ops.delete(f"/agents/{agent_id}").status_code == 204
+        fresh = ops.put(f"/agents/{agent_id}", json=body)
+        assert (fresh.status_code, fresh.json()["code"]) == (410, "version_revoked")
+        assert ops.get(f"/agents/{agent_id}").json()["versions"][0]["lifecycle"] == "revoked"
+        # Another version is welcome
+        assert ops.put(f"/agents/{agent_id}", json={**body, "version": "1.0.1"}).status_code == 201
+    finally:
+        ops.delete(f"/agents/{agent_id}")
+
+
+def test_a_refusal_names_the_stable_channel_that_pins_untargeted_requests(
+    ops: httpx.Client, caller: httpx.Client
+) -> None:
+    """A ``stable`` channel left at a version a new registration replaced refuses every
+    untargeted request; the 503 said only that no live agent serves the capability."""
+    agent_id = f"pinned-{uuid.uuid4().hex[:6]}"
+    capability = f"test.{agent_id}"
+    body = registration("http://127.0.0.1:9/run", capability=capability)
+    assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+    try:
+        stable = {"versions": {"1.0.0": 1}}
+        assert ops.put(f"/agents/{agent_id}/channels/stable", json=stable).status_code == 200
+        assert ops.put(f"/agents/{agent_id}", json={**body, "version": "2.0.0"}).status_code == 200
+        refused = caller.post("/tasks", json={"capability": capability, "payload": {}})
+        assert (refused.status_code, refused.json()["code"]) == (503, "no_agent_available")
+        assert f"the stable channel of {agent_id} routes only to 1.0.0" in refused.json()["detail"]
+    finally:
+        ops.delete(f"/agents/{agent_id}")
 
 
 def test_queued_tasks_of_a_remote_version_gone_for_good_move_to_its_new_version_or_end(

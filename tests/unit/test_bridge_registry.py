@@ -10,16 +10,19 @@ from workers.bridge.registry import RemoteRegistry
 
 
 def _agent(
-    agent_id: str, *capabilities: str, tenants: tuple[str, ...] | None = None
+    agent_id: str,
+    *capabilities: str,
+    tenants: tuple[str, ...] | None = None,
+    version: str = "1.0.0",
 ) -> RemoteAgent:
     return RemoteAgent(
         agent_id=agent_id,
-        version="1.0.0",
+        version=version,
         protocol="http",
         url=f"http://127.0.0.1:9/{agent_id}",
         capability_prefix=None,
         cards=tuple(
-            Card.declare(c, agent_id=agent_id, version="1.0.0", tenants=tenants)
+            Card.declare(c, agent_id=agent_id, version=version, tenants=tenants)
             for c in capabilities
         ),
         secret="whsec_" + "A" * 32,
@@ -55,8 +58,10 @@ def test_the_look_ups_follow_a_registration_replaced_and_forgotten() -> None:
     registry.serve(_agent("first", "text.lower"))  # first no longer serves text.upper
     assert _served_by(registry, "text.upper") == "second"
     assert _served_by(registry, "text.lower") == "first"
-    # A card queue of a card the agent dropped falls back to the capability's other agent.
-    assert _served_by(registry, "text.upper@first@1.0.0") == "second"
+    # A card queue of a card the agent dropped reaches no other agent: a target may have
+    # pinned its task to this one
+    assert registry.for_queue("text.upper@first@1.0.0") is None
+    assert registry.for_queue("text.upper@first@1.0.0@bridge-1@host") is None
 
     registry.forget("second")
     assert registry.for_queue("text.upper") is None
@@ -98,3 +103,13 @@ def test_a_capabilitys_own_queue_goes_to_an_agent_of_every_tenant_before_a_priva
     registry.forget("b-public")  # only the private one: a message taken still reaches it
     assert _served_by(registry, "text.upper") == "a-private"
     assert _served_by(registry, "text.upper@a-private@1.0.0") == "a-private"
+
+
+def test_a_card_queue_of_a_version_replaced_reaches_the_agent_at_its_new_version() -> None:
+    registry = RemoteRegistry(Guard())
+    registry.serve(_agent("first", "text.upper"))
+    registry.serve(_agent("second", "text.upper"))
+    registry.serve(_agent("first", "text.upper", version="2.0.0"))
+
+    spec = registry.for_queue("text.upper@first@1.0.0")
+    assert spec is not None and (spec.card.agent_id, spec.card.version) == ("first", "2.0.0")

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from broker.registry.model import capability_of, home_queue
+from broker.registry.model import home_queue
 from broker.remote.connections import AiohttpTransport, guarded_session
 from broker.remote.registration import A2A, RemoteAgent
 from broker.webhooks.ssrf import Guard
@@ -57,6 +57,7 @@ class RemoteRegistry(AgentRegistry):
         self._lock = threading.Lock()
         self._agents: dict[str, tuple[RemoteAgent, list[CapabilitySpec]]] = {}
         self._by_queue: dict[str, CapabilitySpec] = {}
+        self._by_agent: dict[tuple[str, str], CapabilitySpec] = {}
         self._by_name: dict[str, CapabilitySpec] = {}
         self._up: frozenset[str] = frozenset()
 
@@ -101,10 +102,12 @@ class RemoteRegistry(AgentRegistry):
     def _index(self) -> None:
         """The look-up dicts, from ``_agents`` (under the lock); readers take them without it."""
         by_queue: dict[str, CapabilitySpec] = {}
+        by_agent: dict[tuple[str, str], CapabilitySpec] = {}
         by_name: dict[str, CapabilitySpec] = {}
-        for _, specs in self._agents.values():
+        for agent_id, (_, specs) in self._agents.items():
             for spec in specs:
                 by_queue[spec.card.ref().queue()] = spec
+                by_agent[(agent_id, spec.name)] = spec
         # Every tenant's task may wait in a capability's own queue: a card of every tenant's
         # serves it before a private one, whose claim would put another tenant's task back
         # there (to come to it again, while a public agent that was up never got it).
@@ -114,7 +117,7 @@ class RemoteRegistry(AgentRegistry):
                     for spec in specs:
                         if (spec.card.tenants is None) is public:
                             by_name.setdefault(spec.name, spec)
-        self._by_queue, self._by_name = by_queue, by_name
+        self._by_queue, self._by_agent, self._by_name = by_queue, by_agent, by_name
 
     def agents(self) -> dict[str, RemoteAgent]:
         with self._lock:
@@ -137,7 +140,18 @@ class RemoteRegistry(AgentRegistry):
         return call_a2a
 
     def for_queue(self, queue: str) -> CapabilitySpec | None:
-        return self._by_queue.get(home_queue(queue)) or self._by_name.get(capability_of(queue))
+        """The spec of a card's queue (or an instance's under it); of a card the agent
+        serves no more, the agent's spec of that capability now (a message taken before
+        a new version replaced it); of a capability's own queue, ``_by_name``'s. Never
+        another agent's for a card's queue: a target pinned the task to this agent."""
+        home = home_queue(queue)
+        spec = self._by_queue.get(home)
+        if spec is not None:
+            return spec
+        parts = home.split("@")
+        if len(parts) == 3:
+            return self._by_agent.get((parts[1], parts[0]))
+        return self._by_name.get(home)
 
     def get(self, name: str) -> CapabilitySpec | None:
         return self._by_name.get(name)

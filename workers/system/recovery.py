@@ -24,8 +24,9 @@
 - A queued task waiting in the queue of an instance that holds no ready lease (a hint to an
   instance that died or drained before taking it) moves to its card's queue.
 - A queued task of a card gone for good (``card_gone``: its version revoked, or a remote
-  agent's no longer registered at that version) moves to the version that replaced it, or
-  fails (``version_revoked``, ``agent_not_found``): no one would ever take it.
+  agent's no longer registered at that version; or of a capability whose cards are all
+  such) moves to the version that replaced it, or fails (``version_revoked``,
+  ``agent_not_found``): no one would ever take it.
 - A queued task whose queue is a reserved name (accepted before the name was reserved) fails
   with ``capability_reserved``: publishing it would write into a key kombu keeps (``unacked``),
   which stops every worker, and would do it again each sweep after an operator deleted it.
@@ -251,8 +252,13 @@ def card_gone(engine: Engine, queue: str) -> Gone | None:
     or registered at another version now, or at the same one without the capability. Its
     tasks waited for good: with no deadline, until their rows expired, with no final state.
     A worker's card that no instance serves now is not gone: one may start (its tasks wait,
-    as the design has them)."""
+    as the design has them).
+
+    A capability's own queue is gone when every card of the capability is a remote agent's
+    that no registration serves any more, or revoked: its tasks end ``agent_not_found``."""
     parts = home_queue(queue).split("@")
+    if len(parts) == 1:
+        return _capability_gone(engine, queue)
     if len(parts) != 3:
         return None
     capability, agent_id, version = parts
@@ -275,6 +281,36 @@ def card_gone(engine: Engine, queue: str) -> Gone | None:
             return None  # served as it was
         return Gone(to=card_queue(capability, agent_id, now.version))
     why = f"remote agent {agent_id} no longer serves {capability} at version {version}"
+    return Gone(error=task_error("agent_not_found", why))
+
+
+def _capability_gone(engine: Engine, capability: str) -> Gone | None:
+    """``card_gone`` for a capability's own queue: a remote agent that was the only one to
+    serve it (routing sends its tasks there, ``waiting_queue``) deregistered or re-registered
+    without it, and no worker's card of it, which an instance may start for, exists."""
+    card = agent_cards_table.c
+    remote = remote_agents_table.c
+    stored = select(card.agent_id, card.version, card.card.has_key("endpoint")).where(
+        card.capability == capability
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(stored).all()
+        if not rows or not all(remote_card for _, _, remote_card in rows):
+            return None
+        registered = conn.execute(
+            select(remote.agent_id, remote.version, remote.cards).where(
+                remote.agent_id.in_({agent_id for agent_id, _, _ in rows})
+            )
+        ).all()
+    served = {
+        (r.agent_id, r.version)
+        for r in registered
+        if capability in {d["capability"] for d in r.cards}
+    }
+    live = [(a, v) for a, v, _ in rows if (a, v) in served]
+    if live and len(revocations.revoked_among(engine, live)) < len(live):
+        return None
+    why = f"no registered agent serves {capability} any more"
     return Gone(error=task_error("agent_not_found", why))
 
 
