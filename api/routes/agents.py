@@ -252,6 +252,7 @@ async def register_agent(agent_id: AgentId, request: Request, caller: Caller) ->
         cards = registration.cards_of(agent_id, given)
         documents = registration.documents(cards, given.endpoint.protocol)
         await vet(given.endpoint.url)
+    registration.check_queue_names(agent_id, given.version, documents)
     await registration.refuse_revoked(state.engine, agent_id, given.version)
     # Renewals may go on (a removal before this one stopped them): see ``leases.renew``
     await state.redis.delete(removed_key(registration.remote_instance(agent_id)))

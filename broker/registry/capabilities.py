@@ -10,7 +10,9 @@ theirs (a tenant's ``unacked`` once turned kombu's hash into a list and stopped 
   ``celeryev.<uuid>``, result keys ``celery-task-meta-<id>``;
 - a first segment starting with ``unacked``: kombu's ``unacked`` hash, ``unacked_index``
   sorted set and ``unacked_mutex`` lock;
-- a ``pidbox`` segment: kombu's mailbox queues (``<oid>.reply.celery.pidbox``).
+- a ``pidbox`` segment: kombu's mailbox queues (``<oid>.reply.celery.pidbox``);
+- ``amq``, ``amq.*``: RabbitMQ's own (it refuses to declare a queue named ``amq.…``, which
+  stopped the bridge, and so every remote agent, when one registered such a capability).
 
 The grammar keeps out the rest: ``_kombu.binding.*`` (leading ``_``), ``reach:*`` (``:``),
 kombu's priority lists ``<queue>\x06\x16<n>``, card queues ``<capability>@<agent>@<version>``.
@@ -26,12 +28,13 @@ _SEGMENT = r"[a-z][a-z0-9_-]{0,62}"
 _NAME = re.compile(rf"{_SEGMENT}(?:\.{_SEGMENT}){{0,7}}")
 _PATTERN = re.compile(rf"\*|(?:{_SEGMENT}\.)*(?:{_SEGMENT}|\*)")
 RESERVED_PREFIX = "reach"
+_FOREIGN_FIRST = frozenset({"amq"})
 _FOREIGN_STEMS = ("celery", "unacked")
 _FOREIGN_SEGMENTS = frozenset({"pidbox"})
 # The same rules as one ECMA-262 pattern, for the OpenAPI document (with NAME_MAX as its
 # maxLength): the reserved names are refused by the lookahead.
 NAME_PATTERN = (
-    r"^(?!reach(?:\.|$)|celery|unacked|(?:[^.]*\.)*pidbox(?:\.|$))"
+    r"^(?!reach(?:\.|$)|amq(?:\.|$)|celery|unacked|(?:[^.]*\.)*pidbox(?:\.|$))"
     rf"{_SEGMENT}(?:\.{_SEGMENT}){{0,7}}$"
 )
 
@@ -45,6 +48,7 @@ def is_reserved(name: str) -> bool:
     segments = name.split(".")
     return (
         segments[0] == RESERVED_PREFIX
+        or segments[0] in _FOREIGN_FIRST
         or segments[0].startswith(_FOREIGN_STEMS)
         or not _FOREIGN_SEGMENTS.isdisjoint(segments)
     )

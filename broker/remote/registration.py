@@ -23,7 +23,7 @@ from broker.db.models import agent_revocations_table as revocations
 from broker.db.models import remote_agents_table as remote_agents
 from broker.errors import Gone, InvalidEnvelope
 from broker.registry import addresses, leases
-from broker.registry.model import Card, check_tenants
+from broker.registry.model import Card, card_queue, check_tenants, instance_queue
 from broker.remote.connections import address_refused
 from broker.webhooks import signing
 from broker.webhooks.ssrf import URL_MAX, Guard, HostLookups, UrlNotAllowed, parse_url
@@ -44,6 +44,28 @@ class RegistrationInvalid(InvalidEnvelope):
 
 class EndpointNotAllowed(RegistrationInvalid):
     code = "endpoint_not_allowed"
+
+
+# RabbitMQ's most for a queue's name (an AMQP short string): a longer one refused by the
+# bridge's declare stopped it, and every remote agent with it. Held on any broker, so a
+# registration does not depend on which one runs.
+QUEUE_NAME_MAX_BYTES = 255
+
+
+def check_queue_names(agent_id: str, version: str, documents: Iterable[Mapping[str, Any]]) -> None:
+    """422 ``registration_invalid`` when a queue the bridge would consume for one of these
+    cards is past ``QUEUE_NAME_MAX_BYTES``: the longest, the agent's own under its card's."""
+    for document in documents:
+        capability = document["capability"]
+        longest = instance_queue(
+            card_queue(capability, agent_id, version), remote_instance(agent_id)
+        )
+        if len(longest.encode()) > QUEUE_NAME_MAX_BYTES:
+            raise RegistrationInvalid(
+                f"the queue {capability}@{agent_id}@{version}@… would be "
+                f"{len(longest.encode())} bytes, past the {QUEUE_NAME_MAX_BYTES} a queue's name "
+                "may have: shorten the capability, the agent id or the version"
+            )
 
 
 class EndpointIn(BaseModel):

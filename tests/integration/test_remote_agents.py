@@ -333,6 +333,10 @@ def test_numbers_and_text_reach_the_agent_and_come_back_exactly(
         ("bad@id", registration("http://127.0.0.1:9/run")),
         ("ok-id", {"version": "1.0.0", "endpoint": {"protocol": "http", "url": "http://x/"}}),
         ("ok-id", registration("http://127.0.0.1:9/run", capability="reach.mine")),
+        # RabbitMQ refuses to declare a queue named amq.…: the bridge stopped
+        ("ok-id", registration("http://127.0.0.1:9/run", capability="amq.probe")),
+        # each part within its own limit, the agent's own queue past RabbitMQ's 255 bytes
+        ("a" * 64, registration("http://127.0.0.1:9/run", capability=".".join(["c" * 63] * 2))),
         ("ok-id", registration("http://127.0.0.1:9/run", capability="Not A Name")),
         ("ok-id", registration("http://127.0.0.1:9/run", input_schema={"type": 12})),
         # no payload (a JSON object) passes it, and MCP's listing of every tool failed on it

@@ -97,6 +97,9 @@ def test_given_a_name_outside_the_reserved_prefix_expect_not_reserved(name: str)
         "celery.pidbox",
         "a1b2c3.reply.celery.pidbox",
         "invoice.pidbox",
+        "amq",  # RabbitMQ refuses to declare a queue named amq.…
+        "amq.gen-x",
+        "amq.probe",
     ],
 )
 def test_given_a_name_celery_or_kombu_keep_a_key_under_expect_reserved_and_invalid(
@@ -107,7 +110,8 @@ def test_given_a_name_celery_or_kombu_keep_a_key_under_expect_reserved_and_inval
 
 
 @pytest.mark.parametrize(
-    "name", ["celeriac", "invoice.celery", "unack", "text.unacked", "pidboxes", "acked"]
+    "name",
+    ["celeriac", "invoice.celery", "unack", "text.unacked", "pidboxes", "acked", "amqp", "x.amq"],
 )
 def test_given_a_name_only_resembling_a_foreign_key_expect_valid(name: str) -> None:
     assert is_valid_name(name)
