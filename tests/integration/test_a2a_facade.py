@@ -341,8 +341,11 @@ def test_another_tenants_task_is_not_found(a2a: Clients) -> None:
         events = await collect(
             mine.send_message(SendMessageRequest(message=message("echo", data={"a": 1})))
         )
+        task_id = events[-1].task.id
+        # Its own tenant finds it; another, the same not found as an unknown task's
+        assert (await mine.get_task(GetTaskRequest(id=task_id))).id == task_id
         with pytest.raises(TaskNotFoundError):
-            await theirs.get_task(GetTaskRequest(id=events[-1].task.id))
+            await theirs.get_task(GetTaskRequest(id=task_id))
 
     a2a.run(run)
 

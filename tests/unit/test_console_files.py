@@ -24,11 +24,16 @@ def test_every_console_file_is_package_data() -> None:
 
 def test_the_page_and_its_modules_name_only_files_of_the_package() -> None:
     page = (STATIC / "index.html").read_text()
-    for name in re.findall(r'(?:src|href)="console/static/([^"]+)"', page):
+    named = re.findall(r'(?:src|href)="console/static/([^"]+)"', page)
+    assert named, "the page names its files as this test reads them"
+    for name in named:
         assert (STATIC / name).is_file(), name
+    imported = 0
     for module in STATIC.glob("*.js"):
         for name in re.findall(r'from "\./([^"]+)"', module.read_text()):
+            imported += 1
             assert (STATIC / name).is_file(), f"{module.name} imports {name}"
+    assert imported, "the modules import one another as this test reads them"
     every = "".join(p.read_text() for p in STATIC.iterdir())
     # The SVG namespace is a name (createElementNS), never fetched.
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg\")", every)
