@@ -6,11 +6,15 @@ the Celery app factory and the CLI.
 
 from __future__ import annotations
 
+import re
+from ipaddress import ip_network
 from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from broker.runtime import EventLoopKind
 
@@ -19,6 +23,16 @@ MiB = 1024 * 1024
 # task for its TTL plus six hours in that arithmetic: a TTL near 2**31 ("keep it for ever")
 # made every claim fail with an integer overflow.
 MAX_TTL_S = 10 * 365 * 24 * 3600
+# The longest any interval, cache or network timeout may be. A value Celery or asyncio cannot
+# hold as a time (``inf``, 1e300) failed deep in them instead of at start.
+DAY_S = 24 * 3600
+
+# What Celery may use as its broker: Redis (its socket and Sentinel forms too) or RabbitMQ.
+BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel", "amqp", "amqps", "pyamqp")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+# A host name of RFC 1123 labels (and '_', which URLs carry too; ``broker.webhooks.ssrf``).
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9])?"
+_HOSTNAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}")
 
 
 def psycopg_url(url: str) -> str:
@@ -31,7 +45,11 @@ def psycopg_url(url: str) -> str:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="REACH_", extra="ignore")
+    # No inf or nan: a duration that is not a number passed here and broke the first timer.
+    # A refused value is not repeated in the error: it may be a password or a token.
+    model_config = SettingsConfigDict(
+        env_prefix="REACH_", extra="ignore", allow_inf_nan=False, hide_input_in_errors=True
+    )
 
     database_url: str = Field(
         "postgresql+psycopg://postgres@127.0.0.1:5432/reach",
@@ -43,6 +61,9 @@ class Settings(BaseSettings):
     )
     # The Celery broker; Redis by default, RabbitMQ (amqp://) works too.
     broker_url: str | None = None
+    # RabbitMQ's consumer_timeout (a server setting, 30 min by default): a delivery unacked that
+    # long closes its channel and requeues all it holds. Read only with an amqp:// broker.
+    broker_consumer_timeout_s: float = Field(1800.0, gt=0)
 
     # Modules whose import registers agents with ``@agent.capability``.
     agents: Annotated[list[str], NoDecode] = ["workers.examples"]
@@ -81,28 +102,28 @@ class Settings(BaseSettings):
     # A page ends before the row that would pass it, and always holds one row.
     list_page_max_bytes: int = Field(1 * MiB, gt=0)
 
-    janitor_interval_s: float = Field(60.0, gt=0)
+    janitor_interval_s: float = Field(60.0, gt=0, le=DAY_S)
     janitor_batch: int = Field(1000, gt=0)
     # One janitor run deletes batches until no expired row is left or this is spent; it holds
     # one maintenance process meanwhile, so the reaper keeps the other.
-    janitor_budget_s: float = Field(10.0, gt=0)
+    janitor_budget_s: float = Field(10.0, gt=0, le=DAY_S)
     # An instance's row (``GET /agents``) is kept this long after it was last seen live, then
     # the janitor deletes it: every worker name ever used stayed listed offline forever.
-    instance_retention_s: float = Field(86400.0, gt=0)
+    instance_retention_s: float = Field(86400.0, gt=0, le=MAX_TTL_S)
     # Tasks of dead workers are found this often; queued tasks the broker lost are published
     # again once they are sweep_after_s old and their message is not in their queue.
-    reaper_interval_s: float = Field(5.0, gt=0)
-    sweep_interval_s: float = Field(10.0, gt=0)
-    sweep_after_s: float = Field(30.0, gt=0)
+    reaper_interval_s: float = Field(5.0, gt=0, le=DAY_S)
+    sweep_interval_s: float = Field(10.0, gt=0, le=DAY_S)
+    sweep_after_s: float = Field(30.0, gt=0, le=DAY_S)
     # A handler whose card sets no timeout_s gets this one; the hard limit adds a grace.
-    default_task_timeout_s: float = Field(600.0, gt=0)
+    default_task_timeout_s: float = Field(600.0, gt=0, le=MAX_TTL_S)
 
     # Overrides every card's lease TTL (tests and operators shorten it); None: the cards' own.
-    lease_ttl_s: float | None = Field(None, gt=0)
+    lease_ttl_s: float | None = Field(None, gt=0, le=MAX_TTL_S)
     # How long the API trusts a card's input schema and the measured success rates it read.
-    card_cache_s: float = Field(5.0, ge=0)
+    card_cache_s: float = Field(5.0, ge=0, le=DAY_S)
     # How long a tenant's figures (GET /capabilities) and series answer again as computed.
-    figures_cache_s: float = Field(5.0, ge=0)
+    figures_cache_s: float = Field(5.0, ge=0, le=DAY_S)
 
     # reply_mode sync waits at most this long (and never past the task's deadline).
     sync_max_wait_s: float = Field(30.0, gt=0, le=300)
@@ -118,11 +139,11 @@ class Settings(BaseSettings):
     # forged Host made (one that sent every client's key elsewhere).
     public_url: str | None = None
     # SSE: a ': ping' after this much silence; a client not reading for send_timeout is dropped.
-    sse_ping_s: float = Field(15.0, gt=0)
-    sse_send_timeout_s: float = Field(30.0, gt=0)
+    sse_ping_s: float = Field(15.0, gt=0, le=DAY_S)
+    sse_send_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
     # Any answer: a client that takes less than 16 KiB of it in this long while the rest waits
     # in the API process is disconnected (``api.connections``).
-    client_stall_s: float = Field(30.0, gt=0)
+    client_stall_s: float = Field(30.0, gt=0, le=DAY_S)
     # Streams one tenant may hold open at once in one API process (SSE, A2A streams); past it,
     # 429 too_many_streams before anything is written. Each holds a connection and memory: one
     # tenant opening thousands would take the process's file descriptors from every other.
@@ -158,7 +179,7 @@ class Settings(BaseSettings):
     max_requests_waiting_per_tenant: int = Field(256, gt=0)
     # A request body must have arrived whole within this long (408 otherwise): a body sent a
     # byte at a time holds its waiting slot no longer.
-    body_read_timeout_s: float = Field(10.0, gt=0)
+    body_read_timeout_s: float = Field(10.0, gt=0, le=DAY_S)
     # Key ids not found in the API's memory are looked up in Postgres at most this often per
     # client address (with twice that as a burst); past it, 429 without a query.
     auth_lookups_per_s: float = Field(20.0, gt=0)
@@ -176,21 +197,21 @@ class Settings(BaseSettings):
     otel: bool = False
 
     # How long a key lookup may be served from the API's memory; revocation takes this long.
-    key_cache_s: float = Field(5.0, ge=0)
+    key_cache_s: float = Field(5.0, ge=0, le=DAY_S)
 
     # Webhooks. Hosts, addresses or networks a webhook may reach despite the SSRF deny table
     # (development and tests; production allows none). The schedule is the delay before each
     # attempt: its length is the number of attempts, then the message is dead.
     webhook_allow: Annotated[list[str], NoDecode] = []
-    webhook_schedule_s: Annotated[list[Annotated[float, Field(ge=0)]], NoDecode] = Field(
-        [0, 5, 300, 1800, 7200, 18000, 36000, 36000], min_length=1
+    webhook_schedule_s: Annotated[list[Annotated[float, Field(ge=0, le=MAX_TTL_S)]], NoDecode] = (
+        Field([0, 5, 300, 1800, 7200, 18000, 36000, 36000], min_length=1)
     )
     webhook_jitter: float = Field(0.2, ge=0, le=1)
     webhook_timeout_s: float = Field(15.0, gt=0, le=60)
     webhook_response_max_bytes: int = Field(64 * 1024, gt=0)
-    webhook_rotation_grace_s: int = Field(24 * 3600, ge=0)
+    webhook_rotation_grace_s: int = Field(24 * 3600, ge=0, le=MAX_TTL_S)
     webhook_delivery_ttl_s: int = Field(7 * 24 * 3600, gt=0, le=MAX_TTL_S)
-    webhook_sweep_interval_s: float = Field(30.0, gt=0)
+    webhook_sweep_interval_s: float = Field(30.0, gt=0, le=DAY_S)
     webhook_max_per_tenant: int = Field(50, gt=0)
 
     # Hostile tenants. A tenant's attempts in flight at once, over all webhooks workers; its
@@ -230,15 +251,15 @@ class Settings(BaseSettings):
     # within its timeout, on a loop of their own whose name lookups take remote_health_threads
     # threads; an agent goes offline after remote_fail_after failures in a row and comes back
     # after remote_recover_after_s and remote_recover_passes passes in a row.
-    remote_health_interval_s: float = Field(5.0, gt=0)
+    remote_health_interval_s: float = Field(5.0, gt=0, le=DAY_S)
     remote_health_timeout_s: float = Field(2.0, gt=0, le=30)
     remote_health_threads: int = Field(4, gt=0, le=64)
     remote_fail_after: int = Field(5, gt=0)
     remote_recover_passes: int = Field(5, gt=0)
-    remote_recover_after_s: float = Field(60.0, ge=0)
-    remote_lease_ttl_s: float = Field(30.0, gt=0)
+    remote_recover_after_s: float = Field(60.0, ge=0, le=DAY_S)
+    remote_lease_ttl_s: float = Field(30.0, gt=0, le=MAX_TTL_S)
     # A call whose answer has not begun within this is retried (a first-byte timeout).
-    remote_first_byte_timeout_s: float = Field(30.0, gt=0)
+    remote_first_byte_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
 
     # /metrics. Each API process computes the system gauges (queue depths, the oldest queued
     # task, registry health) every metrics_refresh_s and serves the last figures; a scrape
@@ -252,7 +273,7 @@ class Settings(BaseSettings):
     # script of another origin on this one (where the console keeps its key in the tab).
     # Off: both 404; /openapi.json stays.
     api_docs: bool = True
-    metrics_refresh_s: float = Field(15.0, gt=0)
+    metrics_refresh_s: float = Field(15.0, gt=0, le=DAY_S)
     worker_metrics_host: str = "127.0.0.1"
 
     # The API and worker processes collect the garbage collector's youngest generation every
@@ -279,7 +300,41 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _psycopg_driver(cls, value: str) -> str:
-        return psycopg_url(value)
+        value = psycopg_url(value)
+        try:
+            drivername = make_url(value).drivername
+        except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+            drivername = None
+        if drivername != "postgresql+psycopg":
+            raise ValueError(
+                f"not a PostgreSQL URL ({_scheme(value)}): postgresql+psycopg://user@host/db,"
+                " or postgresql:// or postgres://"
+            )
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _a_redis_url(cls, value: str) -> str:
+        _check_url(value, REDIS_SCHEMES, "a Redis URL (redis://host:6379/0, rediss://, unix://)")
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _a_broker_url(cls, value: str | None) -> str | None:
+        if not value:  # unset or empty: the Redis URL
+            return value
+        # Kombu takes several URLs separated by ';' and fails over between them.
+        for url in value.split(";"):
+            _check_url(url.strip(), BROKER_SCHEMES, "a Redis (redis://) or RabbitMQ (amqp://) URL")
+        return value
+
+    @field_validator("agent_networks", "webhook_allow")
+    @classmethod
+    def _networks_or_hosts(cls, value: list[str]) -> list[str]:
+        refused = [reason for reason in map(_refused_entry, value) if reason]
+        if refused:
+            raise ValueError("; ".join(refused))
+        return value
 
     @field_validator("public_url")
     @classmethod
@@ -305,3 +360,36 @@ class Settings(BaseSettings):
     def max_body_bytes(self) -> int:
         """The payload limit plus room for the rest of the envelope."""
         return self.max_payload_bytes + 64 * 1024
+
+
+def _check_url(url: str, schemes: tuple[str, ...], what: str) -> None:
+    # The messages name the scheme only: the rest of a URL may hold a password.
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        raise ValueError(f"not {what}: {exc}") from None
+    if parts.scheme not in schemes or "://" not in url:
+        raise ValueError(f"not {what} ({_scheme(url)})")
+
+
+def _scheme(url: str) -> str:
+    scheme, separator, _ = url.partition("://")
+    return f"scheme {scheme}://" if separator else "no scheme://"
+
+
+def _refused_entry(entry: str) -> str | None:
+    """Why ``entry`` is neither an address or network as ``broker.webhooks.ssrf.Guard`` reads
+    one, nor a host name; None when it is one. The guard takes anything else for a host name
+    no URL can carry: a mistyped network (``10.0.0/8``) allowed nothing, and nothing said so."""
+    text = entry.strip().lower().rstrip(".")
+    try:
+        ip_network(text.strip("[]"), strict=False)
+        return None
+    except ValueError:
+        pass
+    if "/" in text or ":" in text or "[" in text or not text.strip("0123456789."):
+        return f"{entry!r} is not an IP address or network"
+    if len(text) > 253 or not _HOSTNAME.fullmatch(text):
+        return f"{entry!r} is neither an IP address, a network nor a host name"
+    return None

@@ -8,6 +8,7 @@ from sqlalchemy import create_engine, pool
 from broker.db.engines import bounded
 from broker.db.models import Base
 from broker.settings import Settings
+from reach.migrate import take_migration_lock
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):
@@ -31,6 +32,10 @@ def run_online() -> None:
         if lock_timeout_ms is not None:
             connection.exec_driver_sql(f"SET lock_timeout = {int(lock_timeout_ms)}")
             connection.commit()
+        # One run at a time, the next waiting for this one within a try's lock_timeout (no
+        # lock_timeout, as with the ``alembic`` command: as long as it takes), then finding
+        # nothing left to do.
+        take_migration_lock(connection, None if lock_timeout_ms is None else lock_timeout_ms / 1000)
         # Each migration commits with its version: one that fails leaves the database at the
         # one before it, whole. In one transaction for the lot, the indexes built or dropped
         # concurrently (outside it) stayed, while the versions that recorded them rolled back.

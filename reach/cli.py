@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
+
     from broker.settings import Settings
 
 # The server's modules are imported when an operator command runs, not when `reach submit`
@@ -69,9 +71,15 @@ def _keys_list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from reach_client.cli import exits
+
     from reach import migrate
 
-    migrate.upgrade(settings.database_url)
+    try:
+        migrate.upgrade(settings.database_url)
+    except migrate.MigrationBlocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exits.USAGE
     print("migrated to head")
     return 0
 
@@ -110,17 +118,23 @@ def _dev(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _operator(command: Command) -> Callable[[argparse.Namespace], int]:
-    """The handler: the server's settings from the environment, a refusal printed with its
-    code (exit status 2), and Postgres or Redis out of reach in one line (exit status 7, as
-    the user's commands say of the API)."""
+    """The handler: the server's settings from the environment (a line for each one refused,
+    exit status 2), a refusal printed with its code (exit status 2), and Postgres or Redis
+    out of reach in one line (exit status 7, as the user's commands say of the API)."""
 
     def handle(args: argparse.Namespace) -> int:
+        from pydantic import ValidationError
         from reach_client.cli import exits
 
         from broker.errors import ReachError
         from broker.settings import Settings
 
-        settings = Settings()
+        try:
+            settings = Settings()
+        except ValidationError as exc:
+            for line in settings_refused(exc):
+                print(f"error: {line}", file=sys.stderr)
+            return exits.USAGE
         try:
             return command(args, settings)
         except ReachError as exc:
@@ -135,6 +149,28 @@ def _operator(command: Command) -> Callable[[argparse.Namespace], int]:
             return exits.UNREACHABLE
 
     return handle
+
+
+def settings_refused(exc: ValidationError) -> list[str]:
+    """What is wrong with each setting ``exc`` refused, named as the environment names it."""
+    from pydantic import AliasChoices
+
+    from broker.settings import Settings
+
+    # A setting read from several variables is named by its first (REACH_DATABASE_URL).
+    aliases = {
+        str(alias.choices[0]): " or ".join(map(str, alias.choices))
+        for alias in (field.validation_alias for field in Settings.model_fields.values())
+        if isinstance(alias, AliasChoices)
+    }
+    lines = []
+    for error in exc.errors():
+        name, *item = error["loc"]
+        variable = aliases.get(str(name)) or f"REACH_{str(name).upper()}"
+        if item and isinstance(item[0], int):  # a comma list's entry
+            variable += f" (entry {item[0] + 1})"
+        lines.append(f"{variable}: {error['msg'].removeprefix('Value error, ')}")
+    return lines
 
 
 def _unreachable(exc: Exception, settings: Settings) -> str | None:

@@ -39,6 +39,7 @@ from workers.system.webhooks import register as register_webhooks
 
 log = logging.getLogger("reach.worker")
 HARD_LIMIT_GRACE_S = 30
+AMQP_SCHEMES = ("amqp://", "amqps://", "pyamqp://")  # RabbitMQ, as Celery's broker URL names it
 INFRA_RETRY_S = 2
 
 
@@ -51,20 +52,38 @@ def load_agents(modules: list[str]) -> None:
 def hard_time_limit_s(settings: Settings, registry: AgentRegistry) -> float:
     """Celery's hard limit: the longest agent timeout plus a grace for the soft limit to act.
 
-    It must stay below the broker's redelivery (visibility) timeout, or a Redis broker would
-    hand a still-running task to a second worker; a worker refuses to start otherwise.
+    It must stay below the broker's redelivery timeout, or a worker refuses to start: past it
+    a Redis broker hands a still-running task to a second worker (the visibility timeout), and
+    RabbitMQ closes the channel of a delivery still unacked (late ack) and puts back every
+    delivery on it (the server's ``consumer_timeout``).
     """
     longest = max(
         (s.card.timeout_s or settings.default_task_timeout_s for s in registry),
         default=settings.default_task_timeout_s,
     )
     hard = longest + HARD_LIMIT_GRACE_S
-    if hard >= VISIBILITY_TIMEOUT_S:
+    bound_s, bound = redelivery_timeout(settings)
+    if hard >= bound_s:
         raise RuntimeError(
             f"an agent timeout of {longest:.0f}s needs a hard limit of {hard:.0f}s, not below "
-            f"the broker's visibility timeout of {VISIBILITY_TIMEOUT_S}s: shorten the timeout"
+            f"{bound}"
         )
     return hard
+
+
+def redelivery_timeout(settings: Settings) -> tuple[float, str]:
+    """How long the broker waits for a delivery's ack before it gives the message out again,
+    and what sets it and what to do, for the message of a worker that refuses to start."""
+    if settings.celery_broker_url.startswith(AMQP_SCHEMES):
+        timeout_s = settings.broker_consumer_timeout_s
+        return timeout_s, (
+            f"RabbitMQ's consumer_timeout (REACH_BROKER_CONSUMER_TIMEOUT_S: {timeout_s:.0f}s):"
+            " shorten the timeout, or raise consumer_timeout on the RabbitMQ server and"
+            " REACH_BROKER_CONSUMER_TIMEOUT_S with it"
+        )
+    return VISIBILITY_TIMEOUT_S, (
+        f"the broker's visibility timeout of {VISIBILITY_TIMEOUT_S}s: shorten the timeout"
+    )
 
 
 def _configure_logging(loglevel: str | int = "INFO", **_: object) -> None:

@@ -134,7 +134,7 @@ class LeaseKeeper:
                 self.consumer.cancel_task_queue(spec.name)
             for queue in queues:
                 if queue != spec.name:
-                    self.consumer.add_task_queue(queue)
+                    self._consume_from_start(queue)
         self.renew()
         self._record(READY)
         self._renewals.start()
@@ -145,6 +145,25 @@ class LeaseKeeper:
             [s.name for s in self.specs],
             self.lease.lease_ttl_s,
         )
+
+    def _consume_from_start(self, name: str) -> None:
+        """Add ``name`` to the queues the task consumer takes from, for Celery's loop to start
+        with ``-Q``'s once its message callback is set. Starting it here (``add_task_queue``)
+        started every queue not yet consumed, ``-Q``'s too, before there was a callback: over
+        AMQP the messages already waiting arrived while ``basic_consume`` waited for its reply,
+        and the worker died at start. The keeper starts before that loop (``LeaseStep``), and
+        the queue stays selected, so a consumer restarted after a lost connection takes it too.
+        """
+        tasks = self.consumer.task_consumer
+        if tasks.consuming_from(name):
+            return
+        queues = self.consumer.app.amqp.queues
+        # Declared as Celery's ``add_task_queue`` declares it: the binding its publishers use.
+        if name in queues:
+            queue = queues.select_add(queues[name])
+        else:
+            queue = queues.select_add(name, exchange=name, exchange_type="direct")
+        tasks.add_queue(queue)
 
     def _renew_each(self) -> None:
         """Renew every ``renew_every_s``, and at once when the lease is found gone from Redis

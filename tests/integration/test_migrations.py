@@ -3,8 +3,13 @@ and every migration must go down and up again."""
 
 from __future__ import annotations
 
+import functools
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -13,7 +18,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 from broker.db.models import Base
-from reach import localservices, migrate
+from reach import cli, localservices, migrate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -76,6 +83,99 @@ def test_a_migration_that_cannot_take_its_lock_gives_up_and_says_so_then_goes_th
         assert reader.execute("SELECT count(*) FROM tasks").fetchone() == (0,)
     # And once the reader is gone it goes through
     migrate.upgrade(empty_database)
+    assert schema_diff(empty_database) == []
+
+
+# Each run imports first, then waits for a line on stdin: both start migrating at once.
+RUN_AT_THE_SIGNAL = """
+import sys
+from reach import migrate
+sys.stdin.readline()
+migrate.upgrade(sys.argv[1])
+"""
+
+
+def test_two_migrations_at_once_both_succeed_one_after_the_other(empty_database: str) -> None:
+    # Given two runs of the migrations on one empty database, started at the same moment
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUN_AT_THE_SIGNAL, empty_database],
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.stdin is not None
+        run.stdin.write("go\n")
+        run.stdin.flush()
+    # When both have ended
+    ended = [(run.wait(timeout=120), run.communicate()[1]) for run in runs]
+    # Then both succeeded, the second finding nothing left to do (before: one failed, a unique
+    # violation on alembic_version or a deadlock), and the schema is the models'
+    assert [code for code, _ in ended] == [0, 0], ended
+    assert schema_diff(empty_database) == []
+
+
+def test_a_migration_waits_for_the_one_running_then_gives_up_saying_so(
+    empty_database: str,
+) -> None:
+    # Given a session holding the migration lock, as a run in progress does
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as running:
+        running.execute("SELECT pg_advisory_lock(%s)", (migrate.MIGRATION_LOCK,))
+        # When another run's tries are spent waiting for it
+        # Then it fails saying why, having changed nothing
+        with pytest.raises(migrate.MigrationBlocked, match="another migration is running"):
+            migrate.upgrade(empty_database, lock_timeout_s=0.2, tries=2, pause_s=0.1)
+        assert tables(empty_database) == set()
+    # And once the lock is let go it goes through
+    migrate.upgrade(empty_database)
+    assert schema_diff(empty_database) == []
+
+
+def test_reach_migrate_says_in_one_line_that_it_could_not_take_its_locks(
+    empty_database: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a session holding the migration lock, and tries shortened from 80 s in all
+    monkeypatch.setenv("REACH_DATABASE_URL", empty_database)
+    monkeypatch.setattr(
+        migrate, "upgrade", functools.partial(migrate.upgrade, lock_timeout_s=0.2, pause_s=0.1)
+    )
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as running:
+        running.execute("SELECT pg_advisory_lock(%s)", (migrate.MIGRATION_LOCK,))
+        # When `reach migrate` is run (before: a MigrationBlocked traceback)
+        status = cli.main(["migrate"])
+    # Then it says why in one line, with the exit status of any refusal
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the migrations could not take their locks in 6 tries"), err
+    assert "\n" not in err
+
+
+def test_the_alembic_command_waits_for_the_migration_lock_too(empty_database: str) -> None:
+    # Given a session holding the migration lock
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as running:
+        running.execute("SELECT pg_advisory_lock(%s)", (migrate.MIGRATION_LOCK,))
+        # When ``alembic upgrade head`` is run (alembic.ini: the same as ``reach migrate``)
+        env = {**os.environ, "REACH_DATABASE_URL": empty_database}
+        env.pop("DATABASE_URL", None)
+        alembic = subprocess.Popen(
+            [sys.executable, "-m", "alembic", "upgrade", "head"],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # Then it waits for it, having changed nothing
+        with pytest.raises(subprocess.TimeoutExpired):
+            alembic.wait(timeout=3)
+        assert tables(empty_database) == set()
+    # And migrates once it is let go
+    assert alembic.wait(timeout=60) == 0, alembic.communicate()[1]
     assert schema_diff(empty_database) == []
 
 
