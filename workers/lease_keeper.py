@@ -52,6 +52,7 @@ from broker.registry import leases, revocations
 from broker.registry.model import (
     DRAINING,
     OFFLINE,
+    QUEUE_NAME_MAX_BYTES,
     READY,
     Lease,
     drain_key,
@@ -119,6 +120,7 @@ class LeaseKeeper:
     def start(self) -> None:
         if not self.specs:
             return
+        self._check_queue_names()
         self.started = True
         leases.advertise_cards(self.engine, [s.card.document() for s in self.specs])
         self.redis.delete(drain_key(self.instance))  # a restart is not still draining
@@ -145,6 +147,21 @@ class LeaseKeeper:
             [s.name for s in self.specs],
             self.lease.lease_ttl_s,
         )
+
+    def _check_queue_names(self) -> None:
+        """Refuse to start, saying why, when the broker is RabbitMQ and a queue of this
+        instance's is past the 255 bytes of an AMQP queue's name: its declare failed with
+        ``ubyte format requires 0 <= number <= 255``, which named neither queue nor cure."""
+        if self.consumer.connection.transport.driver_type != "amqp":
+            return
+        for spec in self.specs:
+            for queue in spec.card.ref().queues(self.instance):
+                if len(queue.encode()) > QUEUE_NAME_MAX_BYTES:
+                    raise RuntimeError(
+                        f"the queue {queue!r} is {len(queue.encode())} bytes, past the "
+                        f"{QUEUE_NAME_MAX_BYTES} RabbitMQ allows a queue's name: give the "
+                        "worker a shorter name (-n) or the capability a shorter one"
+                    )
 
     def _consume_from_start(self, name: str) -> None:
         """Add ``name`` to the queues the task consumer takes from, for Celery's loop to start

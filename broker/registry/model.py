@@ -64,6 +64,11 @@ def removed_key(instance: str) -> str:
     return REMOVED_PREFIX + instance
 
 
+# RabbitMQ's most for a queue's name (an AMQP short string). A longer one's declare failed:
+# the bridge stopped, and every remote agent with it; a worker died at start.
+QUEUE_NAME_MAX_BYTES = 255
+
+
 def card_queue(capability: str, agent_id: str, version: str) -> str:
     """The queue of one card, used when several cards serve a capability and routing picks one.
     ``@`` cannot appear in a capability name, so it never collides with a capability queue."""

@@ -23,7 +23,13 @@ from broker.db.models import agent_revocations_table as revocations
 from broker.db.models import remote_agents_table as remote_agents
 from broker.errors import Gone, InvalidEnvelope
 from broker.registry import addresses, leases
-from broker.registry.model import Card, card_queue, check_tenants, instance_queue
+from broker.registry.model import (
+    QUEUE_NAME_MAX_BYTES,
+    Card,
+    card_queue,
+    check_tenants,
+    instance_queue,
+)
 from broker.remote.connections import address_refused
 from broker.webhooks import signing
 from broker.webhooks.ssrf import URL_MAX, Guard, HostLookups, UrlNotAllowed, parse_url
@@ -46,15 +52,10 @@ class EndpointNotAllowed(RegistrationInvalid):
     code = "endpoint_not_allowed"
 
 
-# RabbitMQ's most for a queue's name (an AMQP short string): a longer one refused by the
-# bridge's declare stopped it, and every remote agent with it. Held on any broker, so a
-# registration does not depend on which one runs.
-QUEUE_NAME_MAX_BYTES = 255
-
-
 def check_queue_names(agent_id: str, version: str, documents: Iterable[Mapping[str, Any]]) -> None:
     """422 ``registration_invalid`` when a queue the bridge would consume for one of these
-    cards is past ``QUEUE_NAME_MAX_BYTES``: the longest, the agent's own under its card's."""
+    cards is past ``QUEUE_NAME_MAX_BYTES`` (RabbitMQ's): the longest, the agent's own under
+    its card's. Held on any broker, so a registration does not depend on which one runs."""
     for document in documents:
         capability = document["capability"]
         longest = instance_queue(

@@ -5,6 +5,7 @@ limit held below RabbitMQ's consumer_timeout, as it is below Redis's visibility 
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,3 +172,21 @@ def test_a_worker_restarted_after_kill_9_finishes_its_tasks(
         **dict.fromkeys(once, ("failed", "worker_lost")),
     }
     assert [runs(redis_url, t) for t in idem + once] == [2, 2, 1, 1]
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.timeout(120)
+def test_a_worker_whose_queue_name_rabbitmq_would_refuse_says_so_at_start(
+    rabbit_settings: Settings, log_dir: Path
+) -> None:
+    # Given a worker name that makes its instance queue (card queue @ name @ host) longer
+    # than an AMQP queue's name may be (255 bytes), though not Celery's own control queue
+    # (<name>@<host>.celery.pidbox, whose declare fails the same way past it)
+    hostname_bytes = 235
+    name = "w" * (hostname_bytes - len(f"@{socket.gethostname()}"))
+    # I expect it to refuse to start naming the queue and the cure (it died on
+    # "ubyte format requires 0 <= number <= 255", which named neither)
+    with pytest.raises(RuntimeError, match="did not start") as refused:
+        start_worker(rabbit_settings, "test.solo", name, log_dir)
+    assert "past the 255 RabbitMQ allows a queue's name" in str(refused.value)
+    assert "shorter name (-n)" in str(refused.value)
