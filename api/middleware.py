@@ -14,7 +14,7 @@ from api import errors
 from api.callers import TenantOfKey
 from broker.errors import Unavailable
 from broker.observability import logs, metrics, otel
-from broker.observability.tracing import trace_id_from, traceparent
+from broker.observability.tracing import trace_id_from, traceparent, traceparent_trace_id
 
 # The methods a request's counts are labelled with; any other (WebDAV's, or any token under
 # h11) counts as OTHER: each label value is a series kept for the process's life.
@@ -36,10 +36,11 @@ class TraceMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        trace_id = trace_id_from(headers.get("traceparent"), headers.get("x-trace-id"))
-        if self.otel and not (headers.get("traceparent") or headers.get("x-trace-id")):
-            trace_id = otel.current_trace_id() or trace_id  # the instrumentation's trace
+        trace_id = trace_id_from(*_trace_headers(scope))
+        if self.otel:
+            # The instrumentation's trace: it continued a valid traceparent (the shim below
+            # gave one for a valid X-Trace-Id), else began one; either way the spans' trace.
+            trace_id = otel.current_trace_id() or trace_id
         scope.setdefault("state", {})["trace_id"] = trace_id
         logs.bind(trace_id=trace_id)
         started = time.perf_counter()
@@ -96,13 +97,29 @@ class TraceparentFromTraceId:  # used with OpenTelemetry only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            names = {k.lower() for k, _ in scope["headers"]}
-            if b"traceparent" not in names and b"x-trace-id" in names:
-                given = dict(scope["headers"])[b"x-trace-id"].decode("latin-1")
+            sent, given = _trace_headers(scope)
+            if given is not None and traceparent_trace_id(sent) is None:
+                # No valid traceparent (none, junk, or several): the X-Trace-Id's, in its place
                 trace_id = trace_id_from(None, given)
+                kept = [(k, v) for k, v in scope["headers"] if k.lower() != b"traceparent"]
                 header = traceparent(trace_id).encode()
-                scope = {**scope, "headers": [*scope["headers"], (b"traceparent", header)]}
+                scope = {**scope, "headers": [*kept, (b"traceparent", header)]}
         await self.app(scope, receive, send)
+
+
+def _trace_headers(scope: Scope) -> tuple[str | None, str | None]:
+    """The request's ``traceparent`` and ``X-Trace-Id``, None when absent. Several
+    ``traceparent`` headers are none valid (W3C): their last one was taken, OpenTelemetry
+    took the first."""
+    parents: list[str] = []
+    given: str | None = None
+    for key, value in scope["headers"]:
+        name = key.lower()
+        if name == b"traceparent":
+            parents.append(value.decode("latin-1"))
+        elif name == b"x-trace-id":
+            given = value.decode("latin-1")
+    return (parents[0] if len(parents) == 1 else None), given
 
 
 # Where a request's ``Place`` is in its scope's state (``request.state.waiting_place``).

@@ -8,7 +8,10 @@ import secrets
 
 from broker.ids import unique_hex
 
-_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+# W3C Trace Context, as OpenTelemetry's propagator reads it: lowercase hex only; version ff
+# is invalid; version 00 has exactly four fields, a later one may add more after a dash.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
+_ZERO_PARENT = "0" * 16
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _ZERO = "0" * 32
 
@@ -22,12 +25,27 @@ def traceparent(trace_id: str) -> str:
     return f"00-{trace_id}-{unique_hex(64)}-01"
 
 
+def traceparent_trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a valid W3C ``traceparent``; None for any other. Read as
+    OpenTelemetry reads it, so that with it on our trace id and the spans' agree."""
+    match = _TRACEPARENT.fullmatch(traceparent.strip()) if traceparent else None
+    if match is None:
+        return None
+    version, trace_id, parent_id, more = match.groups()
+    if version == "ff" or (version == "00" and more is not None):
+        return None
+    if trace_id == _ZERO or parent_id == _ZERO_PARENT:
+        return None
+    return trace_id
+
+
 def trace_id_from(traceparent: str | None, x_trace_id: str | None) -> str:
-    """The caller's trace id when it is well formed, else a new one (never trust junk)."""
-    if traceparent:
-        match = _TRACEPARENT.fullmatch(traceparent.strip().lower())
-        if match and match.group(1) != _ZERO:
-            return match.group(1)
+    """The caller's trace id when it is well formed, else a new one (never trust junk): a
+    valid ``traceparent``'s, else ``X-Trace-Id``'s (32 hex digits, any case, dashes allowed
+    as in a UUID)."""
+    from_traceparent = traceparent_trace_id(traceparent)
+    if from_traceparent is not None:
+        return from_traceparent
     if x_trace_id:
         candidate = x_trace_id.strip().lower().replace("-", "")
         if _TRACE_ID.fullmatch(candidate) and candidate != _ZERO:

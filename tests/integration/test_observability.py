@@ -40,6 +40,7 @@ from tests.integration.stack import (
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+OTHER = "0af7651916cd43dd8448eb211c80319c"
 
 
 def json_lines(text: str) -> list[dict[str, object]]:
@@ -379,7 +380,7 @@ def test_cancelling_a_task_announces_task_cancelled(client: httpx.Client) -> Non
 # Run in a process of its own: OpenTelemetry's tracer provider is set once per process, so
 # this one owns it whatever else ran before (no skip when another test set one first).
 OTEL_CHILD = """
-import json, sys
+import json, sys, time
 import httpx
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from api.app import create_app
@@ -387,29 +388,58 @@ from broker.observability import otel
 from broker.settings import Settings
 from tests.integration.stack import ServedApp
 
-token, given_trace = sys.argv[1:3]
+token, cases = sys.argv[1], json.loads(sys.argv[2])
 exporter = InMemorySpanExporter()
 otel.setup_tracing("reach-test", exporter=exporter)
 app = create_app(Settings(otel=True))
-headers = {"Authorization": f"Bearer {token}"}
-with ServedApp(app) as served, httpx.Client(base_url=served.url, headers=headers) as http:
-    made = http.get("/tasks")  # no trace header: the instrumentation's trace is ours
-    given = http.get("/tasks", headers={"X-Trace-Id": given_trace})  # ours becomes the span's
-spans = exporter.get_finished_spans()
-print(json.dumps({
-    "statuses": [made.status_code, given.status_code],
-    "made": made.headers["x-trace-id"],
-    "given": given.headers["x-trace-id"],
-    "span_traces": sorted({f"{s.context.trace_id:032x}" for s in spans}),
-}))
+found = {}
+with ServedApp(app) as served, httpx.Client(base_url=served.url) as http:
+    for name, headers in cases.items():
+        exporter.clear()
+        answer = http.get("/tasks", headers=[("Authorization", f"Bearer {token}"), *headers])
+        deadline = time.monotonic() + 10  # the server's span ends just after its answer
+        while time.monotonic() < deadline:
+            spans = exporter.get_finished_spans()
+            if any(s.name == "GET /tasks" for s in spans):
+                break
+            time.sleep(0.01)
+        found[name] = {
+            "status": answer.status_code,
+            "ours": answer.headers["x-trace-id"],
+            "spans": sorted({f"{s.context.trace_id:032x}" for s in spans}),
+        }
+print(json.dumps(found))
 """
+SPAN = "00f067aa0ba902b7"
+# name -> the request's trace headers, and the trace it continues (None: a new one)
+OTEL_CASES: dict[str, tuple[list[tuple[str, str]], str | None]] = {
+    "none": ([], None),
+    "traceparent": ([("traceparent", f"00-{TRACE}-{SPAN}-01")], TRACE),
+    "x-trace-id": ([("X-Trace-Id", OTHER)], OTHER),
+    "a later version": ([("traceparent", f"01-{TRACE}-{SPAN}-01-more")], TRACE),
+    # invalid (W3C, and OpenTelemetry): ours was taken from some, a new one from others
+    "uppercase": ([("traceparent", f"00-{TRACE.upper()}-{SPAN}-01")], None),
+    "version ff": ([("traceparent", f"ff-{TRACE}-{SPAN}-01")], None),
+    "zero parent": ([("traceparent", f"00-{TRACE}-{'0' * 16}-01")], None),
+    "junk": ([("traceparent", "junk")], None),
+    "junk and x-trace-id": ([("traceparent", "junk"), ("X-Trace-Id", OTHER)], OTHER),
+    # OpenTelemetry continues the first of several (ours took the last)
+    "two": (
+        [("traceparent", f"00-{TRACE}-{SPAN}-01"), ("traceparent", f"00-{OTHER}-{SPAN}-01")],
+        TRACE,
+    ),
+}
 
 
 def test_with_opentelemetry_on_our_trace_id_is_the_spans_trace(
     settings: Settings, tenant: tuple[str, str]
 ) -> None:
+    """Whatever trace headers a request brings, its X-Trace-Id is the trace its spans are
+    in: ours and OpenTelemetry's read them differently (uppercase, version ff, a later
+    version's fields, several headers), and the two parted."""
+    cases = {name: headers for name, (headers, _) in OTEL_CASES.items()}
     child = subprocess.run(
-        [sys.executable, "-c", OTEL_CHILD, tenant[1], TRACE],
+        [sys.executable, "-c", OTEL_CHILD, tenant[1], json.dumps(cases)],
         env=environment(settings),
         cwd=ROOT,
         capture_output=True,
@@ -418,7 +448,11 @@ def test_with_opentelemetry_on_our_trace_id_is_the_spans_trace(
     )
     assert child.returncode == 0, child.stderr
     found = json.loads(child.stdout.strip().splitlines()[-1])
-    assert found["statuses"] == [200, 200]
-    assert found["made"] in found["span_traces"]
-    assert found["given"] == TRACE
-    assert TRACE in found["span_traces"]
+    for name, (_, continued) in OTEL_CASES.items():
+        got = found[name]
+        assert got["status"] == 200, name
+        assert got["spans"] == [got["ours"]], name
+        if continued is not None:
+            assert got["ours"] == continued, name
+        else:
+            assert got["ours"] not in (TRACE, OTHER), name

@@ -28,7 +28,8 @@ def is_new_id(value: str, *not_these: str | None) -> bool:
         TRACEPARENT,
         f"00-{TRACE}-00f067aa0ba902b7-00",
         f"  {TRACEPARENT}\t",
-        TRACEPARENT.upper(),  # normalised to lowercase rather than refused
+        f"01-{TRACE}-00f067aa0ba902b7-01",  # a later version
+        f"01-{TRACE}-00f067aa0ba902b7-01-what-it-adds",  # may add fields after the flags
     ],
 )
 def test_given_a_well_formed_traceparent_expect_its_trace_id(traceparent: str) -> None:
@@ -45,7 +46,11 @@ def test_given_a_well_formed_traceparent_expect_its_trace_id(traceparent: str) -
         f"00-{TRACE[:-1]}g-00f067aa0ba902b7-01",  # not hex
         f"00_{TRACE}_00f067aa0ba902b7_01",
         f"0-{TRACE}-00f067aa0ba902b7-01",
-        f"00-{TRACE}-00f067aa0ba902b7-01-extra",
+        f"00-{TRACE}-00f067aa0ba902b7-01-extra",  # version 00 has exactly four fields
+        TRACEPARENT.upper(),  # W3C: lowercase only (OpenTelemetry refuses it too)
+        f"ff-{TRACE}-00f067aa0ba902b7-01",  # version ff is invalid
+        f"00-{TRACE}-{'0' * 16}-01",  # so is the all-zero parent id
+        f"01-{TRACE}-00f067aa0ba902b7-01extra",  # a later version's fields follow a dash
         TRACE,
         "garbage",
         "",
