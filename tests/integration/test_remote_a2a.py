@@ -291,6 +291,29 @@ def test_the_trace_the_session_and_the_task_reach_the_agent(
     assert headers["webhook-signature"].startswith("v1,")
 
 
+def test_each_request_of_a_polled_call_carries_the_trace_with_a_parent_id_of_its_own(
+    ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess, log_dir: Path
+) -> None:
+    """W3C: a request's parent id is that request's, as an ``http`` call's is. The bridge
+    sent its SendMessage's with every GetTask poll (and the cancel)."""
+    trace_id = uuid.uuid4().hex
+    with registered_agent(ops, log_dir / "traced.log", "traced", "traced", "--no-streaming") as a:
+        text = " ".join(f"Sentence {i}." for i in range(4))
+        answer = caller.post(
+            "/tasks",
+            json={"capability": "traced.summarize", "payload": {"text": text, "delay_s": 0.3}},
+            headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"},
+        )
+        assert answer.status_code == 202, answer.text
+        assert wait_for_task(caller, answer.json()["task_id"], FINAL)["status"] == "succeeded"
+        sent = [t.split("-") for t in a.stats()["traceparents"] if t]
+    ours = [parts for parts in sent if parts[1] == trace_id]
+    assert len(ours) >= 2, sent  # SendMessage, then GetTask until the task ended
+    parents = [parts[2] for parts in ours]
+    assert len(set(parents)) == len(parents), parents
+    assert "1" * 16 not in parents
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [

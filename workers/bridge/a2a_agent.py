@@ -296,7 +296,7 @@ async def _call_once(
     except EndpointNotAllowed:
         message = "the agent's card names an interface the bridge may not call"
         raise Retryable(message, code="endpoint_not_allowed") from None
-    run = _Run(client, ctx, ClientCallContext(service_parameters=ctx.trace_headers()))
+    run = _Run(client, ctx)
     try:
         if streams:
             return await run.streamed(request, agent.first_byte_timeout_s)
@@ -329,7 +329,6 @@ class _Run:
 
     client: A2AClient
     ctx: Context
-    call_ctx: ClientCallContext
     task_id: str = ""
     # At most what an ``http`` agent's answer may be: they are the task's result.
     artifacts: a2a_json.Artifacts = field(
@@ -340,11 +339,16 @@ class _Run:
     percent: float = 0.0
     reported: tuple[float | None, str] | None = None  # the last status shown as progress
 
+    def call_context(self) -> ClientCallContext:
+        """The task's trace for one request: its ``traceparent`` with a parent id of its own,
+        as each ``http`` call's has (every poll and the cancel had the first request's)."""
+        return ClientCallContext(service_parameters=self.ctx.trace_headers())
+
     async def streamed(self, request: SendMessageRequest, first_byte_timeout_s: float) -> Any:
         # An async generator, though typed as an iterator: closing it closes the call.
         stream = cast(
             AsyncGenerator[StreamResponse, None],
-            self.client.send_message(request, context=self.call_ctx),
+            self.client.send_message(request, context=self.call_context()),
         )
         async with aclosing(stream) as events:
             event = await self.first(events, first_byte_timeout_s, "event")
@@ -366,7 +370,7 @@ class _Run:
         done = None
         stream = cast(
             AsyncGenerator[StreamResponse, None],
-            self.client.send_message(request, context=self.call_ctx),
+            self.client.send_message(request, context=self.call_context()),
         )
         async with aclosing(stream) as events:
             event = await self.first(events, first_byte_timeout_s, "answer")
@@ -412,7 +416,7 @@ class _Run:
                 async with asyncio.timeout(POLL_READ_S):
                     task = await self.client.get_task(
                         GetTaskRequest(id=self.task_id, history_length=0),
-                        context=self.call_ctx,
+                        context=self.call_context(),
                     )
             except TimeoutError:
                 task = None
@@ -490,7 +494,8 @@ class _Run:
     async def _cancel_task(self, task_id: str) -> None:
         try:
             async with asyncio.timeout(CANCEL_TIMEOUT_S):
-                await self.client.cancel_task(CancelTaskRequest(id=task_id), context=self.call_ctx)
+                request = CancelTaskRequest(id=task_id)
+                await self.client.cancel_task(request, context=self.call_context())
         except (*_UNREAD, TimeoutError) as exc:
             log.info("CancelTask for the agent's task %s failed: %r", task_id, exc)
 

@@ -55,12 +55,14 @@ class Stats:
         self.cancelled: list[dict[str, str | None]] = []
         self.last_message: dict[str, Any] = {}
         self.last_request: dict[str, Any] = {}
+        self.traceparents: list[str] = []  # of the last 100 POSTs, oldest first
 
     def view(self) -> dict[str, Any]:
         return {
             "cancelled": self.cancelled,
             "last_message": self.last_message,
             "last_request": self.last_request,
+            "traceparents": self.traceparents,
         }
 
 
@@ -159,7 +161,8 @@ def agent_card(base_url: str, *, streaming: bool, binding: str) -> AgentCard:
 
 
 class RecordRequests:
-    """Keeps the path and headers of the last POST, for ``/stats``."""
+    """Keeps the path and headers of the last POST, and the ``traceparent`` of the last 100,
+    for ``/stats``."""
 
     def __init__(self, app: ASGIApp, stats: Stats) -> None:
         self.app, self.stats = app, stats
@@ -168,6 +171,9 @@ class RecordRequests:
         if scope["type"] == "http" and scope["method"] == "POST":
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             self.stats.last_request = {"path": scope["path"], "headers": headers}
+            self.stats.traceparents = [*self.stats.traceparents, headers.get("traceparent", "")][
+                -100:
+            ]
         await self.app(scope, receive, send)
 
 
