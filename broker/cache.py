@@ -4,6 +4,7 @@ on a submit must not query per request."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import math
@@ -50,8 +51,13 @@ class TimedCache:
             return value
         running = self._computing.get(key)
         if running is None:
-            running = self._computing[key] = asyncio.ensure_future(self._compute(key, compute))
-            running.add_done_callback(lambda done: self._computed(key, done))
+            # Shared by every request that waits for it: in a context of its own, so that
+            # what it logs carries no one request's trace id.
+            alone = contextvars.Context()
+            loop = asyncio.get_running_loop()
+            running = loop.create_task(self._compute(key, compute), context=alone)
+            self._computing[key] = running
+            running.add_done_callback(lambda done: self._computed(key, done), context=alone)
         return await asyncio.shield(running)
 
     async def _compute(self, key: Any, compute: Callable[[], Awaitable[Any]]) -> Any:
@@ -93,8 +99,10 @@ class RecentFigures(Generic[K]):
         if read is None:
             if len(self._known.keys() | self._reads.keys()) >= self.max_tracked:
                 self._forget_older_than(refresh_s)
-            read = self._reads[key] = asyncio.ensure_future(self._read(key))
-            read.add_done_callback(functools.partial(self._read_done, key))
+            alone = contextvars.Context()  # shared: its warning is no one request's
+            read = asyncio.get_running_loop().create_task(self._read(key), context=alone)
+            self._reads[key] = read
+            read.add_done_callback(functools.partial(self._read_done, key), context=alone)
         if known is not None and (out or age <= stale_s):
             return known[1]  # the read goes on beside this request
         return await asyncio.shield(read)

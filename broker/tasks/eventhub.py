@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import time
@@ -103,7 +104,11 @@ class EventHub:
                     raise
                 self._wake.set()
             if self._reader is None or self._reader.done():
-                self._reader = asyncio.create_task(self._read(), name="reach-event-hub")
+                # In a context of its own: the request that happened to start it ends, and
+                # the hub's lines are no request's (they carried its trace id for good).
+                self._reader = asyncio.create_task(
+                    self._read(), name="reach-event-hub", context=contextvars.Context()
+                )
         with contextlib.suppress(TimeoutError):
             # Unconfirmed after this wait, the log reads below still cover the gap.
             async with asyncio.timeout(SUBSCRIBE_WAIT_S):

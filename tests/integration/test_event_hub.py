@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from broker.observability import logs
 from broker.tasks import eventhub, events
 from broker.tasks.eventhub import LOG_PAGE, EventHub
 
@@ -252,3 +253,33 @@ def test_a_final_event_appended_while_a_resumed_stream_starts_is_sent(own_redis:
         assert sent == [(3, "succeeded")]
 
     run(own_redis, steps)
+
+
+def test_the_hubs_reader_runs_in_no_requests_context(own_redis: str) -> None:
+    """The reader is shared by every listener of the process: started inside the first
+    listener's request, it ran in that request's context for good, and every line it logged
+    (a Redis failure, for everyone) carried that request's trace id and tenant."""
+    seen: list[dict[str, Any]] = []
+
+    async def steps(client: Redis, hub: EventHub, log: events.EventLog) -> None:
+        async def a_request() -> None:
+            logs.bind(trace_id="a" * 32, tenant="tenant-a")
+            async with hub.listen(str(uuid.uuid4())):
+                assert hub._pubsub is not None
+                read = hub._pubsub.get_message
+
+                async def spied(*args: Any, **kwargs: Any) -> Any:
+                    seen.append(logs.current())  # the context the reader runs in
+                    return await read(*args, **kwargs)
+
+                hub._pubsub.get_message = spied  # type: ignore[method-assign]
+                for _ in range(250):
+                    if seen:
+                        break
+                    await asyncio.sleep(0.02)
+
+        await asyncio.create_task(a_request())
+
+    run(own_redis, steps)
+    assert seen, "the reader read"
+    assert all("trace_id" not in fields and "tenant" not in fields for fields in seen), seen
