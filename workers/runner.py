@@ -319,7 +319,12 @@ class Runner:
 
     def _unclaimed(self, tid: uuid.UUID, queue: str, spec: CapabilitySpec) -> str:
         """A message whose task could not be claimed: expired before it started, final
-        already, of a tenant its card does not admit, or not to run now."""
+        already, of a tenant its card does not admit, or not to run now. Its lines carry
+        the task's trace and tenant, as a claimed task's do (they carried neither)."""
+        with logs.bound(**execution.trace_of(self.engine, tid)):
+            return self._not_run(tid, queue, spec)
+
+    def _not_run(self, tid: uuid.UUID, queue: str, spec: CapabilitySpec) -> str:
         overdue = execution.expire_overdue(self.engine, tid)
         if overdue is not None:
             return self.finalize(overdue)

@@ -589,6 +589,15 @@ def rehome(engine: Engine, queue: str, home: str) -> list[dict[str, Any]]:
         return [dict(r._mapping) for r in conn.execute(query)]
 
 
+def trace_of(engine: Engine, task_id: uuid.UUID) -> dict[str, str]:
+    """The task's ``trace_id`` and ``tenant`` ({} when it is gone), for the log lines of a
+    message that found it not to run: they are bound once a claim succeeds."""
+    query = select(tasks.c.trace_id, tasks.c.tenant).where(tasks.c.id == task_id)
+    with _autocommit(engine) as conn:
+        row = conn.execute(query).first()
+    return {} if row is None else {"trace_id": row.trace_id, "tenant": row.tenant}
+
+
 def final_row(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
     """The task if it is final (and not expired): what a redelivered message finds."""
     query = select(tasks).where(

@@ -20,14 +20,17 @@ import redis
 import redis.asyncio.connection
 import redis.connection
 from pydantic import SecretStr
-from sqlalchemy import event
+from sqlalchemy import Engine, event, select
 
 from api import system_gauges
 from api.app import create_app
 from api.services import Services
+from broker.db.models import tasks_table
 from broker.observability.logs import JsonFormatter
 from broker.settings import Settings
+from broker.tasks.dispatch import Dispatcher, send_run
 from tests.eventually import eventually
+from tests.integration.rows import a_task_row
 from tests.integration.stack import (
     ROOT,
     CeleryProcess,
@@ -456,3 +459,30 @@ def test_with_opentelemetry_on_our_trace_id_is_the_spans_trace(
             assert got["ours"] == continued, name
         else:
             assert got["ours"] not in (TRACE, OTHER), name
+
+
+def test_a_message_whose_task_is_not_to_run_is_logged_with_its_trace_and_tenant(
+    settings: Settings, engine: Engine, worker: CeleryProcess
+) -> None:
+    """Lines were bound to the task's trace once its claim succeeded: a redelivered message,
+    a cancelled task's, a session's turn not yet due were logged with neither."""
+    task_id = a_task_row(engine, tenant="tenant-traced", status="cancelled")
+    with engine.connect() as conn:
+        trace_id = conn.execute(
+            select(tasks_table.c.trace_id).where(tasks_table.c.id == task_id)
+        ).scalar_one()
+    dispatcher = Dispatcher(settings)
+    try:
+        send_run(dispatcher.app, task_id, "echo", trace_id=trace_id, tenant="tenant-traced")
+    finally:
+        dispatcher.close()
+
+    def lines() -> list[dict[str, object]]:
+        return [line for line in json_lines(worker.output()) if line.get("task_id") == str(task_id)]
+
+    found = eventually(
+        lines,
+        "the worker to skip the cancelled task's message",
+        until=lambda found: any("skipped" in str(line["event"]) for line in found),
+    )
+    assert {(line["trace_id"], line["tenant"]) for line in found} == {(trace_id, "tenant-traced")}
