@@ -105,6 +105,35 @@ def services_cpu_since(start: dict[Key, Cpu]) -> float:
     return used_s(start, services_cpu())
 
 
+@contextlib.contextmanager
+def cpu_spent(**processes: Callable[[], float]) -> Iterator[dict[str, float]]:
+    """CPU seconds used while the block runs, filled in when it ends: by each named process
+    (``processes``: a reading of its CPU seconds so far, such as ``Child.cpu_s``), by this one
+    (``client``: the publisher or HTTP client, and the benchmark's own polling) and by
+    Postgres and Redis (``services``: shared, so rough; ``services_cpu_since``). A figure of
+    one process alone leaves out whatever a system moves to its other processes."""
+    at_start = {name: read() for name, read in processes.items()}
+    client_at_start, services_at_start = time.process_time(), services_cpu()
+    spent: dict[str, float] = {}
+    yield spent
+    spent.update({name: read() - at_start[name] for name, read in processes.items()})
+    spent["client"] = time.process_time() - client_at_start
+    spent["services"] = services_cpu_since(services_at_start)
+
+
+def per_task_ms(spent: dict[str, float], done: int) -> dict[str, float]:
+    """``cpu_spent``'s seconds as ms per task done (not per task asked for: a run that lost
+    some would look cheaper), each as ``<name>_cpu_ms_per_task``, and their sum as
+    ``all_cpu_ms_per_task``."""
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1000 / max(1, done), 3)
+
+    figures = {f"{name}_cpu_ms_per_task": ms(seconds) for name, seconds in spent.items()}
+    figures["all_cpu_ms_per_task"] = ms(sum(spent.values()))
+    return figures
+
+
 def foreign_cores(start: Snapshot, end: Snapshot) -> float:
     """Cores kept busy by others between two snapshots (1.0: one whole core). Our processes
     that ended in between count as ours through the parents that reaped them (``used_s``);

@@ -8,17 +8,24 @@ A loopback model (``reach.fakemodel``, a subprocess of the run) answers each cal
 - Agent-Reach: the API and one worker process on the threads pool, running the example
   async agent ``llm.complete`` (aiohttp) on its event loop.
 
-Figures for each: tasks/s for N tasks submitted at once; the time each call adds to the
-model's, one call at a time (round trip minus the delay); the worker's peak RSS during the N
-tasks; its CPU per task. Beside them, the model alone: the same request made straight to it,
-one at a time, by the benchmark's own client (round trip minus the delay). Every system's
-added latency holds that much: the model's own answer, not the broker's work.
+Figures for each: tasks/s for N tasks submitted at once, one clock from the first send to the
+last result, with what became of them (accepted, succeeded, errors); the most calls the model
+held at once meanwhile, as it counted them; the worker's peak RSS during the N tasks; CPU per
+task done of the worker and of every process on the system's side (the publisher or HTTP
+client, Agent-Reach's API, the model, Postgres and Redis); the time each call adds to the
+model's, one call at a time (round trip minus the delay). Beside them, the model alone: the
+same request made straight to it, one at a time, by the benchmark's own client (round trip
+minus the delay). Every system's added latency holds that much: the model's own answer, not the
+broker's work.
 
 Each series of round trips is followed by as many of the same calls to the model answering
 at once (``reach.fakemodel``'s ``instant`` model): ``added_latency_instant``. After
 the model's half second of quiet every process on a call's path has slept; the instant
 series is the same path without that quiet, so the two tell the work on the path from what
 waking it costs.
+
+Then the noop figure (N echo tasks) on one threads-pool process, right after bare Celery's
+prefork noop run at the same N: its target's ratio is read between those two runs.
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import psutil
 
-from bench import alone, bareapp, baseline, loadgen, report
+from bench import alone, bareapp, baseline, loadgen, machine, report
 from bench.environment import Stores
 from bench.machine import Meter
 from bench.plan import Plan
 from bench.processes import BIN, Child, Children, celery_worker, child_env, free_port, wait_until
+from bench.reach import outcome as reach_outcome
 from bench.reach import throughput, wait_final
 from bench.stack import running_stack
 from bench.stats import RoundTrips, rate
@@ -73,10 +82,13 @@ def measure(
         for key, pool, slots in (("a_threads", "threads", threads), ("a_gevent", "gevent", gevent)):
             progress(f"model latency, bare Celery {pool} -c {slots}: {plan.model_tasks} tasks")
             with meter.phase(f"model.{key}"):
-                figures[key] = bare(stores, children, plan, pool, slots, base)
+                figures[key] = bare(stores, children, plan, pool, slots, base, model)
         progress(f"model latency, Agent-Reach async -c {reach}: {plan.model_tasks} tasks")
         with meter.phase("model.reach"):
-            figures["reach"] = agent_reach(stores, children, plan, reach, base)
+            figures["reach"] = agent_reach(stores, children, plan, reach, base, model)
+        progress(f"noop, bare Celery prefork -c {plan.concurrency}: {plan.tasks} tasks")
+        with meter.phase("model.noop_prefork"):
+            figures["noop_prefork"] = noop_prefork(stores, children, plan)
         progress(f"noop on the threads pool, one process -c {reach}: {plan.tasks} tasks")
         with meter.phase("model.noop_threads"):
             figures["noop_threads"] = noop_threads(stores, children, plan, reach)
@@ -119,21 +131,31 @@ def _healthy(base: str) -> bool:
 
 
 @contextmanager
-def peak_rss(*children: Child) -> Iterator[dict[str, float]]:
+def peak_rss(*children: Child) -> Iterator[dict[str, Any]]:
     """The largest RSS of ``children`` and their descendants together while the block runs,
-    in MB."""
-    peak = {"mb": 0.0}
+    in MB (``mb``), and how many readings it is of (``samples``). A reading is taken at the
+    start, every ``RSS_SAMPLE_S`` and at the end; one that finds no process, or loses one
+    between listing and reading it, is no reading: ``mb`` stays None until there is one, so
+    a worker that was gone reads as unmeasured, never as small."""
+    peak: dict[str, Any] = {"mb": None, "samples": 0}
     stop = threading.Event()
 
+    def one() -> None:
+        processes = [p for child in children for p in child.family()]
+        if not processes:
+            return
+        try:
+            total = sum(process.memory_info().rss for process in processes)
+        except psutil.Error:
+            return
+        mb = round(total / 2**20, 1)
+        peak["mb"] = mb if peak["mb"] is None else max(peak["mb"], mb)
+        peak["samples"] += 1
+
     def sample() -> None:
+        one()
         while not stop.wait(RSS_SAMPLE_S):
-            total = 0
-            for process in (p for child in children for p in child.family()):
-                try:
-                    total += process.memory_info().rss
-                except Exception:  # gone between listing and reading: not counted  # noqa: S112
-                    continue
-            peak["mb"] = max(peak["mb"], round(total / 2**20, 1))
+            one()
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -142,10 +164,28 @@ def peak_rss(*children: Child) -> Iterator[dict[str, float]]:
     finally:
         stop.set()
         sampler.join()
+        one()
+
+
+def _model_stats(base: str) -> dict[str, Any]:
+    answer = httpx.get(f"{base}/stats", timeout=5)
+    answer.raise_for_status()
+    stats: dict[str, Any] = answer.json()
+    return stats
+
+
+def _reset(base: str) -> None:
+    httpx.post(f"{base}/stats/reset", timeout=5).raise_for_status()
 
 
 def bare(
-    stores: Stores, children: Children, plan: Plan, pool: str, slots: int, base: str
+    stores: Stores,
+    children: Children,
+    plan: Plan,
+    pool: str,
+    slots: int,
+    base: str,
+    model: Child,
 ) -> dict[str, Any]:
     url = f"{base}/v1/chat/completions"
     app = bareapp.create_app(stores.redis_url, stores.redis_url)
@@ -164,30 +204,34 @@ def bare(
                 if time.monotonic() > deadline or not worker.alive():
                     raise
         store = baseline.RedisResults(stores.redis_url)
-        cpu_at_start = worker.cpu_s()
-        with peak_rss(worker) as peak:
+        _reset(base)
+        with (
+            machine.cpu_spent(worker=worker.cpu_s, model=model.cpu_s) as spent,
+            peak_rss(worker) as peak,
+        ):
             started = time.perf_counter()
             ids = [
                 call.apply_async((url, PROMPT), queue=bareapp.MODEL_QUEUE).id
                 for _ in range(plan.model_tasks)
             ]
-            done = baseline.wait_stored(ids, store)
+            done = baseline.wait_stored(ids, store)  # raises if one has no result
             elapsed = time.perf_counter() - started
+        held = _model_stats(base)["in_flight_max"]
         store.close()
-        cpu_s = worker.cpu_s() - cpu_at_start
         samples = RoundTrips(MODEL_DELAY_S)
         for _, instant in samples.series(plan.model_round_trips):
-            model = INSTANT if instant else "default"
+            model_name = INSTANT if instant else "default"
             with samples.timed(instant=instant):
-                call.apply_async((url, PROMPT, model), queue=bareapp.MODEL_QUEUE).get(30)
+                call.apply_async((url, PROMPT, model_name), queue=bareapp.MODEL_QUEUE).get(30)
     finally:
         children.stop(worker)
         app.close()
-    return _figures(done, elapsed, cpu_s, peak["mb"], samples, pool=pool, slots=slots)
+    outcome = {"tasks": plan.model_tasks, "accepted": len(ids), "succeeded": done, "errors": 0}
+    return _figures(outcome, elapsed, spent, peak, held, samples, pool=pool, slots=slots)
 
 
 def agent_reach(
-    stores: Stores, children: Children, plan: Plan, slots: int, base: str
+    stores: Stores, children: Children, plan: Plan, slots: int, base: str, model: Child
 ) -> dict[str, Any]:
     with running_stack(
         stores,
@@ -202,24 +246,52 @@ def agent_reach(
         # Warm-up and round trips on a tenant of their own: the N tasks are counted by tenant.
         with loadgen.Caller(stack.port, stack.key("bench-model-trips")) as caller:
             _sync(caller, envelope)  # the agent's session made before the clock
-            cpu_at_start = stack.worker.cpu_s()
-            with peak_rss(stack.worker) as peak:
+            _reset(base)
+            with (
+                machine.cpu_spent(
+                    api=stack.api.cpu_s, worker=stack.worker.cpu_s, model=model.cpu_s
+                ) as spent,
+                peak_rss(stack.worker) as peak,
+            ):
                 submitted = asyncio.run(
                     loadgen.accept_rate(
                         stack.port, token, envelope, connections=64, requests=plan.model_tasks
                     )
                 )
-                waited_from = time.perf_counter()
                 counts = wait_final(stack.stores.libpq_url, "bench-model", submitted["accepted"])
-                elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
-            cpu_s = stack.worker.cpu_s() - cpu_at_start
+                elapsed = loadgen.sent_from(submitted)
+            held = _model_stats(base)["in_flight_max"]
             samples = RoundTrips(MODEL_DELAY_S)
             instant = {**envelope, "payload": {**envelope["payload"], "model": INSTANT}}
             for _, at_once in samples.series(plan.model_round_trips):
                 with samples.timed(instant=at_once):
                     _sync(caller, instant if at_once else envelope)
-    figures = _figures(counts.get("succeeded", 0), elapsed, cpu_s, peak["mb"], samples)
+    outcome = reach_outcome(plan.model_tasks, submitted, counts)
+    figures = _figures(outcome, elapsed, spent, peak, held, samples)
     return {**figures, "pool": "threads (async handler)", "slots": slots, "statuses": counts}
+
+
+def noop_prefork(stores: Stores, children: Children, plan: Plan) -> dict[str, Any]:
+    """Baseline A's noop throughput figure (bare Celery, prefork, ``-c concurrency``, Redis
+    results), made again right before ``noop_threads``: the machine's speed changes from one
+    minute to the next (``bench.machine.loop_s``), so the ratio is read between these two
+    runs, not against baseline A's run at the start."""
+    app = bareapp.create_app(stores.redis_url, stores.redis_url)
+    env = child_env(BENCH_BROKER_URL=stores.redis_url, BENCH_RESULT_BACKEND=stores.redis_url)
+    worker = celery_worker(
+        children, "bench-noop-prefork", "bench.bareapp", bareapp.QUEUE, plan.concurrency, env
+    )
+    try:
+        baseline.warm_up(app, worker_alive=worker.alive, rounds=4 * plan.concurrency)
+        with machine.cpu_spent(worker=worker.cpu_s) as spent:
+            figures = baseline.throughput(
+                app, plan.tasks, lambda: baseline.RedisResults(stores.redis_url)
+            )
+    finally:
+        children.stop(worker)
+        app.close()
+    done = figures["succeeded"]
+    return {**figures, **machine.per_task_ms(spent, done), "pool": "prefork"}
 
 
 def noop_threads(stores: Stores, children: Children, plan: Plan, slots: int) -> dict[str, Any]:
@@ -240,15 +312,28 @@ def _sync(caller: loadgen.Caller, envelope: dict[str, Any]) -> None:
 
 
 def _figures(
-    done: int, elapsed: float, cpu_s: float, rss_mb: float, samples: RoundTrips, **more: Any
+    outcome: dict[str, int],
+    elapsed: float,
+    spent: dict[str, float],
+    peak: dict[str, Any],
+    held: int,
+    samples: RoundTrips,
+    **more: Any,
 ) -> dict[str, Any]:
+    """One system's figures. ``in_flight_max``: the most calls the model held at once during
+    the N tasks, as the model counted them: the slots a worker was given are not calls made.
+    CPU per task of every process on the system's side (``machine.cpu_spent``), by task
+    done."""
+    done = outcome["succeeded"]
     return {
         **more,
-        "succeeded": done,
+        **outcome,
         "elapsed_s": round(elapsed, 3),
         "tasks_per_s": rate(done, elapsed),
-        "worker_cpu_ms_per_task": round(cpu_s * 1000 / max(1, done), 3),
-        "worker_rss_peak_mb": rss_mb,
+        "in_flight_max": held,
+        **machine.per_task_ms(spent, done),
+        "worker_rss_peak_mb": peak["mb"],
+        "worker_rss_samples": peak["samples"],
         **samples.figures(),
     }
 

@@ -98,39 +98,37 @@ def throughput(
     the tasks are counted by tenant."""
     token = stack.key(tenant)
     envelope = {"capability": "echo", "payload": {"i": 0}}
-    cpu_at_start = stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()
-    services_at_start = machine.services_cpu()
-    submitted = asyncio.run(
-        loadgen.accept_rate(stack.port, token, envelope, connections=submitters, requests=count)
-    )
-    waited_from = time.perf_counter()
-    counts = wait_final(stack.stores.libpq_url, tenant, submitted["accepted"])
-    elapsed = submitted["elapsed_s"] + time.perf_counter() - waited_from
-    services_s = machine.services_cpu_since(services_at_start)
-    api_s, worker_s, client_s = (
-        now - then
-        for now, then in zip(
-            (stack.api.cpu_s(), stack.worker.cpu_s(), time.process_time()),
-            cpu_at_start,
-            strict=True,
+    with machine.cpu_spent(api=stack.api.cpu_s, worker=stack.worker.cpu_s) as spent:
+        submitted = asyncio.run(
+            loadgen.accept_rate(stack.port, token, envelope, connections=submitters, requests=count)
         )
-    )
-    succeeded = counts.get("succeeded", 0)
+        counts = wait_final(stack.stores.libpq_url, tenant, submitted["accepted"])
+        elapsed = loadgen.sent_from(submitted)
+    done = outcome(count, submitted, counts)
     return {
-        "tasks": count,
-        "accepted": submitted["accepted"],
+        **done,
         "submit_statuses": submitted["statuses"],
-        "succeeded": succeeded,
         "final_statuses": counts,
         "submit_s": submitted["elapsed_s"],
         "submit_per_s": submitted["accepted_per_s"],
         "elapsed_s": round(elapsed, 3),
-        "tasks_per_s": rate(succeeded, elapsed),
+        "tasks_per_s": rate(done["succeeded"], elapsed),
         # CPU per task is what contention cannot inflate much: it shows where the work goes.
-        "api_cpu_ms_per_task": round(api_s * 1000 / max(1, count), 3),
-        "worker_cpu_ms_per_task": round(worker_s * 1000 / max(1, count), 3),
-        "client_cpu_ms_per_task": round(client_s * 1000 / max(1, count), 3),
-        "services_cpu_ms_per_task": round(services_s * 1000 / max(1, count), 3),
+        **machine.per_task_ms(spent, done["succeeded"]),
+    }
+
+
+def outcome(tasks: int, submitted: dict[str, Any], counts: dict[str, int]) -> dict[str, int]:
+    """What became of ``tasks`` asked for: accepted (202), succeeded, and errors (a POST
+    answered with an error, timed out or dropped; a task final but not ``succeeded``). A rate
+    is only a figure when all of them were accepted and succeeded with no error
+    (``report.incomplete``): the bare baselines raise on a missing result."""
+    failed = sum(n for status, n in counts.items() if status in FINAL and status != "succeeded")
+    return {
+        "tasks": tasks,
+        "accepted": submitted["accepted"],
+        "succeeded": counts.get("succeeded", 0),
+        "errors": submitted["errors"] + failed,
     }
 
 
@@ -233,9 +231,11 @@ def emit_to_frame(stack: Stack, count: int) -> dict[str, Any]:
 def accept(stack: Stack, connections: int, requests: int) -> dict[str, Any]:
     token = stack.key(f"bench-accept-{connections}")
     envelope = {"capability": "echo", "payload": {"i": 0}}
-    return asyncio.run(
+    figures = asyncio.run(
         loadgen.accept_rate(stack.port, token, envelope, connections=connections, requests=requests)
     )
+    figures.pop("started_at")
+    return figures
 
 
 def hold_streams(stack: Stack, count: int, hold_s: float) -> dict[str, Any]:

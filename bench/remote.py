@@ -13,7 +13,11 @@ call after ``REMOTE_DELAY_S``. Two ways to make N calls to it, ``slots`` at a ti
   then one bridge worker process (``celery -A workers.bridge worker -P threads -c <slots>``)
   calling it.
 
-Figures: calls (tasks) per second, from the agent's first call to the last result; the time
+Figures: calls (tasks) per second, from the agent's first call to the last result (the
+drain: the tasks were queued before the worker or bridge started); for the bridge also submit
+to final: N tasks POSTed through the API to a bridge already running and warm, one clock from
+the first POST to the last task final, the API's intake and every process's CPU included
+(the issue's figure, and the target's); what became of each run's tasks; the time
 each call adds to the agent's, one call at a time (the direct call's round trip, Celery's
 ``apply_async(...).get()`` and our sync round trip, minus the delay), then as many of the
 same calls answered at once (the payload's ``delay_s`` 0; ``added_latency_instant``: the
@@ -24,14 +28,14 @@ submitted together, and the most the agent saw open at once.
 
 The machine's speed changes from one second to the next (``bench.machine.loop_s``), so the
 target's ratio is read between runs made seconds apart: a direct run of the N calls right
-before each bridge run, ``remote_pairs`` pairs in all (the main run is the first), and the
-median of their ratios. Then the same N tasks through two bridge processes started together
-(``-n`` names of their own, ``slots / 2`` calls at once each; a direct run right before them);
-then ``remote_steady_tasks`` calls, ``slots`` at once, direct and through one bridge: N = 2,000
-at 1,000 at once is two waves for the direct caller, whose ramps weigh on its rate, so the
-longer run shows the rates once both have settled; and, both ways, at each of
-``remote_curve``'s smaller numbers of calls at once: where one bridge process stops keeping up
-with the agent.
+before each bridge drain and the submit-to-final run that follows it on the same bridge,
+``remote_pairs`` pairs in all (the main run is the first), and the median of their ratios. Then
+the same N tasks through two bridge processes started together (``-n`` names of their own,
+``slots / 2`` calls at once each; a direct run right before them); then ``remote_steady_tasks``
+calls, ``slots`` at once, direct and through one bridge: N = 2,000 at 1,000 at once is two
+waves for the direct caller, whose ramps weigh on its rate, so the longer run shows the rates
+once both have settled; and, both ways, at each of ``remote_curve``'s smaller numbers of calls
+at once: where one bridge process stops keeping up with the agent.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from bench.processes import (
     free_port,
     wait_until,
 )
-from bench.reach import wait_final
+from bench.reach import outcome, wait_final
 from bench.stack import running_stack
 from bench.stats import RoundTrips, rate
 from broker import runtime
@@ -213,6 +217,11 @@ async def direct(base: str, plan: Plan, agent: Child, round_trips: bool = True) 
                 await one(i, instant)
     figures = {
         "calls": plan.remote_tasks,
+        # Any call answered with an error, or not at all, raises above: every one succeeded.
+        "tasks": plan.remote_tasks,
+        "accepted": plan.remote_tasks,
+        "succeeded": plan.remote_tasks,
+        "errors": 0,
         "elapsed_s": round(elapsed, 3),
         "tasks_per_s": rate(plan.remote_tasks, elapsed),
         "in_flight_max": in_flight_max,
@@ -265,7 +274,7 @@ def bare(
         )
         cpu_at_start = worker.cpu_s(), agent.cpu_s(), machine.services_cpu()
         with peak_rss(worker) as peak:
-            done = baseline.wait_stored(ids, store)
+            done = baseline.wait_stored(ids, store)  # raises if one has no result
             finished_at = time.time()
         cpu_s, agent_s = worker.cpu_s() - cpu_at_start[0], agent.cpu_s() - cpu_at_start[1]
         services_s = machine.services_cpu_since(cpu_at_start[2])
@@ -282,33 +291,37 @@ def bare(
         app.close()
         with redis.Redis.from_url(stores.redis_url) as client:  # nothing left for the next run
             client.delete(bareapp.AGENT_QUEUE)
-    figures = _run_figures("worker", done, elapsed, stats, peak["mb"], cpu_s, agent_s, services_s)
+    counted = {"tasks": plan.remote_tasks, "accepted": len(ids), "succeeded": done, "errors": 0}
+    figures = _run_figures("worker", counted, elapsed, stats, peak, cpu_s, agent_s, services_s)
     return {"pool": pool, "slots": plan.remote_slots, **figures, **samples.figures()}
 
 
 def _run_figures(
     process: str,
-    done: int,
+    outcome: dict[str, int],
     elapsed: float,
     stats: dict[str, Any],
-    rss_mb: float,
+    peak: dict[str, Any],
     cpu_s: float,
     agent_s: float,
     services_s: float,
 ) -> dict[str, Any]:
-    """One run's figures: the rate, the most calls the agent saw at once, and the CPU a call of
-    the ``process`` ("worker", "bridge") doing them, the agent, and Postgres and Redis (shared
-    services: rough, as in the throughput figure)."""
+    """One run's figures: what became of its tasks (``outcome``), the rate, the most calls
+    the agent saw at once, and the CPU a call done of the ``process`` ("worker", "bridge")
+    doing them, the agent, and Postgres and Redis (shared services: rough, as in the
+    throughput figure)."""
+    done = outcome["succeeded"]
 
     def per_call(seconds: float) -> float:
         return round(seconds * 1000 / max(1, done), 3)
 
     return {
-        "succeeded": done,
+        **outcome,
         "elapsed_s": round(elapsed, 3),
         "tasks_per_s": rate(done, elapsed),
         "in_flight_max": stats.get("in_flight_max", 0),
-        f"{process}_rss_peak_mb": rss_mb,
+        f"{process}_rss_peak_mb": peak["mb"],
+        f"{process}_rss_samples": peak["samples"],
         f"{process}_cpu_ms_per_task": per_call(cpu_s),
         "services_cpu_ms_per_task": per_call(services_s),
         "agent_cpu_ms_per_task": per_call(agent_s),
@@ -335,9 +348,11 @@ def hold(stack: Any, base: str, plan: Plan, bridge: Any) -> dict[str, Any]:
     return {
         "calls": plan.remote_slots,
         "call_s": plan.remote_hold_s,
+        **outcome(plan.remote_slots, submitted, counts),
         "statuses": counts,
         "in_flight_max": (_stats(base) or {}).get("in_flight_max", 0),
         "bridge_rss_peak_mb": peak["mb"],
+        "bridge_rss_samples": peak["samples"],
     }
 
 
@@ -460,14 +475,48 @@ class Bridged:
             for bridge in started:
                 self.children.stop(bridge)
         elapsed = finished_at - (stats.get("first_at") or finished_at)
-        done = counts.get("succeeded", 0)
-        figures = _run_figures(
-            "bridge", done, elapsed, stats, peak["mb"], cpu_s, agent_s, services_s
-        )
+        done = outcome(tasks, submitted, counts)
+        figures = _run_figures("bridge", done, elapsed, stats, peak, cpu_s, agent_s, services_s)
         with psycopg.connect(self.stack.stores.libpq_url) as conn:
             shares: dict[str, int] = dict(conn.execute(CALLS_PER_INSTANCE, (tenant,)).fetchall())
         calls = {"statuses": counts, "calls_per_bridge": shares}
         return {"slots": slots, "bridges": bridges, **calls, **figures}, started
+
+    def submit_to_final(self, agent: Child, bridge: Child, tasks: int) -> dict[str, Any]:
+        """N tasks through the API to a bridge process already running and warm (it has just
+        made a run's calls), on one clock from the first POST to the last task final: what a
+        caller of the API sees, the API's intake and the queue included, as the direct
+        caller's clock runs from its first send to its last answer. CPU per call of every
+        process on the way (``machine.cpu_spent``). ``run`` times the bridge alone."""
+        self.runs += 1
+        tenant = f"bench-remote-{self.runs}"
+        token = self.stack.key(tenant)
+        _reset(self.base)
+        with (
+            machine.cpu_spent(
+                api=self.stack.api.cpu_s, bridge=bridge.cpu_s, agent=agent.cpu_s
+            ) as spent,
+            peak_rss(bridge) as peak,
+        ):
+            submitted = asyncio.run(
+                loadgen.accept_rate(
+                    self.stack.port, token, ENVELOPE, connections=64, requests=tasks
+                )
+            )
+            counts = wait_final(self.stack.stores.libpq_url, tenant, submitted["accepted"])
+            elapsed = loadgen.sent_from(submitted)
+        done = outcome(tasks, submitted, counts)
+        return {
+            **done,
+            "statuses": counts,
+            "submit_s": submitted["elapsed_s"],
+            "elapsed_s": round(elapsed, 3),
+            "tasks_per_s": rate(done["succeeded"], elapsed),
+            "in_flight_max": (_stats(self.base) or {}).get("in_flight_max", 0),
+            "bridge_rss_peak_mb": peak["mb"],
+            "bridge_rss_samples": peak["samples"],
+            **machine.per_task_ms(spent, done["succeeded"]),
+        }
 
     def until_consuming(self, bridges: list[Child]) -> None:
         """Calls answered at once, one after another, until each bridge has made one: then
@@ -536,30 +585,36 @@ def bridged(
     bare_pool: str | None = None,
 ) -> dict[str, Any]:
     """Through the bridge: the main run (``remote_slots`` calls at once, one bridge process),
-    its round trips and holding figure; then the same with two bridge processes sharing the
-    slots; then one bridge at each of ``remote_curve``'s smaller numbers of calls at once,
-    against the direct calls and bare Celery on ``bare_pool`` (when given) with as many."""
-    with running_stack(stores, children, 1, queues="echo") as stack:
+    its submit-to-final run, round trips and holding figure; more pairs of runs; then the same
+    with two bridge processes sharing the slots; then one bridge at each of ``remote_curve``'s
+    smaller numbers of calls at once, against the direct calls and bare Celery on
+    ``bare_pool`` (when given) with as many."""
+    # The settled run queues remote_steady_tasks at once while no bridge runs; the API
+    # refuses a task once the queue holds max_queue_depth (10,000 by default), so one message
+    # left from an earlier figure would turn a task of a 10,000-task run into a 503.
+    depth = str(2 * max(plan.remote_steady_tasks, plan.remote_tasks, plan.remote_slots))
+    with running_stack(stores, children, 1, queues="echo", REACH_MAX_QUEUE_DEPTH=depth) as stack:
         runs = Bridged(stores, children, stack, base)
         try:
             runs.register(plan.remote_slots)
-            before = as_the_bridge(direct(base, plan, agent, round_trips=False))
-            figures, (bridge,) = runs.run(agent, plan.remote_tasks, plan.remote_slots, keep=True)
-            pairs = [_pair(before, figures)]
+            pair, figures, bridge = _paired_runs(runs, base, plan, agent)
+            pairs = [pair]
             try:
+                figures["submit_to_final"] = pair.pop("submit_figures")
                 figures.update(runs.round_trips(plan.remote_round_trips))
                 figures["held"] = hold(stack, base, plan, bridge)
             finally:
                 children.stop(bridge)
             for _ in range(plan.remote_pairs - 1):
                 progress("remote agent, direct then through the bridge, once more")
-                before = as_the_bridge(direct(base, plan, agent, round_trips=False))
-                pairs.append(
-                    _pair(before, runs.run(agent, plan.remote_tasks, plan.remote_slots)[0])
-                )
+                pair, _, bridge = _paired_runs(runs, base, plan, agent)
+                children.stop(bridge)
+                pair.pop("submit_figures")
+                pairs.append(pair)
             figures["paired"] = {
                 "pairs": pairs,
                 "ratio": round(statistics.median(p["ratio"] for p in pairs), 3),
+                "submit_ratio": round(statistics.median(p["submit_ratio"] for p in pairs), 3),
             }
             progress(f"remote agent, through two bridges -c {plan.remote_slots // 2} each")
             before = as_the_bridge(direct(base, plan, agent, round_trips=False))
@@ -593,6 +648,37 @@ def bridged(
     return figures
 
 
+def _paired_runs(
+    runs: Bridged, base: str, plan: Plan, agent: Child
+) -> tuple[dict[str, Any], dict[str, Any], Child]:
+    """A direct run of the N calls, then right after it the bridge's two figures for them:
+    the drain (``Bridged.run``: the bridge alone, the tasks queued before it starts) and
+    submit to final (``Bridged.submit_to_final``: through the API to that bridge, now warm).
+    The pair; the drain run's figures; the bridge, still running, for the caller to stop."""
+    before = as_the_bridge(direct(base, plan, agent, round_trips=False))
+    drained, (bridge,) = runs.run(agent, plan.remote_tasks, plan.remote_slots, keep=True)
+    submitted = runs.submit_to_final(agent, bridge, plan.remote_tasks)
+    pair = {
+        **_pair(before, drained),
+        "submit_to_final": submitted["tasks_per_s"],
+        "submit_ratio": _versus(submitted, before),
+        # What became of each run's tasks: a ratio of a run that lost some is no figure.
+        "outcomes": {
+            key: _outcome(run) for key, run in (("bridge", drained), ("submit_to_final", submitted))
+        },
+        "submit_figures": submitted,
+    }
+    return pair, drained, bridge
+
+
+def _outcome(run: dict[str, Any]) -> dict[str, int]:
+    return {key: run[key] for key in ("tasks", "accepted", "succeeded", "errors")}
+
+
+def _versus(bridge: dict[str, Any], direct: dict[str, Any]) -> float:
+    return round(float(bridge["tasks_per_s"]) / max(float(direct["tasks_per_s"]), 0.1), 3)
+
+
 def _pair(direct: dict[str, Any], bridge: dict[str, Any]) -> dict[str, Any]:
     """A bridge run and the direct run made right before it. The machine's speed changes
     from one second to the next (``bench.machine.loop_s``), so a ratio is read between runs
@@ -600,7 +686,7 @@ def _pair(direct: dict[str, Any], bridge: dict[str, Any]) -> dict[str, Any]:
     return {
         "direct": direct["tasks_per_s"],
         "bridge": bridge["tasks_per_s"],
-        "ratio": round(bridge["tasks_per_s"] / max(direct["tasks_per_s"], 0.1), 3),
+        "ratio": _versus(bridge, direct),
     }
 
 

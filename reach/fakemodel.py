@@ -9,10 +9,10 @@ times the same calls with the model answering at once, to tell the broker's own 
 what half a second of quiet costs every process on the path.
 It is also a remote agent of the ``http`` protocol (``POST /run``): after the same delay (or
 the payload's ``delay_s``, at most 60) it answers ``{"result": {"payload": <the payload>}}``.
-``GET /healthz`` answers at once; ``GET /stats`` tells the calls, the most in flight at
-once, and when the first call came and the last answer went (``POST /stats/reset`` starts
-them again). Plain asyncio, HTTP/1.1 with keep-alive, no dependencies: thousands of calls
-may wait at once.
+``GET /healthz`` answers at once; ``GET /stats`` tells the calls of each kind, how many are in
+flight now and the most at once (completions and runs alike), and when the first call came and
+the last answer went (``POST /stats/reset`` starts them again). Plain asyncio, HTTP/1.1 with
+keep-alive, no dependencies: thousands of calls may wait at once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 MAX_BODY = 1 << 20
@@ -54,7 +55,8 @@ class FakeModel:
         self.reset()
 
     def reset(self) -> None:
-        self.runs, self.in_flight, self.in_flight_max = 0, 0, 0
+        self.runs, self.completions = 0, 0
+        self.in_flight, self.in_flight_max = 0, 0
         self.first_at: float | None = None
         self.last_done_at: float | None = None
 
@@ -62,6 +64,7 @@ class FakeModel:
         return {
             "calls": self.calls,
             "runs": self.runs,
+            "completions": self.completions,
             "in_flight": self.in_flight,
             "in_flight_max": self.in_flight_max,
             "first_at": self.first_at,
@@ -93,7 +96,11 @@ class FakeModel:
             writer.write(_head("200 OK", "text/plain", 2) + b"ok")
         elif method == "POST" and path == "/v1/chat/completions":
             self.calls += 1
-            await self._complete(json.loads(body or b"{}"), writer)
+            self.completions += 1
+            # Held from the request read to the answer written: the benchmark's RSS target
+            # is for a number of calls in flight, and this is where it is seen.
+            with self._held():
+                await self._complete(json.loads(body or b"{}"), writer)
         elif method == "POST" and path == "/run":
             await self._run(json.loads(body or b"{}"), writer)
         elif method == "GET" and path == "/stats":
@@ -110,20 +117,26 @@ class FakeModel:
     async def _run(self, call: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         """One call of the ``http`` remote-agent protocol, answered as JSON after the delay."""
         self.runs += 1
+        payload = call.get("payload")
+        asked = payload.get("delay_s") if isinstance(payload, dict) else None
+        delay_s = min(float(asked), 60.0) if isinstance(asked, int | float) else self.delay_s
+        with self._held():
+            await asyncio.sleep(max(0.0, delay_s))
+        answer = json.dumps({"result": {"payload": call.get("payload")}}).encode()
+        writer.write(_head("200 OK", "application/json", len(answer)) + answer)
+        self.last_done_at = time.time()
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """One call in flight while the block runs."""
         self.in_flight += 1
         self.in_flight_max = max(self.in_flight_max, self.in_flight)
         if self.first_at is None:
             self.first_at = time.time()
-        payload = call.get("payload")
-        asked = payload.get("delay_s") if isinstance(payload, dict) else None
-        delay_s = min(float(asked), 60.0) if isinstance(asked, int | float) else self.delay_s
         try:
-            await asyncio.sleep(max(0.0, delay_s))
+            yield
         finally:
             self.in_flight -= 1
-        answer = json.dumps({"result": {"payload": call.get("payload")}}).encode()
-        writer.write(_head("200 OK", "application/json", len(answer)) + answer)
-        self.last_done_at = time.time()
 
     async def _complete(self, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         words = reply_words(request)

@@ -72,7 +72,9 @@ def test_quick_run_measures_every_agent_reach_figure(report: dict[str, Any]) -> 
     plan, reach = report["meta"]["plan"], report["reach"]
     throughput = reach["throughput"]
     assert throughput["accepted"] == throughput["succeeded"] == plan["tasks"]
+    assert throughput["errors"] == 0
     assert positive(throughput["tasks_per_s"])
+    assert positive(throughput["all_cpu_ms_per_task"])
     assert positive(throughput["api_cpu_ms_per_task"])
     assert positive(throughput["worker_cpu_ms_per_task"])
     assert throughput["services_cpu_ms_per_task"] >= 0
@@ -98,6 +100,8 @@ def test_quick_run_reports_ratios_and_targets(report: dict[str, Any]) -> None:
     assert all(positive(ratio) for ratio in report["ratios"].values()), report["ratios"]
     assert report["targets"]
     assert all(isinstance(check["met"], bool) for check in report["targets"])
+    # a target not met for a reason other than its value says the reason
+    assert all(isinstance(c.get("because", ""), str) for c in report["targets"])
     assert all(isinstance(cores, float) for cores in report["foreign_cores"].values())
     assert report["meta"]["date"]
     # the machine's speed at the run's start and end, to read one run beside another
@@ -110,10 +114,15 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
     for key, slots in zip(("a_threads", "a_gevent", "reach"), plan["model_slots"], strict=True):
         figures = model[key]
         assert figures["slots"] == slots
-        assert figures["succeeded"] == plan["model_tasks"], (key, figures)
+        tasks = plan["model_tasks"]
+        assert (figures["accepted"], figures["succeeded"], figures["errors"]) == (tasks, tasks, 0)
         assert positive(figures["tasks_per_s"])
-        assert positive(figures["worker_rss_peak_mb"])
+        # All N tasks go at once and each call waits 500 ms: the model holds every slot
+        assert figures["in_flight_max"] == min(slots, tasks), (key, figures)
+        assert positive(figures["worker_rss_peak_mb"]) and figures["worker_rss_samples"] > 0
         assert positive(figures["worker_cpu_ms_per_task"])
+        # every process on the system's side, so more than the worker alone
+        assert figures["all_cpu_ms_per_task"] > figures["worker_cpu_ms_per_task"], figures
         assert_latency(figures["added_latency"], plan["model_round_trips"], ("p50", "p99"))
     # the model's own round trip, the floor of every system's added latency
     assert_latency(model["model_alone"]["added_latency"], plan["model_round_trips"], ("p50", "p99"))
@@ -121,15 +130,27 @@ def test_quick_run_measures_the_model_latency_phase(report: dict[str, Any]) -> N
     for key in ("model_alone", "a_threads", "a_gevent", "reach"):
         instant = model[key]["added_latency_instant"]
         assert_latency(instant, plan["model_round_trips"], ("p50", "p99"))
-    named = [c["target"] for c in report["targets"] if c["target"].startswith("model latency")]
+    named = [c for c in report["targets"] if c["target"].startswith("model latency")]
     assert len(named) == 3
-    noop = model["noop_threads"]
-    assert noop["accepted"] == noop["succeeded"] == plan["tasks"]
-    assert positive(noop["tasks_per_s"])
-    # ``python -m bench.model`` prints the phase's table alone, with no prefork run beside it
+    rss = next(c for c in named if "RSS" in c["target"])
+    # the quick size holds 20 calls, not 500: the RSS target cannot be met, and says so
+    assert (
+        not rss["met"]
+        and f"held {min(plan['model_slots'][2], plan['model_tasks'])}" in (rss["target"])
+    )
+    noop, prefork = model["noop_threads"], model["noop_prefork"]
+    for figures in (noop, prefork):
+        assert figures["accepted"] == figures["succeeded"] == plan["tasks"]
+        assert figures["errors"] == 0 and positive(figures["tasks_per_s"])
+    (noop_check,) = [c for c in report["targets"] if c["target"].startswith("noop")]
+    assert "run right before" in noop_check["target"]
+    assert noop_check["value"] == round(noop["tasks_per_s"] / prefork["tasks_per_s"], 3)
+    # ``python -m bench.model`` prints the phase's table alone: its own prefork run beside
     alone = report_module.model_table({"model": model}).splitlines()
     noop_row = next(line for line in alone if line.startswith("| noop throughput"))
-    assert "—" in noop_row and report_module._cell(noop["tasks_per_s"]) in noop_row
+    assert "run right before" in noop_row
+    assert report_module._cell(prefork["tasks_per_s"]) in noop_row
+    assert report_module._cell(noop["tasks_per_s"]) in noop_row
     p50_row = next(line for line in alone if line.startswith("| added latency p50"))
     floor = report_module._cell(model["model_alone"]["added_latency"]["p50_ms"])
     assert p50_row.split("|")[3].strip() == floor
@@ -179,14 +200,33 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     paired = bridge["paired"]
     assert len(paired["pairs"]) == plan["remote_pairs"]
     assert paired["pairs"][0]["bridge"] == bridge["tasks_per_s"]
+    submitted = bridge["submit_to_final"]  # the main pair's: through the API, bridge warm
+    assert paired["pairs"][0]["submit_to_final"] == submitted["tasks_per_s"]
+    assert submitted["statuses"] == {"succeeded": plan["remote_tasks"]}
+    assert submitted["accepted"] == plan["remote_tasks"] and submitted["errors"] == 0
+    assert 0 < submitted["in_flight_max"] <= plan["remote_slots"]
+    assert positive(submitted["api_cpu_ms_per_task"])
+    assert submitted["all_cpu_ms_per_task"] > submitted["bridge_cpu_ms_per_task"]
     for pair in paired["pairs"]:
         assert positive(pair["direct"]) and positive(pair["bridge"])
         assert pair["ratio"] == round(pair["bridge"] / pair["direct"], 3)
+        assert pair["submit_ratio"] == round(pair["submit_to_final"] / pair["direct"], 3)
+        for outcome in pair["outcomes"].values():
+            assert outcome == {
+                "tasks": plan["remote_tasks"],
+                "accepted": plan["remote_tasks"],
+                "succeeded": plan["remote_tasks"],
+                "errors": 0,
+            }
     assert paired["ratio"] == round(statistics.median(p["ratio"] for p in paired["pairs"]), 3)
+    assert paired["submit_ratio"] == round(
+        statistics.median(p["submit_ratio"] for p in paired["pairs"]), 3
+    )
     throughput = next(
         c for c in report["targets"] if "throughput" in c["target"] and "remote" in c["target"]
     )
-    assert "median of" in throughput["target"] and throughput["value"] == paired["ratio"]
+    assert "submit to final" in throughput["target"] and "median of" in throughput["target"]
+    assert throughput["value"] == paired["submit_ratio"]
     # the same N through two bridge processes sharing the slots, started together
     two = bridge["two_bridges"]
     assert (two["bridges"], two["slots"]) == (2, plan["remote_slots"])
@@ -222,7 +262,9 @@ def test_quick_run_measures_the_remote_agent_phase(report: dict[str, Any]) -> No
     assert "| calls at once" in table and "2 bridges" in table
     assert f"throughput, {plan['remote_steady_tasks']:,} calls (settled)" in table
     assert "A-threads -c" in table and "A-gevent -c" in table and "bridge / best A" in table
-    assert f"bridge / direct, median of the {plan['remote_pairs']} runs" in table
+    assert f"bridge / direct, drain, median of the {plan['remote_pairs']} runs" in table
+    assert f"bridge / direct, submit to final, median of the {plan['remote_pairs']} runs" in table
+    assert "throughput, submit to final (API included)" in table
     assert f"most calls/s, the machine's {remote['cores']} cores" in table
 
 
