@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import cast, func, select
+from sqlalchemy.dialects.postgresql import JSONPATH
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.cache import TimedCache
@@ -192,7 +193,14 @@ async def current(engine: AsyncEngine, cache: TimedCache) -> Policy:
         cards_table.c.card["tenants"],
         cards_table.c.card.has_key("endpoint"),
     )
-    registered_query = select(remote.c.agent_id, remote.c.version, remote.c.cards)
+    # The capabilities alone, not the cards' schemas: read every cache period
+    registered_query = select(
+        remote.c.agent_id,
+        remote.c.version,
+        func.jsonb_path_query_array(remote.c.cards, cast("$[*].capability", JSONPATH)).label(
+            "capabilities"
+        ),
+    )
     async with engine.connect() as conn:
         card_rows = (await conn.execute(card_query)).all()
         channel_rows = (await conn.execute(select(channels))).all()
@@ -202,9 +210,9 @@ async def current(engine: AsyncEngine, cache: TimedCache) -> Policy:
     for r in channel_rows:
         by_agent.setdefault(r.agent_id, {})[r.channel] = dict(r.versions)
     served_now = {
-        (r.agent_id, r.version, document["capability"])
+        (r.agent_id, r.version, capability)
         for r in registered_rows
-        for document in r.cards
+        for capability in r.capabilities
     }
     policy = Policy(
         cards=tuple(

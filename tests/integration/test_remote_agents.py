@@ -733,6 +733,34 @@ def test_an_agent_deregistered_ends_the_tasks_waiting_in_its_capabilitys_queue_a
         ops.delete(f"/agents/{agent_id}")
 
 
+def test_a_private_agent_left_does_not_keep_the_capabilitys_queue_waiting(
+    ops: httpx.Client,
+    caller: httpx.Client,
+    bridge: CeleryProcess,
+    system_beat: CeleryProcess,
+    make_key: KeyMaker,
+) -> None:
+    """A card that names its tenants never takes from the capability's own queue: the
+    public agent that did deregistered, and its tasks waited there for good while a private
+    agent of the capability was registered."""
+    name = uuid.uuid4().hex[:6]
+    capability, public, private = f"test.left-{name}", f"left-{name}", f"mine-{name}"
+    envelope = {"capability": capability, "payload": {}, "queue_if_unavailable": True}
+    body = registration("http://127.0.0.1:9/run", capability=capability)
+    assert ops.put(f"/agents/{public}", json=body).status_code == 201
+    try:
+        task_id = caller.post("/tasks", json=envelope).json()["task_id"]
+        owner, _ = make_key()
+        mine = {**body, "tenants": [owner]}
+        assert ops.put(f"/agents/{private}", json=mine).status_code == 201
+        assert ops.delete(f"/agents/{public}").status_code == 204
+        ended = wait_for_task(caller, task_id, {"failed"})
+        assert ended["error"]["code"] == "agent_not_found"
+    finally:
+        ops.delete(f"/agents/{public}")
+        ops.delete(f"/agents/{private}")
+
+
 def test_a_revoked_version_cannot_be_registered_again(
     ops: httpx.Client, caller: httpx.Client
 ) -> None:

@@ -279,7 +279,7 @@ def test_a_large_result_is_read_off_the_loop_and_a_small_one_on_it(
     monkeypatch.setattr(a2a_json.Artifacts, "result", recorded)
 
     async def finished(size: int) -> Any:
-        run = _Run(client=None, ctx=None, call_ctx=None)  # type: ignore[arg-type]
+        run = _Run(client=None, ctx=Traced())  # type: ignore[arg-type]
         run.artifacts.apply(chunk_of("s", "x" * size, append=True))
         done = await run.status(TaskStatus(state=TaskState.TASK_STATE_COMPLETED), {})
         assert done is not None
@@ -400,6 +400,13 @@ def test_an_error_the_sdk_wrote_with_the_agents_url_names_only_its_status() -> N
     assert own.message == "no such city"
 
 
+class Traced:
+    """What a call reads of its task's context: the trace its requests carry."""
+
+    def trace_headers(self) -> dict[str, str]:
+        return {"traceparent": f"00-{'a' * 32}-{'b' * 16}-01", "X-Trace-Id": "a" * 32}
+
+
 class SilentAgent:
     """An A2A client whose agent accepts a message and never answers it."""
 
@@ -418,7 +425,7 @@ def test_a_message_sent_for_an_answer_at_once_that_gets_none_is_retried() -> Non
     agent = SilentAgent()
 
     async def sent() -> Any:
-        run = _Run(client=agent, ctx=None, call_ctx=None)  # type: ignore[arg-type]
+        run = _Run(client=agent, ctx=Traced())  # type: ignore[arg-type]
         return await run.polled(SendMessageRequest(), first_byte_timeout_s=0.05)
 
     with pytest.raises(Retryable) as retried:
@@ -447,7 +454,7 @@ def test_a_read_of_the_agents_task_that_gets_no_answer_is_made_again(
     agent = HangsOnceAgent()
 
     async def polled() -> Any:
-        run = _Run(client=agent, ctx=None, call_ctx=None, task_id="t-1")  # type: ignore[arg-type]
+        run = _Run(client=agent, ctx=Traced(), task_id="t-1")  # type: ignore[arg-type]
         return await run.polled_from(0.01)
 
     assert asyncio.run(polled()) == {"text": "", "artifacts": []}

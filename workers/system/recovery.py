@@ -50,7 +50,12 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, func, select
 
-from broker.db.models import agent_cards_table, agent_instances_table, remote_agents_table
+from broker.db.models import (
+    agent_cards_table,
+    agent_instances_table,
+    remote_agents_table,
+)
+from broker.db.models import agent_revocations_table as revocations_table
 from broker.observability import metrics
 from broker.registry import leases, revocations
 from broker.registry.capabilities import is_valid_name
@@ -285,30 +290,40 @@ def card_gone(engine: Engine, queue: str) -> Gone | None:
 
 
 def _capability_gone(engine: Engine, capability: str) -> Gone | None:
-    """``card_gone`` for a capability's own queue: a remote agent that was the only one to
-    serve it (routing sends its tasks there, ``waiting_queue``) deregistered or re-registered
-    without it, and no worker's card of it, which an instance may start for, exists."""
+    """``card_gone`` for a capability's own queue: every card of every tenant's (only those
+    take from it, ``CardRef.queues``) is a remote agent's that no registration serves any
+    more, or revoked: routing sent its tasks there while one agent served it (``waiting_queue``),
+    and it deregistered or re-registered without it. A worker's card keeps the queue: an
+    instance may start for it. One statement, so a registration that lands meanwhile is
+    seen whole or not at all."""
     card = agent_cards_table.c
     remote = remote_agents_table.c
-    stored = select(card.agent_id, card.version, card.card.has_key("endpoint")).where(
-        card.capability == capability
+    query = (
+        select(
+            card.agent_id,
+            card.version,
+            card.card["tenants"].label("tenants"),
+            card.card.has_key("endpoint").label("remote"),
+            (
+                (remote.version == card.version)
+                & remote.cards.contains([{"capability": capability}])
+            ).label("registered"),
+            revocations_table.c.agent_id.is_not(None).label("revoked"),
+        )
+        .select_from(
+            agent_cards_table.outerjoin(
+                remote_agents_table, remote.agent_id == card.agent_id
+            ).outerjoin(
+                revocations_table,
+                (revocations_table.c.agent_id == card.agent_id)
+                & (revocations_table.c.version == card.version),
+            )
+        )
+        .where(card.capability == capability)
     )
     with engine.connect() as conn:
-        rows = conn.execute(stored).all()
-        if not rows or not all(remote_card for _, _, remote_card in rows):
-            return None
-        registered = conn.execute(
-            select(remote.agent_id, remote.version, remote.cards).where(
-                remote.agent_id.in_({agent_id for agent_id, _, _ in rows})
-            )
-        ).all()
-    served = {
-        (r.agent_id, r.version)
-        for r in registered
-        if capability in {d["capability"] for d in r.cards}
-    }
-    live = [(a, v) for a, v, _ in rows if (a, v) in served]
-    if live and len(revocations.revoked_among(engine, live)) < len(live):
+        rows = [r for r in conn.execute(query) if not isinstance(r.tenants, list)]
+    if not rows or any(not r.remote or (r.registered and not r.revoked) for r in rows):
         return None
     why = f"no registered agent serves {capability} any more"
     return Gone(error=task_error("agent_not_found", why))
