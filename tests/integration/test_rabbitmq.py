@@ -153,6 +153,13 @@ def test_a_worker_restarted_after_kill_9_finishes_its_tasks(
             30,
             until=lambda found: all(t["status"] == "running" for t in found.values()),
         )
+        # and each handler begun (a task is running once claimed, its handler a moment later)
+        eventually(
+            lambda: [runs(redis_url, t) for t in idem + once],
+            "every handler to begin",
+            30,
+            until=lambda counted: counted == [1, 1, 1, 1],
+        )
         doomed.kill_hard()
     finally:
         doomed.stop()
