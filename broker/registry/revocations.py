@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from redis.asyncio import Redis
-from sqlalchemy import Engine, select, tuple_
+from sqlalchemy import Engine, Select, func, select, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,6 +24,14 @@ from broker.errors import NotFound
 from broker.timestamps import iso
 
 REVOKED_KEY = "reach:revoked"
+
+
+def agent_lock(agent_id: str) -> Select[Any]:
+    """The statement that takes ``agent_id``'s revocation lock to the end of the transaction.
+    A revocation and a registration of one agent take turns under it: a registration that
+    read no revocation of its version before one was written would be stored, and never
+    routed."""
+    return select(func.pg_advisory_xact_lock(func.hashtext(f"revoke:{agent_id}")))
 
 
 def member(agent_id: str, version: str) -> str:
@@ -46,6 +54,7 @@ async def revoke(
         revocations.c.agent_id == agent_id, revocations.c.version == version
     )
     async with engine.begin() as conn:
+        await conn.execute(agent_lock(agent_id))
         if (await conn.execute(known.limit(1))).first() is None:
             raise NotFound("no such version of this agent", code="version_not_found")
         await conn.execute(statement)

@@ -17,7 +17,7 @@ from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from broker.db.models import agent_revocations_table as revocations
 from broker.db.models import remote_agents_table as remote_agents
@@ -30,6 +30,7 @@ from broker.registry.model import (
     check_tenants,
     instance_queue,
 )
+from broker.registry.revocations import agent_lock
 from broker.remote.connections import address_refused
 from broker.webhooks import signing
 from broker.webhooks.ssrf import URL_MAX, Guard, HostLookups, UrlNotAllowed, parse_url
@@ -276,16 +277,21 @@ class Registered:
 
 async def refuse_revoked(engine: AsyncEngine, agent_id: str, version: str) -> None:
     """410 ``version_revoked`` for a registration of a revoked version: accepted, it would
-    never be routed (a revoked version is out for good)."""
+    never be routed (a revoked version is out for good). Asked before anything is written;
+    ``register`` asks again under the agent's revocation lock."""
+    async with engine.connect() as conn:
+        await _refuse_revoked(conn, agent_id, version)
+
+
+async def _refuse_revoked(conn: AsyncConnection, agent_id: str, version: str) -> None:
     revoked = select(revocations.c.agent_id).where(
         revocations.c.agent_id == agent_id, revocations.c.version == version
     )
-    async with engine.connect() as conn:
-        if (await conn.execute(revoked)).first() is not None:
-            raise Gone(
-                f"version {version} of {agent_id} is revoked: register another version",
-                code="version_revoked",
-            )
+    if (await conn.execute(revoked)).first() is not None:
+        raise Gone(
+            f"version {version} of {agent_id} is revoked: register another version",
+            code="version_revoked",
+        )
 
 
 async def register(
@@ -317,6 +323,9 @@ async def register(
         (remote_agents.c.created_at == remote_agents.c.updated_at).label("created"),
     )
     async with engine.begin() as conn:
+        # A revocation of this version that lands meanwhile is seen (Gone), not stored beside
+        await conn.execute(agent_lock(agent_id))
+        await _refuse_revoked(conn, agent_id, registration.version)
         row = (await conn.execute(upsert)).one()
         if cards:
             await conn.execute(leases.card_upsert(cards))

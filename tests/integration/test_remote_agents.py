@@ -13,6 +13,7 @@ import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -21,11 +22,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.dialects.postgresql import insert
 from standardwebhooks import Webhook
 
-from broker.db.models import tasks_table
-from broker.registry import leases
+from broker.db.models import agent_revocations_table, tasks_table
+from broker.registry import leases, revocations
 from broker.registry.model import (
     OFFLINE,
     READY,
@@ -780,6 +782,45 @@ def test_a_revoked_version_cannot_be_registered_again(
         assert ops.put(f"/agents/{agent_id}", json={**body, "version": "1.0.1"}).status_code == 201
     finally:
         ops.delete(f"/agents/{agent_id}")
+
+
+def test_a_revocation_written_during_a_registration_of_its_version_is_seen(
+    ops: httpx.Client, engine: Engine
+) -> None:
+    """A revocation of version 1.0.0 is under way (its row written, not yet committed) when a
+    registration of 1.0.0 arrives. The registration read no revocation and stored the version
+    anyway, never to be routed. It now waits for the revocation's turn and answers 410."""
+    agent_id = f"racing-{uuid.uuid4().hex[:6]}"
+    body = registration("http://127.0.0.1:9/run", capability=f"test.{agent_id}")
+    assert ops.put(f"/agents/{agent_id}", json=body).status_code == 201
+    try:
+        # The pool last out: a failure rolls the revocation back before waiting for the PUT
+        with ThreadPoolExecutor(1) as pool, engine.connect() as revoking:
+            revoking.execute(revocations.agent_lock(agent_id))
+            revoking.execute(
+                insert(agent_revocations_table).values(
+                    agent_id=agent_id, version="1.0.0", revoked_by="test"
+                )
+            )
+            put = pool.submit(ops.put, f"/agents/{agent_id}", json=body)
+            eventually(
+                lambda: put.done() or _waits_for_an_advisory_lock(engine),
+                "the registration answered or waits for the revocation",
+            )
+            revoking.commit()
+            answer = put.result()
+        assert (answer.status_code, answer.json()["code"]) == (410, "version_revoked")
+    finally:
+        ops.delete(f"/agents/{agent_id}")
+
+
+def _waits_for_an_advisory_lock(engine: Engine) -> bool:
+    waiting = text(
+        "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
+        " WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
+    )
+    with engine.connect() as conn:
+        return bool(conn.execute(waiting).scalar_one())
 
 
 def test_a_refusal_names_the_stable_channel_that_pins_untargeted_requests(
