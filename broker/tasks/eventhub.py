@@ -98,9 +98,11 @@ class EventHub:
                 self._confirmed[name] = asyncio.Event()
                 try:
                     await self._pubsub.subscribe(name)
-                except BaseException:
-                    # Not subscribed (Redis away): the channel's next listener tries again.
+                except BaseException as exc:
+                    # Not subscribed (Redis away): the channel's next listener tries again
                     del self._queues[name], self._confirmed[name]
+                    if isinstance(exc, asyncio.CancelledError):  # its SUBSCRIBE may be out
+                        self._leave(name)
                     raise
                 self._wake.set()
             if self._reader is None or self._reader.done():
@@ -109,11 +111,14 @@ class EventHub:
                 self._reader = asyncio.create_task(
                     self._read(), name="reach-event-hub", context=contextvars.Context()
                 )
-        with contextlib.suppress(TimeoutError):
-            # Unconfirmed after this wait, the log reads below still cover the gap.
-            async with asyncio.timeout(SUBSCRIBE_WAIT_S):
-                await self._confirmed[name].wait()
+        # From here the queue is the channel's: a listener cancelled while it waits for the
+        # confirmation (a stream whose client hung up at once) leaves too. It stayed, its
+        # queue filling with its task's events, subscribed, for the life of the process.
         try:
+            with contextlib.suppress(TimeoutError):
+                # Unconfirmed after this wait, the log reads below still cover the gap.
+                async with asyncio.timeout(SUBSCRIBE_WAIT_S):
+                    await self._confirmed[name].wait()
             yield queue
         finally:
             listeners = self._queues.get(name, set())
@@ -122,9 +127,12 @@ class EventHub:
                 self._queues.pop(name, None)
                 self._confirmed.pop(name, None)
                 # After the answer: a sync wait's response goes out before the UNSUBSCRIBE.
-                leave = asyncio.create_task(self._unsubscribe_unheard(name))
-                self._leaving.add(leave)  # the loop holds its tasks weakly
-                leave.add_done_callback(self._leaving.discard)
+                self._leave(name)
+
+    def _leave(self, name: str) -> None:
+        leave = asyncio.create_task(self._unsubscribe_unheard(name))
+        self._leaving.add(leave)  # the loop holds its tasks weakly
+        leave.add_done_callback(self._leaving.discard)
 
     async def polled(self, key: Hashable, poll: Callable[[], Awaitable[T]]) -> T:
         """``poll()``'s answer, read once per ``POLL_S`` for every reader that asks with

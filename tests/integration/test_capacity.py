@@ -29,7 +29,7 @@ from api.app import create_app
 from api.connections import SEND_BUFFER_BYTES
 from broker.observability import metrics
 from broker.settings import Settings
-from broker.tasks.events import OUTPUT, EventLog
+from broker.tasks.events import OUTPUT, EventLog, channel
 from broker.webhooks.ssrf import HostLookups
 from tests.eventually import eventually
 from tests.integration.activity import at_once
@@ -715,14 +715,17 @@ def test_readiness_asked_by_many_at_once_without_a_key_checks_postgres_once_a_se
     assert 1 <= len(checks) <= 1 + int(elapsed_s / services.READINESS_S), (checks, elapsed_s)
 
 
-def test_streams_whose_clients_hang_up_at_once_give_their_slots_back(
-    stack_for: Callable[..., ServedApp], make_key: KeyMaker
+def test_streams_whose_clients_hang_up_at_once_give_their_slots_and_subscriptions_back(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker, own_redis: str
 ) -> None:
     """A stream ends by cancelling its task when its client leaves. On Python 3.11 a cancel
     that came as the stream's subscription went out was lost (``asyncio.wait_for`` inside
     redis-py returns its result when both land together): 2 to 13 of 200 streams whose
     clients hung up at once held their slots, listeners and subscriptions until their tasks
-    ended, and the tenant could open that many fewer."""
+    ended, and the tenant could open that many fewer. And a stream cancelled while it waited
+    for Redis to confirm its subscription gave its slot back but kept its listener and its
+    subscription for the life of the process, its queue filling with its task's events: 20
+    of 20 tasks, after 50 such hang-ups each."""
     # Given a tenant's queued tasks, nobody serving them
     api = stack_for(max_streams_per_tenant=200, rate_limit_per_s=10_000, rate_limit_burst=10_000)
     tenant, token = make_key()
@@ -753,6 +756,15 @@ def test_streams_whose_clients_hang_up_at_once_give_their_slots_back(
     eventually(lambda: _streams_answered() > before, "the API to begin streams")
     eventually(lambda: tenant not in slots.open, "every stream's slot to be given back")
     assert slots.open.get(tenant, 0) == 0
+    # And no task's channel is listened to, by the API's hub or on the Redis server
+    channels = [channel(t) for t in ids]
+    with redis.Redis.from_url(own_redis) as r:
+        eventually(
+            lambda: [c for c, n in r.pubsub_numsub(*channels) if n],
+            "every stream's subscription to be left",
+            until=lambda subscribed: not subscribed,
+        )
+    assert not api.server.config.app.state.services.hub._queues
 
 
 def _streams_answered() -> float:
