@@ -121,6 +121,9 @@ LIST_COUNT_MAX = 10_000
 # for now (429, 503: a limit, an outage), which the same call may pass later. The SDK answers
 # an error it does not know as its internal error (500, -32603), logged at ERROR.
 ANSWERED_AS_THE_API = frozenset({401, 429, 503})
+# And a refusal that asks for the same request again: A2A's -32602 told the caller its
+# request was wrong.
+ANSWERED_AS_THE_API_CODES = frozenset({"conflict_retry"})
 # The SDK parses a request into protobuf in Python, value by value (about 2.5 us a value on
 # the event loop, and as much again to read a data part back: a message of 250,000 small
 # values took 1.2 s of it), and a number there is a double: 2**60 + 1 came out 2**60, and
@@ -157,7 +160,7 @@ def _a2a_error(exc: ReachError, context: ServerCallContext) -> A2AError:
     data = {"code": exc.code, **{k: v for k, v in exc.details.items() if _plain(v)}}
     if isinstance(exc, NotFound) and exc.code == "task_not_found":
         return TaskNotFoundError(message=exc.message, data=data)
-    if errors.status_for(exc) in ANSWERED_AS_THE_API:
+    if errors.status_for(exc) in ANSWERED_AS_THE_API or exc.code in ANSWERED_AS_THE_API_CODES:
         context.state.setdefault("refusals", []).append(exc)
     return InvalidParamsError(message=exc.message, data=data)
 

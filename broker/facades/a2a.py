@@ -88,6 +88,21 @@ TASK_CONTEXT_PREFIX = "task_"
 _EXACT_INT = 2**53
 
 
+# The envelope's fields a message may set beside ``capability``, in its metadata or the
+# request's, named and checked as ``POST /tasks`` has them. They were dropped, silently: an
+# A2A task had no deadline and kept its result a day whatever its caller asked.
+ENVELOPE_OPTIONS = (
+    "deadline_ms",
+    "result_ttl_s",
+    "priority",
+    "max_attempts",
+    "metadata",
+    "queue_if_unavailable",
+    "target",
+    "hint",
+)
+
+
 class NotAnEnvelope(ValueError):
     """The message does not say what to run, or with what."""
 
@@ -99,14 +114,20 @@ class ContentNotSupported(NotAnEnvelope):
 def envelope_fields(
     message: Message, request_metadata: Mapping[str, Any], lifted: Mapping[int, Any] | None = None
 ) -> dict[str, Any]:
-    """The envelope's fields a message gives: ``capability`` (from the message's metadata, or
-    the request's), ``payload`` and ``session_id`` (its ``contextId``). ``lifted``: data parts
-    taken out of the request before it was parsed, by their place (``payload_of``)."""
+    """The envelope's fields a message gives: ``capability`` and the ``ENVELOPE_OPTIONS`` (from
+    the message's metadata, else the request's), ``payload`` and ``session_id`` (its
+    ``contextId``). ``lifted``: data parts taken out of the request before it was parsed, by
+    their place (``payload_of``)."""
     metadata = to_json(message.metadata) if message.HasField("metadata") else {}
     capability = metadata.get("capability") or request_metadata.get("capability")
     if not isinstance(capability, str) or not capability:
         raise NotAnEnvelope("name the capability to run in the message's metadata.capability")
     fields: dict[str, Any] = {"capability": capability, "payload": payload_of(message, lifted)}
+    for name in ENVELOPE_OPTIONS:
+        if name in metadata:
+            fields[name] = metadata[name]
+        elif name in request_metadata:
+            fields[name] = request_metadata[name]
     if message.context_id.startswith(TASK_CONTEXT_PREFIX):
         raise NotAnEnvelope(
             "this contextId is the context of one task without a session, and a task here"

@@ -375,6 +375,45 @@ def rpc(api: ServedApp, token: str | None, body: Any, **headers: str) -> httpx.R
     return httpx.post(f"{api.url}/a2a/jsonrpc", content=content, headers=sent, timeout=30)
 
 
+def test_a_message_sets_the_envelopes_options_in_its_metadata_or_the_requests(
+    api: ServedApp, make_key: KeyMaker, worker: CeleryProcess, engine: Engine
+) -> None:
+    """``deadline_ms``, ``result_ttl_s``, ``priority``, ``max_attempts`` and the task's
+    ``metadata``, named as ``POST /tasks`` names them. They were dropped with no word: an A2A
+    task had no deadline and kept its result a day, whatever its caller asked."""
+    # Given the options, in a message's metadata or in its request's
+    _, token = make_key()
+    options = {
+        "deadline_ms": 600_000,
+        "result_ttl_s": 120,
+        "priority": 9,
+        "max_attempts": 1,
+        "metadata": {"order": "7731"},
+    }
+    in_message = send_message_body(
+        [{"data": {}}], metadata={"capability": "test.context", **options}
+    )
+    in_request = send_message_body([{"data": {}}], metadata={"capability": "test.context"})
+    in_request["params"]["metadata"] = options
+    for body in (in_message, in_request):
+        # When the message is sent
+        answer = rpc(api, token, body).json()
+        task = answer["result"]["task"]
+        # Then its agent saw the deadline and the metadata, and the task keeps the rest
+        seen = task["artifacts"][0]["parts"][0]["data"]
+        assert 0 < seen["time_left_s"] <= 600 and seen["metadata"] == {"order": "7731"}
+        kept = text("SELECT priority, max_attempts, result_ttl_s FROM tasks WHERE id = :id")
+        with engine.connect() as conn:
+            row = conn.execute(kept, {"id": task["id"]}).one()
+        assert tuple(row) == (9, 1, 120)
+    # And an option the API would refuse is refused here, naming the field
+    bad = send_message_body([{"data": {}}], metadata={"priority": 99})
+    error = rpc(api, token, bad).json()["error"]
+    [info, _] = error["data"]  # the SDK's ErrorInfo, then its BadRequest
+    assert (error["code"], info["metadata"]["code"]) == (-32602, "envelope_invalid")
+    assert [e["field"] for e in info["metadata"]["errors"]] == ["priority"]
+
+
 def test_bad_json_rpc_gets_the_spec_codes_never_a_500(
     api: ServedApp, make_key: KeyMaker, worker: CeleryProcess
 ) -> None:

@@ -23,6 +23,7 @@ from reach import localservices, migrate
 from tests.eventually import eventually
 from tests.integration.conftest import advertise_test_cards, client_for
 from tests.integration.stack import CeleryProcess, ServedApp, start_beat, wait_for_task
+from tests.integration.test_a2a_facade import rpc, send_message_body
 
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
@@ -296,6 +297,28 @@ def test_a_replay_of_a_task_expired_while_still_queued_waits_for_it_to_end(
     assert (replay.status_code, replay.headers.get("idempotent-replayed")) == (202, "true")
     assert (replay.json()["task_id"], replay.json()["status"]) == (first, "expired")
     assert replay.json()["error"]["code"] == "ttl_exceeded"
+
+
+def test_an_a2a_message_sent_again_while_its_key_is_released_is_told_to_retry(
+    janitorless: tuple[ServedApp, str, Engine],
+) -> None:
+    """The same moment through A2A: it answered -32602, invalid params, which tells a client
+    its request is wrong and not to send it again. It is answered as ``POST /tasks`` is."""
+    api, token, _ = janitorless
+    options = {"result_ttl_s": 3, "queue_if_unavailable": True}
+    body = send_message_body(
+        [{"data": {"order": 4}}], metadata={"capability": "test.nobody-serves", **options}
+    )
+    body["params"]["configuration"] = {"returnImmediately": True}
+    # Given an A2A task that expired while queued, which no janitor has ended
+    first = rpc(api, token, body).json()["result"]["task"]["id"]
+    with client_for(api, token) as http:
+        eventually(lambda: http.get(f"/tasks/{first}").status_code == 404, "the task expired")
+    # When the same message comes again
+    again = rpc(api, token, body)
+    # Then it is told to retry, as the HTTP API tells it
+    assert again.headers["content-type"] == "application/problem+json"
+    assert (again.status_code, again.json()["code"]) == (409, "conflict_retry")
 
 
 def _expired_rows(engine: Engine, count: int) -> None:
