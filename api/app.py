@@ -32,12 +32,14 @@ def create_app(settings: Settings) -> FastAPI:
             system_gauges.keep_fresh(svc, settings.metrics_refresh_s),
             name="reach-system-gauges",
         )
+        stopping = asyncio.create_task(svc.stopping.watch(), name="reach-stopping")
         async with mcp.running():
             # The lifespan's state: uvicorn hands it to each connection's protocol.
             yield {connections.STALL_KEY: settings.client_stall_s}
-        gauges.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await gauges
+        for task in (gauges, stopping):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await svc.close()
 
     logs.capture_context()

@@ -270,6 +270,7 @@ def event_stream(
         headers=headers,
         started=started,
         slot=slot,
+        stopping=svc.stopping,
     )
 
 
@@ -306,7 +307,8 @@ async def wait_until_final(
         final = await hub.closing_event(str(task_id))
         if final is not None:
             return dict(final.data)
-        while (remaining := deadline - loop.time()) > 0:
+        # A stopping server ends the wait (``api.stopping``), at the next look at the store
+        while (remaining := deadline - loop.time()) > 0 and not svc.stopping.is_set():
             try:
                 async with asyncio.timeout(min(remaining, STORE_CHECK_S)):
                     event: Event | None = await live.get()

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.callers import Budget, KeyCache, TenantOfKey
 from api.sse import StreamSlots
+from api.stopping import Stopping
 from broker import redisclients
 from broker.cache import TimedCache
 from broker.db.engines import async_engine
@@ -71,6 +72,8 @@ class Services:
     gauges_refreshed_at: float | None = None
     # ``/readyz``'s answer, for a second: it needs no key (see ``api.routes.health``).
     readiness: TimedCache = field(default_factory=lambda: TimedCache(ttl_s=READINESS_S))
+    # Set once the server is told to stop: streams end, waits answer (``api.stopping``).
+    stopping: Stopping = field(default_factory=Stopping)
 
     @classmethod
     def build(cls, settings: Settings) -> Services:

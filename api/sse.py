@@ -17,10 +17,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api.stopping import Stopping
 from broker import outages
 from broker.errors import ReachError, Unauthenticated, Unavailable
 from broker.observability import metrics
@@ -101,6 +103,7 @@ class EventStreamResponse(Response):
         headers: dict[str, str] | None = None,
         started: float | None = None,
         slot: Slot | None = None,
+        stopping: Stopping | None = None,
     ) -> None:
         super().__init__(status_code=status_code, headers={**HEADERS, **(headers or {})})
         # A stream has no length: drop the content-length: 0 that Response adds for no body.
@@ -110,10 +113,12 @@ class EventStreamResponse(Response):
         self.ping_s = ping_s
         self.started = started  # perf_counter() at the request, to time the first event
         self.slot = slot  # given back when the stream ends, however it ends
+        self.stopping = stopping  # the stream ends cleanly once it is set
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
         last_write = loop.time()
+        begun = False
 
         async def write(body: bytes, more: bool = True) -> None:
             nonlocal last_write
@@ -123,6 +128,7 @@ class EventStreamResponse(Response):
             last_write = loop.time()
 
         async def stream() -> None:
+            nonlocal begun
             await send(
                 {
                     "type": "http.response.start",
@@ -130,6 +136,7 @@ class EventStreamResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
+            begun = True
             try:
                 async for page in self.events:  # a page of the log in one write
                     if page:
@@ -151,16 +158,30 @@ class EventStreamResponse(Response):
 
         streaming = asyncio.create_task(stream())
         watching = asyncio.create_task(disconnected())
+        tasks: list[asyncio.Task[Any]] = [streaming, watching]
+        if self.stopping is not None:
+            tasks.append(stop := asyncio.create_task(self.stopping.event.wait()))
         try:
-            done, _ = await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if streaming in done and (exc := streaming.exception()) is not None:
                 if isinstance(exc, TimeoutError):
                     log.info("dropped an SSE client that stopped reading")
                 else:
                     raise exc
+            elif self.stopping is not None and stop in done and not streaming.done():
+                # The server is stopping: the stream ends whole (a write is never cut, its
+                # bytes are the transport's once ``send`` is called), and its client resumes
+                # from its last event on another process.
+                streaming.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await streaming
+                if begun:
+                    with contextlib.suppress(Exception):
+                        await write(b"", more=False)
+                log.info("ended an SSE stream: the server is stopping")
         finally:
             try:
-                for task in (streaming, watching):
+                for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task

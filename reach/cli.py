@@ -88,6 +88,10 @@ def _migrate(args: argparse.Namespace, settings: Settings) -> int:
 # kernel send buffer (docs/security.md). Running uvicorn by hand takes the same two.
 API_APP = "api.app:create_app_from_env"
 API_PROTOCOL = "api.connections:Protocol"
+# How long a stopping API waits for its connections, then closes them (uvicorn waited without
+# end). Its streams and waits end within seconds of the signal (``api.stopping``); what is
+# left is a client too slow to take its answer. Compose's grace period for it is longer.
+API_STOP_TIMEOUT_S = 15
 
 
 def _api(args: argparse.Namespace, settings: Settings) -> int:
@@ -107,6 +111,7 @@ def _api(args: argparse.Namespace, settings: Settings) -> int:
         host=args.host,
         port=args.port,
         workers=args.workers,
+        timeout_graceful_shutdown=API_STOP_TIMEOUT_S,
     )
     return 0
 

@@ -29,6 +29,7 @@ from api.deps import SMALL_BODY_BYTES, authenticate, media_type, read_json_body
 from api.mcp.calls import Calls
 from api.services import Services, services
 from api.sse import Slot
+from api.stopping import Stopping
 from broker import jsonbody, jsoncodec
 from broker.errors import BadRequest, ReachError
 from broker.settings import Settings
@@ -104,7 +105,8 @@ class McpFacade:
             body = lift_arguments(request, body, self.svc.settings.max_json_depth)
             # A tool call may hold its answer open (SSE) for the whole wait: one of the
             # tenant's stream slots until it ends (``api.sse.StreamSlots``).
-            return _HandedOver(self.manager, self.svc.streams.take(caller.tenant), body)
+            slot = self.svc.streams.take(caller.tenant)
+            return _HandedOver(self.manager, slot, body, self.svc.stopping)
 
         router.add_api_route(
             PATH,
@@ -200,14 +202,22 @@ class _HandedOver(Response):
     """The answer the SDK's transport writes itself, in ``slot`` until it ends. It reads the
     request's body, read already, from ``received``."""
 
-    def __init__(self, manager: StreamableHTTPSessionManager, slot: Slot, received: bytes) -> None:
+    def __init__(
+        self,
+        manager: StreamableHTTPSessionManager,
+        slot: Slot,
+        received: bytes,
+        stopping: Stopping,
+    ) -> None:
         super().__init__()
         self.manager = manager
         self.slot = slot
         self.received = received
+        self.stopping = stopping
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with self.slot:
+        # A stopping server's streams end once this answer is out (``api.stopping``)
+        with self.slot, self.stopping.answer():
             scope = {**scope, "headers": _json_named_plainly(scope["headers"])}
             await self.manager.handle_request(scope, _replaying(self.received, receive), send)
 

@@ -502,6 +502,15 @@ def test_workers_shut_down_warm() -> None:
         assert grace is not None and compose.duration_s(grace) >= 60, f"{name}: {grace}"
 
 
+def test_the_api_has_time_to_close_its_connections_before_the_sigkill() -> None:
+    # given the api service, run by `reach api`, which closes what is left after its timeout
+    api = compose.services()["api"]
+    assert api["command"][:2] == ["reach", "api"]
+    # expect a grace period past that timeout (Docker's default, 10 s, is not)
+    grace = api.get("stop_grace_period")
+    assert grace is not None and compose.duration_s(grace) > reach_cli.API_STOP_TIMEOUT_S, grace
+
+
 # ---------------------------------------------------------------------------------------------
 # (g) published ports
 # ---------------------------------------------------------------------------------------------
