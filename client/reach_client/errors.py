@@ -25,7 +25,10 @@
     ├── TaskFailedError             ``Task.raise_for_status()`` on a task that did not succeed
     └── WebhookVerificationError    a webhook call that is not signed by the secret
 
-Problems are mapped by their stable ``code`` first, then by HTTP status.
+Problems are mapped by their stable ``code`` first, then by HTTP status. An error out of a
+submit carries the ``idempotency_key`` it was sent with, the caller's or one made for the
+call: a submit again with it reaches the task the first one made, if it made one (an API that
+died after accepting it, say), and never makes a second.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
 
 class ReachError(Exception):
     """The root: ``code`` is stable (the API's problem code, or the client's own)."""
+
+    # Out of a submit: the key it was sent with (see the module's docstring).
+    idempotency_key: str | None = None
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
 from reach_client.deadlines import Clock, Deadline, DeadlinePassed
-from reach_client.errors import APIStatusError, APITimeoutError, WaitTimeoutError
+from reach_client.errors import APIStatusError, APITimeoutError, ReachError, WaitTimeoutError
 from reach_client.models import Page, Task
 from reach_client.plans import IDEMPOTENCY_KEY, Plan, Request, path, pause, query, send
 from reach_client.retries import GATEWAY_STATUSES, RetryPolicy
@@ -58,8 +58,19 @@ def submission(
     key = str(given.pop("idempotency_key", None) or uuid.uuid4())
     body = {"capability": capability, "payload": dict(payload), **given}
     if wait:
-        return run(policy, body, key, timeout_s)
-    return submit(policy, body, key)
+        return _keyed(run(policy, body, key, timeout_s), key)
+    return _keyed(submit(policy, body, key), key)
+
+
+def _keyed(plan: Plan[Task], key: str) -> Plan[Task]:
+    """``plan``, whose errors carry ``key``: a caller that let the client make the key had no
+    way to submit again without making the task twice, when no answer came."""
+    try:
+        return (yield from plan)
+    except ReachError as exc:
+        if exc.idempotency_key is None:
+            exc.idempotency_key = key
+        raise
 
 
 def _submission(body: Mapping[str, Any], key: str, **options: Any) -> Request:

@@ -1,0 +1,53 @@
+"""A submit that got no answer may still have made its task (an API that died after accepting
+it). Its error carries the idempotency key it was sent with, the caller's or the one the client
+made, so a submit again reaches that task instead of making a second. A caller that let the
+client make the key had no way to know it. Both clients, against a real loopback server that
+drops every connection unanswered."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from reach_client import AsyncReach, Reach, errors
+
+from tests.integration.receiver import Reply, always
+from tests.unit.client_loopback import Loopback
+
+LOST = always(Reply(drop=True))
+RETRIES = 2
+
+
+def submit(kind: str, url: str, **options: Any) -> Any:
+    if kind == "sync":
+        with Reach(url, "rk_test", max_retries=RETRIES) as reach:
+            return reach.tasks.submit("echo", {"n": 1}, **options)
+
+    async def in_async() -> Any:
+        async with AsyncReach(url, "rk_test", max_retries=RETRIES) as reach:
+            return await reach.tasks.submit("echo", {"n": 1}, **options)
+
+    return asyncio.run(in_async())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("wait", [False, True], ids=["async-mode", "wait"])
+def test_a_submit_with_no_answer_carries_the_key_its_tries_were_sent_with(
+    kind: str, wait: bool
+) -> None:
+    with Loopback(LOST) as api, pytest.raises(errors.APIConnectionError) as raised:
+        submit(kind, api.base_url, wait=wait)
+
+    sent = {r.headers["idempotency-key"] for r in api.requests}
+    assert len(api.requests) == 1 + RETRIES
+    assert sent == {raised.value.idempotency_key}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_callers_own_key_is_the_one_carried(kind: str) -> None:
+    with Loopback(LOST) as api, pytest.raises(errors.APIConnectionError) as raised:
+        submit(kind, api.base_url, idempotency_key="order-7731")
+
+    assert {r.headers["idempotency-key"] for r in api.requests} == {"order-7731"}
+    assert raised.value.idempotency_key == "order-7731"
