@@ -132,3 +132,29 @@ def test_a_task_that_ended_before_its_final_event_came_is_finished_not_still_run
     assert "still" not in err, err
     if not as_json:  # and shows the task, as a watch that saw it end does
         assert "failed" in out and "boom" in out, out
+
+
+def test_a_submit_that_got_no_answer_says_how_to_submit_it_again(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given an API that takes each submit and dies before it answers (the task may be made)
+    monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
+    monkeypatch.delenv("REACH_PROFILE", raising=False)
+    with Loopback(lambda n: Reply(drop=True)) as api:
+        # When reach submits
+        status = main(["submit", "echo", "--url", api.base_url, "--api-key", "rk_test"])
+    # Then it exits 7 (out of reach), naming the key every try was sent with
+    [key] = {r.headers["idempotency-key"] for r in api.requests}
+    assert status == 7
+    assert f"to submit again, add --idempotency-key {key}\n" in capsys.readouterr().err
+
+
+def test_a_submit_that_never_went_out_names_no_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given no API at all: the connection is refused, nothing can have been made
+    monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
+    monkeypatch.delenv("REACH_PROFILE", raising=False)
+    status = main(["submit", "echo", "--url", "http://127.0.0.1:9", "--api-key", "rk_test"])
+    assert status == 7
+    assert "--idempotency-key" not in capsys.readouterr().err

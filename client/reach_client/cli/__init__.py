@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return exits.USAGE
     except APIConnectionError as exc:
         print(f"reach: cannot reach the API: {printable(exc.detail)}", file=sys.stderr)
+        if exc.idempotency_key is not None and exc.sent:
+            # It may have made its task: the same key reaches it, and makes none twice
+            key = printable(exc.idempotency_key)
+            print(f"reach: to submit again, add --idempotency-key {key}", file=sys.stderr)
         return exits.UNREACHABLE
     except APIStatusError as exc:  # its problem is the server's text
         print(f"reach: {printable(exc)}", file=sys.stderr)
