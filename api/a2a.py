@@ -120,6 +120,9 @@ LIST_COUNT_MAX = 10_000
 # The statuses of refusals A2A has no error for: a key that is not valid (401), and a refusal
 # for now (429, 503: a limit, an outage), which the same call may pass later. The SDK answers
 # an error it does not know as its internal error (500, -32603), logged at ERROR.
+# The levels above a message's data part: the JSON-RPC body, params, message, parts, the
+# part (the HTTP+JSON body starts at the message's request, one fewer).
+DATA_PART_LEVEL_RPC, DATA_PART_LEVEL_REST = 5, 4
 ANSWERED_AS_THE_API = frozenset({401, 429, 503})
 # And a refusal that asks for the same request again: A2A's -32602 told the caller its
 # request was wrong.
@@ -697,8 +700,15 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
         except ReachError as exc:
             return errors.problem_response(request, exc)
         try:
-            document = jsonbody.parse(raw, max_depth=svc.settings.max_json_depth)
+            # A data part is the task's payload, held to the depth it has in POST /tasks's
+            # body, wherever it sits in this one; the rest of the request to the API's limit.
+            max_depth = svc.settings.max_json_depth
+            levels = DATA_PART_LEVEL_RPC if json_rpc else DATA_PART_LEVEL_REST
+            document = jsonbody.parse(raw, max_depth=max_depth + levels)
             lifted = _lift_data_parts(document, json_rpc=json_rpc)
+            jsonbody.check_depth(document, max_depth=max_depth)
+            for payload in lifted.values():
+                jsonbody.check_payload_depth(payload, max_depth=max_depth)
             if jsonbody.more_values_than(document, REQUEST_VALUES_MAX):
                 raise BadRequest(
                     f"an A2A request holds at most {REQUEST_VALUES_MAX} JSON values besides"

@@ -94,6 +94,27 @@ def check_tree(value: Any, *, max_depth: int) -> None:
             _check_string(node)
 
 
+def check_depth(value: Any, *, max_depth: int) -> None:
+    """``json_too_deep`` when ``value``, as ``parse`` gives it, nests deeper than ``max_depth``."""
+    _check_depth(value, max_depth=max_depth)
+
+
+# A payload sits at the second level of a ``POST /tasks`` body: every door holds it to the depth
+# it would have there (``check_payload_depth``).
+PAYLOAD_LEVEL = 1
+
+
+def check_payload_depth(payload: Any, *, max_depth: int) -> None:
+    """``json_too_deep`` unless ``payload`` fits in a ``POST /tasks`` body of ``max_depth``
+    levels. The A2A and MCP doors measured it within bodies of their own: a payload nested 28
+    deep was refused through A2A, and one 32 deep taken through MCP, which ``POST /tasks``
+    (and the console, sending it again) refuses."""
+    try:
+        _check_depth(payload, max_depth=max_depth - PAYLOAD_LEVEL)
+    except BadRequest:
+        raise _too_deep(max_depth) from None
+
+
 def _check_depth(value: Any, *, max_depth: int) -> None:
     """``check_tree``'s depth check alone, on what ``json.loads`` built (dicts and lists, no
     subclass), a level at a time: each level's children listed, and the containers among

@@ -117,9 +117,9 @@ class Calls:
         if not ours:
             # The arguments meet the checks a POST body meets (NUL, lone surrogates, NaN, huge
             # integers, depth): the SDK's parser let them through, Postgres would refuse them.
-            payload = jsonbody.parse(
-                json.dumps(payload).encode(), max_depth=svc.settings.max_json_depth
-            )
+            max_depth = svc.settings.max_json_depth
+            payload = jsonbody.parse(json.dumps(payload).encode(), max_depth=max_depth)
+            jsonbody.check_payload_depth(payload, max_depth=max_depth)
         envelope = parse_envelope({"capability": capability, "payload": payload, "source": SOURCE})
         return await svc.intake.submit(caller, envelope, trace_id=_request(ctx).state.trace_id)
 

@@ -36,6 +36,8 @@ from broker.settings import Settings
 from broker.tenancy.keys import Principal
 
 PATH = "/mcp"
+# The levels above a tool call's arguments: the JSON-RPC body, its params.
+ARGUMENTS_LEVEL = 2
 Caller = Annotated[Principal, Depends(authenticate)]
 INSTRUCTIONS = (
     "Agent-Reach runs each tool as a task on an agent. A call that has not finished within "
@@ -177,17 +179,22 @@ def lift_arguments(request: Request, body: bytes, max_depth: int) -> bytes:
     /tasks`` body is and let go once the task is accepted. A body our parse refuses goes to
     the SDK as it came: the transport's answer, or the tool's refusal (``Calls``)."""
     try:
-        message = jsonbody.parse(body, max_depth=max_depth)
+        # The arguments are the task's payload, held to the depth it has in POST /tasks's
+        # body; the rest of the request to the API's limit.
+        message = jsonbody.parse(body, max_depth=max_depth + ARGUMENTS_LEVEL)
+        if not isinstance(message, dict) or message.get("method") != "tools/call":
+            return body
+        params = message.get("params")
+        if not isinstance(params, dict) or not isinstance(params.get("arguments"), dict):
+            return body
+        if not params["arguments"]:
+            return body
+        jsonbody.check_payload_depth(params["arguments"], max_depth=max_depth)
+        arguments, params["arguments"] = params["arguments"], {}
+        jsonbody.check_depth(message, max_depth=max_depth)
     except ReachError:
         return body
-    if not isinstance(message, dict) or message.get("method") != "tools/call":
-        return body
-    params = message.get("params")
-    if not isinstance(params, dict) or not isinstance(params.get("arguments"), dict):
-        return body
-    if not params["arguments"]:
-        return body
-    request.state.arguments, params["arguments"] = params["arguments"], {}
+    request.state.arguments = arguments
     return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
 
 
