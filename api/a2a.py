@@ -249,8 +249,9 @@ class ReachRequestHandler(RequestHandler):
                 raise InvalidParamsError(message=str(exc)) from None
         request_metadata = to_json(params.metadata) if params.HasField("metadata") else {}
         lifted = context.state.pop("lifted", None) or {}
+        options = context.state.pop("options", None) or {}
         try:
-            fields = mapping.envelope_fields(params.message, request_metadata, lifted)
+            fields = mapping.envelope_fields(params.message, request_metadata, lifted, options)
         except mapping.ContentNotSupported as exc:
             raise ContentTypeNotSupportedError(message=str(exc)) from None
         except mapping.NotAnEnvelope as exc:
@@ -670,6 +671,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context.state["base_url"] = card_base(request)
         context.state["metered"] = getattr(request.state, "metered", False)
         context.state["lifted"] = getattr(request.state, "lifted", {})
+        context.state["options"] = getattr(request.state, "options", {})
         context.state["unread_status"] = getattr(request.state, "unread_status", None)
         context.state["refusals"] = request.state.refusals  # ``_answered``
         return context
@@ -706,6 +708,7 @@ def _guarded(endpoint: Endpoint, svc: Services, *, json_rpc: bool) -> Endpoint:
             levels = DATA_PART_LEVEL_RPC if json_rpc else DATA_PART_LEVEL_REST
             document = jsonbody.parse(raw, max_depth=max_depth + levels)
             lifted = _lift_data_parts(document, json_rpc=json_rpc)
+            request.state.options = _envelope_options(document, json_rpc=json_rpc)
             jsonbody.check_depth(document, max_depth=max_depth)
             for payload in lifted.values():
                 jsonbody.check_payload_depth(payload, max_depth=max_depth)
@@ -751,6 +754,22 @@ def _lift_data_parts(document: Any, *, json_rpc: bool) -> dict[int, Any]:
         if isinstance(part, dict) and isinstance(part.get("data"), dict | list):
             lifted[index], part["data"] = whole_in_place(part["data"]), {}
     return lifted
+
+
+def _envelope_options(document: Any, *, json_rpc: bool) -> dict[str, Any]:
+    """The envelope's options a message sets (``mapping.ENVELOPE_OPTIONS``) in its metadata or
+    its request's, as sent: the SDK reads them into protobuf, whose every number is a double
+    (2**53 + 1 in a task's metadata was stored as 2**53)."""
+    holder = document.get("params") if json_rpc and isinstance(document, dict) else document
+    if not isinstance(holder, dict):
+        return {}
+    message = holder.get("message")
+    found: dict[str, Any] = {}
+    for metadata in (holder.get("metadata"), isinstance(message, dict) and message.get("metadata")):
+        if isinstance(metadata, dict):  # the message's last: its own options win
+            found.update((k, metadata[k]) for k in mapping.ENVELOPE_OPTIONS if k in metadata)
+    whole_in_place(found)  # a client on protobuf sends 3 as 3.0
+    return found
 
 
 def _bounded_version(request: Request) -> None:

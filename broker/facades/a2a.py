@@ -112,12 +112,16 @@ class ContentNotSupported(NotAnEnvelope):
 
 
 def envelope_fields(
-    message: Message, request_metadata: Mapping[str, Any], lifted: Mapping[int, Any] | None = None
+    message: Message,
+    request_metadata: Mapping[str, Any],
+    lifted: Mapping[int, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The envelope's fields a message gives: ``capability`` and the ``ENVELOPE_OPTIONS`` (from
     the message's metadata, else the request's), ``payload`` and ``session_id`` (its
     ``contextId``). ``lifted``: data parts taken out of the request before it was parsed, by
-    their place (``payload_of``)."""
+    their place (``payload_of``); ``options``: the ``ENVELOPE_OPTIONS`` as the request sent
+    them, in place of their reading through protobuf (every number a double)."""
     metadata = to_json(message.metadata) if message.HasField("metadata") else {}
     capability = metadata.get("capability") or request_metadata.get("capability")
     if not isinstance(capability, str) or not capability:
@@ -128,6 +132,7 @@ def envelope_fields(
             fields[name] = metadata[name]
         elif name in request_metadata:
             fields[name] = request_metadata[name]
+    fields.update(options or {})
     if message.context_id.startswith(TASK_CONTEXT_PREFIX):
         raise NotAnEnvelope(
             "this contextId is the context of one task without a session, and a task here"

@@ -388,7 +388,7 @@ def test_a_message_sets_the_envelopes_options_in_its_metadata_or_the_requests(
         "result_ttl_s": 120,
         "priority": 9,
         "max_attempts": 1,
-        "metadata": {"order": "7731"},
+        "metadata": {"order": "7731", "line": 2**53 + 1},
     }
     in_message = send_message_body(
         [{"data": {}}], metadata={"capability": "test.context", **options}
@@ -401,11 +401,14 @@ def test_a_message_sets_the_envelopes_options_in_its_metadata_or_the_requests(
         task = answer["result"]["task"]
         # Then its agent saw the deadline and the metadata, and the task keeps the rest
         seen = task["artifacts"][0]["parts"][0]["data"]
-        assert 0 < seen["time_left_s"] <= 600 and seen["metadata"] == {"order": "7731"}
-        kept = text("SELECT priority, max_attempts, result_ttl_s FROM tasks WHERE id = :id")
+        assert 0 < seen["time_left_s"] <= 600 and seen["metadata"]["order"] == "7731"
+        kept = text(
+            "SELECT priority, max_attempts, result_ttl_s, metadata FROM tasks WHERE id = :id"
+        )
         with engine.connect() as conn:
             row = conn.execute(kept, {"id": task["id"]}).one()
-        assert tuple(row) == (9, 1, 120)
+        # its metadata as sent (protobuf, under the SDK, made 2**53 + 1 a double)
+        assert tuple(row) == (9, 1, 120, {"order": "7731", "line": 2**53 + 1})
     # And an option the API would refuse is refused here, naming the field
     bad = send_message_body([{"data": {}}], metadata={"priority": 99})
     error = rpc(api, token, bad).json()["error"]
