@@ -10,7 +10,7 @@ throws the ``APIConnectionError`` it met; it sleeps for each ``Sleep``.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -101,10 +101,12 @@ def send(request: Request, policy: RetryPolicy, deadline: Deadline | None = None
     once it has passed."""
     retry = 0
     replayable = may_retry(request.method, request.idempotency_key is not None)
+    went_out = False  # some try reached the server: the request may have been applied
     while True:
         try:
             answer = yield from call(request if deadline is None else deadline.bound(request))
         except APIConnectionError as exc:
+            went_out = exc.sent = went_out or exc.sent  # not the last try's alone
             timed_out = isinstance(exc, APITimeoutError)
             if timed_out and deadline is not None and deadline.passed:
                 raise DeadlinePassed from exc
@@ -147,16 +149,32 @@ def _cut(seconds: float, deadline: Deadline | None) -> float:
     return seconds if deadline is None else deadline.cut(seconds)
 
 
+# What reading an answer that is not JSON, or not the shape the API gives, raises.
+UNREADABLE = (ValueError, LookupError, TypeError, AttributeError)
+
+
 def advance(plan: Plan[T], answer: Response) -> Step:
     """The plan's next step once ``answer`` is sent in. What the plan raises reading it (a
     body that is not JSON, or not the shape the API gives) is ``UnexpectedAnswerError``."""
     try:
         return plan.send(answer)
-    except (ValueError, LookupError, TypeError, AttributeError) as exc:
-        raise UnexpectedAnswerError(
-            f"an answer the client cannot read: {type(exc).__name__}: {exc}",
-            status=answer.status,
-        ) from exc
+    except UNREADABLE as exc:
+        raise _unreadable(exc, answer) from exc
+
+
+def read(answer: Response, parse: Callable[[Any], T]) -> T:
+    """``parse`` of the answer's JSON, or ``UnexpectedAnswerError``, as ``advance`` has it,
+    but raised in the plan, which may add to it (a submit's idempotency key)."""
+    try:
+        return parse(answer.json())
+    except UNREADABLE as exc:
+        raise _unreadable(exc, answer) from exc
+
+
+def _unreadable(exc: Exception, answer: Response) -> UnexpectedAnswerError:
+    return UnexpectedAnswerError(
+        f"an answer the client cannot read: {type(exc).__name__}: {exc}", status=answer.status
+    )
 
 
 def failure_of(answer: Response) -> RedirectError | APIStatusError:

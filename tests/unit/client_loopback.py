@@ -5,6 +5,7 @@ the reply; a script may hold its answer until ``released`` (a server that is sti
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -61,3 +62,40 @@ class Loopback(Receiver):
     def __exit__(self, *exc: object) -> None:
         self.released.set()
         super().__exit__(*exc)
+
+
+class DyingAPI:
+    """An API that takes one request and dies before it answers: the connection ends
+    unanswered and the port refuses every connection after it. ``with DyingAPI() as api:
+    ... api.base_url ... api.received`` (the request's head, once it came)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.received: list[bytes] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        connection, _ = self._listener.accept()
+        with connection:
+            connection.settimeout(HOLD_MOST_S)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += connection.recv(65536)
+            self.received.append(head)
+            self._listener.close()  # the port refuses from now on
+
+    def header(self, name: str) -> str:
+        """The value of header ``name`` in the request it took."""
+        [head] = self.received
+        lines = head.decode("latin-1").split("\r\n")[1:]
+        [value] = [v.strip() for k, _, v in (h.partition(":") for h in lines) if k.lower() == name]
+        return value
+
+    def __enter__(self) -> DyingAPI:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.close()
+        self._thread.join(HOLD_MOST_S)

@@ -19,7 +19,7 @@ from reach_client.cli import main
 
 from tests.integration.receiver import Reply
 from tests.ptys import read_until_closed
-from tests.unit.client_loopback import TASK, Loopback, events_reply, task_reply
+from tests.unit.client_loopback import TASK, DyingAPI, Loopback, events_reply, task_reply
 
 # Lines far wider than the terminal below (40 columns)
 WIDE = "an output far wider than the terminal it is shown on, " * 3
@@ -137,14 +137,14 @@ def test_a_task_that_ended_before_its_final_event_came_is_finished_not_still_run
 def test_a_submit_that_got_no_answer_says_how_to_submit_it_again(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Given an API that takes each submit and dies before it answers (the task may be made)
+    # Given an API that takes the submit and dies before it answers (the task may be made)
     monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
     monkeypatch.delenv("REACH_PROFILE", raising=False)
-    with Loopback(lambda n: Reply(drop=True)) as api:
-        # When reach submits
+    with DyingAPI() as api:
+        # When reach submits (its retries refused)
         status = main(["submit", "echo", "--url", api.base_url, "--api-key", "rk_test"])
-    # Then it exits 7 (out of reach), naming the key every try was sent with
-    [key] = {r.headers["idempotency-key"] for r in api.requests}
+    # Then it exits 7 (out of reach), naming the key the submit was sent with
+    key = api.header("idempotency-key")
     assert status == 7
     assert f"to submit again, add --idempotency-key {key}\n" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ import pytest
 from reach_client import AsyncReach, Reach, errors
 
 from tests.integration.receiver import Reply, always
-from tests.unit.client_loopback import Loopback
+from tests.unit.client_loopback import DyingAPI, Loopback
 
 LOST = always(Reply(drop=True))
 RETRIES = 2
@@ -51,3 +51,24 @@ def test_the_callers_own_key_is_the_one_carried(kind: str) -> None:
 
     assert {r.headers["idempotency-key"] for r in api.requests} == {"order-7731"}
     assert raised.value.idempotency_key == "order-7731"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_submit_the_api_took_before_it_died_says_it_went_out(kind: str) -> None:
+    """Its first try reached the API, its retries were refused: the error said ``sent``
+    False, the last try's, and the CLI printed no key to submit it again with."""
+    with DyingAPI() as api, pytest.raises(errors.APIConnectionError) as raised:
+        submit(kind, api.base_url)
+
+    assert raised.value.sent is True
+    assert raised.value.idempotency_key == api.header("idempotency-key")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_submit_answered_with_what_the_client_cannot_read_carries_its_key(kind: str) -> None:
+    unreadable = always(Reply(202, {"Content-Type": "text/html"}, b"<html>accepted</html>"))
+    with Loopback(unreadable) as api, pytest.raises(errors.UnexpectedAnswerError) as raised:
+        submit(kind, api.base_url)
+
+    [request] = api.requests
+    assert raised.value.idempotency_key == request.headers["idempotency-key"]

@@ -11,7 +11,7 @@ from typing import Any, TypedDict, Unpack
 from reach_client.deadlines import Clock, Deadline, DeadlinePassed
 from reach_client.errors import APIStatusError, APITimeoutError, ReachError, WaitTimeoutError
 from reach_client.models import Page, Task
-from reach_client.plans import IDEMPOTENCY_KEY, Plan, Request, path, pause, query, send
+from reach_client.plans import IDEMPOTENCY_KEY, Plan, Request, path, pause, query, read, send
 from reach_client.retries import GATEWAY_STATUSES, RetryPolicy
 
 # Polling past the server's wait: soon at first, then every 2 s at most.
@@ -80,7 +80,7 @@ def _submission(body: Mapping[str, Any], key: str, **options: Any) -> Request:
 
 def submit(policy: RetryPolicy, body: Mapping[str, Any], key: str) -> Plan[Task]:
     answer = yield from send(_submission(body, key), policy)
-    return Task.from_json(answer.json())
+    return read(answer, Task.from_json)
 
 
 def run(
@@ -109,7 +109,7 @@ def run(
             answer = yield from send(asked, policy, deadline)
     except DeadlinePassed:
         raise WaitTimeoutError(None, idempotency_key=key) from None
-    task = Task.from_json(answer.json())
+    task = read(answer, Task.from_json)
     if task.final:
         return task
     return (yield from _poll(policy, task, deadline))
@@ -153,7 +153,7 @@ def _poll(policy: RetryPolicy, task: Task, deadline: Deadline | None) -> Plan[Ta
 
 def get(policy: RetryPolicy, task_id: str, deadline: Deadline | None = None) -> Plan[Task]:
     answer = yield from send(Request("GET", path("tasks", task_id)), policy, deadline)
-    return Task.from_json(answer.json())
+    return read(answer, Task.from_json)
 
 
 def cancel(policy: RetryPolicy, task_id: str) -> Plan[Task]:
