@@ -17,11 +17,12 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from api.callers import KeyWatch
 from api.services import Services
@@ -323,7 +324,12 @@ async def wait_until_final(
 
 
 async def waited(
-    svc: Services, caller: Principal, row: TaskRow, timeout_s: float
+    svc: Services,
+    caller: Principal,
+    row: TaskRow,
+    timeout_s: float,
+    *,
+    receive: Receive | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """The accepted task ``row`` after a wait of at most ``timeout_s`` (``wait_until_final``),
     as rendered, and whether it is final: as it stands when the wait ends first. Raises
@@ -332,9 +338,17 @@ async def waited(
     An outage meanwhile (the key, the task's status, the log or the task itself cannot be
     read) ends the wait with the task as accepted: its caller has its id, and polls. Before,
     it answered 503 with no task id, and a caller that submitted again ran the work twice.
-    The key was valid at acceptance; a revoked one is refused whenever it can be looked at."""
+    The key was valid at acceptance; a revoked one is refused whenever it can be looked at.
+
+    ``receive``: the request's, its body read: the wait ends when its client leaves (the
+    answer goes nowhere), and with it the request's place among those waiting
+    (``api.middleware.WaitingLimit``). It held that place to the end of its wait (30 s), and
+    a tenant whose callers gave up on 256 sync submits had every request refused meanwhile."""
     try:
-        finished = await wait_until_final(svc, caller, row["id"], timeout_s, task=row)
+        wait = wait_until_final(svc, caller, row["id"], timeout_s, task=row)
+        finished = await (wait if receive is None else _unless_left(receive, wait))
+        if finished is LEFT:
+            return render(row), False
         if finished is not None:
             return finished, True
         current = await queries.get_task(svc.engine, caller.tenant, row["id"])
@@ -342,6 +356,34 @@ async def waited(
         log.warning("answered task %s as accepted: %s: %s", row["id"], type(exc).__name__, exc)
         return render(row), False
     return render(current or row), False
+
+
+class Left(enum.Enum):
+    LEFT = "left"  # the client left before the wait ended (``_unless_left``)
+
+
+LEFT = Left.LEFT
+T = TypeVar("T")
+
+
+async def _unless_left(receive: Receive, wait: Awaitable[T]) -> T | Left:
+    """``wait``'s answer, or ``LEFT`` once the request's client has left (``receive``, the
+    body read, gives ``http.disconnect`` then); the wait is cancelled."""
+
+    async def left() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    waiting, leaving = asyncio.ensure_future(wait), asyncio.ensure_future(left())
+    try:
+        await asyncio.wait((waiting, leaving), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiting, leaving):
+            task.cancel()
+        await asyncio.gather(waiting, leaving, return_exceptions=True)
+    if waiting.cancelled():
+        return LEFT
+    return waiting.result()
 
 
 @dataclass(frozen=True)
@@ -366,9 +408,11 @@ async def answer(
     *,
     started: float,
     slot: Slot | None = None,
+    receive: Receive | None = None,
 ) -> Response:
     """The answer to a submit, in its ``reply.mode``: ``async`` 202 with the task; ``sync``
-    200 with the finished task if it finishes within the wait, else 202 (``waited``);
+    200 with the finished task if it finishes within the wait, else 202 (``waited``, which
+    ends when the client leaves, given the request's ``receive``);
     ``stream`` its events, in ``slot`` (taken before the submit). A sync wait is 401 once the
     caller's key is revoked."""
     row = accepted.row
@@ -380,7 +424,7 @@ async def answer(
             svc, caller, row["id"], headers=headers, started=started, slot=slot, task=row
         )
     if reply.mode == "sync":
-        task, final = await waited(svc, caller, row, reply.wait_s)
+        task, final = await waited(svc, caller, row, reply.wait_s, receive=receive)
         metrics.sync_round_trip.observe(time.perf_counter() - started)
         return JSONResponse(task, status_code=200 if final else 202, headers=headers)
     return JSONResponse(render(row), status_code=202, headers=headers)

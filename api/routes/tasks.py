@@ -97,7 +97,9 @@ async def submit_task(request: Request, caller: Caller) -> Response:
     state = services(request)
     accepted, reply, slot = await _accept(request, caller, state, started)
     try:
-        return await replies.answer(state, caller, reply, accepted, started=started, slot=slot)
+        return await replies.answer(
+            state, caller, reply, accepted, started=started, slot=slot, receive=request.receive
+        )
     except BaseException:
         if slot is not None:
             slot.release()

@@ -33,7 +33,7 @@ from broker.tasks.events import OUTPUT, EventLog, channel
 from broker.webhooks.ssrf import HostLookups
 from tests.eventually import eventually
 from tests.integration.activity import at_once
-from tests.integration.conftest import KeyMaker, client_for
+from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp
 
@@ -166,6 +166,47 @@ def test_one_tenant_holds_at_most_its_share_of_the_waiting_requests(
     answered, seen = asyncio.run(scenario())
     assert answered == {-1: 16, 503: 54}
     assert seen == [202] * 10
+
+
+def test_a_sync_wait_whose_client_left_gives_its_place_back(
+    stack_for: Callable[..., ServedApp], make_key: KeyMaker, engine: Engine
+) -> None:
+    """A sync submit whose caller gave up (a timeout of its own) held its place among the
+    requests waiting until its wait ended, up to ``REACH_SYNC_MAX_WAIT_S``: a tenant whose
+    callers gave up on 256 of them had every request refused 503 meanwhile."""
+    # Given a tenant that may have 3 requests waiting, with sync waits of up to 5 minutes
+    api = stack_for(
+        max_requests_waiting_per_tenant=3,
+        sync_max_wait_s=300,
+        rate_limit_per_s=10_000,
+        rate_limit_burst=10_000,
+    )
+    tenant, token = make_key()
+    with client_for(api, token) as http:
+        assert http.get("/tasks").status_code == 200  # its key is known
+
+        # When 3 sync submits of tasks nobody runs are accepted, and their clients leave
+        async def give_up() -> None:
+            body = json.dumps({**QUEUED_ECHO, "reply_mode": "sync"}).encode()
+            writers = []
+            for _ in range(3):
+                _, writer = await asyncio.open_connection("127.0.0.1", api.port)
+                writer.write(
+                    f"POST /tasks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                writers.append(writer)
+            await asyncio.to_thread(
+                eventually, lambda: count_tasks(engine, tenant) == 3, "the 3 tasks accepted"
+            )
+            for writer in writers:
+                writer.transport.abort()
+
+        asyncio.run(give_up())
+
+        # Then the tenant's requests are answered again, long before those waits would end
+        eventually(lambda: http.get("/tasks").status_code == 200, "a request answered")
 
 
 async def _opened(
