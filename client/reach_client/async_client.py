@@ -204,10 +204,12 @@ class Tasks:
     ) -> Task:
         """Submit an envelope; the task at once, or with ``wait`` once it is final (sync mode,
         then polling past the server's wait; ``WaitTimeoutError`` after ``timeout`` s)."""
+        fields["idempotency_key"] = key = tasks.submission_key(fields)
         plan = tasks.submission(
             self._policy, capability, payload, wait=wait, timeout_s=timeout, **fields
         )
-        return await self._client._run(plan)
+        with tasks.keyed(key):
+            return await self._client._run(plan)
 
     async def wait(self, task_id: str, *, timeout: float | None = None) -> Task:
         """The task once final; ``WaitTimeoutError`` after ``timeout`` seconds."""

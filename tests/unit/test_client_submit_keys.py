@@ -72,3 +72,25 @@ def test_a_submit_answered_with_what_the_client_cannot_read_carries_its_key(kind
 
     [request] = api.requests
     assert raised.value.idempotency_key == request.headers["idempotency-key"]
+
+
+async def _cancelled_once_sent(api: Loopback) -> BaseException:
+    """An async submit the server holds, cancelled by its caller once its request came."""
+    async with AsyncReach(api.base_url, "rk_test", max_retries=RETRIES) as reach:
+        submitting = asyncio.create_task(reach.tasks.submit("echo", {"n": 1}))
+        await asyncio.to_thread(api.wait_for, 1)
+        submitting.cancel()
+        try:
+            await submitting
+        except asyncio.CancelledError as exc:
+            return exc
+    raise AssertionError("the submit was not cancelled")
+
+
+def test_a_cancelled_submit_carries_its_key() -> None:
+    """Cancelled by its caller (a TaskGroup whose sibling failed, a handler whose own client
+    left) once its request went out, it may have made its task."""
+    with Loopback(lambda n: api.hold()) as api:
+        cancelled = asyncio.run(_cancelled_once_sent(api))
+    [request] = api.requests
+    assert getattr(cancelled, "idempotency_key", None) == request.headers["idempotency-key"]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
 from reach_client.deadlines import Clock, Deadline, DeadlinePassed
-from reach_client.errors import APIStatusError, APITimeoutError, ReachError, WaitTimeoutError
+from reach_client.errors import APIStatusError, APITimeoutError, WaitTimeoutError
 from reach_client.models import Page, Task
 from reach_client.plans import IDEMPOTENCY_KEY, Plan, Request, path, pause, query, read, send
 from reach_client.retries import GATEWAY_STATUSES, RetryPolicy
@@ -58,18 +59,29 @@ def submission(
     key = str(given.pop("idempotency_key", None) or uuid.uuid4())
     body = {"capability": capability, "payload": dict(payload), **given}
     if wait:
-        return _keyed(run(policy, body, key, timeout_s), key)
-    return _keyed(submit(policy, body, key), key)
+        return run(policy, body, key, timeout_s)
+    return submit(policy, body, key)
 
 
-def _keyed(plan: Plan[Task], key: str) -> Plan[Task]:
-    """``plan``, whose errors carry ``key``: a caller that let the client make the key had no
-    way to submit again without making the task twice, when no answer came."""
+def submission_key(fields: EnvelopeFields) -> str:
+    """The idempotency key of a submit: the caller's, or one made for this call."""
+    return fields.get("idempotency_key") or str(uuid.uuid4())
+
+
+@contextlib.contextmanager
+def keyed(key: str) -> Iterator[None]:
+    """Whatever leaves a submit carries the ``key`` it was sent with, as ``idempotency_key``
+    (and in a note): an error, or the caller's own cancellation (``CancelledError``, which
+    ``asyncio.timeout`` raises its ``TimeoutError`` from), a ``KeyboardInterrupt``. Such a
+    submit may have made its task; a caller that let the client make the key had no way to
+    submit again without making a second."""
     try:
-        return (yield from plan)
-    except ReachError as exc:
-        if exc.idempotency_key is None:
-            exc.idempotency_key = key
+        yield
+    except BaseException as exc:
+        if getattr(exc, "idempotency_key", None) is None:
+            with contextlib.suppress(AttributeError):
+                setattr(exc, "idempotency_key", key)  # noqa: B010  # any exception's
+            exc.add_note(f"reach: the submit was sent with idempotency key {key}")
         raise
 
 
