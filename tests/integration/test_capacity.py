@@ -191,11 +191,11 @@ def test_a_sync_wait_whose_client_left_gives_its_place_back(
             writers = []
             for _ in range(3):
                 _, writer = await asyncio.open_connection("127.0.0.1", api.port)
-                writer.write(
+                head = (
                     f"POST /tasks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                    + body
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                 )
+                writer.write(head.encode() + body)
                 writers.append(writer)
             await asyncio.to_thread(
                 eventually, lambda: count_tasks(engine, tenant) == 3, "the 3 tasks accepted"
