@@ -299,7 +299,8 @@ class ReachRequestHandler(RequestHandler):
             return mapping.task_of(render(row))
         wait_s = self.svc.settings.sync_max_wait_s
         try:
-            task, _ = await replies.waited(self.svc, caller, row, wait_s)
+            receive = context.state.get("receive")
+            task, _ = await replies.waited(self.svc, caller, row, wait_s, receive=receive)
         except ReachError as exc:  # the key was revoked meanwhile
             raise _a2a_error(exc, context) from None
         return mapping.task_of(task)
@@ -672,6 +673,7 @@ class _ContextBuilder(DefaultServerCallContextBuilder):
         context.state["metered"] = getattr(request.state, "metered", False)
         context.state["lifted"] = getattr(request.state, "lifted", {})
         context.state["options"] = getattr(request.state, "options", {})
+        context.state["receive"] = request.receive  # a blocking wait ends when its client leaves
         context.state["unread_status"] = getattr(request.state, "unread_status", None)
         context.state["refusals"] = request.state.refusals  # ``_answered``
         return context

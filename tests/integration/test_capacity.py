@@ -14,6 +14,7 @@ import secrets
 import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from tests.integration.activity import at_once
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
 from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp
+from tests.integration.test_grouping import live_echo_lease
 
 QUEUED_ECHO = {"capability": "echo", "payload": {}, "queue_if_unavailable": True}
 
@@ -168,34 +170,68 @@ def test_one_tenant_holds_at_most_its_share_of_the_waiting_requests(
     assert seen == [202] * 10
 
 
-def test_a_sync_wait_whose_client_left_gives_its_place_back(
-    stack_for: Callable[..., ServedApp], make_key: KeyMaker, engine: Engine
+def _waiting_request(door: str, token: str) -> bytes:
+    """A request of ``door`` that waits for its task (``QUEUED_ECHO``, which nobody runs)."""
+    if door == "rest":
+        path, document = "/tasks", {**QUEUED_ECHO, "reply_mode": "sync"}
+    elif door == "a2a":
+        message = {
+            "messageId": str(uuid.uuid4()),
+            "role": "ROLE_USER",
+            "parts": [{"data": {}}],
+            "metadata": {"capability": "echo", "queue_if_unavailable": True},
+        }
+        path = "/a2a/jsonrpc"
+        document = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "SendMessage",
+            "params": {"message": message},
+        }
+    else:
+        path = "/mcp"
+        call = {"name": "echo", "arguments": {}}
+        document = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call}
+    body = json.dumps(document).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        "A2A-Version: 1.0\r\nAccept: application/json, text/event-stream\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+@pytest.mark.parametrize("door", ["rest", "a2a", "mcp"])
+def test_a_wait_whose_client_left_gives_its_place_back(
+    stack_for: Callable[..., ServedApp],
+    make_key: KeyMaker,
+    engine: Engine,
+    own_redis: str,
+    door: str,
 ) -> None:
     """A sync submit whose caller gave up (a timeout of its own) held its place among the
     requests waiting until its wait ended, up to ``REACH_SYNC_MAX_WAIT_S``: a tenant whose
-    callers gave up on 256 of them had every request refused 503 meanwhile."""
-    # Given a tenant that may have 3 requests waiting, with sync waits of up to 5 minutes
+    callers gave up on 256 of them had every request refused 503 meanwhile. So did an A2A
+    blocking message and an MCP call."""
+    # Given a tenant that may have 3 requests waiting, with waits of up to 5 minutes
     api = stack_for(
         max_requests_waiting_per_tenant=3,
         sync_max_wait_s=300,
+        mcp_wait_s=300,
         rate_limit_per_s=10_000,
         rate_limit_burst=10_000,
     )
+    live_echo_lease(own_redis)  # an MCP call runs only what a live agent serves
     tenant, token = make_key()
     with client_for(api, token) as http:
         assert http.get("/tasks").status_code == 200  # its key is known
 
-        # When 3 sync submits of tasks nobody runs are accepted, and their clients leave
+        # When 3 waits for tasks nobody runs begin, and their clients leave
         async def give_up() -> None:
-            body = json.dumps({**QUEUED_ECHO, "reply_mode": "sync"}).encode()
             writers = []
             for _ in range(3):
                 _, writer = await asyncio.open_connection("127.0.0.1", api.port)
-                head = (
-                    f"POST /tasks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                )
-                writer.write(head.encode() + body)
+                writer.write(_waiting_request(door, token))
                 writers.append(writer)
             await asyncio.to_thread(
                 eventually, lambda: count_tasks(engine, tenant) == 3, "the 3 tasks accepted"
