@@ -30,6 +30,7 @@ from broker.settings import Settings, psycopg_url
 from broker.tasks.dispatch import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE
 from broker.tenancy import key_store
 from reach import localservices, migrate
+from reach.cli import API_STOP_TIMEOUT_S
 
 DATA_DIR = Path(".reach")
 DEV_TENANT = "dev"
@@ -139,6 +140,8 @@ def _commands(port: int, flower_port: int, data_dir: Path, model_url: str) -> di
             "--port",
             str(port),
             "--no-access-log",
+            "--timeout-graceful-shutdown",
+            str(API_STOP_TIMEOUT_S),  # as `reach api` has it: within _stop's wait
         ],
         # A worker each: agents, maintenance and deliveries never wait behind one another.
         "worker": _worker(celery, CAPABILITY_QUEUES, "dev", 2),
