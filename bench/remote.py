@@ -591,8 +591,12 @@ def bridged(
     ``bare_pool`` (when given) with as many."""
     # The settled run queues remote_steady_tasks at once while no bridge runs; the API
     # refuses a task once the queue holds max_queue_depth (10,000 by default), so one message
-    # left from an earlier figure would turn a task of a 10,000-task run into a 503.
-    depth = str(2 * max(plan.remote_steady_tasks, plan.remote_tasks, plan.remote_slots))
+    # left from an earlier figure would turn a task of a 10,000-task run into a 503. And the
+    # API reads the depth up to 5 s late, counting its own admissions since: a run right after
+    # another was read as that one's tasks still queued beside its own (at the quick size, 11
+    # of 40 refused against a bound of twice 40).
+    most = max(plan.remote_steady_tasks, plan.remote_tasks, plan.remote_slots)
+    depth = str(4 * most)
     with running_stack(stores, children, 1, queues="echo", REACH_MAX_QUEUE_DEPTH=depth) as stack:
         runs = Bridged(stores, children, stack, base)
         try:

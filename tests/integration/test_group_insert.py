@@ -160,7 +160,9 @@ def test_a_row_goes_in_as_sqlalchemys_insert_writes_it(settings: Settings) -> No
     nulls included, as SQLAlchemy's own insert of the same values."""
 
     async def body(inserter: GroupInsert, tenant: str) -> None:
-        changes = {"payload": None, "callback": None, "deadline_at": datetime.now(UTC)}
+        # A deadline to come: one passed had the sweeper end the task while the test read it
+        deadline = datetime.now(UTC) + timedelta(hours=1)
+        changes = {"payload": None, "callback": None, "deadline_at": deadline}
         ours, theirs = _row(tenant, **changes), _row(tenant, **changes)
         assert await inserter.insert(ours) is True
         async with inserter.engine.connect() as conn:
