@@ -33,9 +33,6 @@ POLL_S = 0.5
 # At most this long for the MCP calls in flight to answer before sse-starlette's streams end.
 ANSWERS_S = 5.0
 
-# sse-starlette ends its streams when we say so (``Stopping.watch``), not at the signal.
-AppStatus.enable_automatic_graceful_drain = False
-
 
 def _server() -> Any | None:
     """The uvicorn server this process runs, when its ``SIGTERM`` handler is that server's."""
@@ -69,6 +66,9 @@ class Stopping:
                 self._answered.set()
 
     async def watch(self) -> None:
+        # sse-starlette ends its streams when this says so, not at the signal: set in the
+        # process that serves (the lifespan runs this), not in every one that imports us
+        AppStatus.enable_automatic_graceful_drain = False
         # uvicorn's flag is a plain attribute, which nothing announces: looked at, then
         while (server := _server()) is None or not server.should_exit:  # noqa: ASYNC110
             await asyncio.sleep(POLL_S)
