@@ -66,6 +66,7 @@ import redis.asyncio
 from broker import jsoncodec, redisclients
 from broker.observability import metrics
 from broker.tasks.dispatch import BEHIND, RUN_TASK, TENANT_HEADER
+from workers.card_runs import bound_of
 from workers.transport import BATCH, TAKE
 
 log = logging.getLogger("reach.worker")
@@ -304,14 +305,9 @@ class LoopConsumer:
                 await self._room.wait()
 
     def _card(self, queue: str) -> tuple[Hashable, int | None]:
-        """The card serving ``queue`` here, and its ``max_concurrency`` (None: no bound).
-        Its runs are counted by capability and agent, whatever their version: an agent
-        registered again at a new version with calls in flight got as many more."""
+        """The card serving ``queue`` here, and its ``max_concurrency`` (``card_runs``)."""
         spec = self.direct.runner.registry.for_queue(queue)
-        if spec is None:
-            return queue, None
-        card = spec.card
-        return (card.capability, card.agent_id), card.max_concurrency or None
+        return (queue, None) if spec is None else bound_of(spec.card)
 
     def _room_in(self, queue: str) -> int:
         """How many more runs ``queue``'s card may start here (``BATCH`` or more: no bound)."""

@@ -47,6 +47,7 @@ from workers.aio import (
     HandlerExited,
     off_the_loop,
 )
+from workers.card_runs import CardRuns, bound_of
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
 from workers.sdk.session import Session
@@ -93,6 +94,8 @@ class Runner:
         # Called with the task id each time a running task reports progress.
         self.on_progress: list[Callable[[uuid.UUID], None]] = []
         self.republish: Republish | None = None
+        # Each bounded card's runs here, where Celery's consumer took their messages
+        self.card_runs = CardRuns()
         self._engine: Engine | None = None
         self._redis: redis.Redis | None = None
         self._events: events.EventLog | None = None
@@ -261,11 +264,12 @@ class Runner:
         """Run the task; returns the status it ended in, 'retrying', or 'skipped' when it was
         not queued any more (a redelivered message, a cancelled task)."""
         with logs.bound(task_id=task_id, capability=capability_of(queue), instance=instance):
-            return self._run(task_id, queue, instance=instance)
+            spec = self.registry.for_queue(queue)
+            card, bound = (queue, None) if spec is None else bound_of(spec.card)
+            with self.card_runs.held(card, bound):
+                return self._run(uuid.UUID(task_id), queue, spec, instance)
 
-    def _run(self, task_id: str, queue: str, *, instance: str) -> str:
-        tid = uuid.UUID(task_id)
-        spec = self.registry.for_queue(queue)
+    def _run(self, tid: uuid.UUID, queue: str, spec: CapabilitySpec | None, instance: str) -> str:
         if spec is None:
             message = f"no agent on {instance} serves {queue!r}"
             return self.finish(Finish.failed(tid, task_error("capability_not_served", message)))
@@ -298,24 +302,30 @@ class Runner:
             spec = self.registry.for_queue(queue)
             if spec is None or not spec.is_async:
                 raise LookupError(f"no async handler serves {queue!r} here")
-            self._connect_async()
-            assert self._aclaims is not None
-            claimed_at = time.monotonic()
-            claimed = await self._aclaims(_claim_of(tid, spec, instance))
-            if claimed is None:
-                return await asyncio.to_thread(self._unclaimed, tid, queue, spec)
-            gone = self._begin(claimed)
-            if gone is not None:
-                return await self.finish_async(gone)
-            running, ctx = self._prepare(claimed, spec, instance, direct=True)
-            outcome = await self._call_async(spec, ctx, claimed, claimed_at, running)
-            await running.announce_async()  # as in ``_run``
-            finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
-            if retry_in_s is not None and await asyncio.to_thread(
-                self._retry, claimed, finish, retry_in_s
-            ):
-                return "retrying"
-            return await self.finish_async(finish)
+            async with self.card_runs.held_async(*bound_of(spec.card)):
+                return await self._run_async(tid, queue, spec, instance)
+
+    async def _run_async(
+        self, tid: uuid.UUID, queue: str, spec: CapabilitySpec, instance: str
+    ) -> str:
+        self._connect_async()
+        assert self._aclaims is not None
+        claimed_at = time.monotonic()
+        claimed = await self._aclaims(_claim_of(tid, spec, instance))
+        if claimed is None:
+            return await asyncio.to_thread(self._unclaimed, tid, queue, spec)
+        gone = self._begin(claimed)
+        if gone is not None:
+            return await self.finish_async(gone)
+        running, ctx = self._prepare(claimed, spec, instance, direct=True)
+        outcome = await self._call_async(spec, ctx, claimed, claimed_at, running)
+        await running.announce_async()  # as in ``_run``
+        finish, retry_in_s = self._conclude(outcome, ctx, claimed, spec)
+        if retry_in_s is not None and await asyncio.to_thread(
+            self._retry, claimed, finish, retry_in_s
+        ):
+            return "retrying"
+        return await self.finish_async(finish)
 
     def _unclaimed(self, tid: uuid.UUID, queue: str, spec: CapabilitySpec) -> str:
         """A message whose task could not be claimed: expired before it started, final
@@ -328,6 +338,14 @@ class Runner:
         overdue = execution.expire_overdue(self.engine, tid)
         if overdue is not None:
             return self.finalize(overdue)
+        early = execution.retry_not_due(self.engine, tid)
+        if early is not None and self.republish is not None:
+            # A copy of its message (a sweep's, a redelivery), or its own by a clock ahead of
+            # Postgres's: it goes again for when the retry is due, and the first one then runs
+            trace_id, deadline_at, tenant = early["trace_id"], early["deadline_at"], early["tenant"]
+            self.republish(tid, queue, trace_id, deadline_at, early["due_in_s"], tenant)
+            log.info("task %s came before its retry was due; sent again for then", tid)
+            return "skipped"
         tenants = spec.card.tenants
         if tenants is not None:
             refused = self._refused(tid, queue, tenants)
@@ -977,7 +995,7 @@ class Failed:
 
     error: dict[str, Any]
     expired: bool = False
-    delay_s: float | None = None
+    delay_s: object = None  # as given: ``retry.decide`` reads it
 
 
 Outcome = Succeeded | Failed  # what calling a handler came to

@@ -150,15 +150,19 @@ def all_sent(caller: httpx.Client, capability: str, count: int) -> list[str]:
     return ids
 
 
+def four_calls_to_an_agent_of_one(ops: httpx.Client, caller: httpx.Client) -> None:
+    """An agent registered with ``max_concurrency`` 1 has the four calls that come at once to a
+    bridge of 50 slots one at a time, and every one answers."""
+    with CountingAgent() as agent, bounded_to_one(ops, agent) as capability:
+        done = all_final(caller, all_sent(caller, capability, 4), "the four calls done", 60)
+    assert {t["status"] for t in done.values()} == {"succeeded"}
+    assert (agent.calls, agent.most) == (4, 1)
+
+
 def test_a_remote_agents_max_concurrency_bounds_the_bridges_calls_to_it(
     ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
 ) -> None:
-    with CountingAgent() as agent, bounded_to_one(ops, agent) as capability:
-        # When 4 calls come at once to a bridge of 50 slots
-        done = all_final(caller, all_sent(caller, capability, 4), "the four calls done", 60)
-    # Then the agent had one at a time, and every one answered
-    assert {t["status"] for t in done.values()} == {"succeeded"}
-    assert (agent.calls, agent.most) == (4, 1)
+    four_calls_to_an_agent_of_one(ops, caller)
 
 
 class SlowCountingAgent(CountingAgent):

@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import kombu
 import pytest
+import redis
+from sqlalchemy import Engine
 
 from api.app import create_app
 from broker.settings import Settings
@@ -21,6 +24,7 @@ from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
 from tests.integration.test_async_agents import all_final, runs, statuses_of
+from tests.integration.test_max_concurrency_otel import BOUNDED, held_to_two
 from workers.application import hard_time_limit_s
 from workers.sdk.agent import AgentRegistry
 
@@ -197,3 +201,33 @@ def test_a_worker_whose_queue_name_rabbitmq_would_refuse_says_so_at_start(
         start_worker(rabbit_settings, "test.solo", name, log_dir)
     assert "past the 255 RabbitMQ allows a queue's name" in str(refused.value)
     assert "shorter name (-n)" in str(refused.value)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.timeout(180)
+def test_a_cards_max_concurrency_holds_on_a_threads_worker_over_rabbitmq(
+    rabbit_settings: Settings,
+    rabbit_http: httpx.Client,
+    engine: Engine,
+    log_dir: Path,
+    redis_url: str,
+) -> None:
+    """Celery's consumer takes the messages over AMQP (no loop consumer), as many as its
+    prefetch allows: a card of 2 on a worker of 10 ran 6 at once."""
+    name = f"rabbit-bounded-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(rabbit_settings, BOUNDED, name, log_dir, concurrency=10, pool="threads")
+    gates = redis.Redis.from_url(redis_url)
+    try:
+        with kombu.Connection(AMQP_URL) as amqp:
+            channel = amqp.default_channel
+
+            def all_taken() -> bool:
+                return bool(channel.queue_declare(queue=BOUNDED, passive=True).message_count == 0)
+
+            ids = held_to_two(rabbit_http, engine, gates, all_taken)
+        done = all_final(rabbit_http, ids, "all six done", 60)
+    finally:
+        worker.stop()
+        gates.close()
+    assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in ids} == {1}

@@ -1,0 +1,85 @@
+"""A card's ``max_concurrency`` where Celery's consumer takes the messages, not the loop
+consumer: OpenTelemetry on (here) or a broker that is not Redis (``test_rabbitmq.py``). The
+consumer takes as many messages as its prefetch allows, and the runs past the card's bound
+wait in the process (``workers.card_runs``); before, they all ran at once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from sqlalchemy import Engine
+
+from broker.settings import Settings
+from tests.agents import GATE_KEY
+from tests.eventually import eventually
+from tests.integration import remote
+from tests.integration.stack import CeleryProcess, start_worker
+from tests.integration.test_async_agents import all_final, runs, submit
+from tests.integration.test_max_concurrency import four_calls_to_an_agent_of_one, statuses
+
+BOUNDED = "test.async-bounded"  # max_concurrency 2
+OTEL = {"REACH_OTEL": "true"}  # no OTEL_EXPORTER_OTLP_ENDPOINT: spans made, sent nowhere
+
+
+def held_to_two(
+    client: httpx.Client, engine: Engine, gates: redis.Redis, all_taken: Callable[[], bool]
+) -> list[str]:
+    """Six tasks of the card of 2, each waiting for a gate: two run while the other four,
+    taken by the worker (``all_taken()`` true), wait in it; then the gate opens. The ids."""
+    gate = uuid.uuid4().hex
+    ids = [submit(client, BOUNDED, {"gate": gate, "sleep_s": 0}) for _ in range(6)]
+    eventually(
+        lambda: statuses(engine, ids),
+        "two of the card's tasks running",
+        60,
+        0.05,
+        until=lambda found: found.count("running") == 2,
+    )
+    eventually(all_taken, "every message in the worker", 60, 0.05)
+    time.sleep(2)  # a run not held back would have started by now
+    assert sorted(statuses(engine, ids)) == ["queued"] * 4 + ["running"] * 2
+    gates.set(GATE_KEY.format(gate), 1, ex=300)
+    return ids
+
+
+def test_a_cards_max_concurrency_holds_on_a_worker_with_opentelemetry(
+    client: httpx.Client, settings: Settings, engine: Engine, log_dir: Path, redis_url: str
+) -> None:
+    gates = redis.Redis.from_url(redis_url)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    worker: CeleryProcess | None = None
+    try:
+        worker = start_worker(
+            settings, BOUNDED, "bounded-otel", log_dir, OTEL, concurrency=10, pool="threads"
+        )
+        ids = held_to_two(client, engine, gates, lambda: broker.llen(BOUNDED) == 0)
+        done = all_final(client, ids, "all six done", 60)
+    finally:
+        if worker is not None:
+            worker.stop()
+        gates.close()
+        broker.close()
+    assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in ids} == {1}
+
+
+@pytest.fixture(scope="module")
+def otel_bridge(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    process = remote.start_bridge(settings, log_dir / "bridge-otel.log", **OTEL)
+    yield process
+    process.stop()
+
+
+def test_a_remote_agents_max_concurrency_holds_on_a_bridge_with_opentelemetry(
+    ops: httpx.Client, caller: httpx.Client, otel_bridge: CeleryProcess
+) -> None:
+    """Celery's consumer takes the bridge's messages: the agent had the four at once."""
+    four_calls_to_an_agent_of_one(ops, caller)
