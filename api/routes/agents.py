@@ -215,9 +215,12 @@ async def drain_instance(
             *AUTHENTICATED,
             *JSON_BODY,
             403,
+            409,
             410,
             422,
             s403=ADMIN,
+            s409="The id is a worker's agent (agent_conflict): a remote agent needs an id of its"
+            " own",
             s410="The version was revoked (version_revoked): register another",
             s422="The registration is not valid (registration_invalid), its endpoint is not"
             " allowed or its host did not resolve in time (endpoint_not_allowed), or its card"

@@ -8,7 +8,6 @@ card's weight). Each version named must be one the agent has a card for and not 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from sqlalchemy import delete, func, select
@@ -70,8 +69,7 @@ def parse_weights(body: Any) -> dict[str, float]:
         if (
             isinstance(weight, bool)
             or not isinstance(weight, int | float)
-            or not math.isfinite(weight)
-            or not 0 <= weight <= MAX_WEIGHT
+            or not 0 <= weight <= MAX_WEIGHT  # before ``float``: an int past 1e308 has none
         ):
             raise ChannelInvalid(f"versions: each weight a number from 0 to {MAX_WEIGHT}")
         weights[version] = float(weight)

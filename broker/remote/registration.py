@@ -19,9 +19,10 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from broker.db.models import agent_cards_table as agent_cards
 from broker.db.models import agent_revocations_table as revocations
 from broker.db.models import remote_agents_table as remote_agents
-from broker.errors import Gone, InvalidEnvelope
+from broker.errors import Conflict, Gone, InvalidEnvelope
 from broker.registry import addresses, leases
 from broker.registry.model import (
     QUEUE_NAME_MAX_BYTES,
@@ -294,6 +295,19 @@ async def _refuse_revoked(conn: AsyncConnection, agent_id: str, version: str) ->
         )
 
 
+async def _refuse_workers_agent(conn: AsyncConnection, agent_id: str) -> None:
+    """A worker advertises the cards of its agent (no endpoint): a registration under its id
+    would write over them, and routing would take that agent for a remote one."""
+    workers = select(agent_cards.c.agent_id).where(
+        agent_cards.c.agent_id == agent_id, ~agent_cards.c.card.has_key("endpoint")
+    )
+    if (await conn.execute(workers.limit(1))).first() is not None:
+        raise Conflict(
+            f"{agent_id} is the agent of a worker: register the remote agent under another id",
+            code="agent_conflict",
+        )
+
+
 async def register(
     engine: AsyncEngine,
     agent_id: str,
@@ -326,6 +340,7 @@ async def register(
         # A revocation of this version that lands meanwhile is seen (Gone), not stored beside
         await conn.execute(agent_lock(agent_id))
         await _refuse_revoked(conn, agent_id, registration.version)
+        await _refuse_workers_agent(conn, agent_id)
         row = (await conn.execute(upsert)).one()
         if cards:
             await conn.execute(leases.card_upsert(cards))

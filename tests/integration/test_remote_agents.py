@@ -369,6 +369,28 @@ def test_a_bad_registration_gets_422_and_writes_nothing(
     assert ops.get(f"/agents/{agent_id}").status_code == 404
 
 
+def test_a_registration_under_a_workers_agent_id_is_refused_and_its_cards_stay(
+    ops: httpx.Client,
+) -> None:
+    # Given a worker's agent (its cards advertised, no endpoint): the dormant test capabilities'
+    before = ops.get("/agents/test-dormant").json()["cards"]
+    assert before and not any("endpoint" in card for card in before)
+    version, capability = before[0]["version"], before[0]["capability"]
+    # When an operator registers a remote agent under its id, at its version and capability
+    body = {
+        "version": version,
+        "endpoint": {"protocol": "http", "url": "http://127.0.0.1:9/run"},
+        "capabilities": [{"capability": capability}],
+    }
+    answer = ops.put("/agents/test-dormant", json=body)
+    # Then it is refused (it used to write an endpoint over the worker's card, and routing
+    # then took the worker's agent for a remote one), and the worker's cards are as they were
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["code"] == "agent_conflict"
+    assert ops.get("/agents/test-dormant").json()["cards"] == before
+    assert ops.delete("/agents/test-dormant").status_code == 404
+
+
 def test_only_an_operator_registers_or_removes_agents(caller: httpx.Client) -> None:
     answer = caller.put("/agents/mine", json=registration("http://127.0.0.1:9/run"))
     assert answer.status_code == 403

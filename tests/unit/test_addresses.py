@@ -121,6 +121,8 @@ def test_channel_weights_are_versions_with_weights_not_all_zero() -> None:
         {"versions": {"2.3.1": True}},
         {"versions": {"2.3.1": "90"}},
         {"versions": {"2.3.1": math.inf}},
+        {"versions": {"2.3.1": math.nan}},
+        {"versions": {"2.3.1": 10**400}},  # no float holds it: once a 500
         {"versions": {"2.3.1": 0, "2.4.0": 0}},
         {"versions": {str(i): 1 for i in range(17)}},
     ],
