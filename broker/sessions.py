@@ -43,7 +43,7 @@ from broker.db.models import tasks_table as tasks
 from broker.db.paging import Budget, first_rows, json_bytes, newest_created_first
 from broker.errors import BadRequest, Conflict, InvalidEnvelope, NotFound, ReachError
 from broker.tasks.resource import RUNNING
-from broker.tasks.turns import HELD_BY_A_TURN, JUST_ENDED, LIVE
+from broker.tasks.turns import HELD_BY_A_TURN, IDLE_SINCE_ITS_LAST_TURN, JUST_ENDED, LIVE
 from broker.tenancy.heavy import OneAtATime
 from broker.timestamps import iso
 
@@ -462,8 +462,9 @@ _PURGE = delete(sessions).where(
         picked_once(
             select(sessions.c.id)
             .where(
-                sessions.c.expires_at <= func.now(),
+                sessions.c.expires_at <= func.now(),  # not ``~LIVE``: its index is read
                 ~HELD_BY_A_TURN,
+                ~IDLE_SINCE_ITS_LAST_TURN,
                 ~func.coalesce(JUST_ENDED, False),
             )
             .order_by(sessions.c.expires_at)

@@ -63,17 +63,8 @@ def _waiting_or_running(table: Any) -> Any:
     )
 
 
-# A session is live before its expiry, and past it while a turn of it is queued or running:
-# its TTL is idle time, and a turn is use. Otherwise a turn running past the session's TTL
-# found its session gone (its writes refused, the turns behind it failed), and the janitor
-# deleted the state the conversation was in.
-HELD_BY_A_TURN = exists().where(tasks.c.session_id == sessions.c.id, *_waiting_or_running(tasks))
-LIVE = or_(sessions.c.expires_at > func.now(), HELD_BY_A_TURN)
-# Its last turn ended within ``ENDED_GRACE_S``: the final write and the session's release
-# (``ended``, which restarts its idle TTL) are two transactions, and between them a session
-# whose turn held it past its TTL was neither live nor held, and the janitor deleted it.
-# Turns end in order, so the last turn (an index probe) is the one that ended last.
-ENDED_GRACE_S = 300
+# Its last turn's end (NULL while that turn is unfinished, or without turns). Turns end in
+# order, so the last turn (an index probe) is the one that ended last.
 _last_turn_ended_at = (
     select(tasks.c.finished_at)
     .where(tasks.c.session_id == sessions.c.id, tasks.c.session_turn.is_not(None))
@@ -81,8 +72,26 @@ _last_turn_ended_at = (
     .limit(1)
     .scalar_subquery()
 )
-JUST_ENDED = _last_turn_ended_at > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ENDED_GRACE_S)
 IDLE_AGAIN = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, sessions.c.ttl_s)
+
+# A session is live before its expiry, and past it while a turn of it is queued or running:
+# its TTL is idle time, and a turn is use. Otherwise a turn running past the session's TTL
+# found its session gone (its writes refused, the turns behind it failed), and the janitor
+# deleted the state the conversation was in.
+HELD_BY_A_TURN = exists().where(tasks.c.session_id == sessions.c.id, *_waiting_or_running(tasks))
+# ... and its idle time counts from its last turn's end. The final write and the session's
+# release (``ended``, which moves ``expires_at``) are two transactions: between them, a
+# client that saw the turn final and sent the next found a session its turn had held past
+# its TTL gone (422 ``session_not_found``, ``GET /sessions/{id}`` 404).
+IDLE_SINCE_ITS_LAST_TURN = func.coalesce(
+    _last_turn_ended_at > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, sessions.c.ttl_s),
+    False,
+)
+LIVE = or_(sessions.c.expires_at > func.now(), HELD_BY_A_TURN, IDLE_SINCE_ITS_LAST_TURN)
+# Its last turn ended within ``ENDED_GRACE_S``: the janitor leaves it for its release even
+# when its TTL is shorter (a release that comes late starts its idle time again).
+ENDED_GRACE_S = 300
+JUST_ENDED = _last_turn_ended_at > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ENDED_GRACE_S)
 
 # The session's next turn, while the session is live and the caller's; no row otherwise.
 # Its row stays locked until the insert commits: the next submit to the session waits. A

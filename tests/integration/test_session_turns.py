@@ -733,6 +733,38 @@ def test_a_turn_running_past_its_sessions_ttl_holds_the_session_and_starts_its_i
     assert datetime.fromisoformat(session["expires_at"]) >= ended + timedelta(seconds=1.5)
 
 
+def test_a_session_its_turn_held_past_its_ttl_takes_the_next_turn_before_its_release(
+    client: httpx.Client, engine: Engine
+) -> None:
+    """A turn's final write and its session's release are two transactions. Between them, a
+    client that polled the turn final and sent the next at once was told the session it had
+    held past its TTL was gone (422 ``session_not_found``; ``GET /sessions/{id}`` 404), and a
+    moment later it was back: its idle time now counts from its last turn's end."""
+    # Given a session kept 60 s idle, held past its expiry by a turn no agent takes (the
+    # expiry moved back, not waited for)
+    session_id = new_session(client, ttl_s=60)
+    nobody = {"queue_if_unavailable": True, "result_ttl_s": 10}
+    task_id = uuid.UUID(submit(client, "test.nobody", {}, session_id, **nobody))
+    with engine.begin() as conn:
+        conn.execute(
+            update(sessions_table)
+            .where(sessions_table.c.id == session_id)
+            .values(expires_at=func.now() - timedelta(seconds=1))
+        )
+    assert client.get(f"/sessions/{session_id}").status_code == 200  # held by its turn
+    # When the turn's final write commits, its release not yet run
+    ended = execution.expire_unstarted(engine, within_s=60, batch=1000)
+    assert task_id in [row["id"] for row in ended]
+    assert client.get(f"/tasks/{task_id}").json()["status"] in FINAL
+    # Then the session is there, and takes the next turn
+    assert client.get(f"/sessions/{session_id}").status_code == 200
+    sent = client.post(
+        "/tasks",
+        json={"capability": "test.nobody", "payload": {}, "session_id": session_id, **nobody},
+    )
+    assert sent.status_code == 202, sent.text
+
+
 def test_a_session_its_last_turn_held_past_its_ttl_outlives_a_purge_before_its_release(
     client: httpx.Client, engine: Engine
 ) -> None:
