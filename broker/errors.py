@@ -24,6 +24,7 @@ Which exceptions from outside the tree mean an outage, ours or an agent's networ
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 
@@ -93,12 +94,18 @@ class AgentFailure(ReachError):
 
 class Retryable(AgentFailure):
     """Raised by an agent when trying again later may succeed (a rate limit, a flaky
-    dependency). ``delay_s`` overrides the back-off before the next attempt."""
+    dependency). ``delay_s`` overrides the back-off before the next attempt: seconds, as a
+    number, a ``timedelta`` or text (a ``Retry-After`` passed on); what is not read as
+    seconds leaves the back-off as it is."""
 
     code = "retryable_error"
 
     def __init__(
-        self, message: str, *, code: str | None = None, delay_s: float | None = None
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        delay_s: float | timedelta | str | None = None,
     ) -> None:
         super().__init__(message, code=code, retryable=True)
         self.delay_s = delay_s

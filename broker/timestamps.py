@@ -29,3 +29,12 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
         return max((when - (now or datetime.now(UTC))).total_seconds(), 0.0)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def agent_retry_after(value: str | None) -> float | None:
+    """The wait a remote agent's ``Retry-After`` asks for: seconds (a fraction too, which a
+    receiver's header is not allowed), or an HTTP date (RFC 9110 10.2.3)."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return parse_retry_after(value)

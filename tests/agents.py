@@ -160,9 +160,11 @@ def _runs(ctx: Context) -> int:
 
 @agent.capability("test.flaky", agent_id="test-flaky", version="0.0.1", max_attempts=5)
 def flaky(ctx: Context, payload: dict[str, Any]) -> dict[str, int]:
-    """Raises Retryable on its first ``fail_times`` attempts."""
+    """Raises Retryable on its first ``fail_times`` attempts, asking for ``delay_s`` (0.05 s,
+    given as it came: text too)."""
     if ctx.attempt <= int(payload.get("fail_times", 1)):
-        raise Retryable(f"not yet (attempt {ctx.attempt})", code="upstream_busy", delay_s=0.05)
+        delay_s = payload.get("delay_s", 0.05)
+        raise Retryable(f"not yet (attempt {ctx.attempt})", code="upstream_busy", delay_s=delay_s)
     return {"attempt": ctx.attempt}
 
 

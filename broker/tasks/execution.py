@@ -188,6 +188,9 @@ _CLAIM = (
         or_(_CLAIMS.c.tenants.is_(None), _CLAIMS.c.tenants.has_key(tasks.c.tenant)),
         tasks.c.expires_at > func.now(),
         or_(tasks.c.deadline_at.is_(None), tasks.c.deadline_at > func.now()),
+        # A retry's back-off holds whatever message comes first: a sweep's copy of a
+        # countdown a busy worker held ran the next attempt at once (``retry_not_due``).
+        or_(tasks.c.retry_at.is_(None), tasks.c.retry_at <= func.now()),
         IS_DUE,
     )
     .values(
@@ -596,6 +599,19 @@ def trace_of(engine: Engine, task_id: uuid.UUID) -> dict[str, str]:
     with _autocommit(engine) as conn:
         row = conn.execute(query).first()
     return {} if row is None else {"trace_id": row.trace_id, "tenant": row.tenant}
+
+
+def retry_not_due(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
+    """A queued task whose retry is not due yet (its claim refused it): ``due_in_s``, and its
+    ``trace_id``, ``deadline_at`` and ``tenant`` to send its message again with; None for
+    any other task."""
+    due_in_s = func.extract("epoch", tasks.c.retry_at - func.now())
+    query = select(
+        due_in_s.label("due_in_s"), tasks.c.trace_id, tasks.c.deadline_at, tasks.c.tenant
+    ).where(tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.retry_at > func.now())
+    with _autocommit(engine) as conn:
+        row = conn.execute(query).first()
+    return None if row is None else {**row._mapping, "due_in_s": float(row.due_in_s)}
 
 
 def final_row(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:

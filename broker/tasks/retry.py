@@ -44,7 +44,7 @@ def decide(
     limit: int,
     deadline_at: datetime | None,
     now: datetime,
-    requested_delay_s: float | None = None,
+    requested_delay_s: object = None,
     rng: random.Random | None = None,
 ) -> Decision:
     if not retryable:
@@ -59,10 +59,22 @@ def decide(
     return Decision(True, delay_s=delay)
 
 
-def _requested(delay_s: float | None) -> float | None:
-    """The wait an agent asked for, within 0 and ``REQUESTED_CAP_S``; None (the back-off)
-    when it asked for none, or for no number (NaN). ``Retry-After: inf`` from a remote agent
-    overflowed the deadline's arithmetic and left its task running."""
-    if delay_s is None or math.isnan(delay_s):
+def _requested(delay_s: object) -> float | None:
+    """The wait an agent asked for, within 0 and ``REQUESTED_CAP_S``: seconds, as a number,
+    its text (a ``Retry-After`` passed on) or a ``timedelta``. None (the back-off) when it
+    asked for none, or for nothing read as seconds (NaN, ``"soon"``). ``Retry-After: inf``
+    from a remote agent overflowed the deadline's arithmetic and left its task running; a
+    handler's ``delay_s="2"`` raised here, after its run, and its task ended ``worker_lost``."""
+    if delay_s is None or isinstance(delay_s, bool):
         return None
-    return min(max(delay_s, 0.0), REQUESTED_CAP_S)
+    try:
+        seconds = (
+            delay_s.total_seconds() if isinstance(delay_s, timedelta) else float(delay_s)  # type: ignore[arg-type]
+        )
+    except OverflowError:  # an int past a float's range
+        seconds = math.inf if delay_s > 0 else 0.0  # type: ignore[operator]
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), REQUESTED_CAP_S)

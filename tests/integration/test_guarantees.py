@@ -82,6 +82,51 @@ def test_a_retryable_failure_runs_again_until_it_succeeds(client: httpx.Client) 
     assert done["error"] is None
 
 
+def test_a_retry_asked_for_after_a_delay_given_as_text_runs_again(client: httpx.Client) -> None:
+    """``Retryable(delay_s="0.05")`` (a ``Retry-After`` passed on as it came) raised after
+    the run: the task was left running, then ended ``worker_lost``, never retried."""
+    payload = {"fail_times": 1, "delay_s": "0.05"}
+    task = client.post("/tasks", json={"capability": "test.flaky", "payload": payload}).json()
+    done = wait_for_task(client, task["task_id"], FINAL)
+    assert (done["status"], done["attempts"], done["result"]) == ("succeeded", 2, {"attempt": 2})
+
+
+def test_a_copy_of_a_retrys_message_does_not_cut_its_back_off_short(
+    client: httpx.Client,
+    engine: Engine,
+    settings: Settings,
+    tenant: tuple[str, str],
+    worker: CeleryProcess,
+) -> None:
+    """A sweep's copy of a countdown a busy prefork worker held (or any redelivery) was
+    claimed at once, and the agent's next attempt came with no wait at all."""
+    # Given a task whose agent failed it and asked for 3 s before the next attempt
+    payload = {"fail_times": 1, "delay_s": 3}
+    task_id = client.post("/tasks", json={"capability": "test.flaky", "payload": payload}).json()[
+        "task_id"
+    ]
+    row = select(tasks_table).where(tasks_table.c.id == uuid.UUID(task_id))
+
+    def waiting_for_its_retry() -> bool:
+        with engine.connect() as conn:
+            found = conn.execute(row).one()
+        return found.status == "queued" and found.attempts == 1
+
+    eventually(waiting_for_its_retry, "the first attempt failed, the retry waiting")
+    # When a copy of its message comes at once
+    dispatcher = Dispatcher(settings)
+    try:
+        send_run(dispatcher.app, task_id, "test.flaky", trace_id=uuid.uuid4().hex, tenant=tenant[0])
+        done = wait_for_task(client, task_id, FINAL)
+    finally:
+        dispatcher.close()
+    # Then the second attempt started once its retry was due, and it ran once
+    assert (done["status"], done["attempts"], done["result"]) == ("succeeded", 2, {"attempt": 2})
+    with engine.connect() as conn:
+        found = conn.execute(row).one()
+    assert found.started_at >= found.retry_at
+
+
 def test_retries_stop_at_the_envelopes_max_attempts(client: httpx.Client) -> None:
     task = client.post(
         "/tasks", json={"capability": "test.flaky", "max_attempts": 2, "payload": {"fail_times": 9}}

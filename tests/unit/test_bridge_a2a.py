@@ -28,7 +28,7 @@ from workers.sdk.agent import CapabilitySpec
 from workers.sdk.context import Context
 
 # (status, content type, body), or None: the request is never answered.
-Reply = tuple[int, str, bytes] | None
+Reply = tuple[int, str, bytes] | tuple[int, str, bytes, dict[str, str]] | None  # headers
 Answer = Callable[[str, dict[str, Any]], Reply]  # (JSON-RPC method, request) -> reply
 
 
@@ -72,10 +72,11 @@ async def a2a_agent_at(
                 await reader.read()  # until the bridge closes the connection
                 seen.closed.append(request["method"])
                 return
-            status, kind, content = reply
+            status, kind, content, *more = reply
+            extra = "".join(f"\r\n{name}: {value}" for name, value in (more or [{}])[0].items())
             writer.write(
                 f"HTTP/1.1 {status} X\r\nContent-Type: {kind}\r\nContent-Length: {len(content)}"
-                "\r\nConnection: close\r\n\r\n".encode()
+                f"{extra}\r\nConnection: close\r\n\r\n".encode()
                 + content
             )
             await writer.drain()
@@ -156,6 +157,24 @@ def test_calls_at_once_read_the_card_once_and_once_again_after_they_failed() -> 
     assert {f.code for f in first} == {"agent_http_503"}
     assert [r["text"] for r in then] == ["done"] * 20
     assert seen.count("card") == 2
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_busy_agents_retry_after_is_the_wait_before_the_next_attempt(status: int) -> None:
+    """As an ``http`` agent's is: it was dropped, and the next attempt came after the usual
+    back-off (a fraction of a second) whatever the agent asked for."""
+
+    def answer(method: str, request: dict[str, Any]) -> Reply:
+        return (status, "text/plain", b"busy", {"Retry-After": "7"})
+
+    async def scenario(registry: RemoteRegistry) -> list[Any]:
+        async with a2a_agent_at(answer, Seen()) as card_url:
+            (spec,) = registry.serve(remote("a2a", card_url))
+            return await calls_at_once(spec, 1)
+
+    [failure] = in_a_bridge(scenario)
+    assert isinstance(failure, Retryable)
+    assert (failure.code, failure.delay_s) == (f"agent_http_{status}", 7.0)
 
 
 def test_a_cancel_task_the_agent_never_answers_is_given_up_with_its_connection(

@@ -16,6 +16,7 @@ import pytest
 
 from broker.errors import AgentFailure, Retryable
 from broker.remote.connections import GuardedResolver, guarded_session
+from broker.timestamps import agent_retry_after
 from broker.webhooks.ssrf import Guard
 from workers.bridge import http_agent
 from workers.bridge.health_checks import health_url
@@ -59,11 +60,11 @@ def test_retried_statuses_are_408_429_and_5xx_only() -> None:
 
 def test_retry_after_is_seconds_or_an_http_date() -> None:
     """RFC 9110 10.2.3: a date was taken for no wait, and the 429 retried at once."""
-    assert http_agent._retry_after("2.5") == 2.5
+    assert agent_retry_after("2.5") == 2.5
     in_a_minute = format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
-    assert 55 <= (http_agent._retry_after(in_a_minute) or 0) <= 60
-    assert http_agent._retry_after("soon") is None
-    assert http_agent._retry_after(None) is None
+    assert 55 <= (agent_retry_after(in_a_minute) or 0) <= 60
+    assert agent_retry_after("soon") is None
+    assert agent_retry_after(None) is None
 
 
 def test_the_health_check_is_the_origins_healthz_never_the_business_path() -> None:

@@ -96,14 +96,37 @@ def test_a_delay_the_agent_asked_for_is_kept_within_bounds(asked: float, waited:
     assert (without.retry, without.delay_s) == (True, waited)
 
 
-def test_a_delay_that_is_no_number_is_the_back_off() -> None:
+@pytest.mark.parametrize(
+    ("asked", "waited"),
+    [
+        ("2", 2.0),  # a Retry-After passed on as it came
+        (" 2.5 ", 2.5),
+        (timedelta(seconds=3), 3.0),
+        (2, 2.0),
+        (10**400, REQUESTED_CAP_S),  # no float holds it
+        (-(10**400), 0.0),
+    ],
+)
+def test_a_delay_asked_for_as_text_a_timedelta_or_any_int_is_read_as_seconds(
+    asked: object, waited: float
+) -> None:
+    """A handler's ``Retryable(delay_s="2")`` raised in the decision, after its run: its task
+    was left running, then ended ``worker_lost`` (or, idempotent, ran again at once)."""
+    decision = decide(
+        retryable=True, attempt=1, limit=3, deadline_at=None, now=NOW, requested_delay_s=asked
+    )
+    assert (decision.retry, decision.delay_s) == (True, waited)
+
+
+@pytest.mark.parametrize("asked", [math.nan, "nan", "soon", "", True, [2], object()])
+def test_a_delay_that_is_no_number_is_the_back_off(asked: object) -> None:
     decision = decide(
         retryable=True,
         attempt=2,
         limit=3,
         deadline_at=None,
         now=NOW,
-        requested_delay_s=math.nan,
+        requested_delay_s=asked,
         rng=random.Random(1),
     )
     assert decision.delay_s == backoff_s(2, random.Random(1))

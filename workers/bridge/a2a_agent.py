@@ -74,6 +74,7 @@ from broker.remote.connections import (
     no_cookies,
 )
 from broker.remote.registration import EndpointNotAllowed
+from broker.timestamps import agent_retry_after
 from broker.webhooks import signing
 from broker.webhooks.ssrf import Guard
 from workers.aio import ON_LOOP_BYTES, off_the_loop
@@ -538,7 +539,8 @@ def failure_of(exc: Exception, *, streamed: bool) -> AgentFailure:
             status = cause.response.status_code
             message = f"the agent answered {status}"
             if status in RETRIED_STATUSES and not streamed:
-                return Retryable(message, code=f"agent_http_{status}")
+                wait_s = agent_retry_after(cause.response.headers.get("Retry-After"))
+                return Retryable(message, code=f"agent_http_{status}", delay_s=wait_s)
             return AgentFailure(message, code=f"agent_http_{status}")
         if isinstance(cause, AnswerTooLarge):
             return AgentFailure(str(cause), code="agent_protocol")

@@ -35,7 +35,7 @@ from broker.remote.connections import (
     JsonElements,
     read_body,
 )
-from broker.timestamps import parse_retry_after
+from broker.timestamps import agent_retry_after
 from broker.webhooks import signing
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
 
@@ -136,18 +136,9 @@ async def _refuse(response: aiohttp.ClientResponse, within_s: float) -> None:
     detail = read.decode("utf-8", "replace").strip()
     message = f"the agent answered {response.status}" + (f": {detail}" if detail else "")
     if response.status in RETRIED_STATUSES:
-        delay = _retry_after(response.headers.get("Retry-After"))
+        delay = agent_retry_after(response.headers.get("Retry-After"))
         raise Retryable(message, code=f"agent_http_{response.status}", delay_s=delay)
     raise AgentFailure(message, code=f"agent_http_{response.status}")
-
-
-def _retry_after(value: str | None) -> float | None:
-    """The wait an agent's ``Retry-After`` asks for: seconds (a fraction too), or an HTTP
-    date (RFC 9110 10.2.3), which was taken for none and retried at once."""
-    try:
-        return max(0.0, float(value)) if value else None
-    except ValueError:
-        return parse_retry_after(value)
 
 
 async def _read_all(response: aiohttp.ClientResponse) -> bytes:
