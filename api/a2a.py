@@ -86,7 +86,7 @@ from broker.facades import a2a as mapping
 from broker.registry import cards
 from broker.remote.a2a_json import to_json, whole_in_place
 from broker.tasks import queries
-from broker.tasks.envelope import parse_envelope
+from broker.tasks.envelope import OPTIONS, parse_envelope
 from broker.tasks.events import OUTPUT
 from broker.tasks.resource import FINAL, TaskRow, parse_task_id, render
 from broker.tasks.submission import Accepted
@@ -759,7 +759,7 @@ def _lift_data_parts(document: Any, *, json_rpc: bool) -> dict[int, Any]:
 
 
 def _envelope_options(document: Any, *, json_rpc: bool) -> dict[str, Any]:
-    """The envelope's options a message sets (``mapping.ENVELOPE_OPTIONS``) in its metadata or
+    """The envelope's options a message sets (``envelope.OPTIONS``) in its metadata or
     its request's, as sent: the SDK reads them into protobuf, whose every number is a double
     (2**53 + 1 in a task's metadata was stored as 2**53)."""
     holder = document.get("params") if json_rpc and isinstance(document, dict) else document
@@ -769,7 +769,7 @@ def _envelope_options(document: Any, *, json_rpc: bool) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for metadata in (holder.get("metadata"), isinstance(message, dict) and message.get("metadata")):
         if isinstance(metadata, dict):  # the message's last: its own options win
-            found.update((k, metadata[k]) for k in mapping.ENVELOPE_OPTIONS if k in metadata)
+            found.update((k, metadata[k]) for k in OPTIONS if k in metadata)
     whole_in_place(found)  # a client on protobuf sends 3 as 3.0
     return found
 

@@ -38,7 +38,7 @@ from broker import jsonbody, outages
 from broker.errors import BadRequest, ReachError, Unavailable
 from broker.registry import cards
 from broker.tasks import queries
-from broker.tasks.envelope import parse_envelope
+from broker.tasks.envelope import OPTIONS, parse_envelope
 from broker.tasks.events import PROGRESS
 from broker.tasks.resource import render
 from broker.tasks.submission import Accepted
@@ -120,7 +120,9 @@ class Calls:
             max_depth = svc.settings.max_json_depth
             payload = jsonbody.parse(json.dumps(payload).encode(), max_depth=max_depth)
             jsonbody.check_payload_depth(payload, max_depth=max_depth)
-        envelope = parse_envelope({"capability": capability, "payload": payload, "source": SOURCE})
+        fields = _envelope_options(ctx, svc.settings.max_json_depth)
+        fields.update(capability=capability, payload=payload, source=SOURCE)
+        envelope = parse_envelope(fields)
         return await svc.intake.submit(caller, envelope, trace_id=_request(ctx).state.trace_id)
 
     async def _run(
@@ -167,6 +169,22 @@ async def _forward_progress(
         if event is not None and event.type == PROGRESS:
             data = event.data
             await session.report_progress(float(data["percent"]), 100, data.get("message"))
+
+
+# What a tool call's ``_meta`` may set of its task's envelope: what an A2A message may, and the
+# session its turn belongs to and its idempotency key (``POST /tasks``'s ``Idempotency-Key``).
+META_OPTIONS = (*OPTIONS, "session_id", "idempotency_key")
+
+
+def _envelope_options(ctx: Context, max_depth: int) -> dict[str, Any]:
+    """The envelope's fields the call's ``_meta`` sets (``META_OPTIONS``), checked as a POST
+    body's values are (the SDK's parser lets NUL, NaN and huge integers through)."""
+    meta: dict[str, Any] = dict(ctx.meta or {})
+    found = {name: meta[name] for name in META_OPTIONS if name in meta}
+    if not found:
+        return {}
+    parsed: dict[str, Any] = jsonbody.parse(json.dumps(found).encode(), max_depth=max_depth)
+    return parsed
 
 
 def _hidden(method: str, exc: Exception) -> MCPError:

@@ -51,6 +51,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from broker import jsonbody
 from broker.remote.a2a_json import to_json
+from broker.tasks.envelope import OPTIONS
 from broker.tasks.events import OUTPUT, PROGRESS, STATUS
 from broker.webhooks.events import FINAL_EVENTS
 from broker.webhooks.events import PROGRESS as PROGRESS_EVENT
@@ -88,21 +89,6 @@ TASK_CONTEXT_PREFIX = "task_"
 _EXACT_INT = 2**53
 
 
-# The envelope's fields a message may set beside ``capability``, in its metadata or the
-# request's, named and checked as ``POST /tasks`` has them. They were dropped, silently: an
-# A2A task had no deadline and kept its result a day whatever its caller asked.
-ENVELOPE_OPTIONS = (
-    "deadline_ms",
-    "result_ttl_s",
-    "priority",
-    "max_attempts",
-    "metadata",
-    "queue_if_unavailable",
-    "target",
-    "hint",
-)
-
-
 class NotAnEnvelope(ValueError):
     """The message does not say what to run, or with what."""
 
@@ -117,17 +103,17 @@ def envelope_fields(
     lifted: Mapping[int, Any] | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The envelope's fields a message gives: ``capability`` and the ``ENVELOPE_OPTIONS`` (from
+    """The envelope's fields a message gives: ``capability`` and the ``envelope.OPTIONS`` (from
     the message's metadata, else the request's), ``payload`` and ``session_id`` (its
     ``contextId``). ``lifted``: data parts taken out of the request before it was parsed, by
-    their place (``payload_of``); ``options``: the ``ENVELOPE_OPTIONS`` as the request sent
+    their place (``payload_of``); ``options``: the ``envelope.OPTIONS`` as the request sent
     them, in place of their reading through protobuf (every number a double)."""
     metadata = to_json(message.metadata) if message.HasField("metadata") else {}
     capability = metadata.get("capability") or request_metadata.get("capability")
     if not isinstance(capability, str) or not capability:
         raise NotAnEnvelope("name the capability to run in the message's metadata.capability")
     fields: dict[str, Any] = {"capability": capability, "payload": payload_of(message, lifted)}
-    for name in ENVELOPE_OPTIONS:
+    for name in OPTIONS:
         if name in metadata:
             fields[name] = metadata[name]
         elif name in request_metadata:

@@ -23,6 +23,20 @@ ReplyMode = Literal["async", "sync", "stream"]
 _PRINTABLE = r"^[\x21-\x7e]+$"
 # What a session id may be wherever one is given (its length: ``broker.sessions.ID_MAX``).
 SESSION_ID_PATTERN = _PRINTABLE
+# The envelope's fields a protocol's call may set beside its capability and payload (an A2A
+# message in its metadata or its request's, an MCP tool call in its ``_meta``), named and
+# checked as ``POST /tasks`` has them. A2A dropped them, silently: its tasks had no deadline
+# and kept their results a day whatever their callers asked.
+OPTIONS = (
+    "deadline_ms",
+    "result_ttl_s",
+    "priority",
+    "max_attempts",
+    "metadata",
+    "queue_if_unavailable",
+    "target",
+    "hint",
+)
 
 
 class Callback(BaseModel):

@@ -165,6 +165,66 @@ def test_progress_events_arrive_as_progress_notifications(
     assert [(value, total) for value, total, _ in seen] == [(33, 100), (67, 100), (100, 100)]
 
 
+def test_a_calls_meta_sets_its_tasks_session_key_and_options(
+    api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    """A tool call's task took its card's defaults alone: it could be no session's turn (an
+    agent that needs one, as ``chat.reply`` does, failed every call), and carried no key, so
+    a host that sent it again ran it again."""
+    with client_for(api, tenant[1]) as http:
+        session_id = http.post("/sessions", json={}).json()["session_id"]
+    key = f"mcp-{uuid.uuid4().hex}"
+    meta = {
+        "session_id": session_id,
+        "idempotency_key": key,
+        "metadata": {"from": "mcp"},
+        "deadline_ms": 60_000,
+    }
+
+    async def twice() -> tuple[CallToolResult, CallToolResult]:
+        async with connected(api, tenant[1]) as client:
+            first = await client.call_tool("test.context", {}, meta=meta)  # type: ignore[arg-type]
+            again = await client.call_tool("test.context", {}, meta=meta)  # type: ignore[arg-type]
+            return first, again
+
+    first, again = asyncio.run(twice())
+    assert not first.is_error, first
+    told = first.structured_content
+    assert told is not None
+    assert (told["session_id"], told["session"], told["metadata"]) == (
+        session_id,
+        1,
+        {"from": "mcp"},
+    )
+    assert 0 < told["time_left_s"] <= 60
+    assert again.structured_content == told  # the same task, run once
+    with client_for(api, tenant[1]) as http:
+        turns = http.get("/tasks", params={"session_id": session_id}).json()["tasks"]
+    assert [t["task_id"] for t in turns] == [told["task_id"]]
+
+
+@pytest.mark.parametrize(
+    ("meta", "code"),
+    [
+        ({"session_id": "sess_nobody"}, "session_not_found"),
+        ({"deadline_ms": -1}, "envelope_invalid"),
+        ({"idempotency_key": "clé"}, "envelope_invalid"),
+        ({"metadata": {"k": "a\u0000b"}}, "invalid_string"),
+    ],
+)
+def test_a_calls_meta_is_checked_as_a_post_body_is(
+    api: ServedApp, tenant: tuple[str, str], meta: dict[str, Any], code: str
+) -> None:
+    async def one() -> CallToolResult:
+        async with connected(api, tenant[1]) as client:
+            return await client.call_tool("echo", {}, meta=meta)  # type: ignore[arg-type]
+
+    answer = asyncio.run(one())
+    assert answer.is_error
+    assert answer.structured_content is not None
+    assert answer.structured_content["error"]["code"] == code
+
+
 def test_reach_cancel_task_cancels_a_running_task(
     impatient_api: ServedApp, tenant: tuple[str, str], worker: CeleryProcess
 ) -> None:
