@@ -20,10 +20,16 @@ from dataclasses import dataclass
 from broker.registry.model import Card
 
 
+class LineClosed(Exception):
+    """The process is stopping: a run that would wait in line does not start at all (its task
+    goes back to its queue, ``Runner``)."""
+
+
 @dataclass(eq=False)
 class _Waiter:
     wake: Callable[[], None]
     given: bool = False  # a run ending handed it its place
+    closed: bool = False  # the process is stopping: it gives up
 
 
 class CardRuns:
@@ -32,7 +38,9 @@ class CardRuns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._runs: dict[Hashable, int] = {}
+        self._bounds: dict[Hashable, int] = {}  # each card's, as its last run came with it
         self._waiting: dict[Hashable, collections.deque[_Waiter]] = {}
+        self._closed = False
 
     def running(self, card: Hashable) -> int:
         with self._lock:
@@ -42,6 +50,18 @@ class CardRuns:
         with self._lock:
             return len(self._waiting.get(card, ()))
 
+    def close(self) -> None:
+        """The process is stopping (a warm shutdown): the runs waiting in line, and any that
+        would, give up (``LineClosed``) instead of starting on its way out."""
+        with self._lock:
+            self._closed = True
+            waiters = [w for line in self._waiting.values() for w in line]
+            self._waiting.clear()
+            for waiter in waiters:
+                waiter.closed = True
+        for waiter in waiters:
+            waiter.wake()
+
     @contextlib.contextmanager
     def held(self, card: Hashable, bound: int | None) -> Iterator[None]:
         """A run of ``card`` (at most ``bound`` at once; None: no bound), for a thread."""
@@ -49,8 +69,15 @@ class CardRuns:
             yield
             return
         woken = threading.Event()
-        if not self._enter(card, bound, _Waiter(woken.set)):
-            woken.wait()
+        waiter = _Waiter(woken.set)
+        if not self._enter(card, bound, waiter):
+            try:
+                woken.wait()
+            except BaseException:
+                self._give_up(card, waiter)
+                raise
+            if waiter.closed:
+                raise LineClosed(card)
         try:
             yield
         finally:
@@ -71,45 +98,66 @@ class CardRuns:
             except BaseException:  # cancelled while it waited: its place, if given, goes on
                 self._give_up(card, waiter)
                 raise
+            if waiter.closed:
+                raise LineClosed(card)
         try:
             yield
         finally:
             self._leave(card)
 
     def _enter(self, card: Hashable, bound: int, waiter: _Waiter) -> bool:
-        """True when the run may start now; else it waits in line (``waiter``)."""
+        """True when the run may start now; else it waits in line (``waiter``). A bound
+        raised since the line formed lets its first ones start now."""
         with self._lock:
+            self._bounds[card] = bound
             runs = self._runs.get(card, 0)
             if runs < bound and card not in self._waiting:
                 self._runs[card] = runs + 1
                 return True
+            if self._closed:
+                raise LineClosed(card)
             self._waiting.setdefault(card, collections.deque()).append(waiter)
-            return False
+            admitted = self._admitted(card)
+        for first in admitted:
+            first.wake()
+        return waiter.given
 
     def _leave(self, card: Hashable) -> None:
-        """A run ended: its place goes to the first in line, else it is free."""
+        """A run ended: its place goes to the first in line while the card's bound (as its
+        last run came with it) allows, else it is free."""
         with self._lock:
-            line = self._waiting.get(card)
-            if not line:
-                runs = self._runs[card] - 1
-                if runs:
-                    self._runs[card] = runs
-                else:
-                    del self._runs[card]
-                return
+            runs = self._runs[card] - 1
+            if runs:
+                self._runs[card] = runs
+            else:
+                del self._runs[card]
+            admitted = self._admitted(card)
+        for waiter in admitted:
+            waiter.wake()
+
+    def _admitted(self, card: Hashable) -> list[_Waiter]:
+        """The first in line that may start now, counted as running (under the lock)."""
+        line, bound = self._waiting.get(card), self._bounds.get(card, 0)
+        admitted = []
+        while line and self._runs.get(card, 0) < bound:
             waiter = line.popleft()
-            if not line:
-                del self._waiting[card]
             waiter.given = True
-        waiter.wake()
+            self._runs[card] = self._runs.get(card, 0) + 1
+            admitted.append(waiter)
+        if line is not None and not line:
+            del self._waiting[card]
+        if card not in self._runs and card not in self._waiting:
+            self._bounds.pop(card, None)
+        return admitted
 
     def _give_up(self, card: Hashable, waiter: _Waiter) -> None:
         with self._lock:
             if not waiter.given:
-                line = self._waiting[card]
-                line.remove(waiter)
-                if not line:
-                    del self._waiting[card]
+                if not waiter.closed:
+                    line = self._waiting[card]
+                    line.remove(waiter)
+                    if not line:
+                        del self._waiting[card]
                 return
         self._leave(card)
 

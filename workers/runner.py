@@ -47,7 +47,7 @@ from workers.aio import (
     HandlerExited,
     off_the_loop,
 )
-from workers.card_runs import CardRuns, bound_of
+from workers.card_runs import CardRuns, LineClosed, bound_of
 from workers.sdk.agent import AgentRegistry, CapabilitySpec
 from workers.sdk.context import Context
 from workers.sdk.session import Session
@@ -266,8 +266,11 @@ class Runner:
         with logs.bound(task_id=task_id, capability=capability_of(queue), instance=instance):
             spec = self.registry.for_queue(queue)
             card, bound = (queue, None) if spec is None else bound_of(spec.card)
-            with self.card_runs.held(card, bound):
-                return self._run(uuid.UUID(task_id), queue, spec, instance)
+            try:
+                with self.card_runs.held(card, bound):
+                    return self._run(uuid.UUID(task_id), queue, spec, instance)
+            except LineClosed:
+                return self._put_back(uuid.UUID(task_id), queue)
 
     def _run(self, tid: uuid.UUID, queue: str, spec: CapabilitySpec | None, instance: str) -> str:
         if spec is None:
@@ -302,8 +305,22 @@ class Runner:
             spec = self.registry.for_queue(queue)
             if spec is None or not spec.is_async:
                 raise LookupError(f"no async handler serves {queue!r} here")
-            async with self.card_runs.held_async(*bound_of(spec.card)):
-                return await self._run_async(tid, queue, spec, instance)
+            try:
+                async with self.card_runs.held_async(*bound_of(spec.card)):
+                    return await self._run_async(tid, queue, spec, instance)
+            except LineClosed:
+                return await asyncio.to_thread(self._put_back, tid, queue)
+
+    def _put_back(self, tid: uuid.UUID, queue: str) -> str:
+        """A run that waited for its card's room while this process began to stop: its task,
+        never claimed, goes back to its queue for another process (its message here is
+        acked as it ends; a copy the claim drops, should both come)."""
+        found = execution.queued_message(self.engine, tid)
+        if found is not None and self.republish is not None:
+            trace_id, deadline_at, tenant = found["trace_id"], found["deadline_at"], found["tenant"]
+            self.republish(tid, queue, trace_id, deadline_at, 0.0, tenant)
+            log.info("task %s not started: this process is stopping; put back", tid)
+        return "skipped"
 
     async def _run_async(
         self, tid: uuid.UUID, queue: str, spec: CapabilitySpec, instance: str
@@ -338,6 +355,11 @@ class Runner:
         overdue = execution.expire_overdue(self.engine, tid)
         if overdue is not None:
             return self.finalize(overdue)
+        tenants = spec.card.tenants
+        if tenants is not None:
+            refused = self._refused(tid, queue, tenants)
+            if refused is not None:
+                return refused
         early = execution.retry_not_due(self.engine, tid)
         if early is not None and self.republish is not None:
             # A copy of its message (a sweep's, a redelivery), or its own by a clock ahead of
@@ -346,11 +368,6 @@ class Runner:
             self.republish(tid, queue, trace_id, deadline_at, early["due_in_s"], tenant)
             log.info("task %s came before its retry was due; sent again for then", tid)
             return "skipped"
-        tenants = spec.card.tenants
-        if tenants is not None:
-            refused = self._refused(tid, queue, tenants)
-            if refused is not None:
-                return refused
         # A redelivered message of a finished task: its worker may have died between the
         # final write and the final event, so the event goes out now (once: see events).
         final = execution.final_row(self.engine, tid)

@@ -601,17 +601,39 @@ def trace_of(engine: Engine, task_id: uuid.UUID) -> dict[str, str]:
     return {} if row is None else {"trace_id": row.trace_id, "tenant": row.tenant}
 
 
+def queued_message(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
+    """``trace_id``, ``deadline_at`` and ``tenant`` of a queued task, to send its message
+    again with; None for a task not queued."""
+    query = select(tasks.c.trace_id, tasks.c.deadline_at, tasks.c.tenant).where(
+        tasks.c.id == task_id, tasks.c.status == QUEUED
+    )
+    with _autocommit(engine) as conn:
+        row = conn.execute(query).first()
+    return None if row is None else dict(row._mapping)
+
+
+RETRY_DUE_SLACK_S = 2.0
+
+
 def retry_not_due(engine: Engine, task_id: uuid.UUID) -> dict[str, Any] | None:
     """A queued task whose retry is not due yet (its claim refused it): ``due_in_s``, and its
     ``trace_id``, ``deadline_at`` and ``tenant`` to send its message again with; None for
     any other task."""
     due_in_s = func.extract("epoch", tasks.c.retry_at - func.now())
+    # A retry that came due since the claim refused it (the claim's clock read a moment
+    # before this one's) is one too: sent again at once, not left for the sweep.
+    slack = func.make_interval(0, 0, 0, 0, 0, 0, RETRY_DUE_SLACK_S)
     query = select(
         due_in_s.label("due_in_s"), tasks.c.trace_id, tasks.c.deadline_at, tasks.c.tenant
-    ).where(tasks.c.id == task_id, tasks.c.status == QUEUED, tasks.c.retry_at > func.now())
+    ).where(
+        tasks.c.id == task_id,
+        tasks.c.status == QUEUED,
+        tasks.c.expires_at > func.now(),
+        tasks.c.retry_at > func.now() - slack,
+    )
     with _autocommit(engine) as conn:
         row = conn.execute(query).first()
-    return None if row is None else {**row._mapping, "due_in_s": float(row.due_in_s)}
+    return None if row is None else {**row._mapping, "due_in_s": max(float(row.due_in_s), 0.0)}
 
 
 def final_row(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:

@@ -5,6 +5,7 @@ wait in the process (``workers.card_runs``); before, they all ran at once."""
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -63,6 +64,48 @@ def test_a_cards_max_concurrency_holds_on_a_worker_with_opentelemetry(
     finally:
         if worker is not None:
             worker.stop()
+        gates.close()
+        broker.close()
+    assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}
+    assert {runs(redis_url, t) for t in ids} == {1}
+
+
+def test_a_warm_shutdown_puts_the_runs_waiting_for_their_cards_room_back(
+    client: httpx.Client, settings: Settings, engine: Engine, log_dir: Path, redis_url: str
+) -> None:
+    """A worker told to stop started the runs waiting in its card's line one after another on
+    its way out (the stop lasted as long as the line took), where Celery leaves the messages
+    it has not started for another worker."""
+    gates = redis.Redis.from_url(redis_url)
+    broker = redis.Redis.from_url(settings.celery_broker_url)
+    gate = uuid.uuid4().hex
+    queues, name = BOUNDED, "bounded-otel-stop"
+    worker = start_worker(settings, queues, name, log_dir, OTEL, concurrency=10, pool="threads")
+    try:
+        # Given two of the card's tasks running and four waiting in the worker for room
+        ids = [submit(client, BOUNDED, {"gate": gate, "sleep_s": 0}) for _ in range(6)]
+        eventually(
+            lambda: statuses(engine, ids),
+            "two running",
+            60,
+            0.05,
+            until=lambda found: found.count("running") == 2,
+        )
+        eventually(lambda: broker.llen(BOUNDED) == 0, "every message in the worker", 60, 0.05)
+        # When it is told to stop, and the two running end
+        assert worker.process is not None
+        worker.process.send_signal(signal.SIGTERM)
+        eventually(lambda: "Warm shutdown" in worker.output(), "the warm shutdown", 30, 0.05)
+        gates.set(GATE_KEY.format(gate), 1, ex=300)
+        worker.process.wait(timeout=90)
+        # Then the four never started: they wait in their queue again
+        assert sorted(statuses(engine, ids)) == ["queued"] * 4 + ["succeeded"] * 2
+        assert broker.llen(BOUNDED) == 4
+        # And the next worker runs them, each once
+        worker = start_worker(settings, queues, name, log_dir, OTEL, concurrency=10, pool="threads")
+        done = all_final(client, ids, "all six done", 60)
+    finally:
+        worker.stop()
         gates.close()
         broker.close()
     assert {(t["status"], t["attempts"]) for t in done.values()} == {("succeeded", 1)}

@@ -5,17 +5,24 @@ queue's list, and the sweeper took the queued task for lost and ran it again wit
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from sqlalchemy import Engine, func, update
 
 from api.app import create_app
+from broker.db.models import tasks_table
 from broker.settings import Settings
+from broker.tasks import execution
+from broker.tasks.execution import RETRY_DUE_SLACK_S
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.retry_agent import CAPABILITY, attempts_key
+from tests.integration.rows import a_task_row
 from tests.integration.stack import CeleryProcess, ServedApp, start_worker, wait_for_task
 
 # Past the test settings' sweep_after_s (3 s) and sweep interval (1 s), so the sweeper looks
@@ -65,3 +72,29 @@ def test_a_retry_runs_again_no_sooner_than_its_agent_asked(
     first, second = attempts(redis_url, task_id)
     assert (first["attempt"], second["attempt"]) == (1, 2)
     assert second["started_at"] - first["ended_at"] >= DELAY_S - TIMER_SLACK_S
+
+
+@pytest.mark.parametrize(
+    ("retry_in_s", "due_in_s"),
+    [(30.0, (0.0, 30.0)), (-0.5, (0.0, 0.0)), (-(RETRY_DUE_SLACK_S + 1), None)],
+)
+def test_a_message_its_claim_refused_for_its_retry_is_sent_again_for_when_it_is_due(
+    engine: Engine, retry_in_s: float, due_in_s: tuple[float, float] | None
+) -> None:
+    """The claim reads its clock a moment before the look at why it refused: a retry that
+    came due in between was taken for none, its message dropped, and its task left for the
+    sweep. Past the slack it is none: the claim refused the task for another reason."""
+    task_id = a_task_row(engine, tenant=f"t-{uuid.uuid4().hex[:8]}")
+    with engine.begin() as conn:
+        conn.execute(
+            update(tasks_table)
+            .where(tasks_table.c.id == task_id)
+            .values(retry_at=func.now() + timedelta(seconds=retry_in_s))
+        )
+    found = execution.retry_not_due(engine, task_id)
+    if due_in_s is None:
+        assert found is None
+    else:
+        assert found is not None
+        low, high = due_in_s
+        assert low <= found["due_in_s"] <= high and (low < found["due_in_s"] or low == high)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from workers.card_runs import CardRuns
+from workers.card_runs import CardRuns, LineClosed
 
 CARD = ("test.bounded", "bounded-agent")
 
@@ -26,7 +26,7 @@ def test_threads_past_the_bound_wait_and_start_in_the_order_they_came() -> None:
 
     threads = []
     for n in range(5):
-        threads.append(threading.Thread(target=run, args=(n,)))
+        threads.append(threading.Thread(target=run, args=(n,), daemon=True))
         threads[-1].start()
         if n >= 2:  # each in line before the next comes
             wait_for(lambda n=n: runs.waiting(CARD) == n - 1)
@@ -34,6 +34,7 @@ def test_threads_past_the_bound_wait_and_start_in_the_order_they_came() -> None:
     for n in range(5):
         ends[n].set()
         threads[n].join()
+        wait_for(lambda n=n: len(started) == min(n + 3, 5))  # one place given on, to the first
     assert started == [0, 1, 2, 3, 4]
     assert runs.running(CARD) == 0 and runs.waiting(CARD) == 0
 
@@ -97,7 +98,7 @@ def test_threads_and_coroutines_share_one_bound() -> None:
             thread_in.set()
             thread_may_end.wait()
 
-    thread = threading.Thread(target=in_a_thread)
+    thread = threading.Thread(target=in_a_thread, daemon=True)
     thread.start()
     thread_in.wait()
 
@@ -126,8 +127,78 @@ async def _held(runs: CardRuns) -> int:
 
 def wait_for(check: Callable[[], bool]) -> None:
     """Until ``check`` holds; the bound only ends a hang."""
-    for _ in range(3000):
+    for _ in range(1000):
         if check():
             return
         threading.Event().wait(0.01)
     raise AssertionError("never")
+
+
+def test_a_bound_changed_while_runs_wait_holds_from_the_next_run_that_comes() -> None:
+    """The line handed each freed place on whatever the bound then was: raised, it let no
+    more start; lowered, it kept as many running."""
+    runs = CardRuns()
+    ends = [threading.Event() for _ in range(6)]
+
+    def run(n: int, bound: int) -> None:
+        with runs.held(CARD, bound):
+            ends[n].wait()
+
+    threads = [threading.Thread(target=run, args=(n, 1), daemon=True) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: runs.running(CARD) == 1 and runs.waiting(CARD) == 2)
+    # When a run comes with the bound raised to 3, the two in line start; it waits behind them
+    threads.append(threading.Thread(target=run, args=(3, 3), daemon=True))
+    threads[-1].start()
+    wait_for(lambda: (runs.running(CARD), runs.waiting(CARD)) == (3, 1))
+    # And when one comes with it lowered to 1, none starts until the runs are under 1
+    threads.append(threading.Thread(target=run, args=(4, 1), daemon=True))
+    threads[-1].start()
+    wait_for(lambda: runs.waiting(CARD) == 2)
+    for n in range(2):
+        ends[n].set()
+        threads[n].join()
+    assert (runs.running(CARD), runs.waiting(CARD)) == (1, 2)
+    ends[2].set()
+    threads[2].join()
+    wait_for(lambda: (runs.running(CARD), runs.waiting(CARD)) == (1, 1))  # the first in line
+    ends[3].set()
+    threads[3].join()
+    wait_for(lambda: (runs.running(CARD), runs.waiting(CARD)) == (1, 0))
+    ends[4].set()
+    threads[4].join()
+    assert runs.running(CARD) == 0
+
+
+def test_a_closed_line_lets_its_waiting_runs_go_without_starting() -> None:
+    runs = CardRuns()
+    first_may_end = threading.Event()
+    outcomes: list[str] = []
+
+    def run(n: int) -> None:
+        try:
+            with runs.held(CARD, 1):
+                outcomes.append(f"{n} ran")
+                if n == 0:
+                    first_may_end.wait()
+        except LineClosed:
+            outcomes.append(f"{n} gave up")
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in range(3)]
+    threads[0].start()
+    wait_for(lambda: runs.running(CARD) == 1)
+    for thread in threads[1:]:
+        thread.start()
+    wait_for(lambda: runs.waiting(CARD) == 2)
+    # When the process stops, the two in line give up; a run that comes after does too
+    runs.close()
+    for thread in threads[1:]:
+        thread.join()
+    late = threading.Thread(target=run, args=(3,), daemon=True)
+    late.start()
+    late.join()
+    first_may_end.set()
+    threads[0].join()
+    assert sorted(outcomes) == ["0 ran", "1 gave up", "2 gave up", "3 gave up"]
+    assert runs.running(CARD) == 0
