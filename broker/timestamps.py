@@ -33,8 +33,11 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
 
 def agent_retry_after(value: str | None) -> float | None:
     """The wait a remote agent's ``Retry-After`` asks for: seconds (a fraction too, which a
-    receiver's header is not allowed), or an HTTP date (RFC 9110 10.2.3)."""
+    receiver's header is not allowed), or an HTTP date (RFC 9110 10.2.3); None for none, or
+    for what is no wait (NaN, a negative number, text)."""
     try:
-        return max(0.0, float(value)) if value else None
+        seconds = float(value) if value else None
     except ValueError:
         return parse_retry_after(value)
+    # NaN and a negative wait are no wait asked for: the usual back-off, not none at all
+    return seconds if seconds is not None and seconds >= 0 else None

@@ -65,6 +65,10 @@ def test_retry_after_is_seconds_or_an_http_date() -> None:
     assert 55 <= (agent_retry_after(in_a_minute) or 0) <= 60
     assert agent_retry_after("soon") is None
     assert agent_retry_after(None) is None
+    # No wait is none asked for: the usual back-off, not a retry at once
+    assert agent_retry_after("nan") is None
+    assert agent_retry_after("-5") is None
+    assert agent_retry_after("0") == 0.0
 
 
 def test_the_health_check_is_the_origins_healthz_never_the_business_path() -> None:
