@@ -35,6 +35,17 @@ def statuses(engine: Engine, ids: list[str]) -> list[str]:
     return [found[t] for t in ids]
 
 
+def two_running(engine: Engine, ids: list[str]) -> None:
+    """Until two of the card's tasks ``ids`` run (its ``max_concurrency``)."""
+    eventually(
+        lambda: statuses(engine, ids),
+        "two of the card's tasks running",
+        60,
+        0.05,
+        until=lambda found: found.count("running") == 2,
+    )
+
+
 def test_a_cards_max_concurrency_bounds_its_runs_and_the_rest_wait_in_order(
     client: httpx.Client, settings: Settings, engine: Engine, log_dir: Path, redis_url: str
 ) -> None:
@@ -50,13 +61,7 @@ def test_a_cards_max_concurrency_bounds_its_runs_and_the_rest_wait_in_order(
         # When 6 of the card's tasks come, each waiting for the gate
         bounded = [submit(client, BOUNDED, {"gate": gate, "sleep_s": 0}) for _ in range(6)]
         # Then 2 run and 4 wait in its queue, in the order they came (none set aside)
-        eventually(
-            lambda: statuses(engine, bounded),
-            "two of the card's tasks running",
-            60,
-            0.05,
-            until=lambda found: found.count("running") == 2,
-        )
+        two_running(engine, bounded)
         assert statuses(engine, bounded) == ["running"] * 2 + ["queued"] * 4
         waiting = [m for m in broker.lrange(BOUNDED, 0, -1)]
         assert len(waiting) == 4 and broker.llen(f"{BOUNDED}\x06\x169") == 0
@@ -150,7 +155,9 @@ def all_sent(caller: httpx.Client, capability: str, count: int) -> list[str]:
     return ids
 
 
-def four_calls_to_an_agent_of_one(ops: httpx.Client, caller: httpx.Client) -> None:
+def assert_an_agent_of_one_has_four_calls_one_at_a_time(
+    ops: httpx.Client, caller: httpx.Client
+) -> None:
     """An agent registered with ``max_concurrency`` 1 has the four calls that come at once to a
     bridge of 50 slots one at a time, and every one answers."""
     with CountingAgent() as agent, bounded_to_one(ops, agent) as capability:
@@ -162,7 +169,7 @@ def four_calls_to_an_agent_of_one(ops: httpx.Client, caller: httpx.Client) -> No
 def test_a_remote_agents_max_concurrency_bounds_the_bridges_calls_to_it(
     ops: httpx.Client, caller: httpx.Client, bridge: CeleryProcess
 ) -> None:
-    four_calls_to_an_agent_of_one(ops, caller)
+    assert_an_agent_of_one_has_four_calls_one_at_a_time(ops, caller)
 
 
 class SlowCountingAgent(CountingAgent):

@@ -22,7 +22,11 @@ from tests.eventually import eventually
 from tests.integration import remote
 from tests.integration.stack import CeleryProcess, start_worker
 from tests.integration.test_async_agents import all_final, runs, submit
-from tests.integration.test_max_concurrency import four_calls_to_an_agent_of_one, statuses
+from tests.integration.test_max_concurrency import (
+    assert_an_agent_of_one_has_four_calls_one_at_a_time,
+    statuses,
+    two_running,
+)
 
 BOUNDED = "test.async-bounded"  # max_concurrency 2
 OTEL = {"REACH_OTEL": "true"}  # no OTEL_EXPORTER_OTLP_ENDPOINT: spans made, sent nowhere
@@ -35,13 +39,7 @@ def held_to_two(
     taken by the worker (``all_taken()`` true), wait in it; then the gate opens. The ids."""
     gate = uuid.uuid4().hex
     ids = [submit(client, BOUNDED, {"gate": gate, "sleep_s": 0}) for _ in range(6)]
-    eventually(
-        lambda: statuses(engine, ids),
-        "two of the card's tasks running",
-        60,
-        0.05,
-        until=lambda found: found.count("running") == 2,
-    )
+    two_running(engine, ids)
     eventually(all_taken, "every message in the worker", 60, 0.05)
     time.sleep(2)  # a run not held back would have started by now
     assert sorted(statuses(engine, ids)) == ["queued"] * 4 + ["running"] * 2
@@ -84,13 +82,7 @@ def test_a_warm_shutdown_puts_the_runs_waiting_for_their_cards_room_back(
     try:
         # Given two of the card's tasks running and four waiting in the worker for room
         ids = [submit(client, BOUNDED, {"gate": gate, "sleep_s": 0}) for _ in range(6)]
-        eventually(
-            lambda: statuses(engine, ids),
-            "two running",
-            60,
-            0.05,
-            until=lambda found: found.count("running") == 2,
-        )
+        two_running(engine, ids)
         eventually(lambda: broker.llen(BOUNDED) == 0, "every message in the worker", 60, 0.05)
         # When it is told to stop, and the two running end
         assert worker.process is not None
@@ -125,4 +117,4 @@ def test_a_remote_agents_max_concurrency_holds_on_a_bridge_with_opentelemetry(
     ops: httpx.Client, caller: httpx.Client, otel_bridge: CeleryProcess
 ) -> None:
     """Celery's consumer takes the bridge's messages: the agent had the four at once."""
-    four_calls_to_an_agent_of_one(ops, caller)
+    assert_an_agent_of_one_has_four_calls_one_at_a_time(ops, caller)
