@@ -26,7 +26,7 @@ from starlette.types import Receive
 
 from api.callers import KeyWatch
 from api.services import Services
-from api.sse import OUTAGES, EventStreamResponse, Slot
+from api.sse import OUTAGES, EventStreamResponse, Slot, quiet_s
 from broker.observability import metrics
 from broker.tasks import queries
 from broker.tasks.envelope import Envelope
@@ -262,9 +262,9 @@ def event_stream(
     ``task``: as ``task_events``'s."""
     settings = svc.settings
     slot = slot or svc.streams.take(caller.tenant)
-    quiet_s = min(2.0, settings.sse_ping_s)
+    quiet = quiet_s(settings.sse_ping_s)
     return EventStreamResponse(
-        task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet_s, task=_kept(task)),
+        task_event_pages(svc, caller, task_id, after=after, quiet_s=quiet, task=_kept(task)),
         send_timeout_s=settings.sse_send_timeout_s,
         ping_s=settings.sse_ping_s,
         status_code=status_code,
@@ -355,7 +355,14 @@ async def waited(
     except OUTAGES as exc:
         log.warning("answered task %s as accepted: %s: %s", row["id"], type(exc).__name__, exc)
         return render(row), False
-    return render(current or row), False
+    return as_it_stands(current or row)
+
+
+def as_it_stands(row: TaskRow) -> tuple[dict[str, Any], bool]:
+    """A task read as its wait ended, and whether it is final then: one that became final as
+    the wait ran out (its deadline as long as the wait, the store's last look shared with
+    other waits) was answered 202, not final, with its final status in it."""
+    return render(row), row["status"] in FINAL
 
 
 class Left(enum.Enum):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,6 +38,20 @@ HEADERS = {
 }
 # What a request answers 503 ``service_unavailable`` for: Postgres or Redis away.
 OUTAGES = (*outages.UNAVAILABLE_ERRORS, Unavailable)
+QUIET_MAX_S = 2.0  # the longest a stream's reader sleeps between two looks at its log
+
+
+def quiet_s(ping_s: float) -> float:
+    """How long a stream's reader sleeps when nothing comes: at most ``QUIET_MAX_S``, and a
+    whole part of ``ping_s``, so that a ping falls due at a wake-up."""
+    return ping_s / math.ceil(ping_s / QUIET_MAX_S)
+
+
+def ping_due(silent_s: float, ping_s: float) -> bool:
+    """Whether a stream silent for ``silent_s`` sends its ping, at the wake-up nearest
+    ``ping_s``: a ping due between two wake-ups 2 s apart went out at the later one (at 16 s
+    of 15, past a proxy's 15 s idle timeout)."""
+    return silent_s >= ping_s - quiet_s(ping_s) / 2
 
 
 class TooManyStreams(ReachError):
@@ -144,7 +159,7 @@ class EventStreamResponse(Response):
                         if self.started is not None:
                             metrics.stream_first_event.observe(time.perf_counter() - self.started)
                             self.started = None
-                    elif loop.time() - last_write >= self.ping_s:
+                    elif ping_due(loop.time() - last_write, self.ping_s):
                         await write(PING)  # keeps proxies from cutting an idle stream
             except Unauthenticated:
                 log.info("ended an SSE stream: its key is no longer valid")

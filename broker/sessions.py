@@ -126,11 +126,15 @@ def revision_of(if_match: str | None) -> frozenset[int] | None:
     (or ``W/"7"``: a proxy may weaken a tag), or ANY_REVISION for ``*``; PreconditionRequired
     when there is none. A tag that is not one of ours, or a header that is not a list of
     tags, names no revision and so matches none (RevisionConflict, with the current one,
-    follows). Python's ``int`` read ``"1_0"`` as 10 and other scripts' digits as ours."""
+    follows). Python's ``int`` read ``"1_0"`` as 10 and other scripts' digits as ours.
+    A bare revision, ``7``, as the HTTP contract's table writes it, is read as ``"7"``: it
+    was refused 412 "which If-Match does not name" when it named the current revision."""
     if if_match is None or not if_match.strip():
         raise PreconditionRequired("a write needs If-Match with the revision it read")
     if if_match.strip() == "*":
         return ANY_REVISION
+    if _REVISION.fullmatch(if_match.strip()):
+        return frozenset({int(if_match.strip())})
     found: set[int] = set()
     at = 0
     while True:

@@ -362,7 +362,10 @@ async def async_stream(ctx: Context, payload: dict[str, Any]) -> AsyncIterator[d
     """An async generator: each item an output event. Between awaits it reports the trace id
     its log context holds (a context variable), and logs a line naming its own task, so a
     test can tell whether one task's context leaked into another's. With ``size``, each item
-    carries that many characters too."""
+    carries that many characters too; with ``early_size``, it first emits that many the sync
+    way, before its first await."""
+    if "early_size" in payload:  # the sync way, before its running event is out
+        ctx.emit({"blob": "z" * int(payload["early_size"])})
     for i in range(int(payload.get("n", 3))):
         await asyncio.sleep(random.uniform(0, float(payload.get("jitter_s", 0))))
         logging.getLogger("reach.test").info("step", extra={"own_task": str(ctx.task_id)})
@@ -370,6 +373,19 @@ async def async_stream(ctx: Context, payload: dict[str, Any]) -> AsyncIterator[d
         yield {**item, "blob": "x" * int(payload["size"])} if "size" in payload else item
         if payload.get("progress"):
             await ctx.progress_async((i + 1) * 100 / int(payload.get("n", 3)), f"item {i}")
+
+
+@agent.capability("test.sync-stream", agent_id="test-sync-stream", timeout_s=120)
+def sync_stream(ctx: Context, payload: dict[str, Any]) -> Iterator[dict[str, int]]:
+    """A sync generator that yields every 0.1 s for a minute; marks ``mark`` with how many
+    it yielded when it is closed."""
+    i = 0
+    try:
+        for i in range(600):
+            yield {"i": i}
+            time.sleep(0.1)
+    finally:
+        _mark(payload["mark"], str(i + 1))
 
 
 @agent.capability("test.sync-slow", agent_id="test-sync-slow", version="0.0.1")
@@ -504,13 +520,25 @@ class LibraryAbort(BaseException):
     """A library's own ``BaseException`` (as ``gevent.Timeout`` is)."""
 
 
+class Unprintable(Exception):
+    """An exception whose ``str()`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception fails")
+
+
 def _raise_what(payload: dict[str, Any]) -> None:
     """``raise``: ``cancelled`` raises a ``CancelledError`` (asyncio code run from a sync
-    handler, cancelled), ``base`` a ``LibraryAbort``."""
+    handler, cancelled), ``base`` a ``LibraryAbort``, ``interrupt`` a ``KeyboardInterrupt``,
+    ``unprintable`` an ``Unprintable``."""
     if payload.get("raise") == "cancelled":
         raise asyncio.CancelledError()
     if payload.get("raise") == "base":
         raise LibraryAbort("aborted")
+    if payload.get("raise") == "interrupt":
+        raise KeyboardInterrupt()
+    if payload.get("raise") == "unprintable":
+        raise Unprintable()
 
 
 @agent.capability("test.exit", agent_id="test-exit", version="0.0.1", timeout_s=20)
@@ -537,7 +565,7 @@ async def exits_async(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     await asyncio.sleep(float(payload.get("sleep_s", 0.01)))
     if payload.get("exit"):
         sys.exit(2)
-    if payload.get("raise") == "base":
+    if payload.get("raise") in ("base", "unprintable"):
         _raise_what(payload)
     if payload.get("cancel_itself"):
         inner = asyncio.create_task(asyncio.sleep(5))

@@ -39,6 +39,7 @@ import redis
 
 from broker import redisclients, runtime
 from broker.tasks.cancellation import CANCELS_CHANNEL, flag_key
+from broker.tasks.resource import said
 
 log = logging.getLogger("reach.worker")
 CANCEL_LISTEN_RETRY_S = 1.0
@@ -137,7 +138,7 @@ async def _within(call: Coroutine[Any, Any, Any], timeout_s: float | None) -> An
             "the handler raised CancelledError, though nobody cancelled the task"
         ) from exc
     except BaseException as exc:  # SystemExit, KeyboardInterrupt, a library's own
-        raise HandlerExited(f"the handler raised {exc!r}") from exc
+        raise HandlerExited(f"the handler raised {said(exc, repr)}") from exc
     if timeout_s is not None and time.monotonic() - begun > timeout_s:
         raise CallTimedOut(f"the handler returned after {timeout_s:.3f}s")
     return result

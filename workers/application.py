@@ -171,6 +171,11 @@ def create_celery_app(settings: Settings, registry: AgentRegistry = agent) -> Ce
         lambda **_: runtime.tune_collector(settings.gc_gen0_threshold), weak=False
     )
     signals.worker_init.connect(lambda **_: runtime.keep_cancels(), weak=False)
+
+    def in_pool_child(**_: object) -> None:
+        runner.in_pool_child = True
+
+    signals.worker_process_init.connect(in_pool_child, weak=False)
     # A stop: runs waiting for their card's room go back to their queues, not run on the way out
     signals.worker_shutting_down.connect(lambda **_: runner.card_runs.close(), weak=False)
     webhooks = register_webhooks(app, settings, lambda: runner.engine)

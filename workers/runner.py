@@ -27,7 +27,7 @@ from sqlalchemy import Engine
 
 from broker import jsonbody, redisclients
 from broker.db.engines import LoopConnection, ThreadConnection, sync_engine
-from broker.errors import AgentFailure, BadRequest, Retryable
+from broker.errors import AgentFailure, Retryable
 from broker.grouping import Grouped, ThreadGrouped
 from broker.observability import logs, metrics
 from broker.outages import AGENT_TRANSIENT_ERRORS, INFRASTRUCTURE_ERRORS
@@ -37,7 +37,7 @@ from broker.settings import Settings
 from broker.tasks import cancellation, events, execution, retry, turns
 from broker.tasks.events import EVENTS_SLACK_S
 from broker.tasks.execution import Claim, Claimed, Finish
-from broker.tasks.resource import QUEUED, RUNNING, TaskRow, task_error
+from broker.tasks.resource import QUEUED, RUNNING, TaskRow, said, task_error
 from workers import faults
 from workers.aio import (
     ON_LOOP_BYTES,
@@ -59,6 +59,7 @@ THREADED_DB_POOL = 10  # Postgres connections of one threads-pool worker process
 GROUP_MAX_TASKS = 100  # claims or finishes in one statement
 DEADLINE_SLACK_S = 0.05  # a failure this close to the deadline is the deadline's
 REFUSED_BACK_S = 0.5  # a task a private card refused waits this long to be taken again
+CANCEL_PROBE_S = 0.25  # a sync generator asks whether its task was cancelled at most this often
 # The waits before each new try of a final write while Postgres is away. The handler's outcome
 # exists only in this process: lost, the message came again, found the task running and was
 # skipped, and the task was recovered as lost (run again, or worker_lost) or, on the bridge,
@@ -106,6 +107,9 @@ class Runner:
         self._claims_db: ThreadConnection | None = None
         self._finishes_db: ThreadConnection | None = None
         self._pid = 0
+        # A prefork pool's child (``worker_process_init``): no signal of Celery's raises in
+        # it (it ignores SIGINT; a SIGTERM ends it), so an exit raised there is its handler's
+        self.in_pool_child = False
         self._crash_after_finish = faults.crash_after_finish()
         self._crash_after_group = faults.crash_after_group()
         self._connect_lock = threading.Lock()
@@ -759,8 +763,9 @@ class Runner:
     def _succeeded(self, result: Any) -> Outcome:
         try:
             size = self._size(result)
-        except (BadRequest, TypeError, ValueError) as exc:
-            return Failed(task_error("result_invalid", f"the agent returned no valid JSON: {exc}"))
+        except Exception as exc:  # what the JSON writer refused, or what the value raised
+            message = f"the agent returned no valid JSON: {said(exc)}"
+            return Failed(task_error("result_invalid", message))
         limit = self.settings.max_result_bytes
         if size > limit:
             message = f"the agent returned {size} bytes of JSON, over the limit of {limit}"
@@ -796,23 +801,29 @@ class Runner:
             with soft_limit(limit_s):
                 result = spec.handler(ctx, payload)
                 if inspect.isgenerator(result):
-                    result = _drain_generator(result, ctx)
+                    stop_at = None if limit_s is None else started + limit_s
+                    result = _drain_generator(result, ctx, stop_at)
         except SoftTimeLimit:
             raise
         except BaseException as exc:
             exiting = isinstance(exc, SystemExit | KeyboardInterrupt)
-            if exiting and threading.current_thread() is threading.main_thread():
-                raise  # a signal's (solo), or a pool child's own exit: Celery's to handle
+            if exiting and self._signals_reach(threading.current_thread()):
+                raise  # a signal's (solo, the worker's own Ctrl-C or warm stop): Celery's
             # A failure past its time is its time's, as a result is: it was a failure of
             # the agent's, or a retry, that ran the task again past its time.
             if limit_s is not None and time.monotonic() - started > limit_s:
                 raise SoftTimeLimit("the handler failed after its time limit") from exc
             if isinstance(exc, Exception):
                 raise
-            raise HandlerExited(f"the handler raised {exc!r}") from exc
+            raise HandlerExited(f"the handler raised {said(exc, repr)}") from exc
         if limit_s is not None and time.monotonic() - started > limit_s:
             raise SoftTimeLimit("the handler returned after its time limit")
         return result
+
+    def _signals_reach(self, thread: threading.Thread) -> bool:
+        """Whether a ``SystemExit`` or ``KeyboardInterrupt`` raised in ``thread`` may be a
+        signal's, not the handler's: in the worker's own main thread (the solo pool)."""
+        return thread is threading.main_thread() and not self.in_pool_child
 
 
 class Running:
@@ -878,15 +889,25 @@ class Running:
                         await asyncio.sleep(wait_s)
                 else:
                     await self._append_async(events.STATUS, self._data)
-                while self._early:  # the handler may add more while one is written
-                    await self._append_async(*self._early.pop(0))
             except BaseException as exc:
                 self._error = exc
+            try:
+                if self._error is None:
+                    await self._send_early()
             finally:
                 self._sent.set()
                 self._sent_here.set()
         if self._error is not None:
             raise self._error
+
+    async def _send_early(self) -> None:
+        """The handler's events made before the ``running`` event was out, in order. One
+        refused (over the task's event budget) fails the handler, as it would have had it
+        been sent at once; it raises here, once: the ``running`` event itself is out, and
+        the call that awaits it again before the finish goes on."""
+        assert self._append_async is not None
+        while self._early:  # the handler may add more while one is written
+            await self._append_async(*self._early.pop(0))
 
     def publish(self, event_type: str, data: Any) -> None:
         if self._append_async is not None and not self._sent.is_set() and _on_a_loop():
@@ -987,12 +1008,12 @@ def _failure(exc: Exception, spec: CapabilitySpec, ctx: Context) -> Failed:
     if isinstance(exc, AgentFailure):
         return Failed(task_error(exc.code, exc.message, retryable=exc.retryable))
     if isinstance(exc, AGENT_TRANSIENT_ERRORS):
-        message = f"{type(exc).__name__}: {exc}"
+        message = f"{type(exc).__name__}: {said(exc)}"
         return Failed(task_error("transient_error", message, retryable=True))
     log.exception("agent %s failed on task %s", spec.card.agent_id, ctx.task_id, exc_info=exc)
     if isinstance(exc, sqlalchemy.exc.StatementError):
         return Failed(task_error("agent_error", f"{type(exc).__name__}: {HIDDEN}"))
-    return Failed(task_error("agent_error", f"{type(exc).__name__}: {exc}"))
+    return Failed(task_error("agent_error", f"{type(exc).__name__}: {said(exc)}"))
 
 
 def timed_out(cause: dict[str, Any]) -> dict[str, Any]:
@@ -1020,27 +1041,60 @@ Outcome = Succeeded | Failed  # what calling a handler came to
 
 async def _awaited(spec: CapabilitySpec, ctx: Context, payload: Any) -> Any:
     """An async handler's result. An async generator's items are output chunks, sent in
-    order, and its result is the list of them (an async generator cannot return a value)."""
+    order, and its result is the list of them (an async generator cannot return a value).
+    A chunk refused (no JSON, over the task's event budget) is raised in the generator where
+    it yielded it, as ``emit_async`` raises in a handler that calls it: it may catch it."""
     if not inspect.isasyncgenfunction(spec.handler):
         return await spec.handler(ctx, payload)
+    generator = spec.handler(ctx, payload)
     chunks: list[Any] = []
-    async for chunk in spec.handler(ctx, payload):
-        await ctx.emit_async(chunk)
-        chunks.append(chunk)
-    return {"outputs": chunks}
-
-
-def _drain_generator(generator: Any, ctx: Context) -> Any:
-    """A generator handler: each yielded item is an output chunk; what it returns is the
-    result, or, when it returns nothing, the list of chunks."""
-    chunks: list[Any] = []
+    refused: Exception | None = None
     while True:
         try:
-            chunk = next(generator)
+            chunk = await (anext(generator) if refused is None else generator.athrow(refused))
+        except StopAsyncIteration:
+            return {"outputs": chunks}
+        refused = None
+        try:
+            await ctx.emit_async(chunk)
+        except Exception as exc:
+            refused = exc
+            continue
+        chunks.append(chunk)
+
+
+def _drain_generator(generator: Any, ctx: Context, stop_at: float | None) -> Any:
+    """A generator handler: each yielded item is an output chunk; what it returns is the
+    result, or, when it returns nothing, the list of chunks. A chunk refused is raised in
+    the generator, as in ``_awaited``.
+
+    Between chunks it is closed when its time is up (``stop_at``, on the monotonic clock) or
+    the caller cancelled its task (asked at most every ``CANCEL_PROBE_S``): on the threads
+    pool nothing else stops a sync handler, and a stream that never ended ran for good."""
+    chunks: list[Any] = []
+    refused: Exception | None = None
+    probed = time.monotonic()
+    while True:
+        try:
+            chunk = next(generator) if refused is None else generator.throw(refused)
         except StopIteration as stop:
             return stop.value if stop.value is not None else {"outputs": chunks}
-        ctx.emit(chunk)
+        refused = None
+        try:
+            ctx.emit(chunk)
+        except Exception as exc:
+            refused = exc
+            continue
         chunks.append(chunk)
+        now = time.monotonic()
+        if stop_at is not None and now > stop_at:
+            generator.close()
+            raise SoftTimeLimit("the handler ran past its time limit")
+        if now - probed >= CANCEL_PROBE_S:
+            probed = now
+            if ctx.cancelled:
+                generator.close()
+                raise CallCancelled("the caller cancelled the task")
 
 
 class Bucket:

@@ -7,7 +7,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, NotRequired, TypedDict, get_args
@@ -111,10 +111,19 @@ def task_error(code: str, message: str, *, retryable: bool = False) -> dict[str,
     }
 
 
+def said(value: object, show: Callable[[object], str] = str) -> str:
+    """``show(value)``, or what it is when that raises: an agent's exception whose ``__str__``
+    raised failed its run's failure, and its task was left for the orphan check."""
+    try:
+        return show(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
 def storable(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters, with what no Postgres text or JSON holds replaced
     by U+FFFD: NUL, and a lone surrogate (no UTF-8 encodes it)."""
-    text = str(text)[:limit].replace("\x00", "\ufffd")
+    text = said(text)[:limit].replace("\x00", "\ufffd")
     if text.isascii():
         return text
     return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)

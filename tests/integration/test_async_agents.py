@@ -38,7 +38,9 @@ from tests.integration.test_replies import read_stream
 from workers import faults
 from workers.runner import PROGRESS_BURST, PROGRESS_PER_S
 
-ASYNC_QUEUES = "test.async,test.async-fuse,test.async-stream,test.sync-slow,test.sync-fuse"
+ASYNC_QUEUES = (
+    "test.async,test.async-fuse,test.async-stream,test.sync-slow,test.sync-fuse,test.sync-stream"
+)
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
 
@@ -162,6 +164,49 @@ def test_an_async_generator_item_larger_than_the_log_fails_events_too_large(
     done = client.get(f"/tasks/{task_id}").json()
     assert done["status"] == "failed"
     assert done["error"]["code"] == "events_too_large"
+
+
+def test_an_item_too_large_emitted_the_sync_way_before_the_running_event_fails_its_task(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    """Held until the running event is out, then refused: the task failed with its own code.
+    It ended ``worker_lost`` before, the refusal raised again where the run awaits its
+    running event before its finish, and the run was left for the orphan check."""
+    task_id = submit(client, "test.async-stream", {"n": 1, "early_size": 5 * 1024 * 1024})
+    done = wait_for_task(client, task_id, FINAL)
+    assert (done["status"], done["error"]["code"], done["attempts"]) == (  # type: ignore[index]
+        "failed",
+        "events_too_large",
+        1,
+    ), done
+
+
+def test_a_sync_generator_on_the_threads_pool_is_closed_at_its_deadline(
+    client: httpx.Client, async_worker: CeleryProcess, redis_url: str
+) -> None:
+    """Nothing interrupts a sync handler on the threads pool, but a generator hands the runner
+    each chunk: past its deadline it is closed there, not left to stream for its minute."""
+    mark = f"reach:test:mark:{uuid.uuid4()}"
+    task_id = submit(client, "test.sync-stream", {"mark": mark}, deadline_ms=1500)
+    done = wait_for_task(client, task_id, FINAL, timeout_s=90)
+    assert (done["status"], done["error"]["code"]) == ("expired", "timeout"), done  # type: ignore[index]
+    marks = redis.Redis.from_url(redis_url)
+    yielded = eventually(lambda: marks.get(mark), "the generator closed", timeout_s=90)
+    assert int(yielded) < 600
+
+
+def test_the_callers_cancel_closes_a_sync_generator_at_its_next_item(
+    client: httpx.Client, async_worker: CeleryProcess, redis_url: str
+) -> None:
+    mark = f"reach:test:mark:{uuid.uuid4()}"
+    task_id = submit(client, "test.sync-stream", {"mark": mark})
+    wait_for_task(client, task_id, {"running"})
+    cancelled = client.post(f"/tasks/{task_id}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    marks = redis.Redis.from_url(redis_url)
+    yielded = eventually(lambda: marks.get(mark), "the generator closed", timeout_s=90)
+    assert int(yielded) < 600
+    assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
 
 
 @pytest.mark.timeout(600)

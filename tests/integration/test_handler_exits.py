@@ -119,18 +119,44 @@ def test_any_other_base_exception_fails_its_task_and_frees_its_slot(
     assert [finished(client, task_id)["status"] for task_id in after] == ["succeeded"] * 4
 
 
-def test_a_base_exception_on_prefork_fails_its_task_once(
+def test_a_base_exception_or_an_exit_on_prefork_fails_its_task_once(
     client: httpx.Client, settings: Settings, log_dir: Path
 ) -> None:
-    """Not ``worker_lost`` (a child that died), run again as such: its agent is idempotent."""
+    """Not ``worker_lost`` (a child that died), run again as such: its agent is idempotent.
+    A pool child ignores SIGINT and a SIGTERM ends it, so an exit raised in its handler is
+    the handler's own: ``sys.exit()`` and ``KeyboardInterrupt`` there ended the child."""
     process = start_worker(settings, "test.exit-prefork", "exits-prefork", log_dir, concurrency=1)
     try:
-        task = finished(client, submit(client, "test.exit-prefork", {"raise": "base"}))
+        tasks = {
+            named: finished(client, submit(client, "test.exit-prefork", payload))
+            for named, payload in [
+                ("LibraryAbort", {"raise": "base"}),
+                ("SystemExit(2)", {"exit": True}),
+                ("KeyboardInterrupt()", {"raise": "interrupt"}),
+                ("<unprintable Unprintable>", {"raise": "unprintable"}),
+            ]
+        }
     finally:
         process.stop()
+    for named, task in tasks.items():
+        assert (task["status"], task["error"]["code"], task["attempts"]) == (
+            "failed",
+            "agent_error",
+            1,
+        ), task
+        assert named in task["error"]["message"], task
+
+
+@pytest.mark.parametrize("capability", ["test.exit", "test.exit-async"])
+def test_an_exception_whose_str_raises_fails_its_task_named_by_its_class(
+    client: httpx.Client, exits_worker: CeleryProcess, capability: str
+) -> None:
+    """Its failure raised in the runner before: the run ended without a final write, and the
+    orphan check ended the task ``worker_lost`` (run again, had its agent been idempotent)."""
+    task = finished(client, submit(client, capability, {"raise": "unprintable"}))
     assert (task["status"], task["error"]["code"], task["attempts"]) == (
         "failed",
         "agent_error",
         1,
     ), task
-    assert "LibraryAbort" in task["error"]["message"], task
+    assert task["error"]["message"] == "Unprintable: <unprintable Unprintable>", task

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -35,3 +36,22 @@ def test_a_percent_outside_0_to_100_is_refused(percent: float) -> None:
     with pytest.raises(ValueError, match="between 0 and 100"):
         context(reports).progress(percent)
     assert reports == []
+
+
+@pytest.mark.parametrize("percent", [Decimal("50"), "50", True, None])
+def test_a_percent_that_is_no_number_is_refused(percent: Any) -> None:
+    """A ``Decimal`` passed the range check, then failed its task when Postgres could not
+    store it; a bool is no percentage."""
+    reports: list[dict[str, Any]] = []
+    with pytest.raises(TypeError, match="percent must be a number"):
+        context(reports).progress(percent)
+    assert reports == []
+
+
+def test_a_progress_message_that_is_no_text_is_refused() -> None:
+    """``b"bytes"`` was stored as the text ``b'bytes'``."""
+    reports: list[dict[str, Any]] = []
+    with pytest.raises(TypeError, match="must be text, not bytes"):
+        context(reports).progress(10, b"bytes")  # type: ignore[arg-type]
+    context(reports).progress(10.5, "half")
+    assert reports == [{"percent": 10.5, "message": "half"}]

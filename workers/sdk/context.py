@@ -49,6 +49,10 @@ class Context:
     def progress(self, percent: float, message: str | None = None) -> None:
         """Report how far along the task is: pollers see it on the task, streams as an event.
         What no Postgres text holds (NUL, a lone surrogate) becomes U+FFFD in the message."""
+        if isinstance(percent, bool) or not isinstance(percent, int | float):
+            raise TypeError(f"percent must be a number, not {type(percent).__name__}")
+        if message is not None and not isinstance(message, str):
+            raise TypeError(f"a progress message must be text, not {type(message).__name__}")
         if not 0 <= percent <= 100:
             raise ValueError("percent must be between 0 and 100")
         if message is not None and len(message) > PROGRESS_MESSAGE_MAX:
