@@ -375,6 +375,29 @@ async def async_stream(ctx: Context, payload: dict[str, Any]) -> AsyncIterator[d
             await ctx.progress_async((i + 1) * 100 / int(payload.get("n", 3)), f"item {i}")
 
 
+class _Replier:
+    """A handler that is an object whose ``__call__`` is an ``async def``."""
+
+    async def __call__(self, ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        return {"replied": payload.get("text"), "on_a_loop": _on_a_loop()}
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+agent.capability("test.async-callable", agent_id="test-async-callable")(_Replier())
+# A sync handler that returns a coroutine: nothing awaits it
+agent.capability("test.async-wrapped", agent_id="test-async-wrapped")(
+    lambda ctx, payload: _Replier()(ctx, payload)
+)
+
+
 @agent.capability("test.sync-stream", agent_id="test-sync-stream", timeout_s=120)
 def sync_stream(ctx: Context, payload: dict[str, Any]) -> Iterator[dict[str, int]]:
     """A sync generator that yields every 0.1 s for a minute; marks ``mark`` with how many

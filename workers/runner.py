@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 import redis.asyncio as aioredis
@@ -800,6 +800,8 @@ class Runner:
         try:
             with soft_limit(limit_s):
                 result = spec.handler(ctx, payload)
+                if inspect.isawaitable(result):
+                    _refuse_awaitable(result)
                 if inspect.isgenerator(result):
                     stop_at = None if limit_s is None else started + limit_s
                     result = _drain_generator(result, ctx, stop_at)
@@ -1044,7 +1046,7 @@ async def _awaited(spec: CapabilitySpec, ctx: Context, payload: Any) -> Any:
     order, and its result is the list of them (an async generator cannot return a value).
     A chunk refused (no JSON, over the task's event budget) is raised in the generator where
     it yielded it, as ``emit_async`` raises in a handler that calls it: it may catch it."""
-    if not inspect.isasyncgenfunction(spec.handler):
+    if not spec.is_async_generator:
         return await spec.handler(ctx, payload)
     generator = spec.handler(ctx, payload)
     chunks: list[Any] = []
@@ -1061,6 +1063,21 @@ async def _awaited(spec: CapabilitySpec, ctx: Context, payload: Any) -> Any:
             refused = exc
             continue
         chunks.append(chunk)
+
+
+def _refuse_awaitable(result: Any) -> NoReturn:
+    """A sync handler that returned a coroutine (a ``lambda`` around an ``async def``, say):
+    nothing here can await it, and it failed its task ``result_invalid``, a coroutine being
+    no JSON. Its task fails saying what to register instead, and the coroutine is closed
+    (not left to warn that it was never awaited)."""
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()
+    raise AgentFailure(
+        f"the handler returned {type(result).__name__}, an awaitable, and is not async: "
+        "register the async def itself (or an object whose __call__ is one)",
+        code="agent_error",
+    )
 
 
 def _drain_generator(generator: Any, ctx: Context, stop_at: float | None) -> Any:

@@ -38,8 +38,11 @@ from tests.integration.test_replies import read_stream
 from workers import faults
 from workers.runner import PROGRESS_BURST, PROGRESS_PER_S
 
-ASYNC_QUEUES = (
-    "test.async,test.async-fuse,test.async-stream,test.sync-slow,test.sync-fuse,test.sync-stream"
+ASYNC_QUEUES = ",".join(
+    [
+        *["test.async", "test.async-fuse", "test.async-stream", "test.async-callable"],
+        *["test.async-wrapped", "test.sync-slow", "test.sync-fuse", "test.sync-stream"],
+    ]
 )
 FINAL = {"succeeded", "failed", "cancelled", "expired"}
 
@@ -179,6 +182,26 @@ def test_an_item_too_large_emitted_the_sync_way_before_the_running_event_fails_i
         "events_too_large",
         1,
     ), done
+
+
+def test_an_object_whose_call_is_an_async_def_runs_on_the_loop(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    """It was taken for a sync handler, and its coroutine, returned unawaited, failed the
+    task ``result_invalid``."""
+    done = wait_for_task(client, submit(client, "test.async-callable", {"text": "hi"}), FINAL)
+    assert (done["status"], done["result"]) == (
+        "succeeded",
+        {"replied": "hi", "on_a_loop": True},
+    ), done
+
+
+def test_a_sync_handler_that_returns_a_coroutine_fails_saying_what_to_register(
+    client: httpx.Client, async_worker: CeleryProcess
+) -> None:
+    done = wait_for_task(client, submit(client, "test.async-wrapped", {"text": "hi"}), FINAL)
+    assert (done["status"], done["error"]["code"]) == ("failed", "agent_error"), done  # type: ignore[index]
+    assert "register the async def itself" in done["error"]["message"], done  # type: ignore[index]
 
 
 def test_a_sync_generator_on_the_threads_pool_is_closed_at_its_deadline(

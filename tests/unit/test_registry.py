@@ -295,3 +295,43 @@ def test_given_no_message_expect_message_none_in_the_report() -> None:
     reported: list[dict[str, Any]] = []
     a_context(_progress_sink=reported.append).progress(10)
     assert reported == [{"percent": 10, "message": None}]
+
+
+class AsyncCall:
+    async def __call__(self, ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+class AsyncStream:
+    async def __call__(self, ctx: Context, payload: dict[str, Any]) -> Any:
+        yield {}
+
+
+class SyncCall:
+    def __call__(self, ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+async def coroutine_handler(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("handler", "is_async", "is_async_generator"),
+    [
+        (extract, False, False),
+        (coroutine_handler, True, False),
+        (AsyncCall(), True, False),
+        (AsyncStream(), True, True),
+        (SyncCall(), False, False),
+    ],
+)
+def test_a_handler_runs_on_the_loop_when_calling_it_runs_an_async_def(
+    handler: Any, is_async: bool, is_async_generator: bool
+) -> None:
+    """An object whose ``__call__`` is an ``async def`` was taken for a sync handler."""
+    registry = AgentRegistry()
+    registry.capability("unit.kinds", agent_id="unit-kinds")(handler)
+    spec = registry.get("unit.kinds")
+    assert spec is not None
+    assert (spec.is_async, spec.is_async_generator) == (is_async, is_async_generator)

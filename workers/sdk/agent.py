@@ -39,13 +39,28 @@ class CapabilitySpec:
     @cached_property
     def is_async(self) -> bool:
         """An ``async def`` handler or an async generator: it runs on the event loop."""
-        return inspect.iscoroutinefunction(self.handler) or inspect.isasyncgenfunction(self.handler)
+        return any(
+            inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
+            for call in _calls_of(self.handler)
+        )
+
+    @cached_property
+    def is_async_generator(self) -> bool:
+        return any(inspect.isasyncgenfunction(call) for call in _calls_of(self.handler))
 
     @cached_property
     def validator(self) -> Draft202012Validator | None:
         """The input schema's validator, built once per process (not once per task)."""
         schema = self.card.input_schema
         return schemas.validator(schema) if schema else None
+
+
+def _calls_of(handler: Handler) -> tuple[object, ...]:
+    """What calling ``handler`` runs: itself, and an object's ``__call__`` (an instance of a
+    class with ``async def __call__`` was taken for a sync handler, and its coroutine was
+    returned unawaited as its result)."""
+    call = inspect.getattr_static(type(handler), "__call__", None)
+    return (handler, call)
 
 
 class AgentRegistry:
