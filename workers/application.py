@@ -89,6 +89,20 @@ def redelivery_timeout(settings: Settings) -> tuple[float, str]:
 def _configure_logging(loglevel: str | int = "INFO", **_: object) -> None:
     # Connected to Celery's setup_logging: Celery then leaves logging to us.
     logs.configure(level=logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel)
+    logging.getLogger("celery.worker.control").addFilter(_no_backend_to_mark)
+
+
+def _no_backend_to_mark(record: logging.LogRecord) -> bool:
+    """Drops Celery's warning that a revoked task could not be marked in the result backend
+    when there is none to mark it in (ours: a task's state is in Postgres). A cancel of a
+    running task of a cancellable card is a revoke broadcast to every worker, and each one
+    that did not run it logged the warning, for every such cancel."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (
+        record.msg == "Failed to mark task %s as revoked in backend: %s"
+        and len(args) == 2
+        and isinstance(args[1], NotImplementedError)
+    )
 
 
 def serve_metrics(host: str, port: int) -> None:

@@ -484,6 +484,27 @@ def test_with_task_events_on_a_cancel_stops_a_run_of_celerys_way_without_an_erro
     assert client.get(f"/tasks/{task_id}").json()["status"] == "cancelled"
 
 
+def test_a_cancels_revoke_of_a_task_a_worker_does_not_run_logs_no_warning_there(
+    async_worker: CeleryProcess, settings: Settings
+) -> None:
+    """A cancel of a cancellable card's running task is a revoke broadcast to every worker.
+    Each one that did not run it logged that it could not mark it revoked in the result
+    backend, which there is none of (a task's state is in Postgres): a warning on every
+    worker for every such cancel."""
+    name = f"async@{socket.gethostname()}"
+    task_id = str(uuid.uuid4())
+    control = Celery("test-revoke", broker=settings.celery_broker_url, set_as_current=False)
+    try:
+        # the reply comes once the worker has handled it, and so logged what it would
+        answers = control.control.revoke(
+            task_id, terminate=True, signal="SIGTERM", destination=[name], reply=True, timeout=5
+        )
+    finally:
+        control.close()
+    assert answers == [{name: {"ok": "terminate: tasks unknown"}}]
+    assert task_id not in async_worker.output()
+
+
 def test_a_retry_waiting_for_its_back_off_holds_no_slot(
     client: httpx.Client, settings: Settings, log_dir: Path
 ) -> None:
