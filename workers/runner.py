@@ -1099,6 +1099,8 @@ def _drain_generator(generator: Any, ctx: Context, stop_at: float | None) -> Any
         refused = None
         try:
             ctx.emit(chunk)
+        except SoftTimeLimit:
+            raise  # its time (SIGALRM, prefork) came during the write: not the chunk's
         except Exception as exc:
             refused = exc
             continue

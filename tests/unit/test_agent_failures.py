@@ -139,3 +139,24 @@ def test_a_refused_chunk_the_generator_does_not_catch_fails_it() -> None:
     with pytest.raises(ValueError, match="refused"):
         _drain_generator(careless(), streaming(emitted, refuse="too big"), None)
     assert emitted == [1]
+
+
+def test_the_time_limit_coming_during_a_chunks_write_is_not_raised_in_the_generator() -> None:
+    """On prefork SIGALRM raises ``SoftTimeLimit`` wherever the handler is, the runner's
+    write of its chunk included: that is its time's, not a refusal of the chunk."""
+    caught: list[BaseException] = []
+
+    def catching() -> Iterator[int]:
+        while True:
+            try:
+                yield 1
+            except Exception as exc:  # a generator that catches what its yield raises
+                caught.append(exc)
+
+    def emit(chunk: Any) -> None:
+        raise SoftTimeLimit("the agent ran past its time limit")
+
+    ctx = Context(task_id=uuid.uuid4(), capability="x", trace_id="t", attempt=1, _output_sink=emit)
+    with pytest.raises(SoftTimeLimit):
+        _drain_generator(catching(), ctx, None)
+    assert caught == []
