@@ -83,8 +83,9 @@ async def success_rates(engine: AsyncEngine, cache: TimedCache) -> dict[tuple[st
 
 
 # The failures that count against an agent's health: its own crash or time limit, a worker
-# lost under it, transient errors past their retries, and a remote agent that could not be
-# reached or answered out of protocol or with a 5xx. An agent's deliberate refusal (its own
+# lost under it, transient errors past their retries, an answer that is no JSON, and a remote
+# agent that could not be reached, did not answer in time, broke its stream off or answered
+# out of protocol or with a 5xx. An agent's deliberate refusal (its own
 # error code: the input was wrong), a caller's cancel and a caller's deadline do not: they
 # are the caller's doing, and one tenant's would steer every tenant's routing (an audit,
 # 2026-12-06: 30 tasks pinned to the fast agent and cancelled, or given a deadline of
@@ -96,6 +97,9 @@ AGENT_FAULTS = (
     "transient_error",
     "agent_unreachable",
     "agent_protocol",
+    "agent_timeout",
+    "agent_stream_broken",
+    "result_invalid",
 )
 # A deadline counts as the caller's when the task ended at it (give or take the clocks').
 DEADLINE_SLACK_S = 1.0

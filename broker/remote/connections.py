@@ -16,6 +16,7 @@ JsonElements      a count of a JSON text's elements as it arrives, in pieces
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +42,12 @@ MAX_ANSWER_BYTES = 16 * 2**20  # an answer, or one event of an event stream
 MAX_ANSWER_ELEMENTS = 100_000
 # Where an event of an event stream ends: a line ending followed by an empty line.
 _EVENT_END = re.compile(rb"\n[\r\n]|\r\r")
+# Events of an event stream without a data line (blank lines, comments) it may send in a row:
+# 4 MiB of line ends held the bridge's loop for 2.5 s in the a2a-sdk's reader.
+MAX_EMPTY_EVENTS = 1_000
+# An event stream's body goes to its reader in pieces of at most this, the loop running its
+# other calls between two: the reader parses each piece's lines without a pause.
+STREAM_PIECE_BYTES = 16 * 1024
 # Set by the session itself, or meaningless once the request is aiohttp's.
 _NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding"})
 # aiohttp decompresses the body; httpx must not try again, nor trust the encoded length.
@@ -278,7 +285,7 @@ class _Body(httpx.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         streamed = self._streamed
-        size, tail, elements = 0, b"", JsonElements()
+        size, tail, elements, empty = 0, b"", JsonElements(), 0
         try:
             async for chunk in self._answer.content.iter_any():
                 # Offsets in ``chunk`` past each event's end (an event ending in it is no
@@ -287,9 +294,12 @@ class _Body(httpx.AsyncByteStream):
                 ends = [m.end() - len(tail) for m in found]
                 if size + (ends[0] if ends else len(chunk)) > MAX_ANSWER_BYTES:
                     raise AnswerTooLarge("the agent's answer is too large", request=self._request)
-                for start, end in zip([0, *ends], [*ends, len(chunk)], strict=True):
+                segments = zip([0, *ends], [*ends, len(chunk)], strict=True)
+                for at, (start, end) in enumerate(segments):
                     if start:
                         elements = JsonElements()  # a new event
+                    if at < len(ends):  # an event ends at ``end``
+                        empty = self._empty_after(chunk, start, end, size, empty)
                     if elements.add(chunk, start, end, MAX_ANSWER_ELEMENTS) > MAX_ANSWER_ELEMENTS:
                         raise AnswerTooLarge(
                             f"the agent's answer holds more than {MAX_ANSWER_ELEMENTS} elements",
@@ -297,12 +307,31 @@ class _Body(httpx.AsyncByteStream):
                         )
                 size = len(chunk) - ends[-1] if ends else size + len(chunk)
                 tail = chunk[-1:]
-                yield chunk
+                if not streamed or len(chunk) <= STREAM_PIECE_BYTES:
+                    yield chunk
+                    continue
+                for at in range(0, len(chunk), STREAM_PIECE_BYTES):
+                    yield chunk[at : at + STREAM_PIECE_BYTES]
+                    await asyncio.sleep(0)
         except TimeoutError as exc:
             raise httpx.ReadTimeout(str(exc) or "read timeout", request=self._request) from exc
         except aiohttp.ClientError as exc:
             message = f"{type(exc).__name__}: {exc}"
             raise httpx.ReadError(message, request=self._request) from exc
+
+    def _empty_after(self, chunk: bytes, start: int, end: int, carried: int, empty: int) -> int:
+        """How many events without a data line have ended in a row, with the one that ends at
+        ``end`` (begun at ``start``, or in an earlier chunk when ``start`` is 0 and bytes of
+        it were ``carried``: it may have had one there)."""
+        if (start == 0 and carried) or chunk.find(b"data", start, end) >= 0:
+            return 0
+        if empty + 1 > MAX_EMPTY_EVENTS:
+            raise AnswerTooLarge(
+                f"the agent's stream sent more than {MAX_EMPTY_EVENTS} events without data "
+                "in a row",
+                request=self._request,
+            )
+        return empty + 1
 
     async def aclose(self) -> None:
         self._answer.release()  # back to the pool when read to the end, else closed

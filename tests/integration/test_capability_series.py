@@ -374,10 +374,13 @@ def test_an_agents_success_rate_counts_its_own_failures_not_what_its_callers_did
         + [("cancelled", "cancelled", False)] * 3
         + [("expired", "timeout", True)] * 3
         + [(FAILED, "bad_input", False)] * 2,
-        # 3 succeeded; it crashed once, ran past its own limit once, answered a 503 once
+        # 3 succeeded; it crashed once, ran past its own limit once, answered a 503 once,
+        # never answered once, broke its stream off once, answered no JSON once (the last
+        # three counted for nothing before)
         failing: [(SUCCEEDED, None, False)] * 3
         + [(FAILED, "agent_error", False), ("expired", "timeout", False)]
-        + [(FAILED, "agent_http_503", False)],
+        + [(FAILED, "agent_http_503", False), (FAILED, "agent_timeout", False)]
+        + [(FAILED, "agent_stream_broken", False), (FAILED, "result_invalid", False)],
     }
     with engine.begin() as conn:
         for agent, outcomes in ended.items():
@@ -406,4 +409,4 @@ def test_an_agents_success_rate_counts_its_own_failures_not_what_its_callers_did
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM tasks WHERE tenant = :t"), {"t": tenant})
     assert found[(steered, "1")] == 1.0
-    assert found[(failing, "1")] == 0.5
+    assert found[(failing, "1")] == pytest.approx(3 / 9)

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from a2a.types import AgentCard
 
+from broker import jsonbody
 from broker.errors import AgentFailure
 from broker.remote import a2a_card
 from broker.remote.connections import MAX_ANSWER_BYTES, MAX_ANSWER_ELEMENTS
@@ -185,3 +186,40 @@ def test_a_result_beside_an_error_of_null_is_the_result() -> None:
     with pytest.raises(AgentFailure) as failed:
         called("application/json", b'{"error": null}')
     assert failed.value.code == "agent_protocol"
+
+
+def test_a_stream_of_line_ends_fails_agent_protocol_at_its_bound() -> None:
+    """4 MiB of line ends, each a blank line that ends no event: the call read all of them,
+    the loop held meanwhile (16 s), and ended without a result, ``agent_unreachable``,
+    retried."""
+    with pytest.raises(AgentFailure, match="empty lines or comments in a row") as failed:
+        called("text/event-stream", b"\n" * (4 << 20))
+    assert failed.value.code == "agent_protocol"
+
+
+@pytest.mark.parametrize("data", [b'{"x": NaN}', b'"a\\u0000b"', b'"\\ud800"'])
+def test_an_output_event_that_cannot_be_stored_fails_agent_protocol(data: bytes) -> None:
+    """The runner's check of an output raised out of the call: the task failed
+    ``agent_error``, with a traceback logged, for an agent answering out of protocol."""
+    emitted: list[Any] = []
+
+    async def stored(chunk: Any) -> None:  # as the runner's output sink checks it
+        jsonbody.written(chunk, max_depth=64)
+        emitted.append(chunk)
+
+    async def call() -> Any:
+        ctx = Context(
+            task_id=uuid.uuid4(),
+            capability="text.upper",
+            trace_id="t" * 32,
+            attempt=1,
+            _async_output_sink=stored,
+        )
+        body = b"event: output\ndata: " + data + b'\n\nevent: result\ndata: {"ok": 1}\n\n'
+        async with answering([body], "text/event-stream") as url, aiohttp.ClientSession() as s:
+            endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,))
+            return await http_agent.call(s, endpoint, ctx, {})
+
+    with pytest.raises(AgentFailure, match="output event cannot be stored") as failed:
+        asyncio.run(call())
+    assert (failed.value.code, emitted) == ("agent_protocol", [])

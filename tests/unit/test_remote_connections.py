@@ -13,6 +13,8 @@ import pytest
 
 from broker.remote.connections import (
     MAX_ANSWER_BYTES,
+    MAX_EMPTY_EVENTS,
+    STREAM_PIECE_BYTES,
     AiohttpTransport,
     AnswerTooLarge,
     address_refused,
@@ -145,6 +147,53 @@ def test_an_answer_or_event_larger_than_the_cap_is_refused(kind: str, body: byte
 def test_a_stream_of_events_may_add_up_to_more_than_the_cap() -> None:
     body = b"data: x\r\n\r\n" * (MAX_ANSWER_BYTES // 11 + 1)
     assert read_through_the_transport("text/event-stream", body) == len(body)
+
+
+@pytest.mark.parametrize("empty", [b"\n", b":\n\n", b"event: x\n\n"])
+def test_a_stream_of_events_without_data_is_refused_at_its_bound(empty: bytes) -> None:
+    """4 MiB of line ends held the bridge's loop for 2.5 s in the a2a-sdk's reader, each
+    blank line an event's end and so never too large."""
+    with pytest.raises(AnswerTooLarge, match=f"more than {MAX_EMPTY_EVENTS} events without"):
+        read_through_the_transport("text/event-stream", empty * ((4 << 20) // len(empty)))
+
+
+def test_keep_alives_between_events_are_read_below_the_bound() -> None:
+    quiet = b":\n\n" * (MAX_EMPTY_EVENTS - 1)
+    body = (quiet + b"data: x\n\n") * 3
+    assert read_through_the_transport("text/event-stream", body) == len(body)
+
+
+def test_an_event_stream_reaches_its_reader_in_pieces_with_the_loop_run_between() -> None:
+    """The a2a-sdk's reader parses each piece's lines without a pause: a piece of 600 KiB
+    held every other call on the loop meanwhile."""
+    body = b"data: x\n\n" * 200_000
+
+    async def scenario() -> tuple[list[int], int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        async with (
+            guarded_session(GUARD) as session,
+            agent_answering("text/event-stream", body) as url,
+        ):
+            transport = AiohttpTransport(lambda: session)
+            async with httpx.AsyncClient(transport=transport) as client:
+                headers = {"Accept": "text/event-stream"}
+                async with client.stream("POST", url, content=b"{}", headers=headers) as answer:
+                    ticker = asyncio.create_task(tick())
+                    pieces = [len(piece) async for piece in answer.aiter_raw()]
+                    ticker.cancel()
+        return pieces, ticks
+
+    pieces, ticks = asyncio.run(scenario())
+    assert sum(pieces) == len(body)
+    assert max(pieces) <= STREAM_PIECE_BYTES
+    assert ticks >= len(pieces) // 2
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,14 @@ def test_an_error_without_retryable_fails_for_good() -> None:
     assert failed.value.code == "bad_input"
 
 
+@pytest.mark.parametrize("code", [{"a": [1]}, 7, ["x"], True, ""])
+def test_an_error_code_that_is_no_text_is_agent_error(code: object) -> None:
+    """It was stored as its Python repr: ``{'a': [1]}``."""
+    with pytest.raises(AgentFailure) as failed:
+        _outcome({"error": {"code": code, "message": "no"}}, streamed=False)
+    assert (failed.value.code, failed.value.message) == ("agent_error", "no")
+
+
 def test_an_answer_with_neither_is_a_protocol_error() -> None:
     with pytest.raises(AgentFailure) as failed:
         _outcome({"something": 1}, streamed=False)

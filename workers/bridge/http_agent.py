@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from broker import jsoncodec
-from broker.errors import AgentFailure, Retryable
+from broker.errors import AgentFailure, BadRequest, Retryable
 from broker.remote.connections import (
     MAX_ANSWER_BYTES,
     MAX_ANSWER_ELEMENTS,
@@ -43,6 +44,13 @@ log = logging.getLogger("reach.bridge")
 
 RETRIED_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 ACCEPT = "text/event-stream, application/json"
+# The lines of a stream that carry nothing (blank lines that end no event, comments) it may
+# send in a row: a stream of 4 MiB of line ends held the bridge's loop, every tenant's calls
+# with it, for 16 s (30 s gzipped, from 4 KiB on the wire). A keep-alive comment each 15 s
+# sends 240 an hour.
+MAX_EMPTY_LINES = 1_000
+LINES_PER_TURN = 256  # lines read from what has arrived before the loop runs its other calls
+_LINE_END = re.compile(rb"[\r\n]")
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,10 @@ def _outcome(answer: Any, *, streamed: bool) -> Any:
     ``null`` beside a result, as many JSON APIs write them, is none)."""
     if isinstance(answer, dict) and answer.get("error") is not None:
         error = answer["error"] if isinstance(answer["error"], dict) else {}
-        code = str(error.get("code") or "agent_error")  # cut and made storable: task_error
+        # text, cut and made storable (task_error); a code that is no text is none (it was
+        # stored as its Python repr, ``{'a': [1]}``)
+        code = error.get("code") if isinstance(error.get("code"), str) else None
+        code = code or "agent_error"
         message = str(error.get("message") or "the agent failed")
         if error.get("retryable") is True and not streamed:
             raise Retryable(message, code=code)
@@ -192,7 +203,12 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
                         str(message)[:PROGRESS_MESSAGE_MAX] if message is not None else None,
                     )
             elif event == "output":
-                await ctx.emit_async(data)
+                try:
+                    await ctx.emit_async(data)
+                except (BadRequest, ValueError) as exc:  # NaN, a NUL, a lone surrogate
+                    raise AgentFailure(
+                        f"the agent's output event cannot be stored: {exc}", code="agent_protocol"
+                    ) from None
                 streamed = True
             elif event == "result":
                 return _outcome({"result": data}, streamed=streamed)
@@ -212,7 +228,7 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
     """``(event, data)`` for each event of a text/event-stream body; data parsed as JSON. As
     the format has it: a line ends with CRLF, LF or a lone CR, and a leading BOM is dropped
     (read as a field's name, it hid the stream's first event)."""
-    event, size = "message", 0
+    event, size, empty = "message", 0, 0
     data: list[str] = []
     lines = _Lines(response)
     while True:
@@ -223,6 +239,14 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
         text = line.decode("utf-8", "replace")
         if lines.count == 1:
             text = text.removeprefix("\ufeff")
+        if not text or text.startswith(":"):
+            empty = 0 if data and not text else empty + 1
+            if empty > MAX_EMPTY_LINES:
+                raise AgentFailure(
+                    f"the agent's stream sent more than {MAX_EMPTY_LINES} empty lines or "
+                    "comments in a row",
+                    code="agent_protocol",
+                )
         if not text:
             if data:
                 try:
@@ -252,10 +276,17 @@ class _Lines:
         self.buffer = bytearray()
         self.ended = False
         self.count = 0
+        self._since_turn = 0  # lines served from the buffer since the loop last ran others
 
     async def next(self, left: int) -> bytes | None:
         """The next line, of at most ``left`` bytes (what is left of its event's budget),
-        else the task fails; None at the stream's end."""
+        else the task fails; None at the stream's end. Every ``LINES_PER_TURN`` lines taken
+        from what had arrived, the loop runs its other calls first: a chunk of 600 KiB holds
+        that many lines, and reading them held every other tenant's calls meanwhile."""
+        self._since_turn += 1
+        if self._since_turn >= LINES_PER_TURN:
+            self._since_turn = 0
+            await asyncio.sleep(0)
         searched = 0
         while True:
             end = _line_end(self.buffer, searched)
@@ -272,6 +303,7 @@ class _Lines:
                 self.buffer.clear()
                 return self._counted(line, left)
             searched = len(self.buffer) if end < 0 else end
+            self._since_turn = 0  # the read below lets the loop run its other calls
             chunk = await self.content.readany()
             self.ended = not chunk
             self.buffer += chunk
@@ -284,9 +316,11 @@ class _Lines:
 
 
 def _line_end(buffer: bytearray, start: int) -> int:
-    """Where the first CR or LF from ``start`` is, or -1."""
-    lf, cr = buffer.find(b"\n", start), buffer.find(b"\r", start)
-    return lf if cr < 0 else cr if lf < 0 else min(lf, cr)
+    """Where the first CR or LF from ``start`` is, or -1. One search that stops at the first:
+    a search for each of them went on to the buffer's end for the one not there (CR, in a
+    stream of LF-ended lines), for every line of it."""
+    found = _LINE_END.search(buffer, start)
+    return found.start() if found else -1
 
 
 def _event_too_large() -> AgentFailure:
