@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
+import billiard.common
 import redis
 import redis.asyncio as aioredis
 import sqlalchemy.exc
@@ -107,8 +108,9 @@ class Runner:
         self._claims_db: ThreadConnection | None = None
         self._finishes_db: ThreadConnection | None = None
         self._pid = 0
-        # A prefork pool's child (``worker_process_init``): no signal of Celery's raises in
-        # it (it ignores SIGINT; a SIGTERM ends it), so an exit raised there is its handler's
+        # A prefork pool's child (``worker_process_init``): it ignores SIGINT, and billiard
+        # says when its SIGTERM handler raised, so an exit raised there otherwise is its
+        # handler's own
         self.in_pool_child = False
         self._crash_after_finish = faults.crash_after_finish()
         self._crash_after_group = faults.crash_after_group()
@@ -824,8 +826,19 @@ class Runner:
 
     def _signals_reach(self, thread: threading.Thread) -> bool:
         """Whether a ``SystemExit`` or ``KeyboardInterrupt`` raised in ``thread`` may be a
-        signal's, not the handler's: in the worker's own main thread (the solo pool)."""
-        return thread is threading.main_thread() and not self.in_pool_child
+        signal's, not the handler's: in the worker's own main thread (the solo pool), or in
+        a prefork child once billiard's SIGTERM handler ran there (a cancel's terminate, a
+        cold stop: it raises ``SystemExit`` for the child to end)."""
+        if thread is not threading.main_thread():
+            return False
+        return not self.in_pool_child or _terminating()
+
+
+def _terminating() -> bool:
+    """Whether billiard's terminate handler ran in this pool child; True where billiard
+    cannot tell (an exit is then Celery's, as before)."""
+    fired = getattr(billiard.common, "terminate_handler_fired", None)
+    return True if fired is None else bool(fired())
 
 
 class Running:

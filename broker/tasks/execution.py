@@ -39,6 +39,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
     column,
     exists,
     func,
@@ -51,6 +52,7 @@ from sqlalchemy import (
     union_all,
     update,
 )
+from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from broker import sessions
@@ -66,6 +68,7 @@ from broker.tasks.resource import (
     FAIL,
     FINAL,
     LOSE,
+    MESSAGE_MAX,
     OVERRUN,
     QUEUED,
     RETRY,
@@ -461,15 +464,48 @@ def _finish_statements(finishes: list[Finish]) -> list[tuple[Any, dict[str, Any]
 
 
 def expire_overdue(engine: Engine, task_id: uuid.UUID) -> TaskRow | None:
-    """A queued task whose deadline passed before it started ends expired, never run."""
-    error = task_error("deadline_exceeded", "not started before its deadline")
-    query = _ended_unstarted(error, tasks.c.id == task_id, tasks.c.deadline_at <= func.now())
+    """A queued task whose deadline passed before it started ends expired, never run; one
+    that ran before (a retry waiting for a worker, a lost run put back) says so, and what
+    its last attempt came to: it read "not started", and its last error was gone."""
+    query = _ended_unstarted(_OVERDUE, tasks.c.id == task_id, tasks.c.deadline_at <= func.now())
     with engine.begin() as conn:
         row = conn.execute(query).first()
     return as_task_row(row) if row is not None else None
 
 
-def _ended_unstarted(error: dict[str, Any], *where: Any) -> Any:
+_LAST = func.concat(
+    "; attempt ",
+    tasks.c.attempts,
+    ": ",
+    tasks.c.error["code"].astext,
+    ": ",
+    tasks.c.error["message"].astext,
+)
+_OVERDUE = case(
+    (
+        tasks.c.attempts > 0,
+        func.jsonb_build_object(
+            "code",
+            "deadline_exceeded",
+            "message",
+            func.left(
+                func.concat(
+                    "its attempt ",
+                    tasks.c.attempts + 1,
+                    " did not start before its deadline",
+                    case((tasks.c.error["code"].astext.is_not(None), _LAST), else_=""),
+                ),
+                MESSAGE_MAX,
+            ),
+            "retryable",
+            False,
+        ),
+    ),
+    else_=sa_cast(task_error("deadline_exceeded", "not started before its deadline"), JSONB),
+)
+
+
+def _ended_unstarted(error: Any, *where: Any) -> Any:
     """The queued tasks ``where`` picks, expired with ``error``, never run: their rows, with
     the fanouts they owe recorded (``outbox``)."""
     query = (

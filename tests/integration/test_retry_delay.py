@@ -98,3 +98,35 @@ def test_a_message_its_claim_refused_for_its_retry_is_sent_again_for_when_it_is_
         assert found is not None
         low, high = due_in_s
         assert low <= found["due_in_s"] <= high and (low < found["due_in_s"] or low == high)
+
+
+@pytest.mark.parametrize(
+    ("attempts", "error", "message"),
+    [
+        (0, None, "not started before its deadline"),
+        (
+            1,
+            {"code": "upstream_busy", "message": "try later", "retryable": True},
+            "its attempt 2 did not start before its deadline; attempt 1: upstream_busy: try later",
+        ),
+        (2, None, "its attempt 3 did not start before its deadline"),
+    ],
+)
+def test_a_task_whose_next_attempt_missed_its_deadline_says_so_and_keeps_its_last_error(
+    engine: Engine, attempts: int, error: dict[str, Any] | None, message: str
+) -> None:
+    """A retry that waited for a free worker past the deadline read "not started before its
+    deadline", though it had run, and its last attempt's error was gone."""
+    task_id = a_task_row(engine, tenant=f"t-{uuid.uuid4().hex[:8]}")
+    with engine.begin() as conn:
+        conn.execute(
+            update(tasks_table)
+            .where(tasks_table.c.id == task_id)
+            .values(attempts=attempts, error=error, deadline_at=func.now() - timedelta(seconds=1))
+        )
+    ended = execution.expire_overdue(engine, task_id)
+    assert ended is not None
+    assert (ended["status"], ended["error"]) == (
+        "expired",
+        {"code": "deadline_exceeded", "message": message, "retryable": False},
+    )
