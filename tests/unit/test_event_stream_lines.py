@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from broker.errors import AgentFailure
+from tests.unit.loop_turns import counted
 from workers.bridge.http_agent import LINES_PER_TURN, MAX_EMPTY_LINES, _events
 
 
@@ -60,18 +61,9 @@ def test_the_loop_runs_its_other_calls_while_a_long_chunks_lines_are_read() -> N
     body = b"event: output\ndata: 1\n\n" * 100_000
 
     async def read_beside_a_ticker() -> tuple[int, int]:
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        read = await events_of(body)
-        ticker.cancel()
-        return len(read), ticks
+        async with counted() as turns:
+            read = await events_of(body)
+        return len(read), turns.count
 
     read, ticks = asyncio.run(read_beside_a_ticker())
     assert read == 100_000

@@ -22,6 +22,7 @@ from broker.remote.connections import (
     no_cookies,
 )
 from broker.webhooks.ssrf import Guard
+from tests.unit.loop_turns import counted
 
 GUARD = Guard(allow=["127.0.0.0/8"])
 
@@ -169,14 +170,6 @@ def test_an_event_stream_reaches_its_reader_in_pieces_with_the_loop_run_between(
     body = b"data: x\n\n" * 200_000
 
     async def scenario() -> tuple[list[int], int]:
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0)
-                ticks += 1
-
         async with (
             guarded_session(GUARD) as session,
             agent_answering("text/event-stream", body) as url,
@@ -184,11 +177,12 @@ def test_an_event_stream_reaches_its_reader_in_pieces_with_the_loop_run_between(
             transport = AiohttpTransport(lambda: session)
             async with httpx.AsyncClient(transport=transport) as client:
                 headers = {"Accept": "text/event-stream"}
-                async with client.stream("POST", url, content=b"{}", headers=headers) as answer:
-                    ticker = asyncio.create_task(tick())
+                async with (
+                    client.stream("POST", url, content=b"{}", headers=headers) as answer,
+                    counted() as turns,
+                ):
                     pieces = [len(piece) async for piece in answer.aiter_raw()]
-                    ticker.cancel()
-        return pieces, ticks
+        return pieces, turns.count
 
     pieces, ticks = asyncio.run(scenario())
     assert sum(pieces) == len(body)
