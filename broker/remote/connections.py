@@ -6,6 +6,7 @@ address_refused   whether a URL's host is an IP address agents may not reach
 GuardedConnector  aiohttp's connector checking both on each new connection
 guarded_session   an aiohttp session on it, with no limit on connections
 read_body         a whole answer, up to a size
+undecodable       whether aiohttp's failure to read a body is its encoding's (the agent's fault)
 no_cookies        a cookie jar for httpx clients that calls agents: it keeps nothing
 AiohttpTransport  an httpx transport over such a session, for clients that only speak httpx
                   (the a2a-sdk's): hundreds of calls in flight are aiohttp's strength, not
@@ -28,6 +29,7 @@ from typing import Any
 import aiohttp
 import httpx
 from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.resolver import ThreadedResolver
 from aiohttp.tracing import Trace
 
@@ -142,6 +144,21 @@ async def read_body(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
     return bytes(data)
 
 
+def undecodable(exc: BaseException) -> bool:
+    """Whether a body could not be read because its ``Content-Encoding`` could not be
+    undone (gzip, deflate, br or zstd that is not): the agent's answer is broken, as JSON that
+    is not would be, and a retry gets the same. aiohttp raises ``ClientPayloadError`` for it
+    and for a connection that broke off alike, and ``ClientResponseError`` for an encoding
+    it cannot undo at all (``br`` without Brotli installed, which it never asks for) and for
+    any other broken head; the chain of causes tells them apart."""
+    cause = exc.__cause__
+    for _ in range(4):  # aiohttp's chains are two deep
+        if cause is None or isinstance(cause, ContentEncodingError):
+            break
+        cause = cause.__cause__
+    return isinstance(cause, ContentEncodingError)
+
+
 def no_cookies() -> CookieJar:
     """For an httpx client that calls agents (``httpx.AsyncClient(cookies=no_cookies())``):
     httpx keeps every cookie an answer sets and sends it with the next request to that host,
@@ -182,7 +199,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         except aiohttp.ClientConnectorError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
         except aiohttp.ClientError as exc:
-            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=request) from exc
+            message = f"{type(exc).__name__}: {exc}"
+            if undecodable(exc):
+                raise httpx.DecodingError(message, request=request) from exc
+            raise httpx.ReadError(message, request=request) from exc
         returned = [
             (k, v)
             for k, v in answer.raw_headers
@@ -317,6 +337,8 @@ class _Body(httpx.AsyncByteStream):
             raise httpx.ReadTimeout(str(exc) or "read timeout", request=self._request) from exc
         except aiohttp.ClientError as exc:
             message = f"{type(exc).__name__}: {exc}"
+            if undecodable(exc):
+                raise httpx.DecodingError(message, request=self._request) from exc
             raise httpx.ReadError(message, request=self._request) from exc
 
     def _empty_after(self, chunk: bytes, start: int, end: int, carried: int, empty: int) -> int:

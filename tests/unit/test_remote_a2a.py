@@ -344,9 +344,14 @@ def test_connection_failures_and_timeouts_are_retried_only_before_any_output() -
     assert isinstance(failure_of(A2AClientTimeoutError("slow"), streamed=False), Retryable)
 
 
-def test_an_answer_too_large_fails_at_once_as_the_http_protocols_does() -> None:
+@pytest.mark.parametrize("broken", [AnswerTooLarge, httpx.DecodingError])
+def test_an_answer_too_large_or_undecodable_fails_at_once_as_the_http_protocols_does(
+    broken: type[httpx.DecodingError],
+) -> None:
+    """An undecodable answer (a gzip that is not) is what ``AiohttpTransport`` raises
+    ``DecodingError`` for."""
     request = httpx.Request("POST", "http://agent/")
-    error = _client_error(AnswerTooLarge("the agent's answer is too large", request=request))
+    error = _client_error(broken("the agent's answer is broken", request=request))
     failure = failure_of(error, streamed=False)
     assert type(failure) is AgentFailure
     assert failure.code == "agent_protocol"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -97,14 +98,17 @@ def test_an_httpx_client_with_no_cookies_sends_none_an_agent_set() -> None:
 
 
 @contextlib.asynccontextmanager
-async def agent_answering(kind: str, body: bytes) -> AsyncIterator[str]:
-    """An agent that answers every request with ``body`` of type ``kind``; its URL."""
+async def agent_answering(kind: str, body: bytes, lines: str = "") -> AsyncIterator[str]:
+    """An agent that answers every request with ``body`` of type ``kind`` (and the header
+    lines ``lines``, each ending with CRLF); its URL."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
                 await reader.readuntil(b"\r\n\r\n")
-                head = f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nConnection: close\r\n\r\n"
+                head = (
+                    f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n{lines}Connection: close\r\n\r\n"
+                )
                 writer.write(head.encode() + body)
                 await writer.drain()
         finally:  # cancelled too (a refused answer's reader gone): else a ResourceWarning
@@ -116,12 +120,17 @@ async def agent_answering(kind: str, body: bytes) -> AsyncIterator[str]:
         server.close()
 
 
-def read_through_the_transport(kind: str, body: bytes, accept: str = "text/event-stream") -> int:
+def read_through_the_transport(
+    kind: str, body: bytes, accept: str = "text/event-stream", head: str = ""
+) -> int:
     """How many bytes of the agent's answer an httpx client over ``AiohttpTransport`` read,
     asking for ``accept`` (as the a2a-sdk's streaming calls ask)."""
 
     async def scenario() -> int:
-        async with guarded_session(GUARD) as session, agent_answering(kind, body) as url:
+        async with (
+            guarded_session(GUARD) as session,
+            agent_answering(kind, body, head) as url,
+        ):
             transport = AiohttpTransport(lambda: session)
             async with httpx.AsyncClient(transport=transport) as client:
                 answer = await client.post(url, content=b"{}", headers={"Accept": accept})
@@ -143,6 +152,30 @@ def test_an_answer_or_event_larger_than_the_cap_is_refused(kind: str, body: byte
     stops at ``MAX_ANSWER_BYTES``, as the ``http`` protocol's does."""
     with pytest.raises(AnswerTooLarge):
         read_through_the_transport(kind, body)
+
+
+@pytest.mark.parametrize("accept", ["text/event-stream", "application/json"])
+def test_an_answer_whose_encoding_cannot_be_undone_is_a_decoding_error(accept: str) -> None:
+    """The agent's answer is broken, as one that is not JSON is (the A2A door makes that
+    ``agent_protocol``, never retried); it was a ``ReadError``, as a connection that broke
+    off is, and retried as ``agent_unreachable``."""
+    kind = "text/event-stream" if accept == "text/event-stream" else "application/json"
+    gzipped = "Content-Encoding: gzip\r\n"
+    with pytest.raises(httpx.DecodingError):
+        read_through_the_transport(kind, b"\x1f\x8bnot gzip at all", accept, gzipped)
+    with pytest.raises(httpx.DecodingError):  # refused in the head: no Brotli here
+        read_through_the_transport(kind, b"not br", accept, "Content-Encoding: br\r\n")
+    good = gzip.compress(b"data: x\n\n")
+    assert read_through_the_transport(kind, good, accept, gzipped) == len(b"data: x\n\n")
+
+
+@pytest.mark.parametrize("head", ["", "Content-Encoding: gzip\r\n"], ids=["plain", "gzip"])
+def test_an_answer_that_breaks_off_is_a_read_error(head: str) -> None:
+    body = gzip.compress(b'{"result": 1}') if head else b'{"result": 1}'
+    with pytest.raises(httpx.ReadError):
+        read_through_the_transport(
+            "application/json", body[:-3], "application/json", f"Content-Length: 100\r\n{head}"
+        )
 
 
 def test_a_stream_of_events_may_add_up_to_more_than_the_cap() -> None:

@@ -184,3 +184,50 @@ def test_a_503_whose_body_breaks_off_or_never_comes_is_retried_within_the_first_
     with pytest.raises(Retryable) as refused:
         asyncio.run(_answered_by(head, not stalls, called))
     assert refused.value.code == "agent_http_503"
+
+
+@pytest.mark.parametrize("kind", ["application/json", "text/event-stream"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+def test_an_answer_whose_encoding_cannot_be_undone_fails_as_the_agents_fault(
+    kind: str, encoding: str
+) -> None:
+    """Broken as JSON that is not JSON is: ``agent_protocol``, not retried. It was aiohttp's
+    ``ClientPayloadError``, which a connection that breaks off raises too, and so was retried
+    as ``agent_unreachable`` until the task's attempts ran out."""
+    body = b"\x1f\x8b\x08\x00 this is not what it says it is"
+    head = (
+        f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Encoding: {encoding}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+    async def called(url: str) -> Any:
+        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
+        endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,), first_byte_timeout_s=5)
+        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
+            return await http_agent.call(session, endpoint, ctx, {})
+
+    with pytest.raises(AgentFailure) as failed:
+        asyncio.run(_answered_by(head, True, called))
+    assert not isinstance(failed.value, Retryable)
+    assert (failed.value.code, failed.value.message) == (
+        "agent_protocol",
+        "the agent's answer could not be decoded",
+    )
+
+
+@pytest.mark.parametrize("kind", ["application/json", "text/event-stream"])
+def test_an_answer_that_breaks_off_is_retried(kind: str) -> None:
+    head = (
+        f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: 100\r\n\r\n".encode()
+        + b'{"resu'
+    )
+
+    async def called(url: str) -> Any:
+        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
+        endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,), first_byte_timeout_s=5)
+        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
+            return await http_agent.call(session, endpoint, ctx, {})
+
+    with pytest.raises(Retryable) as failed:
+        asyncio.run(_answered_by(head, True, called))
+    assert failed.value.code == "agent_unreachable"

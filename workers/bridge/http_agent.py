@@ -35,6 +35,7 @@ from broker.remote.connections import (
     MAX_ANSWER_ELEMENTS,
     JsonElements,
     read_body,
+    undecodable,
 )
 from broker.timestamps import agent_retry_after
 from broker.webhooks import signing
@@ -51,6 +52,8 @@ ACCEPT = "text/event-stream, application/json"
 MAX_EMPTY_LINES = 1_000
 LINES_PER_TURN = 256  # lines read from what has arrived before the loop runs its other calls
 _LINE_END = re.compile(rb"[\r\n]")
+# A body whose Content-Encoding cannot be undone: the agent's answer, broken; not retried
+_UNDECODABLE = "the agent's answer could not be decoded"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ async def call(
         ) from None
     except aiohttp.ClientError as exc:
         _log(ctx, exc)
+        if undecodable(exc):  # an encoding aiohttp cannot undo at all fails in the head
+            raise AgentFailure(_UNDECODABLE, code="agent_protocol") from None
         raise Retryable("the agent could not be reached", code="agent_unreachable") from None
     async with response:
         if response.status != 200:
@@ -119,6 +124,8 @@ async def call(
             answer = _parsed(await _read_all(response))
         except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             _log(ctx, exc)
+            if undecodable(exc):
+                raise AgentFailure(_UNDECODABLE, code="agent_protocol") from None
             raise Retryable("the agent's answer broke off", code="agent_unreachable") from None
         except ValueError as exc:
             _log(ctx, exc)
@@ -216,6 +223,8 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
                 return _outcome({"error": data}, streamed=streamed)
     except (aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
         _log(ctx, exc)
+        if undecodable(exc):
+            raise AgentFailure(_UNDECODABLE, code="agent_protocol") from None
         if streamed:
             raise AgentFailure("the stream broke off", code="agent_stream_broken") from None
         raise Retryable("the stream broke off", code="agent_unreachable") from None
