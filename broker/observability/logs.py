@@ -3,6 +3,12 @@ before its arguments are filled in), the level, the logger, and whatever the con
 (trace id, task id, capability, tenant, agent instance). Human-readable lines in a terminal.
 
 Payloads and secrets are never logged: log their digest and size if anything.
+
+A record is one line whatever it quotes: a tenant's text (a request's path, an agent's error)
+may hold a line end or a terminal's escape, which made a line of its own that read as the
+broker's, or cleared the operator's screen. Text lines show control characters escaped
+(``\\n``, ``\\u001b``); JSON lines escape those JSON leaves raw (U+007F-U+009F, U+2028 and
+U+2029, which ``str.splitlines`` and terminals read as line ends and escapes).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import contextvars
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +27,10 @@ from typing import Any
 _context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "reach_log_context", default=None
 )
+# What no line may carry raw: C0 but the tab, DEL, C1, and the Unicode line and paragraph ends
+_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+# Of those, what ``json.dumps(ensure_ascii=False)`` writes raw (it escapes C0 itself)
+_RAW_IN_JSON = re.compile("[\x7f-\x9f\u2028\u2029]")
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -84,7 +95,7 @@ class JsonFormatter(logging.Formatter):
         )
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str, ensure_ascii=False)
+        return _RAW_IN_JSON.sub(_escaped, json.dumps(line, default=str, ensure_ascii=False))
 
 
 class TextFormatter(logging.Formatter):
@@ -92,9 +103,16 @@ class TextFormatter(logging.Formatter):
         context = " ".join(f"{k}={v}" for k, v in _context_of(record).items())
         base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.name}: "
         text = base + record.getMessage() + (f"  [{context}]" if context else "")
-        if record.exc_info:
+        text = _CONTROLS.sub(_escaped, text)
+        if record.exc_info:  # a traceback is lines of its own, and Python's
             text += "\n" + self.formatException(record.exc_info)
         return text
+
+
+def _escaped(found: re.Match[str]) -> str:
+    """A control character as JSON (and Python) write it escaped."""
+    char = found.group()
+    return "\\n" if char == "\n" else "\\r" if char == "\r" else f"\\u{ord(char):04x}"
 
 
 def configure(level: str = "INFO", fmt: str | None = None) -> None:

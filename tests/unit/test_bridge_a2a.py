@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from broker.errors import AgentFailure, Retryable
+from broker.observability.logs import bound, capture_context
 from broker.remote.connections import MAX_ANSWER_ELEMENTS, AnswerTooLarge, JsonElements
 from tests.unit.test_bridge_calls import GUARD, card_with, remote
 from tests.unit.test_remote_connections import read_through_the_transport
@@ -307,3 +308,28 @@ def test_elements_are_counted_alike_however_the_text_is_cut() -> None:
             for start, end in zip([0, *cuts], [*cuts, len(whole)], strict=True):
                 counted.add(whole, start, end)
             assert counted.count == expected, cuts
+
+
+def test_the_cards_read_shared_by_every_caller_logs_in_no_callers_context(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The read that every waiting call shares ran in the first caller's context: its log
+    lines (and spans) carried that tenant's trace id, task and tenant for all of them."""
+    capture_context()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        card_url = f"http://127.0.0.1:{listener.getsockname()[1]}/card"  # closed after
+
+    async def scenario(registry: RemoteRegistry) -> list[Any]:
+        (spec,) = registry.serve(remote("a2a", card_url))
+
+        async def call_of(tenant: str) -> Any:
+            with bound(tenant=tenant, trace_id=tenant * 16):
+                return await spec.handler(ctx(), {"text": "hi"})
+
+        return await asyncio.gather(call_of("aa"), call_of("bb"), return_exceptions=True)
+
+    with caplog.at_level("WARNING", logger="reach.bridge"):
+        failures = in_a_bridge(scenario)
+    assert {f.code for f in failures} == {"agent_unreachable"}
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("A2A agent card")]
+    assert getattr(record, "reach_context", None) == {}

@@ -36,6 +36,7 @@ name addresses and settings, and are logged instead.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -137,8 +138,12 @@ class Agent:
         if self._client is not None:
             return self._client
         if self._reading is None:
-            self._reading = asyncio.ensure_future(self._connect(transport))
-            self._reading.add_done_callback(self._read)
+            # in a context of its own: the read serves every tenant's calls that wait for it,
+            # and its log lines and spans carried the first caller's trace id, task and tenant
+            nobodys = contextvars.Context()
+            loop = asyncio.get_running_loop()
+            self._reading = loop.create_task(self._connect(transport), context=nobodys)
+            self._reading.add_done_callback(self._read, context=nobodys)
         return await asyncio.shield(self._reading)
 
     async def _connect(self, transport: AiohttpTransport) -> tuple[A2AClient, bool]:

@@ -15,6 +15,7 @@ import ssl
 import threading
 import time
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 import httpcore
 import httpx
@@ -55,8 +56,14 @@ def send(
     try:
         return _send(guard, url, body, headers, timeout_s, max_bytes, verify)
     except Exception:
-        log.exception("webhook attempt to %s failed in the sender", url)
+        log.exception("webhook attempt to %s failed in the sender", _logged(url))
         return Outcome(error=SENDER_ERROR, transient=False)
+
+
+def _logged(url: str) -> str:
+    """A receiver's URL as a log line may show it: without its query and fragment, where
+    receivers put their tokens (``?token=...``); the guard refuses userinfo already."""
+    return urlsplit(url)._replace(query="", fragment="").geturl()
 
 
 def _send(
