@@ -177,6 +177,27 @@ def declared_capabilities(source: str) -> set[str]:
     return names
 
 
+def declared_timeouts(source: str) -> dict[str, float]:
+    """``timeout_s`` of each ``<anything>.capability("<name>", ..., timeout_s=N)`` call that
+    gives one as a number."""
+    found: dict[str, float] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and declared_capabilities(ast.unparse(node)):
+            (name,) = declared_capabilities(ast.unparse(node))
+            for keyword in node.keywords:
+                value = keyword.value
+                if keyword.arg == "timeout_s" and isinstance(value, ast.Constant):
+                    found[name] = float(value.value)
+    return found
+
+
+def example_timeouts() -> dict[str, float]:
+    found: dict[str, float] = {}
+    for path in sorted((ROOT / "workers" / "examples").glob("*.py")):
+        found |= declared_timeouts(path.read_text(encoding="utf-8"))
+    return found
+
+
 def example_capabilities() -> set[str]:
     names: set[str] = set()
     for path in sorted((ROOT / "workers" / "examples").glob("*.py")):
@@ -223,6 +244,33 @@ def all_commands() -> dict[str, list[str]]:
     return commands
 
 
+IMAGE = "agent-reach:local"  # the project's image, as its one build tags it
+
+
 def reach_services() -> dict[str, dict[str, Any]]:
     """The services that run the project's image (everything but postgres and redis)."""
-    return {name: svc for name, svc in services().items() if "build" in svc}
+    return {name: svc for name, svc in services().items() if svc.get("image") == IMAGE}
+
+
+def dockerignore() -> list[str]:
+    """The patterns of ``.dockerignore`` (none when there is none), comments dropped."""
+    path = ROOT / ".dockerignore"
+    if not path.is_file():
+        return []
+    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """Whether docker leaves ``path`` (relative to the build context) out of it: the last
+    pattern that matches it or one of its parent folders decides (``!`` keeps)."""
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    decided = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        text = pattern.lstrip("!").strip("/")
+        regex = re.escape(text).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*")
+        if any(re.fullmatch(regex.replace(r"\?", "[^/]"), p) for p in prefixes):
+            decided = not keep
+    return decided

@@ -12,6 +12,7 @@ are read by ``compose_file``, next to this.
 
 from __future__ import annotations
 
+import inspect
 import re
 import shlex
 import tomllib
@@ -20,10 +21,12 @@ from urllib.parse import urlsplit
 import pytest
 from reach_client.cli import parser as cli_parser
 
+from broker.db.engines import async_engine, sync_engine
 from broker.settings import Settings
 from reach import cli as reach_cli
 from tests import compose_file as compose
 from tests.compose_file import COMPOSE_FILE, ROOT
+from workers.runner import THREADED_DB_POOL
 
 # The example capabilities, one worker service each (the contract).
 CAPABILITIES = {"echo", "invoice.extract", "text.summarize", "chat.reply", "llm.complete"}
@@ -102,9 +105,27 @@ def test_interpolation_default_reads_only_a_whole_variable_with_a_default() -> N
 # ---------------------------------------------------------------------------------------------
 
 
+def test_one_service_builds_the_image_and_the_others_never_pull_it() -> None:
+    """Each service that said ``build:`` built the same tag again: compose runs the builds at
+    once (buildx bake), and a first ``up`` failed with 'image "agent-reach:local": already
+    exists'. Without ``build:``, a service whose image is missing is pulled from a registry
+    unless it says ``pull_policy: never``: there is no agent-reach there."""
+    # given the services that run the project image
+    services = compose.reach_services()
+    assert {"migrate", "api", "worker-echo", "bridge", "fakemodel"} <= set(services)
+    # expect one build, by migrate, which every other service waits for or comes after
+    assert [name for name, svc in services.items() if "build" in svc] == ["migrate"]
+    assert not [
+        name for name, svc in compose.services().items() if "build" in svc and name not in services
+    ]
+    for name, service in services.items():
+        if name != "migrate":
+            assert service.get("pull_policy") == "never", name
+
+
 def test_every_build_points_at_a_dockerfile_that_exists() -> None:
     # given the services that build the project image
-    built = compose.reach_services()
+    built = {n: svc for n, svc in compose.reach_services().items() if "build" in svc}
     assert built, "no service has build:, so nothing builds the project image"
     for name, service in built.items():
         # when the build context and Dockerfile path are resolved against the compose file
@@ -132,6 +153,24 @@ def test_dockerfile_copies_only_paths_that_exist() -> None:
         for source in sources:
             # expect it to exist, or `docker build` fails on the COPY
             assert (ROOT / source).exists(), f"COPY {source}: not in the build context"
+
+
+def test_the_build_context_keeps_what_the_dockerfile_copies_and_leaves_the_rest_out() -> None:
+    # given .dockerignore and the Dockerfile's COPY sources
+    patterns = compose.dockerignore()
+    sources = [
+        source
+        for keyword, args in compose.dockerfile_instructions()
+        if keyword in {"COPY", "ADD"} and "--from=" not in args
+        for source in [a for a in shlex.split(args) if not a.startswith("--")][:-1]
+    ]
+    # expect every source sent to the build (else the COPY finds nothing), and the local
+    # environment, caches and history not (the build context is sent whole, .venv and all)
+    assert sources
+    for source in sources:
+        assert not compose.ignored(source, patterns), f"COPY {source}: left out by .dockerignore"
+    for local in (".venv/bin/python", ".git/HEAD", ".reach/logs/api.log", "api/__pycache__/a.pyc"):
+        assert compose.ignored(local, patterns), f"{local} goes into the build context"
 
 
 def test_dockerfile_is_slim_non_root_installs_without_dev_extras_and_exposes_the_api() -> None:
@@ -454,6 +493,10 @@ def test_postgres_and_redis_have_healthchecks() -> None:
     # expect pg_isready and redis-cli ping health checks, on the images the contract names
     assert postgres.get("image") == "postgres:16"
     assert "pg_isready" in compose.healthcheck_text(postgres)
+    # over TCP: on a fresh volume the image's first server listens on its socket alone, and
+    # a socket check found it ready before migrate could connect
+    check = postgres["healthcheck"]["test"]
+    assert compose.option([str(part) for part in check], "-h", "--host") == "127.0.0.1", check
     assert redis.get("image") == "redis:7"
     assert re.search(r"redis-cli\s+ping", compose.healthcheck_text(redis))
 
@@ -500,6 +543,59 @@ def test_workers_shut_down_warm() -> None:
         assert service.get("stop_signal") == "SIGTERM", name
         grace = service.get("stop_grace_period")
         assert grace is not None and compose.duration_s(grace) >= 60, f"{name}: {grace}"
+
+
+def test_a_capabilitys_worker_waits_for_its_longest_task_before_the_sigkill() -> None:
+    """A task still running at the SIGKILL is delivered again, or ends ``worker_lost`` when
+    its agent is not idempotent: llm.complete (120 s) was given 60."""
+    timeouts = compose.example_timeouts()
+    services = compose.services()
+    assert set(timeouts) == CAPABILITIES, timeouts  # every example names its time limit
+    for name, argv in _capability_workers().items():
+        (queue,) = compose.queues(argv)
+        grace = compose.duration_s(services[name]["stop_grace_period"])
+        assert grace > timeouts[queue], f"{name}: {grace} s for tasks of up to {timeouts[queue]}"
+
+
+def test_every_process_stops_on_its_stop_signal() -> None:
+    """The stand-in model is PID 1 of its container and handles no SIGTERM (the kernel drops
+    it there): ``docker compose down`` waited 10 s and killed it."""
+    fakemodel = compose.services()["fakemodel"]
+    assert compose.command_argv(fakemodel)[:3] == ["python", "-m", "reach.fakemodel"]
+    source = (ROOT / "reach" / "fakemodel.py").read_text(encoding="utf-8")
+    assert "KeyboardInterrupt" in source and "SIGTERM" not in source
+    assert fakemodel.get("stop_signal") == "SIGINT"
+
+
+def test_postgres_admits_every_connection_the_services_may_open_at_once() -> None:
+    """Each process's most, from the code: an API process's engine (pool and overflow) and
+    two connections of its own (submissions, usage); a prefork worker process's engine and
+    two of its own (claims, finishes); a threads worker process's pool, two of its own and
+    two of its event loop's; each worker node's lease keeper, an engine of its own."""
+    assert inspect.signature(async_engine).parameters["pool_size"].default == 20
+    sync = inspect.signature(sync_engine).parameters
+    per_api = 20 + 10 + 2
+    per_prefork = sync["pool_size"].default + sync["max_overflow"].default + 2
+    per_threads = THREADED_DB_POOL + 2 + 2
+    per_node = sync["pool_size"].default + sync["max_overflow"].default
+    services = compose.services()
+    api_argv = compose.command_argv(services["api"])
+    variable, default = compose.interpolation_default(
+        compose.option(api_argv, "--workers") or ""
+    ) or ("", "1")
+    assert variable == "API_WORKERS"
+    most = 0
+    for api_workers in (int(default), 4):  # the default, and what the file's head suggests
+        total = per_api * api_workers
+        for argv in compose.celery_services("worker").values():
+            threads = compose.option(argv, "-P", "--pool") == "threads"
+            processes = int(compose.option(argv, "--concurrency", "-c") or 2)
+            total += per_node + (per_threads if threads else per_prefork * processes)
+        most = max(most, total)
+    argv = compose.command_argv(services["postgres"])
+    settings = dict(arg.split("=", 1) for arg in argv[1:] if "=" in arg)
+    reserved = 3  # superuser_reserved_connections
+    assert most + reserved <= int(settings["max_connections"]), most
 
 
 def test_the_api_has_time_to_close_its_connections_before_the_sigkill() -> None:
