@@ -11,6 +11,7 @@ previous run printed. Ctrl-C stops everything it started.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlsplit
 
 import httpx
@@ -259,6 +261,29 @@ def _live_capabilities(api: str, token: str) -> set[str]:
         return set()
 
 
+def _hold(data_dir: Path) -> IO[str]:
+    """The folder's lock (``dev.lock``), held until this process ends, however it ends: a
+    second run from the same folder on other ports started beside the first, and took it
+    over, revoking the key the first had printed and writing its logs over the first's.
+    The lock names its holder's pid."""
+    lock = (data_dir / "dev.lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise StackError(
+            f"another reach dev runs from {data_dir.parent} (pid {holder}): stop it first, "
+            "or run this one from another folder"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
 def _create_dev_key(engine: Engine) -> tuple[str, str]:
     return key_store.create_key(
         engine, DEV_TENANT, ["*"], is_admin=True, tenant_admin=True, name=DEV_KEY_NAME
@@ -341,7 +366,9 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
     services: localservices.Services | None = None
     key_id = None
     ready = False
+    lock: IO[str] | None = None
     try:
+        lock = _hold(data_dir)
         _check_api_port(port)
         env, services = _environment(data_dir)
         migrate.upgrade(env["REACH_DATABASE_URL"])
@@ -380,6 +407,8 @@ def run_dev_stack(*, port: int = 8000, flower_port: int = 5555) -> int:
             key_store.revoke_key(engine, key_id)
         if services is not None:
             services.stop()
+        if lock is not None:
+            lock.close()  # the next run may start
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

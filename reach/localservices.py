@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -251,6 +254,8 @@ def _start_postgres(directory: Path, services: Services) -> str:
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     _forget_stale_pid_file(directory)
+    _forget_dead_handles(directory)
+    _socket_dirs_without_spaces()
     deadline = time.monotonic() + POSTGRES_START_S
     while True:
         try:
@@ -289,6 +294,53 @@ def _forget_stale_pid_file(directory: Path) -> None:
     if not name.startswith("postgres"):
         _log.warning("removing %s: its pid %d is %s", pid_file, pid, name or "not running")
         pid_file.unlink(missing_ok=True)
+
+
+def _forget_dead_handles(directory: Path) -> None:
+    """Drop the processes that no longer run from pgserver's list of those using the server
+    (``.handle_pids.json``): it stops the server when the last one listed leaves, so a run
+    killed before its cleanup (SIGKILL, the OOM killer) stayed listed for good, and every
+    later run left the server running when it stopped."""
+    import psutil  # pgserver's own dependency
+
+    handles = directory / ".handle_pids.json"
+    try:
+        pids = json.loads(handles.read_text())
+    except (OSError, ValueError):
+        return  # none yet, or not what pgserver writes: left to it
+    if not isinstance(pids, list):
+        return
+    alive = [pid for pid in pids if isinstance(pid, int) and psutil.pid_exists(pid)]
+    if alive != pids:
+        _log.warning("%s: forgetting runs that ended without a word: %s", handles, pids)
+        handles.write_text(json.dumps(alive))
+
+
+def _socket_dirs_without_spaces() -> None:
+    """pgserver hands Postgres its socket's folder as ``-o "-k <folder>"``, unquoted: in a
+    folder whose path has a space (``~/My Projects/...``) Postgres refused its arguments and
+    nothing started. Such a folder's socket goes to one without (the one pgserver picks for a
+    path too long for a socket, else a private one under the temporary folder)."""
+    import pgserver.postgres_server as pgserver_module
+
+    found = pgserver_module.find_suitable_socket_dir  # type: ignore[attr-defined]
+    if getattr(found, "reach", False):
+        return
+
+    def without_spaces(pgdata: Path, runtime_path: Path) -> Path:
+        chosen: Path = found(pgdata, runtime_path)
+        if not any(char.isspace() for char in str(chosen)):
+            return chosen
+        named = hashlib.sha256(str(pgdata.resolve()).encode()).hexdigest()[:12]
+        base = Path(runtime_path) if runtime_path else Path(tempfile.gettempdir())
+        if any(char.isspace() for char in str(base)):
+            base = Path(tempfile.gettempdir())
+        folder = base / f"reach-pg-{named}"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return folder
+
+    without_spaces.reach = True  # type: ignore[attr-defined]
+    pgserver_module.find_suitable_socket_dir = without_spaces  # type: ignore[attr-defined]
 
 
 def _forget_failed_start(directory: Path) -> None:

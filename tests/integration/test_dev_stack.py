@@ -4,6 +4,7 @@ that works, and Ctrl-C stops everything it started."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import re
@@ -265,3 +266,32 @@ def _running_from(folder: Path) -> list[str]:
         if str(folder) in command:
             found.append(command)
     return found
+
+
+def test_a_second_run_from_the_same_folder_is_refused_while_the_first_runs(
+    tmp_path: Path,
+) -> None:
+    """On other ports it started beside the first, revoked the key the first had printed and
+    wrote its logs over the first's. The folder's lock stands for a first run here: refused
+    before anything starts, naming the holder; let go, the folder is free again."""
+    data_dir = tmp_path / ".reach"
+    data_dir.mkdir()
+    with (data_dir / "dev.lock").open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242")
+        lock.flush()
+        second = subprocess.run(
+            [REACH, "dev", "--port", str(free_port()), "--flower-port", str(free_port())],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert second.returncode == 1, second.stderr
+    assert second.stderr.strip() == (
+        f"reach dev: another reach dev runs from {tmp_path} (pid 4242): stop it first, "
+        "or run this one from another folder"
+    )
+    assert not (data_dir / "logs" / "api.log").exists()
+    with (data_dir / "dev.lock").open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not held by the refused run

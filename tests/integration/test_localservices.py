@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -282,3 +283,41 @@ def test_an_embedded_postgres_slower_than_pg_ctls_timeout_is_waited_for_and_stop
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(libpq_url(found.database_url), connect_timeout=2)
     assert not (tmp_path / "postgres" / "postmaster.pid").exists()
+
+
+def test_embedded_postgres_starts_in_a_folder_whose_path_has_a_space(tmp_path: Path) -> None:
+    """pgserver passed Postgres its socket's folder unquoted: ``postgres: invalid argument:
+    "space/.reach/postgres"``, and the run command failed in any checkout under a path such as
+    ``~/My Projects``."""
+    folder = tmp_path / "My Projects" / ".reach"
+    found = ensure_services(folder, prefer_local=False, redis_url="redis://unused:1/0")
+    try:
+        assert found.embedded == ["postgres"]
+        assert query_one(found.database_url, "select 1") == 1
+    finally:
+        found.stop()
+    assert not (folder / "postgres" / "postmaster.pid").exists()
+
+
+def test_a_run_killed_before_its_cleanup_does_not_keep_the_next_runs_server_running(
+    tmp_path: Path,
+) -> None:
+    """pgserver stops the server when the last process it lists as using it leaves; a run
+    killed (SIGKILL, the OOM killer) stayed listed, and every later run left the server
+    running when it stopped."""
+    skip_redis = {"redis_url": "redis://unused:1/0"}
+    first = ensure_services(tmp_path, prefer_local=False, **skip_redis)
+    first.stop()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # a pid that ran and ended, as a killed run's has
+    handles = tmp_path / "postgres" / ".handle_pids.json"
+    handles.write_text(json.dumps([ended.pid]))
+
+    second = ensure_services(tmp_path, prefer_local=False, **skip_redis)
+    try:
+        assert query_one(second.database_url, "select 1") == 1
+    finally:
+        second.stop()
+    assert not (tmp_path / "postgres" / "postmaster.pid").exists()
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(libpq_url(second.database_url), connect_timeout=2)
