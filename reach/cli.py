@@ -97,6 +97,8 @@ API_STOP_TIMEOUT_S = 15
 def _api(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
+    from broker.observability import logs
+
     if args.workers > 1:
         # Each process counts its own requests. Named in the environment before uvicorn
         # spawns them, one folder holds every process's figures and each /metrics answers
@@ -104,6 +106,11 @@ def _api(args: argparse.Namespace, settings: Settings) -> int:
         from broker.observability import metrics_dirs
 
         metrics_dirs.choose()
+    # uvicorn's own lines (its start, its errors, each request's access line) go through the
+    # broker's log format, as every other line does: with its own configuration they were
+    # plain text beside JSON, and their text unescaped. Each process's app sets the format
+    # up again (``api.app``); this process's is the supervisor's.
+    logs.configure()
     uvicorn.run(
         API_APP,
         factory=True,
@@ -112,6 +119,7 @@ def _api(args: argparse.Namespace, settings: Settings) -> int:
         port=args.port,
         workers=args.workers,
         timeout_graceful_shutdown=API_STOP_TIMEOUT_S,
+        log_config=None,
     )
     return 0
 

@@ -486,3 +486,27 @@ def test_a_message_whose_task_is_not_to_run_is_logged_with_its_trace_and_tenant(
         until=lambda found: any("skipped" in str(line["event"]) for line in found),
     )
     assert {(line["trace_id"], line["tenant"]) for line in found} == {(trace_id, "tenant-traced")}
+
+
+def test_reach_api_writes_uvicorns_lines_as_its_own(settings: Settings, tmp_path: Path) -> None:
+    """uvicorn's start, stop and access lines were plain text with its own configuration,
+    among the API's JSON lines, and a request's path in them unescaped. Two processes: the
+    supervisor's lines and each worker process's."""
+    from tests.integration.test_many_processes import ApiProcess
+
+    api = ApiProcess(settings, tmp_path / "api.log", workers=2).start()
+    try:
+        assert httpx.get(f"{api.url}/healthz?probe=%0Aforged", timeout=10).status_code == 200
+        eventually(api.output, "the access line", 30, 0.2, until=lambda out: "/healthz" in out)
+    finally:
+        api.stop()
+    lines = [line for line in api.output().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # each line one JSON record
+    loggers = {record["logger"] for record in records}
+    assert {"uvicorn.error", "uvicorn.access"} <= loggers, loggers
+    (access,) = [
+        r for r in records if r["logger"] == "uvicorn.access" and "/healthz" in r["message"]
+    ]
+    assert "GET /healthz?probe=%0Aforged" in access["message"]
+    started = [r for r in records if r["message"].startswith("Started server process")]
+    assert len(started) == 2, started
