@@ -46,6 +46,7 @@ from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.remote import (
+    JsonAgent,
     assert_refused_once_its_lease_is_gone,
     events_of,
     start_bridge,
@@ -357,6 +358,8 @@ def test_numbers_and_text_reach_the_agent_and_come_back_exactly(
         ("ok-id", registration("http://127.0.0.1:109593/run")),  # 109593 - 65536: a port
         ("ok-id", registration("http://169.254.169.254/latest")),
         ("ok-id", registration("http://user:pw@127.0.0.1:9/run")),
+        # a tenant no key can have: its card was registered and never routed to
+        ("ok-id", {**registration("http://127.0.0.1:9/run"), "tenants": ["acme\x01"]}),
     ],
 )
 def test_a_bad_registration_gets_422_and_writes_nothing(
@@ -919,3 +922,85 @@ def test_queued_tasks_of_a_remote_version_gone_for_good_move_to_its_new_version_
     finally:
         ops.delete(f"/agents/{moved_id}")
         ops.delete(f"/agents/{revoked_id}")
+
+
+def test_a_sessions_turns_reach_the_agent_in_order_and_what_it_writes_is_kept(
+    caller: httpx.Client, node: NodeAgent
+) -> None:
+    """A remote agent holds a conversation as a Python agent does: each turn is sent the
+    session as the turn before it left it, and writes the next revision (the Node agent
+    counts the turns, in a ``session`` event before its result). It was sent the session's
+    id alone, and could neither read the state nor write it."""
+    made = caller.post("/sessions", json={"state": {"topic": "shouting"}})
+    assert made.status_code == 201, made.text
+    session_id = made.json()["session_id"]
+    said = ["one", "two two", "three three three"]
+    queued = [submit(caller, {"text": words}, session_id=session_id) for words in said]
+    assert [q.status_code for q in queued] == [202] * 3, [q.text for q in queued]
+    for answer, words in zip(queued, said, strict=True):
+        done = wait_for_task(caller, answer.json()["task_id"], {"succeeded", "failed", "expired"})
+        assert (done["status"], done["result"]) == ("succeeded", {"text": words.upper()}), done
+    session = caller.get(f"/sessions/{session_id}").json()
+    assert session["revision"] == 4
+    assert session["state"] == {"topic": "shouting", "turns": 3, "last": "three three three"}
+
+
+class SessionAgent(JsonAgent):
+    """Answers JSON: each call's ``session`` noted, and answered with ``answer(session)``."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer, self.seen = answer, []
+        super().__init__()
+
+    def on_call(self, body: bytes) -> object:
+        session = json.loads(body)["session"]
+        self.seen.append(session)
+        return self.answer(session)
+
+
+@contextmanager
+def session_agent(ops: httpx.Client, answer: Any, capability: str) -> Iterator[SessionAgent]:
+    agent_id = f"sess-{uuid.uuid4().hex[:8]}"
+    with SessionAgent(answer) as agent:
+        registration = {
+            "version": "1.0.0",
+            "endpoint": {"protocol": "http", "url": agent.url},
+            "capabilities": [{"capability": capability, "timeout_s": 30, "idempotent": True}],
+        }
+        assert ops.put(f"/agents/{agent_id}", json=registration).status_code == 201
+        try:
+            wait_routed(ops, agent_id)
+            yield agent
+        finally:
+            ops.delete(f"/agents/{agent_id}")
+
+
+def test_a_json_answer_writes_the_session_beside_its_result_and_a_wrong_write_fails(
+    caller: httpx.Client, ops: httpx.Client
+) -> None:
+    capability = f"test.session-{uuid.uuid4().hex[:6]}"
+
+    def answer(session: Any) -> object:
+        if session is None:  # a task of no session, written all the same
+            return {"result": "none", "session": {"state": {}}}
+        if session["state"].get("bad"):
+            return {"result": "bad", "session": {"state": ["not", "an", "object"]}}
+        return {"result": session["revision"], "session": {"state": {"n": session["revision"]}}}
+
+    with session_agent(ops, answer, capability) as agent:
+        session_id = caller.post("/sessions", json={"state": {"n": 0}}).json()["session_id"]
+        envelope = {"capability": capability, "payload": {}, "reply_mode": "sync"}
+        first = caller.post("/tasks", json={**envelope, "session_id": session_id}).json()
+        second = caller.post("/tasks", json={**envelope, "session_id": session_id}).json()
+        assert (first["result"], second["result"]) == (1, 2), (first, second)
+        assert [s["revision"] for s in agent.seen] == [1, 2]
+        assert agent.seen[0] == {"session_id": session_id, "revision": 1, "state": {"n": 0}}
+        assert caller.get(f"/sessions/{session_id}").json()["state"] == {"n": 2}
+
+        alone = caller.post("/tasks", json=envelope).json()
+        assert (alone["status"], alone["error"]["code"]) == ("failed", "agent_protocol"), alone
+
+        bad_id = caller.post("/sessions", json={"state": {"bad": True}}).json()["session_id"]
+        bad = caller.post("/tasks", json={**envelope, "session_id": bad_id}).json()
+        assert (bad["status"], bad["error"]["code"]) == ("failed", "agent_protocol"), bad
+        assert caller.get(f"/sessions/{bad_id}").json()["revision"] == 1

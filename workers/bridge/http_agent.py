@@ -6,6 +6,11 @@ The broker POSTs ``{"task_id", "capability", "payload", "attempt", "deadline_at"
 (``{"result": ...}`` or ``{"error": {...}}``) or ``text/event-stream`` (``progress``,
 ``output``, then ``result`` or ``error``).
 
+``session`` is the task's session as its claim read it, ``{"session_id", "revision",
+"state"}`` (null without one). The agent writes the next revision with ``"session":
+{"state": {...}}`` beside its ``result``, or with a ``session`` event before it: what
+``ctx.session.update`` does for a Python agent, a compare-and-set on the revision sent.
+
 What is retried follows the seeds: a connection that fails, a first byte that does not come
 within ``first_byte_timeout_s``, 408, 429 and 5xx; never once output was streamed (the caller
 has seen it). Any other 4xx fails at once. The call's own end (its timeout, the task's
@@ -40,6 +45,7 @@ from broker.remote.connections import (
 from broker.timestamps import agent_retry_after
 from broker.webhooks import signing
 from workers.sdk.context import PROGRESS_MESSAGE_MAX, Context
+from workers.sdk.session import SessionConflict
 
 log = logging.getLogger("reach.bridge")
 
@@ -73,10 +79,18 @@ def request_body(ctx: Context, payload: Any) -> bytes:
             "payload": payload,
             "attempt": ctx.attempt,
             "deadline_at": ctx.deadline_at.isoformat() if ctx.deadline_at else None,
-            "session": ctx.session_id,
+            "session": _session_of(ctx),
             "metadata": ctx.metadata,
         }
     )
+
+
+def _session_of(ctx: Context) -> dict[str, Any] | None:
+    """The task's session as its claim read it (``ctx.session`` of a Python agent), or None."""
+    if ctx.session is None:
+        return None
+    session = ctx.session
+    return {"session_id": session.session_id, "revision": session.revision, "state": session.state}
 
 
 def request_headers(endpoint: Endpoint, ctx: Context, body: bytes) -> dict[str, str]:
@@ -130,7 +144,10 @@ async def call(
         except ValueError as exc:
             _log(ctx, exc)
             raise AgentFailure("the agent's JSON is invalid", code="agent_protocol") from None
-        return _outcome(answer, streamed=False)
+        result = _outcome(answer, streamed=False)
+        if isinstance(answer, dict) and "session" in answer:
+            await _write_session(ctx, answer["session"], streamed=False)
+        return result
 
 
 def _log(ctx: Context, exc: BaseException) -> None:
@@ -217,6 +234,8 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
                         f"the agent's output event cannot be stored: {exc}", code="agent_protocol"
                     ) from None
                 streamed = True
+            elif event == "session":
+                await _write_session(ctx, data, streamed=streamed)
             elif event == "result":
                 return _outcome({"result": data}, streamed=streamed)
             elif event == "error":
@@ -231,6 +250,23 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
     if streamed:
         raise AgentFailure("the stream ended without a result", code="agent_stream_broken")
     raise Retryable("the stream ended without a result", code="agent_unreachable")
+
+
+async def _write_session(ctx: Context, written: Any, *, streamed: bool) -> None:
+    """Write the task's session as the agent answered (``{"state": {...}}``), at the revision
+    it was sent: ``ctx.session.update`` of a Python agent. A session that moved meanwhile (a
+    ``PUT`` through the API) is ``session_conflict``: retried, a fresh read sent, unless
+    output was streamed."""
+    if not (isinstance(written, dict) and isinstance(written.get("state"), dict)):
+        raise AgentFailure('the agent\'s "session" is not {"state": {...}}', code="agent_protocol")
+    if ctx.session is None:
+        raise AgentFailure("the agent wrote a session; its task has none", code="agent_protocol")
+    try:
+        await ctx.session.update_async(written["state"])
+    except SessionConflict as exc:
+        if streamed:
+            raise AgentFailure(exc.message, code=exc.code) from None
+        raise
 
 
 async def _events(response: aiohttp.ClientResponse) -> Any:

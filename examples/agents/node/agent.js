@@ -5,6 +5,10 @@
 // answers with JSON ({"result": ...} or {"error": ...}) or, when the broker accepts
 // text/event-stream, with SSE events `output`, `progress` and a last `result` or `error`.
 //
+// A task of a session gets the session as its turn read it ({session_id, revision, state}); the
+// agent counts the turns in it and writes the next revision with its result (a `session` event
+// before the `result` event, or "session" beside "result" in JSON).
+//
 // Payload hooks let the broker's own tests drive failures: `fail_status`/`fail_times` (answer
 // that HTTP status for the first calls of a task), `error` (fail the task), `delay_ms`.
 //
@@ -132,7 +136,8 @@ function parseCall(body) {
   if (Number.isNaN(deadlineAt)) {
     throw new HttpError(400, 'bad_request', 'deadline_at is not an ISO-8601 timestamp');
   }
-  return { taskId: call.task_id, payload, deadlineAt };
+  const session = call.session && typeof call.session === 'object' ? call.session : null;
+  return { taskId: call.task_id, payload, deadlineAt, session };
 }
 
 // The first `fail_times` calls of a task answer `fail_status`; the broker retries 408, 429, 5xx.
@@ -161,7 +166,7 @@ function sseReply(res) {
   const frame = (event, data) => `event: ${event}\ndata: ${JSON.stringify(data)}\n\n`;
   return {
     event: (name, data) => res.write(frame(name, data)),
-    result: (data) => res.end(frame('result', data)),
+    result: (data, session) => res.end((session ? frame('session', session) : '') + frame('result', data)),
     error: (data) => res.end(frame('error', data)),
   };
 }
@@ -169,7 +174,7 @@ function sseReply(res) {
 function jsonReply(res) {
   return {
     event: () => {},
-    result: (data) => sendJson(res, 200, { result: data }),
+    result: (data, session) => sendJson(res, 200, session ? { result: data, session } : { result: data }),
     error: (data) => sendJson(res, 200, { error: data }),
   };
 }
@@ -196,10 +201,10 @@ function startCall(res, taskId, deadlineAt, reply) {
     event(name, data) {
       if (!ended) reply.event(name, data);
     },
-    finish(kind, data) {
+    finish(kind, data, session) {
       if (ended) return;
       stop();
-      reply[kind](data);
+      reply[kind](data, session);
     },
   };
   // 'close' comes when the reply is done or the connection is gone: before writableEnded it
@@ -225,15 +230,23 @@ function startCall(res, taskId, deadlineAt, reply) {
   return call;
 }
 
+// The session's next state: this turn counted, its text the last one seen.
+function nextSession(session, text) {
+  if (session === null) return null;
+  const state = session.state && typeof session.state === 'object' ? session.state : {};
+  const turns = Number.isInteger(state.turns) ? state.turns : 0;
+  return { state: { ...state, turns: turns + 1, last: text } };
+}
+
 // text.upper: one word per `delay_ms`, each sent as an output with the progress so far.
-function upperWords(call, payload) {
+function upperWords(call, payload, session) {
   const text = payload.text;
   const delayMs = Number.isFinite(payload.delay_ms) ? payload.delay_ms : DEFAULT_DELAY_MS;
   const words = text.split(/\s+/).filter(Boolean);
   const n = words.length;
   const step = (i) => {
     if (i > n) {
-      call.finish('result', { text: text.toUpperCase() });
+      call.finish('result', { text: text.toUpperCase() }, nextSession(session, text));
       return;
     }
     call.later(delayMs, () => {
@@ -258,7 +271,7 @@ async function run(req, res) {
     const problem = signatureProblem(req.headers, body);
     if (problem) throw new HttpError(401, 'bad_signature', problem);
   }
-  const { taskId, payload, deadlineAt } = parseCall(body);
+  const { taskId, payload, deadlineAt, session } = parseCall(body);
   const failStatus = injectedFailure(taskId, payload);
   if (failStatus !== null) {
     throw new HttpError(failStatus, 'injected', `asked to answer ${failStatus}`, true);
@@ -270,7 +283,7 @@ async function run(req, res) {
     call.finish('error', { code: String(payload.error), message: 'asked to fail', retryable: false });
     return;
   }
-  upperWords(call, payload);
+  upperWords(call, payload, session);
 }
 
 async function setHealth(req, res) {
