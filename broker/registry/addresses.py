@@ -25,7 +25,9 @@ CHANNEL = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 STABLE = "stable"
 SCHEME = "agent://"
 TARGET_MAX = 256
-_TENANT = re.compile(r"[^/]{1,64}")
+# A tenant is any 1-64 printable characters (``key_store``), ``/`` too: the tenant of the long
+# form ends at its last ``/``, since no agent id, version or channel holds one.
+_TENANT = re.compile(r"[^\x00-\x1f\x7f]{1,64}")
 # The grammar above as one pattern, for the OpenAPI document (with TARGET_MAX).
 TARGET_PATTERN = (
     rf"^(?:agent://{_TENANT.pattern}/)?{AGENT_ID.pattern}@(?:{VERSION.pattern}|{CHANNEL.pattern})$"
@@ -76,8 +78,8 @@ def parse_target(text: str) -> Target:
     tenant = None
     rest = text
     if text.startswith(SCHEME):
-        tenant, slash, rest = text[len(SCHEME) :].partition("/")
-        if not slash or _TENANT.fullmatch(tenant) is None:
+        tenant, slash, rest = text[len(SCHEME) :].rpartition("/")
+        if not slash or _TENANT.fullmatch(tenant) is None or not tenant.isprintable():
             raise AddressInvalid("agent://<tenant>/<agent_id>@<version|channel>: no tenant")
     agent_id, at, selector = rest.partition("@")
     if not at:

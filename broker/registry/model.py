@@ -303,8 +303,10 @@ def check_tenants(tenants: tuple[str, ...] | None) -> None:
         return
     if not tenants or len(tenants) > TENANTS_MAX:
         raise ValueError(f"tenants: 1 to {TENANTS_MAX} names (leave it out for every tenant)")
-    if not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tenants):
-        raise ValueError("tenants: each a name of 1 to 64 characters")
+    # as a key's tenant is (``key_store``): a name no key can have (one holding a control
+    # character) made a card that was never routed to, with no word at registration
+    if not all(isinstance(t, str) and 0 < len(t) <= 64 and t.isprintable() for t in tenants):
+        raise ValueError("tenants: each a name of 1 to 64 printable characters")
 
 
 def now_s() -> float:

@@ -42,6 +42,8 @@ NOW = 1_000_000.0
         ("a@2.0.0-rc.1+build_7", Target("a", version="2.0.0-rc.1+build_7")),
         ("agent://acme/bot@stable", Target("bot", channel="stable", tenant="acme")),
         ("agent://t-1.x/bot@1.0.0", Target("bot", version="1.0.0", tenant="t-1.x")),
+        # a tenant may hold a '/' (any printable characters): its name ends at the last one
+        ("agent://acme/eu/bot@1.0.0", Target("bot", version="1.0.0", tenant="acme/eu")),
     ],
 )
 def test_a_target_names_an_agent_and_a_version_or_a_channel(text: str, expected: Target) -> None:
@@ -64,7 +66,8 @@ def test_a_target_names_an_agent_and_a_version_or_a_channel(text: str, expected:
         "agent://acme/bot",  # long form without selector
         "agent://bot@1.0",  # long form without tenant
         "agent:///bot@1.0",  # empty tenant
-        "agent://a/b/bot@1.0",  # a '/' in the agent id
+        "agent://acme/bot@1.0/x",  # a '/' after the agent id
+        "agent://a\x01/bot@1.0",  # a tenant no key can have
         "http://acme/bot@1.0",
         "bot@" + "1" * 300,
     ],
