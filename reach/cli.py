@@ -43,6 +43,11 @@ def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
         tenant_admin=args.tenant_admin,
         name=args.name,
     )
+    if _as_json(args):
+        kind = "admin" if args.admin else "tenant_admin" if args.tenant_admin else "tenant"
+        made = {"key_id": key_id, "tenant": args.tenant, "capabilities": patterns}
+        print(json.dumps({**made, "kind": kind, "api_key": token}))
+        return 0
     print(f"key_id:  {key_id}\ntenant:  {args.tenant}\nallows:  {', '.join(patterns)}")
     if args.admin or args.tenant_admin:
         print("manages: the whole tenant" + (" (and operator actions)" if args.admin else ""))
@@ -51,23 +56,39 @@ def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
+    from reach_client.cli import exits
+
     from broker.db.engines import sync_engine
     from broker.tenancy import key_store
 
     if key_store.revoke_key(sync_engine(settings), args.key_id):
-        print(f"revoked {args.key_id}")
+        print(json.dumps({"revoked": args.key_id}) if _as_json(args) else f"revoked {args.key_id}")
         return 0
-    print(f"no active key {args.key_id}", file=sys.stderr)
-    return 1
+    print(f"reach: no active key {args.key_id}", file=sys.stderr)
+    return exits.USAGE
 
 
 def _keys_list(args: argparse.Namespace, settings: Settings) -> int:
     from broker.db.engines import sync_engine
     from broker.tenancy import key_store
 
-    for row in key_store.list_keys(sync_engine(settings), args.tenant):
-        print(json.dumps(row, default=str))
+    rows = key_store.list_keys(sync_engine(settings), args.tenant)
+    if _as_json(args):  # one document, as the user commands' --json prints
+        print(json.dumps(rows, default=_iso))
+        return 0
+    for row in rows:
+        print(json.dumps(row, default=_iso))
     return 0
+
+
+def _as_json(args: argparse.Namespace) -> bool:
+    """``reach --json <operator command>``: its answer as JSON only on stdout."""
+    return bool(getattr(args, "json", False))
+
+
+def _iso(value: Any) -> str:
+    """A row's timestamp as the API writes one (ISO 8601, ``T`` between date and time)."""
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
 def _migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -80,7 +101,7 @@ def _migrate(args: argparse.Namespace, settings: Settings) -> int:
     except migrate.MigrationBlocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exits.USAGE
-    print("migrated to head")
+    print(json.dumps({"migrated": "head"}) if _as_json(args) else "migrated to head")
     return 0
 
 
@@ -152,8 +173,12 @@ def _operator(command: Command) -> Callable[[argparse.Namespace], int]:
             return command(args, settings)
         except ReachError as exc:
             print(f"error ({exc.code}): {exc.message}", file=sys.stderr)
-            return 2
+            return exits.USAGE
         except Exception as exc:
+            refused = _url_refused(exc)
+            if refused is not None:  # an option of the URL libpq cannot take
+                print(f"reach: REACH_DATABASE_URL: {refused}", file=sys.stderr)
+                return exits.USAGE
             where = _unreachable(exc, settings)
             if where is None:
                 raise
@@ -201,32 +226,52 @@ def _unreachable(exc: Exception, settings: Settings) -> str | None:
     return None
 
 
+def _url_refused(exc: Exception) -> str | None:
+    """What libpq refused of the database URL's options (``?connect_timeout=abc``, an option
+    it does not know), or None: psycopg's plain ``ProgrammingError``, raised before any
+    statement (a statement's errors are its subclasses, with a SQLSTATE)."""
+    import psycopg
+
+    cause = getattr(exc, "orig", None) or exc
+    if type(cause) is psycopg.ProgrammingError and cause.sqlstate is None:
+        return str(cause)
+    return None
+
+
 def without_password(url: str) -> str:
-    """``url`` for a message: its password, if any, replaced by ``***``."""
+    """``url`` for a message: its password, if any, replaced by ``***``, whether in its
+    userinfo or in its query (libpq's ``?password=``)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user, _, host = parts.netloc.rpartition("@")
-    return parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}").geturl()
+    if parts.password is not None:
+        user, _, host = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
+    if parts.query:
+        pairs = [pair.partition("=") for pair in parts.query.split("&")]
+        hidden = [
+            f"{name}={'***' if name.lower() == 'password' else value}" if eq else name
+            for name, eq, value in pairs
+        ]
+        parts = parts._replace(query="&".join(hidden))
+    return parts.geturl()
 
 
 def register(sub: Any) -> None:
     """Add ``migrate``, ``api``, ``dev`` and ``keys`` to the ``reach`` command's subparsers."""
-    sub.add_parser("migrate", help="apply the schema migrations (operator)").set_defaults(
-        handler=_operator(_migrate)
-    )
+    migrate = sub.add_parser("migrate", help="apply the schema migrations (operator)")
+    migrate.set_defaults(handler=_operator(_migrate))
+    _json_option(migrate)
 
     api = sub.add_parser("api", help="serve the API (operator)")
     api.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    api.add_argument("--port", type=int, default=8000, help="the port (default 8000)")
+    api.add_argument("--port", type=_port, default=8000, help="the port (default 8000)")
     api.add_argument(
         "--workers", type=_positive, default=1, help="API processes behind the one port"
     )
     api.set_defaults(handler=_operator(_api))
 
     dev = sub.add_parser("dev", help="run API, worker, beat and Flower on this machine")
-    dev.add_argument("--port", type=int, default=8000, help="the API's port (default 8000)")
-    dev.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555)")
+    dev.add_argument("--port", type=_port, default=8000, help="the API's port (default 8000)")
+    dev.add_argument("--flower-port", type=_port, default=5555, help="Flower's port (default 5555)")
     dev.set_defaults(handler=_operator(_dev))
 
     key_cmds = sub.add_parser("keys", help="create, revoke and list API keys (operator)")
@@ -250,6 +295,28 @@ def register(sub: Any) -> None:
     listing = key_sub.add_parser("list", help="list keys (never their secrets)")
     listing.add_argument("--tenant")
     listing.set_defaults(handler=_operator(_keys_list))
+    for command in (create, revoke, listing):
+        _json_option(command)
+
+
+def _json_option(command: argparse.ArgumentParser) -> None:
+    """``--json`` after the command, as the user commands take it (before it, the top
+    level's): no default here, which would undo the top level's."""
+    command.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON only"
+    )
+
+
+def _port(value: str) -> int:
+    """A TCP port, 1-65535: 99999 was taken modulo 65536 (uvicorn listened on 34463 and said
+    99999), -1 was a traceback."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {value!r}") from None
+    if not 0 < number < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, not {number}")
+    return number
 
 
 def _positive(value: str) -> int:

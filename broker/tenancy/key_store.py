@@ -29,15 +29,24 @@ def create_key(
     name: str | None = None,
 ) -> tuple[str, str]:
     """Create a key; returns (key_id, token). The token is not stored and cannot be shown again."""
+    if not capabilities:
+        raise BadRequest("a key allows at least one capability pattern", code="invalid_pattern")
     bad = [p for p in capabilities if not is_valid_pattern(p)]
-    if bad or not capabilities:
+    if bad:
+        raise BadRequest(f"invalid capability patterns: {bad}", code="invalid_pattern")
+    # No white space at either end: " " was a tenant, and "acme " another than "acme".
+    if (
+        not tenant
+        or len(tenant) > MAX_TENANT
+        or not tenant.isprintable()
+        or tenant != tenant.strip()
+    ):
         raise BadRequest(
-            f"invalid capability patterns: {bad or capabilities}", code="invalid_pattern"
+            f"tenant must be 1 to {MAX_TENANT} printable characters, with no white space at "
+            "either end",
+            code="invalid_tenant",
         )
-    if not tenant or len(tenant) > MAX_TENANT or not tenant.isprintable():
-        raise BadRequest(
-            f"tenant must be 1 to {MAX_TENANT} printable characters", code="invalid_tenant"
-        )
+    name = name or None  # "" is no name
     if name is not None and (len(name) > MAX_NAME or not name.isprintable()):
         raise BadRequest(
             f"a key's name is at most {MAX_NAME} printable characters", code="invalid_name"

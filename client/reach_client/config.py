@@ -92,10 +92,24 @@ def resolve(
     explicit = profile is not None or bool(env.get("REACH_PROFILE"))
     from_file = read_profile(config_path(env), name, required=explicit)
     url = base_url or env.get("REACH_URL") or from_file.get("url") or DEFAULT_URL
-    key = api_key or env.get("REACH_API_KEY") or from_file.get("api_key")
+    # A key given as "" is none given, not a reason to take another from elsewhere.
+    key = api_key if api_key is not None else env.get("REACH_API_KEY") or from_file.get("api_key")
     if not key:
         raise NoAPIKeyError(config_path(env))
-    return Config(base_url=checked_url(url).rstrip("/"), api_key=key)
+    return Config(base_url=checked_url(url).rstrip("/"), api_key=checked_key(key))
+
+
+def checked_key(key: str) -> str:
+    """``key`` without the white space around it (a key file's line end, ``$(cat key)``
+    leaves a CR), or a ``ConfigurationError`` when it holds a character no key has. The
+    error does not quote the key: httpx's refusal of a CR did, whole, on stderr."""
+    key = key.strip()
+    if not key or not all("!" <= char <= "~" for char in key):
+        raise ConfigurationError(
+            "the API key holds a character no key has (white space, a control character or "
+            "non-ASCII): copy it again as the key's create printed it"
+        )
+    return key
 
 
 def checked_url(url: str) -> str:

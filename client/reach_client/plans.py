@@ -197,7 +197,10 @@ def problem_of(answer: Response) -> APIStatusError:
 
 
 def path(*segments: str) -> str:
-    """``/a/b`` with each caller-given segment escaped, so an id never changes the route."""
+    """``/a/b`` with each caller-given segment escaped, so an id never changes the route; an
+    empty one is a ``ValueError`` (``/tasks/`` is another route: the list's, redirected)."""
+    if not all(segments):
+        raise ValueError("an id in a request's path is empty")
     return "/" + "/".join(quote(s, safe="") for s in segments)
 
 

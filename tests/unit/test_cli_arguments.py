@@ -67,3 +67,55 @@ def test_reach_api_refuses_fewer_than_one_process(
         parser().parse_args(["api", "--workers", workers])
     assert exited.value.code == 2
     assert "--workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tasks", "get", ""],
+        ["tasks", "watch", " "],
+        ["sessions", "get", ""],
+        ["webhooks", "delete", ""],
+        ["tasks", "list", "--limit", "-5"],
+        ["tasks", "list", "--limit", "0"],
+        ["sessions", "list", "--limit", "x"],
+    ],
+)
+def test_an_empty_id_or_a_count_below_one_is_a_usage_error(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tasks get ''`` asked for ``/tasks/`` and was told to fix its URL (exit 6);
+    ``--limit -5`` showed an empty table and exited 0."""
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_interrupted_command_says_a_task_goes_on_only_when_it_submitted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reach_client import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    for argv, said in (
+        (["submit", "echo"], "interrupted (a submitted task goes on)"),
+        (["tasks", "list"], "interrupted"),
+    ):
+        args = parser().parse_args(argv)
+        args.handler = interrupted
+        monkeypatch.setattr(cli, "parser", lambda args=args: _Given(args))
+        assert cli.main(argv) == 130
+        assert capsys.readouterr().err.strip() == said
+
+
+class _Given:
+    """A parser that answers ``args`` whatever it is given."""
+
+    def __init__(self, args: object) -> None:
+        self.args = args
+
+    def parse_args(self, argv: object) -> object:
+        return self.args

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import standardwebhooks.webhooks as standard
 from reach_client import Reach, errors
-from reach_client.config import ConfigurationError, resolve
+from reach_client.config import ConfigurationError, NoAPIKeyError, resolve
 from reach_client.connection import Settings
 from reach_client.limits import MAX_ANSWER_BYTES
 from reach_client.models import Event, Task, Webhook
@@ -343,3 +343,34 @@ def test_a_url_that_names_no_http_host_is_a_configuration_error_before_any_reque
     with pytest.raises(ConfigurationError) as raised:
         Reach(url, "rk_x")
     assert repr(url) in str(raised.value)
+
+
+NO_FILE = {"REACH_CONFIG": "/nonexistent/reach.toml"}
+
+
+def test_a_key_with_a_line_end_around_it_is_the_key_and_one_with_others_is_refused_unquoted() -> (
+    None
+):
+    """``$(cat key.txt)`` of a file with CRLF leaves a CR: httpx refused the header, and its
+    error, printed on stderr, held the whole key. Non-ASCII was a traceback."""
+    key = "rk_0123abcd4567_" + "A" * 43
+    assert resolve("http://x", f"  {key}\r\n", env=NO_FILE).api_key == key
+    for broken in (f"rk_a b{key}", f"{key}\x00", f"{key}ü", "\r\n"):
+        with pytest.raises(ConfigurationError) as refused:
+            resolve("http://x", broken, env=NO_FILE)
+        assert key not in str(refused.value) and "rk_" not in str(refused.value)
+
+
+def test_a_key_given_empty_is_none_given_not_the_environments() -> None:
+    """``--api-key ''`` took REACH_API_KEY instead, without a word."""
+    with pytest.raises(NoAPIKeyError):
+        resolve("http://x", "", env={**NO_FILE, "REACH_API_KEY": "rk_other_key"})
+    assert resolve("http://x", None, env={**NO_FILE, "REACH_API_KEY": "rk_other"}).api_key == (
+        "rk_other"
+    )
+
+
+def test_an_empty_id_is_refused_before_any_request() -> None:
+    """``/tasks/`` is the list's route, redirected: ``get("")`` was told to fix its URL."""
+    with Reach("http://127.0.0.1:9", "rk_k") as reach, pytest.raises(ValueError, match="empty"):
+        reach.tasks.get("")

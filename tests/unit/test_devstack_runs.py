@@ -76,3 +76,8 @@ def test_an_unreachable_database_is_named_without_its_password() -> None:
         == "postgresql+psycopg://reach:***@db:5432/reach"
     )
     assert cli.without_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    # libpq takes a password in the query too: it was printed as it was
+    assert (
+        cli.without_password("postgresql://u@db/reach?sslmode=require&PASSWORD=s3cret&x")
+        == "postgresql://u@db/reach?sslmode=require&PASSWORD=***&x"
+    )

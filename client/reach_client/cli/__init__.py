@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return exits.BROKEN_PIPE
     except KeyboardInterrupt:
-        print("interrupted (a submitted task goes on)", file=sys.stderr)
+        submits = getattr(args, "submits", False)
+        print("interrupted" + (" (a submitted task goes on)" if submits else ""), file=sys.stderr)
         return exits.INTERRUPTED
     except NoAPIKeyError as exc:
         where = printable(exc.config_path)

@@ -72,6 +72,25 @@ def comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def count(text: str) -> int:
+    """A whole number above 0 (``--limit``): -5 showed an empty table and exited 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1: {text!r}")
+    return value
+
+
+def identifier(text: str) -> str:
+    """An id (a task's, a session's): not empty. ``tasks get ''`` asked for ``/tasks/``,
+    which redirects to the list, and was told to fix its URL."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an id is not empty")
+    return text
+
+
 def seconds(text: str) -> float:
     """A positive number of seconds (``--timeout``)."""
     try:

@@ -10,7 +10,14 @@ from typing import Any
 from rich.text import Text
 
 from reach_client.cli import exits, render
-from reach_client.cli.arguments import PAGE_MAX, comma_list, json_object, open_client
+from reach_client.cli.arguments import (
+    PAGE_MAX,
+    comma_list,
+    count,
+    identifier,
+    json_object,
+    open_client,
+)
 from reach_client.models import Session, Webhook
 
 
@@ -37,27 +44,29 @@ def _sessions(sub: Any, common: argparse.ArgumentParser) -> None:
         dest="verb", required=True, metavar="VERB"
     )
     listing = _verb(verbs, common, "list", "the live sessions, newest first", run_session_list)
-    listing.add_argument("--limit", type=int, default=20, help="how many to show [20]")
+    listing.add_argument("--limit", type=count, default=20, help="how many to show [20]")
     create = _verb(verbs, common, "create", "a new session (revision 1)", run_session_create)
     create.add_argument("--state", type=json_object, default={})
     create.add_argument("--metadata", type=json_object)
     create.add_argument("--ttl-s", type=int)
-    _verb(verbs, common, "get", "a session", run_session_get).add_argument("session_id")
+    _verb(verbs, common, "get", "a session", run_session_get).add_argument(
+        "session_id", type=identifier
+    )
     update = _verb(verbs, common, "update", "replace the state at a revision", run_session_update)
-    update.add_argument("session_id")
+    update.add_argument("session_id", type=identifier)
     update.add_argument("--state", type=json_object, required=True)
     update.add_argument("--metadata", type=json_object)
     update.add_argument("--revision", type=int, required=True, help="the revision you read")
     patch = _verb(verbs, common, "patch", "merge-patch (RFC 7396) at a revision", run_session_patch)
-    patch.add_argument("session_id")
+    patch.add_argument("session_id", type=identifier)
     patch.add_argument("--patch", type=json_object, required=True, help='{"state": {...}}')
     patch.add_argument("--revision", type=int, required=True)
     _verb(verbs, common, "delete", "delete a session", run_session_delete).add_argument(
         "session_id"
     )
     revisions = _verb(verbs, common, "revisions", "its last revisions", run_session_revisions)
-    revisions.add_argument("session_id")
-    revisions.add_argument("--limit", type=int)
+    revisions.add_argument("session_id", type=identifier)
+    revisions.add_argument("--limit", type=count)
 
 
 def _webhooks(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -70,11 +79,15 @@ def _webhooks(sub: Any, common: argparse.ArgumentParser) -> None:
     create.add_argument("--capabilities", type=comma_list, help="patterns, e.g. 'invoice.*'")
     create.add_argument("--description")
     _verb(verbs, common, "list", "the subscriptions", run_hooks)
-    _verb(verbs, common, "get", "a subscription", run_hook_get).add_argument("webhook_id")
-    _verb(verbs, common, "delete", "unsubscribe", run_hook_delete).add_argument("webhook_id")
+    _verb(verbs, common, "get", "a subscription", run_hook_get).add_argument(
+        "webhook_id", type=identifier
+    )
+    _verb(verbs, common, "delete", "unsubscribe", run_hook_delete).add_argument(
+        "webhook_id", type=identifier
+    )
     deliveries = _verb(verbs, common, "deliveries", "its deliveries, newest first", run_deliveries)
-    deliveries.add_argument("webhook_id")
-    deliveries.add_argument("--limit", type=int, default=20)
+    deliveries.add_argument("webhook_id", type=identifier)
+    deliveries.add_argument("--limit", type=count, default=20)
 
 
 def run_agents(args: argparse.Namespace) -> int:

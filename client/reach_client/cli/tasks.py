@@ -7,7 +7,14 @@ import itertools
 from typing import Any
 
 from reach_client.cli import exits, render
-from reach_client.cli.arguments import PAGE_MAX, json_object, open_client, seconds
+from reach_client.cli.arguments import (
+    PAGE_MAX,
+    count,
+    identifier,
+    json_object,
+    open_client,
+    seconds,
+)
 from reach_client.cli.follow import StillRunning, follow
 from reach_client.models import FINAL, Task
 
@@ -39,7 +46,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     submit.add_argument(
         "--queue-if-unavailable", action="store_true", help="wait in the queue when no agent"
     )
-    submit.set_defaults(handler=run_submit)
+    submit.set_defaults(handler=run_submit, submits=True)
 
     tasks = sub.add_parser("tasks", help="list, read, cancel and watch tasks")
     verbs = tasks.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -47,7 +54,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     listing.add_argument("--capability")
     listing.add_argument("--status", choices=sorted({"queued", "running", *FINAL}))
     listing.add_argument("--session", dest="session_id", help="only this session's tasks")
-    listing.add_argument("--limit", type=int, default=20, help="how many to show [20]")
+    listing.add_argument("--limit", type=count, default=20, help="how many to show [20]")
     listing.set_defaults(handler=run_list)
     for verb, handler, text in (
         ("get", run_get, "a task"),
@@ -55,7 +62,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         ("watch", run_watch, "follow a task: progress, outputs, outcome"),
     ):
         command = verbs.add_parser(verb, parents=[common], help=text)
-        command.add_argument("task_id")
+        command.add_argument("task_id", type=identifier)
         command.set_defaults(handler=handler)
         if verb == "watch":
             command.add_argument("--timeout", type=seconds, help="stop watching after S s")
