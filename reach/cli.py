@@ -230,29 +230,43 @@ def _url_refused(exc: Exception) -> str | None:
     """What libpq refused of the database URL's options (``?connect_timeout=abc``, an option
     it does not know), or None: psycopg's plain ``ProgrammingError``, raised before any
     statement (a statement's errors are its subclasses, with a SQLSTATE)."""
+    import traceback
+
     import psycopg
 
     cause = getattr(exc, "orig", None) or exc
-    if type(cause) is psycopg.ProgrammingError and cause.sqlstate is None:
-        return str(cause)
-    return None
+    if type(cause) is not psycopg.ProgrammingError or cause.sqlstate is not None:
+        return None
+    # raised as a connection was made, not by a statement's misuse (a closed cursor, a
+    # parameter count): those are bugs, with their traceback
+    frames = traceback.extract_tb(cause.__traceback__)
+    connecting = any(
+        frame.name == "connect" and "psycopg" in frame.filename.replace("\\", "/")
+        for frame in frames
+    )
+    return str(cause) if connecting else None
 
 
 def without_password(url: str) -> str:
     """``url`` for a message: its password, if any, replaced by ``***``, whether in its
     userinfo or in its query (libpq's ``?password=``)."""
+    from reach.localservices import unsplit
+
     parts = urlsplit(url)
+    pairs = [pair.partition("=") for pair in parts.query.split("&")] if parts.query else []
+    in_query = any(name.lower() == "password" and eq for name, eq, _ in pairs)
+    if parts.password is None and not in_query:
+        return url  # as given: urlunsplit drops the "//" of postgresql:///db?host=/sock
     if parts.password is not None:
         user, _, host = parts.netloc.rpartition("@")
         parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
-    if parts.query:
-        pairs = [pair.partition("=") for pair in parts.query.split("&")]
+    if in_query:
         hidden = [
             f"{name}={'***' if name.lower() == 'password' else value}" if eq else name
             for name, eq, value in pairs
         ]
         parts = parts._replace(query="&".join(hidden))
-    return parts.geturl()
+    return unsplit(parts)
 
 
 def register(sub: Any) -> None:

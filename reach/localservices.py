@@ -114,13 +114,13 @@ def ensure_services(
 
 def with_database(url: str, name: str) -> str:
     """``url`` with its database replaced by ``name``; server, credentials and query are kept."""
-    return _unsplit(urlsplit(url)._replace(path="/" + _valid_name(name)))
+    return unsplit(urlsplit(url)._replace(path="/" + _valid_name(name)))
 
 
 def libpq_url(url: str) -> str:
     """The ``postgresql://`` form psycopg connects with, from a SQLAlchemy ``+driver`` URL."""
     parts = urlsplit(url)
-    return _unsplit(parts._replace(scheme=parts.scheme.split("+", 1)[0]))
+    return unsplit(parts._replace(scheme=parts.scheme.split("+", 1)[0]))
 
 
 def create_database(
@@ -163,7 +163,7 @@ def with_redis_db(url: str, db: int) -> str:
         query.append(("db", str(db)))
     else:
         path = f"/{db}"
-    return _unsplit(parts._replace(path=path, query=urlencode(query)))
+    return unsplit(parts._replace(path=path, query=urlencode(query)))
 
 
 CLAIM_KEY = "reach:claimed-by"
@@ -210,7 +210,7 @@ def _valid_name(name: str) -> str:
     return name
 
 
-def _unsplit(parts: SplitResult) -> str:
+def unsplit(parts: SplitResult) -> str:
     # urlunsplit drops the "//" of an empty netloc for schemes it does not know, which would
     # turn postgresql:///db?host=/sock into a URL that means something else.
     query = f"?{parts.query}" if parts.query else ""
@@ -271,7 +271,7 @@ def _start_postgres(directory: Path, services: Services) -> str:
     uri = urlsplit(server.get_uri())  # postgresql://postgres:@/postgres?host=/socket/dir
     userinfo, _, hostport = uri.netloc.rpartition("@")
     netloc = f"{userinfo.removesuffix(':')}@{hostport}" if userinfo else hostport
-    return _unsplit(uri._replace(scheme="postgresql+psycopg", netloc=netloc))
+    return unsplit(uri._replace(scheme="postgresql+psycopg", netloc=netloc))
 
 
 def _forget_stale_pid_file(directory: Path) -> None:
@@ -302,18 +302,20 @@ def _forget_dead_handles(directory: Path) -> None:
     killed before its cleanup (SIGKILL, the OOM killer) stayed listed for good, and every
     later run left the server running when it stopped."""
     import psutil  # pgserver's own dependency
+    from pgserver.postgres_server import PostgresServer
 
     handles = directory / ".handle_pids.json"
-    try:
-        pids = json.loads(handles.read_text())
-    except (OSError, ValueError):
-        return  # none yet, or not what pgserver writes: left to it
-    if not isinstance(pids, list):
-        return
-    alive = [pid for pid in pids if isinstance(pid, int) and psutil.pid_exists(pid)]
-    if alive != pids:
-        _log.warning("%s: forgetting runs that ended without a word: %s", handles, pids)
-        handles.write_text(json.dumps(alive))
+    with PostgresServer._lock:  # pgserver's own, across processes: it edits the list under it
+        try:
+            pids = json.loads(handles.read_text())
+        except (OSError, ValueError):
+            return  # none yet, or not what pgserver writes: left to it
+        if not isinstance(pids, list):
+            return
+        alive = [pid for pid in pids if isinstance(pid, int) and psutil.pid_exists(pid)]
+        if alive != pids:
+            _log.warning("%s: forgetting runs that ended without a word: %s", handles, pids)
+            handles.write_text(json.dumps(alive))
 
 
 def _socket_dirs_without_spaces() -> None:

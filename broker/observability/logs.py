@@ -7,8 +7,9 @@ Payloads and secrets are never logged: log their digest and size if anything.
 A record is one line whatever it quotes: a tenant's text (a request's path, an agent's error)
 may hold a line end or a terminal's escape, which made a line of its own that read as the
 broker's, or cleared the operator's screen. Text lines show control characters escaped
-(``\\n``, ``\\u001b``); JSON lines escape those JSON leaves raw (U+007F-U+009F, U+2028 and
-U+2029, which ``str.splitlines`` and terminals read as line ends and escapes).
+(``\\n``, ``\\u001b``), a traceback's lines indented below the record's; JSON lines
+escape those JSON leaves raw (U+007F-U+009F, U+2028 and U+2029, which ``str.splitlines``
+and terminals read as line ends and escapes).
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ class TextFormatter(logging.Formatter):
         base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.name}: "
         text = base + record.getMessage() + (f"  [{context}]" if context else "")
         text = _CONTROLS.sub(_escaped, text)
-        if record.exc_info:  # a traceback is lines of its own, and Python's
-            text += "\n" + self.formatException(record.exc_info)
+        if record.exc_info:
+            # Lines of its own, each indented: its last line quotes the exception's text
+            # (an agent's, a request's), which may hold line ends of its own.
+            lines = self.formatException(record.exc_info).splitlines()
+            text += "".join(f"\n    {_CONTROLS.sub(_escaped, line)}" for line in lines)
         return text
 
 

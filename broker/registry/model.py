@@ -304,9 +304,16 @@ def check_tenants(tenants: tuple[str, ...] | None) -> None:
     if not tenants or len(tenants) > TENANTS_MAX:
         raise ValueError(f"tenants: 1 to {TENANTS_MAX} names (leave it out for every tenant)")
     # as a key's tenant is (``key_store``): a name no key can have (one holding a control
-    # character) made a card that was never routed to, with no word at registration
-    if not all(isinstance(t, str) and 0 < len(t) <= 64 and t.isprintable() for t in tenants):
-        raise ValueError("tenants: each a name of 1 to 64 printable characters")
+    # character, or white space at an end) made a card that was never routed to, with no
+    # word at registration
+    if not all(
+        isinstance(t, str) and 0 < len(t) <= 64 and t.isprintable() and t == t.strip()
+        for t in tenants
+    ):
+        raise ValueError(
+            "tenants: each a name of 1 to 64 printable characters, with no white space at "
+            "either end (as a key's tenant)"
+        )
 
 
 def now_s() -> float:

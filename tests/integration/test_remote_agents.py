@@ -46,7 +46,10 @@ from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for
 from tests.integration.receiver import Receiver, Reply, always
 from tests.integration.remote import (
+    AgentHandler,
     JsonAgent,
+    LoopbackAgent,
+    StreamAgent,
     assert_refused_once_its_lease_is_gone,
     events_of,
     start_bridge,
@@ -959,9 +962,10 @@ class SessionAgent(JsonAgent):
 
 
 @contextmanager
-def session_agent(ops: httpx.Client, answer: Any, capability: str) -> Iterator[SessionAgent]:
+def serving(ops: httpx.Client, agent: LoopbackAgent, capability: str) -> Iterator[None]:
+    """``agent`` running, registered for ``capability`` and routed to; removed after."""
     agent_id = f"sess-{uuid.uuid4().hex[:8]}"
-    with SessionAgent(answer) as agent:
+    with agent:
         registration = {
             "version": "1.0.0",
             "endpoint": {"protocol": "http", "url": agent.url},
@@ -970,13 +974,49 @@ def session_agent(ops: httpx.Client, answer: Any, capability: str) -> Iterator[S
         assert ops.put(f"/agents/{agent_id}", json=registration).status_code == 201
         try:
             wait_routed(ops, agent_id)
-            yield agent
+            yield
         finally:
             ops.delete(f"/agents/{agent_id}")
 
 
+@contextmanager
+def session_agent(ops: httpx.Client, answer: Any, capability: str) -> Iterator[SessionAgent]:
+    agent = SessionAgent(answer)
+    with serving(ops, agent, capability):
+        yield agent
+
+
+class CountedStreamAgent(StreamAgent):
+    """A ``StreamAgent`` that counts its calls."""
+
+    def __init__(self, events: bytes) -> None:
+        self.calls = 0
+        super().__init__(events)
+
+    def write(self, handler: AgentHandler) -> None:
+        self.calls += 1
+        super().write(handler)
+
+
+def test_a_stream_that_breaks_off_after_its_session_write_is_not_retried(
+    caller: httpx.Client, ops: httpx.Client, bridge: CeleryProcess
+) -> None:
+    """A retry would send the revision the call wrote, and the agent apply its turn to it
+    again: once written, as once output was sent, the call is not retried."""
+    capability = f"test.session-{uuid.uuid4().hex[:6]}"
+    agent = CountedStreamAgent(b'event: session\ndata: {"state": {"turns": 1}}\n\n')
+    with serving(ops, agent, capability):
+        session_id = caller.post("/sessions", json={"state": {}}).json()["session_id"]
+        envelope = {"capability": capability, "payload": {}, "session_id": session_id}
+        done = caller.post("/tasks", json={**envelope, "reply_mode": "sync"}).json()
+    assert (done["status"], done["error"]["code"]) == ("failed", "agent_stream_broken"), done
+    assert agent.calls == 1
+    session = caller.get(f"/sessions/{session_id}").json()
+    assert (session["revision"], session["state"]) == (2, {"turns": 1})
+
+
 def test_a_json_answer_writes_the_session_beside_its_result_and_a_wrong_write_fails(
-    caller: httpx.Client, ops: httpx.Client
+    caller: httpx.Client, ops: httpx.Client, bridge: CeleryProcess
 ) -> None:
     capability = f"test.session-{uuid.uuid4().hex[:6]}"
 
@@ -985,6 +1025,8 @@ def test_a_json_answer_writes_the_session_beside_its_result_and_a_wrong_write_fa
             return {"result": "none", "session": {"state": {}}}
         if session["state"].get("bad"):
             return {"result": "bad", "session": {"state": ["not", "an", "object"]}}
+        if session["state"].get("quiet"):  # null: no write
+            return {"result": "quiet", "session": None}
         return {"result": session["revision"], "session": {"state": {"n": session["revision"]}}}
 
     with session_agent(ops, answer, capability) as agent:
@@ -1004,3 +1046,8 @@ def test_a_json_answer_writes_the_session_beside_its_result_and_a_wrong_write_fa
         bad = caller.post("/tasks", json={**envelope, "session_id": bad_id}).json()
         assert (bad["status"], bad["error"]["code"]) == ("failed", "agent_protocol"), bad
         assert caller.get(f"/sessions/{bad_id}").json()["revision"] == 1
+
+        quiet_id = caller.post("/sessions", json={"state": {"quiet": True}}).json()["session_id"]
+        quiet = caller.post("/tasks", json={**envelope, "session_id": quiet_id}).json()
+        assert (quiet["status"], quiet["result"]) == ("succeeded", "quiet"), quiet
+        assert caller.get(f"/sessions/{quiet_id}").json()["revision"] == 1

@@ -191,15 +191,17 @@ def test_given_a_certificate_for_another_name_expect_the_attempt_fails(ca: trust
 def test_given_an_error_of_the_senders_own_expect_the_url_logged_without_its_query(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Receivers put their tokens in the query (``?token=...``): a log line is no place for
-    them. A resolver that fails in a way the sender does not foresee stands for any bug."""
+    """Receivers put their tokens in the query (``?token=...``) and the path (Slack's hooks):
+    a log line is no place for them. A resolver that fails in a way the sender does not
+    foresee stands for any bug."""
 
     def broken(host: str, port: int) -> list[str]:
         raise RuntimeError("a resolver's bug")
 
     with caplog.at_level("ERROR", logger="reach.webhooks"):
-        outcome = post(Guard(["127.0.0.1"], resolver=broken), "http://hooks.test/in?token=s3cr3t#x")
+        url = "http://hooks.test:8080/services/T0/B0/s3cr3t?token=s3cr3t#x"
+        outcome = post(Guard(["127.0.0.1"], resolver=broken), url)
 
     assert (outcome.error, outcome.transient) == (SENDER_ERROR, False)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "reach.webhooks"]
-    assert line == "webhook attempt to http://hooks.test/in failed in the sender"
+    assert line == "webhook attempt to http://hooks.test:8080 failed in the sender"

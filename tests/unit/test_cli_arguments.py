@@ -75,6 +75,7 @@ def test_reach_api_refuses_fewer_than_one_process(
         ["tasks", "get", ""],
         ["tasks", "watch", " "],
         ["sessions", "get", ""],
+        ["sessions", "delete", ""],
         ["webhooks", "delete", ""],
         ["tasks", "list", "--limit", "-5"],
         ["tasks", "list", "--limit", "0"],

@@ -7,6 +7,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from reach import cli, devstack
 
 MODEL_URL = "http://127.0.0.1:8701"
@@ -81,3 +83,31 @@ def test_an_unreachable_database_is_named_without_its_password() -> None:
         cli.without_password("postgresql://u@db/reach?sslmode=require&PASSWORD=s3cret&x")
         == "postgresql://u@db/reach?sslmode=require&PASSWORD=***&x"
     )
+
+
+def test_a_url_without_a_password_is_named_as_it_was_given() -> None:
+    """urlunsplit drops the ``//`` of an empty host: ``postgresql:///reach?host=/tmp/s``
+    was named ``postgresql:/reach?host=/tmp/s``."""
+    for url in ("postgresql+psycopg:///reach?host=/tmp/s", "unix:///tmp/redis.sock?db=0"):
+        assert cli.without_password(url) == url
+    assert (
+        cli.without_password("postgresql:///reach?host=/tmp/s&password=x")
+        == "postgresql:///reach?host=/tmp/s&password=***"
+    )
+
+
+def test_only_what_libpq_refuses_of_the_url_is_named_as_the_urls_fault() -> None:
+    """A statement's misuse (a closed cursor, a parameter count) is psycopg's plain
+    ProgrammingError too: a bug, to be shown with its traceback, not blamed on the URL."""
+    import psycopg
+
+    with pytest.raises(psycopg.ProgrammingError) as refused:
+        psycopg.connect("postgresql://u@127.0.0.1:1/db?connect_timeout=abc")
+    assert cli._url_refused(refused.value) == "bad value for connect_timeout: 'abc'"
+
+    def misused() -> None:
+        raise psycopg.ProgrammingError("the cursor is closed")
+
+    with pytest.raises(psycopg.ProgrammingError) as bug:
+        misused()
+    assert cli._url_refused(bug.value) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 
@@ -47,3 +48,21 @@ def test_text_that_needs_no_escape_is_written_as_it_is() -> None:
     assert "/tasks/发票: ünïcode" in TextFormatter().format(record)
     assert json.loads(JsonFormatter().format(record))["message"] == "503 on /tasks/发票: ünïcode"
     assert "发票" in JsonFormatter().format(record)
+
+
+def test_a_tracebacks_lines_come_indented_below_the_record_whatever_its_text_holds() -> None:
+    """The traceback's last line quotes the exception's text (an agent's error), which may
+    hold a line end: it began a line that read as a record of its own."""
+    try:
+        raise RuntimeError("boom\n12:00:00 ERROR   reach.api: forged  [trace_id=beef]")
+    except RuntimeError:
+        record = _record("/x", "y")
+        record.exc_info = sys.exc_info()
+    first, *rest = TextFormatter().format(record).split("\n")
+    assert first.endswith("503 on /x: y")
+    assert rest and all(line.startswith("    ") for line in rest)
+    assert rest[0] == "    Traceback (most recent call last):"
+    assert rest[-2:] == [
+        "    RuntimeError: boom",
+        "    12:00:00 ERROR   reach.api: forged  [trace_id=beef]",
+    ]

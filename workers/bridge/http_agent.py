@@ -236,6 +236,9 @@ async def _streamed(response: aiohttp.ClientResponse, ctx: Context) -> Any:
                 streamed = True
             elif event == "session":
                 await _write_session(ctx, data, streamed=streamed)
+                # written: a retry would send the next revision, and the agent apply its turn
+                # to it again; as output sent, nothing after it is retried
+                streamed = streamed or data is not None
             elif event == "result":
                 return _outcome({"result": data}, streamed=streamed)
             elif event == "error":
@@ -256,7 +259,9 @@ async def _write_session(ctx: Context, written: Any, *, streamed: bool) -> None:
     """Write the task's session as the agent answered (``{"state": {...}}``), at the revision
     it was sent: ``ctx.session.update`` of a Python agent. A session that moved meanwhile (a
     ``PUT`` through the API) is ``session_conflict``: retried, a fresh read sent, unless
-    output was streamed."""
+    output was streamed. ``null`` writes nothing (as an answer without ``session``)."""
+    if written is None:
+        return
     if not (isinstance(written, dict) and isinstance(written.get("state"), dict)):
         raise AgentFailure('the agent\'s "session" is not {"state": {...}}', code="agent_protocol")
     if ctx.session is None:

@@ -61,9 +61,11 @@ def send(
 
 
 def _logged(url: str) -> str:
-    """A receiver's URL as a log line may show it: without its query and fragment, where
-    receivers put their tokens (``?token=...``); the guard refuses userinfo already."""
-    return urlsplit(url)._replace(query="", fragment="").geturl()
+    """A receiver's URL as a log line may show it: its origin alone. Receivers put their
+    tokens in the query (``?token=...``) and in the path (Slack's and Discord's hooks); the
+    guard refuses userinfo already."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def _send(

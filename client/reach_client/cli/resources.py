@@ -62,7 +62,7 @@ def _sessions(sub: Any, common: argparse.ArgumentParser) -> None:
     patch.add_argument("--patch", type=json_object, required=True, help='{"state": {...}}')
     patch.add_argument("--revision", type=int, required=True)
     _verb(verbs, common, "delete", "delete a session", run_session_delete).add_argument(
-        "session_id"
+        "session_id", type=identifier
     )
     revisions = _verb(verbs, common, "revisions", "its last revisions", run_session_revisions)
     revisions.add_argument("session_id", type=identifier)

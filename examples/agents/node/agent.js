@@ -21,7 +21,8 @@ const http = require('node:http');
 const HOST = process.env.HOST || '127.0.0.1';
 const PORT = Number(process.env.PORT || 9000);
 const SECRET = process.env.REACH_AGENT_SECRET || '';
-const MAX_BODY_BYTES = 1024 * 1024;
+// A payload of up to 1 MiB and a session's state of up to 256 KiB (the broker's defaults)
+const MAX_BODY_BYTES = 4 * 1024 * 1024;
 const TIMESTAMP_TOLERANCE_S = 300; // as the Standard Webhooks libraries: against replays
 const DEFAULT_DELAY_MS = 20;
 const MAX_REMEMBERED = 1000; // task ids kept for hooks and /stats, so memory stays bounded
