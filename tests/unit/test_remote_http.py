@@ -166,6 +166,19 @@ async def _answered_by(head: bytes, close: bool, url_of: Callable[[str], Awaitab
             release.set()
 
 
+def _called_within(first_byte_timeout_s: float) -> Callable[[str], Awaitable[Any]]:
+    """A call of the agent at a URL, as the bridge makes it, given ``first_byte_timeout_s``."""
+
+    async def called(url: str) -> Any:
+        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
+        secrets = ("whsec_" + "A" * 32,)
+        endpoint = http_agent.Endpoint(url, secrets, first_byte_timeout_s=first_byte_timeout_s)
+        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
+            return await http_agent.call(session, endpoint, ctx, {})
+
+    return called
+
+
 @pytest.mark.parametrize("stalls", [False, True], ids=["broken off", "never comes"])
 def test_a_503_whose_body_breaks_off_or_never_comes_is_retried_within_the_first_byte_timeout(
     stalls: bool,
@@ -175,14 +188,8 @@ def test_a_503_whose_body_breaks_off_or_never_comes_is_retried_within_the_first_
     time limit."""
     head = b"HTTP/1.1 503 Busy\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
 
-    async def called(url: str) -> Any:
-        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
-        endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,), first_byte_timeout_s=0.5)
-        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
-            return await http_agent.call(session, endpoint, ctx, {})
-
     with pytest.raises(Retryable) as refused:
-        asyncio.run(_answered_by(head, not stalls, called))
+        asyncio.run(_answered_by(head, not stalls, _called_within(0.5)))
     assert refused.value.code == "agent_http_503"
 
 
@@ -200,14 +207,8 @@ def test_an_answer_whose_encoding_cannot_be_undone_fails_as_the_agents_fault(
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
-    async def called(url: str) -> Any:
-        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
-        endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,), first_byte_timeout_s=5)
-        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
-            return await http_agent.call(session, endpoint, ctx, {})
-
     with pytest.raises(AgentFailure) as failed:
-        asyncio.run(_answered_by(head, True, called))
+        asyncio.run(_answered_by(head, True, _called_within(5)))
     assert not isinstance(failed.value, Retryable)
     assert (failed.value.code, failed.value.message) == (
         "agent_protocol",
@@ -222,12 +223,6 @@ def test_an_answer_that_breaks_off_is_retried(kind: str) -> None:
         + b'{"resu'
     )
 
-    async def called(url: str) -> Any:
-        ctx = Context(task_id=uuid.uuid4(), capability="text.upper", trace_id="a" * 32, attempt=1)
-        endpoint = http_agent.Endpoint(url, ("whsec_" + "A" * 32,), first_byte_timeout_s=5)
-        async with aiohttp.ClientSession() as session, asyncio.timeout(30):  # the test's bound
-            return await http_agent.call(session, endpoint, ctx, {})
-
     with pytest.raises(Retryable) as failed:
-        asyncio.run(_answered_by(head, True, called))
+        asyncio.run(_answered_by(head, True, _called_within(5)))
     assert failed.value.code == "agent_unreachable"
