@@ -107,7 +107,11 @@ def test_a_sync_wait_holds_none_of_its_payload(
         )
     # Then the waiting submit held none of the payload's lists
     assert held < PAD // 10, f"{held} of the payload's {PAD} lists held by a sync wait"
-    assert answer.status_code == 202, answer.text
+    # and answered as a wait that outlived it does: still queued (202), or expired (200) when
+    # a sweeper passed its deadline first (none serves the capability)
+    assert (answer.status_code, answer.json()["status"]) in {(202, "queued"), (200, "expired")}, (
+        answer.text
+    )
 
 
 def test_a_stream_holds_none_of_its_payload(
