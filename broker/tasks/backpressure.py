@@ -180,10 +180,17 @@ class QueueBound:
         """The most waiting tasks of one tenant in a queue that holds this many."""
         return max(1, int(self.max_depth * self.max_share))
 
-    async def check(self, queue: str, tenant: str | None = None) -> bool:
+    async def check(self, queue: str, tenant: str | None = None, *, turn: bool = False) -> bool:
         """Raises when the queue is full, or ``tenant`` holds its share of it; else whether
         the task goes behind the other tenants' in it. A task let through counts in the
-        queue's depth here until the next read: a burst within a second sees itself."""
+        queue's depth here until the next read: a burst within a second sees itself.
+
+        ``turn``: the task is a session's turn, which may wait for the turns before it with
+        no message in the queue (``broker.tasks.turns``), so the queue's depth does not show
+        it: its tenant's share is counted whatever the depth. Uncounted, one tenant parked
+        thousands of turns in a quiet queue and let them go together (a cancel of each turn
+        before them), putting the queue past ``max_depth``: every tenant's submit to it was
+        refused 503."""
         depth = await self._depths.get(queue, refresh_s=self.refresh_s, stale_s=self.stale_s)
         if depth >= self.max_depth:
             metrics.rejections.labels("overloaded").inc()
@@ -192,14 +199,14 @@ class QueueBound:
                 code="overloaded",
                 retry_after_s=5,
             )
-        behind = await self._behind(queue, tenant, depth)
+        behind = await self._behind(queue, tenant, depth, turn=turn)
         self._depths.add(queue, 1)
         return behind
 
-    async def _behind(self, queue: str, tenant: str | None, depth: int) -> bool:
+    async def _behind(self, queue: str, tenant: str | None, depth: int, *, turn: bool) -> bool:
         """Whether ``tenant``'s next task in a queue holding ``depth`` goes behind the other
         tenants'; raises ``TooManyQueued`` past its share."""
-        shared = depth >= self.share
+        shared = turn or depth >= self.share
         fair = 0 < self.fair_slice <= depth
         if tenant is None or self.queued is None or not (shared or fair):
             return False

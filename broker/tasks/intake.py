@@ -78,7 +78,9 @@ class Intake:
                 cache=self.cards,
                 metered=metered,
             )
-            behind = await self.queue_bound.check(queue, caller.tenant)
+            behind = await self.queue_bound.check(
+                queue, caller.tenant, turn=envelope.session_id is not None
+            )
             if callback is None and envelope.callback is not None:
                 callback = envelope.callback.model_dump()
             if callback is not None:

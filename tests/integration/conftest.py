@@ -45,8 +45,8 @@ TEST_QUEUES = ",".join(
 )
 
 # Capabilities whose agent no test starts, yet whose tasks must be able to wait in a queue.
-# ``test.nobody-fills`` and ``test.nobody-shares``: a test fills each one's queue, which no
-# other test may have touched.
+# ``test.nobody-fills``, ``test.nobody-shares`` and ``test.nobody-parks``: a test fills each
+# one's queue, which no other test may have touched.
 DORMANT = (
     "test.nobody",
     "test.nobody-serves",
@@ -54,6 +54,9 @@ DORMANT = (
     "test.nobody-fills",
     "test.nobody-shares",
     "test.nobody-holds",
+    "test.nobody-parks",
+    "test.nobody-first-0",
+    "test.nobody-first-1",
 )
 
 

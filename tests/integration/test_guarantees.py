@@ -435,6 +435,56 @@ def test_a_tenant_holding_its_share_of_a_queue_gets_429_and_another_still_gets_i
     assert count_tasks(engine, other) == 2
 
 
+def test_a_tenants_waiting_session_turns_count_in_its_share_of_a_quiet_queue(
+    settings: Settings, make_key: KeyMaker, engine: Engine, redis_url: str
+) -> None:
+    """A turn waiting for the turn before it holds no message (its worker drops the one its
+    submit sent), so the queue looks empty however many wait. Uncounted, a tenant parked
+    more than its share there and let them go together by cancelling the turns before them:
+    the queue went past its bound and every other tenant's submit to it was refused 503."""
+    shared = settings.model_copy(update={"max_queue_depth": 4, "max_queue_share": 0.5})
+    app = create_app(shared)
+    app.state.services.queue_bound.refresh_s = 0  # each submit sees the ones before it
+    app.state.services.queue_bound.stale_s = 0
+    broker = redis.Redis.from_url(redis_url)
+    parked = redis_lists("test.nobody-parks")  # its queue empty until now, and not consumed
+    hog, hog_key = make_key()
+    _, other_key = make_key()
+    firsts, seconds = [], []
+    with ServedApp(app) as served, client_for(served, hog_key) as http:
+        for n in range(3):
+            session_id = http.post("/sessions", json={}).json()["session_id"]
+            for capability, answers in (
+                (f"test.nobody-first-{n % 2}", firsts),  # its turn waits here, first
+                ("test.nobody-parks", seconds),  # so this one waits for it
+            ):
+                envelope = {"capability": capability, "payload": {}, "session_id": session_id}
+                answers.append(http.post("/tasks", json={**envelope, "queue_if_unavailable": True}))
+            broker.delete(*parked)  # as a worker drops a turn's message while the turn waits
+        # When the hog's turns before its waiting ones are cancelled
+        for first in firsts:
+            assert http.post(f"/tasks/{first.json()['task_id']}/cancel").status_code == 200
+        released = sum(int(broker.llen(key)) for key in parked)
+        with client_for(served, other_key) as other:
+            theirs = other.post(
+                "/tasks",
+                json={
+                    "capability": "test.nobody-parks",
+                    "payload": {},
+                    "queue_if_unavailable": True,
+                },
+            )
+    broker.delete(*parked)
+    # Then the hog parked its share (2 of 4) and no more, though the queue held none
+    assert [a.status_code for a in firsts] == [202, 202, 202]
+    assert [a.status_code for a in seconds] == [202, 202, 429], seconds[2].text
+    assert seconds[2].json()["code"] == "too_many_queued"
+    assert count_tasks(engine, hog) == 5
+    # and the other tenant still got in once they were let go
+    assert released == 2
+    assert theirs.status_code == 202, theirs.text
+
+
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_tenant_past_its_fair_slice_of_a_queue_waits_behind_another_tenants_tasks(
     pool: str, settings: Settings, make_key: KeyMaker, engine: Engine, log_dir: Path

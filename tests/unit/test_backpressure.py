@@ -147,6 +147,22 @@ def test_given_a_queue_past_its_share_expect_the_tenant_holding_it_refused_and_o
     asyncio.run(main())
 
 
+def test_given_a_session_turn_expect_its_tenant_share_counted_in_a_quiet_queue() -> None:
+    """A waiting turn holds no message, so the depth does not show a tenant's parked turns."""
+    counts = Queued(a=5, b=4)
+    bound = QueueBound(Depths(0), max_depth=10, queued=counts, max_share=0.5)
+
+    async def main() -> None:
+        await bound.check("q", "a")  # a plain task in a quiet queue: nothing counted
+        assert counts.reads == []
+        with pytest.raises(TooManyQueued):
+            await bound.check("q", "a", turn=True)
+        await bound.check("q", "b", turn=True)  # b's fifth
+        assert counts.reads == ["a", "b"]
+
+    asyncio.run(main())
+
+
 def test_given_a_count_read_expect_this_process_admissions_added_until_the_next() -> None:
     counts = Queued(a=3)
     bound = QueueBound(Depths(5), max_depth=10, queued=counts, max_share=0.5, refresh_s=60)
