@@ -22,6 +22,7 @@ from api.contract import (
 )
 from api.deps import authenticate, read_metered_body
 from api.paging import LIMIT_DEFAULT, Cursor, Limit
+from api.rawjson import StoredJSONResponse, spliced
 from api.schemas import TaskList, TaskResource
 from api.services import Services, services
 from api.sse import EventStreamResponse, Slot
@@ -176,16 +177,18 @@ async def get_task(
         Literal["payload"] | None,
         Query(description="payload: add the envelope's payload to the task"),
     ] = None,
-) -> JSONResponse:
+) -> StoredJSONResponse:
     """The task. Unknown, expired, other tenants' ids and tasks of capabilities outside the
     key's patterns are all 404. ``include=payload`` adds the envelope's ``payload`` (the
     console shows it and submits it again)."""
     engine = services(request).engine
-    row = await queries.visible_task(engine, caller, task_id, payload=include == "payload")
+    row = await queries.visible_task(
+        engine, caller, task_id, payload=include == "payload", as_text=True
+    )
     resource = render(row)
     if include == "payload":
         resource["payload"] = row["payload"]
-    return JSONResponse(resource)
+    return StoredJSONResponse(spliced(resource, queries.TEXT_JSON))
 
 
 @router.get("/tasks", response_model=TaskList, responses=answers(*AUTHENTICATED, 400, 422))

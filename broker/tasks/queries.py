@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Select, false, func, or_, select, true
+from sqlalchemy import ColumnElement, Select, Text, false, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from broker.db.models import FINAL_COLUMNS, as_task_row
@@ -53,11 +53,27 @@ def allowed_by(patterns: Sequence[str], column: ColumnElement[str]) -> ColumnEle
     return or_(false(), *clauses)
 
 
+# The columns of JSON a read may take as their text (``get_task``'s ``as_text``).
+TEXT_JSON = (*SHOWN_JSON, "payload")
+
+
 def _one_task(
-    columns: Sequence[str], tenant: str, task_id: uuid.UUID, patterns: Sequence[str]
+    columns: Sequence[str],
+    tenant: str,
+    task_id: uuid.UUID,
+    patterns: Sequence[str],
+    *,
+    as_text: bool = False,
 ) -> Select[Any]:
-    """The ``columns`` of one task of ``tenant`` the ``patterns`` allow, unless expired."""
-    return select(*(tasks.c[name] for name in columns)).where(
+    """The ``columns`` of one task of ``tenant`` the ``patterns`` allow, unless expired;
+    ``as_text``: those of ``TEXT_JSON`` as Postgres writes their JSON, not decoded."""
+
+    def column(name: str) -> Any:
+        if as_text and name in TEXT_JSON:
+            return tasks.c[name].cast(Text).label(name)
+        return tasks.c[name]
+
+    return select(*(column(name) for name in columns)).where(
         tasks.c.id == task_id,
         tasks.c.tenant == tenant,
         tasks.c.expires_at > func.now(),
@@ -71,12 +87,13 @@ def task_query(
     *,
     patterns: Sequence[str] = EVERY_CAPABILITY,
     payload: bool = False,
+    as_text: bool = False,
 ) -> Select[Any]:
     """What ``get_task`` reads: ``READ_COLUMNS``, and the payload only when ``payload`` asks
     for it (``GET /tasks/{id}?include=payload``). A payload may be a megabyte, and nothing
     else shows it."""
     columns = (*READ_COLUMNS, "payload") if payload else READ_COLUMNS
-    return _one_task(columns, tenant, task_id, patterns)
+    return _one_task(columns, tenant, task_id, patterns, as_text=as_text)
 
 
 def status_query(tenant: str, task_id: uuid.UUID) -> Select[Any]:
@@ -98,10 +115,14 @@ async def get_task(
     *,
     patterns: Sequence[str] = EVERY_CAPABILITY,
     payload: bool = False,
+    as_text: bool = False,
 ) -> TaskRow | None:
     """The task's ``READ_COLUMNS`` (``render`` reads no others of a row), and its ``payload``
-    when asked: no other column is read, and no other key is in the row."""
-    query = task_query(tenant, task_id, patterns=patterns, payload=payload)
+    when asked: no other column is read, and no other key is in the row. ``as_text``: its
+    JSON columns (``TEXT_JSON``) as text, for an answer that passes them on as they are
+    (``api.rawjson``): decoding a result of a million small values took the API's event
+    loop for most of a second, at a request any tenant may send many times a second."""
+    query = task_query(tenant, task_id, patterns=patterns, payload=payload, as_text=as_text)
     async with engine.connect() as conn:
         row = (await conn.execute(query)).first()
     return as_task_row(row) if row is not None else None
@@ -124,7 +145,12 @@ async def final_task(engine: AsyncEngine, tenant: str, task_id: uuid.UUID) -> Ta
 
 
 async def visible_task(
-    engine: AsyncEngine, caller: Principal, task_id: str, *, payload: bool = False
+    engine: AsyncEngine,
+    caller: Principal,
+    task_id: str,
+    *,
+    payload: bool = False,
+    as_text: bool = False,
 ) -> TaskRow:
     """The task if this key may see it (as ``get_task`` reads it), else ``task_not_found``:
     unknown, expired, other tenants' ids and tasks of capabilities outside the key's patterns
@@ -132,7 +158,9 @@ async def visible_task(
     tid = parse_task_id(task_id)
     row = None
     if tid is not None:
-        row = await get_task(engine, caller.tenant, tid, patterns=caller.sees, payload=payload)
+        row = await get_task(
+            engine, caller.tenant, tid, patterns=caller.sees, payload=payload, as_text=as_text
+        )
     if row is None:
         raise NotFound("no such task", code="task_not_found")
     return row
