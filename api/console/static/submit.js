@@ -42,9 +42,13 @@ export function renderSubmit(main, params) {
 
   function build(values) {
     const card = cards[choice.value];
-    described.textContent = card
-      ? `${card.display_name ?? card.agent_id} ${card.version}${card.description ? ` — ${card.description}` : ""}`
-      : "";
+    // An agent's own words each in a <bdi>: a direction mark in one stays in it.
+    described.replaceChildren(
+      ...(card
+        ? [h("bdi", {}, card.display_name ?? card.agent_id), ` ${card.version}`,
+          ...(card.description ? [" — ", h("bdi", {}, card.description)] : [])]
+        : []),
+    );
     form = fieldsFor(card?.input_schema ?? {}, values);
     fields.replaceChildren(h("legend", {}, "Payload"), ...form.elements);
   }

@@ -88,7 +88,7 @@ export function renderTask(main, taskId) {
   function showProgress(progress) {
     bar.value = Math.max(0, Math.min(100, Number(progress.percent) || 0));
     barLabel.replaceChildren(`${progress.percent}%`,
-      progress.message ? [" — ", isolated(progress.message)] : "");
+      ...(progress.message ? [" — ", isolated(progress.message)] : []));
   }
 
   function showActions() {

@@ -119,6 +119,7 @@ def test_a_summary_streams_onto_the_task_page_sentence_by_sentence(
     expect(page.locator("h1 .badge")).to_have_text("succeeded", timeout=30_000)
     expect(page.locator("#outputs li")).to_have_count(3)
     expect(page.locator("#task-progress")).to_have_attribute("value", "100")
+    expect(page.locator("#task-progress-label")).to_have_text("100% — sentence 3 of 3")
     task_id = page.url.rsplit("/", 1)[1]
     with client_for(api, key) as http:
         result = http.get(f"/tasks/{task_id}").json()["result"]

@@ -16,6 +16,7 @@ from tests.integration.console.test_screenshots import fits
 from workers.sdk.agent import AgentRegistry
 
 LONG_OPTION = "a very long option that an agent's author wrote out in full " * 6
+RIGHT_TO_LEFT = "\u202e"  # an override: the text after it, to the end of its element, reversed
 
 
 def advertise_form_card(engine: Engine, tenant: str) -> str:
@@ -31,9 +32,13 @@ def advertise_form_card(engine: Engine, tenant: str) -> str:
         },
     }
     cards = AgentRegistry()
-    cards.capability(capability, agent_id=f"form-{tenant}", input_schema=schema, tenants=[tenant])(
-        lambda ctx, payload: None
-    )
+    cards.capability(
+        capability,
+        agent_id=f"form-{tenant}",
+        input_schema=schema,
+        tenants=[tenant],
+        description=f"{RIGHT_TO_LEFT}an agent's words",
+    )(lambda ctx, payload: None)
     leases.advertise_cards(engine, [spec.card.document() for spec in cards])
     return capability
 
@@ -53,7 +58,11 @@ def test_the_submit_form_shows_no_null_and_fills_in_no_property_of_object(
     fields = page.locator("fieldset")
     expect(page.get_by_label("count")).to_be_visible()
 
-    # Then no field says "null", __proto__ starts empty, and the form fits the window
+    # Then the card's words are isolated: its override reverses nothing past them
+    described = page.locator("#capability-description")
+    expect(described.locator("bdi")).to_have_count(2)  # the agent's id and the description
+    expect(described.locator("bdi").nth(1)).to_have_text(f"{RIGHT_TO_LEFT}an agent's words")
+    # and no field says "null", __proto__ starts empty, and the form fits the window
     expect(fields).not_to_contain_text("null")
     expect(fields.get_by_text("Any colour")).to_be_visible()
     expect(page.get_by_label("__proto__")).to_have_value("")
