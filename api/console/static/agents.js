@@ -1,7 +1,7 @@
 // Agents: cards, versions, channels, instances with state and last heartbeat; drain, revoke
 // and channels (operators: the API refuses anyone else).
 
-import { get, post, put, remove } from "./api.js";
+import { get, pathPart, post, put, remove } from "./api.js";
 import { badge, collapsible, h } from "./dom.js";
 import { act, poll } from "./live.js";
 
@@ -24,19 +24,19 @@ export function renderAgents(main) {
     h("div", {}, h("button", { type: "submit" }, "Set channel")));
   main.append(h("h1", {}, "Agents"), problem, status, list, form);
 
-  const agentPath = (id) => `agents/${encodeURIComponent(id)}`;
+  const agentPath = (id) => `agents/${pathPart(id)}`;
   const done = () => live.refresh();
   const ops = {
     drain: (id, instance) => act(
-      () => post(`${agentPath(id)}/instances/${encodeURIComponent(instance)}/drain`),
+      () => post(`${agentPath(id)}/instances/${pathPart(instance)}/drain`),
       `Drain requested for ${instance}.`, status, done),
     revoke: (id, version) => {
       if (!window.confirm(`Revoke ${id}@${version}? It gets no traffic again, for good.`)) return;
-      act(() => post(`${agentPath(id)}/versions/${encodeURIComponent(version)}/revoke`),
+      act(() => post(`${agentPath(id)}/versions/${pathPart(version)}/revoke`),
         `Revoked ${id}@${version}.`, status, done);
     },
     dropChannel: (id, name) => act(
-      () => remove(`${agentPath(id)}/channels/${encodeURIComponent(name)}`),
+      () => remove(`${agentPath(id)}/channels/${pathPart(name)}`),
       `Removed the channel ${name} of ${id}.`, status, done),
   };
 
@@ -49,7 +49,7 @@ export function renderAgents(main) {
       }));
     const id = agentId.value.trim();
     const name = channel.value.trim();
-    act(() => put(`${agentPath(id)}/channels/${encodeURIComponent(name)}`, { versions }),
+    act(() => put(`${agentPath(id)}/channels/${pathPart(name)}`, { versions }),
       `Set the channel ${name} of ${id}.`, status, () => {
         form.reset();
         done();

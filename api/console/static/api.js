@@ -66,6 +66,15 @@ export const post = (path, body, options) => call("POST", path, body, options);
 export const put = (path, body, options) => call("PUT", path, body, options);
 export const remove = (path, options) => call("DELETE", path, undefined, options);
 
+// An id as one segment of an API path. The server decodes an escaped slash before it routes
+// (`tasks/<id>%2Fevents` reached the events route), and the browser resolves `.`, `..` and
+// their escapes (`%2E`) as it would the path's own: those are escaped twice, so an id typed
+// in the address names nothing but that id (the API answers that nothing has it).
+export function pathPart(id) {
+  const once = encodeURIComponent(id).replace(/%2F/gi, "%252F");
+  return once === "." || once === ".." ? once.replaceAll(".", "%252E") : once;
+}
+
 export function query(params) {
   const found = Object.entries(params).filter(([, v]) => v !== undefined && v !== null && v !== "");
   return found.length ? `?${new URLSearchParams(found)}` : "";
@@ -77,7 +86,7 @@ export function query(params) {
 export async function* events(taskId, { after, signal, opened = () => {} } = {}) {
   const extra = { Accept: "text/event-stream" };
   if (after) extra["Last-Event-ID"] = String(after);
-  const url = new URL(`tasks/${encodeURIComponent(taskId)}/events`, root);
+  const url = new URL(`tasks/${pathPart(taskId)}/events`, root);
   const response = await fetch(url, { headers: headers(extra), signal });
   if (!response.ok) throw await refusal(response);
   opened();

@@ -3,7 +3,7 @@
 // series is real work for the API (a task token, from the bucket POST /tasks takes from too):
 // read with the list every 5 s, one per capability, they left the tenant's submits a 429.
 
-import { get } from "./api.js";
+import { get, pathPart } from "./api.js";
 import { duration, seriesChart } from "./chart.js";
 import { alertBox, h } from "./dom.js";
 import { poll } from "./live.js";
@@ -52,7 +52,7 @@ export function renderCapabilities(main) {
       const found = await get("capabilities");
       // A chart for each capability that finished tasks in the hour; the others in one line.
       return Promise.allSettled(found.capabilities.map((c) => get(
-        `capabilities/${encodeURIComponent(c.capability)}/series`)));
+        `capabilities/${pathPart(c.capability)}/series`)));
     },
     show: (series) => {
       const quiet = series.filter((s) => s.status === "fulfilled" && !s.value.total.tasks);
@@ -72,7 +72,7 @@ export function renderCapabilities(main) {
 
 function row(c) {
   const m = c.measured ?? {};
-  const name = encodeURIComponent(c.capability);
+  const name = pathPart(c.capability);
   return h("tr", { "data-capability": c.capability },
     h("th", { scope: "row" }, c.capability),
     h("td", {}, c.cards.map((card) => `${card.agent_id}@${card.version}`).join(", ")),

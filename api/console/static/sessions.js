@@ -1,7 +1,7 @@
 // Sessions: the tenant's live sessions, newest first, a page at a time; one session's state
 // and revision, the revisions with the tasks that wrote them, and a link to its tasks.
 
-import { get, query } from "./api.js";
+import { get, pathPart, query } from "./api.js";
 import { alertBox, collapsible, definitionList, h, when } from "./dom.js";
 import { pager, poll } from "./live.js";
 
@@ -53,7 +53,7 @@ function showSession(main, sessionId, problem) {
   const shown = h("div");
   main.prepend(h("p", {}, h("a", { href: "#/sessions" }, "← Sessions")));
   main.append(shown);
-  const id = encodeURIComponent(sessionId);
+  const id = pathPart(sessionId);
   Promise.all([get(`sessions/${id}`), get(`sessions/${id}/revisions`)])
     .then(([session, history]) => {
       shown.replaceChildren(

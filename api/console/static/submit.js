@@ -1,7 +1,7 @@
 // Submit a task: the capability's card input schema becomes a form (top-level strings,
 // numbers, integers and booleans get fields of their own, anything else a JSON text area).
 
-import { get, post } from "./api.js";
+import { get, pathPart, post } from "./api.js";
 import { alertBox, h } from "./dom.js";
 import { fieldsFor, readPayload } from "./schema_form.js";
 
@@ -79,7 +79,7 @@ export function renderSubmit(main, params) {
   async function load() {
     const [agents, previous] = await Promise.all([
       get("agents"),
-      params.get("from") ? get(`tasks/${encodeURIComponent(params.get("from"))}?include=payload`) : null,
+      params.get("from") ? get(`tasks/${pathPart(params.get("from"))}?include=payload`) : null,
     ]);
     if (stopped) return;
     cards = newestCards(agents.agents);

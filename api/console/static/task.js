@@ -1,6 +1,6 @@
 // One task: its fields, payload and result, and its events as they happen (SSE).
 
-import { FINAL, backoffMs, events, get, post, transient } from "./api.js";
+import { FINAL, backoffMs, events, get, pathPart, post, transient } from "./api.js";
 import { alertBox, badge, collapsible, definitionList, h, pretty, problemText, when } from "./dom.js";
 import { tailList } from "./feed.js";
 import { act, poll } from "./live.js";
@@ -105,7 +105,7 @@ export function renderTask(main, taskId) {
 
   async function cancel() {
     try {
-      show(await post(`tasks/${encodeURIComponent(taskId)}/cancel`));
+      show(await post(`tasks/${pathPart(taskId)}/cancel`));
       problem.replaceChildren();
     } catch (error) {
       problem.replaceChildren(alertBox(error));
@@ -215,7 +215,7 @@ export function renderTask(main, taskId) {
   async function read() {
     for (let failures = 0; ; failures += 1) {
       try {
-        return await get(`tasks/${encodeURIComponent(taskId)}?include=payload`, { signal: stop.signal });
+        return await get(`tasks/${pathPart(taskId)}?include=payload`, { signal: stop.signal });
       } catch (error) {
         if (stop.signal.aborted || !transient(error)) throw error;
         if (!(await pause(error, failures))) throw error;
@@ -224,7 +224,7 @@ export function renderTask(main, taskId) {
   }
 
   // Its callback's deliveries and its subscriptions' (the final one comes after the end).
-  const id = encodeURIComponent(taskId);
+  const id = pathPart(taskId);
   const redeliver = (deliveryId) => act(
     () => post(`tasks/${id}/deliveries/${deliveryId}/redeliver`), "Sent again.", deliveryStatus,
     () => sent.refresh());

@@ -1,7 +1,7 @@
 // Webhooks: the tenant's subscriptions; one subscription's deliveries with every attempt's
 // status code, error and latency; redeliver a failed or dead one.
 
-import { get, post, query, remove } from "./api.js";
+import { get, pathPart, post, query, remove } from "./api.js";
 import { badge, h, when } from "./dom.js";
 import { act, pager, poll } from "./live.js";
 
@@ -64,7 +64,7 @@ export function renderWebhooks(main) {
 
   function unsubscribe(w) {
     if (!window.confirm(`Delete the subscription to ${w.url}? Its deliveries stop.`)) return;
-    act(() => remove(`webhooks/${encodeURIComponent(w.webhook_id)}`), `Deleted ${w.url}.`, status,
+    act(() => remove(`webhooks/${pathPart(w.webhook_id)}`), `Deleted ${w.url}.`, status,
       () => live.refresh());
   }
 
@@ -88,7 +88,7 @@ export function renderWebhooks(main) {
 }
 
 export function renderWebhook(main, webhookId) {
-  const id = encodeURIComponent(webhookId);
+  const id = pathPart(webhookId);
   const problem = h("div", { "aria-live": "polite" });
   const status = h("div", { "aria-live": "polite" });
   const title = h("h1", {}, "Webhook");

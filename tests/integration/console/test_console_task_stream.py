@@ -5,6 +5,7 @@ stopping the page for good."""
 from __future__ import annotations
 
 import json
+from urllib.parse import urlsplit
 
 import pytest
 from playwright.sync_api import Route, expect
@@ -182,3 +183,35 @@ def test_a_malformed_escape_in_the_address_says_not_found_not_a_blank_page(
     console.open(fragment)
     expect(console.page.get_by_role("alert").first).to_contain_text("not_found")
     assert refused(console.errors, 404) == []
+
+
+@pytest.mark.parametrize(
+    "fragment",
+    [
+        "#/tasks/{task_id}%2Fevents",
+        "#/tasks/..",
+        "#/tasks/%2E%2E",
+        "#/webhooks/..",
+        "#/tasks/.%5C..",
+    ],
+)
+def test_an_id_in_the_address_names_that_id_alone_not_another_route(
+    console: Console, key: str, api: ServedApp, fragment: str
+) -> None:
+    """The server decodes an escaped slash before it routes (``<id>%2Fevents`` opened the
+    task's event stream) and the browser resolves ``..`` and ``%2E%2E`` (``GET /`` and
+    ``GET /deliveries`` were sent)."""
+    with client_for(api, key) as http:
+        task_id = http.post("/tasks", json={"capability": "echo", "payload": {}}).json()["task_id"]
+    paths: list[str] = []
+    console.page.on("request", lambda request: paths.append(urlsplit(request.url).path))
+    console.sign_in(key)
+    expect(console.page.get_by_role("heading", name="Tasks")).to_be_visible()  # signed in
+    paths.clear()
+    console.open(fragment.format(task_id=task_id))
+    expect(console.page.get_by_role("alert").first).to_contain_text("not_found")
+    assert refused(console.errors, 404) == []
+    api_paths = [p for p in paths if not p.startswith("/console")]
+    assert api_paths, "the page asked the API nothing"
+    assert f"/tasks/{task_id}/events" not in api_paths
+    assert all(p.startswith(("/tasks/", "/webhooks/")) for p in api_paths), api_paths
