@@ -488,10 +488,13 @@ def turn(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
     """A session's turn. Waits until the Redis key of ``gate`` exists (or it is cancelled),
     then appends ``text`` to ``state["log"]``: with ``ctx.session.mutate`` (``write``:
     "mutate", the default), or with one ``update`` at the revision read ("update"), which
-    reports a conflict instead of raising it; then fails with ``fail`` as its code if given."""
+    reports a conflict instead of raising it; then fails with ``fail`` as its code if given,
+    or (``retry``) retryably on its first attempt. ``sleep_s``: sleeps before the write, deaf
+    to a cancel."""
     assert ctx.session is not None
     read_revision = ctx.session.revision
     _wait_for_gate(payload, ctx)
+    time.sleep(payload.get("sleep_s", 0))
     outcome: dict[str, Any] = {"read_revision": read_revision}
     if "text" in payload:
         if payload.get("write", "mutate") == "update":
@@ -505,7 +508,15 @@ def turn(ctx: Context, payload: dict[str, Any]) -> dict[str, Any]:
             ctx.session.mutate(lambda state: _log_turn(state, payload["text"]))
     if payload.get("fail"):
         raise AgentFailure("this turn fails", code=str(payload["fail"]))
+    if payload.get("retry") and ctx.attempt == 1:
+        raise Retryable("this turn may be tried again", code="upstream_busy", delay_s=0.1)
     return {**outcome, "revision": ctx.session.revision, "state": ctx.session.state}
+
+
+# ``test.turn`` served by one test's threads-pool worker alone (``test_session_turns``).
+agent.capability("test.turn-threads", agent_id="test-turn-threads", version="0.0.1", timeout_s=60)(
+    turn
+)
 
 
 @agent.capability("test.turn-async", agent_id="test-turn-async", version="0.0.1", timeout_s=60)

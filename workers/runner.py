@@ -427,6 +427,15 @@ class Runner:
         if claimed.session_id is not None and claimed.session is None:
             gone = task_error("session_not_found", "its session expired or was deleted")
             return Finish.failed(claimed.task_id, gone, attempt=claimed.attempt)
+        if claimed.session is not None and claimed.session.get("written"):
+            # An earlier attempt wrote its session, then its worker was lost (an attempt
+            # that writes and fails is not retried, ``_conclude``): run again, the turn
+            # would be applied twice.
+            lost = task_error(
+                "worker_lost",
+                "its worker was lost after the task wrote its session: not run again",
+            )
+            return Finish.failed(claimed.task_id, lost, attempt=claimed.attempt)
         return None
 
     def _prepare(
@@ -514,6 +523,11 @@ class Runner:
             outcome = Failed(timed_out(outcome.error), expired=True)
         if outcome.expired:
             return Finish.expired(tid, outcome.error, attempt=attempt), None
+        if outcome.error["retryable"] and ctx.session is not None and ctx.session.written:
+            # Tried again, the turn would be applied to the revision it wrote itself.
+            error = {**outcome.error, "retryable": False}
+            error["message"] = f"{error['message']} (not retried: the task wrote its session)"
+            return Finish.failed(tid, error, attempt=attempt), None
         decision = retry.decide(
             retryable=outcome.error["retryable"],
             attempt=claimed.attempt,

@@ -22,6 +22,7 @@ _FAILURES = (
     sessions.SessionTooLarge,
     sessions.SessionInvalid,
     sessions.TaskNotRunning,
+    sessions.TaskPastDeadline,
 )
 
 

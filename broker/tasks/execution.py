@@ -96,7 +96,8 @@ class Claimed:
     queue: str
     max_attempts: int | None
     tenant: str
-    # {"revision", "state"} of its session as the claim found it; None without a live one.
+    # {"revision", "state", "written"} of its session as the claim found it (``sessions.
+    # snapshot_of``); None without a live one.
     session: dict[str, Any] | None = None
     payload_size: int = 0  # its payload's bytes as JSON, as stored at submit
 
@@ -130,7 +131,7 @@ _CLAIMED_COLUMNS = [
     tasks.c[_RENAMED.get(f.name, f.name)].label(f.name)
     for f in fields(Claimed)
     if f.name != "session"
-] + [sessions.snapshot_of(tasks.c.session_id, tasks.c.tenant).label("session")]
+] + [sessions.snapshot_of(tasks.c.session_id, tasks.c.tenant, tasks.c.id).label("session")]
 
 
 def _rows(name: str, *columns: Any) -> TableValuedAlias:

@@ -23,6 +23,7 @@ from broker import sessions
 from broker.db.models import sessions_table, tasks_table
 from broker.settings import Settings
 from broker.tasks import execution, turns
+from broker.tasks.dispatch import Dispatcher, send_run
 from tests.agents import GATE_KEY
 from tests.eventually import eventually
 from tests.integration.conftest import KeyMaker, client_for, count_tasks
@@ -48,6 +49,15 @@ def turns_taken(engine: Engine, session_id: str) -> int:
         return int(
             conn.execute(
                 select(sessions_table.c.turns).where(sessions_table.c.id == session_id)
+            ).scalar_one()
+        )
+
+
+def _tenant_of_session(engine: Engine, session_id: str) -> str:
+    with engine.connect() as conn:
+        return str(
+            conn.execute(
+                select(sessions_table.c.tenant).where(sessions_table.c.id == session_id)
             ).scalar_one()
         )
 
@@ -791,3 +801,86 @@ def test_a_session_its_last_turn_held_past_its_ttl_outlives_a_purge_before_its_r
     with engine.begin() as conn:
         turns.ended(conn, session_id)
     assert client.get(f"/sessions/{session_id}").status_code == 200
+
+
+# -- a turn is applied once ------------------------------------------------------------------
+
+
+def test_a_turn_that_wrote_its_session_then_failed_retryably_is_not_tried_again(
+    client: httpx.Client, turn_worker: CeleryProcess
+) -> None:
+    """Tried again, the turn read the revision it had written and applied itself to it."""
+    session_id = new_session(client)
+    task_id = submit(client, "test.turn", {"text": "once", "retry": True}, session_id)
+    done = wait_for_task(client, task_id, FINAL)
+    assert (done["status"], done["attempts"]) == ("failed", 1), done
+    assert done["error"]["code"] == "upstream_busy"
+    assert done["error"]["retryable"] is False
+    assert session_of(client, session_id)["state"]["log"] == ["once"]
+    # a turn that fails so before it writes is still tried again
+    again = submit(client, "test.turn", {"retry": True}, session_id)
+    retried = wait_for_task(client, again, FINAL)
+    assert (retried["status"], retried["attempts"]) == ("succeeded", 2), retried["error"]
+
+
+def test_a_turn_whose_earlier_attempt_wrote_its_session_is_not_run_again(
+    client: httpx.Client, engine: Engine, settings: Settings, turn_worker: CeleryProcess
+) -> None:
+    """An idempotent turn whose worker died after its write is delivered again: run, it
+    applied the turn a second time."""
+    session_id = new_session(client)
+    # Given a turn of it accepted, whose first attempt wrote revision 2, then was lost
+    owner = _tenant_of_session(engine, session_id)
+    task_id = a_task_row(engine, tenant=owner, capability="test.turn", turn=(session_id, 1))
+    with engine.begin() as conn:
+        conn.execute(
+            update(sessions_table).where(sessions_table.c.id == session_id).values(turns=1)
+        )
+        running = update(tasks_table).where(tasks_table.c.id == task_id)
+        conn.execute(running.values(attempts=1, status="running"))
+        sessions.compare_and_set(
+            conn,
+            owner,
+            session_id,
+            revision=1,
+            state={"log": ["first"]},
+            task_id=task_id,
+            max_bytes=settings.session_max_bytes,
+            revisions_kept=settings.session_revisions_kept,
+        )
+        conn.execute(running.values(status="queued"))  # its worker lost: queued again
+    # When its message comes again
+    dispatcher = Dispatcher(settings)
+    try:
+        send_run(dispatcher.app, task_id, "test.turn", trace_id=uuid.uuid4().hex, tenant=owner)
+        done = wait_for_task(client, str(task_id), FINAL)
+    finally:
+        dispatcher.close()
+    # Then it is not run again: the session holds its one write
+    assert (done["status"], done["error"]["code"]) == ("failed", "worker_lost")
+    assert session_of(client, session_id)["state"] == {"log": ["first"]}
+
+
+def test_a_turn_on_the_threads_pool_past_its_deadline_writes_nothing(
+    client: httpx.Client, settings: Settings, log_dir: Path
+) -> None:
+    """The threads pool cannot stop a sync handler: its late result was dropped, but its
+    session write, made past the deadline, was kept."""
+    worker = start_worker(
+        settings, "test.turn-threads", "turns-late", log_dir, concurrency=2, pool="threads"
+    )
+    try:
+        session_id = new_session(client)
+        late = submit(
+            client,
+            "test.turn-threads",
+            {"text": "late", "sleep_s": 2},
+            session_id,
+            deadline_ms=1000,
+        )
+        done = wait_for_task(client, late, FINAL)
+    finally:
+        worker.stop()
+    assert (done["status"], done["error"]["code"]) == ("expired", "timeout")
+    assert "log" not in session_of(client, session_id)["state"]
+    assert session_of(client, session_id)["revision"] == 1

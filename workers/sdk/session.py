@@ -45,6 +45,9 @@ class Session:
     state: State
     _write: Writer = field(repr=False)
     _read: Reader = field(repr=False)
+    # This attempt wrote a revision: its task is not tried again (it would apply its turn
+    # to what it wrote itself).
+    written: bool = field(default=False, repr=False)
 
     def update(self, new_state: State) -> None:
         """Write ``new_state`` as the next revision, if the session is still at
@@ -54,6 +57,7 @@ class Session:
         if not isinstance(new_state, dict):
             raise TypeError("a session's state is a JSON object (a dict)")
         self.revision, self.state = self._write(self.revision, new_state)
+        self.written = True
 
     def mutate(self, change: Change, *, attempts: int = MUTATE_ATTEMPTS) -> State:
         """Apply ``change`` to a copy of the state and ``update`` with what it returns (or
