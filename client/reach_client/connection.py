@@ -107,9 +107,15 @@ def translated() -> Iterator[None]:
     False for those that end before a connection carried the request."""
     try:
         yield
+    except httpx.PoolTimeout as exc:
+        raise APITimeoutError(
+            "no free connection in the client's pool in time: every one of its"
+            " max_connections is held (streams and waits hold theirs to their end)",
+            sent=False,
+        ) from exc
     except httpx.TimeoutException as exc:
-        sent = not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
-        raise APITimeoutError(f"no answer in time: {exc}", sent=sent) from exc
+        sent = not isinstance(exc, httpx.ConnectTimeout)
+        raise APITimeoutError(f"no answer in time: {type(exc).__name__} {exc}", sent=sent) from exc
     except httpx.TransportError as exc:
         sent = not isinstance(exc, httpx.ConnectError)
         raise APIConnectionError(f"{type(exc).__name__}: {exc}", sent=sent) from exc

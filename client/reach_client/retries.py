@@ -35,6 +35,9 @@ class RetryPolicy:
     max_delay_s: float = 8.0
     # A Retry-After past this is not waited for: the error goes to the caller instead.
     max_retry_after_s: float = 60.0
+    # A stream gives up after ``max_retries`` reconnects in a row that brought nothing, and
+    # not before this long without an event: an API restarting (a deploy) is away 5-15 s.
+    stream_reconnect_s: float = 30.0
 
     def backoff_s(self, retry: int, rng: random.Random | None = None) -> float:
         """The wait before retry number ``retry`` (1, 2, ...): doubling from the initial

@@ -194,8 +194,8 @@ GRACEFUL_SHUTDOWN_S = 3
 class ServedApp:
     """The ASGI app on a real port, in a thread of this process."""
 
-    def __init__(self, app: FastAPI) -> None:
-        self.port = free_port()
+    def __init__(self, app: FastAPI, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         # Streams a test left open end after a few seconds, so the app's lifespan ends too:
         # uvicorn would otherwise wait for them, and the app's background tasks outlive it.

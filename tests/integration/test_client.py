@@ -5,11 +5,14 @@ an httpx transport in front of the real one does it; the API behind it is the re
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 from reach_client import (
+    APITimeoutError,
     AsyncReach,
     AuthenticationError,
     ConfigurationError,
@@ -23,8 +26,10 @@ from reach_client import (
 )
 from sqlalchemy import Engine
 
+from api.app import create_app
+from broker.settings import Settings
 from tests.integration.conftest import count_tasks
-from tests.integration.stack import CeleryProcess, ServedApp
+from tests.integration.stack import CeleryProcess, ServedApp, free_port
 
 SUMMARY_TEXT = (
     "Queues decouple callers from agents. Agents advertise cards with their capabilities. "
@@ -202,6 +207,66 @@ def test_the_stream_resumes_after_a_cut_with_no_gap_and_no_duplicate(
     assert_whole_stream(events, transport.requests)
     final = events[-1].task
     assert final is not None and final.result["sentences"]
+
+
+def test_a_stream_outlives_an_api_restart(
+    settings: Settings, tenant: tuple[str, str], worker: CeleryProcess
+) -> None:
+    """A deploy takes an API away for seconds; the stream's retries alone lasted 1.5 s."""
+    events: list[Event] = []
+    first = threading.Event()
+    port = free_port()
+
+    def follow(reach: Reach, task_id: str) -> None:
+        for event in reach.tasks.stream(task_id):
+            events.append(event)
+            first.set()
+
+    with ServedApp(create_app(settings), port=port) as before:
+        reach = Reach(before.url, tenant[1])
+        slow = {"text": SUMMARY_TEXT, "max_sentences": 4, "delay_s": 1.5}
+        task = reach.tasks.submit("text.summarize", slow)
+        following = threading.Thread(target=follow, args=(reach, task.task_id))
+        following.start()
+        assert first.wait(30), "no event came"
+    # When the API is away for 3 s (its stop ends the stream), then back on its port
+    time.sleep(3)
+    try:
+        with ServedApp(create_app(settings), port=port):
+            following.join(60)
+    finally:
+        reach.close()
+    # Then the stream went on where it stopped, to its final event
+    assert not following.is_alive()
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].final and events[-1].type == "succeeded"
+    assert sum(e.type == "output" for e in events) == 4
+
+
+def test_a_client_holds_its_max_connections_and_says_so_when_all_are_held(
+    account: tuple[str, str],
+) -> None:
+    """Each open stream holds a connection; httpx's pool of 100 was the async client's
+    unsaid ceiling (200 of 300 streams waited, then failed 'no answer in time: ')."""
+    slow = {"text": SUMMARY_TEXT, "max_sentences": 3, "delay_s": 1.0}
+
+    async def scenario() -> str:
+        timeout = httpx.Timeout(30, pool=0.5)
+        async with AsyncReach(*account, max_connections=2, timeout=timeout) as reach:
+            tasks = [await reach.tasks.submit("text.summarize", slow) for _ in range(2)]
+            streams = [reach.tasks.stream(t.task_id) for t in tasks]
+            for stream in streams:  # both open: each holds a connection
+                await anext(stream)
+            try:
+                await reach.tasks.get(tasks[0].task_id)
+            except APITimeoutError as exc:
+                return str(exc)
+            finally:
+                for stream in streams:
+                    await stream.aclose()
+            return "answered"
+
+    assert "no free connection in the client's pool" in asyncio.run(scenario())
 
 
 def test_list_pages_through_every_task(account: tuple[str, str]) -> None:

@@ -274,14 +274,44 @@ def test_resume_asks_after_the_last_event_and_never_delivers_one_twice() -> None
     assert resume.accept(event(3, "succeeded")) and resume.done
 
 
-def test_resume_gives_up_after_reconnects_that_bring_nothing() -> None:
-    resume = Resume("t1", POLICY)
+class Seconds:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_resume_gives_up_after_reconnects_that_bring_nothing_for_its_window() -> None:
+    clock = Seconds()
+    resume = Resume("t1", POLICY, clock=clock)
     resume.dropped(None)
     resume.dropped(errors.APIConnectionError("reset"))
+    resume.dropped(None)  # past max_retries, but the API may be restarting: a moment ago
+    clock.now += POLICY.stream_reconnect_s - 1
+    resume.dropped(errors.APIConnectionError("refused"))
+    clock.now += 1
     with pytest.raises(errors.APIConnectionError):
         resume.dropped(None)
     with pytest.raises(errors.NotFoundError):
         Resume("t1", POLICY).dropped(errors.from_problem(404, {"code": "task_not_found"}))
+
+
+def test_an_event_starts_the_streams_reconnect_window_again() -> None:
+    clock = Seconds()
+    resume = Resume("t1", POLICY, clock=clock)
+    for _ in range(POLICY.max_retries + 1):
+        resume.dropped(None)
+    clock.now += POLICY.stream_reconnect_s - 1
+    assert resume.accept(event(1))
+    clock.now += 2  # the window counts from the first failure after the event
+    for _ in range(POLICY.max_retries + 1):
+        resume.dropped(None)
+    clock.now += POLICY.stream_reconnect_s
+    with pytest.raises(errors.APIConnectionError):
+        resume.dropped(None)
 
 
 def test_resume_waits_as_the_server_asks_and_raises_when_asked_to_wait_too_long() -> None:
