@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
+import kombu.exceptions
 from redis.asyncio import Redis
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,6 +23,7 @@ from broker.cache import TimedCache
 from broker.db.models import FINAL_COLUMNS, as_task_row, in_sources
 from broker.db.models import tasks_table as tasks
 from broker.errors import Conflict
+from broker.outages import UNAVAILABLE_ERRORS
 from broker.registry import cards as card_reads
 from broker.registry.model import capability_of
 from broker.tasks import turns
@@ -36,6 +38,9 @@ from broker.webhooks import outbox
 from broker.webhooks.events import event_for_status
 
 log = logging.getLogger("reach.api")
+
+# A cancel's follow-ups meeting an outage (Redis, the Celery broker, Postgres).
+AFTER_THE_COMMIT = (*UNAVAILABLE_ERRORS, kombu.exceptions.OperationalError)
 FLAG_TTL_S = 24 * 3600
 CANCELS_CHANNEL = "reach:cancels"
 
@@ -103,6 +108,19 @@ class Canceller:
         row = await cancel(self.engine, caller.tenant, task_id, patterns=caller.sees)
         if row is None:
             return None
+        try:
+            await self._tell(row)
+        except AFTER_THE_COMMIT as exc:
+            # Cancelled all the same: answered 503, the caller was told it was not, and its
+            # retry found the task final (409). What was not told is recovered: the worker's
+            # finish is refused, the outbox sends the webhooks, the sweeper the next turn,
+            # a stream reads the final status from Postgres when quiet.
+            log.warning("task %s cancelled; telling the others failed: %r", row["id"], exc)
+        return row
+
+    async def _tell(self, row: TaskRow) -> None:
+        """Everyone a cancel concerns: the running handler (its flag, its process when its
+        card is cancellable), the webhooks, the session's next turn, the task's streams."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(flag_key(row["id"]), "1", ex=FLAG_TTL_S)
             pipe.publish(CANCELS_CHANNEL, str(row["id"]))
@@ -115,7 +133,6 @@ class Canceller:
         # The session released before the final event (``Runner.finalize``).
         await self._release_next_turn(row)
         await self.event_log.append_final_async(row)
-        return row
 
     async def _release_next_turn(self, row: TaskRow) -> None:
         """The cancelled task's session may run its next turn (``turns``)."""

@@ -314,3 +314,29 @@ def _running(found: tuple[str, int] | None) -> bool:
 
 def _ended(found: tuple[str, int] | None) -> bool:
     return found is not None and found[0] in FINAL
+
+
+def test_a_cancel_whose_redis_is_away_after_its_commit_answers_the_cancelled_task(
+    settings: Settings, make_key: KeyMaker, engine: Engine
+) -> None:
+    """It answered 503: its caller was told the cancel was not applied, and a retry found
+    the task final (409 ``task_final``)."""
+    proxy = CuttableProxy(settings.redis_url)
+    tenant, token = make_key()
+    app = create_app(settings.model_copy(update={"redis_url": proxy.url}))
+    with proxy, ServedApp(app) as api, client_for(api, token) as http:
+        task_id = http.post("/tasks", json=SLEEPY).json()["task_id"]
+        eventually(lambda: status_of(engine, tenant), "the task to run", until=_running)
+        # When the API's Redis goes away and the task is cancelled
+        proxy.cut()
+        try:
+            answer = http.post(f"/tasks/{task_id}/cancel")
+        finally:
+            proxy.restore()
+        # Then the answer is the cancelled task
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "cancelled"
+        # and it is so: a cancel sent again finds it final
+        again = http.post(f"/tasks/{task_id}/cancel")
+        assert (again.status_code, again.json()["code"]) == (409, "task_final")
+    assert status_of(engine, tenant) == ("cancelled", 1)
