@@ -3,6 +3,8 @@ after winning; a command given neither leaves them unset (the environment decide
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from reach_client.cli import parser
 
@@ -93,7 +95,7 @@ def test_an_empty_id_or_a_count_below_one_is_a_usage_error(
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_an_interrupted_command_says_a_task_goes_on_only_when_it_submitted(
+def test_an_interrupted_command_names_the_task_it_submitted_or_the_key_it_sent(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from reach_client import cli
@@ -101,12 +103,31 @@ def test_an_interrupted_command_says_a_task_goes_on_only_when_it_submitted(
     def interrupted(args: object) -> int:
         raise KeyboardInterrupt
 
-    for argv, said in (
-        (["submit", "echo"], "interrupted (a submitted task goes on)"),
-        (["tasks", "list"], "interrupted"),
+    def interrupted_while_sent(args: object) -> int:
+        stopped = KeyboardInterrupt()
+        stopped.idempotency_key = "k-1"  # type: ignore[attr-defined]  # as ``keyed`` sets it
+        raise stopped
+
+    def interrupted_once_submitted(args: Any) -> int:
+        args.submitted = "t-1"
+        raise KeyboardInterrupt
+
+    for argv, handler, said in (
+        (["submit", "echo"], interrupted, "interrupted"),
+        (
+            ["submit", "echo"],
+            interrupted_while_sent,
+            "interrupted: to submit again, add --idempotency-key k-1 (it may have a task)",
+        ),
+        (
+            ["submit", "echo", "--json", "--wait"],
+            interrupted_once_submitted,
+            "interrupted: task t-1 goes on (reach tasks watch t-1)",
+        ),
+        (["tasks", "list"], interrupted_while_sent, "interrupted"),
     ):
         args = parser().parse_args(argv)
-        args.handler = interrupted
+        args.handler = handler
         monkeypatch.setattr(cli, "parser", lambda args=args: _Given(args))
         assert cli.main(argv) == 130
         assert capsys.readouterr().err.strip() == said

@@ -158,3 +158,25 @@ def test_a_submit_that_never_went_out_names_no_key(
     status = main(["submit", "echo", "--url", "http://127.0.0.1:9", "--api-key", "rk_test"])
     assert status == 7
     assert "--idempotency-key" not in capsys.readouterr().err
+
+
+def test_a_submit_interrupted_while_it_follows_names_its_task(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``--json`` nothing had named the task: it went on with nothing to find it by."""
+    from reach_client.cli import tasks
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while the task is followed
+
+    monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
+    monkeypatch.delenv("REACH_PROFILE", raising=False)
+    monkeypatch.setattr(tasks, "follow", interrupted)
+    with Loopback(lambda n: task_reply("queued", 202)) as api:
+        argv = ["submit", "echo", "--json", "--wait", "--url", api.base_url, "--api-key", "k"]
+        status = main(argv)
+    task_id = TASK["task_id"]
+    assert status == 130
+    assert capsys.readouterr().err == (
+        f"interrupted: task {task_id} goes on (reach tasks watch {task_id})\n"
+    )

@@ -55,6 +55,20 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def interrupted(args: argparse.Namespace, exc: KeyboardInterrupt) -> str:
+    """What a Ctrl-C leaves behind, so the task can be found (``--json`` printed no id)."""
+    submitted = getattr(args, "submitted", None)
+    if submitted is not None:
+        task_id = printable(submitted)
+        return f"interrupted: task {task_id} goes on (reach tasks watch {task_id})"
+    key = getattr(exc, "idempotency_key", None)
+    if getattr(args, "submits", False) and key is not None:
+        # Sent, perhaps not taken: the same key reaches its task if it was, and makes one if not
+        key = printable(key)
+        return f"interrupted: to submit again, add --idempotency-key {key} (it may have a task)"
+    return "interrupted"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -65,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return exits.BROKEN_PIPE
-    except KeyboardInterrupt:
-        submits = getattr(args, "submits", False)
-        print("interrupted" + (" (a submitted task goes on)" if submits else ""), file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(interrupted(args, exc), file=sys.stderr)
         return exits.INTERRUPTED
     except NoAPIKeyError as exc:
         where = printable(exc.config_path)

@@ -9,7 +9,8 @@
 5     ``--timeout`` ran out while the task was still queued or running (it goes on)
 6     the API refused the request (the problem's code is printed)
 7     the API could not be reached (connection refused, timeout)
-130   interrupted (Ctrl-C); a task already submitted goes on
+130   interrupted (Ctrl-C); a task already submitted goes on, and stderr names it (or, for
+      a submit cut short, the idempotency key that reaches the task it may have made)
 141   stdout was closed (``| head -1``): 128 + SIGPIPE, as Unix tools exit; a task already
       submitted goes on
 ====  ==============================================================

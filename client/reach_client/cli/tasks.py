@@ -88,6 +88,7 @@ def run_submit(args: argparse.Namespace) -> int:
     }
     with open_client(args) as reach:
         task = reach.tasks.submit(args.capability, args.payload, **fields)
+        args.submitted = task.task_id  # a Ctrl-C from here on names it
         if not (args.wait or args.stream):
             show(args, task)
             return exits.OK
