@@ -22,8 +22,10 @@ from reach_client.errors import (
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
+    InvalidRequestError,
     RedirectError,
     UnexpectedAnswerError,
+    error_class,
     from_problem,
 )
 from reach_client.limits import TOO_LARGE
@@ -185,15 +187,30 @@ def failure_of(answer: Response) -> RedirectError | APIStatusError:
     return problem_of(answer)
 
 
+EXCERPT_CHARS = 200  # of an answer that is not the API's, in its error's detail
+
+
 def problem_of(answer: Response) -> APIStatusError:
     try:
         body = answer.json()
     except ValueError:
         body = None
     seconds = parse_retry_after(answer.headers.get("retry-after"))
-    return from_problem(
-        answer.status, body, trace_id=answer.headers.get("x-trace-id"), retry_after_s=seconds
-    )
+    trace_id = answer.headers.get("x-trace-id")
+    if isinstance(body, Mapping) and isinstance(body.get("code"), str):
+        return from_problem(answer.status, body, trace_id=trace_id, retry_after_s=seconds)
+    # Not a problem of the API's: a proxy's or a load balancer's page, or a wrong URL. Its
+    # status still says what to do (a 502 or 503 is tried again), but a 404 here is no task
+    # or session gone: the URL names no API.
+    kind = answer.headers.get("content-type") or "no content type"
+    text = " ".join(answer.content[: EXCERPT_CHARS * 4].decode("utf-8", "replace").split())
+    said = f": {text[:EXCERPT_CHARS]}" if text else ""
+    detail = f"HTTP {answer.status} with no problem of the API's ({kind}){said}"
+    code = f"http_{answer.status}"
+    kind_of = InvalidRequestError if answer.status == 404 else error_class(answer.status, code)
+    error = kind_of(detail, code=code, status=answer.status, trace_id=trace_id, problem={})
+    error.retry_after_s = seconds
+    return error
 
 
 def path(*segments: str) -> str:

@@ -173,3 +173,30 @@ def test_a_tasks_agent_with_a_field_the_client_does_not_know_is_read() -> None:
     task = Task.from_json({**TASK, "status": "running", "agent": agent})
     assert task.agent is not None and (task.agent.agent_id, task.agent.instance) == ("echo", "w1")
     assert task.raw["agent"]["region"] == "eu"
+
+
+GATEWAY_PAGE = b"<html><body><h1>502 Bad Gateway</h1>\n<p>nginx</p></body></html>"
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [(502, errors.InternalServerError), (404, errors.InvalidRequestError)],
+)
+def test_an_answer_that_is_no_problem_of_the_apis_says_what_it_was(
+    status: int, kind: type[errors.APIStatusError], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy's page read 'http_502 (HTTP 502): HTTP 502'; its 404 read as a task gone."""
+    monkeypatch.setenv("REACH_CONFIG", "/nonexistent/reach.toml")
+    page = Reply(status, {"Content-Type": "text/html"}, GATEWAY_PAGE)
+    with (
+        Loopback(lambda n: page) as api,
+        Reach(api.base_url, "k", max_retries=0) as reach,
+        pytest.raises(errors.APIStatusError) as caught,
+    ):
+        reach.tasks.get("t1")
+    assert type(caught.value) is kind
+    assert (caught.value.status, caught.value.code) == (status, f"http_{status}")
+    assert caught.value.detail == (
+        f"HTTP {status} with no problem of the API's (text/html):"
+        " <html><body><h1>502 Bad Gateway</h1> <p>nginx</p></body></html>"
+    )
