@@ -77,16 +77,20 @@ class TraceMiddleware:
 
 
 # What a browser may do with a response that is not a page: nothing. Pages (the console, the
-# API's docs) bring their own policy, or none.
+# API's docs) bring their own policy; one without (the docs, whose scripts come from a CDN)
+# may at least not be framed by another site.
 DATA_CSP = "default-src 'none'; frame-ancestors 'none'"
+PAGE_CSP = "frame-ancestors 'none'"
 
 
 def _harden(headers: MutableHeaders) -> None:
     """No response is read as another type than it says (a JSON body that a tenant's payload
-    shaped, rendered as a page), and none but a page may run or frame anything."""
+    shaped, rendered as a page), none but a page may run anything, and none is framed."""
     headers.setdefault("X-Content-Type-Options", "nosniff")
     if not headers.get("content-type", "").startswith("text/html"):
         headers.setdefault("Content-Security-Policy", DATA_CSP)
+    else:
+        headers.setdefault("Content-Security-Policy", PAGE_CSP)
 
 
 class TraceparentFromTraceId:  # used with OpenTelemetry only

@@ -268,6 +268,10 @@ def test_the_api_docs_pages_can_be_turned_off_and_the_openapi_document_stays(
 
     assert [page.status_code for page in pages] == ([200, 200] if docs else [404, 404])
     assert document.status_code == 200 and document.json()["info"]["title"] == "Agent-Reach"
+    if docs:  # and no other site frames them (they could read the console's key)
+        assert [p.headers["content-security-policy"] for p in pages] == [
+            "frame-ancestors 'none'"
+        ] * 2
 
 
 def test_an_unexpected_error_is_a_500_problem_with_the_headers_and_count_of_any_response(
