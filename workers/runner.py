@@ -488,7 +488,8 @@ class Runner:
             session_id=claimed.session_id,
             metadata=claimed.metadata,
             session=self._session_of(claimed),
-            _progress_sink=lambda p: self._progress(tid, attempt, p, publish, reports),
+            _progress_sink=lambda p: self._progress(tid, attempt, p, publish),
+            _progress_gate=reports.take,
             _readiness_sink=self._readiness_sink(instance, spec.name),
             _output_sink=lambda chunk: publish(events.OUTPUT, self._checked(chunk)),
             _cancel_probe=lambda: bool(self.redis.exists(cancellation.flag_key(tid))),
@@ -598,10 +599,9 @@ class Runner:
         return True
 
     def _progress(
-        self, tid: uuid.UUID, attempt: int, progress: dict[str, Any], publish: Any, reports: Bucket
+        self, tid: uuid.UUID, attempt: int, progress: dict[str, Any], publish: Any
     ) -> None:
-        if not reports.take():
-            return  # past the task's rate of reports (``PROGRESS_BURST``)
+        """A report the task's rate let through (``Context._progress_gate``)."""
         if not execution.report_progress(self.engine, tid, progress, attempt=attempt):
             return  # the task is not this attempt's any more (final, cancelled, or requeued)
         publish(events.PROGRESS, progress)

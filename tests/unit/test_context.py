@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 
@@ -55,3 +58,30 @@ def test_a_progress_message_that_is_no_text_is_refused() -> None:
         context(reports).progress(10, b"bytes")  # type: ignore[arg-type]
     context(reports).progress(10.5, "half")
     assert reports == [{"percent": 10.5, "message": "half"}]
+
+
+def test_an_async_report_past_the_tasks_rate_is_dropped_without_a_thread() -> None:
+    """A remote agent's stream of reports each took one of the threads every task's writes
+    share, to be dropped there by the rate."""
+    reports: list[dict[str, Any]] = []
+    allowed = iter([False, False, False, True])  # three past the rate, then one let through
+    ctx = context(reports)
+    ctx._progress_gate = lambda: next(allowed)
+
+    async def main() -> bool:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        busy = threading.Event()
+        held = loop.run_in_executor(None, busy.wait)  # the one thread, taken
+        reporting = asyncio.gather(*(ctx.progress_async(n) for n in (20, 30, 40)))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        dropped_at_once = reporting.done()
+        busy.set()
+        await held
+        await reporting
+        await ctx.progress_async(50)  # let through: written from a thread
+        return dropped_at_once
+
+    assert asyncio.run(main()), "a dropped report waited for a thread"
+    assert reports == [{"percent": 50, "message": None}]

@@ -33,6 +33,8 @@ class Context:
     # The task's session as its claim read it (``workers.sdk.session``); None without one.
     session: Session | None = None
     _progress_sink: ProgressSink | None = field(default=None, repr=False)
+    # Whether the task's rate of reports lets one more through (and takes it).
+    _progress_gate: Callable[[], bool] | None = field(default=None, repr=False)
     _readiness_sink: ReadinessSink | None = field(default=None, repr=False)
     _output_sink: OutputSink | None = field(default=None, repr=False)
     _cancel_probe: Callable[[], bool] | None = field(default=None, repr=False)
@@ -48,7 +50,14 @@ class Context:
 
     def progress(self, percent: float, message: str | None = None) -> None:
         """Report how far along the task is: pollers see it on the task, streams as an event.
-        What no Postgres text holds (NUL, a lone surrogate) becomes U+FFFD in the message."""
+        What no Postgres text holds (NUL, a lone surrogate) becomes U+FFFD in the message.
+        Reports past the task's rate are dropped."""
+        report = self._report(percent, message)
+        if report is not None and self._progress_sink is not None:
+            self._progress_sink(report)
+
+    def _report(self, percent: float, message: str | None) -> dict[str, Any] | None:
+        """The report to write, checked; None when the task's rate of reports drops it."""
         if isinstance(percent, bool) or not isinstance(percent, int | float):
             raise TypeError(f"percent must be a number, not {type(percent).__name__}")
         if message is not None and not isinstance(message, str):
@@ -59,8 +68,9 @@ class Context:
             raise ValueError(f"a progress message has at most {PROGRESS_MESSAGE_MAX} characters")
         if message is not None:  # a NUL or a lone surrogate failed the task's row's write
             message = storable(message, PROGRESS_MESSAGE_MAX)
-        if self._progress_sink is not None:
-            self._progress_sink({"percent": percent, "message": message})
+        if self._progress_gate is not None and not self._progress_gate():
+            return None
+        return {"percent": percent, "message": message}
 
     def trace_headers(self) -> dict[str, str]:
         """Headers that carry this task's trace id into the HTTP calls the agent makes."""
@@ -81,8 +91,12 @@ class Context:
             self._output_sink(chunk)
 
     async def progress_async(self, percent: float, message: str | None = None) -> None:
-        """``progress`` for an async handler: the write runs off the event loop."""
-        await asyncio.to_thread(self.progress, percent, message)
+        """``progress`` for an async handler: the write runs off the event loop. A report past
+        the task's rate is dropped on the loop, taking no thread (a remote agent streaming
+        reports had each wait for one of the threads that every task's writes share)."""
+        report = self._report(percent, message)
+        if report is not None and self._progress_sink is not None:
+            await asyncio.to_thread(self._progress_sink, report)
 
     async def emit_async(self, chunk: Any) -> None:
         """``emit`` for an async handler: the write does not block the event loop. Chunks
