@@ -372,32 +372,33 @@ def compare_and_set(
 def _hold_running(conn: Connection, task_id: uuid.UUID, attempt: int | None) -> None:
     """The task is running (at ``attempt``, when given) and not past its deadline, and stays
     running until the caller's transaction ends: a cancel waits for the write, so the next
-    turn, released after it, reads what was written. A handler that runs on past its
-    deadline (a sync one on the threads pool, which nothing can stop mid-call) ends
-    ``expired`` whatever it returns, and its session write is refused with it: kept, it was
-    a turn's effect from a task that failed, written while the turns behind it expired."""
+    turn, released after it, reads what was written. The task is marked as having written
+    its session (``session_written_at``), in the write's transaction: a claim of it again
+    fails it (``workers.runner``). A handler that runs on past its deadline (a sync one on
+    the threads pool, which nothing can stop mid-call) ends ``expired`` whatever it returns,
+    and its session write is refused with it: kept, it was a turn's effect from a task that
+    failed, written while the turns behind it expired."""
     late = func.coalesce(tasks.c.deadline_at <= func.now(), False)
-    query = select(late).where(tasks.c.id == task_id, tasks.c.status == RUNNING)
+    query = (
+        update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.status == RUNNING)
+        .values(session_written_at=func.coalesce(tasks.c.session_written_at, func.now()))
+        .returning(late)
+    )
     if attempt is not None:
         query = query.where(tasks.c.attempts == attempt)
-    held = conn.execute(query.with_for_update(read=True)).first()
+    held = conn.execute(query).first()
     if held is None:
         raise TaskNotRunning("the task is no longer running: its session write is refused")
     if held[0]:
         raise TaskPastDeadline("the task is past its deadline: its session write is refused")
 
 
-def snapshot_of(session_id: Any, tenant: Any, task_id: Any) -> Any:
+def snapshot_of(session_id: Any, tenant: Any, written: Any) -> Any:
     """``{"revision", "state", "written"}`` of the live session ``session_id`` of ``tenant``
     (columns of an enclosing statement), or null: what a claim reads for ``ctx.session``.
-    ``written``: a revision the task ``task_id`` wrote is kept, so an earlier attempt of it
-    applied its turn (``workers.runner``: it is not run again)."""
-    written = (
-        select(revisions.c.revision)
-        .where(revisions.c.session_id == sessions.c.id, revisions.c.task_id == task_id)
-        .correlate_except(revisions)  # the task and the session are the enclosing statement's
-        .exists()
-    )
+    ``written``: the claimed task wrote its session already (its ``session_written_at``), so
+    an earlier attempt of it applied its turn (``workers.runner``: it is not run again)."""
     return (
         select(
             func.jsonb_build_object(

@@ -95,6 +95,9 @@ class Task(Base):
     # When a task queued again (``execution.requeue``) is due: its requeue plus the retry's
     # delay. The sweep counts its wait from then; NULL: it was never queued again.
     retry_at: Mapped[datetime | None] = mapped_column(TZ)
+    # When it first wrote its session (``broker.sessions.compare_and_set``); NULL: it has
+    # not. A claim of it again fails it (a turn is applied once).
+    session_written_at: Mapped[datetime | None] = mapped_column(TZ)
     expires_at: Mapped[datetime] = mapped_column(TZ)
     # The envelope's callback, {"url", "events"}: where this task's own webhook goes.
     callback: Mapped[Any | None] = mapped_column(JSONB)

@@ -131,7 +131,11 @@ _CLAIMED_COLUMNS = [
     tasks.c[_RENAMED.get(f.name, f.name)].label(f.name)
     for f in fields(Claimed)
     if f.name != "session"
-] + [sessions.snapshot_of(tasks.c.session_id, tasks.c.tenant, tasks.c.id).label("session")]
+] + [
+    sessions.snapshot_of(
+        tasks.c.session_id, tasks.c.tenant, tasks.c.session_written_at.is_not(None)
+    ).label("session")
+]
 
 
 def _rows(name: str, *columns: Any) -> TableValuedAlias:

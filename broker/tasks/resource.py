@@ -90,6 +90,7 @@ class TaskRow(TypedDict):
     finished_at: datetime | None
     deadline_at: datetime | None
     retry_at: datetime | None
+    session_written_at: datetime | None
     expires_at: datetime
     callback: dict[str, Any] | None
     tenant_subscribes: NotRequired[bool]
