@@ -108,31 +108,34 @@ class Canceller:
         row = await cancel(self.engine, caller.tenant, task_id, patterns=caller.sees)
         if row is None:
             return None
-        try:
-            await self._tell(row)
-        except AFTER_THE_COMMIT as exc:
-            # Cancelled all the same: answered 503, the caller was told it was not, and its
-            # retry found the task final (409). What was not told is recovered: the worker's
-            # finish is refused, the outbox sends the webhooks, the sweeper the next turn,
-            # a stream reads the final status from Postgres when quiet.
-            log.warning("task %s cancelled; telling the others failed: %r", row["id"], exc)
+        # Everyone it concerns, each on its own: one store away leaves the others told. The
+        # session released before the final event (``Runner.finalize``).
+        event = event_for_status(row["status"])
+        for tell in (
+            functools.partial(self._flag, row),
+            functools.partial(self._stop_if_cancellable, row),
+            functools.partial(anyio.to_thread.run_sync, self.dispatcher.announce, row["id"], event),
+            functools.partial(self._release_next_turn, row),
+            functools.partial(self.event_log.append_final_async, row),
+        ):
+            try:
+                await tell()
+            except AFTER_THE_COMMIT as exc:
+                # Cancelled all the same: answered 503, the caller was told it was not, and
+                # its retry found the task final (409). What was not told is recovered: the
+                # worker's finish is refused, the outbox sends the webhooks, the sweeper the
+                # next turn, a stream reads the final status from Postgres when quiet.
+                log.warning("task %s cancelled; a follow-up failed: %r", row["id"], exc)
         return row
 
-    async def _tell(self, row: TaskRow) -> None:
-        """Everyone a cancel concerns: the running handler (its flag, its process when its
-        card is cancellable), the webhooks, the session's next turn, the task's streams."""
+    async def _flag(self, row: TaskRow) -> None:
+        """The running handler's flag (``ctx.cancelled``), and a waiting turn's mark gone."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(flag_key(row["id"]), "1", ex=FLAG_TTL_S)
             pipe.publish(CANCELS_CHANNEL, str(row["id"]))
             if turns.of_row(row) is not None:  # a waiting turn's mark (``turns.take_dropped``)
                 pipe.delete(turns.DROPPED_KEY.format(row["id"]))
             await pipe.execute()
-        await self._stop_if_cancellable(row)
-        event = event_for_status(row["status"])
-        await anyio.to_thread.run_sync(self.dispatcher.announce, row["id"], event)
-        # The session released before the final event (``Runner.finalize``).
-        await self._release_next_turn(row)
-        await self.event_log.append_final_async(row)
 
     async def _release_next_turn(self, row: TaskRow) -> None:
         """The cancelled task's session may run its next turn (``turns``)."""
