@@ -43,9 +43,12 @@ class Reach:
     hold (``reach_client.limits``: 32 MiB, far above the server's default 4 MiB result; raise
     it for a server whose ``REACH_MAX_RESULT_BYTES`` is near it); pass ``http_client`` to
     bring your own ``httpx.Client`` (proxies, TLS, transports): it is then yours to close.
-    ``max_connections`` (100) bounds the connections open at once: each stream and each
-    request waiting for an answer holds one to its end, and one past them waits for a free
-    one (``APITimeoutError`` saying so, after the pool's timeout)."""
+    ``stream_reconnect_s`` (30): how long a stream keeps reconnecting without an event
+    once its ``max_retries`` reconnects in a row brought nothing (an API restarting is away
+    for seconds; 0: as soon as they run out). ``max_connections`` (100) bounds the
+    connections open at once: each stream and each request waiting for an answer holds one
+    to its end, and one past them waits for a free one (``APITimeoutError`` saying so,
+    after the pool's timeout)."""
 
     def __init__(
         self,
@@ -56,11 +59,18 @@ class Reach:
         timeout: float | httpx.Timeout | None = None,
         max_retries: int = 2,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        stream_reconnect_s: float = 30.0,
         max_connections: int = 100,
         http_client: httpx.Client | None = None,
     ) -> None:
         self._settings = Settings.of(
-            base_url, api_key, profile, timeout, max_retries, max_answer_bytes
+            base_url,
+            api_key,
+            profile,
+            timeout,
+            max_retries,
+            max_answer_bytes,
+            stream_reconnect_s,
         )
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=100)
         self._http = http_client or httpx.Client(limits=limits)

@@ -37,6 +37,7 @@ class Settings:
         timeout: float | httpx.Timeout | None,
         max_retries: int,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        stream_reconnect_s: float = RetryPolicy.stream_reconnect_s,
     ) -> Settings:
         found = resolve(base_url, api_key, profile)
         if timeout is None:
@@ -45,7 +46,9 @@ class Settings:
             timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         if max_answer_bytes < 1:
             raise ValueError("max_answer_bytes must be at least 1")
-        policy = RetryPolicy(max_retries=max_retries)
+        if stream_reconnect_s < 0:
+            raise ValueError("stream_reconnect_s must be at least 0")
+        policy = RetryPolicy(max_retries=max_retries, stream_reconnect_s=stream_reconnect_s)
         return cls(found.base_url, found.api_key, timeout, policy, max_answer_bytes)
 
     def headers(self) -> dict[str, str]:

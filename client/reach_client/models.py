@@ -23,6 +23,19 @@ def _time(value: Any) -> datetime | None:
     return datetime.fromisoformat(value) if isinstance(value, str) else None
 
 
+def _float(value: Any) -> float | None:
+    return float(value) if value is not None else None
+
+
+def _time_or_none(value: Any) -> datetime | None:
+    """``_time``, but None for a time it cannot read, where raising would not say the API
+    answered wrongly (a webhook call's body, read in the receiver)."""
+    try:
+        return _time(value)
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class Progress:
     percent: float
@@ -60,7 +73,9 @@ class AgentRef:
 class Task:
     task_id: str
     capability: str
-    status: str
+    # One of ``TaskStatus``; from_json does not check it, so a status a newer server adds
+    # arrives as it is, never as an error.
+    status: TaskStatus
     trace_id: str
     attempts: int = 0
     progress: Progress | None = None
@@ -116,7 +131,7 @@ class Event:
     id: int
     type: str
     data: Any
-    trace_id: str = ""
+    trace_id: str | None = None  # the API's StreamEvent allows null
     at: float = 0.0
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
@@ -143,7 +158,7 @@ class Event:
             id=int(doc.get("seq", event_id)),
             type=doc.get("type", event_type),
             data=doc.get("data"),
-            trace_id=doc.get("trace_id", ""),
+            trace_id=doc.get("trace_id"),
             at=float(doc.get("at", 0.0)),
             raw=doc,
         )
@@ -159,6 +174,9 @@ class Instance:
     instance: str | None = None
     hostname: str | None = None
     pid: int | None = None
+    lease_ttl_s: float | None = None
+    started_at: datetime | None = None
+    stopped_at: datetime | None = None  # when offline
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -171,6 +189,45 @@ class Instance:
             instance=doc.get("instance"),
             hostname=doc.get("hostname"),
             pid=doc.get("pid"),
+            lease_ttl_s=_float(doc.get("lease_ttl_s")),
+            started_at=_time(doc.get("started_at")),
+            stopped_at=_time(doc.get("stopped_at")),
+            raw=doc,
+        )
+
+
+@dataclass(frozen=True)
+class AgentVersion:
+    """One version of an agent: ``revoked`` for good, else the best state of its cards."""
+
+    version: str
+    lifecycle: str
+    revoked_at: datetime | None = None
+    raw: Json = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, doc: Json) -> AgentVersion:
+        return cls(
+            version=doc["version"],
+            lifecycle=doc["lifecycle"],
+            revoked_at=_time(doc.get("revoked_at")),
+            raw=doc,
+        )
+
+
+@dataclass(frozen=True)
+class Channel:
+    """An agent's channel: the weight of each version it sends to."""
+
+    versions: dict[str, float]
+    updated_at: datetime | None = None
+    raw: Json = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, doc: Json) -> Channel:
+        return cls(
+            versions={str(v): float(w) for v, w in (doc.get("versions") or {}).items()},
+            updated_at=_time(doc.get("updated_at")),
             raw=doc,
         )
 
@@ -181,6 +238,8 @@ class Agent:
     cards: list[Json]
     instances: list[Instance]
     live_instances: int = 0
+    versions: list[AgentVersion] = field(default_factory=list)
+    channels: dict[str, Channel] = field(default_factory=dict)
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -194,6 +253,10 @@ class Agent:
             cards=list(doc.get("cards", [])),
             instances=[Instance.from_json(i) for i in doc.get("instances", [])],
             live_instances=doc.get("live_instances", 0),
+            versions=[AgentVersion.from_json(v) for v in doc.get("versions") or []],
+            channels={
+                name: Channel.from_json(c) for name, c in (doc.get("channels") or {}).items()
+            },
             raw=doc,
         )
 
@@ -205,6 +268,7 @@ class Capability:
     live_instances: int
     measured: Json = field(default_factory=dict)
     queue_depth: int | None = None  # operator keys only
+    window_s: int | None = None  # what ``measured`` covers: the last window_s seconds
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -220,6 +284,7 @@ class Capability:
             live_instances=doc.get("live_instances", 0),
             measured=doc.get("measured") or {},
             queue_depth=doc.get("queue_depth"),
+            window_s=doc.get("window_s"),
             raw=doc,
         )
 
@@ -280,6 +345,8 @@ class Webhook:
     created_at: datetime | None = None
     disabled_at: datetime | None = None
     disabled_reason: str | None = None
+    # Until then the secret before the last rotation signs too
+    previous_secret_expires_at: datetime | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -295,6 +362,7 @@ class Webhook:
             created_at=_time(doc.get("created_at")),
             disabled_at=_time(doc.get("disabled_at")),
             disabled_reason=doc.get("disabled_reason"),
+            previous_secret_expires_at=_time(doc.get("previous_secret_expires_at")),
             raw=doc,
         )
 
@@ -306,6 +374,22 @@ class DeliveryAttempt:
     error: str | None = None
     latency_ms: float | None = None
     at: datetime | None = None
+    address: str | None = None  # the address connected to
+    response_excerpt: str | None = None
+    raw: Json = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, doc: Json) -> DeliveryAttempt:
+        return cls(
+            attempt=doc["attempt"],
+            status_code=doc.get("status_code"),
+            error=doc.get("error"),
+            latency_ms=doc.get("latency_ms"),
+            at=_time(doc.get("at")),
+            address=doc.get("address"),
+            response_excerpt=doc.get("response_excerpt"),
+            raw=doc,
+        )
 
 
 @dataclass(frozen=True)
@@ -321,20 +405,16 @@ class Delivery:
     last_error: str | None = None
     attempts: list[DeliveryAttempt] = field(default_factory=list)
     created_at: datetime | None = None
+    # The ``webhook-id`` header: the same on every attempt, so the receiver dedupes on it
+    message_id: str | None = None
+    kind: str | None = None  # "subscription", or "callback" (the task's own; no webhook_id)
+    next_attempt_at: datetime | None = None  # when pending: the next attempt is due
+    finished_at: datetime | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, doc: Json) -> Delivery:
-        attempts = [
-            DeliveryAttempt(
-                attempt=a["attempt"],
-                status_code=a.get("status_code"),
-                error=a.get("error"),
-                latency_ms=a.get("latency_ms"),
-                at=_time(a.get("at")),
-            )
-            for a in doc.get("attempts", [])
-        ]
+        attempts = [DeliveryAttempt.from_json(a) for a in doc.get("attempts", [])]
         return cls(
             delivery_id=doc["delivery_id"],
             task_id=doc["task_id"],
@@ -347,16 +427,21 @@ class Delivery:
             last_error=doc.get("last_error"),
             attempts=attempts,
             created_at=_time(doc.get("created_at")),
+            message_id=doc.get("message_id"),
+            kind=doc.get("kind"),
+            next_attempt_at=_time(doc.get("next_attempt_at")),
+            finished_at=_time(doc.get("finished_at")),
             raw=doc,
         )
 
 
 @dataclass(frozen=True)
 class WebhookEvent:
-    """A verified webhook call's body: ``{"type", "timestamp", "data": <the task>}``."""
+    """A verified webhook call's body: ``{"type", "timestamp", "data": <the task>}``.
+    ``timestamp`` is None when absent or unreadable (its text stays in ``raw``)."""
 
     type: str
-    timestamp: str
+    timestamp: datetime | None
     data: Any
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
@@ -367,7 +452,10 @@ class WebhookEvent:
     @classmethod
     def from_json(cls, doc: Json) -> WebhookEvent:
         return cls(
-            type=doc["type"], timestamp=str(doc.get("timestamp", "")), data=doc.get("data"), raw=doc
+            type=doc["type"],
+            timestamp=_time_or_none(doc.get("timestamp")),
+            data=doc.get("data"),
+            raw=doc,
         )
 
 

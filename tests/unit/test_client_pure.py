@@ -404,3 +404,12 @@ def test_an_empty_id_is_refused_before_any_request() -> None:
     """``/tasks/`` is the list's route, redirected: ``get("")`` was told to fix its URL."""
     with Reach("http://127.0.0.1:9", "rk_k") as reach, pytest.raises(ValueError, match="empty"):
         reach.tasks.get("")
+
+
+def test_a_stream_reconnect_window_of_zero_gives_up_when_the_retries_run_out() -> None:
+    with Reach("http://127.0.0.1:9", "k", max_retries=1, stream_reconnect_s=0) as reach:
+        policy = reach._settings.policy
+    resume = Resume("t1", policy, clock=Seconds())
+    resume.dropped(None)
+    with pytest.raises(errors.APIConnectionError):
+        resume.dropped(None)

@@ -72,7 +72,7 @@ export function renderCapabilities(main) {
 
 function row(c) {
   const m = c.measured ?? {};
-  const name = pathPart(c.capability);
+  const name = encodeURIComponent(c.capability);
   return h("tr", { "data-capability": c.capability },
     h("th", { scope: "row" }, c.capability),
     h("td", {}, c.cards.map((card) => `${card.agent_id}@${card.version}`).join(", ")),

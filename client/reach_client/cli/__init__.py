@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 def interrupted(args: argparse.Namespace, exc: KeyboardInterrupt) -> str:
     """What a Ctrl-C leaves behind, so the task can be found (``--json`` printed no id)."""
-    submitted = getattr(args, "submitted", None)
+    submitted = getattr(args, "submitted", None)  # a task that has not ended
     if submitted is not None:
         task_id = printable(submitted)
         return f"interrupted: task {task_id} goes on (reach tasks watch {task_id})"

@@ -102,6 +102,7 @@ def run_submit(args: argparse.Namespace) -> int:
         except StillRunning:
             now = reach.tasks.get(task.task_id)
             return still_running(args, now, events_printed=events_as_json)
+        args.submitted = None  # it has ended: nothing goes on
         return finish(args, finished, events_printed=events_as_json)
 
 
