@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ from broker.webhooks.events import event_for_status
 
 log = logging.getLogger("reach.api")
 
-# A cancel's follow-ups meeting an outage (Redis, the Celery broker, Postgres).
+# A cancel's follow-ups meeting an outage (Redis, the Celery broker, Postgres), and how long
+# after its commit one may still start.
 AFTER_THE_COMMIT = (*UNAVAILABLE_ERRORS, kombu.exceptions.OperationalError)
+FOLLOW_UPS_S = 5.0
 FLAG_TTL_S = 24 * 3600
 CANCELS_CHANNEL = "reach:cancels"
 
@@ -108,9 +111,12 @@ class Canceller:
         row = await cancel(self.engine, caller.tenant, task_id, patterns=caller.sees)
         if row is None:
             return None
-        # Everyone it concerns, each on its own: one store away leaves the others told. The
-        # session released before the final event (``Runner.finalize``).
+        # Everyone it concerns, each on its own: one store away leaves the others told, and
+        # none started once FOLLOW_UPS_S have gone by (each waits out its store's timeouts:
+        # one after another they outlasted a client's wait, which sent the cancel again and
+        # was told 409). The session released before the final event (``Runner.finalize``).
         event = event_for_status(row["status"])
+        started = time.monotonic()
         for tell in (
             functools.partial(self._flag, row),
             functools.partial(self._stop_if_cancellable, row),
@@ -118,6 +124,9 @@ class Canceller:
             functools.partial(self._release_next_turn, row),
             functools.partial(self.event_log.append_final_async, row),
         ):
+            if time.monotonic() - started > FOLLOW_UPS_S:
+                log.warning("task %s cancelled; its last follow-ups left to recovery", row["id"])
+                break
             try:
                 await tell()
             except AFTER_THE_COMMIT as exc:
@@ -126,6 +135,8 @@ class Canceller:
                 # worker's finish is refused, the outbox sends the webhooks, the sweeper the
                 # next turn, a stream reads the final status from Postgres when quiet.
                 log.warning("task %s cancelled; a follow-up failed: %r", row["id"], exc)
+            except Exception:  # a store's refusal (out of memory, read-only): the same
+                log.exception("task %s cancelled; a follow-up failed", row["id"])
         return row
 
     async def _flag(self, row: TaskRow) -> None:

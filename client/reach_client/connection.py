@@ -46,8 +46,8 @@ class Settings:
             timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         if max_answer_bytes < 1:
             raise ValueError("max_answer_bytes must be at least 1")
-        if stream_reconnect_s < 0:
-            raise ValueError("stream_reconnect_s must be at least 0")
+        if not stream_reconnect_s >= 0:  # NaN too: a stream would never give up
+            raise ValueError("stream_reconnect_s must be a number of seconds, at least 0")
         policy = RetryPolicy(max_retries=max_retries, stream_reconnect_s=stream_reconnect_s)
         return cls(found.base_url, found.api_key, timeout, policy, max_answer_bytes)
 

@@ -26,10 +26,22 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    # A nullable column without a default: no row is rewritten. A turn running across the
-    # upgrade that wrote before it reads as not having written (as before the upgrade).
+    # A nullable column without a default: no row is rewritten.
     op.add_column(
         "tasks", sa.Column("session_written_at", sa.DateTime(timezone=True), nullable=True)
+    )
+    # The unfinished tasks whose write the revisions still show are marked, as the claim
+    # found them before (a turn that wrote before the upgrade and is delivered again after
+    # it). The revisions are read whole, the tasks by their key.
+    op.execute(
+        """
+        UPDATE tasks SET session_written_at = written.at
+        FROM (
+            SELECT task_id, min(created_at) AS at FROM session_revisions
+            WHERE task_id IS NOT NULL GROUP BY task_id
+        ) AS written
+        WHERE tasks.id = written.task_id AND tasks.status IN ('queued', 'running')
+        """
     )
 
 

@@ -272,3 +272,33 @@ def test_a_downgrade_that_fails_part_way_leaves_the_schema_of_the_version_it_nam
         assert conn.execute(VERSION).fetchone() == ("0008",)
     migrate.upgrade(empty_database)
     assert schema_diff(empty_database) == []
+
+
+WRITTEN_BEFORE_0024 = """
+INSERT INTO sessions (id, tenant, revision, state, metadata, ttl_s, expires_at)
+VALUES ('sess_a', 'a', 3, '{}', '{}', 600, now() + interval '1 hour');
+INSERT INTO tasks (id, tenant, capability, queue, status, payload, payload_digest, payload_size,
+  trace_id, result_ttl_s, expires_at, session_id, session_turn)
+SELECT id::uuid, 'a', 'echo', 'echo', status, '{}', 'd', 2, 't', 60, now() + interval '1 hour',
+  'sess_a', turn
+FROM (VALUES ('00000000-0000-0000-0000-000000000001', 'running', 1),
+             ('00000000-0000-0000-0000-000000000002', 'succeeded', 2),
+             ('00000000-0000-0000-0000-000000000003', 'queued', 3)) AS t(id, status, turn);
+INSERT INTO session_revisions (session_id, revision, tenant, state, task_id)
+VALUES ('sess_a', 2, 'a', '{}', '00000000-0000-0000-0000-000000000001'),
+       ('sess_a', 3, 'a', '{}', '00000000-0000-0000-0000-000000000002')
+"""
+MARKED = "SELECT id::text FROM tasks WHERE session_written_at IS NOT NULL"
+
+
+def test_0024_marks_the_unfinished_tasks_whose_session_write_is_kept(empty_database: str) -> None:
+    """A turn that wrote before the upgrade and is delivered again after it is not run again
+    (before it, the claim found its kept revision)."""
+    migrate.upgrade(empty_database, "0023")
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as conn:
+        conn.execute(WRITTEN_BEFORE_0024)
+    migrate.upgrade(empty_database, "0024")
+    with psycopg.connect(localservices.libpq_url(empty_database), autocommit=True) as conn:
+        marked = conn.execute(MARKED).fetchall()
+    # the running one that wrote, not the finished one that wrote nor the one that did not
+    assert marked == [("00000000-0000-0000-0000-000000000001",)]

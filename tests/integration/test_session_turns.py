@@ -44,22 +44,19 @@ def new_session(client: httpx.Client, **body: Any) -> str:
     return session_id
 
 
-def turns_taken(engine: Engine, session_id: str) -> int:
+def _session_column(engine: Engine, session_id: str, column: str) -> Any:
     with engine.connect() as conn:
-        return int(
-            conn.execute(
-                select(sessions_table.c.turns).where(sessions_table.c.id == session_id)
-            ).scalar_one()
-        )
+        return conn.execute(
+            select(sessions_table.c[column]).where(sessions_table.c.id == session_id)
+        ).scalar_one()
+
+
+def turns_taken(engine: Engine, session_id: str) -> int:
+    return int(_session_column(engine, session_id, "turns"))
 
 
 def _tenant_of_session(engine: Engine, session_id: str) -> str:
-    with engine.connect() as conn:
-        return str(
-            conn.execute(
-                select(sessions_table.c.tenant).where(sessions_table.c.id == session_id)
-            ).scalar_one()
-        )
+    return str(_session_column(engine, session_id, "tenant"))
 
 
 def wait_expired(client: httpx.Client, session_id: str) -> None:

@@ -413,3 +413,9 @@ def test_a_stream_reconnect_window_of_zero_gives_up_when_the_retries_run_out() -
     resume.dropped(None)
     with pytest.raises(errors.APIConnectionError):
         resume.dropped(None)
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan")])
+def test_a_stream_reconnect_window_that_is_no_number_of_seconds_is_refused(seconds: float) -> None:
+    with pytest.raises(ValueError, match="stream_reconnect_s"):
+        Reach("http://127.0.0.1:9", "k", stream_reconnect_s=seconds)
