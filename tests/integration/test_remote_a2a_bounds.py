@@ -19,6 +19,7 @@ import pytest
 from api.app import create_app
 from broker.remote.connections import MAX_ANSWER_ELEMENTS
 from broker.settings import Settings
+from tests.integration import remote
 from tests.integration.remote import LoopbackAgent, QuietHandler, wait_routed
 from tests.integration.stack import CeleryProcess, ServedApp, wait_for_task
 from tests.integration.test_remote_a2a import A2AAgent, registered_agent, registration
@@ -99,6 +100,20 @@ def api(settings: Settings) -> Iterator[ServedApp]:
     past the element cap is one a caller may send."""
     with ServedApp(create_app(settings.model_copy(update={"max_payload_bytes": 2**20}))) as api:
         yield api
+
+
+@pytest.fixture(scope="module")
+def bridge(
+    settings: Settings, log_dir: Path, system_workers: list[CeleryProcess]
+) -> Iterator[CeleryProcess]:
+    """A bridge that waits 30 s for an agent's first event, not the tests' 5: a payload of
+    300,000 elements is converted in pure Python on both sides (ParseDict), which took past
+    5 s three times running on a loaded 2-core machine (CI, 2026-12-08: ``agent_timeout``)."""
+    process = remote.start_bridge(
+        settings, log_dir / "bridge-a2a-bounds.log", REACH_REMOTE_FIRST_BYTE_TIMEOUT_S="30"
+    )
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="module")
